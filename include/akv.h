@@ -1,0 +1,568 @@
+/*
+ * akv.h - the public C API of libactivekv.
+ *
+ * ActiveKV keeps the K/V history of LLM decode contexts in pinned host memory
+ * and stages it onto the device one dense layer at a time, just in time for the
+ * caller's attention kernel, then writes the step's new rows back.
+ *
+ * Conventions (stated once, repeated per function where they differ):
+ *  - Every fallible call returns an akv_status; outputs go through pointers and
+ *    are left untouched when the call fails.
+ *  - A failing call changes nothing, except where it says it marks the
+ *    transport failed (AKV_ERR_BACKEND): from then on the engine accepts only
+ *    diagnostics, akv_engine_quarantine and akv_engine_destroy.
+ *  - Thread safety: an engine and everything made from it (contexts, leases)
+ *    are NOT thread-safe; use them from one thread at a time. Functions that
+ *    take no engine (akv_status_string, akv_version_*, akv_fit) are safe from
+ *    any thread.
+ *  - Streams: enqueueing calls return when their work has been enqueued, not
+ *    when it has run. The engine owns two copy queues (host->device and
+ *    device->host) and one materialisation queue (device->device). The compute
+ *    stream is always the caller's. Ordering between queues is on the device,
+ *    through events. Only akv_lease_retire, akv_engine_quarantine and
+ *    akv_stream_synchronize block the calling thread.
+ *  - ABI: within one major version (AKV_VERSION_MAJOR), functions are only
+ *    added, enum values only appended, and config structs only grow at their
+ *    end; each config carries its size and version so an older caller keeps
+ *    working against a newer library.
+ */
+#ifndef AKV_H
+#define AKV_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define AKV_API
+#elif defined(AKV_BUILDING_LIBRARY)
+#define AKV_API __attribute__((visibility("default")))
+#else
+#define AKV_API
+#endif
+
+#define AKV_VERSION_MAJOR 0
+#define AKV_VERSION_MINOR 1
+#define AKV_VERSION_PATCH 0
+#define AKV_VERSION_NUMBER \
+  (AKV_VERSION_MAJOR * 10000 + AKV_VERSION_MINOR * 100 + AKV_VERSION_PATCH)
+
+/** Version of the library actually loaded (compare with AKV_VERSION_NUMBER). */
+AKV_API unsigned akv_version_number(void);
+/** "MAJOR.MINOR.PATCH" of the loaded library; static storage. */
+AKV_API const char *akv_version_string(void);
+
+/* ------------------------------------------------------------------------ */
+/* Status codes                                                              */
+/* ------------------------------------------------------------------------ */
+
+typedef enum akv_status {
+  AKV_OK = 0,
+  /** A required pointer was NULL or a numeric argument was out of range. */
+  AKV_ERR_INVALID_ARGUMENT = 1,
+  /** A handle failed its magic check: NULL, freed, or not a handle of this type. */
+  AKV_ERR_BAD_HANDLE = 2,
+  /** Config struct with a wrong size/version, or inconsistent geometry. */
+  AKV_ERR_CONFIG = 3,
+  /** refuse mode: the configured concurrency does not fit the host pool. */
+  AKV_ERR_NO_FIT = 4,
+  /** shrink mode: every host slot is taken; queue the request and retry later. */
+  AKV_ERR_REFUSED_QUEUE = 5,
+  /** The device page pool cannot admit the context's target (see explain). */
+  AKV_ERR_ADMISSION_REFUSED = 6,
+  /** A host or device allocation failed at create time. */
+  AKV_ERR_OUT_OF_MEMORY = 7,
+  /** A context has no room left (max_tokens reached). */
+  AKV_ERR_CAPACITY = 8,
+  /** Step misuse: begin inside a step, end with unretired leases, ... */
+  AKV_ERR_STEP_STATE = 9,
+  /** Lease begin while the previous lease is neither sealed nor retired. */
+  AKV_ERR_LEASE_ORDER = 10,
+  /** The lease is not in a state that allows this call. */
+  AKV_ERR_LEASE_STATE = 11,
+  /** Write-back named a host owner the lease did not begin with. */
+  AKV_ERR_OWNER_MISMATCH = 12,
+  /** Seal was given a fence other than the one the engine recorded. */
+  AKV_ERR_FENCE_MISMATCH = 13,
+  /** A backend operation failed; the transport is now marked failed. */
+  AKV_ERR_BACKEND = 14,
+  /** The transport failed earlier; only diagnostics, quarantine, destroy. */
+  AKV_ERR_QUARANTINED = 15,
+  /** Destroy/close with live work; nothing was freed. */
+  AKV_ERR_BUSY = 16,
+  /** Quarantine could not establish completion; everything stays retained. */
+  AKV_ERR_UNCERTAIN_FENCE = 17,
+  /** The feature or backend is not available in this build or on this machine. */
+  AKV_ERR_NOT_SUPPORTED = 18,
+  /** The object is in use by the current step (close a context mid-step, ...). */
+  AKV_ERR_IN_USE = 19,
+  AKV_STATUS_COUNT_ = 20
+} akv_status;
+
+/** A short English description of a status; never NULL, static storage. */
+AKV_API const char *akv_status_string(akv_status status);
+
+/* ------------------------------------------------------------------------ */
+/* Handles                                                                   */
+/* ------------------------------------------------------------------------ */
+
+typedef struct akv_engine akv_engine;   /**< one engine: pools, queues, admission */
+typedef struct akv_context akv_context; /**< one request's history */
+typedef struct akv_lease akv_lease;     /**< one staged layer, begin..retire */
+/**
+ * A queue of the engine's backend, as the caller's compute stream.
+ * CUDA backend: a cudaStream_t cast to akv_stream (see akv_cuda.h).
+ * Host backend: a worker-thread queue from akv_stream_create.
+ */
+typedef struct akv_stream_opaque *akv_stream;
+
+/**
+ * A fence: names one event the engine recorded (attention consumed, tail
+ * write-back). A value, unique per recording for the engine's lifetime; the
+ * engine compares serials, so a fence from another lease or step never matches.
+ */
+typedef struct akv_fence {
+  uint64_t serial;
+} akv_fence;
+
+/* ------------------------------------------------------------------------ */
+/* Configuration                                                             */
+/* ------------------------------------------------------------------------ */
+
+typedef enum akv_backend_kind {
+  AKV_BACKEND_AUTO = 0, /**< CUDA when built in and a device is present, else host */
+  AKV_BACKEND_HOST = 1, /**< worker threads as queues; device memory is host memory */
+  AKV_BACKEND_CUDA = 2
+} akv_backend_kind;
+
+typedef enum akv_dtype { AKV_DTYPE_BF16 = 0, AKV_DTYPE_F16 = 1, AKV_DTYPE_F32 = 2 } akv_dtype;
+
+typedef enum akv_fit_mode {
+  AKV_FIT_REFUSE = 0, /**< creation fails when max_contexts does not fit */
+  AKV_FIT_SHRINK = 1  /**< concurrency is lowered to what fits */
+} akv_fit_mode;
+
+typedef enum akv_route {
+  AKV_ROUTE_STAGE = 0, /**< every row crosses PCIe each step */
+  AKV_ROUTE_ARENA = 1  /**< retained full pages copied device->device, the rest staged */
+} akv_route;
+
+typedef enum akv_log_level {
+  AKV_LOG_ERROR = 0,
+  AKV_LOG_WARN = 1,
+  AKV_LOG_INFO = 2,
+  AKV_LOG_DEBUG = 3
+} akv_log_level;
+
+/** Log sink. `message` is one line without newline, valid during the call. */
+typedef void (*akv_log_fn)(void *user, akv_log_level level, const char *message);
+
+/** Backend operation kinds, for fault injection and counters. */
+typedef enum akv_op_kind {
+  AKV_OP_ALLOC = 0,     /**< host/device allocation, queue and event creation */
+  AKV_OP_COPY = 1,      /**< one copy or one batch of copies submitted */
+  AKV_OP_RECORD = 2,    /**< event record */
+  AKV_OP_WAIT = 3,      /**< queue waits on event */
+  AKV_OP_QUERY = 4,     /**< event query */
+  AKV_OP_SYNC = 5,      /**< event/queue/device synchronise */
+  AKV_OP_HOSTFN = 6,    /**< host function enqueued on a queue */
+  AKV_OP_KIND_COUNT = 7
+} akv_op_kind;
+
+#define AKV_CONFIG_VERSION 1u
+
+typedef struct akv_engine_config {
+  uint32_t struct_size; /**< sizeof(akv_engine_config) */
+  uint32_t version;     /**< AKV_CONFIG_VERSION */
+
+  akv_backend_kind backend;
+  int device_ordinal; /**< CUDA device; ignored by the host backend */
+
+  /* Geometry of the dense layers. row_bytes = kv_heads * head_dim * dtype size. */
+  uint32_t n_dense_layers;
+  uint32_t kv_heads;
+  uint32_t head_dim;
+  akv_dtype dtype;
+  uint32_t max_tokens;  /**< per context, including the tokens decode adds */
+  uint32_t page_tokens; /**< tokens per device page; must divide nothing, > 0 */
+
+  /* Memory, explicit whole GiB, never sized from free memory. */
+  uint32_t host_pool_gib;   /**< pinned host pool */
+  uint32_t device_pool_gib; /**< device page pool; 0 = pure staging */
+  uint32_t max_contexts;    /**< requested concurrency */
+  akv_fit_mode fit_mode;
+  akv_route route;
+
+  /* Logging (default: stderr, level INFO). */
+  akv_log_fn log_fn;
+  void *log_user;
+  akv_log_level log_level;
+
+  /* Testing aids; leave zero in production. */
+  uint64_t host_delay_seed;     /**< host backend: seed of injected per-op delays; 0 = none */
+  uint32_t host_delay_max_us;   /**< host backend: upper bound of one injected delay */
+  uint32_t fault_fail_nth;      /**< fail the N-th (1-based) counted backend op; 0 = never */
+  int32_t fault_kind;           /**< count only ops of this akv_op_kind; -1 = all kinds */
+} akv_engine_config;
+
+#define AKV_ENGINE_CONFIG_INIT                                                  \
+  {                                                                            \
+    sizeof(akv_engine_config), AKV_CONFIG_VERSION, AKV_BACKEND_AUTO, 0, 0, 0, 0, \
+        AKV_DTYPE_BF16, 0, 256, 0, 0, 1, AKV_FIT_REFUSE, AKV_ROUTE_STAGE, NULL,  \
+        NULL, AKV_LOG_INFO, 0, 0, 0, -1                                          \
+  }
+
+/** Sets *config to AKV_ENGINE_CONFIG_INIT. Returns AKV_ERR_INVALID_ARGUMENT on NULL. */
+AKV_API akv_status akv_engine_config_init(akv_engine_config *config);
+
+/* ------------------------------------------------------------------------ */
+/* Host fit (DESIGN §3), available without an engine                         */
+/* ------------------------------------------------------------------------ */
+
+typedef struct akv_fit_report {
+  uint64_t row_bytes;      /**< kv_heads * head_dim * dtype size */
+  uint64_t history_bytes;  /**< n_dense_layers * max_tokens * row_bytes * 2 */
+  uint64_t host_pool_bytes;
+  uint64_t fits;           /**< floor(host_pool_bytes / history_bytes) */
+  uint32_t effective_concurrency; /**< min(max_contexts, fits) */
+  uint32_t ok;             /**< 1 when max_contexts fits */
+  uint32_t host_pool_gib_needed;  /**< smallest host_pool_gib that fits max_contexts */
+  uint64_t page_bytes;     /**< page_tokens * n_dense_layers * row_bytes * 2 */
+  uint64_t device_pages;   /**< floor(device_pool_bytes / page_bytes) */
+  char line[512];          /**< the formula with every term, as logged */
+} akv_fit_report;
+
+/**
+ * Host-fit arithmetic of DESIGN §3 for a config, without creating anything.
+ * Thread-safe. Returns AKV_OK (see report->ok for the verdict),
+ * AKV_ERR_INVALID_ARGUMENT (NULL) or AKV_ERR_CONFIG (bad geometry/overflow).
+ */
+AKV_API akv_status akv_fit(const akv_engine_config *config, akv_fit_report *report);
+
+/* ------------------------------------------------------------------------ */
+/* Engine                                                                    */
+/* ------------------------------------------------------------------------ */
+
+/**
+ * Creates an engine: allocates the pinned host pool, the device page pool, the
+ * staging buffers, the engine's queues and every event it will use. Nothing is
+ * allocated after this call. Logs the host-fit line.
+ * Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT, AKV_ERR_CONFIG, AKV_ERR_NO_FIT
+ * (refuse mode; the message names the setting to change), AKV_ERR_OUT_OF_MEMORY,
+ * AKV_ERR_NOT_SUPPORTED (CUDA requested but unavailable), AKV_ERR_BACKEND.
+ * Diagnostics of a failed create are passed to the log callback.
+ */
+AKV_API akv_status akv_engine_create(const akv_engine_config *config, akv_engine **out);
+
+/**
+ * Frees the engine and every context still open. Never waits, submits or
+ * drains: with an open step, an unretired lease, or resources retained by an
+ * uncertain quarantine, returns AKV_ERR_BUSY and frees nothing.
+ * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_BUSY.
+ */
+AKV_API akv_status akv_engine_destroy(akv_engine *engine);
+
+/** Last error of this engine in words; never NULL; valid until the next call. */
+AKV_API const char *akv_engine_last_error(const akv_engine *engine);
+
+typedef struct akv_engine_info {
+  akv_backend_kind backend; /**< the backend actually in use */
+  akv_route route;
+  uint32_t effective_concurrency;
+  uint64_t row_bytes;
+  uint64_t history_bytes;
+  uint64_t page_bytes;
+  uint32_t device_pages;
+  uint64_t staging_bytes;   /**< both staging buffers together */
+  uint64_t device_bytes_allocated; /**< everything the engine allocated on the device */
+  uint64_t device_peak_bytes;      /**< process peak as the device reports it (0 if unknown) */
+  uint64_t bytes_h2d, bytes_d2h, bytes_d2d; /**< bytes submitted so far */
+  uint64_t copies_h2d, copies_d2h, copies_d2d; /**< copy calls (a batch counts once) */
+  uint64_t steps, leases_retired;
+  uint64_t backend_ops[AKV_OP_KIND_COUNT]; /**< fallible backend ops issued, per kind */
+  int transport_failed; /**< 1 after any failed backend op */
+  int quarantined;      /**< 1 after akv_engine_quarantine established completion */
+} akv_engine_info;
+
+/** Diagnostics; allowed at any time, also after a transport failure. */
+AKV_API akv_status akv_engine_info_get(const akv_engine *engine, akv_engine_info *out);
+
+typedef struct akv_quarantine_report {
+  int h2d_ok, d2h_ok, d2d_ok, device_ok; /**< 1 where completion was established */
+  uint32_t leases_released;
+  uint32_t tickets_released;
+  uint32_t retained_leases; /**< left retained on an uncertain fence */
+  char uncertain[128];      /**< which fence was uncertain, in words ("" if none) */
+} akv_quarantine_report;
+
+/**
+ * Synchronises the H2D queue, the D2H queue, the materialisation queue, then
+ * the device. Only when all four establish completion are leases, tickets and
+ * host page leases released; otherwise everything stays retained and the
+ * report names the uncertain fence. Blocks. Allowed in any state; afterwards
+ * the engine accepts only diagnostics and destroy.
+ * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_UNCERTAIN_FENCE.
+ */
+AKV_API akv_status akv_engine_quarantine(akv_engine *engine, akv_quarantine_report *report);
+
+/* ------------------------------------------------------------------------ */
+/* Compute streams                                                           */
+/* ------------------------------------------------------------------------ */
+
+/**
+ * Creates a compute queue of the engine's backend for callers that have none:
+ * a worker thread on the host backend, a non-blocking stream on CUDA. The
+ * caller owns it and must destroy it before the engine.
+ */
+AKV_API akv_status akv_stream_create(akv_engine *engine, akv_stream *out);
+AKV_API akv_status akv_stream_destroy(akv_engine *engine, akv_stream stream);
+/** Blocks until everything enqueued on `stream` ran. */
+AKV_API akv_status akv_stream_synchronize(akv_engine *engine, akv_stream stream);
+/**
+ * Enqueues fn(arg) on `stream`: it runs on the queue's thread (host backend)
+ * or a runtime thread (cudaLaunchHostFunc) after all earlier work of the stream.
+ * This is how a CPU attention hook runs on the host backend.
+ */
+AKV_API akv_status akv_stream_launch_host(akv_engine *engine, akv_stream stream,
+                                          void (*fn)(void *arg), void *arg);
+
+/* ------------------------------------------------------------------------ */
+/* Contexts                                                                  */
+/* ------------------------------------------------------------------------ */
+
+#define AKV_TARGET_FAIR_SHARE UINT32_MAX
+
+typedef struct akv_context_config {
+  uint32_t struct_size; /**< sizeof(akv_context_config) */
+  uint32_t version;     /**< AKV_CONFIG_VERSION */
+  uint32_t target_pages; /**< device pages by right; AKV_TARGET_FAIR_SHARE = pool / concurrency */
+  uint32_t burst_pages;  /**< pages it may borrow while free */
+} akv_context_config;
+
+#define AKV_CONTEXT_CONFIG_INIT \
+  { sizeof(akv_context_config), AKV_CONFIG_VERSION, AKV_TARGET_FAIR_SHARE, 0 }
+
+/**
+ * Opens a context: takes a host slot and admits its device target.
+ * Not allowed inside a step (AKV_ERR_STEP_STATE). `config` may be NULL for
+ * defaults. Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT,
+ * AKV_ERR_CONFIG, AKV_ERR_REFUSED_QUEUE (no host slot: queue it),
+ * AKV_ERR_ADMISSION_REFUSED (device targets do not fit), AKV_ERR_STEP_STATE,
+ * AKV_ERR_QUARANTINED.
+ */
+AKV_API akv_status akv_context_open(akv_engine *engine, const akv_context_config *config,
+                                    akv_context **out);
+
+/**
+ * Closes a context and releases its host slot and device pages. The slot's
+ * generation moves only when no ticket holds it. Returns AKV_OK,
+ * AKV_ERR_BAD_HANDLE, AKV_ERR_IN_USE (part of the open step),
+ * AKV_ERR_QUARANTINED.
+ */
+AKV_API akv_status akv_context_close(akv_context *context);
+
+/**
+ * Appends `n_tokens` prefilled rows to every dense layer (synchronous host
+ * copy into the pinned pool). k_rows[l] and v_rows[l] point to n_tokens rows of
+ * layer l (token-major, row_bytes each). Not allowed while the context is part
+ * of an open step. Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT,
+ * AKV_ERR_CAPACITY (nothing appended), AKV_ERR_IN_USE, AKV_ERR_QUARANTINED.
+ */
+AKV_API akv_status akv_context_append(akv_context *context, uint32_t n_tokens,
+                                      const void *const *k_rows, const void *const *v_rows);
+
+/**
+ * Copies rows [first, first+n) of one layer out of the authoritative host pool.
+ * Allowed while no lease of an open step can write them (outside a step, or
+ * for a context not in the step). Also allowed after a transport failure.
+ * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT, AKV_ERR_IN_USE.
+ */
+AKV_API akv_status akv_context_read(const akv_context *context, uint32_t layer, uint32_t first,
+                                    uint32_t n, void *k_out, void *v_out);
+
+/** Rows held per layer (diagnostic; also after a transport failure). */
+AKV_API akv_status akv_context_length(const akv_context *context, uint32_t *out);
+
+/* ------------------------------------------------------------------------ */
+/* Steps                                                                     */
+/* ------------------------------------------------------------------------ */
+
+/**
+ * Opens a decode step over `n` contexts: the step boundary. Residency changes
+ * here and nowhere else (admission, page fills enqueued on the H2D queue behind
+ * the fences of the pages' last readers). Every context gains exactly one row
+ * per dense layer in this step. Returns AKV_OK, AKV_ERR_BAD_HANDLE,
+ * AKV_ERR_INVALID_ARGUMENT (n == 0, n > concurrency, duplicates),
+ * AKV_ERR_STEP_STATE (a step is open), AKV_ERR_CAPACITY (a context is full),
+ * AKV_ERR_BACKEND, AKV_ERR_QUARANTINED.
+ */
+AKV_API akv_status akv_step_begin(akv_engine *engine, akv_context *const *contexts, uint32_t n);
+
+/**
+ * Closes the step: requires every dense layer's lease retired; each context's
+ * length grows by one. Returns AKV_OK, AKV_ERR_BAD_HANDLE,
+ * AKV_ERR_STEP_STATE, AKV_ERR_QUARANTINED.
+ */
+AKV_API akv_status akv_step_end(akv_engine *engine);
+
+/* ------------------------------------------------------------------------ */
+/* Leases (DESIGN §5)                                                        */
+/* ------------------------------------------------------------------------ */
+
+/**
+ * What the attention kernel sees of one staged layer. For context i of the
+ * step, its K rows start at base + i*context_stride and its V rows at
+ * base + i*context_stride + v_offset, token-major, row_bytes apart. Rows
+ * [0, len[i]) are the staged history; the caller writes the step's new row at
+ * index len[i] before attending over len[i]+1 rows. Pointers are device
+ * pointers (host memory on the host backend). Valid until the lease retires.
+ */
+typedef struct akv_view {
+  uint64_t step;
+  uint32_t layer;
+  uint32_t n_contexts;
+  uint32_t kv_heads;
+  uint32_t head_dim;
+  akv_dtype dtype;
+  uint64_t row_bytes;
+  void *base;
+  uint64_t context_stride;
+  uint64_t v_offset;
+  const uint32_t *len;            /**< [n_contexts], host array */
+  akv_context *const *contexts;   /**< [n_contexts], in step order */
+} akv_view;
+
+/**
+ * Attention hook: enqueue the attention kernel (and the write of each new row
+ * at index len[i]) on `stream`; do not block. Return 0 on success; nonzero
+ * makes akv_lease_attend return AKV_ERR_BACKEND and marks the transport failed.
+ */
+typedef int (*akv_attention_fn)(void *user, const akv_view *view, akv_stream stream);
+
+/**
+ * Begins the lease of dense layer `layer` of the open step. Allowed only when
+ * the previous lease of the step is sealed or retired. Lists the previous
+ * stage's readers (attention and tail fences) among its prior readers; its
+ * copy queues wait on every prior reader of its staging buffer before any copy
+ * into it. Enqueues on the H2D queue (history rows not retained on device) and
+ * the materialisation queue (retained pages, arena route); records the
+ * history-ready events. Layers must be leased in order 0..n_dense_layers-1.
+ * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (layer out of
+ * range or out of order), AKV_ERR_STEP_STATE (no open step),
+ * AKV_ERR_LEASE_ORDER, AKV_ERR_BACKEND, AKV_ERR_QUARANTINED.
+ */
+AKV_API akv_status akv_lease_begin(akv_engine *engine, uint32_t layer, akv_lease **out);
+
+/**
+ * Two-call form, part 1: makes `stream` wait (on the device) for the staged
+ * history and fills *view. Returns AKV_OK, AKV_ERR_BAD_HANDLE,
+ * AKV_ERR_INVALID_ARGUMENT, AKV_ERR_LEASE_STATE (not just begun),
+ * AKV_ERR_BACKEND, AKV_ERR_QUARANTINED.
+ */
+AKV_API akv_status akv_lease_wait_ready(akv_lease *lease, akv_stream stream, akv_view *view);
+
+/**
+ * Two-call form, part 2: records the attention-consumed event on `stream`
+ * (the same stream given to wait_ready) and returns its fence.
+ * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT,
+ * AKV_ERR_LEASE_STATE, AKV_ERR_BACKEND, AKV_ERR_QUARANTINED.
+ */
+AKV_API akv_status akv_lease_mark_consumed(akv_lease *lease, akv_stream stream,
+                                           akv_fence *attention);
+
+/** Hook form: wait_ready, hook(user, view, stream), mark_consumed. Same statuses. */
+AKV_API akv_status akv_lease_attend(akv_lease *lease, akv_stream stream, akv_attention_fn hook,
+                                    void *user, akv_fence *attention);
+
+/**
+ * Enqueues on the D2H queue, behind the attention-consumed event, the copy of
+ * each owner's new row (index len[i], K and V) to its authoritative host rows,
+ * and records the tail event. `owners` lists contexts of this lease (NULL with
+ * n_owners == 0 means all of them); each owner at most once per lease.
+ * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT,
+ * AKV_ERR_LEASE_STATE (attention not consumed, or owner already written),
+ * AKV_ERR_OWNER_MISMATCH (an owner the lease did not begin with; nothing
+ * enqueued), AKV_ERR_BACKEND, AKV_ERR_QUARANTINED.
+ */
+AKV_API akv_status akv_lease_write_back(akv_lease *lease, akv_context *const *owners,
+                                        uint32_t n_owners, akv_fence *tail);
+
+/**
+ * Seals the lease with its current tail fence and its attention fence. Every
+ * owner must have been written back. Returns AKV_OK, AKV_ERR_BAD_HANDLE,
+ * AKV_ERR_LEASE_STATE, AKV_ERR_FENCE_MISMATCH (a substituted or stale fence),
+ * AKV_ERR_QUARANTINED.
+ */
+AKV_API akv_status akv_lease_seal(akv_lease *lease, akv_fence tail, akv_fence attention);
+
+typedef struct akv_receipt {
+  uint64_t step;
+  uint32_t layer;
+  uint32_t tickets;        /**< copy tickets proven complete */
+  uint32_t readers;        /**< consumer events proven complete */
+  uint64_t bytes_h2d, bytes_d2d, bytes_d2h;
+  akv_fence attention, tail;
+} akv_receipt;
+
+/**
+ * Retires a sealed lease: waits (blocking, error-returning) on every consumer
+ * event and every copy ticket, fills *receipt, and only then releases the
+ * tickets, their host page leases and the layer. The lease handle is invalid
+ * afterwards. Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_LEASE_STATE,
+ * AKV_ERR_BACKEND (a wait failed: nothing released, transport failed),
+ * AKV_ERR_QUARANTINED.
+ */
+AKV_API akv_status akv_lease_retire(akv_lease *lease, akv_receipt *receipt);
+
+/* ------------------------------------------------------------------------ */
+/* Admission diagnostics (DESIGN §4)                                         */
+/* ------------------------------------------------------------------------ */
+
+typedef enum akv_adm_rule {
+  AKV_ADM_OWN_REUSE = 0,        /**< fill 1: own page that left the window */
+  AKV_ADM_FREE = 1,             /**< fill 2: free page */
+  AKV_ADM_RECLAIM_BORROWED = 2, /**< fill 3 / reclaim 1 */
+  AKV_ADM_RECLAIM_ABOVE_TARGET = 3, /**< fill 3 / reclaim 2 */
+  AKV_ADM_RECLAIM_IDLE = 4,     /**< fill 3 / reclaim 3 */
+  AKV_ADM_SHRINK = 5,           /**< fill 4: window shrinks from its oldest page */
+  AKV_ADM_REFUSE = 6,           /**< admission refused */
+  AKV_ADM_ADMIT = 7,
+  AKV_ADM_RELEASE = 8,
+  AKV_ADM_RULE_COUNT = 9
+} akv_adm_rule;
+
+typedef struct akv_adm_decision {
+  uint64_t step;
+  uint32_t context; /**< context id (akv_context_id) */
+  akv_adm_rule rule;
+  uint32_t victim;  /**< context id of the victim, UINT32_MAX if none */
+  uint32_t pages;
+} akv_adm_decision;
+
+AKV_API const char *akv_adm_rule_string(akv_adm_rule rule);
+/** A context's id, stable for its lifetime, as used in admission decisions. */
+AKV_API akv_status akv_context_id(const akv_context *context, uint32_t *out);
+/** Per-rule counters since create: out[AKV_ADM_RULE_COUNT]. */
+AKV_API akv_status akv_admission_counters(const akv_engine *engine, uint64_t *out, size_t n);
+/**
+ * Copies up to `cap` of the newest decisions (oldest first) into out and
+ * their number into *n_out. The log is bounded; older entries are dropped.
+ */
+AKV_API akv_status akv_admission_log(const akv_engine *engine, akv_adm_decision *out,
+                                     size_t cap, size_t *n_out);
+/**
+ * Writes one readable paragraph explaining the context's admission: target,
+ * burst, pages held, and why it waited or was refused. NUL-terminated,
+ * truncated to `cap`. Pass context NULL to explain the last refused open.
+ */
+AKV_API akv_status akv_admission_explain(const akv_engine *engine, const akv_context *context,
+                                         char *buf, size_t cap);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* AKV_H */

@@ -1,0 +1,163 @@
+/*
+ * akv_attention.h - reference GQA decode attention (DESIGN §8), C API.
+ *
+ * One query token per context attends over that context's K/V history. The
+ * same chunked algorithm runs on the CPU (this header, usable without CUDA)
+ * and on the GPU (akv_cuda.h), so that a CPU engine, a test, or the bundled
+ * CLI can check one against the other.
+ *
+ * Layouts (bf16 everywhere except the output):
+ *  - q:   [n_contexts][n_heads][head_dim] bf16, dense.
+ *  - K/V: token-major rows. Row t of context i holds [kv_heads][head_dim]
+ *         bf16 for K at k_base + i*context_stride + t*row_bytes and for V at
+ *         v_base + i*context_stride + t*row_bytes. This is akv_view: pass
+ *         k_base = view.base and v_base = view.base + view.v_offset.
+ *  - out: [n_contexts][n_heads][head_dim] fp32, dense.
+ * Query head h reads KV head h / (n_heads / kv_heads) (grouped-query attention).
+ *
+ * Algorithm (fixed; both implementations follow it):
+ *  1. The history of each context is cut into chunks of chunk_tokens rows
+ *     (the caller passes its page size). For each (context, query head, chunk)
+ *     a partial is computed in fp32: scores s_t = (q . k_t) * scale * log2(e),
+ *     m = max_t s_t, l = sum_t 2^(s_t - m), acc = sum_t 2^(s_t - m) * v_t.
+ *  2. The partials of a context are combined in a fixed order:
+ *     M = max_c m_c, w_c = 2^(m_c - M), out = (sum_c w_c acc_c) / (sum_c w_c l_c).
+ *  Reductions have a fixed order and use no atomics: identical inputs give
+ *  identical bits on every run. A context of length 0 gets an output of zeros.
+ *
+ * Equality guarantees:
+ *  - The paged variant with page_tokens == chunk_tokens over the same rows
+ *    gives the SAME BITS as the contiguous variant, on the CPU and on the GPU
+ *    (chunk boundaries fall on page boundaries, and each chunk is computed by
+ *    the same code).
+ *  - CPU and GPU results are not bit-identical (exp2 implementations, FMA
+ *    contraction, reduction trees); they agree to a relative L2 error below
+ *    1e-5 (tests/gpu/test_gpu_attention.cu states and checks the bound).
+ *
+ * Workspace: the per-chunk partials live in a caller-owned workspace sized by
+ * akv_attention_workspace_bytes (host memory for the reference, device memory
+ * for CUDA). The functions here never allocate.
+ *
+ * Thread safety: every function is reentrant; concurrent calls are safe as
+ * long as they do not share an output or a workspace.
+ *
+ * ABI: the argument structs below follow the library's promise (akv.h): within
+ * one major version their fields are never reordered or removed.
+ */
+#ifndef AKV_ATTENTION_H
+#define AKV_ATTENTION_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "akv.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/** Largest head_dim the reference accepts (the CUDA kernels take 64, 128, 256). */
+#define AKV_ATTENTION_MAX_HEAD_DIM 256u
+
+/**
+ * Contiguous decode attention over n_contexts histories (see the layout above).
+ * Plain arguments, owning nothing; every pointer is borrowed for the call
+ * (CPU) or until the enqueued work has run (CUDA).
+ */
+typedef struct akv_attention_args {
+  akv_dtype dtype;        /**< must be AKV_DTYPE_BF16 */
+  uint32_t n_contexts;    /**< >= 1 */
+  uint32_t n_heads;       /**< query heads, a multiple of kv_heads */
+  uint32_t kv_heads;      /**< >= 1 */
+  uint32_t head_dim;      /**< 1..AKV_ATTENTION_MAX_HEAD_DIM (CUDA: 64, 128 or 256) */
+  uint32_t chunk_tokens;  /**< rows per chunk, >= 1: pass the page size */
+  float scale;            /**< softmax scale, usually 1/sqrt(head_dim) */
+  const void *q;          /**< [n_contexts][n_heads][head_dim] bf16 */
+  const void *k_base;     /**< K row 0 of context 0 */
+  const void *v_base;     /**< V row 0 of context 0 */
+  uint64_t context_stride; /**< bytes from one context's rows to the next's */
+  uint64_t row_bytes;     /**< bytes between rows; >= kv_heads*head_dim*2 */
+  const uint32_t *len;    /**< [n_contexts] rows to attend, HOST array (both variants) */
+  float *out;             /**< [n_contexts][n_heads][head_dim] fp32 */
+  void *workspace;        /**< partials; >= akv_attention_workspace_bytes(...) bytes */
+  size_t workspace_bytes; /**< size of workspace */
+} akv_attention_args;
+
+/**
+ * A paged history in the FlashInfer manner: a plain struct passed by value,
+ * owning nothing. For context i (0 <= i < batch) its pages are
+ * indices[indptr[i] .. indptr[i+1]); all of them hold page_tokens rows except
+ * the last, which holds last_page_len[i] rows. Row t of physical page p has
+ * its K at k_pages + p*page_stride + t*row_bytes and its V at
+ * v_pages + p*page_stride + t*row_bytes, laid out [kv_heads][head_dim] bf16.
+ * Context i attends over (pages - 1)*page_tokens + last_page_len[i] rows
+ * (0 rows when it has no page).
+ *
+ * Memory: for the reference every pointer is a host pointer; for CUDA every
+ * pointer (arrays included) must be readable by the device (device memory or
+ * mapped pinned memory).
+ */
+typedef struct akv_page_table {
+  uint32_t batch;               /**< contexts, >= 1 */
+  uint32_t page_tokens;         /**< rows per page, >= 1; the chunk size */
+  uint32_t max_pages;           /**< bound on indptr[i+1]-indptr[i]: sizes grid and workspace */
+  const uint32_t *indptr;       /**< [batch + 1], non-decreasing, indptr[0] = 0 */
+  const uint32_t *indices;      /**< [indptr[batch]] physical page ids */
+  const uint32_t *last_page_len; /**< [batch], in 1..page_tokens where the context has pages */
+  const void *k_pages;          /**< K of physical page 0 */
+  const void *v_pages;          /**< V of physical page 0 */
+  uint64_t page_stride;         /**< bytes between consecutive physical pages */
+  uint64_t row_bytes;           /**< bytes between rows of a page; >= kv_heads*head_dim*2 */
+} akv_page_table;
+
+/** What the paged variant needs besides its page table. */
+typedef struct akv_attention_paged_args {
+  akv_dtype dtype;        /**< must be AKV_DTYPE_BF16 */
+  uint32_t n_heads;       /**< query heads, a multiple of kv_heads */
+  uint32_t kv_heads;      /**< >= 1 */
+  uint32_t head_dim;      /**< as for akv_attention_args */
+  float scale;            /**< softmax scale */
+  const void *q;          /**< [batch][n_heads][head_dim] bf16 */
+  float *out;             /**< [batch][n_heads][head_dim] fp32 */
+  void *workspace;        /**< partials; >= akv_attention_workspace_bytes(batch, n_heads,
+                               head_dim, max_pages*page_tokens, page_tokens) bytes */
+  size_t workspace_bytes; /**< size of workspace */
+} akv_attention_paged_args;
+
+/**
+ * Bytes of workspace one call needs: the per-chunk partials of n_contexts
+ * contexts whose longest history has max_tokens rows, cut into chunks of
+ * chunk_tokens. The same figure serves the reference and CUDA, contiguous and
+ * paged (paged: max_tokens = max_pages * page_tokens). Thread-safe, pure.
+ * Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT (NULL out, a zero count, head_dim
+ * above AKV_ATTENTION_MAX_HEAD_DIM, or a size that overflows size_t).
+ */
+AKV_API akv_status akv_attention_workspace_bytes(uint32_t n_contexts, uint32_t n_heads,
+                                                 uint32_t head_dim, uint32_t max_tokens,
+                                                 uint32_t chunk_tokens, size_t *out);
+
+/**
+ * Contiguous decode attention on the CPU (host pointers; the reference). Runs
+ * synchronously on the calling thread; writes args->out and args->workspace
+ * and nothing else; reads everything else. On failure args->out is untouched.
+ * Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT (NULL pointer, bad geometry, chunk
+ * of 0, row_bytes too small, workspace too small), AKV_ERR_NOT_SUPPORTED
+ * (dtype other than bf16).
+ */
+AKV_API akv_status akv_attention_ref_bf16(const akv_attention_args *args);
+
+/**
+ * Paged decode attention on the CPU. Same contract as akv_attention_ref_bf16;
+ * additionally checks the page table: AKV_ERR_INVALID_ARGUMENT when indptr is
+ * not non-decreasing from 0, a context has more than max_pages pages, or a
+ * last_page_len is outside 1..page_tokens. Page ids are not range-checked
+ * (the table does not know the pool's size).
+ */
+AKV_API akv_status akv_attention_paged_ref_bf16(const akv_attention_paged_args *args,
+                                                akv_page_table table);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* AKV_ATTENTION_H */

@@ -1,0 +1,81 @@
+/*
+ * akv_cuda.h - CUDA-typed entry points of libactivekv.
+ *
+ * Include this instead of (or after) akv.h in code that already uses the CUDA
+ * runtime. It adds:
+ *  - conversions between cudaStream_t and akv_stream (the engine's compute
+ *    stream type on the CUDA backend is the caller's cudaStream_t);
+ *  - the CUDA launchers of the reference decode attention (akv_attention.h
+ *    describes the layouts, the algorithm and the equality guarantees).
+ *
+ * Streams: the launchers only enqueue. They return when both kernels (chunk
+ * partials, then the combine) are enqueued on the caller's `stream`, never
+ * wait on the host and never enqueue anything anywhere else. They allocate
+ * nothing: the partials go to the caller's workspace.
+ * Device: the current device of the calling thread; every pointer must be
+ * valid on it.
+ * Thread safety: reentrant; concurrent launches must not share an output or a
+ * workspace unless ordered on one stream.
+ */
+#ifndef AKV_CUDA_H
+#define AKV_CUDA_H
+
+#include <cuda_runtime.h>
+
+#include "akv.h"
+#include "akv_attention.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/** The cudaStream_t as the engine's compute stream (no ownership change). */
+static inline akv_stream akv_stream_from_cuda(cudaStream_t stream) {
+  return (akv_stream)stream;
+}
+
+/** The akv_stream of a CUDA engine as a cudaStream_t (no ownership change). */
+static inline cudaStream_t akv_stream_to_cuda(akv_stream stream) {
+  return (cudaStream_t)stream;
+}
+
+/**
+ * Enqueues contiguous decode attention on `stream` (akv_attention.h has the
+ * layout). q, k_base, v_base, out and workspace are device pointers; len is a
+ * HOST array, read during the call only (its values travel in the kernel
+ * parameters), so the caller may reuse it as soon as the call returns.
+ * head_dim must be 64, 128 or 256. q, k_base, v_base, workspace, row_bytes
+ * and context_stride must be multiples of 16 bytes. The workspace is
+ * overwritten; it and out must not be read or written by other work until
+ * the enqueued kernels have run.
+ * Bits: identical on every run for identical inputs; identical to
+ * akv_attention_paged_cuda over the same rows with page_tokens == chunk_tokens;
+ * within a relative L2 error of 1e-5 of akv_attention_ref_bf16.
+ * Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT (NULL, bad geometry, misaligned
+ * pointer or stride, workspace too small), AKV_ERR_NOT_SUPPORTED (dtype other
+ * than bf16, head_dim other than 64/128/256), AKV_ERR_BACKEND (a launch
+ * failed; cudaGetLastError() names the cause).
+ */
+AKV_API akv_status akv_attention_decode_cuda(const akv_attention_args *args, cudaStream_t stream);
+
+/**
+ * Enqueues paged decode attention on `stream`. The page table is passed by
+ * value; its arrays and pages must be readable by the device until the
+ * kernels have run (the host never dereferences them). args->q, args->out,
+ * args->workspace, table.k_pages and table.v_pages are device pointers;
+ * k_pages, v_pages, page_stride and row_bytes must be multiples of 16 bytes.
+ * The workspace must hold akv_attention_workspace_bytes(table.batch, n_heads,
+ * head_dim, table.max_pages * table.page_tokens, table.page_tokens) bytes.
+ * The table's contents cannot be checked from the host: a context with more
+ * than max_pages pages, or a decreasing indptr, gets NaN in every element of
+ * its output; a last_page_len above page_tokens is clamped to page_tokens.
+ * Same statuses as akv_attention_decode_cuda.
+ */
+AKV_API akv_status akv_attention_paged_cuda(const akv_attention_paged_args *args,
+                                            akv_page_table table, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* AKV_CUDA_H */

@@ -1,0 +1,167 @@
+/*
+ * context.c - contexts: host slots, prefilled appends, reads, and the host
+ * page leases tickets take on a slot.
+ */
+#include <string.h>
+
+#include "internal.h"
+
+bool akv_context_ok(const akv_context *c) {
+  return c != NULL && c->magic == AKV_MAGIC_CONTEXT && c->magic_end == AKV_MAGIC_CONTEXT &&
+         akv_engine_ok(c->engine) && c->open;
+}
+
+uint8_t *akv_host_segment(const akv_engine *e, const akv_context *c, uint32_t layer, int kv) {
+  return c->host + ((uint64_t)layer * 2 + (uint64_t)kv) * e->seg_bytes;
+}
+
+/* A ticket takes a host page lease on the context's slot and a reference on
+ * the pinned pool. */
+void akv_ticket_take(akv_engine *e, akv_context *c) {
+  c->host_leases++;
+  e->pinned_refs++;
+}
+
+void akv_ticket_release(akv_engine *e, akv_context *c, uint64_t generation) {
+  /* Source authority survives until its replacement is valid: a slot whose
+   * generation moved under a live ticket would mean DMA touched rows of a
+   * different owner. close refuses while host_leases > 0, so this holds. */
+  if (c->generation != generation)
+    akv_log(e, AKV_LOG_ERROR, "invariant violated: slot %u generation moved under a ticket",
+            c->slot);
+  c->host_leases--;
+  e->pinned_refs--;
+}
+
+static uint32_t akv_default_target(const akv_engine *e) {
+  if (e->cfg.route != AKV_ROUTE_ARENA || e->n_pages == 0) return 0;
+  return e->n_pages / e->concurrency;
+}
+
+AKV_API akv_status akv_context_open(akv_engine *e, const akv_context_config *config,
+                                    akv_context **out) {
+  akv_status st = akv_engine_enter(e);
+  akv_context_config cc = AKV_CONTEXT_CONFIG_INIT;
+  akv_context *c = NULL;
+  if (st != AKV_OK) return st;
+  if (out == NULL) return akv_fail(e, AKV_ERR_INVALID_ARGUMENT, "context_open: out is NULL");
+  if (config != NULL) {
+    if (config->struct_size < sizeof(akv_context_config) || config->version != AKV_CONFIG_VERSION)
+      return akv_fail(e, AKV_ERR_CONFIG,
+                      "context_open: config struct_size/version mismatch (use "
+                      "AKV_CONTEXT_CONFIG_INIT)");
+    cc = *config;
+  }
+  if (e->step_open)
+    return akv_fail(e, AKV_ERR_STEP_STATE, "context_open: not allowed inside a step");
+  for (uint32_t i = 0; i < e->concurrency && c == NULL; i++)
+    if (!e->contexts[i].open) c = &e->contexts[i];
+  if (c == NULL)
+    return akv_fail(e, AKV_ERR_REFUSED_QUEUE,
+                    "context_open: all %u host slots are taken (effective concurrency); queue "
+                    "the request and retry after a close",
+                    e->concurrency);
+  if (cc.target_pages == AKV_TARGET_FAIR_SHARE) cc.target_pages = akv_default_target(e);
+  if (e->n_pages == 0 && (cc.target_pages > 0 || cc.burst_pages > 0)) {
+    cc.target_pages = 0;
+    cc.burst_pages = 0;
+  }
+  st = akv_adm_admit(e->adm, e->step, c->slot, e->next_context_id + 1, cc.target_pages,
+                     cc.burst_pages);
+  if (st != AKV_OK) {
+    char why[512];
+    akv_adm_explain(e->adm, AKV_ADM_NONE, why, sizeof(why));
+    return akv_fail(e, st, "context_open: %s", why);
+  }
+  c->id = ++e->next_context_id;
+  c->open = true;
+  c->len = 0;
+  c->target = cc.target_pages;
+  c->burst = cc.burst_pages;
+  c->generation++; /* no ticket holds a closed slot, so the generation may move */
+  c->in_step = false;
+  c->magic = c->magic_end = AKV_MAGIC_CONTEXT;
+  e->open_contexts++;
+  *out = c;
+  return AKV_OK;
+}
+
+AKV_API akv_status akv_context_close(akv_context *c) {
+  akv_engine *e;
+  akv_status st;
+  if (!akv_context_ok(c)) return AKV_ERR_BAD_HANDLE;
+  e = c->engine;
+  if ((st = akv_engine_enter(e)) != AKV_OK) return st;
+  if (c->in_step || c->host_leases > 0)
+    return akv_fail(e, AKV_ERR_IN_USE, "context_close: context %u is part of the open step",
+                    c->id);
+  st = akv_adm_release(e->adm, e->step, c->slot);
+  if (st != AKV_OK) return akv_fail(e, st, "context_close: admission release failed");
+  c->open = false;
+  c->len = 0;
+  c->magic = c->magic_end = AKV_MAGIC_DEAD;
+  e->open_contexts--;
+  return AKV_OK;
+}
+
+AKV_API akv_status akv_context_append(akv_context *c, uint32_t n_tokens,
+                                      const void *const *k_rows, const void *const *v_rows) {
+  akv_engine *e;
+  akv_status st;
+  if (!akv_context_ok(c)) return AKV_ERR_BAD_HANDLE;
+  e = c->engine;
+  if ((st = akv_engine_enter(e)) != AKV_OK) return st;
+  if (k_rows == NULL || v_rows == NULL)
+    return akv_fail(e, AKV_ERR_INVALID_ARGUMENT, "context_append: row arrays are NULL");
+  for (uint32_t l = 0; l < e->cfg.n_dense_layers; l++)
+    if (n_tokens > 0 && (k_rows[l] == NULL || v_rows[l] == NULL))
+      return akv_fail(e, AKV_ERR_INVALID_ARGUMENT, "context_append: layer %u rows are NULL", l);
+  if (c->in_step)
+    return akv_fail(e, AKV_ERR_IN_USE, "context_append: context %u is part of the open step",
+                    c->id);
+  if ((uint64_t)c->len + n_tokens > e->cfg.max_tokens)
+    return akv_fail(e, AKV_ERR_CAPACITY,
+                    "context_append: %u + %u rows exceed max_tokens=%u; nothing appended", c->len,
+                    n_tokens, e->cfg.max_tokens);
+  for (uint32_t l = 0; l < e->cfg.n_dense_layers; l++) {
+    uint64_t off = (uint64_t)c->len * e->row_bytes, n = (uint64_t)n_tokens * e->row_bytes;
+    memcpy(akv_host_segment(e, c, l, 0) + off, k_rows[l], n);
+    memcpy(akv_host_segment(e, c, l, 1) + off, v_rows[l], n);
+  }
+  c->len += n_tokens;
+  return AKV_OK;
+}
+
+AKV_API akv_status akv_context_read(const akv_context *c, uint32_t layer, uint32_t first,
+                                    uint32_t n, void *k_out, void *v_out) {
+  akv_engine *e;
+  if (!akv_context_ok(c)) return AKV_ERR_BAD_HANDLE;
+  e = c->engine;
+  if (layer >= e->cfg.n_dense_layers || (uint64_t)first + n > c->len ||
+      (n > 0 && (k_out == NULL || v_out == NULL)))
+    return akv_fail(e, AKV_ERR_INVALID_ARGUMENT,
+                    "context_read: layer %u rows [%u, %u) outside the %u layers x %u rows held",
+                    layer, first, first + n, e->cfg.n_dense_layers, c->len);
+  if (c->in_step || c->host_leases > 0)
+    return akv_fail(e, AKV_ERR_IN_USE, "context_read: context %u is part of the open step",
+                    c->id);
+  memcpy(k_out, akv_host_segment(e, c, layer, 0) + (uint64_t)first * e->row_bytes,
+         (uint64_t)n * e->row_bytes);
+  memcpy(v_out, akv_host_segment(e, c, layer, 1) + (uint64_t)first * e->row_bytes,
+         (uint64_t)n * e->row_bytes);
+  return AKV_OK;
+}
+
+AKV_API akv_status akv_context_length(const akv_context *c, uint32_t *out) {
+  if (!akv_context_ok(c)) return AKV_ERR_BAD_HANDLE;
+  if (out == NULL) return AKV_ERR_INVALID_ARGUMENT;
+  *out = c->len;
+  return AKV_OK;
+}
+
+AKV_API akv_status akv_context_id(const akv_context *c, uint32_t *out) {
+  if (!akv_context_ok(c)) return AKV_ERR_BAD_HANDLE;
+  if (out == NULL) return AKV_ERR_INVALID_ARGUMENT;
+  *out = c->id;
+  return AKV_OK;
+}

@@ -1,0 +1,403 @@
+/*
+ * engine.c - engine lifetime: create (every allocation the engine will ever
+ * make), destroy (never waits), diagnostics and quarantine (DESIGN §7).
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fit.h"
+#include "internal.h"
+
+bool akv_engine_ok(const akv_engine *e) {
+  return e != NULL && e->magic == AKV_MAGIC_ENGINE && e->magic_end == AKV_MAGIC_ENGINE;
+}
+
+akv_status akv_engine_enter(akv_engine *e) {
+  if (!akv_engine_ok(e)) return AKV_ERR_BAD_HANDLE;
+  if (e->transport_failed)
+    return akv_fail(e, AKV_ERR_QUARANTINED,
+                    "transport failed earlier; only diagnostics, quarantine and destroy are "
+                    "accepted");
+  return AKV_OK;
+}
+
+akv_status akv_transport_failed(akv_engine *e, akv_status st, const char *where) {
+  e->transport_failed = true;
+  akv_fail(e, AKV_ERR_BACKEND, "%s: %s (%s); transport marked failed", where, e->bk.error,
+           akv_status_string(st));
+  akv_log(e, AKV_LOG_ERROR, "%s", e->last_error);
+  return AKV_ERR_BACKEND;
+}
+
+AKV_API akv_status akv_engine_config_init(akv_engine_config *config) {
+  static const akv_engine_config init = AKV_ENGINE_CONFIG_INIT;
+  if (config == NULL) return AKV_ERR_INVALID_ARGUMENT;
+  *config = init;
+  return AKV_OK;
+}
+
+static const akv_backend_ops *akv_pick_backend(const akv_engine_config *cfg,
+                                               const akv_backend_params *params,
+                                               akv_status *st) {
+  *st = AKV_OK;
+#ifdef AKV_WITH_CUDA
+  if (cfg->backend == AKV_BACKEND_CUDA || cfg->backend == AKV_BACKEND_AUTO) {
+    if (akv_backend_cuda_ops.probe(params) == AKV_OK) return &akv_backend_cuda_ops;
+    if (cfg->backend == AKV_BACKEND_CUDA) {
+      *st = AKV_ERR_NOT_SUPPORTED;
+      return NULL;
+    }
+    akv_log_cfg(cfg, AKV_LOG_INFO, "no usable CUDA device: falling back to the host backend");
+  }
+#else
+  if (cfg->backend == AKV_BACKEND_CUDA) {
+    *st = AKV_ERR_NOT_SUPPORTED;
+    return NULL;
+  }
+#endif
+  (void)params;
+  return &akv_backend_host_ops;
+}
+
+static void akv_engine_free_all(akv_engine *e) {
+  akv_bk *bk = &e->bk;
+  if (e->leases != NULL) {
+    for (uint32_t l = 0; l < e->cfg.n_dense_layers; l++) {
+      akv_lease *ls = &e->leases[l];
+      akv_bk_event_destroy(bk, ls->ev_h2d);
+      akv_bk_event_destroy(bk, ls->ev_d2d);
+      akv_bk_event_destroy(bk, ls->ev_attn);
+      akv_bk_event_destroy(bk, ls->ev_tail);
+      free(ls->contexts);
+      free(ls->len);
+      free(ls->generation);
+      free(ls->written);
+      free(ls->tickets);
+      ls->magic = ls->magic_end = AKV_MAGIC_DEAD;
+    }
+  }
+  akv_bk_event_destroy(bk, e->ev_fill);
+  akv_bk_queue_destroy(bk, e->q_h2d);
+  akv_bk_queue_destroy(bk, e->q_d2h);
+  akv_bk_queue_destroy(bk, e->q_d2d);
+  for (int b = 0; b < AKV_N_BUFFERS; b++) akv_bk_device_free(bk, e->staging[b]);
+  akv_bk_device_free(bk, e->dev_pool);
+  akv_bk_host_free(bk, e->host_pool);
+  akv_bk_shutdown(bk);
+  if (e->contexts != NULL)
+    for (uint32_t i = 0; i < e->concurrency; i++)
+      e->contexts[i].magic = e->contexts[i].magic_end = AKV_MAGIC_DEAD;
+  akv_adm_destroy(e->adm);
+  free(e->leases);
+  free(e->contexts);
+  free(e->step_ctx);
+  free(e->adm_req);
+  free(e->sc_dst);
+  free(e->sc_src);
+  free(e->sc_bytes);
+  free(e->sc2_dst);
+  free(e->sc2_src);
+  free(e->sc2_bytes);
+  e->magic = e->magic_end = AKV_MAGIC_DEAD;
+  free(e);
+}
+
+static akv_status akv_alloc_lease_arrays(akv_engine *e, akv_lease *ls, uint32_t layer) {
+  uint32_t n = e->concurrency;
+  ls->engine = e;
+  ls->layer = layer;
+  ls->buffer = layer % AKV_N_BUFFERS;
+  ls->contexts = calloc(n, sizeof(*ls->contexts));
+  ls->len = calloc(n, sizeof(*ls->len));
+  ls->generation = calloc(n, sizeof(*ls->generation));
+  ls->written = calloc(n, sizeof(*ls->written));
+  ls->tickets = calloc((size_t)3 * n, sizeof(*ls->tickets));
+  if (!ls->contexts || !ls->len || !ls->generation || !ls->written || !ls->tickets)
+    return AKV_ERR_OUT_OF_MEMORY;
+  return AKV_OK;
+}
+
+static akv_status akv_engine_allocate(akv_engine *e) {
+  akv_status st = AKV_OK;
+  akv_bk *bk = &e->bk;
+  const akv_engine_config *c = &e->cfg;
+  uint32_t n = e->concurrency;
+  akv_backend_params params = {c->device_ordinal, c->host_delay_seed, c->host_delay_max_us};
+
+  e->contexts = calloc(n, sizeof(*e->contexts));
+  e->step_ctx = calloc(n, sizeof(*e->step_ctx));
+  e->adm_req = calloc(n, sizeof(*e->adm_req));
+  e->leases = calloc(c->n_dense_layers, sizeof(*e->leases));
+  /* Batched copies of one lease: per context at most two H2D runs per K/V
+   * around its resident pages plus the tail, and one D2D per resident page. */
+  e->scratch_cap = (size_t)n * 2 * ((size_t)e->max_logical_pages + 2);
+  e->sc_dst = calloc(e->scratch_cap, sizeof(void *));
+  e->sc_src = calloc(e->scratch_cap, sizeof(void *));
+  e->sc_bytes = calloc(e->scratch_cap, sizeof(size_t));
+  e->scratch2_cap = e->scratch_cap > 4096 ? e->scratch_cap : 4096;
+  e->sc2_dst = calloc(e->scratch2_cap, sizeof(void *));
+  e->sc2_src = calloc(e->scratch2_cap, sizeof(void *));
+  e->sc2_bytes = calloc(e->scratch2_cap, sizeof(size_t));
+  if (!e->contexts || !e->step_ctx || !e->adm_req || !e->leases || !e->sc_dst || !e->sc_src || !e->sc_bytes ||
+      !e->sc2_dst || !e->sc2_src || !e->sc2_bytes) {
+    st = akv_fail(e, AKV_ERR_OUT_OF_MEMORY, "engine bookkeeping allocation failed");
+    goto fail;
+  }
+  for (uint32_t l = 0; l < c->n_dense_layers; l++) {
+    st = akv_alloc_lease_arrays(e, &e->leases[l], l);
+    if (st != AKV_OK) {
+      akv_fail(e, st, "lease bookkeeping allocation failed");
+      goto fail;
+    }
+  }
+
+  {
+    akv_adm_config ac = {e->n_pages, n, e->max_logical_pages, 256};
+    st = akv_adm_create(&ac, &e->adm);
+    if (st != AKV_OK) {
+      akv_fail(e, st, "admission allocator creation failed");
+      goto fail;
+    }
+  }
+
+  st = akv_bk_init(bk, &params);
+  if (st != AKV_OK) {
+    akv_fail(e, st, "backend %s failed to start: %s", bk->ops->name, bk->error);
+    goto fail;
+  }
+  if ((st = akv_bk_queue_create(bk, &e->q_h2d)) != AKV_OK ||
+      (st = akv_bk_queue_create(bk, &e->q_d2h)) != AKV_OK ||
+      (st = akv_bk_queue_create(bk, &e->q_d2d)) != AKV_OK ||
+      (st = akv_bk_event_create(bk, &e->ev_fill)) != AKV_OK) {
+    akv_fail(e, st, "queue/event creation failed: %s", bk->error);
+    goto fail;
+  }
+  for (uint32_t l = 0; l < c->n_dense_layers; l++) {
+    akv_lease *ls = &e->leases[l];
+    if ((st = akv_bk_event_create(bk, &ls->ev_h2d)) != AKV_OK ||
+        (st = akv_bk_event_create(bk, &ls->ev_d2d)) != AKV_OK ||
+        (st = akv_bk_event_create(bk, &ls->ev_attn)) != AKV_OK ||
+        (st = akv_bk_event_create(bk, &ls->ev_tail)) != AKV_OK) {
+      akv_fail(e, st, "event creation failed: %s", bk->error);
+      goto fail;
+    }
+  }
+
+  e->host_pool_bytes = (uint64_t)c->host_pool_gib * AKV_GIB;
+  st = akv_bk_host_alloc(bk, e->host_pool_bytes, (void **)&e->host_pool);
+  if (st != AKV_OK) {
+    akv_fail(e, st, "pinned host pool of %u GiB could not be allocated (host_pool_gib): %s",
+             c->host_pool_gib, bk->error);
+    goto fail;
+  }
+  if (c->route == AKV_ROUTE_ARENA && c->device_pool_gib > 0) {
+    e->dev_pool_bytes = (uint64_t)c->device_pool_gib * AKV_GIB;
+    st = akv_bk_device_alloc(bk, e->dev_pool_bytes, (void **)&e->dev_pool);
+    if (st != AKV_OK) {
+      akv_fail(e, st, "device pool of %u GiB could not be allocated (device_pool_gib): %s",
+               c->device_pool_gib, bk->error);
+      goto fail;
+    }
+    e->device_allocated += e->dev_pool_bytes;
+  }
+  e->staging_bytes = (uint64_t)n * 2 * e->seg_bytes;
+  for (int b = 0; b < AKV_N_BUFFERS; b++) {
+    st = akv_bk_device_alloc(bk, e->staging_bytes, (void **)&e->staging[b]);
+    if (st != AKV_OK) {
+      akv_fail(e, st, "staging buffer of %llu bytes could not be allocated: %s",
+               (unsigned long long)e->staging_bytes, bk->error);
+      goto fail;
+    }
+    e->device_allocated += e->staging_bytes;
+  }
+  for (uint32_t i = 0; i < n; i++) {
+    akv_context *ctx = &e->contexts[i];
+    ctx->engine = e;
+    ctx->slot = i;
+    ctx->host = e->host_pool + (uint64_t)i * e->fit.history_bytes;
+  }
+  return AKV_OK;
+fail:
+  return st;
+}
+
+AKV_API akv_status akv_engine_create(const akv_engine_config *config, akv_engine **out) {
+  akv_status st = AKV_OK;
+  akv_engine *e = NULL;
+  akv_fit_report fit;
+  char why[384] = "";
+
+  if (config == NULL || out == NULL) return AKV_ERR_INVALID_ARGUMENT;
+  st = akv_fit_compute(config, &fit, why, sizeof(why));
+  if (st != AKV_OK) {
+    akv_log_cfg(config, AKV_LOG_ERROR, "engine config rejected: %s", why);
+    return st;
+  }
+  akv_log_cfg(config, AKV_LOG_INFO, "%s", fit.line);
+  if (!fit.ok) {
+    if (config->fit_mode == AKV_FIT_REFUSE || fit.effective_concurrency == 0) {
+      akv_log_cfg(config, AKV_LOG_ERROR, "%s", why);
+      return AKV_ERR_NO_FIT;
+    }
+    akv_log_cfg(config, AKV_LOG_WARN,
+                "shrink mode: concurrency lowered from max_contexts=%u to %u; opening more "
+                "returns AKV_ERR_REFUSED_QUEUE",
+                config->max_contexts, fit.effective_concurrency);
+  }
+
+  e = calloc(1, sizeof(*e));
+  if (e == NULL) return AKV_ERR_OUT_OF_MEMORY;
+  e->magic = e->magic_end = AKV_MAGIC_ENGINE;
+  e->cfg = *config;
+  e->cfg.struct_size = sizeof(akv_engine_config);
+  e->fit = fit;
+  e->concurrency = fit.effective_concurrency;
+  e->row_bytes = fit.row_bytes;
+  e->seg_bytes = (uint64_t)config->max_tokens * fit.row_bytes;
+  e->page_bytes = fit.page_bytes;
+  e->page_seg_bytes = (uint64_t)config->page_tokens * fit.row_bytes;
+  e->n_pages = config->route == AKV_ROUTE_ARENA ? (uint32_t)fit.device_pages : 0;
+  e->max_logical_pages = (config->max_tokens + config->page_tokens - 1) / config->page_tokens;
+  if (config->route == AKV_ROUTE_STAGE && config->device_pool_gib > 0)
+    akv_log_cfg(config, AKV_LOG_INFO,
+                "route stage retains nothing: device_pool_gib=%u is not allocated",
+                config->device_pool_gib);
+
+  {
+    akv_status pick;
+    akv_backend_params params = {config->device_ordinal, config->host_delay_seed,
+                                 config->host_delay_max_us};
+    const akv_backend_ops *ops = akv_pick_backend(config, &params, &pick);
+    if (ops == NULL) {
+      akv_log_cfg(config, AKV_LOG_ERROR,
+                  "backend cuda requested but unavailable (no CUDA build or no device); "
+                  "set backend to AKV_BACKEND_AUTO or AKV_BACKEND_HOST");
+      st = pick;
+      goto fail;
+    }
+    akv_bk_setup(&e->bk, ops, config->fault_fail_nth, config->fault_kind);
+    e->backend = ops->kind;
+  }
+
+  st = akv_engine_allocate(e);
+  if (st != AKV_OK) {
+    akv_log(e, AKV_LOG_ERROR, "engine creation failed: %s", e->last_error);
+    goto fail;
+  }
+  akv_log(e, AKV_LOG_INFO,
+          "engine ready: backend %s, route %s, %u contexts, %u device pages of %llu B, "
+          "staging 2 x %llu B",
+          e->bk.ops->name, config->route == AKV_ROUTE_ARENA ? "arena" : "stage",
+          e->concurrency, e->n_pages, (unsigned long long)e->page_bytes,
+          (unsigned long long)e->staging_bytes);
+  *out = e;
+  return AKV_OK;
+fail:
+  akv_engine_free_all(e);
+  return st;
+}
+
+AKV_API akv_status akv_engine_destroy(akv_engine *e) {
+  if (!akv_engine_ok(e)) return AKV_ERR_BAD_HANDLE;
+  /* The destructor never waits, submits or drains: live work means busy. */
+  if (e->step_open || e->leases_live > 0 || e->retained ||
+      (e->transport_failed && !e->quarantined))
+    return akv_fail(e, AKV_ERR_BUSY,
+                    "destroy refused: %s; nothing was freed",
+                    e->retained       ? "resources retained on an uncertain fence"
+                    : e->step_open    ? "a step is open (retire its leases, end it)"
+                    : e->leases_live  ? "unretired leases"
+                                      : "transport failed: quarantine first");
+  for (size_t i = 0; i < sizeof(e->streams) / sizeof(e->streams[0]); i++)
+    if (e->streams[i].live)
+      return akv_fail(e, AKV_ERR_BUSY, "destroy refused: a stream from akv_stream_create is live");
+  akv_engine_free_all(e);
+  return AKV_OK;
+}
+
+AKV_API const char *akv_engine_last_error(const akv_engine *e) {
+  if (!akv_engine_ok(e)) return "bad engine handle";
+  return e->last_error;
+}
+
+AKV_API akv_status akv_engine_info_get(const akv_engine *e, akv_engine_info *out) {
+  if (!akv_engine_ok(e)) return AKV_ERR_BAD_HANDLE;
+  if (out == NULL) return AKV_ERR_INVALID_ARGUMENT;
+  memset(out, 0, sizeof(*out));
+  out->backend = e->backend;
+  out->route = e->cfg.route;
+  out->effective_concurrency = e->concurrency;
+  out->row_bytes = e->row_bytes;
+  out->history_bytes = e->fit.history_bytes;
+  out->page_bytes = e->page_bytes;
+  out->device_pages = e->n_pages;
+  out->staging_bytes = e->staging_bytes * AKV_N_BUFFERS;
+  out->device_bytes_allocated = e->device_allocated;
+  {
+    uint64_t fr, tot, peak;
+    if (akv_bk_mem_info((akv_bk *)&e->bk, &fr, &tot, &peak) == AKV_OK)
+      out->device_peak_bytes = peak;
+  }
+  out->bytes_h2d = e->bytes_h2d;
+  out->bytes_d2h = e->bytes_d2h;
+  out->bytes_d2d = e->bytes_d2d;
+  out->copies_h2d = e->copies_h2d;
+  out->copies_d2h = e->copies_d2h;
+  out->copies_d2d = e->copies_d2d;
+  out->steps = e->steps_done;
+  out->leases_retired = e->leases_retired;
+  memcpy(out->backend_ops, e->bk.counts, sizeof(out->backend_ops));
+  out->transport_failed = e->transport_failed;
+  out->quarantined = e->quarantined;
+  return AKV_OK;
+}
+
+AKV_API akv_status akv_engine_quarantine(akv_engine *e, akv_quarantine_report *report) {
+  akv_quarantine_report r;
+  akv_status st;
+  if (!akv_engine_ok(e)) return AKV_ERR_BAD_HANDLE;
+  memset(&r, 0, sizeof(r));
+  e->transport_failed = true; /* from now on: diagnostics, quarantine, destroy */
+  /* Partial submissions quarantine until a drain proves completion: both copy
+   * queues, the materialisation queue, then the device. */
+  r.h2d_ok = akv_bk_queue_sync(&e->bk, e->q_h2d) == AKV_OK;
+  r.d2h_ok = akv_bk_queue_sync(&e->bk, e->q_d2h) == AKV_OK;
+  r.d2d_ok = akv_bk_queue_sync(&e->bk, e->q_d2d) == AKV_OK;
+  r.device_ok = akv_bk_device_sync(&e->bk) == AKV_OK;
+  if (r.h2d_ok && r.d2h_ok && r.d2d_ok && r.device_ok) {
+    uint32_t before_tickets = 0;
+    for (uint32_t l = 0; l < e->cfg.n_dense_layers; l++) {
+      akv_lease *ls = &e->leases[l];
+      if (ls->state != AKV_LEASE_IDLE && ls->state != AKV_LEASE_RETIRED) {
+        r.leases_released++;
+        before_tickets += ls->n_tickets;
+      }
+    }
+    akv_leases_release_all(e);
+    r.tickets_released = before_tickets;
+    e->retained = false;
+    e->quarantined = true;
+    st = AKV_OK;
+    akv_log(e, AKV_LOG_WARN, "quarantine: completion established; %u leases and %u tickets released",
+            r.leases_released, r.tickets_released);
+  } else {
+    /* Nothing is recycled on an uncertain fence: every owner, buffer and
+     * lease stays retained and destroy will refuse. */
+    for (uint32_t l = 0; l < e->cfg.n_dense_layers; l++) {
+      akv_lease *ls = &e->leases[l];
+      if (ls->state != AKV_LEASE_IDLE && ls->state != AKV_LEASE_RETIRED) r.retained_leases++;
+    }
+    snprintf(r.uncertain, sizeof(r.uncertain), "%s%s%s%s", r.h2d_ok ? "" : "h2d-queue ",
+             r.d2h_ok ? "" : "d2h-queue ", r.d2d_ok ? "" : "d2d-queue ",
+             r.device_ok ? "" : "device");
+    e->retained = true;
+    st = akv_fail(e, AKV_ERR_UNCERTAIN_FENCE,
+                  "quarantine could not establish completion (%s); %u leases, the pools and "
+                  "buffers stay retained",
+                  r.uncertain, r.retained_leases);
+    akv_log(e, AKV_LOG_ERROR, "%s", e->last_error);
+  }
+  if (report != NULL) *report = r;
+  return st;
+}

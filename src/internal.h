@@ -1,0 +1,211 @@
+/*
+ * internal.h - the engine's private state: engine, context and lease bodies.
+ *
+ * Handles carry magic values at both ends, checked on entry and poisoned when
+ * the object is freed or closed. Everything here is sized at engine creation;
+ * nothing is allocated afterwards.
+ */
+#ifndef AKV_INTERNAL_H
+#define AKV_INTERNAL_H
+
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "admission.h"
+#include "akv.h"
+#include "dispatch.h"
+
+#define AKV_MAGIC_ENGINE 0x454b5641u  /* "AVKE" */
+#define AKV_MAGIC_CONTEXT 0x434b5641u /* "AVKC" */
+#define AKV_MAGIC_LEASE 0x4c4b5641u   /* "AVKL" */
+#define AKV_MAGIC_STREAM 0x534b5641u  /* "AVKS" */
+#define AKV_MAGIC_DEAD 0xdeadbeefu
+
+#define AKV_GIB ((uint64_t)1 << 30)
+#define AKV_N_BUFFERS 2 /* double-buffered staging */
+#define AKV_MAX_PRIOR 8 /* prior readers a lease can list */
+
+/* A ticket: one submitted copy (or batch) on behalf of one host owner. It
+ * holds the pinned pool (the owner of the memory DMA reads or writes) and a
+ * host page lease on the owner's slot at a generation: the slot cannot change
+ * generation while the ticket lives. */
+typedef struct akv_ticket {
+  akv_copy_dir dir;
+  uint32_t slot;
+  uint64_t generation;
+  uint64_t bytes;
+} akv_ticket;
+
+/* A reader of a staging buffer whose completion a later writer must wait for. */
+typedef struct akv_reader {
+  akv_bevent *event;
+  uint32_t buffer;
+  struct akv_lease *lease; /* the lease the event belongs to */
+  uint64_t lease_serial;   /* that lease's serial when the reader was listed */
+} akv_reader;
+
+typedef enum akv_lease_state {
+  AKV_LEASE_IDLE = 0,   /* never begun in this slot */
+  AKV_LEASE_BEGUN,      /* copies submitted, history-ready events recorded */
+  AKV_LEASE_READY,      /* compute stream waits on history-ready */
+  AKV_LEASE_CONSUMED,   /* attention-consumed event recorded; write-back open */
+  AKV_LEASE_SEALED,     /* tail and attention fences confirmed */
+  AKV_LEASE_RETIRED     /* every fence proven; tickets released */
+} akv_lease_state;
+
+struct akv_lease {
+  uint32_t magic;
+  struct akv_engine *engine;
+  uint32_t layer;
+  uint32_t buffer;
+  uint64_t serial; /* unique per begin */
+  uint64_t step;
+  akv_lease_state state;
+  akv_stream stream; /* the compute stream given to wait_ready */
+
+  akv_bevent *ev_h2d, *ev_d2d, *ev_attn, *ev_tail;
+  bool used_d2d;
+  uint64_t fence_attn, fence_tail;
+
+  akv_reader prior[AKV_MAX_PRIOR];
+  uint32_t n_prior;
+
+  uint32_t n_contexts;
+  struct akv_context **contexts; /* [concurrency] */
+  uint32_t *len;                 /* [concurrency] */
+  uint64_t *generation;          /* [concurrency] owner generation at begin */
+  uint8_t *written;              /* [concurrency] write-back done */
+  uint32_t n_written;
+
+  akv_ticket *tickets; /* [3 * concurrency] */
+  uint32_t n_tickets;
+  uint64_t bytes_h2d, bytes_d2d, bytes_d2h;
+  uint32_t magic_end;
+};
+
+struct akv_context {
+  uint32_t magic;
+  struct akv_engine *engine;
+  uint32_t slot;
+  uint32_t id;
+  bool open;
+  uint32_t len;          /* rows per dense layer */
+  uint32_t target, burst;
+  uint64_t generation;   /* host slot generation */
+  uint32_t host_leases;  /* tickets holding the slot */
+  uint32_t fill_leases;  /* of which: page fills of the open step */
+  bool in_step;
+  uint8_t *host;         /* slot base in the pinned pool */
+  uint32_t magic_end;
+};
+
+struct akv_stream_rec {
+  akv_bqueue *queue;
+  bool live;
+};
+
+struct akv_engine {
+  uint32_t magic;
+  akv_engine_config cfg;
+  akv_fit_report fit;
+  akv_backend_kind backend;
+  uint32_t concurrency;
+  uint64_t row_bytes;
+  uint64_t seg_bytes;    /* max_tokens * row_bytes: one K or V segment */
+  uint64_t page_bytes;
+  uint64_t page_seg_bytes; /* page_tokens * row_bytes */
+  uint32_t max_logical_pages;
+
+  akv_bk bk;
+  akv_bqueue *q_h2d, *q_d2h, *q_d2d;
+  akv_bevent *ev_fill;
+
+  uint8_t *host_pool;
+  uint64_t host_pool_bytes;
+  uint8_t *dev_pool;
+  uint64_t dev_pool_bytes;
+  uint32_t n_pages;
+  uint8_t *staging[AKV_N_BUFFERS];
+  uint64_t staging_bytes; /* each buffer */
+  uint64_t device_allocated;
+  uint32_t pinned_refs;   /* tickets holding the pinned pool */
+
+  akv_adm *adm;
+  struct akv_context *contexts; /* [concurrency] */
+  uint32_t next_context_id;
+  uint32_t open_contexts;
+
+  /* step */
+  bool step_open;
+  uint64_t step;
+  uint32_t step_n;
+  struct akv_context **step_ctx; /* [concurrency] */
+  akv_adm_request *adm_req;      /* [concurrency] */
+  uint32_t next_layer;
+  uint32_t leases_live;
+  struct akv_lease *leases; /* [n_dense_layers] */
+  struct akv_lease *last_begun;
+  uint64_t lease_serial;
+  uint64_t fence_serial;
+  uint64_t fence_done;      /* every fence <= this is known complete */
+
+  /* scratch for batched copies, sized at create */
+  size_t scratch_cap;
+  void **sc_dst;
+  const void **sc_src;
+  size_t *sc_bytes;
+  size_t scratch2_cap;
+  void **sc2_dst;
+  const void **sc2_src;
+  size_t *sc2_bytes;
+
+  /* compute streams handed out by akv_stream_create */
+  struct akv_stream_rec streams[8];
+
+  /* state */
+  bool transport_failed;
+  bool quarantined;
+  bool retained; /* quarantine could not establish completion */
+  char last_error[256];
+
+  /* statistics */
+  uint64_t bytes_h2d, bytes_d2h, bytes_d2d;
+  uint64_t copies_h2d, copies_d2h, copies_d2d;
+  uint64_t steps_done, leases_retired;
+  uint32_t magic_end;
+};
+
+/* log.c */
+void akv_log(const akv_engine *e, akv_log_level level, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+void akv_log_cfg(const akv_engine_config *cfg, akv_log_level level, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+/* Records the engine's last error (and logs it at WARN); returns st. */
+akv_status akv_fail(akv_engine *e, akv_status st, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* engine.c */
+bool akv_engine_ok(const akv_engine *e);
+/* Marks the transport failed after a failed backend op; returns AKV_ERR_BACKEND. */
+akv_status akv_transport_failed(akv_engine *e, akv_status st, const char *where);
+/* Common entry check: valid handle, not failed. */
+akv_status akv_engine_enter(akv_engine *e);
+
+/* context.c */
+bool akv_context_ok(const akv_context *c);
+uint8_t *akv_host_segment(const akv_engine *e, const akv_context *c, uint32_t layer, int kv);
+void akv_ticket_take(akv_engine *e, akv_context *c);
+void akv_ticket_release(akv_engine *e, akv_context *c, uint64_t generation);
+
+/* lease.c */
+void akv_leases_release_all(akv_engine *e); /* quarantine, after completion is proven */
+
+#define AKV_CHECK(expr)                \
+  do {                                 \
+    st = (expr);                       \
+    if (st != AKV_OK) goto fail;       \
+  } while (0)
+
+#endif /* AKV_INTERNAL_H */

@@ -1,0 +1,455 @@
+/*
+ * lease.c - the lease state machine of DESIGN §5: one staged dense layer,
+ * from begin to retire.
+ *
+ *   IDLE/RETIRED --begin--> BEGUN --wait_ready--> READY --mark_consumed--> CONSUMED
+ *        ^                    \______________ attend (hook form) ______________/ |
+ *        |                                                             write_back (1..n)
+ *        +------------------retire------------------ SEALED <----seal-----------+
+ *
+ * Every call checks its state first and returns a specific status without
+ * changing anything when the transition is illegal. Backend failures after
+ * work was submitted mark the transport failed; the lease then stays live
+ * until quarantine proves completion.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "internal.h"
+
+static bool akv_lease_ok(const akv_lease *ls) {
+  return ls != NULL && ls->magic == AKV_MAGIC_LEASE && ls->magic_end == AKV_MAGIC_LEASE &&
+         akv_engine_ok(ls->engine);
+}
+
+/* Common entry: valid lease, engine usable. */
+static akv_status akv_lease_enter(akv_lease *ls) {
+  if (!akv_lease_ok(ls)) return AKV_ERR_BAD_HANDLE;
+  return akv_engine_enter(ls->engine);
+}
+
+static const char *akv_lease_state_name(akv_lease_state s) {
+  static const char *const names[] = {"idle", "begun", "ready", "consumed", "sealed", "retired"};
+  return names[s];
+}
+
+static akv_status akv_lease_wrong_state(akv_lease *ls, const char *call, const char *needs) {
+  return akv_fail(ls->engine, AKV_ERR_LEASE_STATE, "%s: lease of layer %u is %s; needs %s", call,
+                  ls->layer, akv_lease_state_name(ls->state), needs);
+}
+
+/* A stream is checked where the backend makes that possible: on the host
+ * backend it must be one the engine handed out. */
+static bool akv_stream_known(const akv_engine *e, akv_stream s) {
+  if (s == NULL) return false;
+  if (e->backend != AKV_BACKEND_HOST) return true;
+  for (size_t i = 0; i < sizeof(e->streams) / sizeof(e->streams[0]); i++)
+    if (e->streams[i].live && (akv_stream)e->streams[i].queue == s) return true;
+  return false;
+}
+
+static bool akv_reader_live(const akv_reader *r) {
+  return r->lease->serial == r->lease_serial && r->lease->state != AKV_LEASE_RETIRED &&
+         r->lease->state != AKV_LEASE_IDLE;
+}
+
+/* The prior readers of a new lease: the previous stage's own readers (its
+ * attention-consumed and tail write-back events) plus the readers it carried
+ * for the other buffer. Readers already retired were waited on by the host. */
+static void akv_lease_collect_prior(const akv_lease *pred, akv_reader *out, uint32_t *n_out) {
+  uint32_t n = 0;
+  if (pred != NULL && pred->state != AKV_LEASE_RETIRED) {
+    akv_reader own[2] = {{pred->ev_attn, pred->buffer, (akv_lease *)pred, pred->serial},
+                         {pred->ev_tail, pred->buffer, (akv_lease *)pred, pred->serial}};
+    out[n++] = own[0];
+    out[n++] = own[1];
+  }
+  if (pred != NULL)
+    for (uint32_t i = 0; i < pred->n_prior && n < AKV_MAX_PRIOR; i++)
+      if (pred->prior[i].buffer != pred->buffer && akv_reader_live(&pred->prior[i]))
+        out[n++] = pred->prior[i];
+  *n_out = n;
+}
+
+static void akv_lease_add_ticket(akv_lease *ls, akv_copy_dir dir, akv_context *c, uint64_t bytes) {
+  akv_ticket *t = &ls->tickets[ls->n_tickets++];
+  t->dir = dir;
+  t->slot = c->slot;
+  t->generation = c->generation;
+  t->bytes = bytes;
+  if (dir != AKV_COPY_D2D) akv_ticket_take(ls->engine, c);
+}
+
+static void akv_lease_release_tickets(akv_lease *ls) {
+  akv_engine *e = ls->engine;
+  for (uint32_t i = 0; i < ls->n_tickets; i++) {
+    akv_ticket *t = &ls->tickets[i];
+    if (t->dir != AKV_COPY_D2D) akv_ticket_release(e, &e->contexts[t->slot], t->generation);
+  }
+  ls->n_tickets = 0;
+}
+
+/* Builds the copies that stage context i's history for the lease's layer:
+ * retained pages device->device (sc2), everything else host->device (sc) in
+ * the longest contiguous runs. */
+static void akv_lease_plan_context(akv_lease *ls, uint32_t i, size_t *n_h2d, size_t *n_d2d) {
+  akv_engine *e = ls->engine;
+  akv_context *c = ls->contexts[i];
+  const uint64_t row = e->row_bytes;
+  const uint32_t pt = e->cfg.page_tokens;
+  const uint32_t len = ls->len[i];
+  const uint32_t full = e->n_pages > 0 ? len / pt : 0;
+  uint8_t *stage_kv[2], *host_kv[2];
+  uint32_t run_start = 0;
+  uint64_t h2d_bytes = 0, d2d_bytes = 0;
+
+  stage_kv[0] = e->staging[ls->buffer] + (uint64_t)i * 2 * e->seg_bytes;
+  stage_kv[1] = stage_kv[0] + e->seg_bytes;
+  host_kv[0] = akv_host_segment(e, c, ls->layer, 0);
+  host_kv[1] = akv_host_segment(e, c, ls->layer, 1);
+
+  for (uint32_t p = 0; p <= full; p++) {
+    uint32_t phys = p < full ? akv_adm_page_of(e->adm, c->slot, p) : AKV_ADM_NONE;
+    uint32_t end = p < full ? p * pt : len; /* where the pending H2D run stops */
+    bool flush = p == full || phys != AKV_ADM_NONE;
+    if (flush && end > run_start) {
+      for (int kv = 0; kv < 2; kv++) {
+        e->sc_dst[*n_h2d] = stage_kv[kv] + (uint64_t)run_start * row;
+        e->sc_src[*n_h2d] = host_kv[kv] + (uint64_t)run_start * row;
+        e->sc_bytes[*n_h2d] = (uint64_t)(end - run_start) * row;
+        h2d_bytes += e->sc_bytes[*n_h2d];
+        (*n_h2d)++;
+      }
+    }
+    if (p < full && phys != AKV_ADM_NONE) {
+      for (int kv = 0; kv < 2; kv++) {
+        e->sc2_dst[*n_d2d] = stage_kv[kv] + (uint64_t)p * pt * row;
+        e->sc2_src[*n_d2d] = e->dev_pool + (uint64_t)phys * e->page_bytes +
+                             ((uint64_t)ls->layer * 2 + (uint64_t)kv) * e->page_seg_bytes;
+        e->sc2_bytes[*n_d2d] = e->page_seg_bytes;
+        d2d_bytes += e->page_seg_bytes;
+        (*n_d2d)++;
+      }
+      run_start = (p + 1) * pt;
+    }
+  }
+  if (h2d_bytes > 0) akv_lease_add_ticket(ls, AKV_COPY_H2D, c, h2d_bytes);
+  if (d2d_bytes > 0) akv_lease_add_ticket(ls, AKV_COPY_D2D, c, d2d_bytes);
+  ls->bytes_h2d += h2d_bytes;
+  ls->bytes_d2d += d2d_bytes;
+}
+
+AKV_API akv_status akv_lease_begin(akv_engine *e, uint32_t layer, akv_lease **out) {
+  akv_status st = akv_engine_enter(e);
+  akv_lease *ls, *pred;
+  akv_reader prior[AKV_MAX_PRIOR];
+  uint32_t n_prior = 0;
+  size_t n_h2d = 0, n_d2d = 0;
+  if (st != AKV_OK) return st;
+  if (out == NULL) return akv_fail(e, AKV_ERR_INVALID_ARGUMENT, "lease_begin: out is NULL");
+  if (!e->step_open) return akv_fail(e, AKV_ERR_STEP_STATE, "lease_begin: no step is open");
+  if (layer >= e->cfg.n_dense_layers || layer != e->next_layer)
+    return akv_fail(e, AKV_ERR_INVALID_ARGUMENT,
+                    "lease_begin: layer %u given; the step's next layer is %u of %u", layer,
+                    e->next_layer, e->cfg.n_dense_layers);
+  pred = e->last_begun;
+  if (pred != NULL && pred->state != AKV_LEASE_SEALED && pred->state != AKV_LEASE_RETIRED)
+    return akv_fail(e, AKV_ERR_LEASE_ORDER,
+                    "lease_begin: the lease of layer %u is %s; seal or retire it first",
+                    pred->layer, akv_lease_state_name(pred->state));
+  ls = &e->leases[layer];
+  akv_lease_collect_prior(pred, prior, &n_prior);
+
+  /* From here on the lease is live: partial submissions stay with it until a
+   * retire or a quarantine proves completion. */
+  ls->magic = ls->magic_end = AKV_MAGIC_LEASE;
+  ls->serial = ++e->lease_serial;
+  ls->step = e->step;
+  ls->state = AKV_LEASE_BEGUN;
+  ls->stream = NULL;
+  ls->used_d2d = false;
+  ls->fence_attn = ls->fence_tail = 0;
+  memcpy(ls->prior, prior, sizeof(prior));
+  ls->n_prior = n_prior;
+  ls->n_contexts = e->step_n;
+  ls->n_written = 0;
+  ls->n_tickets = 0;
+  ls->bytes_h2d = ls->bytes_d2d = ls->bytes_d2h = 0;
+  for (uint32_t i = 0; i < e->step_n; i++) {
+    ls->contexts[i] = e->step_ctx[i];
+    ls->len[i] = e->step_ctx[i]->len;
+    ls->generation[i] = e->step_ctx[i]->generation;
+    ls->written[i] = 0;
+  }
+  e->leases_live++;
+  e->next_layer++;
+  e->last_begun = ls;
+
+  for (uint32_t i = 0; i < ls->n_contexts; i++) akv_lease_plan_context(ls, i, &n_h2d, &n_d2d);
+  ls->used_d2d = n_d2d > 0;
+
+#ifndef AKV_TEST_DROP_PRIOR_READER_WAITS
+  /* No copy into a buffer is submitted before its queue waits on every prior
+   * reader of that buffer (attention and write-back of the lease that used
+   * it last, if not yet retired). */
+  for (uint32_t r = 0; r < n_prior; r++) {
+    if (prior[r].buffer != ls->buffer) continue;
+    AKV_CHECK(akv_bk_wait(&e->bk, e->q_h2d, prior[r].event));
+    if (ls->used_d2d) AKV_CHECK(akv_bk_wait(&e->bk, e->q_d2d, prior[r].event));
+  }
+#endif
+  if (n_d2d > 0) {
+    AKV_CHECK(akv_bk_copy_batch(&e->bk, e->q_d2d, AKV_COPY_D2D, n_d2d, e->sc2_dst,
+                                (const void *const *)e->sc2_src, e->sc2_bytes));
+    AKV_CHECK(akv_bk_record(&e->bk, ls->ev_d2d, e->q_d2d));
+    e->copies_d2d++;
+    e->bytes_d2d += ls->bytes_d2d;
+  }
+  if (n_h2d > 0) {
+    AKV_CHECK(akv_bk_copy_batch(&e->bk, e->q_h2d, AKV_COPY_H2D, n_h2d, e->sc_dst,
+                                (const void *const *)e->sc_src, e->sc_bytes));
+    e->copies_h2d++;
+    e->bytes_h2d += ls->bytes_h2d;
+  }
+  AKV_CHECK(akv_bk_record(&e->bk, ls->ev_h2d, e->q_h2d));
+  /* The pages this lease reads carry its materialisation fence until reuse. */
+  if (ls->used_d2d) {
+    uint64_t fence = ++e->fence_serial;
+    for (uint32_t i = 0; i < ls->n_contexts; i++) {
+      uint32_t full = ls->len[i] / e->cfg.page_tokens;
+      for (uint32_t p = 0; p < full; p++) {
+        uint32_t phys = akv_adm_page_of(e->adm, ls->contexts[i]->slot, p);
+        if (phys != AKV_ADM_NONE) akv_adm_page_set_fence(e->adm, phys, fence);
+      }
+    }
+  }
+  *out = ls;
+  return AKV_OK;
+fail:
+  return akv_transport_failed(e, st, "lease_begin");
+}
+
+static void akv_lease_view(const akv_lease *ls, akv_view *v) {
+  const akv_engine *e = ls->engine;
+  memset(v, 0, sizeof(*v));
+  v->step = ls->step;
+  v->layer = ls->layer;
+  v->n_contexts = ls->n_contexts;
+  v->kv_heads = e->cfg.kv_heads;
+  v->head_dim = e->cfg.head_dim;
+  v->dtype = e->cfg.dtype;
+  v->row_bytes = e->row_bytes;
+  v->base = e->staging[ls->buffer];
+  v->context_stride = 2 * e->seg_bytes;
+  v->v_offset = e->seg_bytes;
+  v->len = ls->len;
+  v->contexts = (akv_context *const *)ls->contexts;
+}
+
+AKV_API akv_status akv_lease_wait_ready(akv_lease *ls, akv_stream stream, akv_view *view) {
+  akv_status st = akv_lease_enter(ls);
+  akv_engine *e;
+  if (st != AKV_OK) return st;
+  e = ls->engine;
+  if (view == NULL || !akv_stream_known(e, stream))
+    return akv_fail(e, AKV_ERR_INVALID_ARGUMENT,
+                    "lease_wait_ready: view is NULL or stream is not a stream of this engine");
+  if (ls->state != AKV_LEASE_BEGUN) return akv_lease_wrong_state(ls, "lease_wait_ready", "begun");
+  /* The compute stream waits on the device for the history-ready events. */
+  AKV_CHECK(akv_bk_wait(&e->bk, (akv_bqueue *)stream, ls->ev_h2d));
+  if (ls->used_d2d) AKV_CHECK(akv_bk_wait(&e->bk, (akv_bqueue *)stream, ls->ev_d2d));
+  ls->stream = stream;
+  ls->state = AKV_LEASE_READY;
+  akv_lease_view(ls, view);
+  return AKV_OK;
+fail:
+  return akv_transport_failed(e, st, "lease_wait_ready");
+}
+
+AKV_API akv_status akv_lease_mark_consumed(akv_lease *ls, akv_stream stream,
+                                           akv_fence *attention) {
+  akv_status st = akv_lease_enter(ls);
+  akv_engine *e;
+  if (st != AKV_OK) return st;
+  e = ls->engine;
+  if (attention == NULL)
+    return akv_fail(e, AKV_ERR_INVALID_ARGUMENT, "lease_mark_consumed: attention is NULL");
+  if (ls->state != AKV_LEASE_READY)
+    return akv_lease_wrong_state(ls, "lease_mark_consumed", "ready (after wait_ready)");
+  if (stream != ls->stream)
+    return akv_fail(e, AKV_ERR_INVALID_ARGUMENT,
+                    "lease_mark_consumed: stream differs from the one given to wait_ready");
+  AKV_CHECK(akv_bk_record(&e->bk, ls->ev_attn, (akv_bqueue *)stream));
+  ls->fence_attn = ++e->fence_serial;
+  ls->state = AKV_LEASE_CONSUMED;
+  attention->serial = ls->fence_attn;
+  return AKV_OK;
+fail:
+  return akv_transport_failed(e, st, "lease_mark_consumed");
+}
+
+AKV_API akv_status akv_lease_attend(akv_lease *ls, akv_stream stream, akv_attention_fn hook,
+                                    void *user, akv_fence *attention) {
+  akv_status st = akv_lease_enter(ls);
+  akv_view view;
+  if (st != AKV_OK) return st;
+  if (hook == NULL || attention == NULL)
+    return akv_fail(ls->engine, AKV_ERR_INVALID_ARGUMENT, "lease_attend: hook or attention NULL");
+  if (ls->state != AKV_LEASE_BEGUN) return akv_lease_wrong_state(ls, "lease_attend", "begun");
+  if ((st = akv_lease_wait_ready(ls, stream, &view)) != AKV_OK) return st;
+  if (hook(user, &view, stream) != 0) {
+    snprintf(ls->engine->bk.error, sizeof(ls->engine->bk.error),
+             "attention hook of layer %u returned nonzero", ls->layer);
+    return akv_transport_failed(ls->engine, AKV_ERR_BACKEND, "lease_attend");
+  }
+  return akv_lease_mark_consumed(ls, stream, attention);
+}
+
+/* Index of `c` among the lease's owners, or -1. */
+static int akv_lease_owner_index(const akv_lease *ls, const akv_context *c) {
+  for (uint32_t i = 0; i < ls->n_contexts; i++)
+    if (ls->contexts[i] == c && ls->generation[i] == c->generation) return (int)i;
+  return -1;
+}
+
+AKV_API akv_status akv_lease_write_back(akv_lease *ls, akv_context *const *owners,
+                                        uint32_t n_owners, akv_fence *tail) {
+  akv_status st = akv_lease_enter(ls);
+  akv_engine *e;
+  uint32_t n;
+  size_t nb = 0;
+  if (st != AKV_OK) return st;
+  e = ls->engine;
+  if (tail == NULL || (owners == NULL && n_owners != 0) || (owners != NULL && n_owners == 0) ||
+      n_owners > ls->n_contexts)
+    return akv_fail(e, AKV_ERR_INVALID_ARGUMENT,
+                    "lease_write_back: tail NULL or owners/n_owners inconsistent");
+  if (ls->state != AKV_LEASE_CONSUMED)
+    return akv_lease_wrong_state(ls, "lease_write_back", "consumed (after attention)");
+  /* Validate every owner before anything is enqueued. */
+  n = owners == NULL ? ls->n_contexts : n_owners;
+  for (uint32_t k = 0; k < n; k++) {
+    akv_context *c = owners == NULL ? ls->contexts[k] : owners[k];
+    int idx;
+    if (owners != NULL && !akv_context_ok(c))
+      return akv_fail(e, AKV_ERR_BAD_HANDLE, "lease_write_back: owner %u is not a context", k);
+    idx = akv_lease_owner_index(ls, c);
+    if (idx < 0)
+      return akv_fail(e, AKV_ERR_OWNER_MISMATCH,
+                      "lease_write_back: context %u is not a host owner this lease began with",
+                      c->id);
+    if (ls->written[idx])
+      return akv_fail(e, AKV_ERR_LEASE_STATE,
+                      "lease_write_back: context %u was already written back by this lease",
+                      c->id);
+    for (uint32_t j = 0; owners != NULL && j < k; j++)
+      if (owners[j] == c)
+        return akv_fail(e, AKV_ERR_INVALID_ARGUMENT, "lease_write_back: context %u listed twice",
+                        c->id);
+  }
+  if (owners == NULL && ls->n_written > 0)
+    return akv_fail(e, AKV_ERR_LEASE_STATE,
+                    "lease_write_back: some owners were already written; name the rest");
+
+  /* The write-back queue waits on the device for attention to be consumed. */
+  if (ls->n_written == 0) AKV_CHECK(akv_bk_wait(&e->bk, e->q_d2h, ls->ev_attn));
+  for (uint32_t k = 0; k < n; k++) {
+    akv_context *c = owners == NULL ? ls->contexts[k] : owners[k];
+    int idx = akv_lease_owner_index(ls, c);
+    uint64_t off = (uint64_t)ls->len[idx] * e->row_bytes;
+    uint8_t *stage_k = e->staging[ls->buffer] + (uint64_t)idx * 2 * e->seg_bytes;
+    for (int kv = 0; kv < 2; kv++) {
+      e->sc_dst[nb] = akv_host_segment(e, c, ls->layer, kv) + off;
+      e->sc_src[nb] = stage_k + (uint64_t)kv * e->seg_bytes + off;
+      e->sc_bytes[nb] = e->row_bytes;
+      nb++;
+    }
+    akv_lease_add_ticket(ls, AKV_COPY_D2H, c, 2 * e->row_bytes);
+    ls->written[idx] = 1;
+    ls->n_written++;
+    ls->bytes_d2h += 2 * e->row_bytes;
+    e->bytes_d2h += 2 * e->row_bytes;
+  }
+  AKV_CHECK(akv_bk_copy_batch(&e->bk, e->q_d2h, AKV_COPY_D2H, nb, e->sc_dst,
+                              (const void *const *)e->sc_src, e->sc_bytes));
+  e->copies_d2h++;
+  AKV_CHECK(akv_bk_record(&e->bk, ls->ev_tail, e->q_d2h));
+  ls->fence_tail = ++e->fence_serial;
+  tail->serial = ls->fence_tail;
+  return AKV_OK;
+fail:
+  return akv_transport_failed(e, st, "lease_write_back");
+}
+
+AKV_API akv_status akv_lease_seal(akv_lease *ls, akv_fence tail, akv_fence attention) {
+  akv_status st = akv_lease_enter(ls);
+  akv_engine *e;
+  if (st != AKV_OK) return st;
+  e = ls->engine;
+  if (ls->state != AKV_LEASE_CONSUMED)
+    return akv_lease_wrong_state(ls, "lease_seal", "consumed and written back");
+  if (ls->n_written != ls->n_contexts)
+    return akv_fail(e, AKV_ERR_LEASE_STATE,
+                    "lease_seal: %u of %u owners written back; write back the rest first",
+                    ls->n_written, ls->n_contexts);
+  if (attention.serial != ls->fence_attn || tail.serial != ls->fence_tail)
+    return akv_fail(e, AKV_ERR_FENCE_MISMATCH,
+                    "lease_seal: fences (tail %llu, attention %llu) are not the current tail "
+                    "%llu and attention %llu of layer %u",
+                    (unsigned long long)tail.serial, (unsigned long long)attention.serial,
+                    (unsigned long long)ls->fence_tail, (unsigned long long)ls->fence_attn,
+                    ls->layer);
+  ls->state = AKV_LEASE_SEALED;
+  return AKV_OK;
+}
+
+AKV_API akv_status akv_lease_retire(akv_lease *ls, akv_receipt *receipt) {
+  akv_status st = akv_lease_enter(ls);
+  akv_engine *e;
+  akv_receipt r;
+  if (st != AKV_OK) return st;
+  e = ls->engine;
+  if (ls->state != AKV_LEASE_SEALED) return akv_lease_wrong_state(ls, "lease_retire", "sealed");
+  /* Error-returning waits on every copy ticket's event and every consumer. */
+  AKV_CHECK(akv_bk_event_sync(&e->bk, ls->ev_h2d));
+  if (ls->used_d2d) AKV_CHECK(akv_bk_event_sync(&e->bk, ls->ev_d2d));
+  AKV_CHECK(akv_bk_event_sync(&e->bk, ls->ev_attn));
+  AKV_CHECK(akv_bk_event_sync(&e->bk, ls->ev_tail));
+  memset(&r, 0, sizeof(r));
+  r.step = ls->step;
+  r.layer = ls->layer;
+  r.tickets = ls->n_tickets;
+  r.readers = 2;
+  r.bytes_h2d = ls->bytes_h2d;
+  r.bytes_d2d = ls->bytes_d2d;
+  r.bytes_d2h = ls->bytes_d2h;
+  r.attention.serial = ls->fence_attn;
+  r.tail.serial = ls->fence_tail;
+  /* Only now, with every fence proven, are tickets and the layer released. */
+  akv_lease_release_tickets(ls);
+  ls->state = AKV_LEASE_RETIRED;
+  e->leases_live--;
+  e->leases_retired++;
+  if (receipt != NULL) *receipt = r;
+  return AKV_OK;
+fail:
+  return akv_transport_failed(e, st, "lease_retire");
+}
+
+void akv_leases_release_all(akv_engine *e) {
+  for (uint32_t l = 0; l < e->cfg.n_dense_layers; l++) {
+    akv_lease *ls = &e->leases[l];
+    if (ls->state == AKV_LEASE_IDLE || ls->state == AKV_LEASE_RETIRED) continue;
+    akv_lease_release_tickets(ls);
+    ls->state = AKV_LEASE_RETIRED;
+  }
+  e->leases_live = 0;
+  for (uint32_t i = 0; i < e->concurrency; i++) {
+    akv_context *c = &e->contexts[i];
+    for (; c->fill_leases > 0; c->fill_leases--) akv_ticket_release(e, c, c->generation);
+    c->in_step = false;
+  }
+  e->step_open = false;
+  e->step_n = 0;
+  e->fence_done = e->fence_serial;
+}

@@ -1,0 +1,45 @@
+/*
+ * log.c - the engine never prints by itself: lines go to the caller's log
+ * callback, or to stderr when none is set.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "internal.h"
+
+static void akv_log_emit(const akv_engine_config *cfg, akv_log_level level, const char *fmt,
+                         va_list ap) {
+  char line[768];
+  if (cfg != NULL && level > cfg->log_level) return;
+  vsnprintf(line, sizeof(line), fmt, ap);
+  if (cfg != NULL && cfg->log_fn != NULL) {
+    cfg->log_fn(cfg->log_user, level, line);
+  } else {
+    static const char *const names[] = {"error", "warn", "info", "debug"};
+    fprintf(stderr, "activekv %s: %s\n", names[level <= AKV_LOG_DEBUG ? level : AKV_LOG_DEBUG],
+            line);
+  }
+}
+
+void akv_log_cfg(const akv_engine_config *cfg, akv_log_level level, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  akv_log_emit(cfg, level, fmt, ap);
+  va_end(ap);
+}
+
+void akv_log(const akv_engine *e, akv_log_level level, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  akv_log_emit(e != NULL ? &e->cfg : NULL, level, fmt, ap);
+  va_end(ap);
+}
+
+akv_status akv_fail(akv_engine *e, akv_status st, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(e->last_error, sizeof(e->last_error), fmt, ap);
+  va_end(ap);
+  akv_log(e, AKV_LOG_DEBUG, "%s: %s", akv_status_string(st), e->last_error);
+  return st;
+}

@@ -1,0 +1,144 @@
+/*
+ * step.c - the step boundary: the only point where residency changes.
+ *
+ * step_begin runs admission over the step's contexts and enqueues the fills
+ * of newly resident pages on the H2D queue; step_end requires every layer's
+ * lease retired and grows each context by the row the step wrote back.
+ */
+#include <string.h>
+
+#include "internal.h"
+
+/* Enqueues the H2D fill of every page admission newly mapped. Each fill
+ * copies one logical page of one context, for every dense layer (K and V). */
+static akv_status akv_step_fill_pages(akv_engine *e) {
+  akv_status st = AKV_OK;
+  const akv_adm_fill *fills = NULL;
+  size_t n_fills = akv_adm_fills(e->adm, &fills);
+  size_t n = 0;
+  const uint32_t per_fill = 2 * e->cfg.n_dense_layers;
+
+  for (size_t f = 0; f < n_fills; f++) {
+    const akv_adm_fill *fl = &fills[f];
+    akv_context *c = &e->contexts[fl->slot];
+    /* Logical cancellation revokes publication but physical reuse waits for
+     * every fence: the page's last readers were D2D materialisations of
+     * leases that have all retired (a boundary is reached only with no live
+     * lease, and retire waited on each fence), so fence <= fence_done. */
+    if (fl->fence > e->fence_done) {
+      st = akv_fail(e, AKV_ERR_BACKEND,
+                    "page %u handed out with fence %llu not yet proven (done up to %llu)",
+                    fl->physical, (unsigned long long)fl->fence,
+                    (unsigned long long)e->fence_done);
+      goto fail;
+    }
+    if (n + per_fill > e->scratch2_cap) {
+      AKV_CHECK(akv_bk_copy_batch(&e->bk, e->q_h2d, AKV_COPY_H2D, n, e->sc2_dst,
+                                  (const void *const *)e->sc2_src, e->sc2_bytes));
+      e->copies_h2d++;
+      n = 0;
+    }
+    for (uint32_t l = 0; l < e->cfg.n_dense_layers; l++) {
+      for (int kv = 0; kv < 2; kv++) {
+        uint8_t *dst = e->dev_pool + (uint64_t)fl->physical * e->page_bytes +
+                       ((uint64_t)l * 2 + (uint64_t)kv) * e->page_seg_bytes;
+        const uint8_t *src =
+            akv_host_segment(e, c, l, kv) + (uint64_t)fl->logical * e->page_seg_bytes;
+        e->sc2_dst[n] = dst;
+        e->sc2_src[n] = src;
+        e->sc2_bytes[n] = e->page_seg_bytes;
+        n++;
+        e->bytes_h2d += e->page_seg_bytes;
+      }
+    }
+    /* The fill reads host rows: it holds a host page lease until step_end,
+     * by which point every lease of the step retired behind it on the same
+     * H2D queue. */
+    akv_ticket_take(e, c);
+    c->fill_leases++;
+  }
+  if (n > 0) {
+    AKV_CHECK(akv_bk_copy_batch(&e->bk, e->q_h2d, AKV_COPY_H2D, n, e->sc2_dst,
+                                (const void *const *)e->sc2_src, e->sc2_bytes));
+    e->copies_h2d++;
+  }
+  if (n_fills > 0) {
+    /* Materialisations of this step read the filled pages: the D2D queue
+     * waits for the fills on the device. */
+    AKV_CHECK(akv_bk_record(&e->bk, e->ev_fill, e->q_h2d));
+    AKV_CHECK(akv_bk_wait(&e->bk, e->q_d2d, e->ev_fill));
+  }
+  return AKV_OK;
+fail:
+  if (st == AKV_ERR_BACKEND && e->bk.error[0] != '\0') return akv_transport_failed(e, st, "page fill");
+  return st;
+}
+
+AKV_API akv_status akv_step_begin(akv_engine *e, akv_context *const *ctxs, uint32_t n) {
+  akv_status st = akv_engine_enter(e);
+  if (st != AKV_OK) return st;
+  if (e->step_open) return akv_fail(e, AKV_ERR_STEP_STATE, "step_begin: a step is already open");
+  if (ctxs == NULL || n == 0 || n > e->concurrency)
+    return akv_fail(e, AKV_ERR_INVALID_ARGUMENT,
+                    "step_begin: %u contexts given; between 1 and %u (effective concurrency)", n,
+                    e->concurrency);
+  for (uint32_t i = 0; i < n; i++) {
+    if (!akv_context_ok(ctxs[i]) || ctxs[i]->engine != e)
+      return akv_fail(e, AKV_ERR_BAD_HANDLE, "step_begin: context %u is not an open context of "
+                      "this engine", i);
+    for (uint32_t j = 0; j < i; j++)
+      if (ctxs[j] == ctxs[i])
+        return akv_fail(e, AKV_ERR_INVALID_ARGUMENT, "step_begin: context %u listed twice",
+                        ctxs[i]->id);
+    if ((uint64_t)ctxs[i]->len + 1 > e->cfg.max_tokens)
+      return akv_fail(e, AKV_ERR_CAPACITY, "step_begin: context %u holds max_tokens=%u rows",
+                      ctxs[i]->id, e->cfg.max_tokens);
+  }
+  /* No lease is live at a boundary: every fence recorded so far was waited
+   * on by a retire (or by quarantine). */
+  e->fence_done = e->fence_serial;
+  e->step++;
+  if (e->n_pages > 0) {
+    for (uint32_t i = 0; i < n; i++) {
+      e->adm_req[i].slot = ctxs[i]->slot;
+      e->adm_req[i].full_pages = ctxs[i]->len / e->cfg.page_tokens;
+    }
+    st = akv_adm_step(e->adm, e->step, e->adm_req, n);
+    if (st != AKV_OK) return akv_fail(e, st, "step_begin: admission step failed");
+    st = akv_step_fill_pages(e);
+    if (st != AKV_OK) return st;
+  }
+  for (uint32_t i = 0; i < n; i++) {
+    e->step_ctx[i] = ctxs[i];
+    ctxs[i]->in_step = true;
+  }
+  e->step_n = n;
+  e->step_open = true;
+  e->next_layer = 0;
+  e->last_begun = NULL;
+  return AKV_OK;
+}
+
+AKV_API akv_status akv_step_end(akv_engine *e) {
+  akv_status st = akv_engine_enter(e);
+  if (st != AKV_OK) return st;
+  if (!e->step_open) return akv_fail(e, AKV_ERR_STEP_STATE, "step_end: no step is open");
+  if (e->next_layer != e->cfg.n_dense_layers || e->leases_live > 0)
+    return akv_fail(e, AKV_ERR_STEP_STATE,
+                    "step_end: %u of %u layers leased, %u leases not retired", e->next_layer,
+                    e->cfg.n_dense_layers, e->leases_live);
+  for (uint32_t i = 0; i < e->step_n; i++) {
+    akv_context *c = e->step_ctx[i];
+    c->len++;
+    c->in_step = false;
+  }
+  /* Fill tickets: proven complete by the retires behind them on the H2D queue. */
+  for (uint32_t i = 0; i < e->concurrency; i++) {
+    akv_context *c = &e->contexts[i];
+    for (; c->fill_leases > 0; c->fill_leases--) akv_ticket_release(e, c, c->generation);
+  }
+  e->step_open = false;
+  e->step_n = 0;
+  e->steps_done++;
+  return AKV_OK;
+}

@@ -1,0 +1,56 @@
+/*
+ * stream.c - compute queues for callers that have none (the host backend's
+ * worker threads), and host functions on a caller's stream.
+ */
+#include "internal.h"
+
+#define AKV_N_STREAMS (sizeof(((akv_engine *)0)->streams) / sizeof(((akv_engine *)0)->streams[0]))
+
+AKV_API akv_status akv_stream_create(akv_engine *e, akv_stream *out) {
+  akv_status st = akv_engine_enter(e);
+  if (st != AKV_OK) return st;
+  if (out == NULL) return akv_fail(e, AKV_ERR_INVALID_ARGUMENT, "stream_create: out is NULL");
+  for (size_t i = 0; i < AKV_N_STREAMS; i++) {
+    if (e->streams[i].live) continue;
+    st = akv_bk_queue_create(&e->bk, &e->streams[i].queue);
+    if (st != AKV_OK) return akv_transport_failed(e, st, "stream_create");
+    e->streams[i].live = true;
+    *out = (akv_stream)e->streams[i].queue;
+    return AKV_OK;
+  }
+  return akv_fail(e, AKV_ERR_OUT_OF_MEMORY, "stream_create: at most %zu streams per engine",
+                  AKV_N_STREAMS);
+}
+
+AKV_API akv_status akv_stream_destroy(akv_engine *e, akv_stream s) {
+  if (!akv_engine_ok(e)) return AKV_ERR_BAD_HANDLE;
+  for (size_t i = 0; i < AKV_N_STREAMS; i++) {
+    if (e->streams[i].live && (akv_stream)e->streams[i].queue == s) {
+      akv_bk_queue_destroy(&e->bk, e->streams[i].queue);
+      e->streams[i].live = false;
+      e->streams[i].queue = NULL;
+      return AKV_OK;
+    }
+  }
+  return akv_fail(e, AKV_ERR_INVALID_ARGUMENT, "stream_destroy: not a stream of this engine");
+}
+
+AKV_API akv_status akv_stream_synchronize(akv_engine *e, akv_stream s) {
+  akv_status st = akv_engine_enter(e);
+  if (st != AKV_OK) return st;
+  if (s == NULL) return akv_fail(e, AKV_ERR_INVALID_ARGUMENT, "stream_synchronize: NULL stream");
+  st = akv_bk_queue_sync(&e->bk, (akv_bqueue *)s);
+  if (st != AKV_OK) return akv_transport_failed(e, st, "stream_synchronize");
+  return AKV_OK;
+}
+
+AKV_API akv_status akv_stream_launch_host(akv_engine *e, akv_stream s, void (*fn)(void *),
+                                          void *arg) {
+  akv_status st = akv_engine_enter(e);
+  if (st != AKV_OK) return st;
+  if (s == NULL || fn == NULL)
+    return akv_fail(e, AKV_ERR_INVALID_ARGUMENT, "stream_launch_host: NULL stream or function");
+  st = akv_bk_host_fn(&e->bk, (akv_bqueue *)s, fn, arg);
+  if (st != AKV_OK) return akv_transport_failed(e, st, "stream_launch_host");
+  return AKV_OK;
+}

@@ -1,0 +1,666 @@
+/*
+ * test_attention_ref.c - the CPU reference attention (akv_attention.h).
+ *
+ * Checks, on random bf16 inputs drawn fresh per case:
+ *  - the reference against a naive float64 softmax attention: relative L2
+ *    error ||out - ref|| / ||ref|| <= 1e-5 per context (all arithmetic is
+ *    fp32 over bf16 inputs, so the error is a few fp32 roundings);
+ *  - paged == contiguous, bit for bit, with page_tokens == chunk_tokens;
+ *  - lengths 0, 1, chunk-1, chunk, chunk+1, odd; GQA groups 1, 3, 4, 8;
+ *  - determinism (same input twice -> same bits);
+ *  - argument checks leave the output untouched;
+ *  - the checker has teeth (a corrupted row is detected).
+ * Every byte the kernels must not read (row padding, rows at and beyond len,
+ * unused pages) is filled with bf16 NaN, so a stray read poisons the output.
+ */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "akv_attention.h"
+
+#define REL_L2_TOL 1e-5
+#define BF16_NAN 0x7FC1u
+
+/* Largest relative L2 error seen, printed so the margin under the bound shows. */
+static double worst_err = 0.0;
+
+/* ------------------------------------------------------------------ helpers */
+
+static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
+
+static uint64_t rng_next(void) {
+  uint64_t x = rng_state;
+  x ^= x << 13;
+  x ^= x >> 7;
+  x ^= x << 17;
+  rng_state = x;
+  return x;
+}
+
+/* Uniform in [-1, 1). */
+static float rng_unit(void) { return (float)((double)(rng_next() >> 11) / 9007199254740992.0 * 2.0 - 1.0); }
+
+static uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  u += 0x7FFFu + ((u >> 16) & 1u); /* round to nearest even; inputs are finite */
+  return (uint16_t)(u >> 16);
+}
+
+static double bf16_to_f64(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return (double)f;
+}
+
+static void fill_nan16(void *p, size_t bytes) {
+  uint16_t *h = (uint16_t *)p;
+  for (size_t i = 0; i < bytes / 2; ++i) h[i] = BF16_NAN;
+}
+
+static void fill_random16(uint16_t *h, size_t n, float amp) {
+  for (size_t i = 0; i < n; ++i) h[i] = f32_to_bf16(amp * rng_unit());
+}
+
+static void poison_f32(float *p, size_t n) {
+  const uint32_t nan_bits = 0x7FBADBADu;
+  for (size_t i = 0; i < n; ++i) memcpy(&p[i], &nan_bits, sizeof nan_bits);
+}
+
+/* A test problem: contiguous history in the akv_view layout, plus q. */
+typedef struct problem {
+  uint32_t n_ctx, n_heads, kv_heads, head_dim, chunk;
+  uint32_t len[16];
+  uint32_t cap; /* rows of room per context */
+  uint64_t row_bytes, context_stride, v_offset;
+  char *base; /* n_ctx * context_stride bytes */
+  uint16_t *q;
+  float scale;
+} problem;
+
+static void problem_init(problem *p, uint32_t n_ctx, uint32_t n_heads, uint32_t kv_heads,
+                         uint32_t head_dim, uint32_t chunk, const uint32_t *len, float amp) {
+  memset(p, 0, sizeof *p);
+  assert_true(n_ctx <= 16);
+  p->n_ctx = n_ctx;
+  p->n_heads = n_heads;
+  p->kv_heads = kv_heads;
+  p->head_dim = head_dim;
+  p->chunk = chunk;
+  p->cap = 1;
+  for (uint32_t i = 0; i < n_ctx; ++i) {
+    p->len[i] = len[i];
+    if (len[i] + 1 > p->cap) p->cap = len[i] + 1;
+  }
+  /* Padding everywhere the kernels must not look: 32 bytes per row, a spare
+   * row per context, 64 bytes between K and V and between contexts. */
+  p->row_bytes = (uint64_t)kv_heads * head_dim * 2u + 32u;
+  p->v_offset = p->cap * p->row_bytes + 64u;
+  p->context_stride = 2u * p->v_offset;
+  p->base = (char *)malloc(n_ctx * p->context_stride);
+  assert_non_null(p->base);
+  fill_nan16(p->base, n_ctx * p->context_stride);
+  for (uint32_t i = 0; i < n_ctx; ++i) {
+    for (uint32_t t = 0; t < len[i]; ++t) {
+      char *k = p->base + i * p->context_stride + t * p->row_bytes;
+      fill_random16((uint16_t *)k, (size_t)kv_heads * head_dim, 1.0f);
+      fill_random16((uint16_t *)(k + p->v_offset), (size_t)kv_heads * head_dim, 1.0f);
+    }
+  }
+  p->q = (uint16_t *)malloc((size_t)n_ctx * n_heads * head_dim * 2u);
+  assert_non_null(p->q);
+  fill_random16(p->q, (size_t)n_ctx * n_heads * head_dim, amp);
+  p->scale = 1.0f / sqrtf((float)head_dim);
+}
+
+static void problem_free(problem *p) {
+  free(p->base);
+  free(p->q);
+}
+
+static size_t out_elems(const problem *p) { return (size_t)p->n_ctx * p->n_heads * p->head_dim; }
+
+static uint32_t max_len(const problem *p) {
+  uint32_t m = 0;
+  for (uint32_t i = 0; i < p->n_ctx; ++i)
+    if (p->len[i] > m) m = p->len[i];
+  return m;
+}
+
+/* Runs the contiguous reference; returns its status. */
+static akv_status run_contig(const problem *p, float *out) {
+  size_t ws_bytes = 0;
+  assert_int_equal(akv_attention_workspace_bytes(p->n_ctx, p->n_heads, p->head_dim, max_len(p),
+                                                 p->chunk, &ws_bytes),
+                   AKV_OK);
+  void *ws = malloc(ws_bytes ? ws_bytes : 1);
+  assert_non_null(ws);
+  akv_attention_args a;
+  memset(&a, 0, sizeof a);
+  a.dtype = AKV_DTYPE_BF16;
+  a.n_contexts = p->n_ctx;
+  a.n_heads = p->n_heads;
+  a.kv_heads = p->kv_heads;
+  a.head_dim = p->head_dim;
+  a.chunk_tokens = p->chunk;
+  a.scale = p->scale;
+  a.q = p->q;
+  a.k_base = p->base;
+  a.v_base = p->base + p->v_offset;
+  a.context_stride = p->context_stride;
+  a.row_bytes = p->row_bytes;
+  a.len = p->len;
+  a.out = out;
+  a.workspace = ws;
+  a.workspace_bytes = ws_bytes;
+  akv_status st = akv_attention_ref_bf16(&a);
+  free(ws);
+  return st;
+}
+
+/* A paged copy of the same history: pages scattered in a pool in a shuffled
+ * order, with their own row padding and page padding. */
+typedef struct paged {
+  akv_page_table t;
+  char *k_pool, *v_pool;
+  uint32_t indptr[17];
+  uint32_t *indices;
+  uint32_t last[16];
+} paged;
+
+static void paged_build(paged *pg, const problem *p) {
+  memset(pg, 0, sizeof *pg);
+  const uint32_t pt = p->chunk;
+  const uint64_t row_bytes = (uint64_t)p->kv_heads * p->head_dim * 2u + 16u;
+  const uint64_t page_stride = pt * row_bytes + 48u;
+  uint32_t total = 0, max_pages = 0;
+  pg->indptr[0] = 0;
+  for (uint32_t i = 0; i < p->n_ctx; ++i) {
+    const uint32_t np = (p->len[i] + pt - 1) / pt;
+    pg->indptr[i + 1] = pg->indptr[i] + np;
+    pg->last[i] = np ? p->len[i] - (np - 1) * pt : 0;
+    total += np;
+    if (np > max_pages) max_pages = np;
+  }
+  const uint32_t pool_pages = total + 3; /* a few pages nobody owns */
+  pg->indices = (uint32_t *)malloc((total + 1) * sizeof(uint32_t));
+  uint32_t *perm = (uint32_t *)malloc(pool_pages * sizeof(uint32_t));
+  assert_non_null(pg->indices);
+  assert_non_null(perm);
+  for (uint32_t i = 0; i < pool_pages; ++i) perm[i] = i;
+  for (uint32_t i = pool_pages - 1; i > 0; --i) {
+    uint32_t j = (uint32_t)(rng_next() % (i + 1));
+    uint32_t tmp = perm[i];
+    perm[i] = perm[j];
+    perm[j] = tmp;
+  }
+  pg->k_pool = (char *)malloc(pool_pages * page_stride);
+  pg->v_pool = (char *)malloc(pool_pages * page_stride);
+  assert_non_null(pg->k_pool);
+  assert_non_null(pg->v_pool);
+  fill_nan16(pg->k_pool, pool_pages * page_stride);
+  fill_nan16(pg->v_pool, pool_pages * page_stride);
+  const size_t row_payload = (size_t)p->kv_heads * p->head_dim * 2u;
+  for (uint32_t i = 0; i < p->n_ctx; ++i) {
+    for (uint32_t c = 0; c < pg->indptr[i + 1] - pg->indptr[i]; ++c) {
+      const uint32_t phys = perm[pg->indptr[i] + c];
+      pg->indices[pg->indptr[i] + c] = phys;
+      for (uint32_t r = 0; r < pt && c * pt + r < p->len[i]; ++r) {
+        const char *src = p->base + i * p->context_stride + (size_t)(c * pt + r) * p->row_bytes;
+        memcpy(pg->k_pool + phys * page_stride + r * row_bytes, src, row_payload);
+        memcpy(pg->v_pool + phys * page_stride + r * row_bytes, src + p->v_offset, row_payload);
+      }
+    }
+  }
+  free(perm);
+  pg->t.batch = p->n_ctx;
+  pg->t.page_tokens = pt;
+  pg->t.max_pages = max_pages;
+  pg->t.indptr = pg->indptr;
+  pg->t.indices = pg->indices;
+  pg->t.last_page_len = pg->last;
+  pg->t.k_pages = pg->k_pool;
+  pg->t.v_pages = pg->v_pool;
+  pg->t.page_stride = page_stride;
+  pg->t.row_bytes = row_bytes;
+}
+
+static void paged_free(paged *pg) {
+  free(pg->indices);
+  free(pg->k_pool);
+  free(pg->v_pool);
+}
+
+static akv_status run_paged(const problem *p, const paged *pg, float *out) {
+  size_t ws_bytes = 0;
+  assert_int_equal(akv_attention_workspace_bytes(pg->t.batch, p->n_heads, p->head_dim,
+                                                 pg->t.max_pages * pg->t.page_tokens,
+                                                 pg->t.page_tokens, &ws_bytes),
+                   AKV_OK);
+  void *ws = malloc(ws_bytes ? ws_bytes : 1);
+  assert_non_null(ws);
+  akv_attention_paged_args a;
+  memset(&a, 0, sizeof a);
+  a.dtype = AKV_DTYPE_BF16;
+  a.n_heads = p->n_heads;
+  a.kv_heads = p->kv_heads;
+  a.head_dim = p->head_dim;
+  a.scale = p->scale;
+  a.q = p->q;
+  a.out = out;
+  a.workspace = ws;
+  a.workspace_bytes = ws_bytes;
+  akv_status st = akv_attention_paged_ref_bf16(&a, pg->t);
+  free(ws);
+  return st;
+}
+
+/* Naive float64 softmax attention of context i into ref[n_heads][head_dim]. */
+static void naive_f64(const problem *p, uint32_t i, double *ref) {
+  const uint32_t d = p->head_dim, group = p->n_heads / p->kv_heads, n = p->len[i];
+  double *s = (double *)malloc((n ? n : 1) * sizeof(double));
+  assert_non_null(s);
+  for (uint32_t h = 0; h < p->n_heads; ++h) {
+    const uint32_t kvh = h / group;
+    const uint16_t *q = p->q + ((size_t)i * p->n_heads + h) * d;
+    double m = -INFINITY, l = 0.0;
+    for (uint32_t t = 0; t < n; ++t) {
+      const uint16_t *k = (const uint16_t *)(p->base + i * p->context_stride + t * p->row_bytes) +
+                          (size_t)kvh * d;
+      double dot = 0.0;
+      for (uint32_t j = 0; j < d; ++j) dot += bf16_to_f64(q[j]) * bf16_to_f64(k[j]);
+      s[t] = dot * (double)p->scale;
+      if (s[t] > m) m = s[t];
+    }
+    for (uint32_t j = 0; j < d; ++j) ref[(size_t)h * d + j] = 0.0;
+    for (uint32_t t = 0; t < n; ++t) {
+      const double w = exp(s[t] - m);
+      const uint16_t *v = (const uint16_t *)(p->base + i * p->context_stride + p->v_offset +
+                                             t * p->row_bytes) +
+                          (size_t)kvh * d;
+      l += w;
+      for (uint32_t j = 0; j < d; ++j) ref[(size_t)h * d + j] += w * bf16_to_f64(v[j]);
+    }
+    for (uint32_t j = 0; j < d; ++j) ref[(size_t)h * d + j] = n ? ref[(size_t)h * d + j] / l : 0.0;
+  }
+  free(s);
+}
+
+/* Relative L2 error of context i's output against float64; NaN -> +inf. */
+static double rel_l2_ctx(const problem *p, const float *out, uint32_t i) {
+  const size_t per = (size_t)p->n_heads * p->head_dim;
+  double *ref = (double *)malloc(per * sizeof(double));
+  assert_non_null(ref);
+  naive_f64(p, i, ref);
+  double num = 0.0, den = 0.0;
+  for (size_t e = 0; e < per; ++e) {
+    const double o = (double)out[(size_t)i * per + e];
+    if (isnan(o)) {
+      free(ref);
+      return INFINITY;
+    }
+    num += (o - ref[e]) * (o - ref[e]);
+    den += ref[e] * ref[e];
+  }
+  free(ref);
+  if (den == 0.0) return num == 0.0 ? 0.0 : INFINITY;
+  return sqrt(num / den);
+}
+
+/* Checks every context against float64, then paged == contiguous bitwise. */
+static void check_problem(uint32_t n_ctx, uint32_t n_heads, uint32_t kv_heads, uint32_t head_dim,
+                          uint32_t chunk, const uint32_t *len, float amp) {
+  problem p;
+  paged pg;
+  problem_init(&p, n_ctx, n_heads, kv_heads, head_dim, chunk, len, amp);
+  const size_t n = out_elems(&p);
+  float *out = (float *)malloc(n * sizeof(float));
+  float *out_paged = (float *)malloc(n * sizeof(float));
+  assert_non_null(out);
+  assert_non_null(out_paged);
+  poison_f32(out, n);
+  poison_f32(out_paged, n);
+
+  assert_int_equal(run_contig(&p, out), AKV_OK);
+  for (uint32_t i = 0; i < n_ctx; ++i) {
+    const double err = rel_l2_ctx(&p, out, i);
+    if (!(err <= REL_L2_TOL))
+      print_error("ctx %u len %u heads %u/%u dim %u chunk %u amp %g: rel L2 %.3e > %.0e\n", i,
+                  len[i], n_heads, kv_heads, head_dim, chunk, (double)amp, err, REL_L2_TOL);
+    assert_true(err <= REL_L2_TOL);
+    if (err > worst_err) worst_err = err;
+  }
+
+  paged_build(&pg, &p);
+  assert_int_equal(run_paged(&p, &pg, out_paged), AKV_OK);
+  assert_memory_equal(out, out_paged, n * sizeof(float));
+
+  paged_free(&pg);
+  free(out);
+  free(out_paged);
+  problem_free(&p);
+}
+
+/* ------------------------------------------------------------------ tests */
+
+static void test_workspace_bytes(void **state) {
+  (void)state;
+  size_t b = 0;
+  assert_int_equal(akv_attention_workspace_bytes(1, 1, 128, 256, 256, &b), AKV_OK);
+  /* one chunk: acc 128 floats (512 B), ml 2 floats rounded up to 256 B */
+  assert_int_equal(b, 512u + 256u);
+  assert_int_equal(akv_attention_workspace_bytes(4, 32, 128, 31744, 256, &b), AKV_OK);
+  assert_int_equal(b, (size_t)4 * 32 * 124 * 128 * 4 + (size_t)4 * 32 * 124 * 2 * 4);
+  assert_int_equal(akv_attention_workspace_bytes(2, 8, 64, 0, 16, &b), AKV_OK);
+  assert_int_equal(b, 0u);
+  assert_int_equal(akv_attention_workspace_bytes(1, 1, 128, 256, 0, &b), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_attention_workspace_bytes(0, 1, 128, 256, 16, &b), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_attention_workspace_bytes(1, 1, 512, 256, 16, &b), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_attention_workspace_bytes(1, 1, 128, 256, 16, NULL),
+                   AKV_ERR_INVALID_ARGUMENT);
+  /* 2^32 * 2^32 * 256 * 4 bytes overflows size_t on every platform. */
+  assert_int_equal(akv_attention_workspace_bytes(UINT32_MAX, UINT32_MAX, 256, UINT32_MAX, 1, &b),
+                   AKV_ERR_INVALID_ARGUMENT);
+}
+
+static void test_matches_float64(void **state) {
+  (void)state;
+  const uint32_t len[4] = {300, 77, 1, 512};
+  check_problem(4, 32, 8, 128, 64, len, 1.0f);  /* group 4, llama geometry */
+  check_problem(4, 8, 8, 64, 32, len, 1.0f);    /* group 1 (MHA) */
+  check_problem(4, 64, 8, 128, 256, len, 1.0f); /* group 8, one chunk mostly */
+  check_problem(4, 12, 4, 80, 48, len, 1.0f);   /* group 3, head_dim 80 (reference only) */
+  check_problem(4, 16, 1, 64, 100, len, 1.0f);  /* MQA, group 16 */
+  /* Sharper softmax: scores several times larger. */
+  check_problem(4, 32, 8, 128, 64, len, 6.0f);
+  print_message("worst relative L2 error against float64: %.3e (bound %.0e)\n", worst_err,
+                REL_L2_TOL);
+}
+
+static void test_lengths_around_chunk(void **state) {
+  (void)state;
+  const uint32_t chunk = 16;
+  const uint32_t len[6] = {1, chunk - 1, chunk, chunk + 1, 3 * chunk + 7, 5 * chunk};
+  check_problem(6, 32, 8, 128, chunk, len, 1.0f);
+  check_problem(6, 8, 2, 64, chunk, len, 2.0f);
+  /* chunk of one row */
+  const uint32_t len1[3] = {1, 2, 9};
+  check_problem(3, 4, 4, 64, 1, len1, 1.0f);
+}
+
+static void test_gqa_groups(void **state) {
+  (void)state;
+  const uint32_t len[2] = {129, 255};
+  const uint32_t groups[4] = {1, 3, 4, 8};
+  for (int g = 0; g < 4; ++g) check_problem(2, 2 * groups[g], 2, 128, 64, len, 1.0f);
+}
+
+static void test_zero_length_gives_zeros(void **state) {
+  (void)state;
+  const uint32_t len[3] = {0, 5, 0};
+  problem p;
+  paged pg;
+  problem_init(&p, 3, 8, 2, 64, 4, len, 1.0f);
+  const size_t n = out_elems(&p), per = (size_t)8 * 64;
+  float *out = (float *)malloc(n * sizeof(float));
+  float *out2 = (float *)malloc(n * sizeof(float));
+  assert_non_null(out);
+  assert_non_null(out2);
+  poison_f32(out, n);
+  poison_f32(out2, n);
+  assert_int_equal(run_contig(&p, out), AKV_OK);
+  for (size_t e = 0; e < per; ++e) {
+    assert_true(out[e] == 0.0f);
+    assert_true(out[2 * per + e] == 0.0f);
+  }
+  assert_true(rel_l2_ctx(&p, out, 1) <= REL_L2_TOL);
+  paged_build(&pg, &p);
+  assert_int_equal(run_paged(&p, &pg, out2), AKV_OK);
+  assert_memory_equal(out, out2, n * sizeof(float));
+  paged_free(&pg);
+
+  /* All contexts empty: a workspace of 0 bytes (and NULL) is enough. */
+  const uint32_t none[2] = {0, 0};
+  problem e;
+  problem_init(&e, 2, 4, 4, 64, 8, none, 1.0f);
+  akv_attention_args a;
+  memset(&a, 0, sizeof a);
+  a.dtype = AKV_DTYPE_BF16;
+  a.n_contexts = 2;
+  a.n_heads = 4;
+  a.kv_heads = 4;
+  a.head_dim = 64;
+  a.chunk_tokens = 8;
+  a.scale = 0.125f;
+  a.q = e.q;
+  a.k_base = e.base;
+  a.v_base = e.base + e.v_offset;
+  a.context_stride = e.context_stride;
+  a.row_bytes = e.row_bytes;
+  a.len = e.len;
+  a.out = out;
+  poison_f32(out, 2 * 4 * 64);
+  assert_int_equal(akv_attention_ref_bf16(&a), AKV_OK);
+  for (size_t i = 0; i < 2 * 4 * 64; ++i) assert_true(out[i] == 0.0f);
+  problem_free(&e);
+
+  free(out);
+  free(out2);
+  problem_free(&p);
+}
+
+static void test_deterministic(void **state) {
+  (void)state;
+  const uint32_t len[3] = {1000, 333, 64};
+  problem p;
+  problem_init(&p, 3, 32, 8, 128, 64, len, 2.0f);
+  const size_t n = out_elems(&p);
+  float *a = (float *)malloc(n * sizeof(float));
+  float *b = (float *)malloc(n * sizeof(float));
+  assert_non_null(a);
+  assert_non_null(b);
+  poison_f32(a, n);
+  memset(b, 0, n * sizeof(float));
+  assert_int_equal(run_contig(&p, a), AKV_OK);
+  assert_int_equal(run_contig(&p, b), AKV_OK);
+  assert_memory_equal(a, b, n * sizeof(float));
+  free(a);
+  free(b);
+  problem_free(&p);
+}
+
+/* The checks above must be able to fail: a changed row and a corrupted output
+ * are both detected, and rows beyond len are ignored bit for bit. */
+static void test_checker_has_teeth(void **state) {
+  (void)state;
+  const uint32_t len[1] = {200};
+  problem p;
+  problem_init(&p, 1, 8, 2, 64, 32, len, 2.0f);
+  const size_t n = out_elems(&p);
+  float *a = (float *)malloc(n * sizeof(float));
+  float *b = (float *)malloc(n * sizeof(float));
+  assert_non_null(a);
+  assert_non_null(b);
+  assert_int_equal(run_contig(&p, a), AKV_OK);
+  assert_true(rel_l2_ctx(&p, a, 0) <= REL_L2_TOL);
+
+  /* One output element off by 1e-3 of the norm: the L2 check notices. */
+  double norm = 0.0;
+  for (size_t e = 0; e < n; ++e) norm += (double)a[e] * a[e];
+  a[7] += (float)(1e-3 * sqrt(norm));
+  assert_true(rel_l2_ctx(&p, a, 0) > REL_L2_TOL);
+
+  /* A V row changed after the run: the recomputed output differs. */
+  uint16_t *v = (uint16_t *)(p.base + p.v_offset + 100 * p.row_bytes);
+  v[3] = f32_to_bf16((float)bf16_to_f64(v[3]) + 0.5f);
+  assert_int_equal(run_contig(&p, b), AKV_OK);
+  assert_true(rel_l2_ctx(&p, b, 0) <= REL_L2_TOL); /* float64 sees the same change */
+  assert_int_equal(run_contig(&p, a), AKV_OK);
+  assert_memory_equal(a, b, n * sizeof(float));
+  v[3] = f32_to_bf16((float)bf16_to_f64(v[3]) - 0.5f - 0.25f);
+  assert_int_equal(run_contig(&p, a), AKV_OK);
+  assert_memory_not_equal(a, b, n * sizeof(float));
+
+  /* The row at index len (the step's new row) is not read: changing it from
+   * NaN to a number changes nothing. */
+  assert_int_equal(run_contig(&p, b), AKV_OK);
+  fill_random16((uint16_t *)(p.base + 200 * p.row_bytes), (size_t)2 * 64, 1.0f);
+  fill_random16((uint16_t *)(p.base + p.v_offset + 200 * p.row_bytes), (size_t)2 * 64, 1.0f);
+  assert_int_equal(run_contig(&p, a), AKV_OK);
+  assert_memory_equal(a, b, n * sizeof(float));
+  free(a);
+  free(b);
+  problem_free(&p);
+}
+
+static void test_invalid_arguments(void **state) {
+  (void)state;
+  const uint32_t len[2] = {40, 17};
+  problem p;
+  problem_init(&p, 2, 8, 2, 64, 16, len, 1.0f);
+  const size_t n = out_elems(&p);
+  float *out = (float *)malloc(n * sizeof(float));
+  float *keep = (float *)malloc(n * sizeof(float));
+  assert_non_null(out);
+  assert_non_null(keep);
+  size_t ws_bytes = 0;
+  assert_int_equal(akv_attention_workspace_bytes(2, 8, 64, 40, 16, &ws_bytes), AKV_OK);
+  void *ws = malloc(ws_bytes);
+  assert_non_null(ws);
+
+  akv_attention_args good;
+  memset(&good, 0, sizeof good);
+  good.dtype = AKV_DTYPE_BF16;
+  good.n_contexts = 2;
+  good.n_heads = 8;
+  good.kv_heads = 2;
+  good.head_dim = 64;
+  good.chunk_tokens = 16;
+  good.scale = 0.125f;
+  good.q = p.q;
+  good.k_base = p.base;
+  good.v_base = p.base + p.v_offset;
+  good.context_stride = p.context_stride;
+  good.row_bytes = p.row_bytes;
+  good.len = p.len;
+  good.out = out;
+  good.workspace = ws;
+  good.workspace_bytes = ws_bytes;
+
+  poison_f32(out, n);
+  memcpy(keep, out, n * sizeof(float));
+  akv_attention_args a;
+#define EXPECT_BAD(mutation, status)                      \
+  do {                                                    \
+    a = good;                                             \
+    mutation;                                             \
+    assert_int_equal(akv_attention_ref_bf16(&a), status); \
+    assert_memory_equal(out, keep, n * sizeof(float));    \
+  } while (0)
+  assert_int_equal(akv_attention_ref_bf16(NULL), AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_BAD(a.q = NULL, AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_BAD(a.k_base = NULL, AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_BAD(a.v_base = NULL, AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_BAD(a.len = NULL, AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_BAD(a.workspace = NULL, AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_BAD(a.workspace_bytes = ws_bytes - 1, AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_BAD(a.n_contexts = 0, AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_BAD(a.n_heads = 7, AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_BAD(a.kv_heads = 0, AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_BAD(a.head_dim = 0, AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_BAD(a.head_dim = 257, AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_BAD(a.chunk_tokens = 0, AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_BAD(a.row_bytes = 2 * 64 * 2 - 2, AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_BAD(a.dtype = AKV_DTYPE_F16, AKV_ERR_NOT_SUPPORTED);
+  /* A smaller chunk needs more partials than the workspace holds. */
+  EXPECT_BAD(a.chunk_tokens = 8, AKV_ERR_INVALID_ARGUMENT);
+#undef EXPECT_BAD
+  assert_int_equal(akv_attention_ref_bf16(&good), AKV_OK);
+  assert_memory_not_equal(out, keep, n * sizeof(float));
+
+  /* Paged table checks. */
+  paged pg;
+  paged_build(&pg, &p);
+  size_t pws = 0;
+  assert_int_equal(akv_attention_workspace_bytes(2, 8, 64, pg.t.max_pages * 16, 16, &pws), AKV_OK);
+  void *pw = malloc(pws);
+  assert_non_null(pw);
+  akv_attention_paged_args pa;
+  memset(&pa, 0, sizeof pa);
+  pa.dtype = AKV_DTYPE_BF16;
+  pa.n_heads = 8;
+  pa.kv_heads = 2;
+  pa.head_dim = 64;
+  pa.scale = 0.125f;
+  pa.q = p.q;
+  pa.out = out;
+  pa.workspace = pw;
+  pa.workspace_bytes = pws;
+  poison_f32(out, n);
+  memcpy(keep, out, n * sizeof(float));
+  akv_page_table t;
+#define EXPECT_BAD_TABLE(mutation, status)                          \
+  do {                                                              \
+    t = pg.t;                                                       \
+    mutation;                                                       \
+    assert_int_equal(akv_attention_paged_ref_bf16(&pa, t), status); \
+    assert_memory_equal(out, keep, n * sizeof(float));              \
+  } while (0)
+  EXPECT_BAD_TABLE(t.max_pages = pg.t.max_pages - 1, AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_BAD_TABLE(t.page_tokens = 0, AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_BAD_TABLE(t.indptr = NULL, AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_BAD_TABLE(t.indices = NULL, AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_BAD_TABLE(t.k_pages = NULL, AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_BAD_TABLE(t.batch = 0, AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_BAD_TABLE(t.row_bytes = 8, AKV_ERR_INVALID_ARGUMENT);
+  {
+    uint32_t bad_last[2] = {pg.last[0], 17};
+    EXPECT_BAD_TABLE(t.last_page_len = bad_last, AKV_ERR_INVALID_ARGUMENT);
+    bad_last[1] = 0;
+    EXPECT_BAD_TABLE(t.last_page_len = bad_last, AKV_ERR_INVALID_ARGUMENT);
+    uint32_t bad_indptr[3] = {0, 3, 2};
+    EXPECT_BAD_TABLE(t.indptr = bad_indptr, AKV_ERR_INVALID_ARGUMENT);
+    uint32_t bad_start[3] = {1, 3, 4};
+    EXPECT_BAD_TABLE(t.indptr = bad_start, AKV_ERR_INVALID_ARGUMENT);
+  }
+#undef EXPECT_BAD_TABLE
+  pa.workspace_bytes = pws - 1;
+  assert_int_equal(akv_attention_paged_ref_bf16(&pa, pg.t), AKV_ERR_INVALID_ARGUMENT);
+  pa.workspace_bytes = pws;
+  pa.dtype = AKV_DTYPE_F32;
+  assert_int_equal(akv_attention_paged_ref_bf16(&pa, pg.t), AKV_ERR_NOT_SUPPORTED);
+  pa.dtype = AKV_DTYPE_BF16;
+  assert_memory_equal(out, keep, n * sizeof(float));
+  assert_int_equal(akv_attention_paged_ref_bf16(NULL, pg.t), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_attention_paged_ref_bf16(&pa, pg.t), AKV_OK);
+
+  free(pw);
+  paged_free(&pg);
+  free(ws);
+  free(out);
+  free(keep);
+  problem_free(&p);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_workspace_bytes),
+      cmocka_unit_test(test_matches_float64),
+      cmocka_unit_test(test_lengths_around_chunk),
+      cmocka_unit_test(test_gqa_groups),
+      cmocka_unit_test(test_zero_length_gives_zeros),
+      cmocka_unit_test(test_deterministic),
+      cmocka_unit_test(test_checker_has_teeth),
+      cmocka_unit_test(test_invalid_arguments),
+  };
+  return cmocka_run_group_tests_name("attention_ref", tests, NULL, NULL);
+}

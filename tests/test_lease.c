@@ -1,0 +1,393 @@
+/*
+ * test_lease.c - the lease state machine (DESIGN §5): every legal transition,
+ * and every illegal one returns its specific status and changes nothing
+ * (no backend operation is issued, the lease state is unchanged, and the
+ * legal sequence still completes afterwards).
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "internal.h"
+#include "testutil.h"
+
+typedef struct fx {
+  akv_engine *e;
+  akv_stream s;
+  akv_context *c[3];
+} fx;
+
+static int noop_hook(void *user, const akv_view *view, akv_stream stream) {
+  (void)user;
+  (void)view;
+  (void)stream;
+  return 0;
+}
+
+static int failing_hook(void *user, const akv_view *view, akv_stream stream) {
+  (void)user;
+  (void)view;
+  (void)stream;
+  return 1;
+}
+
+static uint64_t ops_total(akv_engine *e) {
+  akv_engine_info info;
+  uint64_t n = 0;
+  assert_int_equal(akv_engine_info_get(e, &info), AKV_OK);
+  for (int k = 0; k < AKV_OP_KIND_COUNT; k++) n += info.backend_ops[k];
+  return n;
+}
+
+/* Asserts that `call` returns `want`, issues no backend op and leaves the
+ * lease (if any) in the same state. */
+#define ASSERT_REFUSED(e, ls, call, want)                                  \
+  do {                                                                     \
+    uint64_t ops_ = ops_total(e);                                          \
+    akv_lease_state st_ = (ls) != NULL ? (ls)->state : AKV_LEASE_IDLE;     \
+    assert_int_equal((call), (want));                                      \
+    assert_int_equal(ops_total(e), ops_);                                  \
+    if ((ls) != NULL) assert_int_equal((ls)->state, st_);                  \
+  } while (0)
+
+static int setup(void **state) {
+  static fx f;
+  const void *rows[3];
+  static uint16_t zero[64 * 16];
+  memset(&f, 0, sizeof(f));
+  f.e = akvt_small_engine(AKV_ROUTE_STAGE, 0);
+  assert_non_null(f.e);
+  assert_int_equal(akv_stream_create(f.e, &f.s), AKV_OK);
+  for (int i = 0; i < 3; i++) {
+    assert_int_equal(akv_context_open(f.e, NULL, &f.c[i]), AKV_OK);
+    for (int l = 0; l < 3; l++) rows[l] = zero;
+    assert_int_equal(akv_context_append(f.c[i], (uint32_t)(5 + i), rows, rows), AKV_OK);
+  }
+  *state = &f;
+  return 0;
+}
+
+static int teardown(void **state) {
+  fx *f = *state;
+  assert_int_equal(akv_stream_destroy(f->e, f->s), AKV_OK);
+  assert_int_equal(akv_engine_destroy(f->e), AKV_OK);
+  return 0;
+}
+
+/* One whole legal layer: begin, attend, write back, seal. */
+static akv_lease *layer_to_sealed(fx *f, uint32_t layer) {
+  akv_lease *ls = NULL;
+  akv_fence attn, tail;
+  assert_int_equal(akv_lease_begin(f->e, layer, &ls), AKV_OK);
+  assert_int_equal(ls->state, AKV_LEASE_BEGUN);
+  assert_int_equal(akv_lease_attend(ls, f->s, noop_hook, NULL, &attn), AKV_OK);
+  assert_int_equal(ls->state, AKV_LEASE_CONSUMED);
+  assert_int_equal(akv_lease_write_back(ls, NULL, 0, &tail), AKV_OK);
+  assert_int_equal(akv_lease_seal(ls, tail, attn), AKV_OK);
+  assert_int_equal(ls->state, AKV_LEASE_SEALED);
+  return ls;
+}
+
+static void test_legal_sequence_with_receipts(void **state) {
+  fx *f = *state;
+  akv_lease *ls[3];
+  akv_receipt r;
+  assert_int_equal(akv_step_begin(f->e, f->c, 2), AKV_OK);
+  ls[0] = layer_to_sealed(f, 0);
+  ls[1] = layer_to_sealed(f, 1);
+  assert_int_equal(akv_lease_retire(ls[0], &r), AKV_OK);
+  assert_int_equal(ls[0]->state, AKV_LEASE_RETIRED);
+  assert_int_equal(r.layer, 0);
+  assert_int_equal(r.tickets, 4); /* one H2D and one D2H ticket per context */
+  assert_int_equal(r.readers, 2);
+  assert_int_equal(r.bytes_h2d, (5 + 6) * 2 * 32); /* rows x K/V x row_bytes */
+  assert_int_equal(r.bytes_d2h, 2 * 2 * 32);
+  ls[2] = layer_to_sealed(f, 2);
+  assert_int_equal(akv_lease_retire(ls[1], NULL), AKV_OK);
+  assert_int_equal(akv_lease_retire(ls[2], NULL), AKV_OK);
+  assert_int_equal(akv_step_end(f->e), AKV_OK);
+  {
+    uint32_t len;
+    assert_int_equal(akv_context_length(f->c[0], &len), AKV_OK);
+    assert_int_equal(len, 6);
+    assert_int_equal(akv_context_length(f->c[2], &len), AKV_OK);
+    assert_int_equal(len, 7); /* not in the step */
+  }
+}
+
+static void test_two_call_form(void **state) {
+  fx *f = *state;
+  akv_lease *ls;
+  akv_view view;
+  akv_fence attn, tail;
+  assert_int_equal(akv_step_begin(f->e, f->c, 1), AKV_OK);
+  for (uint32_t l = 0; l < 3; l++) {
+    assert_int_equal(akv_lease_begin(f->e, l, &ls), AKV_OK);
+    assert_int_equal(akv_lease_wait_ready(ls, f->s, &view), AKV_OK);
+    assert_int_equal(view.layer, l);
+    assert_int_equal(view.n_contexts, 1);
+    assert_int_equal(view.len[0], 5);
+    assert_int_equal(view.row_bytes, 32);
+    assert_ptr_equal(view.contexts[0], f->c[0]);
+    assert_int_equal(akv_lease_mark_consumed(ls, f->s, &attn), AKV_OK);
+    assert_int_equal(akv_lease_write_back(ls, &f->c[0], 1, &tail), AKV_OK);
+    assert_int_equal(akv_lease_seal(ls, tail, attn), AKV_OK);
+    assert_int_equal(akv_lease_retire(ls, NULL), AKV_OK);
+  }
+  assert_int_equal(akv_step_end(f->e), AKV_OK);
+}
+
+static void test_begin_refusals(void **state) {
+  fx *f = *state;
+  akv_lease *ls = NULL, *ls1 = NULL;
+  akv_view view;
+  akv_fence attn, tail;
+  ASSERT_REFUSED(f->e, (akv_lease *)NULL, akv_lease_begin(f->e, 0, &ls), AKV_ERR_STEP_STATE);
+  assert_int_equal(akv_step_begin(f->e, f->c, 2), AKV_OK);
+  ASSERT_REFUSED(f->e, (akv_lease *)NULL, akv_lease_begin(f->e, 3, &ls), AKV_ERR_INVALID_ARGUMENT);
+  ASSERT_REFUSED(f->e, (akv_lease *)NULL, akv_lease_begin(f->e, 1, &ls), AKV_ERR_INVALID_ARGUMENT);
+  ASSERT_REFUSED(f->e, (akv_lease *)NULL, akv_lease_begin(f->e, 0, NULL), AKV_ERR_INVALID_ARGUMENT);
+  ASSERT_REFUSED(f->e, (akv_lease *)NULL, akv_lease_begin(NULL, 0, &ls), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(akv_lease_begin(f->e, 0, &ls), AKV_OK);
+  /* previous lease begun, ready, consumed, written: never sealed -> order */
+  ASSERT_REFUSED(f->e, ls, akv_lease_begin(f->e, 1, &ls1), AKV_ERR_LEASE_ORDER);
+  assert_int_equal(akv_lease_wait_ready(ls, f->s, &view), AKV_OK);
+  ASSERT_REFUSED(f->e, ls, akv_lease_begin(f->e, 1, &ls1), AKV_ERR_LEASE_ORDER);
+  assert_int_equal(akv_lease_mark_consumed(ls, f->s, &attn), AKV_OK);
+  ASSERT_REFUSED(f->e, ls, akv_lease_begin(f->e, 1, &ls1), AKV_ERR_LEASE_ORDER);
+  assert_int_equal(akv_lease_write_back(ls, NULL, 0, &tail), AKV_OK);
+  ASSERT_REFUSED(f->e, ls, akv_lease_begin(f->e, 1, &ls1), AKV_ERR_LEASE_ORDER);
+  assert_null(ls1);
+  assert_int_equal(akv_lease_seal(ls, tail, attn), AKV_OK);
+  /* sealed, not retired: begin is allowed */
+  assert_int_equal(akv_lease_begin(f->e, 1, &ls1), AKV_OK);
+  ASSERT_REFUSED(f->e, (akv_lease *)NULL, akv_step_end(f->e), AKV_ERR_STEP_STATE);
+  ASSERT_REFUSED(f->e, (akv_lease *)NULL, akv_step_begin(f->e, f->c, 1), AKV_ERR_STEP_STATE);
+  ASSERT_REFUSED(f->e, (akv_lease *)NULL, akv_engine_destroy(f->e), AKV_ERR_BUSY);
+  assert_int_equal(akv_lease_attend(ls1, f->s, noop_hook, NULL, &attn), AKV_OK);
+  assert_int_equal(akv_lease_write_back(ls1, NULL, 0, &tail), AKV_OK);
+  assert_int_equal(akv_lease_seal(ls1, tail, attn), AKV_OK);
+  assert_int_equal(akv_lease_retire(ls, NULL), AKV_OK);
+  assert_int_equal(akv_lease_retire(ls1, NULL), AKV_OK);
+  ls = layer_to_sealed(f, 2);
+  assert_int_equal(akv_lease_retire(ls, NULL), AKV_OK);
+  assert_int_equal(akv_step_end(f->e), AKV_OK);
+}
+
+static void test_prior_readers_listed(void **state) {
+  fx *f = *state;
+  akv_lease *l0, *l1, *l2;
+  assert_int_equal(akv_step_begin(f->e, f->c, 3), AKV_OK);
+  l0 = layer_to_sealed(f, 0);
+  l1 = layer_to_sealed(f, 1);
+  /* layer 1 lists layer 0's attention and tail events (buffer 0) */
+  assert_int_equal(l1->n_prior, 2);
+  assert_ptr_equal(l1->prior[0].event, l0->ev_attn);
+  assert_ptr_equal(l1->prior[1].event, l0->ev_tail);
+  assert_int_equal(l1->prior[0].buffer, 0);
+  l2 = layer_to_sealed(f, 2);
+  /* layer 2 (buffer 0 again) lists layer 1's readers and carries layer 0's */
+  assert_int_equal(l2->buffer, 0);
+  assert_int_equal(l2->n_prior, 4);
+  assert_ptr_equal(l2->prior[0].event, l1->ev_attn);
+  assert_ptr_equal(l2->prior[1].event, l1->ev_tail);
+  assert_ptr_equal(l2->prior[2].event, l0->ev_attn);
+  assert_ptr_equal(l2->prior[3].event, l0->ev_tail);
+  assert_int_equal(akv_lease_retire(l0, NULL), AKV_OK);
+  assert_int_equal(akv_lease_retire(l1, NULL), AKV_OK);
+  assert_int_equal(akv_lease_retire(l2, NULL), AKV_OK);
+  assert_int_equal(akv_step_end(f->e), AKV_OK);
+  /* next step: layer 0's predecessor is retired, so nothing is listed */
+  assert_int_equal(akv_step_begin(f->e, f->c, 1), AKV_OK);
+  l0 = layer_to_sealed(f, 0);
+  assert_int_equal(l0->n_prior, 0);
+  /* retired readers are not carried: layer 1 lists only layer 0's own */
+  assert_int_equal(akv_lease_retire(l0, NULL), AKV_OK);
+  l1 = layer_to_sealed(f, 1);
+  assert_int_equal(l1->n_prior, 0);
+  assert_int_equal(akv_lease_retire(l1, NULL), AKV_OK);
+  l2 = layer_to_sealed(f, 2);
+  assert_int_equal(akv_lease_retire(l2, NULL), AKV_OK);
+  assert_int_equal(akv_step_end(f->e), AKV_OK);
+}
+
+static void test_attention_refusals(void **state) {
+  fx *f = *state;
+  akv_lease *ls;
+  akv_view view;
+  akv_fence attn, tail;
+  akv_stream other;
+  assert_int_equal(akv_stream_create(f->e, &other), AKV_OK);
+  assert_int_equal(akv_step_begin(f->e, f->c, 2), AKV_OK);
+  assert_int_equal(akv_lease_begin(f->e, 0, &ls), AKV_OK);
+  ASSERT_REFUSED(f->e, ls, akv_lease_mark_consumed(ls, f->s, &attn), AKV_ERR_LEASE_STATE);
+  ASSERT_REFUSED(f->e, ls, akv_lease_write_back(ls, NULL, 0, &tail), AKV_ERR_LEASE_STATE);
+  ASSERT_REFUSED(f->e, ls, akv_lease_seal(ls, tail, attn), AKV_ERR_LEASE_STATE);
+  ASSERT_REFUSED(f->e, ls, akv_lease_retire(ls, NULL), AKV_ERR_LEASE_STATE);
+  ASSERT_REFUSED(f->e, ls, akv_lease_wait_ready(ls, (akv_stream)&view, &view),
+                 AKV_ERR_INVALID_ARGUMENT);
+  ASSERT_REFUSED(f->e, ls, akv_lease_wait_ready(ls, f->s, NULL), AKV_ERR_INVALID_ARGUMENT);
+  ASSERT_REFUSED(f->e, ls, akv_lease_attend(ls, f->s, NULL, NULL, &attn), AKV_ERR_INVALID_ARGUMENT);
+  ASSERT_REFUSED(f->e, ls, akv_lease_wait_ready(NULL, f->s, &view), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(akv_lease_wait_ready(ls, f->s, &view), AKV_OK);
+  ASSERT_REFUSED(f->e, ls, akv_lease_wait_ready(ls, f->s, &view), AKV_ERR_LEASE_STATE);
+  ASSERT_REFUSED(f->e, ls, akv_lease_attend(ls, f->s, noop_hook, NULL, &attn), AKV_ERR_LEASE_STATE);
+  ASSERT_REFUSED(f->e, ls, akv_lease_mark_consumed(ls, other, &attn), AKV_ERR_INVALID_ARGUMENT);
+  ASSERT_REFUSED(f->e, ls, akv_lease_mark_consumed(ls, f->s, NULL), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_lease_mark_consumed(ls, f->s, &attn), AKV_OK);
+  ASSERT_REFUSED(f->e, ls, akv_lease_mark_consumed(ls, f->s, &attn), AKV_ERR_LEASE_STATE);
+  assert_int_equal(akv_lease_write_back(ls, NULL, 0, &tail), AKV_OK);
+  assert_int_equal(akv_lease_seal(ls, tail, attn), AKV_OK);
+  assert_int_equal(akv_lease_retire(ls, NULL), AKV_OK);
+  for (uint32_t l = 1; l < 3; l++) assert_int_equal(akv_lease_retire(layer_to_sealed(f, l), NULL), AKV_OK);
+  assert_int_equal(akv_step_end(f->e), AKV_OK);
+  assert_int_equal(akv_stream_destroy(f->e, other), AKV_OK);
+}
+
+static void test_write_back_owner_rules(void **state) {
+  fx *f = *state;
+  akv_lease *ls;
+  akv_fence attn, tail, tail2;
+  akv_context *both[2];
+  assert_int_equal(akv_step_begin(f->e, f->c, 2), AKV_OK);
+  assert_int_equal(akv_lease_begin(f->e, 0, &ls), AKV_OK);
+  assert_int_equal(akv_lease_attend(ls, f->s, noop_hook, NULL, &attn), AKV_OK);
+  /* c[2] is not part of the step: a different host owner */
+  ASSERT_REFUSED(f->e, ls, akv_lease_write_back(ls, &f->c[2], 1, &tail), AKV_ERR_OWNER_MISMATCH);
+  both[0] = f->c[0];
+  both[1] = f->c[2];
+  ASSERT_REFUSED(f->e, ls, akv_lease_write_back(ls, both, 2, &tail), AKV_ERR_OWNER_MISMATCH);
+  assert_int_equal(ls->n_written, 0); /* the valid first owner was not written either */
+  both[1] = f->c[0];
+  ASSERT_REFUSED(f->e, ls, akv_lease_write_back(ls, both, 2, &tail), AKV_ERR_INVALID_ARGUMENT);
+  ASSERT_REFUSED(f->e, ls, akv_lease_write_back(ls, both, 0, &tail), AKV_ERR_INVALID_ARGUMENT);
+  ASSERT_REFUSED(f->e, ls, akv_lease_write_back(ls, NULL, 0, NULL), AKV_ERR_INVALID_ARGUMENT);
+  {
+    akv_context *bogus = (akv_context *)&attn;
+    ASSERT_REFUSED(f->e, ls, akv_lease_write_back(ls, &bogus, 1, &tail), AKV_ERR_BAD_HANDLE);
+  }
+  assert_int_equal(akv_lease_write_back(ls, &f->c[0], 1, &tail), AKV_OK);
+  ASSERT_REFUSED(f->e, ls, akv_lease_write_back(ls, &f->c[0], 1, &tail2), AKV_ERR_LEASE_STATE);
+  ASSERT_REFUSED(f->e, ls, akv_lease_write_back(ls, NULL, 0, &tail2), AKV_ERR_LEASE_STATE);
+  /* seal before every owner is written back */
+  ASSERT_REFUSED(f->e, ls, akv_lease_seal(ls, tail, attn), AKV_ERR_LEASE_STATE);
+  assert_int_equal(akv_lease_write_back(ls, &f->c[1], 1, &tail2), AKV_OK);
+  /* the tail moved: the earlier tail is no longer current */
+  ASSERT_REFUSED(f->e, ls, akv_lease_seal(ls, tail, attn), AKV_ERR_FENCE_MISMATCH);
+  assert_int_equal(akv_lease_seal(ls, tail2, attn), AKV_OK);
+  assert_int_equal(akv_lease_retire(ls, NULL), AKV_OK);
+  for (uint32_t l = 1; l < 3; l++) assert_int_equal(akv_lease_retire(layer_to_sealed(f, l), NULL), AKV_OK);
+  assert_int_equal(akv_step_end(f->e), AKV_OK);
+}
+
+static void test_seal_substituted_fences(void **state) {
+  fx *f = *state;
+  akv_lease *l0, *l1;
+  akv_fence attn0, tail0, attn1, tail1, forged = {12345};
+  assert_int_equal(akv_step_begin(f->e, f->c, 1), AKV_OK);
+  assert_int_equal(akv_lease_begin(f->e, 0, &l0), AKV_OK);
+  assert_int_equal(akv_lease_attend(l0, f->s, noop_hook, NULL, &attn0), AKV_OK);
+  assert_int_equal(akv_lease_write_back(l0, NULL, 0, &tail0), AKV_OK);
+  ASSERT_REFUSED(f->e, l0, akv_lease_seal(l0, attn0, tail0), AKV_ERR_FENCE_MISMATCH); /* swapped */
+  ASSERT_REFUSED(f->e, l0, akv_lease_seal(l0, tail0, forged), AKV_ERR_FENCE_MISMATCH);
+  ASSERT_REFUSED(f->e, l0, akv_lease_seal(l0, forged, attn0), AKV_ERR_FENCE_MISMATCH);
+  assert_int_equal(akv_lease_seal(l0, tail0, attn0), AKV_OK);
+  ASSERT_REFUSED(f->e, l0, akv_lease_seal(l0, tail0, attn0), AKV_ERR_LEASE_STATE);
+  assert_int_equal(akv_lease_begin(f->e, 1, &l1), AKV_OK);
+  assert_int_equal(akv_lease_attend(l1, f->s, noop_hook, NULL, &attn1), AKV_OK);
+  assert_int_equal(akv_lease_write_back(l1, NULL, 0, &tail1), AKV_OK);
+  /* another lease's fences are substitutes */
+  ASSERT_REFUSED(f->e, l1, akv_lease_seal(l1, tail0, attn1), AKV_ERR_FENCE_MISMATCH);
+  ASSERT_REFUSED(f->e, l1, akv_lease_seal(l1, tail1, attn0), AKV_ERR_FENCE_MISMATCH);
+  assert_int_equal(akv_lease_seal(l1, tail1, attn1), AKV_OK);
+  assert_int_equal(akv_lease_retire(l0, NULL), AKV_OK);
+  ASSERT_REFUSED(f->e, l0, akv_lease_retire(l0, NULL), AKV_ERR_LEASE_STATE); /* double retire */
+  assert_int_equal(akv_lease_retire(l1, NULL), AKV_OK);
+  assert_int_equal(akv_lease_retire(layer_to_sealed(f, 2), NULL), AKV_OK);
+  assert_int_equal(akv_step_end(f->e), AKV_OK);
+}
+
+static void test_context_rules_in_step(void **state) {
+  fx *f = *state;
+  uint16_t buf[16 * 8];
+  const void *rows[3] = {buf, buf, buf};
+  akv_context *c3, *dup[2];
+  memset(buf, 0, sizeof(buf));
+  dup[0] = dup[1] = f->c[0];
+  ASSERT_REFUSED(f->e, (akv_lease *)NULL, akv_step_begin(f->e, dup, 2), AKV_ERR_INVALID_ARGUMENT);
+  ASSERT_REFUSED(f->e, (akv_lease *)NULL, akv_step_begin(f->e, f->c, 0), AKV_ERR_INVALID_ARGUMENT);
+  ASSERT_REFUSED(f->e, (akv_lease *)NULL, akv_step_begin(f->e, f->c, 5), AKV_ERR_INVALID_ARGUMENT);
+  ASSERT_REFUSED(f->e, (akv_lease *)NULL, akv_step_begin(f->e, NULL, 1), AKV_ERR_INVALID_ARGUMENT);
+  ASSERT_REFUSED(f->e, (akv_lease *)NULL, akv_step_end(f->e), AKV_ERR_STEP_STATE);
+  assert_int_equal(akv_step_begin(f->e, f->c, 1), AKV_OK);
+  ASSERT_REFUSED(f->e, (akv_lease *)NULL, akv_context_close(f->c[0]), AKV_ERR_IN_USE);
+  ASSERT_REFUSED(f->e, (akv_lease *)NULL, akv_context_append(f->c[0], 1, rows, rows), AKV_ERR_IN_USE);
+  ASSERT_REFUSED(f->e, (akv_lease *)NULL, akv_context_read(f->c[0], 0, 0, 1, buf, buf), AKV_ERR_IN_USE);
+  ASSERT_REFUSED(f->e, (akv_lease *)NULL, akv_context_open(f->e, NULL, &c3), AKV_ERR_STEP_STATE);
+  /* a context outside the step stays usable */
+  assert_int_equal(akv_context_read(f->c[1], 0, 0, 1, buf, buf), AKV_OK);
+  for (uint32_t l = 0; l < 3; l++) assert_int_equal(akv_lease_retire(layer_to_sealed(f, l), NULL), AKV_OK);
+  assert_int_equal(akv_step_end(f->e), AKV_OK);
+  ASSERT_REFUSED(f->e, (akv_lease *)NULL, akv_context_append(f->c[0], 64, rows, rows), AKV_ERR_CAPACITY);
+  ASSERT_REFUSED(f->e, (akv_lease *)NULL, akv_context_read(f->c[0], 3, 0, 1, buf, buf), AKV_ERR_INVALID_ARGUMENT);
+  ASSERT_REFUSED(f->e, (akv_lease *)NULL, akv_context_read(f->c[0], 0, 0, 99, buf, buf), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_context_open(f->e, NULL, &c3), AKV_OK);
+  /* all four host slots taken: refused, queue it */
+  {
+    akv_context *c4;
+    ASSERT_REFUSED(f->e, (akv_lease *)NULL, akv_context_open(f->e, NULL, &c4), AKV_ERR_REFUSED_QUEUE);
+  }
+  assert_int_equal(akv_context_close(c3), AKV_OK);
+  ASSERT_REFUSED(f->e, (akv_lease *)NULL, akv_context_close(c3), AKV_ERR_BAD_HANDLE);
+}
+
+static void test_failed_hook_quarantines(void **state) {
+  akv_engine *e = akvt_small_engine(AKV_ROUTE_STAGE, 0);
+  akv_stream s;
+  akv_context *c;
+  akv_lease *ls;
+  akv_fence attn;
+  akv_quarantine_report q;
+  uint16_t buf[64];
+  const void *rows[3] = {buf, buf, buf};
+  (void)state;
+  memset(buf, 0, sizeof(buf));
+  assert_non_null(e);
+  assert_int_equal(akv_stream_create(e, &s), AKV_OK);
+  assert_int_equal(akv_context_open(e, NULL, &c), AKV_OK);
+  assert_int_equal(akv_context_append(c, 2, rows, rows), AKV_OK);
+  assert_int_equal(akv_step_begin(e, &c, 1), AKV_OK);
+  assert_int_equal(akv_lease_begin(e, 0, &ls), AKV_OK);
+  assert_int_equal(akv_lease_attend(ls, s, failing_hook, NULL, &attn), AKV_ERR_BACKEND);
+  /* from now on: only diagnostics, quarantine and destroy */
+  assert_int_equal(akv_lease_retire(ls, NULL), AKV_ERR_QUARANTINED);
+  assert_int_equal(akv_step_end(e), AKV_ERR_QUARANTINED);
+  assert_int_equal(akv_context_open(e, NULL, &c), AKV_ERR_QUARANTINED);
+  assert_int_equal(akv_engine_destroy(e), AKV_ERR_BUSY);
+  assert_string_not_equal(akv_engine_last_error(e), "");
+  assert_int_equal(akv_engine_quarantine(e, &q), AKV_OK);
+  assert_true(q.h2d_ok && q.d2h_ok && q.d2d_ok && q.device_ok);
+  assert_int_equal(q.leases_released, 1);
+  assert_int_equal(akv_context_read(c, 0, 0, 2, buf, buf + 16), AKV_OK);
+  assert_int_equal(akv_stream_destroy(e, s), AKV_OK);
+  assert_int_equal(akv_engine_destroy(e), AKV_OK);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test_setup_teardown(test_legal_sequence_with_receipts, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_two_call_form, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_begin_refusals, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_prior_readers_listed, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_attention_refusals, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_write_back_owner_rules, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_seal_substituted_fences, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_context_rules_in_step, setup, teardown),
+      cmocka_unit_test(test_failed_hook_quarantines),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}

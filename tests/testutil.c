@@ -1,0 +1,355 @@
+/*
+ * testutil.c - see testutil.h.
+ */
+#include "testutil.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static uint64_t akvt_mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+static float akvt_unit(uint64_t h) { return (float)((h >> 40) & 0xffffff) / 8388608.0f - 1.0f; }
+
+float akvt_bf16_to_f32(uint16_t b) {
+  uint32_t u = (uint32_t)b << 16;
+  float f;
+  memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+static uint16_t akvt_f32_to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof(u));
+  return (uint16_t)(u >> 16);
+}
+
+uint16_t akvt_elem(uint32_t ctx, uint32_t layer, uint32_t token, int kv, uint32_t j) {
+  uint64_t h = akvt_mix(((uint64_t)ctx << 48) ^ ((uint64_t)layer << 36) ^
+                        ((uint64_t)token << 12) ^ ((uint64_t)kv << 11) ^ j);
+  return akvt_f32_to_bf16(akvt_unit(h));
+}
+
+void akvt_fill_row(uint16_t *row, uint32_t n, uint32_t ctx, uint32_t layer, uint32_t token,
+                   int kv) {
+  for (uint32_t j = 0; j < n; j++) row[j] = akvt_elem(ctx, layer, token, kv, j);
+}
+
+void akvt_attention(const float *q, const uint16_t *k, const uint16_t *v, uint32_t len,
+                    uint32_t q_heads, uint32_t kv_heads, uint32_t head_dim, size_t row_elems,
+                    float *out) {
+  uint32_t group = q_heads / kv_heads;
+  float scale = 1.0f / sqrtf((float)head_dim);
+  for (uint32_t h = 0; h < q_heads; h++) {
+    uint32_t kh = h / group;
+    float m = -INFINITY, s = 0.0f;
+    float *o = out + (size_t)h * head_dim;
+    for (uint32_t d = 0; d < head_dim; d++) o[d] = 0.0f;
+    for (uint32_t t = 0; t < len; t++) {
+      const uint16_t *kr = k + t * row_elems + (size_t)kh * head_dim;
+      const uint16_t *vr = v + t * row_elems + (size_t)kh * head_dim;
+      float dot = 0.0f, mn, corr, p;
+      for (uint32_t d = 0; d < head_dim; d++) dot += q[(size_t)h * head_dim + d] * akvt_bf16_to_f32(kr[d]);
+      dot *= scale;
+      mn = dot > m ? dot : m;
+      corr = expf(m - mn);
+      p = expf(dot - mn);
+      s = s * corr + p;
+      for (uint32_t d = 0; d < head_dim; d++) o[d] = o[d] * corr + p * akvt_bf16_to_f32(vr[d]);
+      m = mn;
+    }
+    for (uint32_t d = 0; d < head_dim; d++) o[d] /= s;
+  }
+}
+
+static void akvt_query(float *q, const akvt_cfg *c, uint32_t ctx, uint32_t layer, uint32_t pos) {
+  for (uint32_t i = 0; i < c->q_heads * c->head_dim; i++)
+    q[i] = akvt_unit(akvt_mix(0x51ull ^ ((uint64_t)ctx << 40) ^ ((uint64_t)layer << 28) ^
+                              ((uint64_t)pos << 12) ^ i));
+}
+
+void akvt_silent_log(void *user, akv_log_level level, const char *message) {
+  (void)user;
+  if (getenv("AKVT_VERBOSE") != NULL) fprintf(stderr, "[log %d] %s\n", (int)level, message);
+}
+
+akvt_cfg akvt_default_cfg(void) {
+  akvt_cfg c;
+  memset(&c, 0, sizeof(c));
+  c.layers = 3;
+  c.kv_heads = 2;
+  c.head_dim = 8;
+  c.q_heads = 4;
+  c.max_tokens = 96;
+  c.page_tokens = 8;
+  c.n_ctx = 3;
+  c.prefill[0] = 1;
+  c.prefill[1] = 17;
+  c.prefill[2] = 40;
+  c.steps = 4;
+  c.route = AKV_ROUTE_STAGE;
+  c.target_pages = AKV_TARGET_FAIR_SHARE;
+  c.fault_kind = -1;
+  return c;
+}
+
+akv_engine *akvt_small_engine(akv_route route, uint32_t device_pool_gib) {
+  akv_engine_config ec = AKV_ENGINE_CONFIG_INIT;
+  akv_engine *e = NULL;
+  ec.backend = AKV_BACKEND_HOST;
+  ec.n_dense_layers = 3;
+  ec.kv_heads = 2;
+  ec.head_dim = 8;
+  ec.max_tokens = 64;
+  ec.page_tokens = 8;
+  ec.max_contexts = 4;
+  ec.host_pool_gib = 1;
+  ec.device_pool_gib = device_pool_gib;
+  ec.route = route;
+  ec.log_fn = akvt_silent_log;
+  if (akv_engine_create(&ec, &e) != AKV_OK) return NULL;
+  return e;
+}
+
+/* ------------------------------------------------------------------ harness */
+
+typedef struct akvt_job {
+  const akvt_cfg *cfg;
+  uint8_t *base;
+  uint64_t ctx_stride, v_offset, row_bytes;
+  uint32_t n;
+  uint32_t len[16];
+  uint32_t layer;
+  float *out; /* [n_ctx][q_heads*head_dim] of this layer */
+} akvt_job;
+
+typedef struct akvt_run_state {
+  const akvt_cfg *cfg;
+  akv_engine *engine;
+  akv_stream stream;
+  akvt_job *jobs; /* [layers] */
+  float *out;     /* [layers][n_ctx][q_heads*head_dim] */
+} akvt_run_state;
+
+/* Runs on the compute queue: writes each context's new row at index len,
+ * then attends over len + 1 rows of the staged view. */
+static void akvt_job_run(void *arg) {
+  akvt_job *j = arg;
+  const akvt_cfg *c = j->cfg;
+  uint32_t row_elems = c->kv_heads * c->head_dim;
+  float q[1024];
+  for (uint32_t i = 0; i < j->n; i++) {
+    uint16_t *k = (uint16_t *)(j->base + i * j->ctx_stride);
+    uint16_t *v = (uint16_t *)(j->base + i * j->ctx_stride + j->v_offset);
+    akvt_fill_row(k + (size_t)j->len[i] * row_elems, row_elems, i, j->layer, j->len[i], 0);
+    akvt_fill_row(v + (size_t)j->len[i] * row_elems, row_elems, i, j->layer, j->len[i], 1);
+    akvt_query(q, c, i, j->layer, j->len[i]);
+    akvt_attention(q, k, v, j->len[i] + 1, c->q_heads, c->kv_heads, c->head_dim, row_elems,
+                   j->out + (size_t)i * c->q_heads * c->head_dim);
+  }
+}
+
+static void akvt_job_prepare(akvt_run_state *rs, const akv_view *view) {
+  akvt_job *j = &rs->jobs[view->layer];
+  j->cfg = rs->cfg;
+  j->base = view->base;
+  j->ctx_stride = view->context_stride;
+  j->v_offset = view->v_offset;
+  j->row_bytes = view->row_bytes;
+  j->n = view->n_contexts;
+  j->layer = view->layer;
+  for (uint32_t i = 0; i < view->n_contexts; i++) j->len[i] = view->len[i];
+  j->out = rs->out + (size_t)view->layer * rs->cfg->n_ctx * rs->cfg->q_heads * rs->cfg->head_dim;
+}
+
+static int akvt_hook(void *user, const akv_view *view, akv_stream stream) {
+  akvt_run_state *rs = user;
+  akvt_job_prepare(rs, view);
+  return akv_stream_launch_host(rs->engine, stream, akvt_job_run, &rs->jobs[view->layer]) ==
+                 AKV_OK
+             ? 0
+             : 1;
+}
+
+#define AKVT_TRY(call)                   \
+  do {                                   \
+    akv_status s_ = (call);              \
+    if (s_ != AKV_OK) {                  \
+      out->status = s_;                  \
+      out->failed_call = #call;          \
+      goto failed;                       \
+    }                                    \
+  } while (0)
+
+/* Compares one step's outputs against attention over the recomputed
+ * resident history. */
+static void akvt_check_step(const akvt_cfg *c, const float *outv, const uint32_t *lens,
+                            akvt_result *out) {
+  uint32_t row_elems = c->kv_heads * c->head_dim;
+  size_t per = (size_t)c->q_heads * c->head_dim;
+  uint16_t *k = malloc((size_t)c->max_tokens * row_elems * 2);
+  uint16_t *v = malloc((size_t)c->max_tokens * row_elems * 2);
+  float *ref = malloc(per * sizeof(float));
+  float q[1024];
+  for (uint32_t l = 0; l < c->layers; l++) {
+    for (uint32_t i = 0; i < c->n_ctx; i++) {
+      for (uint32_t t = 0; t <= lens[i]; t++) {
+        akvt_fill_row(k + (size_t)t * row_elems, row_elems, i, l, t, 0);
+        akvt_fill_row(v + (size_t)t * row_elems, row_elems, i, l, t, 1);
+      }
+      akvt_query(q, c, i, l, lens[i]);
+      akvt_attention(q, k, v, lens[i] + 1, c->q_heads, c->kv_heads, c->head_dim, row_elems, ref);
+      out->outputs_compared++;
+      if (memcmp(ref, outv + ((size_t)l * c->n_ctx + i) * per, per * sizeof(float)) != 0)
+        out->outputs_mismatched++;
+    }
+  }
+  free(k);
+  free(v);
+  free(ref);
+}
+
+static void akvt_check_rows(const akvt_cfg *c, akv_context *const *ctx, akvt_result *out) {
+  uint32_t row_elems = c->kv_heads * c->head_dim;
+  uint16_t *k = malloc((size_t)c->max_tokens * row_elems * 2);
+  uint16_t *v = malloc((size_t)c->max_tokens * row_elems * 2);
+  uint16_t *want = malloc((size_t)row_elems * 2);
+  for (uint32_t i = 0; i < c->n_ctx; i++) {
+    uint32_t len = 0;
+    if (ctx[i] == NULL || akv_context_length(ctx[i], &len) != AKV_OK) continue;
+    for (uint32_t l = 0; l < c->layers; l++) {
+      if (akv_context_read(ctx[i], l, 0, len, k, v) != AKV_OK) {
+        out->rows_mismatched += len;
+        continue;
+      }
+      for (uint32_t t = 0; t < len; t++) {
+        for (int kv = 0; kv < 2; kv++) {
+          akvt_fill_row(want, row_elems, i, l, t, kv);
+          out->rows_checked++;
+          if (memcmp(want, (kv ? v : k) + (size_t)t * row_elems, row_elems * 2) != 0)
+            out->rows_mismatched++;
+        }
+      }
+    }
+  }
+  free(k);
+  free(v);
+  free(want);
+}
+
+void akvt_run(const akvt_cfg *c, akvt_result *out) {
+  akv_engine_config ec = AKV_ENGINE_CONFIG_INIT;
+  akvt_run_state rs;
+  akv_context *ctx[16] = {0};
+  akv_lease *leases[64] = {0};
+  uint32_t lens[16];
+  uint32_t row_elems = c->kv_heads * c->head_dim;
+  size_t out_elems = (size_t)c->layers * c->n_ctx * c->q_heads * c->head_dim;
+
+  memset(out, 0, sizeof(*out));
+  memset(&rs, 0, sizeof(rs));
+  rs.cfg = c;
+  rs.jobs = calloc(c->layers, sizeof(*rs.jobs));
+  rs.out = calloc(out_elems, sizeof(float));
+
+  ec.backend = AKV_BACKEND_HOST;
+  ec.n_dense_layers = c->layers;
+  ec.kv_heads = c->kv_heads;
+  ec.head_dim = c->head_dim;
+  ec.max_tokens = c->max_tokens;
+  ec.page_tokens = c->page_tokens;
+  ec.max_contexts = c->n_ctx;
+  ec.host_pool_gib = 1;
+  ec.device_pool_gib = c->device_pool_gib;
+  ec.route = c->route;
+  ec.log_fn = akvt_silent_log;
+  ec.host_delay_seed = c->delay_seed;
+  ec.host_delay_max_us = c->delay_max_us;
+  ec.fault_fail_nth = c->fault_fail_nth;
+  ec.fault_kind = c->fault_kind;
+  {
+    akv_status s = akv_engine_create(&ec, &rs.engine);
+    if (s != AKV_OK) {
+      out->status = s;
+      out->failed_call = "akv_engine_create";
+      goto done;
+    }
+  }
+  AKVT_TRY(akv_stream_create(rs.engine, &rs.stream));
+  for (uint32_t i = 0; i < c->n_ctx; i++) {
+    akv_context_config cc = AKV_CONTEXT_CONFIG_INIT;
+    uint32_t n = c->prefill[i];
+    const void *kp[64], *vp[64];
+    uint16_t *buf = malloc((size_t)c->layers * 2 * (n ? n : 1) * row_elems * 2);
+    cc.target_pages = c->target_pages;
+    cc.burst_pages = c->burst_pages;
+    for (uint32_t l = 0; l < c->layers; l++) {
+      uint16_t *kb = buf + ((size_t)l * 2) * (n ? n : 1) * row_elems;
+      uint16_t *vb = kb + (size_t)(n ? n : 1) * row_elems;
+      for (uint32_t t = 0; t < n; t++) {
+        akvt_fill_row(kb + (size_t)t * row_elems, row_elems, i, l, t, 0);
+        akvt_fill_row(vb + (size_t)t * row_elems, row_elems, i, l, t, 1);
+      }
+      kp[l] = kb;
+      vp[l] = vb;
+    }
+    {
+      akv_status s = akv_context_open(rs.engine, &cc, &ctx[i]);
+      if (s == AKV_OK) s = akv_context_append(ctx[i], n, kp, vp);
+      free(buf);
+      if (s != AKV_OK) {
+        out->status = s;
+        out->failed_call = "akv_context_open/append";
+        goto failed;
+      }
+    }
+  }
+
+  for (uint32_t s = 0; s < c->steps; s++) {
+    for (uint32_t i = 0; i < c->n_ctx; i++) AKVT_TRY(akv_context_length(ctx[i], &lens[i]));
+    AKVT_TRY(akv_step_begin(rs.engine, ctx, c->n_ctx));
+    for (uint32_t l = 0; l < c->layers; l++) {
+      akv_fence attn, tail;
+      AKVT_TRY(akv_lease_begin(rs.engine, l, &leases[l]));
+      if (l >= 2) AKVT_TRY(akv_lease_retire(leases[l - 2], NULL));
+      if (c->two_call) {
+        akv_view view;
+        AKVT_TRY(akv_lease_wait_ready(leases[l], rs.stream, &view));
+        if (akvt_hook(&rs, &view, rs.stream) != 0) {
+          out->status = AKV_ERR_BACKEND;
+          out->failed_call = "hook";
+          goto failed;
+        }
+        AKVT_TRY(akv_lease_mark_consumed(leases[l], rs.stream, &attn));
+      } else {
+        AKVT_TRY(akv_lease_attend(leases[l], rs.stream, akvt_hook, &rs, &attn));
+      }
+      AKVT_TRY(akv_lease_write_back(leases[l], NULL, 0, &tail));
+      AKVT_TRY(akv_lease_seal(leases[l], tail, attn));
+    }
+    for (uint32_t l = c->layers >= 2 ? c->layers - 2 : 0; l < c->layers; l++)
+      AKVT_TRY(akv_lease_retire(leases[l], NULL));
+    AKVT_TRY(akv_step_end(rs.engine));
+    akvt_check_step(c, rs.out, lens, out);
+  }
+  goto finish;
+
+failed:
+  out->quarantined = 1;
+  akv_engine_quarantine(rs.engine, &out->quarantine);
+finish:
+  akvt_check_rows(c, ctx, out);
+  akv_engine_info_get(rs.engine, &out->info);
+  akv_admission_counters(rs.engine, out->adm_counters, AKV_ADM_RULE_COUNT);
+  if (rs.stream != NULL) akv_stream_destroy(rs.engine, rs.stream);
+  out->destroyed = akv_engine_destroy(rs.engine) == AKV_OK;
+done:
+  free(rs.jobs);
+  free(rs.out);
+}

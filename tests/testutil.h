@@ -1,0 +1,65 @@
+/*
+ * testutil.h - shared helpers of the CPU suite: deterministic row contents,
+ * a small C attention, and a decode harness that stages through the library
+ * on the host backend and compares every attention output byte for byte
+ * against the same attention over a fully resident (recomputed) history.
+ */
+#ifndef AKV_TESTUTIL_H
+#define AKV_TESTUTIL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "akv.h"
+
+/* Row element j of (context, layer, token, kv): a bf16 bit pattern in [-1, 1). */
+uint16_t akvt_elem(uint32_t ctx, uint32_t layer, uint32_t token, int kv, uint32_t j);
+void akvt_fill_row(uint16_t *row, uint32_t n, uint32_t ctx, uint32_t layer, uint32_t token, int kv);
+float akvt_bf16_to_f32(uint16_t b);
+
+/* GQA decode attention over `len` rows (fp32 math, fixed order); q is
+ * [q_heads][head_dim] floats, out [q_heads][head_dim]. */
+void akvt_attention(const float *q, const uint16_t *k, const uint16_t *v, uint32_t len,
+                    uint32_t q_heads, uint32_t kv_heads, uint32_t head_dim, size_t row_elems,
+                    float *out);
+
+typedef struct akvt_cfg {
+  uint32_t layers, kv_heads, head_dim, q_heads;
+  uint32_t max_tokens, page_tokens;
+  uint32_t n_ctx;
+  uint32_t prefill[16];   /* per context */
+  uint32_t steps;
+  akv_route route;
+  uint32_t device_pool_gib;
+  uint32_t target_pages;  /* AKV_TARGET_FAIR_SHARE for the default */
+  uint32_t burst_pages;
+  uint64_t delay_seed;
+  uint32_t delay_max_us;
+  uint32_t fault_fail_nth;
+  int32_t fault_kind;
+  int two_call;           /* use wait_ready/mark_consumed instead of the hook */
+} akvt_cfg;
+
+typedef struct akvt_result {
+  akv_status status;        /* first failing library status, AKV_OK if none */
+  const char *failed_call;  /* which call failed */
+  uint64_t outputs_compared;
+  uint64_t outputs_mismatched;
+  uint64_t rows_checked;    /* host rows compared after the run */
+  uint64_t rows_mismatched;
+  akv_engine_info info;
+  uint64_t adm_counters[AKV_ADM_RULE_COUNT];
+  int quarantined;
+  akv_quarantine_report quarantine;
+  int destroyed;            /* engine destroyed cleanly at the end */
+} akvt_result;
+
+akvt_cfg akvt_default_cfg(void);
+/* Runs the decode; on a library failure, quarantines and reports. */
+void akvt_run(const akvt_cfg *cfg, akvt_result *out);
+
+/* Creates a host engine with a small geometry (for state-machine tests). */
+akv_engine *akvt_small_engine(akv_route route, uint32_t device_pool_gib);
+void akvt_silent_log(void *user, akv_log_level level, const char *message);
+
+#endif
