@@ -539,8 +539,8 @@ static akv_status akv_host_block_alloc(void *ctx, size_t bytes, int device, void
     size_t prefix = page >= (long)AKV_HOST_ALIGN ? (size_t)page : AKV_HOST_ALIGN;
     AKV_HOST_CHECK(bytes <= SIZE_MAX - 2 * prefix, AKV_ERR_OUT_OF_MEMORY);
     map_bytes = prefix + (bytes + prefix - 1) / prefix * prefix;
-    base = mmap(NULL, map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                -1, 0);
+    base = mmap(NULL, map_bytes, PROT_READ | PROT_WRITE,
+                MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     AKV_HOST_CHECK(base != MAP_FAILED, AKV_ERR_OUT_OF_MEMORY);
     user = (char *)base + prefix;
   } else {

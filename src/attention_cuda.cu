@@ -1,0 +1,698 @@
+/*
+ * attention_cuda.cu - the CUDA decode attention kernels (akv_cuda.h).
+ *
+ * Two kernels per call, both on the caller's stream:
+ *  1. chunk kernel: one block per (context, kv head, head subgroup, chunk).
+ *     The block streams the chunk's K and V rows once with 16-byte loads and
+ *     computes, for every query head of the subgroup (all share the K/V
+ *     reads), the partial (m, l, acc[head_dim]) of akv_attention.h into the
+ *     workspace. Within the chunk it walks tiles of TILE rows: every thread
+ *     loads its K and V slices of the tile up front (2*U loads in flight),
+ *     the scores go to shared memory, one warp per head folds the tile into a
+ *     running maximum and sum, then every thread accumulates its V slices.
+ *  2. combine kernel: one block per (context, query head); merges the
+ *     context's chunk partials.
+ *
+ * Determinism: every value is produced by a fixed thread from a fixed set of
+ * inputs in a fixed order (shuffle butterflies, shared-memory sums in warp
+ * order); there are no atomics and no dependence on scheduling. The paged
+ * and contiguous variants instantiate the same kernels and differ only in
+ * how a chunk's first row is found (the "locator"), so over the same rows they
+ * give the same bits.
+ *
+ * Geometry handled here: head_dim 64, 128, 256 (head_dim/8 lanes cover one
+ * head row with 16-byte loads); subgroups of GT = 1, 2, 4 or 8 query heads
+ * (a group larger than 8 is split into several subgroups, each re-reading the
+ * K/V rows; heads past the group's end are computed on a zero query and not
+ * stored).
+ */
+#include <cuda_runtime.h>
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "akv_cuda.h"
+
+namespace {
+
+/* Tuning knobs, fixed for the library; bench/attention_bw.cu builds variants
+ * with other values (-DAKV_ATTN_WARPS=4, -DAKV_ATTN_LOADS=2, ...). */
+#ifndef AKV_ATTN_WARPS
+#define AKV_ATTN_WARPS 8
+#endif
+#ifndef AKV_ATTN_LOADS
+#define AKV_ATTN_LOADS 4
+#endif
+constexpr int kWarps = AKV_ATTN_WARPS; /* warps per block, >= 8 heads per subgroup */
+constexpr int kThreads = kWarps * 32;
+/* Contexts per launch pair (their lengths travel in the kernel parameters). */
+constexpr uint32_t kMaxLaunchContexts = 256;
+constexpr float kLog2e = 1.44269504088896340736f; /* same constant as attention_ref.c */
+constexpr size_t kWsAlign = 256;                   /* same layout as attention_ref.c */
+
+template <int D, int GT>
+struct Cfg {
+  static constexpr int LANES = D / 8;         /* lanes per head row (16 B each) */
+  static constexpr int TPW = 32 / LANES;      /* rows per warp per load */
+  static constexpr int U_BASE = GT >= 8 ? (AKV_ATTN_LOADS + 1) / 2 : AKV_ATTN_LOADS;
+  static constexpr int U_MIN = 32 / (kWarps * TPW) > 0 ? 32 / (kWarps * TPW) : 1;
+  static constexpr int U = U_BASE > U_MIN ? U_BASE : U_MIN; /* loads per thread per tile, K and V each */
+  static constexpr int TILE = U * kWarps * TPW;             /* rows per tile, a multiple of 32 */
+  static constexpr int VALS = TILE / 32;                    /* scores per lane in the stats step */
+  static constexpr int LOG_LANES = LANES == 8 ? 3 : LANES == 16 ? 4 : 5;
+  static constexpr int LOG_GT = GT == 1 ? 0 : GT == 2 ? 1 : GT == 4 ? 2 : 3;
+  static constexpr int HEAD_SHIFT = LOG_LANES - LOG_GT; /* lane slice -> head after reduce-scatter */
+  static constexpr int PAD = 4;                         /* keeps score writes conflict-free */
+  static_assert(TILE % 32 == 0, "tile must be a multiple of a warp");
+  static_assert(GT <= kWarps, "one warp per head in the stats step");
+  static_assert(GT <= LANES, "reduce-scatter needs a lane per head");
+};
+
+/* Common parameters of the chunk kernel (pointers already offset to the
+ * first context of the launch). */
+struct ChunkParams {
+  const uint16_t *q;
+  float *acc;
+  float *ml;
+  uint32_t n_heads;
+  uint32_t group;         /* query heads per kv head */
+  uint32_t n_sub;         /* subgroups per kv head */
+  uint32_t kv_slots;      /* kv_heads * n_sub */
+  uint32_t stride_chunks; /* chunk slots per (context, head) in the workspace */
+  float scale_log2;
+};
+
+struct CombineParams {
+  const float *acc;
+  const float *ml;
+  float *out;
+  uint32_t n_heads;
+  uint32_t stride_chunks;
+};
+
+/* Locator of the contiguous layout. */
+struct ContigLoc {
+  const char *k;
+  const char *v;
+  uint64_t context_stride;
+  uint64_t row_bytes;
+  uint32_t chunk_tokens;
+  uint32_t len[kMaxLaunchContexts];
+
+  __device__ __forceinline__ bool locate(uint32_t ctx, uint32_t chunk, const char *&kp,
+                                         const char *&vp, uint32_t &n) const {
+    const uint32_t l = len[ctx];
+    const uint64_t first = (uint64_t)chunk * chunk_tokens;
+    if (first >= l) return false;
+    const uint64_t rest = l - first;
+    n = rest < chunk_tokens ? (uint32_t)rest : chunk_tokens;
+    const uint64_t off = ctx * context_stride + first * row_bytes;
+    kp = k + off;
+    vp = v + off;
+    return true;
+  }
+  __device__ __forceinline__ uint32_t chunks(uint32_t ctx, bool &bad) const {
+    bad = false;
+    return len[ctx] / chunk_tokens + (len[ctx] % chunk_tokens != 0);
+  }
+};
+
+/* Locator of the paged layout (FlashInfer style page table). */
+struct PagedLoc {
+  const char *k;
+  const char *v;
+  uint64_t page_stride;
+  uint64_t row_bytes;
+  const uint32_t *indptr;
+  const uint32_t *indices;
+  const uint32_t *last_page_len;
+  uint32_t page_tokens;
+  uint32_t max_pages;
+
+  __device__ __forceinline__ bool locate(uint32_t ctx, uint32_t chunk, const char *&kp,
+                                         const char *&vp, uint32_t &n) const {
+    const uint32_t b = indptr[ctx], e = indptr[ctx + 1];
+    if (e <= b || chunk >= e - b) return false;
+    const uint32_t page = indices[b + chunk];
+    if (chunk + 1 == e - b) {
+      const uint32_t last = last_page_len[ctx];
+      n = last < page_tokens ? last : page_tokens;
+    } else {
+      n = page_tokens;
+    }
+    const uint64_t off = (uint64_t)page * page_stride;
+    kp = k + off;
+    vp = v + off;
+    return true;
+  }
+  __device__ __forceinline__ uint32_t chunks(uint32_t ctx, bool &bad) const {
+    const uint32_t b = indptr[ctx], e = indptr[ctx + 1];
+    bad = e < b || e - b > max_pages;
+    return bad ? 0u : e - b;
+  }
+};
+
+__device__ __forceinline__ void bf16x8_to_f32(const uint4 &r, float (&f)[8]) {
+  f[0] = __uint_as_float(r.x << 16);
+  f[1] = __uint_as_float(r.x & 0xFFFF0000u);
+  f[2] = __uint_as_float(r.y << 16);
+  f[3] = __uint_as_float(r.y & 0xFFFF0000u);
+  f[4] = __uint_as_float(r.z << 16);
+  f[5] = __uint_as_float(r.z & 0xFFFF0000u);
+  f[6] = __uint_as_float(r.w << 16);
+  f[7] = __uint_as_float(r.w & 0xFFFF0000u);
+}
+
+__device__ __forceinline__ uint4 load16(const char *p) {
+  return __ldg(reinterpret_cast<const uint4 *>(p));
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int off = 16; off >= 1; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, off));
+  return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int off = 16; off >= 1; off >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, off);
+  return v;
+}
+
+/*
+ * Reduce-scatter of N per-head sums over the lanes of one head row (a
+ * butterfly within groups of 2*OFF lanes). At each level a lane keeps the half
+ * of its values selected by its lane bit and receives the partner's copy of
+ * that half; once one value is left it is a plain butterfly sum. Afterwards
+ * v[0] of a lane holds the full sum of head (lane % LANES) >> HEAD_SHIFT.
+ * log2(GT) + log2(LANES/GT) + (GT-1) shuffles instead of GT * log2(LANES).
+ */
+template <int OFF, int N>
+struct ReduceScatter {
+  static __device__ __forceinline__ void run(float *v, int lane) {
+    if constexpr (N > 1) {
+      const bool upper = (lane & OFF) != 0;
+#pragma unroll
+      for (int i = 0; i < N / 2; ++i) {
+        const float send = upper ? v[i] : v[i + N / 2];
+        const float keep = upper ? v[i + N / 2] : v[i];
+        v[i] = keep + __shfl_xor_sync(0xFFFFFFFFu, send, OFF);
+      }
+      if constexpr (OFF > 1) ReduceScatter<OFF / 2, N / 2>::run(v, lane);
+    } else {
+      v[0] += __shfl_xor_sync(0xFFFFFFFFu, v[0], OFF);
+      if constexpr (OFF > 1) ReduceScatter<OFF / 2, 1>::run(v, lane);
+    }
+  }
+};
+
+template <int D, int GT, class Loc>
+__global__ void __launch_bounds__(kThreads)
+    akv_attn_chunk_kernel(const __grid_constant__ ChunkParams p, const __grid_constant__ Loc loc) {
+  using C = Cfg<D, GT>;
+  __shared__ float s_p[GT][C::TILE + C::PAD]; /* scores, then probabilities */
+  __shared__ float s_alpha[GT];               /* rescale of the running sums */
+  __shared__ __align__(16) float s_red[kWarps][D];
+
+  /* blockIdx.x = chunk * kv_slots + kv head * n_sub + subgroup: the blocks of
+   * all kv heads of one chunk are neighbours, so together they read whole rows. */
+  const uint32_t chunk = blockIdx.x / p.kv_slots;
+  const uint32_t slot = blockIdx.x - chunk * p.kv_slots;
+  const uint32_t kvh = slot / p.n_sub;
+  const uint32_t sub = slot - kvh * p.n_sub;
+  const uint32_t ctx = blockIdx.y;
+  const char *kp;
+  const char *vp;
+  uint32_t n = 0;
+  /* Block-uniform: a block past its context's last chunk leaves at once. */
+  if (!loc.locate(ctx, chunk, kp, vp, n)) return;
+
+  const int warp = (int)(threadIdx.x >> 5);
+  const int lane = (int)(threadIdx.x & 31);
+  const int tok = lane / C::LANES; /* row slot within a warp load */
+  const int dl = lane % C::LANES;  /* 16-byte slice: dims [dl*8, dl*8+8) */
+  const uint32_t head0 = kvh * p.group + sub * GT;
+  const uint32_t left = p.group - sub * GT;
+  const int hvalid = left < (uint32_t)GT ? (int)left : GT;
+  const uint64_t rb = loc.row_bytes;
+  const size_t head_off = (size_t)kvh * D * 2u + (size_t)dl * 16u;
+  const char *kd = kp + head_off;
+  const char *vd = vp + head_off;
+
+  float q[GT][8];
+#pragma unroll
+  for (int h = 0; h < GT; ++h) {
+    if (h < hvalid) {
+      const uint16_t *qh = p.q + ((size_t)ctx * p.n_heads + head0 + h) * D + dl * 8;
+      bf16x8_to_f32(load16(reinterpret_cast<const char *>(qh)), q[h]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) q[h][j] = 0.0f;
+    }
+  }
+
+  float acc[GT][8];
+#pragma unroll
+  for (int h = 0; h < GT; ++h)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[h][j] = 0.0f;
+  float m_run = -INFINITY; /* running max and sum of head `warp` (warps < GT) */
+  float l_run = 0.0f;
+
+  for (uint32_t t0 = 0; t0 < n; t0 += C::TILE) {
+    uint4 kr[C::U];
+    uint4 vr[C::U];
+#pragma unroll
+    for (int u = 0; u < C::U; ++u) {
+      const uint32_t t = t0 + u * (kWarps * C::TPW) + warp * C::TPW + tok;
+      if (t < n) {
+        kr[u] = load16(kd + t * rb);
+        vr[u] = load16(vd + t * rb);
+      } else {
+        kr[u] = make_uint4(0u, 0u, 0u, 0u);
+        vr[u] = make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+
+    /* Scores of the tile, scaled into the base-2 domain. */
+#pragma unroll
+    for (int u = 0; u < C::U; ++u) {
+      float kf[8];
+      bf16x8_to_f32(kr[u], kf);
+      float part[GT];
+#pragma unroll
+      for (int h = 0; h < GT; ++h) {
+        float s = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) s = fmaf(q[h][j], kf[j], s);
+        part[h] = s;
+      }
+      ReduceScatter<C::LANES / 2, GT>::run(part, lane);
+      if ((dl & ((1 << C::HEAD_SHIFT) - 1)) == 0) {
+        const int tl = u * (kWarps * C::TPW) + warp * C::TPW + tok;
+        s_p[dl >> C::HEAD_SHIFT][tl] = (t0 + tl < n) ? part[0] * p.scale_log2 : -INFINITY;
+      }
+    }
+    __syncthreads();
+
+    /* Warp h folds head h's tile into its running maximum and sum. */
+    if (warp < GT) {
+      float vals[C::VALS];
+      float mx = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < C::VALS; ++i) {
+        vals[i] = s_p[warp][lane + 32 * i];
+        mx = fmaxf(mx, vals[i]);
+      }
+      mx = warp_max(mx);
+      const float m_new = fmaxf(m_run, mx);
+      const float m_use = (m_new == -INFINITY) ? 0.0f : m_new;
+      float sum = 0.0f;
+#pragma unroll
+      for (int i = 0; i < C::VALS; ++i) {
+        const float e = exp2f(vals[i] - m_use);
+        s_p[warp][lane + 32 * i] = e;
+        sum += e;
+      }
+      sum = warp_sum(sum);
+      const float alpha = exp2f(m_run - m_use);
+      l_run = l_run * alpha + sum;
+      m_run = m_new;
+      if (lane == 0) s_alpha[warp] = alpha;
+    }
+    __syncthreads();
+
+    /* Rescale, then accumulate the tile's V slices. */
+#pragma unroll
+    for (int h = 0; h < GT; ++h) {
+      const float a = s_alpha[h];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[h][j] *= a;
+    }
+#pragma unroll
+    for (int u = 0; u < C::U; ++u) {
+      const int tl = u * (kWarps * C::TPW) + warp * C::TPW + tok;
+      float vf[8];
+      bf16x8_to_f32(vr[u], vf);
+#pragma unroll
+      for (int h = 0; h < GT; ++h) {
+        const float pr = s_p[h][tl];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[h][j] = fmaf(pr, vf[j], acc[h][j]);
+      }
+    }
+    __syncthreads(); /* s_p and s_alpha are rewritten by the next tile */
+  }
+
+  /* Sum the row slots of each warp (lanes dl, dl+LANES, ...). */
+#pragma unroll
+  for (int off = C::LANES; off < 32; off <<= 1)
+#pragma unroll
+    for (int h = 0; h < GT; ++h)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[h][j] += __shfl_xor_sync(0xFFFFFFFFu, acc[h][j], off);
+
+  /* Then the warps, in warp order, one head at a time. */
+  const size_t slot0 = ((size_t)ctx * p.n_heads + head0) * p.stride_chunks + chunk;
+#pragma unroll
+  for (int h = 0; h < GT; ++h) {
+    if (lane < C::LANES) {
+      float4 *dst = reinterpret_cast<float4 *>(&s_red[warp][dl * 8]);
+      dst[0] = make_float4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
+      dst[1] = make_float4(acc[h][4], acc[h][5], acc[h][6], acc[h][7]);
+    }
+    __syncthreads();
+    if (h < hvalid) {
+      for (int d = (int)threadIdx.x; d < D; d += kThreads) {
+        float s = 0.0f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) s += s_red[w][d];
+        p.acc[(slot0 + (size_t)h * p.stride_chunks) * D + d] = s;
+      }
+    }
+    __syncthreads();
+  }
+  if (warp < hvalid && lane == 0) {
+    float *ml = p.ml + (slot0 + (size_t)warp * p.stride_chunks) * 2;
+    ml[0] = m_run;
+    ml[1] = l_run;
+  }
+}
+
+template <int D, class Loc>
+__global__ void __launch_bounds__(kThreads)
+    akv_attn_combine_kernel(const __grid_constant__ CombineParams p,
+                            const __grid_constant__ Loc loc) {
+  constexpr int PER = D / 32;
+  __shared__ float s_m[kWarps];
+  __shared__ float s_l[kWarps];
+  __shared__ float s_o[kWarps][D];
+
+  const uint32_t head = blockIdx.x;
+  const uint32_t ctx = blockIdx.y;
+  const int warp = (int)(threadIdx.x >> 5);
+  const int lane = (int)(threadIdx.x & 31);
+  bool bad = false;
+  const uint32_t nch = loc.chunks(ctx, bad);
+  const size_t slot0 = ((size_t)ctx * p.n_heads + head) * p.stride_chunks;
+
+  /* The context's maximum (exact, so the tree order does not matter). */
+  float mx = -INFINITY;
+  for (uint32_t c = threadIdx.x; c < nch; c += kThreads) mx = fmaxf(mx, p.ml[(slot0 + c) * 2]);
+  mx = warp_max(mx);
+  if (lane == 0) s_m[warp] = mx;
+  __syncthreads();
+  float big = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) big = fmaxf(big, s_m[w]);
+  const float big_use = (big == -INFINITY) ? 0.0f : big;
+
+  /* Warp w takes chunks w, w+8, ... in order; lanes own dims lane + 32k. */
+  float o[PER];
+#pragma unroll
+  for (int k = 0; k < PER; ++k) o[k] = 0.0f;
+  float l = 0.0f;
+#pragma unroll 4
+  for (uint32_t c = warp; c < nch; c += kWarps) {
+    const float *ml = p.ml + (slot0 + c) * 2;
+    const float w = exp2f(ml[0] - big_use);
+    l += w * ml[1];
+    const float *a = p.acc + (slot0 + c) * D;
+#pragma unroll
+    for (int k = 0; k < PER; ++k) o[k] = fmaf(w, a[lane + 32 * k], o[k]);
+  }
+#pragma unroll
+  for (int k = 0; k < PER; ++k) s_o[warp][lane + 32 * k] = o[k];
+  if (lane == 0) s_l[warp] = l;
+  __syncthreads();
+
+  for (int d = (int)threadIdx.x; d < D; d += kThreads) {
+    float sum = 0.0f, lsum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      sum += s_o[w][d];
+      lsum += s_l[w];
+    }
+    float r = (lsum > 0.0f) ? sum / lsum : 0.0f;
+    if (bad) r = __int_as_float(0x7FC00000);
+    p.out[((size_t)ctx * p.n_heads + head) * D + d] = r;
+  }
+}
+
+/* ------------------------------------------------------------------ host */
+
+template <class Loc>
+using ChunkFn = void (*)(ChunkParams, Loc);
+template <class Loc>
+using CombineFn = void (*)(CombineParams, Loc);
+
+template <int D, class Loc>
+ChunkFn<Loc> pick_chunk_gt(int gt) {
+  switch (gt) {
+    case 1: return akv_attn_chunk_kernel<D, 1, Loc>;
+    case 2: return akv_attn_chunk_kernel<D, 2, Loc>;
+    case 4:
+      if constexpr (kWarps >= 4) return akv_attn_chunk_kernel<D, 4, Loc>;
+      return nullptr;
+    case 8:
+      if constexpr (kWarps >= 8) return akv_attn_chunk_kernel<D, 8, Loc>;
+      return nullptr;
+    default: return nullptr;
+  }
+}
+
+template <class Loc>
+ChunkFn<Loc> pick_chunk(uint32_t head_dim, int gt) {
+  switch (head_dim) {
+    case 64: return pick_chunk_gt<64, Loc>(gt);
+    case 128: return pick_chunk_gt<128, Loc>(gt);
+    case 256: return pick_chunk_gt<256, Loc>(gt);
+    default: return nullptr;
+  }
+}
+
+template <class Loc>
+CombineFn<Loc> pick_combine(uint32_t head_dim) {
+  switch (head_dim) {
+    case 64: return akv_attn_combine_kernel<64, Loc>;
+    case 128: return akv_attn_combine_kernel<128, Loc>;
+    case 256: return akv_attn_combine_kernel<256, Loc>;
+    default: return nullptr;
+  }
+}
+
+bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
+bool aligned16(uint64_t v) { return (v & 15u) == 0; }
+
+uint32_t div_up(uint32_t a, uint32_t b) { return a / b + (a % b != 0); }
+
+/* The workspace layout of attention_ref.c (acc region, then ml region). */
+bool ws_layout(uint32_t n_contexts, uint32_t n_heads, uint32_t head_dim, uint32_t max_chunks,
+               size_t *acc_bytes, size_t *total) {
+  const unsigned __int128 slots = (unsigned __int128)n_contexts * n_heads * max_chunks;
+  unsigned __int128 acc = slots * head_dim * sizeof(float);
+  unsigned __int128 ml = slots * 2 * sizeof(float);
+  acc = (acc + kWsAlign - 1) / kWsAlign * kWsAlign;
+  ml = (ml + kWsAlign - 1) / kWsAlign * kWsAlign;
+  if (acc + ml > (unsigned __int128)SIZE_MAX) return false;
+  *acc_bytes = (size_t)acc;
+  *total = (size_t)(acc + ml);
+  return true;
+}
+
+/* Subgroup size: the smallest of 1, 2, 4, 8 covering min(group, 8), at most
+ * one head per warp. */
+int pick_gt(uint32_t group) {
+  const uint32_t g = group < 8 ? group : 8;
+  const int gt = g <= 1 ? 1 : g <= 2 ? 2 : g <= 4 ? 4 : 8;
+  return gt < kWarps ? gt : kWarps;
+}
+
+/* The chunk kernel's grid.x (chunks * kv slots) must fit 2^31 - 1. */
+bool grid_fits(uint32_t chunks, uint32_t n_heads, uint32_t kv_heads) {
+  const uint32_t group = n_heads / kv_heads;
+  const uint64_t slots = (uint64_t)kv_heads * div_up(group, (uint32_t)pick_gt(group));
+  return (uint64_t)chunks * slots <= 0x7FFFFFFFull;
+}
+
+/* Checks shared by both variants. */
+akv_status check_common(akv_dtype dtype, uint32_t n_heads, uint32_t kv_heads, uint32_t head_dim,
+                        uint64_t row_bytes, const void *q, const float *out,
+                        const void *workspace) {
+  if (q == nullptr || out == nullptr) return AKV_ERR_INVALID_ARGUMENT;
+  if (n_heads == 0 || kv_heads == 0 || n_heads % kv_heads != 0) return AKV_ERR_INVALID_ARGUMENT;
+  if (head_dim == 0 || head_dim > AKV_ATTENTION_MAX_HEAD_DIM) return AKV_ERR_INVALID_ARGUMENT;
+  if (row_bytes < (uint64_t)kv_heads * head_dim * 2u) return AKV_ERR_INVALID_ARGUMENT;
+  if (!aligned16(q) || !aligned16(row_bytes) || !aligned16(workspace) ||
+      ((uintptr_t)out & 3u) != 0)
+    return AKV_ERR_INVALID_ARGUMENT;
+  if (dtype != AKV_DTYPE_BF16) return AKV_ERR_NOT_SUPPORTED;
+  if (head_dim != 64 && head_dim != 128 && head_dim != 256) return AKV_ERR_NOT_SUPPORTED;
+  const uint32_t group = n_heads / kv_heads;
+  const uint32_t n_sub = div_up(group, (uint32_t)pick_gt(group));
+  if ((uint64_t)kv_heads * n_sub > 65535u) return AKV_ERR_INVALID_ARGUMENT;
+  return AKV_OK;
+}
+
+template <class Loc>
+akv_status launch_pair(uint32_t head_dim, int gt, dim3 grid_chunk, const ChunkParams &cp,
+                       dim3 grid_combine, const CombineParams &pp, const Loc &loc,
+                       cudaStream_t stream) {
+  ChunkFn<Loc> chunk_fn = pick_chunk<Loc>(head_dim, gt);
+  CombineFn<Loc> combine_fn = pick_combine<Loc>(head_dim);
+  if (chunk_fn == nullptr || combine_fn == nullptr) return AKV_ERR_NOT_SUPPORTED;
+  cudaLaunchConfig_t cfg = {};
+  cfg.blockDim = dim3(kThreads, 1, 1);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cfg.attrs = nullptr;
+  cfg.numAttrs = 0;
+  if (grid_chunk.x > 0) {
+    cfg.gridDim = grid_chunk;
+    if (cudaLaunchKernelEx(&cfg, chunk_fn, cp, loc) != cudaSuccess) return AKV_ERR_BACKEND;
+  }
+  cfg.gridDim = grid_combine;
+  if (cudaLaunchKernelEx(&cfg, combine_fn, pp, loc) != cudaSuccess) return AKV_ERR_BACKEND;
+  return AKV_OK;
+}
+
+} // namespace
+
+extern "C" AKV_API akv_status akv_attention_decode_cuda(const akv_attention_args *a,
+                                                        cudaStream_t stream) {
+  akv_status st = AKV_ERR_INVALID_ARGUMENT;
+  uint32_t max_len = 0;
+  size_t acc_bytes = 0, total = 0;
+  if (a == nullptr) goto fail;
+  st = check_common(a->dtype, a->n_heads, a->kv_heads, a->head_dim, a->row_bytes, a->q, a->out,
+                    a->workspace);
+  if (st != AKV_OK) goto fail;
+  st = AKV_ERR_INVALID_ARGUMENT;
+  if (a->n_contexts == 0 || a->chunk_tokens == 0 || a->len == nullptr || a->k_base == nullptr ||
+      a->v_base == nullptr)
+    goto fail;
+  if (!aligned16(a->k_base) || !aligned16(a->v_base) || !aligned16(a->context_stride)) goto fail;
+  for (uint32_t i = 0; i < a->n_contexts; ++i)
+    if (a->len[i] > max_len) max_len = a->len[i];
+  if (!ws_layout(a->n_contexts, a->n_heads, a->head_dim, div_up(max_len, a->chunk_tokens),
+                 &acc_bytes, &total))
+    goto fail;
+  if (a->workspace_bytes < total || (total != 0 && a->workspace == nullptr)) goto fail;
+  if (!grid_fits(div_up(max_len, a->chunk_tokens), a->n_heads, a->kv_heads)) goto fail;
+
+  {
+    const uint32_t group = a->n_heads / a->kv_heads;
+    const int gt = pick_gt(group);
+    const uint32_t n_sub = div_up(group, (uint32_t)gt);
+    const uint32_t stride = div_up(max_len, a->chunk_tokens);
+    const size_t q_per_ctx = (size_t)a->n_heads * a->head_dim; /* elements */
+    const size_t slots_per_ctx = (size_t)a->n_heads * stride;
+    float *acc = static_cast<float *>(a->workspace);
+    float *ml = reinterpret_cast<float *>(static_cast<char *>(a->workspace) + acc_bytes);
+
+    for (uint32_t c0 = 0; c0 < a->n_contexts; c0 += kMaxLaunchContexts) {
+      const uint32_t nc = a->n_contexts - c0 < kMaxLaunchContexts ? a->n_contexts - c0
+                                                                   : kMaxLaunchContexts;
+      ContigLoc loc = {};
+      loc.k = static_cast<const char *>(a->k_base) + (size_t)c0 * a->context_stride;
+      loc.v = static_cast<const char *>(a->v_base) + (size_t)c0 * a->context_stride;
+      loc.context_stride = a->context_stride;
+      loc.row_bytes = a->row_bytes;
+      loc.chunk_tokens = a->chunk_tokens;
+      uint32_t grid_x = 0;
+      for (uint32_t i = 0; i < nc; ++i) {
+        loc.len[i] = a->len[c0 + i];
+        const uint32_t ch = div_up(loc.len[i], a->chunk_tokens);
+        if (ch > grid_x) grid_x = ch;
+      }
+      ChunkParams cp = {};
+      cp.q = static_cast<const uint16_t *>(a->q) + (size_t)c0 * q_per_ctx;
+      cp.acc = acc + (size_t)c0 * slots_per_ctx * a->head_dim;
+      cp.ml = ml + (size_t)c0 * slots_per_ctx * 2;
+      cp.n_heads = a->n_heads;
+      cp.group = group;
+      cp.n_sub = n_sub;
+      cp.kv_slots = a->kv_heads * n_sub;
+      cp.stride_chunks = stride;
+      cp.scale_log2 = a->scale * kLog2e;
+      CombineParams pp = {};
+      pp.acc = cp.acc;
+      pp.ml = cp.ml;
+      pp.out = a->out + (size_t)c0 * q_per_ctx;
+      pp.n_heads = a->n_heads;
+      pp.stride_chunks = stride;
+      st = launch_pair<ContigLoc>(a->head_dim, gt, dim3(grid_x * cp.kv_slots, nc, 1), cp,
+                                  dim3(a->n_heads, nc, 1), pp, loc, stream);
+      if (st != AKV_OK) goto fail;
+    }
+  }
+  return AKV_OK;
+fail:
+  return st;
+}
+
+extern "C" AKV_API akv_status akv_attention_paged_cuda(const akv_attention_paged_args *a,
+                                                       akv_page_table t, cudaStream_t stream) {
+  akv_status st = AKV_ERR_INVALID_ARGUMENT;
+  size_t acc_bytes = 0, total = 0;
+  if (a == nullptr) goto fail;
+  st = check_common(a->dtype, a->n_heads, a->kv_heads, a->head_dim, t.row_bytes, a->q, a->out,
+                    a->workspace);
+  if (st != AKV_OK) goto fail;
+  st = AKV_ERR_INVALID_ARGUMENT;
+  if (t.batch == 0 || t.page_tokens == 0 || t.indptr == nullptr || t.indices == nullptr ||
+      t.last_page_len == nullptr || t.k_pages == nullptr || t.v_pages == nullptr)
+    goto fail;
+  if (!aligned16(t.k_pages) || !aligned16(t.v_pages) || !aligned16(t.page_stride)) goto fail;
+  if (!ws_layout(t.batch, a->n_heads, a->head_dim, t.max_pages, &acc_bytes, &total)) goto fail;
+  if (a->workspace_bytes < total || (total != 0 && a->workspace == nullptr)) goto fail;
+  if (!grid_fits(t.max_pages, a->n_heads, a->kv_heads)) goto fail;
+
+  {
+    const uint32_t group = a->n_heads / a->kv_heads;
+    const int gt = pick_gt(group);
+    const uint32_t n_sub = div_up(group, (uint32_t)gt);
+    const uint32_t stride = t.max_pages;
+    const size_t q_per_ctx = (size_t)a->n_heads * a->head_dim;
+    const size_t slots_per_ctx = (size_t)a->n_heads * stride;
+    float *acc = static_cast<float *>(a->workspace);
+    float *ml = reinterpret_cast<float *>(static_cast<char *>(a->workspace) + acc_bytes);
+
+    for (uint32_t c0 = 0; c0 < t.batch; c0 += kMaxLaunchContexts) {
+      const uint32_t nc = t.batch - c0 < kMaxLaunchContexts ? t.batch - c0 : kMaxLaunchContexts;
+      PagedLoc loc = {};
+      loc.k = static_cast<const char *>(t.k_pages);
+      loc.v = static_cast<const char *>(t.v_pages);
+      loc.page_stride = t.page_stride;
+      loc.row_bytes = t.row_bytes;
+      loc.indptr = t.indptr + c0; /* values stay absolute offsets into indices */
+      loc.indices = t.indices;
+      loc.last_page_len = t.last_page_len + c0;
+      loc.page_tokens = t.page_tokens;
+      loc.max_pages = t.max_pages;
+      ChunkParams cp = {};
+      cp.q = static_cast<const uint16_t *>(a->q) + (size_t)c0 * q_per_ctx;
+      cp.acc = acc + (size_t)c0 * slots_per_ctx * a->head_dim;
+      cp.ml = ml + (size_t)c0 * slots_per_ctx * 2;
+      cp.n_heads = a->n_heads;
+      cp.group = group;
+      cp.n_sub = n_sub;
+      cp.kv_slots = a->kv_heads * n_sub;
+      cp.stride_chunks = stride;
+      cp.scale_log2 = a->scale * kLog2e;
+      CombineParams pp = {};
+      pp.acc = cp.acc;
+      pp.ml = cp.ml;
+      pp.out = a->out + (size_t)c0 * q_per_ctx;
+      pp.n_heads = a->n_heads;
+      pp.stride_chunks = stride;
+      st = launch_pair<PagedLoc>(a->head_dim, gt, dim3(t.max_pages * cp.kv_slots, nc, 1), cp,
+                                 dim3(a->n_heads, nc, 1), pp, loc, stream);
+      if (st != AKV_OK) goto fail;
+    }
+  }
+  return AKV_OK;
+fail:
+  return st;
+}

@@ -1,0 +1,341 @@
+/*
+ * test_gpu_cells.cu - bitwise cells on the GPU (DESIGN §9): stage and arena
+ * routes over context lengths (1, page-1, page, page+1, odd, 31,744), device
+ * pools (0, tight, roomy) and 1 or 4 contexts. Each cell runs several decode
+ * steps through the CUDA engine with the library's CUDA attention as the hook
+ * and compares every attention output bit for bit against the same kernel
+ * over a fully resident device copy of the history. After the run the host
+ * rows (prefill plus every written-back row) are compared byte for byte.
+ *
+ * Exits 77 (skipped) on a machine without a usable CUDA device.
+ * AKV_CELLS_QUICK=1 drops the 31,744-token cells (for sanitizer runs).
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <vector>
+
+extern "C" {
+#include <cmocka.h>
+}
+
+#include "akv.h"
+#include "akv_cuda.h"
+
+#define CK(x)                                                                        \
+  do {                                                                               \
+    cudaError_t e_ = (x);                                                            \
+    if (e_ != cudaSuccess) fail_msg("%s: %s", #x, cudaGetErrorString(e_));           \
+  } while (0)
+#define AK(x)                                                                        \
+  do {                                                                               \
+    akv_status s_ = (x);                                                             \
+    if (s_ != AKV_OK) fail_msg("%s: %s", #x, akv_status_string(s_));                 \
+  } while (0)
+
+static const uint32_t LAYERS = 2, KVH = 8, HD = 128, QH = 32, PT = 256, STEPS = 3;
+static const uint32_t ROW_ELEMS = KVH * HD;
+static const uint64_t ROW_BYTES = ROW_ELEMS * 2;
+
+/* bf16 bit pattern of element j of (ctx, layer, token, kv): integer-only, so
+ * host and device produce the same bits. Magnitudes in [2^-7, 1). */
+__host__ __device__ static inline uint16_t cell_elem(uint32_t salt, uint32_t ctx, uint32_t layer,
+                                                     uint32_t token, uint32_t kv, uint32_t j) {
+  uint64_t x = ((uint64_t)salt << 56) ^ ((uint64_t)ctx << 48) ^ ((uint64_t)layer << 40) ^
+               ((uint64_t)token << 16) ^ ((uint64_t)kv << 15) ^ j;
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  x ^= x >> 31;
+  uint32_t sign = (uint32_t)(x >> 63);
+  uint32_t expo = 120u + (uint32_t)((x >> 32) % 7u);
+  uint32_t mant = (uint32_t)(x & 0x7fu);
+  return (uint16_t)((sign << 15) | (expo << 7) | mant);
+}
+
+/* Writes the new row (token = len[i]) of each context at row len[i] of the
+ * given K/V layout. grid.x = contexts, block covers ROW_ELEMS. */
+struct new_rows_args {
+  uint8_t *k_base, *v_base;
+  uint64_t context_stride;
+  uint32_t len[8];
+  uint32_t ctx_id[8];
+  uint32_t layer;
+};
+
+__global__ void write_new_rows(new_rows_args a) {
+  uint32_t i = blockIdx.x;
+  uint16_t *k = (uint16_t *)(a.k_base + i * a.context_stride + (uint64_t)a.len[i] * ROW_BYTES);
+  uint16_t *v = (uint16_t *)(a.v_base + i * a.context_stride + (uint64_t)a.len[i] * ROW_BYTES);
+  for (uint32_t j = threadIdx.x; j < ROW_ELEMS; j += blockDim.x) {
+    k[j] = cell_elem(1, a.ctx_id[i], a.layer, a.len[i], 0, j);
+    v[j] = cell_elem(1, a.ctx_id[i], a.layer, a.len[i], 1, j);
+  }
+}
+
+__global__ void write_queries(uint16_t *q, uint32_t n_ctx, uint32_t layer, uint32_t step) {
+  uint32_t i = blockIdx.x;
+  for (uint32_t j = threadIdx.x; j < QH * HD; j += blockDim.x)
+    q[(uint64_t)i * QH * HD + j] = cell_elem(2, i, layer, step, 0, j);
+}
+
+struct cell {
+  akv_route route;
+  uint32_t n_ctx;
+  uint32_t len;
+  uint32_t pool_gib;   /* 0 = stage */
+  uint32_t target;     /* AKV_TARGET_FAIR_SHARE = roomy */
+  const char *pool_name;
+};
+
+struct run_state {
+  cudaStream_t stream;
+  uint16_t *q;         /* [n_ctx][QH][HD] */
+  float *out_staged;   /* [LAYERS][n_ctx][QH][HD] */
+  void *ws;
+  size_t ws_bytes;
+  uint32_t n_ctx;
+  uint32_t step;
+};
+
+static akv_status attend(run_state *rs, uint32_t layer, uint8_t *k_base, uint8_t *v_base,
+                         uint64_t ctx_stride, const uint32_t *len, float *out) {
+  new_rows_args nr;
+  memset(&nr, 0, sizeof(nr));
+  nr.k_base = k_base;
+  nr.v_base = v_base;
+  nr.context_stride = ctx_stride;
+  nr.layer = layer;
+  uint32_t lens1[8];
+  for (uint32_t i = 0; i < rs->n_ctx; i++) {
+    nr.len[i] = len[i];
+    nr.ctx_id[i] = i;
+    lens1[i] = len[i] + 1;
+  }
+  write_new_rows<<<rs->n_ctx, 256, 0, rs->stream>>>(nr);
+  write_queries<<<rs->n_ctx, 256, 0, rs->stream>>>(rs->q, rs->n_ctx, layer, rs->step);
+  if (cudaGetLastError() != cudaSuccess) return AKV_ERR_BACKEND;
+  akv_attention_args a;
+  memset(&a, 0, sizeof(a));
+  a.dtype = AKV_DTYPE_BF16;
+  a.n_contexts = rs->n_ctx;
+  a.n_heads = QH;
+  a.kv_heads = KVH;
+  a.head_dim = HD;
+  a.chunk_tokens = PT;
+  a.scale = 0.08838834764831845f;
+  a.q = rs->q;
+  a.k_base = k_base;
+  a.v_base = v_base;
+  a.context_stride = ctx_stride;
+  a.row_bytes = ROW_BYTES;
+  a.len = lens1;
+  a.out = out;
+  a.workspace = rs->ws;
+  a.workspace_bytes = rs->ws_bytes;
+  return akv_attention_decode_cuda(&a, rs->stream);
+}
+
+static int hook(void *user, const akv_view *view, akv_stream stream) {
+  run_state *rs = (run_state *)user;
+  uint8_t *base = (uint8_t *)view->base;
+  if (akv_stream_to_cuda(stream) != rs->stream) return 1;
+  return attend(rs, view->layer, base, base + view->v_offset, view->context_stride, view->len,
+                rs->out_staged + (uint64_t)view->layer * rs->n_ctx * QH * HD) == AKV_OK
+             ? 0
+             : 1;
+}
+
+static void silent(void *, akv_log_level level, const char *msg) {
+  if (level <= AKV_LOG_WARN || getenv("AKVT_VERBOSE")) fprintf(stderr, "  [akv] %s\n", msg);
+}
+
+static void run_cell(const cell *c, uint64_t *compared) {
+  const uint32_t max_tokens = ((c->len + 4 + STEPS + PT - 1) / PT) * PT;
+  akv_engine_config ec = AKV_ENGINE_CONFIG_INIT;
+  ec.backend = AKV_BACKEND_CUDA;
+  ec.n_dense_layers = LAYERS;
+  ec.kv_heads = KVH;
+  ec.head_dim = HD;
+  ec.max_tokens = max_tokens;
+  ec.page_tokens = PT;
+  ec.max_contexts = c->n_ctx;
+  {
+    uint64_t hist = (uint64_t)LAYERS * max_tokens * ROW_BYTES * 2 * c->n_ctx;
+    ec.host_pool_gib = (uint32_t)((hist + (1ull << 30) - 1) >> 30);
+  }
+  ec.device_pool_gib = c->pool_gib;
+  ec.route = c->route;
+  ec.log_fn = silent;
+  akv_engine *e = NULL;
+  AK(akv_engine_create(&ec, &e));
+  akv_engine_info info;
+  AK(akv_engine_info_get(e, &info));
+  assert_int_equal(info.backend, AKV_BACKEND_CUDA);
+
+  run_state rs;
+  memset(&rs, 0, sizeof(rs));
+  rs.n_ctx = c->n_ctx;
+  CK(cudaStreamCreateWithFlags(&rs.stream, cudaStreamNonBlocking));
+  CK(cudaMalloc(&rs.q, (size_t)c->n_ctx * QH * HD * 2));
+  size_t out_elems = (size_t)LAYERS * c->n_ctx * QH * HD;
+  float *out_res;
+  CK(cudaMalloc(&rs.out_staged, out_elems * 4));
+  CK(cudaMalloc(&out_res, out_elems * 4));
+  AK(akv_attention_workspace_bytes(c->n_ctx, QH, HD, max_tokens, PT, &rs.ws_bytes));
+  CK(cudaMalloc(&rs.ws, rs.ws_bytes));
+
+  /* Resident reference: [ctx][layer][K|V][max_tokens][row] on the device. */
+  const uint64_t seg = (uint64_t)max_tokens * ROW_BYTES;
+  uint8_t *resident;
+  CK(cudaMalloc(&resident, (size_t)c->n_ctx * LAYERS * 2 * seg));
+
+  std::vector<uint16_t> rows((size_t)LAYERS * 2 * (c->len + 3) * ROW_ELEMS);
+  std::vector<akv_context *> ctx(c->n_ctx);
+  std::vector<uint32_t> lens(c->n_ctx);
+  for (uint32_t i = 0; i < c->n_ctx; i++) {
+    uint32_t n = c->len + (c->n_ctx > 1 ? i : 0);
+    const void *kp[LAYERS], *vp[LAYERS];
+    for (uint32_t l = 0; l < LAYERS; l++) {
+      uint16_t *kb = rows.data() + (size_t)(l * 2) * n * ROW_ELEMS;
+      uint16_t *vb = kb + (size_t)n * ROW_ELEMS;
+      for (uint32_t t = 0; t < n; t++)
+        for (uint32_t j = 0; j < ROW_ELEMS; j++) {
+          kb[(size_t)t * ROW_ELEMS + j] = cell_elem(1, i, l, t, 0, j);
+          vb[(size_t)t * ROW_ELEMS + j] = cell_elem(1, i, l, t, 1, j);
+        }
+      kp[l] = kb;
+      vp[l] = vb;
+      uint8_t *rk = resident + ((uint64_t)i * LAYERS * 2 + l * 2) * seg;
+      CK(cudaMemcpy(rk, kb, (size_t)n * ROW_BYTES, cudaMemcpyHostToDevice));
+      CK(cudaMemcpy(rk + seg, vb, (size_t)n * ROW_BYTES, cudaMemcpyHostToDevice));
+    }
+    akv_context_config cc = AKV_CONTEXT_CONFIG_INIT;
+    cc.target_pages = c->target;
+    AK(akv_context_open(e, &cc, &ctx[i]));
+    AK(akv_context_append(ctx[i], n, kp, vp));
+    lens[i] = n;
+  }
+
+  std::vector<float> a((size_t)out_elems), b((size_t)out_elems);
+  uint64_t staged_h2d = 0;
+  for (uint32_t s = 0; s < STEPS; s++) {
+    rs.step = s;
+    akv_lease *lease[LAYERS];
+    AK(akv_step_begin(e, ctx.data(), c->n_ctx));
+    for (uint32_t l = 0; l < LAYERS; l++) {
+      akv_fence attn, tail;
+      AK(akv_lease_begin(e, l, &lease[l]));
+      if (l >= 2) AK(akv_lease_retire(lease[l - 2], NULL));
+      AK(akv_lease_attend(lease[l], akv_stream_from_cuda(rs.stream), hook, &rs, &attn));
+      AK(akv_lease_write_back(lease[l], NULL, 0, &tail));
+      AK(akv_lease_seal(lease[l], tail, attn));
+    }
+    for (uint32_t l = LAYERS >= 2 ? LAYERS - 2 : 0; l < LAYERS; l++) {
+      akv_receipt r;
+      AK(akv_lease_retire(lease[l], &r));
+      staged_h2d += r.bytes_h2d;
+    }
+    AK(akv_step_end(e));
+    /* resident: the same kernel, same new rows, over the resident copy */
+    for (uint32_t l = 0; l < LAYERS; l++) {
+      uint8_t *k0 = resident + (uint64_t)l * 2 * seg;
+      AK(attend(&rs, l, k0, k0 + seg, (uint64_t)LAYERS * 2 * seg, lens.data(),
+                out_res + (uint64_t)l * c->n_ctx * QH * HD));
+    }
+    CK(cudaStreamSynchronize(rs.stream));
+    CK(cudaMemcpy(a.data(), rs.out_staged, out_elems * 4, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(b.data(), out_res, out_elems * 4, cudaMemcpyDeviceToHost));
+    for (uint32_t l = 0; l < LAYERS; l++)
+      for (uint32_t i = 0; i < c->n_ctx; i++) {
+        size_t off = ((size_t)l * c->n_ctx + i) * QH * HD;
+        if (memcmp(a.data() + off, b.data() + off, (size_t)QH * HD * 4) != 0)
+          fail_msg("cell route=%s len=%u ctx=%u pool=%s: step %u layer %u context %u differs",
+                   c->route == AKV_ROUTE_ARENA ? "arena" : "stage", c->len, c->n_ctx,
+                   c->pool_name, s, l, i);
+        (*compared)++;
+      }
+    for (uint32_t i = 0; i < c->n_ctx; i++) lens[i]++;
+  }
+
+  /* Host rows: everything prefilled and written back, byte for byte. */
+  for (uint32_t i = 0; i < c->n_ctx; i++) {
+    uint32_t n = 0;
+    AK(akv_context_length(ctx[i], &n));
+    assert_int_equal(n, lens[i]);
+    std::vector<uint16_t> hk((size_t)n * ROW_ELEMS), hv((size_t)n * ROW_ELEMS), rk(hk.size()), rv(hv.size());
+    for (uint32_t l = 0; l < LAYERS; l++) {
+      AK(akv_context_read(ctx[i], l, 0, n, hk.data(), hv.data()));
+      uint8_t *r0 = resident + ((uint64_t)i * LAYERS * 2 + l * 2) * seg;
+      CK(cudaMemcpy(rk.data(), r0, (size_t)n * ROW_BYTES, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(rv.data(), r0 + seg, (size_t)n * ROW_BYTES, cudaMemcpyDeviceToHost));
+      assert_memory_equal(hk.data(), rk.data(), (size_t)n * ROW_BYTES);
+      assert_memory_equal(hv.data(), rv.data(), (size_t)n * ROW_BYTES);
+    }
+  }
+  AK(akv_engine_info_get(e, &info));
+  printf("  cell %-5s len=%-5u ctx=%u pool=%-5s: %u steps bit-identical; H2D %.1f MB, D2D %.1f MB\n",
+         c->route == AKV_ROUTE_ARENA ? "arena" : "stage", c->len, c->n_ctx, c->pool_name, STEPS,
+         info.bytes_h2d / 1e6, info.bytes_d2d / 1e6);
+  if (c->route == AKV_ROUTE_ARENA && c->len >= 2 * PT) assert_true(info.bytes_d2d > 0);
+
+  for (uint32_t i = 0; i < c->n_ctx; i++) AK(akv_context_close(ctx[i]));
+  AK(akv_engine_destroy(e));
+  CK(cudaFree(resident));
+  CK(cudaFree(rs.ws));
+  CK(cudaFree(out_res));
+  CK(cudaFree(rs.out_staged));
+  CK(cudaFree(rs.q));
+  CK(cudaStreamDestroy(rs.stream));
+}
+
+static void run_route(akv_route route) {
+  const uint32_t lens[] = {1, PT - 1, PT, PT + 1, 1001, 31744};
+  bool quick = getenv("AKV_CELLS_QUICK") != NULL;
+  uint64_t compared = 0;
+  int cells = 0;
+  for (uint32_t k = 0; k < sizeof(lens) / sizeof(lens[0]); k++) {
+    if (quick && lens[k] > 4096) continue;
+    for (int v = 0; v < 2; v++) {
+      cell c;
+      c.route = route;
+      c.len = lens[k];
+      if (route == AKV_ROUTE_STAGE) {
+        c.n_ctx = v ? 4 : 1;
+        c.pool_gib = 0;
+        c.target = 0;
+        c.pool_name = "0";
+      } else {
+        c.n_ctx = (k + v) % 2 ? 4 : 1;
+        c.pool_gib = v ? 2 : 1;
+        c.target = v ? AKV_TARGET_FAIR_SHARE : 2; /* roomy / tight (sink + 1) */
+        c.pool_name = v ? "roomy" : "tight";
+      }
+      run_cell(&c, &compared);
+      cells++;
+    }
+  }
+  printf("route %s: %d cells, %llu layer outputs compared, all bit-identical\n",
+         route == AKV_ROUTE_ARENA ? "arena" : "stage", cells, (unsigned long long)compared);
+  assert_true(cells >= (quick ? 8 : 12));
+}
+
+static void test_stage_cells(void **) { run_route(AKV_ROUTE_STAGE); }
+static void test_arena_cells(void **) { run_route(AKV_ROUTE_ARENA); }
+
+int main(void) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+    printf("SKIP: no CUDA device\n");
+    return 77;
+  }
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_stage_cells),
+      cmocka_unit_test(test_arena_cells),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
