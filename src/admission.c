@@ -25,6 +25,20 @@
  * holds fewer than its target. Pass 2 (window) fills all W positions: own
  * spare, free page, (reclaim while below target), then shrink. So every slot's
  * target is served before anyone borrows a free page in the same boundary.
+ * Because admission keeps the intact targets within the pool, pass 1 always
+ * gives every active slot with an intact target its first min(W, target)
+ * positions (the floor, sink + newest page, among them when target >= 2).
+ *
+ * Admission: the sum of intact targets must fit n_pages after revoking idle
+ * targets least recently active first (only as many as needed); a revoked
+ * slot keeps its pages until someone reclaims them and gets its target back
+ * at the first boundary it is part of where that fits again (re-admission
+ * may revoke idle targets in turn). Log rows: a page move names the taker,
+ * its rule, the victim (or NONE) and the pages (consecutive identical moves
+ * merge); a revocation is an `admit` row naming the admitted context, the
+ * revoked one as victim and the revoked target as pages; counters count
+ * pages for the page rules and events (rows with no victim) for refuse,
+ * admit and release.
  *
  * Nothing allocates after akv_adm_create; nothing moves outside akv_adm_step
  * and akv_adm_release.
@@ -183,7 +197,8 @@ akv_status akv_adm_create(const akv_adm_config *config, akv_adm **out) {
   adm->mark = akv_adm_calloc(config->max_contexts, sizeof *adm->mark);
   adm->log = akv_adm_calloc(config->log_capacity, sizeof *adm->log);
   if (!adm->slots || !adm->map || !adm->page_slot || !adm->page_logical || !adm->page_fence ||
-      !adm->free_ring || !adm->fills || !adm->fill_at || !adm->order || !adm->cand || !adm->mark || !adm->log) {
+      !adm->free_ring || !adm->fills || !adm->fill_at || !adm->order || !adm->cand ||
+      !adm->mark || !adm->log) {
     st = AKV_ERR_OUT_OF_MEMORY;
     goto fail;
   }
@@ -268,9 +283,20 @@ static void akv_adm_free_push(akv_adm *adm, uint32_t p) {
 
 /* Maps physical page p to (slot, logical) by `rule`: p is either just popped
  * from the free list or still owned by its previous slot (own reuse, shrink,
- * reclaim). Records the fill (one entry per physical page per boundary; the
- * fill waits on the page's fence), the counter, the log row and the explain
- * material of both sides. */
+ * reclaim). Records the fill (it waits on the page's fence), the counter, the
+ * log row and the explain material of both sides.
+ *
+ * A page moves at most once per boundary, so fills never name a physical
+ * page twice. Own reuse and shrink move a page to a higher-priority window
+ * position of the same slot, from which neither takes it again. Reclaim runs
+ * only in pass 1 (in pass 2 every slot already holds min(W, target)) and
+ * takes up to held - target of a borrowed victim's oldest pages; the victim's
+ * own pass-1 moves landed in its first min(W, target) positions, which hold
+ * its newest pages, so they are never among those taken. Pages a slot gained
+ * in pass 1 bring it to at most its target, so it is no victim afterwards.
+ * tests/test_admission.c checks fills == moves at every step; fill_at keeps
+ * the contract (one entry per physical page, at most n_pages entries) by
+ * construction all the same, should a later rule break the argument. */
 static void akv_adm_move(akv_adm *adm, uint32_t p, uint32_t slot, uint32_t logical,
                          akv_adm_rule rule) {
   akv_adm_slot *taker = &adm->slots[slot];
@@ -316,6 +342,11 @@ static void akv_adm_move(akv_adm *adm, uint32_t p, uint32_t slot, uint32_t logic
 
   adm->counters[rule]++;
   akv_adm_log(adm, adm->cur_step, taker->id, rule, victim_id, 1, 1);
+}
+
+static void akv_adm_clear_fills(akv_adm *adm) {
+  for (size_t i = 0; i < adm->n_fills; i++) adm->fill_at[adm->fills[i].physical] = AKV_ADM_NONE;
+  adm->n_fills = 0;
 }
 
 /* Oldest resident non-sink page of `slot` with logical in [1, below), else the
@@ -531,11 +562,6 @@ fail:
   return st;
 }
 
-static void akv_adm_clear_fills(akv_adm *adm) {
-  for (size_t i = 0; i < adm->n_fills; i++) adm->fill_at[adm->fills[i].physical] = AKV_ADM_NONE;
-  adm->n_fills = 0;
-}
-
 akv_status akv_adm_release(akv_adm *adm, uint64_t step, uint32_t slot) {
   akv_status st = AKV_OK;
   if (adm == NULL || slot >= adm->cfg.max_contexts || !adm->slots[slot].admitted) {
@@ -577,7 +603,8 @@ static akv_status akv_adm_check_requests(akv_adm *adm, const akv_adm_request *re
   adm->mark_stamp++; /* scratch only: no observable state changes */
   for (uint32_t i = 0; i < n; i++) {
     uint32_t slot = requests[i].slot;
-    if (slot >= adm->cfg.max_contexts || !adm->slots[slot].admitted) return AKV_ERR_INVALID_ARGUMENT;
+    if (slot >= adm->cfg.max_contexts || !adm->slots[slot].admitted)
+      return AKV_ERR_INVALID_ARGUMENT;
     if (requests[i].full_pages > adm->cfg.max_logical_pages) return AKV_ERR_INVALID_ARGUMENT;
     if (adm->mark[slot] == adm->mark_stamp) return AKV_ERR_INVALID_ARGUMENT;
     adm->mark[slot] = adm->mark_stamp;
@@ -738,11 +765,11 @@ static const char *akv_adm_plural(uint64_t n) { return n == 1 ? "" : "s"; }
 static const char *akv_adm_rule_words(akv_adm_rule rule) {
   switch (rule) {
   case AKV_ADM_RECLAIM_BORROWED:
-    return "borrowed";
+    return "borrowed pages";
   case AKV_ADM_RECLAIM_ABOVE_TARGET:
-    return "above its target";
+    return "pages above its revoked target";
   case AKV_ADM_RECLAIM_IDLE:
-    return "idle";
+    return "an idle context with a revoked target";
   default:
     return akv_adm_rule_string(rule);
   }
@@ -774,8 +801,8 @@ static void akv_adm_explain_refusal(const akv_adm *adm, akv_adm_text *t) {
     akv_adm_say(t, " could give back only %llu page%s", (unsigned long long)r->revocable,
                 akv_adm_plural(r->revocable));
   }
-  uint64_t room = r->sum_targets - r->revocable <= n_pages ? n_pages - (r->sum_targets - r->revocable)
-                                                          : 0;
+  uint64_t kept = r->sum_targets - r->revocable; /* targets that stay */
+  uint64_t room = kept <= n_pages ? n_pages - kept : 0;
   akv_adm_say(t, " (%llu short). A target of at most %llu page%s would be admitted now; close a "
                  "context, lower the target, or open it with target 0 (pure staging).",
               (unsigned long long)(r->target - room), (unsigned long long)room,
@@ -800,45 +827,57 @@ size_t akv_adm_explain(const akv_adm *adm, uint32_t slot, char *buf, size_t cap)
               (unsigned)s->burst);
   if (s->revoked)
     akv_adm_say(&t, "; its target was revoked at step %llu to admit context %u while it was "
-                    "idle, so it holds pages by burst only until the targets fit again",
+                    "idle: its pages may be reclaimed, and it gets its target back at a step it "
+                    "is part of once the targets fit again",
                 (unsigned long long)s->revoked_step, (unsigned)s->revoked_by);
   if (!s->seen) {
     akv_adm_say(&t, "; admitted at step %llu, it has not been part of a step yet.",
                 (unsigned long long)s->admit_step);
     return t.len;
   }
-  akv_adm_say(&t, ". At step %llu its window wanted %u of its %u full page%s (the sink, then "
-                  "the newest)",
-              (unsigned long long)s->seen_step, (unsigned)s->window, (unsigned)s->full_pages,
-              akv_adm_plural(s->full_pages));
+  if (s->window == 0)
+    akv_adm_say(&t, ". At step %llu its window was empty (%u full page%s, target + burst %llu)",
+                (unsigned long long)s->seen_step, (unsigned)s->full_pages,
+                akv_adm_plural(s->full_pages),
+                (unsigned long long)((uint64_t)s->eff_target + s->burst));
+  else
+    akv_adm_say(&t, ". At step %llu its window wanted %u of its %u full page%s (the sink, then "
+                    "the newest)",
+                (unsigned long long)s->seen_step, (unsigned)s->window, (unsigned)s->full_pages,
+                akv_adm_plural(s->full_pages));
   static const char *const verbs[AKV_ADM_SHRINK + 1] = {
-      "reused %u of its own page%s", "took %u free page%s", "reclaimed %u borrowed page%s",
-      "reclaimed %u page%s above others' targets", "reclaimed %u page%s from idle contexts",
-      "shrank its window by %u page%s"};
-  int any = 0;
+      "remapped %u own page%s that left its window", "took %u free page%s",
+      "reclaimed %u borrowed page%s", "reclaimed %u page%s above others' targets",
+      "reclaimed %u page%s of idle contexts", "shrank its window by %u page%s"};
+  uint32_t n_moves = 0, done = 0;
+  for (int r = AKV_ADM_OWN_REUSE; r <= AKV_ADM_SHRINK; r++) n_moves += s->gained[r] > 0;
   for (int r = AKV_ADM_OWN_REUSE; r <= AKV_ADM_SHRINK; r++) {
     if (s->gained[r] == 0) continue;
-    akv_adm_say(&t, any ? ", " : " and ");
+    akv_adm_say(&t, done == 0 ? "; it " : (done + 1 == n_moves ? " and " : ", "));
     akv_adm_say(&t, verbs[r], (unsigned)s->gained[r], akv_adm_plural(s->gained[r]));
-    any = 1;
+    done++;
   }
-  if (!any) akv_adm_say(&t, "; no page moved for it");
+  if (n_moves == 0) akv_adm_say(&t, "; no page moved for it");
+  const char *verb = s->short_by == 1 ? "was" : "were";
   if (s->short_by == 0)
-    akv_adm_say(&t, "; all of them are resident.");
+    akv_adm_say(&t, s->window > 0 ? "; all of them were resident." : ".");
+  else if (s->revoked)
+    akv_adm_say(&t, "; %u %s not resident: with its target revoked it could borrow only free "
+                    "pages, and none was free.",
+                (unsigned)s->short_by, verb);
   else if (s->short_reason == AKV_ADM_SHORT_NO_FREE_PAGE)
-    akv_adm_say(&t, "; %u %s not resident because it holds its target and burst pages are "
-                    "borrowed only while free, and no page was free.",
-                (unsigned)s->short_by, s->short_by == 1 ? "is" : "are");
+    akv_adm_say(&t, "; %u %s not resident: it held its target, and burst pages are borrowed "
+                    "only while free; none was free.",
+                (unsigned)s->short_by, verb);
   else
-    akv_adm_say(&t, "; %u %s not resident: it is below its target and every other page "
-                    "belongs to an active context within its target.",
-                (unsigned)s->short_by, s->short_by == 1 ? "is" : "are");
+    akv_adm_say(&t, "; %u %s not resident: it was below its target and nothing was "
+                    "reclaimable.",
+                (unsigned)s->short_by, verb);
   if (akv_adm_is_idle(adm, s))
     akv_adm_say(&t, " It has been idle since step %llu.", (unsigned long long)s->seen_step);
   if (s->lost_any)
-    akv_adm_say(&t, " At step %llu it lost %u %s page%s to context %u.",
-                (unsigned long long)s->lost_step, (unsigned)s->lost_pages,
-                akv_adm_rule_words(s->lost_rule), akv_adm_plural(s->lost_pages),
-                (unsigned)s->lost_to);
+    akv_adm_say(&t, " At step %llu context %u reclaimed %u of its pages (%s).",
+                (unsigned long long)s->lost_step, (unsigned)s->lost_to, (unsigned)s->lost_pages,
+                akv_adm_rule_words(s->lost_rule));
   return t.len;
 }

@@ -6,10 +6,12 @@
  *     The block streams the chunk's K and V rows once with 16-byte loads and
  *     computes, for every query head of the subgroup (all share the K/V
  *     reads), the partial (m, l, acc[head_dim]) of akv_attention.h into the
- *     workspace. Within the chunk it walks tiles of TILE rows: every thread
- *     loads its K and V slices of the tile up front (2*U loads in flight),
- *     the scores go to shared memory, one warp per head folds the tile into a
- *     running maximum and sum, then every thread accumulates its V slices.
+ *     workspace. Within the chunk it walks tiles of TILE rows: each thread
+ *     holds U 16-byte K slices and U V slices of the tile; the scores go to
+ *     shared memory, one warp per head folds the tile into a running maximum
+ *     and sum, then every thread accumulates its V slices. The next tile's K
+ *     is requested right after the scores and its V right after the
+ *     accumulation, so memory requests stay in flight across the barriers.
  *  2. combine kernel: one block per (context, query head); merges the
  *     context's chunk partials.
  *
@@ -44,7 +46,7 @@ namespace {
 #ifndef AKV_ATTN_LOADS
 #define AKV_ATTN_LOADS 4
 #endif
-constexpr int kWarps = AKV_ATTN_WARPS; /* warps per block, >= 8 heads per subgroup */
+constexpr int kWarps = AKV_ATTN_WARPS; /* warps per block; also caps the subgroup size */
 constexpr int kThreads = kWarps * 32;
 /* Contexts per launch pair (their lengths travel in the kernel parameters). */
 constexpr uint32_t kMaxLaunchContexts = 256;
@@ -57,13 +59,15 @@ struct Cfg {
   static constexpr int TPW = 32 / LANES;      /* rows per warp per load */
   static constexpr int U_BASE = GT >= 8 ? (AKV_ATTN_LOADS + 1) / 2 : AKV_ATTN_LOADS;
   static constexpr int U_MIN = 32 / (kWarps * TPW) > 0 ? 32 / (kWarps * TPW) : 1;
-  static constexpr int U = U_BASE > U_MIN ? U_BASE : U_MIN; /* loads per thread per tile, K and V each */
-  static constexpr int TILE = U * kWarps * TPW;             /* rows per tile, a multiple of 32 */
-  static constexpr int VALS = TILE / 32;                    /* scores per lane in the stats step */
+  /* 16-byte loads per thread per tile, for K and for V each. */
+  static constexpr int U = U_BASE > U_MIN ? U_BASE : U_MIN;
+  static constexpr int TILE = U * kWarps * TPW; /* rows per tile, a multiple of 32 */
+  static constexpr int VALS = TILE / 32;        /* scores per lane in the stats step */
   static constexpr int LOG_LANES = LANES == 8 ? 3 : LANES == 16 ? 4 : 5;
   static constexpr int LOG_GT = GT == 1 ? 0 : GT == 2 ? 1 : GT == 4 ? 2 : 3;
-  static constexpr int HEAD_SHIFT = LOG_LANES - LOG_GT; /* lane slice -> head after reduce-scatter */
-  static constexpr int PAD = 4;                         /* keeps score writes conflict-free */
+  /* After the reduce-scatter, lane slice dl holds head dl >> HEAD_SHIFT. */
+  static constexpr int HEAD_SHIFT = LOG_LANES - LOG_GT;
+  static constexpr int PAD = 4; /* keeps score writes free of bank conflicts */
   static_assert(TILE % 32 == 0, "tile must be a multiple of a warp");
   static_assert(GT <= kWarps, "one warp per head in the stats step");
   static_assert(GT <= LANES, "reduce-scatter needs a lane per head");
@@ -207,8 +211,14 @@ struct ReduceScatter {
   }
 };
 
+/* Two blocks per SM (at most 128 registers) with the library's knobs,
+ * except for 8-head subgroups, whose q and accumulators alone take 128. */
+constexpr int min_blocks(int gt) {
+  return (gt >= 8 || kWarps != 8 || AKV_ATTN_LOADS > 4) ? 1 : 2;
+}
+
 template <int D, int GT, class Loc>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, min_blocks(GT))
     akv_attn_chunk_kernel(const __grid_constant__ ChunkParams p, const __grid_constant__ Loc loc) {
   using C = Cfg<D, GT>;
   __shared__ float s_p[GT][C::TILE + C::PAD]; /* scores, then probabilities */
@@ -260,20 +270,25 @@ __global__ void __launch_bounds__(kThreads)
   float m_run = -INFINITY; /* running max and sum of head `warp` (warps < GT) */
   float l_run = 0.0f;
 
-  for (uint32_t t0 = 0; t0 < n; t0 += C::TILE) {
-    uint4 kr[C::U];
-    uint4 vr[C::U];
+  /* Row slot `u` of this thread in the tile starting at t0; rows past the
+   * chunk read as zero (never from memory). */
+  uint4 kr[C::U];
+  uint4 vr[C::U];
+  auto load_rows = [&](uint4(&r)[C::U], const char *base, uint32_t t0) {
 #pragma unroll
     for (int u = 0; u < C::U; ++u) {
       const uint32_t t = t0 + u * (kWarps * C::TPW) + warp * C::TPW + tok;
-      if (t < n) {
-        kr[u] = load16(kd + t * rb);
-        vr[u] = load16(vd + t * rb);
-      } else {
-        kr[u] = make_uint4(0u, 0u, 0u, 0u);
-        vr[u] = make_uint4(0u, 0u, 0u, 0u);
-      }
+      r[u] = t < n ? load16(base + t * rb) : make_uint4(0u, 0u, 0u, 0u);
     }
+  };
+  load_rows(kr, kd, 0);
+  load_rows(vr, vd, 0);
+
+  /* Software pipeline without extra registers: the next tile's K is loaded
+   * as soon as this tile's scores are taken, the next V as soon as this
+   * tile's V is accumulated, so loads stay in flight across the barriers. */
+  for (uint32_t t0 = 0; t0 < n; t0 += C::TILE) {
+    const uint32_t t_next = t0 + C::TILE;
 
     /* Scores of the tile, scaled into the base-2 domain. */
 #pragma unroll
@@ -294,6 +309,7 @@ __global__ void __launch_bounds__(kThreads)
         s_p[dl >> C::HEAD_SHIFT][tl] = (t0 + tl < n) ? part[0] * p.scale_log2 : -INFINITY;
       }
     }
+    if (t_next < n) load_rows(kr, kd, t_next);
     __syncthreads();
 
     /* Warp h folds head h's tile into its running maximum and sum. */
@@ -342,6 +358,7 @@ __global__ void __launch_bounds__(kThreads)
         for (int j = 0; j < 8; ++j) acc[h][j] = fmaf(pr, vf[j], acc[h][j]);
       }
     }
+    if (t_next < n) load_rows(vr, vd, t_next);
     __syncthreads(); /* s_p and s_alpha are rewritten by the next tile */
   }
 
@@ -413,7 +430,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int k = 0; k < PER; ++k) o[k] = 0.0f;
   float l = 0.0f;
-#pragma unroll 4
+#pragma unroll 8
   for (uint32_t c = warp; c < nch; c += kWarps) {
     const float *ml = p.ml + (slot0 + c) * 2;
     const float w = exp2f(ml[0] - big_use);
@@ -482,14 +499,14 @@ CombineFn<Loc> pick_combine(uint32_t head_dim) {
   }
 }
 
-bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
-bool aligned16(uint64_t v) { return (v & 15u) == 0; }
+static bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
+static bool aligned16(uint64_t v) { return (v & 15u) == 0; }
 
-uint32_t div_up(uint32_t a, uint32_t b) { return a / b + (a % b != 0); }
+static uint32_t div_up(uint32_t a, uint32_t b) { return a / b + (a % b != 0); }
 
 /* The workspace layout of attention_ref.c (acc region, then ml region). */
-bool ws_layout(uint32_t n_contexts, uint32_t n_heads, uint32_t head_dim, uint32_t max_chunks,
-               size_t *acc_bytes, size_t *total) {
+static bool ws_layout(uint32_t n_contexts, uint32_t n_heads, uint32_t head_dim,
+                      uint32_t max_chunks, size_t *acc_bytes, size_t *total) {
   const unsigned __int128 slots = (unsigned __int128)n_contexts * n_heads * max_chunks;
   unsigned __int128 acc = slots * head_dim * sizeof(float);
   unsigned __int128 ml = slots * 2 * sizeof(float);
@@ -503,23 +520,23 @@ bool ws_layout(uint32_t n_contexts, uint32_t n_heads, uint32_t head_dim, uint32_
 
 /* Subgroup size: the smallest of 1, 2, 4, 8 covering min(group, 8), at most
  * one head per warp. */
-int pick_gt(uint32_t group) {
+static int pick_gt(uint32_t group) {
   const uint32_t g = group < 8 ? group : 8;
   const int gt = g <= 1 ? 1 : g <= 2 ? 2 : g <= 4 ? 4 : 8;
   return gt < kWarps ? gt : kWarps;
 }
 
 /* The chunk kernel's grid.x (chunks * kv slots) must fit 2^31 - 1. */
-bool grid_fits(uint32_t chunks, uint32_t n_heads, uint32_t kv_heads) {
+static bool grid_fits(uint32_t chunks, uint32_t n_heads, uint32_t kv_heads) {
   const uint32_t group = n_heads / kv_heads;
   const uint64_t slots = (uint64_t)kv_heads * div_up(group, (uint32_t)pick_gt(group));
   return (uint64_t)chunks * slots <= 0x7FFFFFFFull;
 }
 
 /* Checks shared by both variants. */
-akv_status check_common(akv_dtype dtype, uint32_t n_heads, uint32_t kv_heads, uint32_t head_dim,
-                        uint64_t row_bytes, const void *q, const float *out,
-                        const void *workspace) {
+static akv_status check_common(akv_dtype dtype, uint32_t n_heads, uint32_t kv_heads,
+                               uint32_t head_dim, uint64_t row_bytes, const void *q,
+                               const float *out, const void *workspace) {
   if (q == nullptr || out == nullptr) return AKV_ERR_INVALID_ARGUMENT;
   if (n_heads == 0 || kv_heads == 0 || n_heads % kv_heads != 0) return AKV_ERR_INVALID_ARGUMENT;
   if (head_dim == 0 || head_dim > AKV_ATTENTION_MAX_HEAD_DIM) return AKV_ERR_INVALID_ARGUMENT;

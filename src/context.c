@@ -66,14 +66,15 @@ AKV_API akv_status akv_context_open(akv_engine *e, const akv_context_config *con
     cc.target_pages = 0;
     cc.burst_pages = 0;
   }
-  st = akv_adm_admit(e->adm, e->step, c->slot, e->next_context_id + 1, cc.target_pages,
+  /* Ids are never reused, refused attempts included (explain names them). */
+  st = akv_adm_admit(e->adm, e->step, c->slot, ++e->next_context_id, cc.target_pages,
                      cc.burst_pages);
   if (st != AKV_OK) {
-    char why[512];
+    char why[900];
     akv_adm_explain(e->adm, AKV_ADM_NONE, why, sizeof(why));
     return akv_fail(e, st, "context_open: %s", why);
   }
-  c->id = ++e->next_context_id;
+  c->id = e->next_context_id;
   c->open = true;
   c->len = 0;
   c->target = cc.target_pages;
@@ -123,7 +124,8 @@ AKV_API akv_status akv_context_append(akv_context *c, uint32_t n_tokens,
     return akv_fail(e, AKV_ERR_CAPACITY,
                     "context_append: %u + %u rows exceed max_tokens=%u; nothing appended", c->len,
                     n_tokens, e->cfg.max_tokens);
-  for (uint32_t l = 0; l < e->cfg.n_dense_layers; l++) {
+  /* n_tokens == 0 copies nothing: row pointers may then be NULL */
+  for (uint32_t l = 0; n_tokens > 0 && l < e->cfg.n_dense_layers; l++) {
     uint64_t off = (uint64_t)c->len * e->row_bytes, n = (uint64_t)n_tokens * e->row_bytes;
     memcpy(akv_host_segment(e, c, l, 0) + off, k_rows[l], n);
     memcpy(akv_host_segment(e, c, l, 1) + off, v_rows[l], n);
@@ -145,6 +147,7 @@ AKV_API akv_status akv_context_read(const akv_context *c, uint32_t layer, uint32
   if (c->in_step || c->host_leases > 0)
     return akv_fail(e, AKV_ERR_IN_USE, "context_read: context %u is part of the open step",
                     c->id);
+  if (n == 0) return AKV_OK; /* the buffers may then be NULL */
   memcpy(k_out, akv_host_segment(e, c, layer, 0) + (uint64_t)first * e->row_bytes,
          (uint64_t)n * e->row_bytes);
   memcpy(v_out, akv_host_segment(e, c, layer, 1) + (uint64_t)first * e->row_bytes,

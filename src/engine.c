@@ -222,13 +222,18 @@ fail:
   return st;
 }
 
-AKV_API akv_status akv_engine_create(const akv_engine_config *config, akv_engine **out) {
+AKV_API akv_status akv_engine_create(const akv_engine_config *caller, akv_engine **out) {
   akv_status st = AKV_OK;
   akv_engine *e = NULL;
   akv_fit_report fit;
-  char why[384] = "";
+  char why[1024] = "";
+  akv_engine_config full = AKV_ENGINE_CONFIG_INIT;
+  const akv_engine_config *config = &full;
 
-  if (config == NULL || out == NULL) return AKV_ERR_INVALID_ARGUMENT;
+  if (caller == NULL || out == NULL) return AKV_ERR_INVALID_ARGUMENT;
+  /* An older caller's config ends at its struct_size: read no further, and
+   * give every later field its default. */
+  memcpy(&full, caller, caller->struct_size < sizeof(full) ? caller->struct_size : sizeof(full));
   st = akv_fit_compute(config, &fit, why, sizeof(why));
   if (st != AKV_OK) {
     akv_log_cfg(config, AKV_LOG_ERROR, "engine config rejected: %s", why);

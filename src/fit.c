@@ -219,16 +219,23 @@ static void akv_fit_explain_no_fit(const akv_engine_config *cfg, const akv_fit_r
     snprintf(tail + n, sizeof tail - (size_t)n, "; or set fit_mode=shrink to run %u context%s",
              (unsigned)r->effective_concurrency, r->effective_concurrency == 1 ? "" : "s");
 
-  char needed[32];
-  if (r->host_pool_gib_needed == UINT32_MAX)
-    snprintf(needed, sizeof needed, "more than %u", (unsigned)(UINT32_MAX - 1));
+  char needed[128];
+  if (r->host_pool_gib_needed <= AKV_FIT_MAX_POOL_GIB)
+    snprintf(needed, sizeof needed, "set host_pool_gib=%u (or more) to keep max_contexts=%u",
+             (unsigned)r->host_pool_gib_needed, (unsigned)cfg->max_contexts);
+  else if (r->host_pool_gib_needed != UINT32_MAX)
+    snprintf(needed, sizeof needed,
+             "max_contexts=%u would need host_pool_gib=%u, beyond the %u accepted",
+             (unsigned)cfg->max_contexts, (unsigned)r->host_pool_gib_needed,
+             (unsigned)AKV_FIT_MAX_POOL_GIB);
   else
-    snprintf(needed, sizeof needed, "%u", (unsigned)r->host_pool_gib_needed);
+    snprintf(needed, sizeof needed, "max_contexts=%u would need more than %u GiB of host pool",
+             (unsigned)cfg->max_contexts, (unsigned)(UINT32_MAX - 1));
   akv_fit_say(why, cap,
               "max_contexts=%u does not fit the host pool: floor(%u GiB / %s per history) = %llu; "
-              "set host_pool_gib=%s (or more) to keep max_contexts=%u%s",
+              "%s%s",
               (unsigned)cfg->max_contexts, (unsigned)cfg->host_pool_gib, hist,
-              (unsigned long long)r->fits, needed, (unsigned)cfg->max_contexts, tail);
+              (unsigned long long)r->fits, needed, tail);
 }
 
 akv_status akv_fit_compute(const akv_engine_config *cfg, akv_fit_report *r, char *why,

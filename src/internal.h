@@ -168,7 +168,7 @@ struct akv_engine {
   bool transport_failed;
   bool quarantined;
   bool retained; /* quarantine could not establish completion */
-  char last_error[256];
+  char last_error[1024];
 
   /* statistics */
   uint64_t bytes_h2d, bytes_d2h, bytes_d2d;

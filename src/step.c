@@ -5,6 +5,7 @@
  * of newly resident pages on the H2D queue; step_end requires every layer's
  * lease retired and grows each context by the row the step wrote back.
  */
+#include <stdio.h>
 #include <string.h>
 
 #include "internal.h"
@@ -26,10 +27,10 @@ static akv_status akv_step_fill_pages(akv_engine *e) {
      * leases that have all retired (a boundary is reached only with no live
      * lease, and retire waited on each fence), so fence <= fence_done. */
     if (fl->fence > e->fence_done) {
-      st = akv_fail(e, AKV_ERR_BACKEND,
-                    "page %u handed out with fence %llu not yet proven (done up to %llu)",
-                    fl->physical, (unsigned long long)fl->fence,
-                    (unsigned long long)e->fence_done);
+      snprintf(e->bk.error, sizeof(e->bk.error),
+               "page %u handed out with fence %llu not yet proven (done up to %llu)",
+               fl->physical, (unsigned long long)fl->fence, (unsigned long long)e->fence_done);
+      st = AKV_ERR_BACKEND;
       goto fail;
     }
     if (n + per_fill > e->scratch2_cap) {
@@ -70,8 +71,10 @@ static akv_status akv_step_fill_pages(akv_engine *e) {
   }
   return AKV_OK;
 fail:
-  if (st == AKV_ERR_BACKEND && e->bk.error[0] != '\0') return akv_transport_failed(e, st, "page fill");
-  return st;
+  /* Admission already moved residency at this boundary: a page whose fill
+   * was not submitted is mapped without its content, so every failure here
+   * marks the transport failed (quarantine, never a retry). */
+  return akv_transport_failed(e, st, "page fill");
 }
 
 AKV_API akv_status akv_step_begin(akv_engine *e, akv_context *const *ctxs, uint32_t n) {

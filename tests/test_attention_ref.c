@@ -46,7 +46,9 @@ static uint64_t rng_next(void) {
 }
 
 /* Uniform in [-1, 1). */
-static float rng_unit(void) { return (float)((double)(rng_next() >> 11) / 9007199254740992.0 * 2.0 - 1.0); }
+static float rng_unit(void) {
+  return (float)((double)(rng_next() >> 11) / 9007199254740992.0 * 2.0 - 1.0);
+}
 
 static uint16_t f32_to_bf16(float f) {
   uint32_t u;

@@ -215,17 +215,32 @@ static void akvt_check_step(const akvt_cfg *c, const float *outv, const uint32_t
   free(ref);
 }
 
-static void akvt_check_rows(const akvt_cfg *c, akv_context *const *ctx, akvt_result *out) {
+/* Compares rows [0, auth_len[i]) of every layer of every context with what
+ * was prefilled or written back: exactly the rows the harness knows to be
+ * authoritative. A library length other than auth_len[i] counts the missing
+ * or extra rows as mismatched; an unreadable context counts all its rows. */
+static void akvt_check_rows(const akvt_cfg *c, akv_context *const *ctx, const uint32_t *auth_len,
+                            akvt_result *out) {
   uint32_t row_elems = c->kv_heads * c->head_dim;
   uint16_t *k = malloc((size_t)c->max_tokens * row_elems * 2);
   uint16_t *v = malloc((size_t)c->max_tokens * row_elems * 2);
   uint16_t *want = malloc((size_t)row_elems * 2);
   for (uint32_t i = 0; i < c->n_ctx; i++) {
-    uint32_t len = 0;
-    if (ctx[i] == NULL || akv_context_length(ctx[i], &len) != AKV_OK) continue;
+    uint32_t len = 0, want_len = auth_len[i];
+    if (ctx[i] == NULL) continue;
+    out->rows_expected += (uint64_t)want_len * c->layers * 2;
+    if (akv_context_length(ctx[i], &len) != AKV_OK) {
+      out->rows_mismatched += (uint64_t)want_len * c->layers * 2;
+      continue;
+    }
+    if (len != want_len) {
+      uint32_t diff = len > want_len ? len - want_len : want_len - len;
+      out->rows_mismatched += (uint64_t)diff * c->layers * 2;
+      if (len > want_len) len = want_len;
+    }
     for (uint32_t l = 0; l < c->layers; l++) {
       if (akv_context_read(ctx[i], l, 0, len, k, v) != AKV_OK) {
-        out->rows_mismatched += len;
+        out->rows_mismatched += (uint64_t)len * 2;
         continue;
       }
       for (uint32_t t = 0; t < len; t++) {
@@ -249,10 +264,12 @@ void akvt_run(const akvt_cfg *c, akvt_result *out) {
   akv_context *ctx[16] = {0};
   akv_lease *leases[64] = {0};
   uint32_t lens[16];
+  uint32_t auth_len[16] = {0}; /* rows known authoritative, per context */
   uint32_t row_elems = c->kv_heads * c->head_dim;
   size_t out_elems = (size_t)c->layers * c->n_ctx * c->q_heads * c->head_dim;
 
   memset(out, 0, sizeof(*out));
+  out->failed_step = UINT32_MAX;
   memset(&rs, 0, sizeof(rs));
   rs.cfg = c;
   rs.jobs = calloc(c->layers, sizeof(*rs.jobs));
@@ -268,7 +285,8 @@ void akvt_run(const akvt_cfg *c, akvt_result *out) {
   ec.host_pool_gib = 1;
   ec.device_pool_gib = c->device_pool_gib;
   ec.route = c->route;
-  ec.log_fn = akvt_silent_log;
+  ec.log_fn = c->log_fn != NULL ? c->log_fn : akvt_silent_log;
+  ec.log_user = c->log_user;
   ec.host_delay_seed = c->delay_seed;
   ec.host_delay_max_us = c->delay_max_us;
   ec.fault_fail_nth = c->fault_fail_nth;
@@ -308,10 +326,12 @@ void akvt_run(const akvt_cfg *c, akvt_result *out) {
         out->failed_call = "akv_context_open/append";
         goto failed;
       }
+      auth_len[i] = n;
     }
   }
 
   for (uint32_t s = 0; s < c->steps; s++) {
+    out->failed_step = s; /* reset to UINT32_MAX below when the run ends cleanly */
     for (uint32_t i = 0; i < c->n_ctx; i++) AKVT_TRY(akv_context_length(ctx[i], &lens[i]));
     AKVT_TRY(akv_step_begin(rs.engine, ctx, c->n_ctx));
     for (uint32_t l = 0; l < c->layers; l++) {
@@ -336,15 +356,27 @@ void akvt_run(const akvt_cfg *c, akvt_result *out) {
     for (uint32_t l = c->layers >= 2 ? c->layers - 2 : 0; l < c->layers; l++)
       AKVT_TRY(akv_lease_retire(leases[l], NULL));
     AKVT_TRY(akv_step_end(rs.engine));
+    for (uint32_t i = 0; i < c->n_ctx; i++) auth_len[i]++;
     akvt_check_step(c, rs.out, lens, out);
   }
+  out->failed_step = UINT32_MAX;
   goto finish;
 
 failed:
   out->quarantined = 1;
-  akv_engine_quarantine(rs.engine, &out->quarantine);
+  if (c->before_quarantine != NULL) c->before_quarantine(rs.engine, c->user);
+  out->quarantine_status = akv_engine_quarantine(rs.engine, &out->quarantine);
+  if (c->after_quarantine != NULL)
+    c->after_quarantine(rs.engine, out->quarantine_status, &out->quarantine, c->user);
+  if (out->quarantine_status == AKV_ERR_UNCERTAIN_FENCE && c->retry_uncertain) {
+    /* Everything must still be retained: destroy refuses and frees nothing.
+     * A second drain that establishes completion releases it. */
+    out->destroy_uncertain = akv_engine_destroy(rs.engine);
+    out->requarantined = 1;
+    out->requarantine_status = akv_engine_quarantine(rs.engine, &out->requarantine);
+  }
 finish:
-  akvt_check_rows(c, ctx, out);
+  akvt_check_rows(c, ctx, auth_len, out);
   akv_engine_info_get(rs.engine, &out->info);
   akv_admission_counters(rs.engine, out->adm_counters, AKV_ADM_RULE_COUNT);
   if (rs.stream != NULL) akv_stream_destroy(rs.engine, rs.stream);

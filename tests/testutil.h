@@ -38,6 +38,22 @@ typedef struct akvt_cfg {
   uint32_t fault_fail_nth;
   int32_t fault_kind;
   int two_call;           /* use wait_ready/mark_consumed instead of the hook */
+  /* Optional; zero leaves them off (the defaults above keep them zero). */
+  akv_log_fn log_fn;      /* engine log sink; NULL: akvt_silent_log */
+  void *log_user;
+  /* Called once after the first failing call, before the harness
+   * quarantines (e.g. to inspect live tickets or arm a fault inside
+   * quarantine's own synchronise calls). */
+  void (*before_quarantine)(akv_engine *engine, void *user);
+  /* Called right after the first quarantine returned, before anything else. */
+  void (*after_quarantine)(akv_engine *engine, akv_status status,
+                           const akv_quarantine_report *report, void *user);
+  void *user;
+  /* When the first quarantine reports AKV_ERR_UNCERTAIN_FENCE: record what
+   * destroy says then (it must refuse), quarantine once more and go on with
+   * the row check and destroy only if that second drain established
+   * completion. */
+  int retry_uncertain;
 } akvt_cfg;
 
 typedef struct akvt_result {
@@ -52,6 +68,19 @@ typedef struct akvt_result {
   int quarantined;
   akv_quarantine_report quarantine;
   int destroyed;            /* engine destroyed cleanly at the end */
+  /* Rows the harness knows to be authoritative (prefilled, plus one per
+   * layer for every step that ended): sum of lengths x layers x 2 (K and V).
+   * After a failure these are exactly the rows authoritative before the
+   * failing step; rows_checked equals it when every context was readable.
+   * A context whose library length differs from the harness's counts its
+   * missing or extra rows as mismatched. */
+  uint64_t rows_expected;
+  uint32_t failed_step;     /* step (0-based) the failing call belonged to; UINT32_MAX if none */
+  akv_status quarantine_status;   /* what the first quarantine returned */
+  akv_status destroy_uncertain;   /* destroy right after an uncertain quarantine */
+  int requarantined;              /* a second quarantine ran (retry_uncertain) */
+  akv_status requarantine_status;
+  akv_quarantine_report requarantine;
 } akvt_result;
 
 akvt_cfg akvt_default_cfg(void);

@@ -1,0 +1,430 @@
+/*
+ * attention_bw.cu - how close the CUDA decode attention gets to the memory
+ * read ceiling.
+ *
+ * Decode attention reads every K and V byte of the history once, so its floor
+ * is bytes / bandwidth. For the llama-3-8b layer (32 query heads, 8 KV heads,
+ * head_dim 128, bf16) one context of 31,744 tokens is 31744*8*128*2*2 bytes
+ * = 130 MB, 29.6 us at 4.4 TB/s. The target is >= 60% of that ceiling.
+ *
+ * For 1 and 4 contexts (contiguous and paged) the program times the launcher
+ * with CUDA events: warm-up first, then many launches, each timed alone, over
+ * input sets rotated so that the data read is several times the L2; it
+ * reports the median. It also measures a plain streaming-read kernel over the
+ * same buffers in the same run, as the achievable ceiling, and checks the
+ * results (CUDA vs the C reference, paged == contiguous bit for bit) once.
+ *
+ * Build (from the repository root):
+ *   nvcc -O3 -arch=sm_90 -std=c++17 -Iinclude bench/attention_bw.cu \
+ *        src/attention_cuda.cu src/attention_ref.c -o build/attention_bw
+ * The kernel's tuning knobs can be varied at build time with
+ * -DAKV_ATTN_WARPS=N -DAKV_ATTN_LOADS=N (applied to both files).
+ *
+ * Usage: attention_bw [--tokens N] [--chunk N] [--contexts 1,4] [--iters N]
+ *                     [--warmup N] [--json FILE] [--label TEXT] [--no-check]
+ * Output: a table on stdout and one JSON object per line per configuration
+ * (stdout, and appended to FILE with --json).
+ */
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <vector>
+
+#include "akv_attention.h"
+#include "akv_cuda.h"
+
+#ifndef AKV_ATTN_WARPS
+#define AKV_ATTN_WARPS 8
+#endif
+#ifndef AKV_ATTN_LOADS
+#define AKV_ATTN_LOADS 4
+#endif
+
+static const double kCeilingGBps = 4400.0; /* kernel read ceiling, shared/MEASURED.md */
+
+#define CK(call)                                                                      \
+  do {                                                                                \
+    const cudaError_t e_ = (call);                                                    \
+    if (e_ != cudaSuccess) {                                                          \
+      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+      exit(1);                                                                        \
+    }                                                                                 \
+  } while (0)
+
+#define AK(call)                                                                   \
+  do {                                                                             \
+    const akv_status s_ = (call);                                                  \
+    if (s_ != AKV_OK) {                                                            \
+      fprintf(stderr, "%s:%d %s: status %d (%s)\n", __FILE__, __LINE__, #call, (int)s_, \
+              cudaGetErrorString(cudaGetLastError()));                             \
+      exit(1);                                                                     \
+    }                                                                              \
+  } while (0)
+
+__device__ __forceinline__ uint64_t splitmix(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+/* Random bf16 in [-1, 1): never time on zeros. */
+__global__ void fill_bf16(uint16_t *p, size_t n, uint64_t seed) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x) {
+    const uint64_t x = splitmix(i ^ (seed << 40));
+    const float f = (float)(x >> 40) * (1.0f / 16777216.0f) * 2.0f - 1.0f;
+    p[i] = (uint16_t)(__float_as_uint(f) >> 16);
+  }
+}
+
+/* The ceiling: every thread streams 16-byte loads, 4 in flight. */
+__global__ void read_all(const uint4 *__restrict__ p, size_t n, unsigned *sink) {
+  unsigned acc = 0;
+  const size_t stride = (size_t)gridDim.x * blockDim.x;
+  size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+  for (; i + 3 * stride < n; i += 4 * stride) {
+    const uint4 a = __ldg(p + i), b = __ldg(p + i + stride), c = __ldg(p + i + 2 * stride),
+                d = __ldg(p + i + 3 * stride);
+    acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w ^ c.x ^ c.y ^ c.z ^ c.w ^ d.x ^ d.y ^
+           d.z ^ d.w;
+  }
+  for (; i < n; i += stride) {
+    const uint4 a = __ldg(p + i);
+    acc ^= a.x ^ a.y ^ a.z ^ a.w;
+  }
+  if (acc == 0x9E3779B9u) sink[0] = acc; /* keeps the loads alive */
+}
+
+struct Options {
+  uint32_t tokens = 31744;
+  uint32_t chunk = 256;
+  std::vector<uint32_t> contexts{1, 4};
+  int iters = 200;
+  int warmup = 20;
+  const char *json = nullptr;
+  const char *label = "default";
+  bool check = true;
+};
+
+static void usage(void) {
+  fprintf(stderr,
+          "usage: attention_bw [--tokens N] [--chunk N] [--contexts 1,4] [--iters N] "
+          "[--warmup N] [--json FILE] [--label TEXT] [--no-check]\n");
+  exit(2);
+}
+
+static Options parse(int argc, char **argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const char *a = argv[i];
+    const bool has = i + 1 < argc;
+    if (!strcmp(a, "--tokens") && has) o.tokens = (uint32_t)atoi(argv[++i]);
+    else if (!strcmp(a, "--chunk") && has) o.chunk = (uint32_t)atoi(argv[++i]);
+    else if (!strcmp(a, "--iters") && has) o.iters = atoi(argv[++i]);
+    else if (!strcmp(a, "--warmup") && has) o.warmup = atoi(argv[++i]);
+    else if (!strcmp(a, "--json") && has) o.json = argv[++i];
+    else if (!strcmp(a, "--label") && has) o.label = argv[++i];
+    else if (!strcmp(a, "--no-check")) o.check = false;
+    else if (!strcmp(a, "--contexts") && has) {
+      o.contexts.clear();
+      for (char *tok = strtok(argv[++i], ","); tok; tok = strtok(nullptr, ","))
+        o.contexts.push_back((uint32_t)atoi(tok));
+    } else {
+      usage();
+    }
+  }
+  if (o.tokens == 0 || o.chunk == 0 || o.iters < 1 || o.warmup < 0 || o.contexts.empty()) usage();
+  return o;
+}
+
+struct Stats {
+  double median_us, p10_us, p90_us;
+};
+
+/* Times launch(set) `iters` times, each between its own pair of events. */
+template <class F>
+static Stats time_launches(cudaStream_t s, int sets, int warmup, int iters, F launch) {
+  for (int i = 0; i < warmup; ++i) launch(i % sets);
+  CK(cudaStreamSynchronize(s));
+  std::vector<cudaEvent_t> ev(2 * (size_t)iters);
+  for (auto &e : ev) CK(cudaEventCreate(&e));
+  for (int i = 0; i < iters; ++i) {
+    CK(cudaEventRecord(ev[2 * i], s));
+    launch((warmup + i) % sets);
+    CK(cudaEventRecord(ev[2 * i + 1], s));
+  }
+  CK(cudaStreamSynchronize(s));
+  std::vector<double> us((size_t)iters);
+  for (int i = 0; i < iters; ++i) {
+    float ms = 0.0f;
+    CK(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
+    us[i] = ms * 1000.0;
+  }
+  for (auto &e : ev) CK(cudaEventDestroy(e));
+  std::sort(us.begin(), us.end());
+  Stats st;
+  st.median_us = us[us.size() / 2];
+  st.p10_us = us[us.size() / 10];
+  st.p90_us = us[(us.size() * 9) / 10];
+  return st;
+}
+
+struct Set {
+  char *kv;        /* contiguous: [ctx][K rows | V rows] */
+  char *kpool;     /* paged: pages of K, shuffled */
+  char *vpool;
+  uint32_t *indptr, *indices, *last; /* device page table */
+  uint16_t *q;
+};
+
+int main(int argc, char **argv) {
+  const Options o = parse(argc, argv);
+  int dev = 0;
+  cudaDeviceProp prop;
+  CK(cudaGetDevice(&dev));
+  CK(cudaGetDeviceProperties(&prop, dev));
+  const uint32_t n_heads = 32, kv_heads = 8, head_dim = 128;
+  const uint64_t row_bytes = (uint64_t)kv_heads * head_dim * 2;
+  FILE *jf = o.json ? fopen(o.json, "a") : nullptr;
+  if (o.json && !jf) {
+    perror(o.json);
+    return 1;
+  }
+  printf("device %s, %d SMs, L2 %d MiB; kernel knobs warps=%d loads=%d; label %s\n", prop.name,
+         prop.multiProcessorCount, prop.l2CacheSize >> 20, AKV_ATTN_WARPS, AKV_ATTN_LOADS,
+         o.label);
+  printf("%-7s %4s %7s %5s %12s %10s %10s %10s %9s %8s %9s %8s\n", "variant", "ctx", "tokens",
+         "chunk", "bytes", "median_us", "p10_us", "p90_us", "GB/s", "ratio", "read_GB/s",
+         "vs_read");
+
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  unsigned *sink;
+  CK(cudaMalloc(&sink, sizeof(unsigned)));
+  bool all_ok = true;
+
+  for (uint32_t n_ctx : o.contexts) {
+    const uint64_t seg = (uint64_t)o.tokens * row_bytes; /* one context's K (or V) */
+    const uint64_t ctx_stride = 2 * seg;
+    const uint64_t kv_bytes = n_ctx * ctx_stride;
+    const uint32_t pages_per_ctx = (o.tokens + o.chunk - 1) / o.chunk;
+    const uint32_t total_pages = pages_per_ctx * n_ctx;
+    const uint64_t page_stride = (uint64_t)o.chunk * row_bytes;
+    const uint64_t pool_bytes = (uint64_t)total_pages * page_stride;
+    /* Enough sets that the bytes cycled through are >= 3x the L2 (and >= 2). */
+    int sets = (int)((3ull * prop.l2CacheSize + kv_bytes - 1) / kv_bytes);
+    sets = std::max(2, std::min(sets, 8));
+
+    std::vector<Set> set((size_t)sets);
+    const uint32_t last_rows = o.tokens - (pages_per_ctx - 1) * o.chunk;
+    std::vector<uint32_t> h_indptr(n_ctx + 1), h_last(n_ctx, last_rows);
+    for (uint32_t i = 0; i <= n_ctx; ++i) h_indptr[i] = i * pages_per_ctx;
+    std::vector<uint32_t> h_indices(total_pages);
+    std::vector<uint32_t> perm(total_pages);
+    uint64_t rng = 0x1234567ull + n_ctx;
+    for (int si = 0; si < sets; ++si) {
+      Set &x = set[si];
+      CK(cudaMalloc(&x.kv, kv_bytes));
+      CK(cudaMalloc(&x.kpool, pool_bytes));
+      CK(cudaMalloc(&x.vpool, pool_bytes));
+      CK(cudaMalloc(&x.q, (size_t)n_ctx * n_heads * head_dim * 2));
+      CK(cudaMalloc(&x.indptr, h_indptr.size() * 4));
+      CK(cudaMalloc(&x.indices, h_indices.size() * 4));
+      CK(cudaMalloc(&x.last, h_last.size() * 4));
+      fill_bf16<<<1024, 256, 0, s>>>((uint16_t *)x.kv, kv_bytes / 2, 17 + si);
+      fill_bf16<<<64, 256, 0, s>>>(x.q, (size_t)n_ctx * n_heads * head_dim, 1000 + si);
+      CK(cudaGetLastError());
+      /* The paged pool holds the same rows as kv, pages in a shuffled order. */
+      for (uint32_t p = 0; p < total_pages; ++p) perm[p] = p;
+      for (uint32_t p = total_pages - 1; p > 0; --p) {
+        rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+        const uint32_t j = (uint32_t)((rng >> 33) % (p + 1));
+        std::swap(perm[p], perm[j]);
+      }
+      for (uint32_t i = 0; i < n_ctx; ++i)
+        for (uint32_t c = 0; c < pages_per_ctx; ++c) {
+          const uint32_t phys = perm[i * pages_per_ctx + c];
+          h_indices[i * pages_per_ctx + c] = phys;
+          const uint32_t rows = c + 1 == pages_per_ctx ? h_last[i] : o.chunk;
+          const char *src = x.kv + i * ctx_stride + (uint64_t)c * o.chunk * row_bytes;
+          CK(cudaMemcpyAsync(x.kpool + phys * page_stride, src, rows * row_bytes,
+                             cudaMemcpyDeviceToDevice, s));
+          CK(cudaMemcpyAsync(x.vpool + phys * page_stride, src + seg, rows * row_bytes,
+                             cudaMemcpyDeviceToDevice, s));
+        }
+      const cudaMemcpyKind h2d = cudaMemcpyHostToDevice;
+      CK(cudaMemcpyAsync(x.indptr, h_indptr.data(), h_indptr.size() * 4, h2d, s));
+      CK(cudaMemcpyAsync(x.indices, h_indices.data(), h_indices.size() * 4, h2d, s));
+      CK(cudaMemcpyAsync(x.last, h_last.data(), h_last.size() * 4, h2d, s));
+      CK(cudaStreamSynchronize(s)); /* the host vectors are reused for the next set */
+    }
+
+    std::vector<uint32_t> len(n_ctx, o.tokens);
+    size_t ws_bytes = 0;
+    AK(akv_attention_workspace_bytes(n_ctx, n_heads, head_dim, o.tokens, o.chunk, &ws_bytes));
+    void *ws;
+    float *out, *out_paged;
+    const size_t out_elems = (size_t)n_ctx * n_heads * head_dim;
+    CK(cudaMalloc(&ws, ws_bytes));
+    CK(cudaMalloc(&out, out_elems * sizeof(float)));
+    CK(cudaMalloc(&out_paged, out_elems * sizeof(float)));
+
+    auto contig_args = [&](int si, float *dst) {
+      akv_attention_args a;
+      memset(&a, 0, sizeof a);
+      a.dtype = AKV_DTYPE_BF16;
+      a.n_contexts = n_ctx;
+      a.n_heads = n_heads;
+      a.kv_heads = kv_heads;
+      a.head_dim = head_dim;
+      a.chunk_tokens = o.chunk;
+      a.scale = 1.0f / sqrtf((float)head_dim);
+      a.q = set[si].q;
+      a.k_base = set[si].kv;
+      a.v_base = set[si].kv + seg;
+      a.context_stride = ctx_stride;
+      a.row_bytes = row_bytes;
+      a.len = len.data();
+      a.out = dst;
+      a.workspace = ws;
+      a.workspace_bytes = ws_bytes;
+      return a;
+    };
+    auto paged_call = [&](int si, float *dst) {
+      akv_attention_paged_args a;
+      memset(&a, 0, sizeof a);
+      a.dtype = AKV_DTYPE_BF16;
+      a.n_heads = n_heads;
+      a.kv_heads = kv_heads;
+      a.head_dim = head_dim;
+      a.scale = 1.0f / sqrtf((float)head_dim);
+      a.q = set[si].q;
+      a.out = dst;
+      a.workspace = ws;
+      a.workspace_bytes = ws_bytes;
+      akv_page_table t;
+      memset(&t, 0, sizeof t);
+      t.batch = n_ctx;
+      t.page_tokens = o.chunk;
+      t.max_pages = pages_per_ctx;
+      t.indptr = set[si].indptr;
+      t.indices = set[si].indices;
+      t.last_page_len = set[si].last;
+      t.k_pages = set[si].kpool;
+      t.v_pages = set[si].vpool;
+      t.page_stride = page_stride;
+      t.row_bytes = row_bytes;
+      AK(akv_attention_paged_cuda(&a, t, s));
+    };
+
+    /* Correctness once: paged == contiguous bits; CUDA vs C reference. */
+    const char *check = "skipped";
+    if (o.check) {
+      CK(cudaMemsetAsync(out, 0xFF, out_elems * 4, s));
+      CK(cudaMemsetAsync(out_paged, 0xFF, out_elems * 4, s));
+      const akv_attention_args a = contig_args(0, out);
+      AK(akv_attention_decode_cuda(&a, s));
+      paged_call(0, out_paged);
+      CK(cudaStreamSynchronize(s));
+      std::vector<float> g(out_elems), gp(out_elems), ref(out_elems);
+      CK(cudaMemcpy(g.data(), out, out_elems * 4, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(gp.data(), out_paged, out_elems * 4, cudaMemcpyDeviceToHost));
+      const bool same = memcmp(g.data(), gp.data(), out_elems * 4) == 0;
+      /* The reference over the first context only (a second of CPU time). */
+      std::vector<char> hkv(ctx_stride);
+      std::vector<uint16_t> hq((size_t)n_heads * head_dim);
+      CK(cudaMemcpy(hkv.data(), set[0].kv, ctx_stride, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(hq.data(), set[0].q, hq.size() * 2, cudaMemcpyDeviceToHost));
+      size_t rws = 0;
+      AK(akv_attention_workspace_bytes(1, n_heads, head_dim, o.tokens, o.chunk, &rws));
+      std::vector<char> rwsb(rws);
+      akv_attention_args r = contig_args(0, ref.data());
+      r.n_contexts = 1;
+      r.q = hq.data();
+      r.k_base = hkv.data();
+      r.v_base = hkv.data() + seg;
+      r.workspace = rwsb.data();
+      r.workspace_bytes = rws;
+      AK(akv_attention_ref_bf16(&r));
+      double num = 0.0, den = 0.0;
+      for (size_t e = 0; e < (size_t)n_heads * head_dim; ++e) {
+        const double d = (double)g[e] - ref[e];
+        num += d * d;
+        den += (double)ref[e] * ref[e];
+      }
+      const double err = den > 0 ? sqrt(num / den) : INFINITY;
+      const bool ok = same && err <= 1e-5 && !isnan(err);
+      all_ok = all_ok && ok;
+      static char buf[128];
+      snprintf(buf, sizeof buf, "%s (paged==contig %s, rel L2 vs ref %.2e)", ok ? "ok" : "FAILED",
+               same ? "yes" : "NO", err);
+      check = buf;
+    }
+
+    /* The ceiling in this run: stream the same bytes with a plain kernel. */
+    const size_t n16 = kv_bytes / 16;
+    const Stats rd = time_launches(s, sets, o.warmup, o.iters, [&](int si) {
+      read_all<<<prop.multiProcessorCount * 8, 256, 0, s>>>((const uint4 *)set[si].kv, n16, sink);
+    });
+    CK(cudaGetLastError());
+    const double read_gbps = (double)kv_bytes / (rd.median_us * 1e3);
+
+    const Stats sc = time_launches(s, sets, o.warmup, o.iters, [&](int si) {
+      const akv_attention_args a = contig_args(si, out);
+      AK(akv_attention_decode_cuda(&a, s));
+    });
+    const Stats sp = time_launches(s, sets, o.warmup, o.iters,
+                                   [&](int si) { paged_call(si, out_paged); });
+    CK(cudaGetLastError());
+
+    const struct {
+      const char *name;
+      Stats st;
+    } rows[2] = {{"contig", sc}, {"paged", sp}};
+    for (const auto &r : rows) {
+      const double gbps = (double)kv_bytes / (r.st.median_us * 1e3);
+      const double ratio = gbps / kCeilingGBps;
+      printf("%-7s %4u %7u %5u %12llu %10.1f %10.1f %10.1f %9.0f %7.1f%% %9.0f %7.1f%%\n", r.name,
+             n_ctx, o.tokens, o.chunk, (unsigned long long)kv_bytes, r.st.median_us, r.st.p10_us,
+             r.st.p90_us, gbps, 100.0 * ratio, read_gbps, 100.0 * gbps / read_gbps);
+      char line[1024];
+      snprintf(line, sizeof line,
+               "{\"bench\":\"attention_bw\",\"label\":\"%s\",\"variant\":\"%s\",\"device\":\"%s\","
+               "\"contexts\":%u,\"tokens\":%u,\"chunk\":%u,\"n_heads\":%u,\"kv_heads\":%u,"
+               "\"head_dim\":%u,\"warps\":%d,\"loads\":%d,\"bytes\":%llu,\"sets\":%d,"
+               "\"iters\":%d,\"median_us\":%.2f,\"p10_us\":%.2f,\"p90_us\":%.2f,\"gbps\":%.1f,"
+               "\"ceiling_gbps\":%.0f,\"ratio\":%.4f,\"read_gbps\":%.1f,\"ratio_vs_read\":%.4f,"
+               "\"meets_60pct\":%s,\"check\":\"%s\"}",
+               o.label, r.name, prop.name, n_ctx, o.tokens, o.chunk, n_heads, kv_heads, head_dim,
+               AKV_ATTN_WARPS, AKV_ATTN_LOADS, (unsigned long long)kv_bytes, sets, o.iters,
+               r.st.median_us, r.st.p10_us, r.st.p90_us, gbps, kCeilingGBps, ratio, read_gbps,
+               gbps / read_gbps, ratio >= 0.6 ? "true" : "false", check);
+      printf("JSON %s\n", line);
+      if (jf) fprintf(jf, "%s\n", line);
+    }
+    printf("check %u ctx: %s\n", n_ctx, check);
+
+    for (auto &x : set) {
+      CK(cudaFree(x.kv));
+      CK(cudaFree(x.kpool));
+      CK(cudaFree(x.vpool));
+      CK(cudaFree(x.q));
+      CK(cudaFree(x.indptr));
+      CK(cudaFree(x.indices));
+      CK(cudaFree(x.last));
+    }
+    CK(cudaFree(ws));
+    CK(cudaFree(out));
+    CK(cudaFree(out_paged));
+  }
+  CK(cudaFree(sink));
+  CK(cudaStreamDestroy(s));
+  if (jf) fclose(jf);
+  return all_ok ? 0 : 1;
+}

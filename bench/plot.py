@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""Plot the decode benchmark: tokens/s against device pool size.
+
+Reads the JSON lines `activekv decode --json` writes (bench/run_decode_bench.sh
+appends them to $OUT/decode.jsonl) and draws, per geometry preset:
+  - the arena route, tokens/s at each device pool size (GiB);
+  - the stage route, at pool 0;
+  - the resident route as a horizontal line (all history on the device);
+  - the PCIe bound of the bytes each arena run staged per step
+    (contexts / (bytes_h2d_per_step / pcie rate)), as a dashed curve.
+Runs whose --check found a mismatch are marked with a red cross. Repeated runs
+of one (preset, route, pool) are reduced to their median.
+
+usage: bench/plot.py [decode.jsonl ...] [--out-dir docs]
+Writes <out-dir>/decode_<preset>.png and prints each path.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+from collections import defaultdict
+
+
+def load(paths):
+    runs = []
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    print(f"plot.py: {path}:{n}: skipped, not JSON ({e})", file=sys.stderr)
+                    continue
+                if rec.get("cmd") == "decode":
+                    runs.append(rec)
+    return runs
+
+
+def median_of(recs, key):
+    vals = [r[key] for r in recs if r.get(key) is not None]
+    return statistics.median(vals) if vals else None
+
+
+def plot_preset(plt, preset, recs, out_dir):
+    gib = 1 << 30
+    by = defaultdict(list)
+    for r in recs:
+        by[(r["route"], r.get("device_pool_gib", 0))].append(r)
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=130)
+    first = recs[0]
+    contexts, tokens = first["contexts"], first["tokens"]
+    tok = tokens[0] if tokens and all(t == tokens[0] for t in tokens) else "mixed"
+    history_gib = first["history_bytes"] * contexts / gib
+
+    resident = by.get(("resident", 0))
+    res_tps = median_of(resident, "tokens_per_s") if resident else None
+    if res_tps is None:  # checked runs also timed resident
+        res_tps = median_of([r for r in recs if r.get("check")], "resident_tokens_per_s")
+
+    arena = sorted((pool, rs) for (route, pool), rs in by.items() if route == "arena")
+    if arena:
+        xs = [p for p, _ in arena]
+        ax.plot(xs, [median_of(rs, "tokens_per_s") for _, rs in arena], "o-", color="tab:blue",
+                label="arena (measured)")
+        # The PCIe bound of what was staged; a step cannot beat resident either,
+        # so where resident is known the curve is the lower of the two.
+        bound = [(p, median_of(rs, "pcie_bound_tokens_per_s")) for p, rs in arena]
+        bound = [(p, min(b, res_tps) if res_tps else b) for p, b in bound if b]
+        if bound:
+            rate = first.get("pcie_gbps", 55.4)
+            what = f"PCIe bound of the staged bytes at {rate:g} GB/s"
+            ax.plot([p for p, _ in bound], [b for _, b in bound], "--", color="tab:gray",
+                    label=what + (", capped at resident" if res_tps else ""))
+    stage = by.get(("stage", 0))
+    if stage:
+        ax.plot([0], [median_of(stage, "tokens_per_s")], "s", color="tab:orange", markersize=8,
+                label="stage (pool 0)")
+    if res_tps:
+        ax.axhline(res_tps, color="tab:green", label=f"resident ({res_tps:.0f} tokens/s)")
+
+    bad = [(pool, r["tokens_per_s"]) for (route, pool), rs in by.items()
+           for r in rs if r.get("check") and r.get("bitwise") is False]
+    if bad:
+        ax.plot([p for p, _ in bad], [t for _, t in bad], "x", color="red", markersize=10,
+                mew=2, label="--check mismatch")
+
+    ax.set_yscale("log")
+    ax.axvline(history_gib, color="tab:green", linestyle=":", linewidth=1)
+    ax.text(history_gib, ax.get_ylim()[0], " whole history", color="tab:green", fontsize=8,
+            va="bottom", rotation=90)
+    ax.set_xlabel("device pool (GiB)")
+    ax.set_ylabel("tokens/s (all contexts)")
+    ax.set_title(f"activekv decode, {preset}: {contexts} contexts x {tok} tokens, "
+                 f"{first.get('backend', '?')}", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="center left")
+    fig.tight_layout()
+    path = os.path.join(out_dir, f"decode_{preset}.png")
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def main():
+    here = os.path.dirname(os.path.abspath(__file__))
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("inputs", nargs="*", default=[os.path.join(here, "results", "decode.jsonl")],
+                    help="JSON lines from activekv decode --json")
+    ap.add_argument("--out-dir", default=os.path.join(here, "..", "docs"),
+                    help="where the PNG files go (default: docs/)")
+    args = ap.parse_args()
+
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("plot.py: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+        return 2
+
+    runs = load(args.inputs)
+    if not runs:
+        print("plot.py: no decode runs in " + ", ".join(args.inputs), file=sys.stderr)
+        return 1
+    presets = defaultdict(list)
+    for r in runs:
+        presets[r["preset"]].append(r)
+    os.makedirs(args.out_dir, exist_ok=True)
+    for preset, recs in sorted(presets.items()):
+        print(plot_preset(plt, preset, recs, args.out_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

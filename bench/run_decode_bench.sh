@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# Decode benchmark of the activekv CLI, for the GPU machine.
+#
+# For each geometry (llama3-8b, llama3.2-1b), 4 contexts x 31,744 tokens:
+#   - route resident (every row on the device: the reference line),
+#   - route stage (device pool 0: every row crosses PCIe each step),
+#   - route arena with a device pool swept from 0 GiB to the whole history.
+# Every run is `activekv decode --json` (with --check by default, so each line
+# carries its bitwise verdict against resident) and appends one JSON line to
+# $OUT/decode.jsonl. Plot with: python3 bench/plot.py $OUT/decode.jsonl
+#
+# usage: bench/run_decode_bench.sh [path/to/activekv]
+# environment (defaults in brackets):
+#   OUT        where decode.jsonl goes                [bench/results]
+#   PRESETS    geometries                             ["llama3-8b llama3.2-1b"]
+#   ROUTES     which routes to run                    ["resident stage arena"]
+#   CONTEXTS   contexts decoded together              [4]
+#   TOKENS     prefilled rows per context             [31744]
+#   STEPS      measured steps                         [16]
+#   WARMUP     warm-up steps                          [2]
+#   POOLS      arena pool sizes in GiB; empty = 0..history in POOL_POINTS steps
+#   POOL_POINTS  points of the automatic sweep        [8]
+#   CHECK      1 = --check every staged run           [1]
+#   EXTRA      more flags for every run               []
+# Exit status: nonzero if any run failed or any --check found a mismatch
+# (the sweep still runs to the end).
+set -u
+
+here=$(cd "$(dirname "$0")" && pwd)
+bin=${1:-}
+if [ -z "$bin" ]; then
+  for c in "$here/../build/examples/activekv" "$here/../build/activekv" "$(command -v activekv || true)"; do
+    if [ -n "$c" ] && [ -x "$c" ]; then bin=$c; break; fi
+  done
+fi
+if [ -z "$bin" ] || [ ! -x "$bin" ]; then
+  echo "run_decode_bench: no activekv binary; build it (cmake --build build) or pass its path" >&2
+  exit 2
+fi
+
+OUT=${OUT:-$here/results}
+PRESETS=${PRESETS:-"llama3-8b llama3.2-1b"}
+ROUTES=${ROUTES:-"resident stage arena"}
+CONTEXTS=${CONTEXTS:-4}
+TOKENS=${TOKENS:-31744}
+STEPS=${STEPS:-16}
+WARMUP=${WARMUP:-2}
+POOLS=${POOLS:-}
+POOL_POINTS=${POOL_POINTS:-8}
+CHECK=${CHECK:-1}
+EXTRA=${EXTRA:-}
+mkdir -p "$OUT"
+jsonl="$OUT/decode.jsonl"
+failed=0
+
+common=(--contexts "$CONTEXTS" --tokens "$TOKENS" --steps "$STEPS" --warmup "$WARMUP" --json --no-progress)
+check=()
+[ "$CHECK" = 1 ] && check=(--check)
+
+# run LABEL ARGS...: one decode, its JSON line appended; failures are counted.
+run() {
+  local label=$1; shift
+  local line rc
+  echo "run_decode_bench: $label" >&2
+  # shellcheck disable=SC2086
+  line=$("$bin" decode "${common[@]}" "$@" $EXTRA)
+  rc=$?
+  if [ -n "$line" ]; then echo "$line" >> "$jsonl"; fi
+  case $rc in
+    0) ;;
+    4) echo "run_decode_bench: $label: MISMATCH against resident" >&2; failed=1 ;;
+    *) echo "run_decode_bench: $label: failed (exit $rc)" >&2; failed=1 ;;
+  esac
+}
+
+for preset in $PRESETS; do
+  # The whole history of all contexts, from the fit report (bytes -> GiB, rounded up).
+  fit=$("$bin" fit --preset "$preset" --contexts "$CONTEXTS" --tokens "$TOKENS" \
+        --steps "$STEPS" --warmup "$WARMUP" --json) || true
+  hist=$(printf '%s' "$fit" | sed -n 's/.*"history_bytes":\([0-9]*\).*/\1/p')
+  if [ -z "$hist" ]; then
+    echo "run_decode_bench: $preset: activekv fit gave no history size" >&2
+    failed=1
+    continue
+  fi
+  total=$((hist * CONTEXTS))
+  gib=$(( (total + (1 << 30) - 1) >> 30 ))
+  pools=$POOLS
+  if [ -z "$pools" ]; then
+    stepg=$(( (gib + POOL_POINTS - 1) / POOL_POINTS ))
+    [ "$stepg" -lt 1 ] && stepg=1
+    pools=""
+    for ((p = 0; p < gib; p += stepg)); do pools="$pools $p"; done
+    pools="$pools $gib"
+  fi
+  echo "run_decode_bench: $preset: history $total bytes ($gib GiB); arena pools:$pools" >&2
+
+  for route in $ROUTES; do
+    case $route in
+      resident) run "$preset resident" --preset "$preset" --route resident ;;
+      stage) run "$preset stage" --preset "$preset" --route stage "${check[@]}" ;;
+      arena)
+        for p in $pools; do
+          run "$preset arena ${p} GiB" --preset "$preset" --route arena --device-pool-gib "$p" "${check[@]}"
+        done ;;
+      *) echo "run_decode_bench: unknown route '$route'" >&2; failed=1 ;;
+    esac
+  done
+done
+echo "run_decode_bench: results in $jsonl" >&2
+exit $failed

@@ -1,0 +1,1494 @@
+/*
+ * activekv.c - the ActiveKV command line: a synthetic transformer of a real
+ * geometry decoding several long contexts through libactivekv.
+ *
+ *   activekv [demo]    a small model on the host backend (no GPU): routes
+ *                      stage and arena, each checked bit for bit against
+ *                      resident attention
+ *   activekv decode    one route, timed; --check compares every step's logits
+ *                      with resident attention in the same process
+ *   activekv fit       the host-fit line (akv_fit) and its verdict
+ *
+ * Routes: resident (the model keeps every row on the device; the reference),
+ * stage (every row crosses PCIe each step), arena (rows retained in the device
+ * page pool are copied device to device, the rest staged). Staged routes run
+ * the engine's per-layer lease cycle of akv.h: begin layer l, retire layer
+ * l-2, attend through the hook (which writes the step's new K/V row at len[i]
+ * and enqueues attention over len[i]+1 rows), write back, seal; after the last
+ * layer, retire the rest.
+ *
+ * Exit status: 0 success, 1 runtime error, 2 bad usage, 3 `fit` found no fit,
+ * 4 --check found a mismatch.
+ */
+#define _POSIX_C_SOURCE 200809L
+
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "akv.h"
+#include "model.h"
+
+enum { EXIT_RUN_ERROR = 1, EXIT_USAGE = 2, EXIT_NO_FIT = 3, EXIT_MISMATCH = 4 };
+
+#define GIB ((uint64_t)1 << 30)
+#define MAX_LIST 16
+
+/* ------------------------------------------------------------------------ */
+/* Options                                                                   */
+/* ------------------------------------------------------------------------ */
+
+typedef enum cli_route { ROUTE_RESIDENT = 0, ROUTE_STAGE = 1, ROUTE_ARENA = 2 } cli_route;
+
+static const char *const route_names[] = {"resident", "stage", "arena"};
+
+typedef struct preset {
+  const char *name;
+  model_geometry g;
+} preset;
+
+/* n_layers, n_heads, kv_heads, head_dim, hidden, ffn, vocab, rope_theta, norm_eps */
+static const preset presets[] = {
+    {"llama3-8b", {32, 32, 8, 128, 4096, 14336, 128256, 500000.0f, 1e-5f}},
+    {"llama3.2-1b", {16, 32, 8, 64, 2048, 8192, 128256, 500000.0f, 1e-5f}},
+    {"tiny", {4, 4, 2, 16, 64, 128, 256, 10000.0f, 1e-5f}},
+};
+
+typedef struct cli_opts {
+  const char *preset;
+  model_geometry g;
+  uint64_t seed;
+  uint32_t contexts;
+  uint32_t tokens[MAX_LIST]; /* prefilled rows; context i takes tokens[i % n_tokens] */
+  uint32_t n_tokens;
+  uint32_t steps, warmup;
+  cli_route route;
+  akv_backend_kind backend;
+  int device;
+  uint32_t host_pool_gib; /* 0: the smallest that fits --contexts */
+  uint32_t device_pool_gib;
+  uint32_t page_tokens;
+  uint32_t chunk_tokens; /* 0: --page-tokens */
+  uint32_t target_pages, burst_pages;
+  akv_fit_mode fit_mode;
+  uint64_t delay_seed;   /* host backend testing aid: injected queue delays */
+  uint32_t delay_max_us;
+  int check, json, verbose, progress;
+  double pcie_gbps;
+} cli_opts;
+
+static void opts_default(cli_opts *o) {
+  memset(o, 0, sizeof *o);
+  o->preset = "llama3.2-1b";
+  o->g = presets[1].g;
+  o->seed = 1;
+  o->contexts = 4;
+  o->tokens[0] = 4096;
+  o->n_tokens = 1;
+  o->steps = 16;
+  o->warmup = 2;
+  o->route = ROUTE_STAGE;
+  o->backend = AKV_BACKEND_AUTO;
+  o->page_tokens = 256;
+  o->target_pages = AKV_TARGET_FAIR_SHARE;
+  o->fit_mode = AKV_FIT_REFUSE;
+  o->pcie_gbps = 55.4;
+  o->progress = 1;
+  o->delay_seed = 1;
+}
+
+static uint32_t ctx_tokens(const cli_opts *o, uint32_t i) { return o->tokens[i % o->n_tokens]; }
+
+static uint32_t max_history(const cli_opts *o) {
+  uint32_t m = 0;
+  for (uint32_t i = 0; i < o->contexts; ++i)
+    if (ctx_tokens(o, i) > m) m = ctx_tokens(o, i);
+  return m;
+}
+
+/* Rows a context may hold: its history plus one per decoded step. */
+static uint32_t max_tokens(const cli_opts *o) { return max_history(o) + o->warmup + o->steps; }
+
+static uint32_t chunk_tokens(const cli_opts *o) {
+  return o->chunk_tokens ? o->chunk_tokens : o->page_tokens;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Messages                                                                  */
+/* ------------------------------------------------------------------------ */
+
+static char lib_last[512]; /* the library's last warning or error, quoted in ours */
+static int lib_verbose;
+
+static void say_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void say_error(const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  fputs("activekv: ", stderr);
+  vfprintf(stderr, fmt, ap);
+  fputc('\n', stderr);
+  va_end(ap);
+}
+
+static void lib_log(void *user, akv_log_level level, const char *message) {
+  (void)user;
+  if (level <= AKV_LOG_WARN) snprintf(lib_last, sizeof lib_last, "%s", message);
+  if (level <= AKV_LOG_WARN || lib_verbose) {
+    static const char *const names[] = {"error", "warn", "info", "debug"};
+    fprintf(stderr, "activekv: libactivekv %s: %s\n", names[level <= AKV_LOG_DEBUG ? level : 3],
+            message);
+  }
+}
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* Binary units for memory ("15.5 GiB"). */
+static const char *fmt_mem(char *buf, size_t cap, uint64_t bytes) {
+  static const char *const u[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = (double)bytes;
+  int i = 0;
+  while (v >= 1024.0 && i < 4) {
+    v /= 1024.0;
+    ++i;
+  }
+  snprintf(buf, cap, i == 0 ? "%.0f %s" : "%.2f %s", v, u[i]);
+  return buf;
+}
+
+/* Decimal units for transfers, to sit beside GB/s ("16.6 GB"). */
+static const char *fmt_xfer(char *buf, size_t cap, double bytes) {
+  static const char *const u[] = {"B", "kB", "MB", "GB", "TB"};
+  int i = 0;
+  while (bytes >= 1000.0 && i < 4) {
+    bytes /= 1000.0;
+    ++i;
+  }
+  snprintf(buf, cap, i == 0 ? "%.0f %s" : "%.2f %s", bytes, u[i]);
+  return buf;
+}
+
+/* A progress bar on stderr, drawn only when stderr is a terminal. */
+typedef struct progress {
+  int on;
+  const char *what;
+  uint64_t total;
+  double start, last;
+} progress;
+
+static void progress_begin(progress *p, int enabled, const char *what, uint64_t total) {
+  p->on = enabled && isatty(STDERR_FILENO);
+  p->what = what;
+  p->total = total ? total : 1;
+  p->start = p->last = now_s();
+}
+
+static void progress_update(progress *p, uint64_t done, const char *unit_rate) {
+  if (!p->on) return;
+  double t = now_s();
+  if (done < p->total && t - p->last < 0.1) return;
+  p->last = t;
+  const int width = 32;
+  int fill = (int)(width * (double)done / (double)p->total);
+  char bar[40];
+  for (int i = 0; i < width; ++i) bar[i] = i < fill ? '#' : '.';
+  bar[width] = '\0';
+  fprintf(stderr, "\r%s [%s] %3d%%  %s", p->what, bar, (int)(100.0 * done / p->total),
+          unit_rate ? unit_rate : "");
+  if (done >= p->total) fputc('\n', stderr);
+  fflush(stderr);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Argument parsing                                                          */
+/* ------------------------------------------------------------------------ */
+
+static void usage(FILE *f) {
+  fprintf(f,
+          "usage: activekv [demo|decode|fit] [options]\n"
+          "\n"
+          "  demo     (default) a small model on the host backend, no GPU needed: routes\n"
+          "           stage and arena, each checked bit for bit against resident\n"
+          "  decode   decode a synthetic model on one route and report tokens/s\n"
+          "  fit      print the host-fit line and its verdict (exit 3 if it does not fit)\n"
+          "\n"
+          "model (flags override the preset's values):\n"
+          "  --preset NAME         llama3-8b | llama3.2-1b | tiny   [llama3.2-1b]\n"
+          "  --layers N            dense layers\n"
+          "  --heads N             query heads\n"
+          "  --kv-heads N          K/V heads (GQA)\n"
+          "  --head-dim N          (CUDA attention: 64, 128 or 256)\n"
+          "  --hidden N  --ffn N  --vocab N  --rope-theta F\n"
+          "  --seed N              weights, history and first tokens   [1]\n"
+          "workload:\n"
+          "  --contexts N          contexts decoded together, 1..%d   [4]\n"
+          "  --tokens N[,N...]     prefilled rows per context; a list is taken in turn [4096]\n"
+          "  --steps N             measured decode steps   [16]\n"
+          "  --warmup N            decode steps before measuring   [2]\n"
+          "engine:\n"
+          "  --route R             resident | stage | arena   [stage]\n"
+          "  --backend B           auto | host | cuda   [auto]\n"
+          "  --device N            CUDA device   [0]\n"
+          "  --host-pool-gib N     pinned host pool   [the smallest that fits --contexts]\n"
+          "  --device-pool-gib N   device page pool; arena retains nothing at 0   [0]\n"
+          "  --page-tokens N       tokens per device page   [256]\n"
+          "  --chunk-tokens N      attention chunk   [--page-tokens]\n"
+          "  --target-pages N      device pages each context holds by right   [fair share]\n"
+          "  --burst-pages N       pages each context may borrow while free   [0]\n"
+          "  --fit-mode M          refuse | shrink   [refuse]\n"
+          "  --host-delay-us N     host backend test aid: random delays up to N us on every\n"
+          "                        queue operation (schedule perturbation)   [0]\n"
+          "  --host-delay-seed N   seed of those delays   [1]\n"
+          "output:\n"
+          "  --check               also decode resident in this process and compare the\n"
+          "                        logits of every step bit for bit (exit 4 on a mismatch)\n"
+          "  --json                one JSON object on stdout instead of the report\n"
+          "  --pcie-gbps F         host-to-device rate of the PCIe bound   [55.4]\n"
+          "  --no-progress         no progress bar (it is drawn only on a terminal anyway)\n"
+          "  -v, --verbose         the library's log down to debug\n"
+          "  -h, --help\n",
+          MODEL_MAX_BATCH);
+}
+
+static int parse_u64(const char *flag, const char *s, uint64_t lo, uint64_t hi, uint64_t *out) {
+  char *end = NULL;
+  errno = 0;
+  if (s == NULL || *s == '\0' || *s == '-') goto bad;
+  unsigned long long v = strtoull(s, &end, 0);
+  if (errno != 0 || *end != '\0' || v < lo || v > hi) goto bad;
+  *out = v;
+  return 0;
+bad:
+  say_error("%s: expected an integer in %llu..%llu, got '%s'", flag, (unsigned long long)lo,
+            (unsigned long long)hi, s ? s : "");
+  return -1;
+}
+
+static int parse_u32(const char *flag, const char *s, uint32_t lo, uint32_t hi, uint32_t *out) {
+  uint64_t v;
+  if (parse_u64(flag, s, lo, hi, &v)) return -1;
+  *out = (uint32_t)v;
+  return 0;
+}
+
+static int parse_double(const char *flag, const char *s, double lo, double hi, double *out) {
+  char *end = NULL;
+  errno = 0;
+  double v = s ? strtod(s, &end) : 0.0;
+  if (s == NULL || errno != 0 || end == s || *end != '\0' || !(v >= lo && v <= hi)) {
+    say_error("%s: expected a number in %g..%g, got '%s'", flag, lo, hi, s ? s : "");
+    return -1;
+  }
+  *out = v;
+  return 0;
+}
+
+static int parse_tokens(const char *s, cli_opts *o) {
+  char buf[256];
+  if (s == NULL || strlen(s) >= sizeof buf) {
+    say_error("--tokens: expected N or N,N,... (at most %d values)", MAX_LIST);
+    return -1;
+  }
+  strcpy(buf, s);
+  o->n_tokens = 0;
+  for (char *save = NULL, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+    if (o->n_tokens == MAX_LIST) {
+      say_error("--tokens: at most %d values", MAX_LIST);
+      return -1;
+    }
+    if (parse_u32("--tokens", t, 0, 1u << 30, &o->tokens[o->n_tokens])) return -1;
+    o->n_tokens++;
+  }
+  if (o->n_tokens == 0) {
+    say_error("--tokens: expected N or N,N,...");
+    return -1;
+  }
+  return 0;
+}
+
+static const preset *find_preset(const char *name) {
+  for (size_t i = 0; i < sizeof presets / sizeof presets[0]; ++i)
+    if (strcmp(presets[i].name, name) == 0) return &presets[i];
+  return NULL;
+}
+
+/*
+ * Parses argv[first..] into o. Geometry flags are applied after the preset,
+ * whatever their order. Returns 0, or an exit status (-1 for --help).
+ */
+static int parse_args(int argc, char **argv, int first, cli_opts *o) {
+  uint32_t geo[7];
+  int geo_set[7] = {0};
+  double theta = 0.0;
+  int theta_set = 0;
+  static const char *const geo_flags[7] = {"--layers", "--heads",  "--kv-heads", "--head-dim",
+                                           "--hidden", "--ffn",    "--vocab"};
+  for (int i = first; i < argc; ++i) {
+    char *arg = argv[i], *val = NULL;
+    char name[64];
+    if (strcmp(arg, "-h") == 0 || strcmp(arg, "--help") == 0) {
+      usage(stdout);
+      return -1;
+    }
+    if (strcmp(arg, "-v") == 0 || strcmp(arg, "--verbose") == 0) {
+      o->verbose = 1;
+      continue;
+    }
+    if (strncmp(arg, "--", 2) != 0) {
+      say_error("unexpected argument '%s' (see activekv --help)", arg);
+      return EXIT_USAGE;
+    }
+    const char *eq = strchr(arg, '=');
+    size_t nlen = eq ? (size_t)(eq - arg) : strlen(arg);
+    if (nlen >= sizeof name) nlen = sizeof name - 1;
+    memcpy(name, arg, nlen);
+    name[nlen] = '\0';
+
+    /* switches */
+    int *flag = NULL;
+    if (strcmp(name, "--check") == 0) flag = &o->check;
+    else if (strcmp(name, "--json") == 0) flag = &o->json;
+    if (flag) {
+      *flag = 1;
+      continue;
+    }
+    if (strcmp(name, "--no-progress") == 0) {
+      o->progress = 0;
+      continue;
+    }
+
+    /* everything else takes a value */
+    if (eq) val = (char *)eq + 1;
+    else if (i + 1 < argc) val = argv[++i];
+    else {
+      say_error("%s needs a value (see activekv --help)", name);
+      return EXIT_USAGE;
+    }
+
+    int rc = 0, matched = 0;
+    for (int k = 0; k < 7; ++k) {
+      if (strcmp(name, geo_flags[k]) == 0) {
+        rc = parse_u32(name, val, 1, 1u << 24, &geo[k]);
+        geo_set[k] = 1;
+        matched = 1;
+      }
+    }
+    if (matched) {
+      if (rc) return EXIT_USAGE;
+      continue;
+    }
+    if (strcmp(name, "--preset") == 0) {
+      const preset *p = find_preset(val);
+      if (p == NULL) {
+        say_error("--preset: unknown '%s'; choose llama3-8b, llama3.2-1b or tiny", val);
+        return EXIT_USAGE;
+      }
+      o->preset = p->name;
+      o->g = p->g;
+    } else if (strcmp(name, "--rope-theta") == 0) {
+      rc = parse_double(name, val, 1.0, 1e9, &theta);
+      theta_set = 1;
+    } else if (strcmp(name, "--seed") == 0) {
+      rc = parse_u64(name, val, 0, UINT64_MAX, &o->seed);
+    } else if (strcmp(name, "--contexts") == 0) {
+      rc = parse_u32(name, val, 1, MODEL_MAX_BATCH, &o->contexts);
+    } else if (strcmp(name, "--tokens") == 0) {
+      rc = parse_tokens(val, o);
+    } else if (strcmp(name, "--steps") == 0) {
+      rc = parse_u32(name, val, 1, 1000000, &o->steps);
+    } else if (strcmp(name, "--warmup") == 0) {
+      rc = parse_u32(name, val, 0, 1000000, &o->warmup);
+    } else if (strcmp(name, "--route") == 0) {
+      if (strcmp(val, "resident") == 0) o->route = ROUTE_RESIDENT;
+      else if (strcmp(val, "stage") == 0) o->route = ROUTE_STAGE;
+      else if (strcmp(val, "arena") == 0) o->route = ROUTE_ARENA;
+      else {
+        say_error("--route: unknown '%s'; choose resident, stage or arena", val);
+        return EXIT_USAGE;
+      }
+    } else if (strcmp(name, "--backend") == 0) {
+      if (strcmp(val, "auto") == 0) o->backend = AKV_BACKEND_AUTO;
+      else if (strcmp(val, "host") == 0) o->backend = AKV_BACKEND_HOST;
+      else if (strcmp(val, "cuda") == 0) o->backend = AKV_BACKEND_CUDA;
+      else {
+        say_error("--backend: unknown '%s'; choose auto, host or cuda", val);
+        return EXIT_USAGE;
+      }
+    } else if (strcmp(name, "--device") == 0) {
+      uint32_t d;
+      rc = parse_u32(name, val, 0, 1023, &d);
+      o->device = (int)d;
+    } else if (strcmp(name, "--host-pool-gib") == 0) {
+      rc = parse_u32(name, val, 1, 1u << 20, &o->host_pool_gib);
+    } else if (strcmp(name, "--device-pool-gib") == 0) {
+      rc = parse_u32(name, val, 0, 1u << 20, &o->device_pool_gib);
+    } else if (strcmp(name, "--page-tokens") == 0) {
+      rc = parse_u32(name, val, 1, 1u << 20, &o->page_tokens);
+    } else if (strcmp(name, "--chunk-tokens") == 0) {
+      rc = parse_u32(name, val, 1, 1u << 20, &o->chunk_tokens);
+    } else if (strcmp(name, "--target-pages") == 0) {
+      rc = parse_u32(name, val, 0, UINT32_MAX - 1, &o->target_pages);
+    } else if (strcmp(name, "--burst-pages") == 0) {
+      rc = parse_u32(name, val, 0, UINT32_MAX - 1, &o->burst_pages);
+    } else if (strcmp(name, "--fit-mode") == 0) {
+      if (strcmp(val, "refuse") == 0) o->fit_mode = AKV_FIT_REFUSE;
+      else if (strcmp(val, "shrink") == 0) o->fit_mode = AKV_FIT_SHRINK;
+      else {
+        say_error("--fit-mode: unknown '%s'; choose refuse or shrink", val);
+        return EXIT_USAGE;
+      }
+    } else if (strcmp(name, "--host-delay-us") == 0) {
+      rc = parse_u32(name, val, 0, 1000000, &o->delay_max_us);
+    } else if (strcmp(name, "--host-delay-seed") == 0) {
+      rc = parse_u64(name, val, 1, UINT64_MAX, &o->delay_seed);
+    } else if (strcmp(name, "--pcie-gbps") == 0) {
+      rc = parse_double(name, val, 0.001, 1e6, &o->pcie_gbps);
+    } else {
+      say_error("unknown option %s (see activekv --help)", name);
+      return EXIT_USAGE;
+    }
+    if (rc) return EXIT_USAGE;
+  }
+
+  uint32_t *dst[7] = {&o->g.n_layers, &o->g.n_heads, &o->g.kv_heads, &o->g.head_dim,
+                      &o->g.hidden,   &o->g.ffn,     &o->g.vocab};
+  for (int k = 0; k < 7; ++k)
+    if (geo_set[k]) *dst[k] = geo[k];
+  if (theta_set) o->g.rope_theta = (float)theta;
+
+  const model_geometry *g = &o->g;
+  if (g->n_heads % g->kv_heads != 0) {
+    say_error("--heads %u is not a multiple of --kv-heads %u", g->n_heads, g->kv_heads);
+    return EXIT_USAGE;
+  }
+  if (g->head_dim % 8 != 0 || g->hidden % 8 != 0 || g->ffn % 8 != 0) {
+    say_error("--head-dim, --hidden and --ffn must be multiples of 8 (got %u, %u, %u)",
+              g->head_dim, g->hidden, g->ffn);
+    return EXIT_USAGE;
+  }
+  if ((uint64_t)max_history(o) + o->warmup + o->steps > UINT32_MAX / 2) {
+    say_error("--tokens plus --warmup plus --steps is too large");
+    return EXIT_USAGE;
+  }
+  lib_verbose = o->verbose;
+  return 0;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Engine configuration and fit                                              */
+/* ------------------------------------------------------------------------ */
+
+static void engine_config(const cli_opts *o, akv_backend_kind backend, akv_engine_config *c) {
+  akv_engine_config_init(c);
+  c->backend = backend;
+  c->device_ordinal = o->device;
+  c->n_dense_layers = o->g.n_layers;
+  c->kv_heads = o->g.kv_heads;
+  c->head_dim = o->g.head_dim;
+  c->dtype = AKV_DTYPE_BF16;
+  c->max_tokens = max_tokens(o);
+  c->page_tokens = o->page_tokens;
+  c->host_pool_gib = o->host_pool_gib;
+  c->device_pool_gib = o->device_pool_gib;
+  c->max_contexts = o->contexts;
+  c->fit_mode = o->fit_mode;
+  c->route = o->route == ROUTE_ARENA || o->device_pool_gib > 0 ? AKV_ROUTE_ARENA
+                                                                : AKV_ROUTE_STAGE;
+  c->log_fn = lib_log;
+  c->log_user = NULL;
+  c->log_level = o->verbose ? AKV_LOG_DEBUG : AKV_LOG_WARN;
+  c->host_delay_seed = o->delay_max_us ? o->delay_seed : 0;
+  c->host_delay_max_us = o->delay_max_us;
+}
+
+/*
+ * Fills the config and runs akv_fit. Without --host-pool-gib the pool is the
+ * smallest whole GiB that holds --contexts histories (the formula's own
+ * answer, printed as such; never a size taken from free memory).
+ */
+static int fit_config(const cli_opts *o, akv_backend_kind backend, akv_engine_config *c,
+                      akv_fit_report *r, int *pool_chosen) {
+  akv_status st = AKV_OK;
+  engine_config(o, backend, c);
+  *pool_chosen = 0;
+  /* akv_fit says only "invalid configuration"; name the flag for the usual causes. */
+  if (c->page_tokens > c->max_tokens) {
+    say_error("--page-tokens %u is longer than a context can get (%u rows: the longest --tokens "
+              "plus --warmup plus --steps); lower --page-tokens",
+              c->page_tokens, c->max_tokens);
+    return -1;
+  }
+  uint64_t page_bytes = (uint64_t)c->page_tokens * c->n_dense_layers * c->kv_heads * c->head_dim * 4;
+  if (c->device_pool_gib > 0 && page_bytes > (uint64_t)c->device_pool_gib * GIB) {
+    say_error("--device-pool-gib %u holds no page of %llu bytes (--page-tokens %u); raise "
+              "--device-pool-gib or lower --page-tokens",
+              c->device_pool_gib, (unsigned long long)page_bytes, c->page_tokens);
+    return -1;
+  }
+  if (c->host_pool_gib == 0) {
+    c->host_pool_gib = 1;
+    st = akv_fit(c, r);
+    if (st == AKV_OK) {
+      c->host_pool_gib = r->host_pool_gib_needed ? r->host_pool_gib_needed : 1;
+      *pool_chosen = 1;
+    }
+  }
+  if (st == AKV_OK) st = akv_fit(c, r);
+  if (st == AKV_OK) return 0;
+  say_error("akv_fit: %s for %u layers x %u kv heads x head_dim %u x %u tokens "
+            "(check --layers, --kv-heads, --head-dim, --tokens, --page-tokens)",
+            akv_status_string(st), c->n_dense_layers, c->kv_heads, c->head_dim, c->max_tokens);
+  return -1;
+}
+
+static void say_no_fit(const cli_opts *o, const akv_fit_report *r) {
+  say_error("the host pool of %u GiB holds %llu of --contexts %u histories of %llu bytes; "
+            "raise --host-pool-gib to %u, lower --contexts to %llu, or pass --fit-mode shrink",
+            (unsigned)(r->host_pool_bytes / GIB), (unsigned long long)r->fits, o->contexts,
+            (unsigned long long)r->history_bytes, r->host_pool_gib_needed,
+            (unsigned long long)r->fits);
+}
+
+/* ------------------------------------------------------------------------ */
+/* A run: one route over prefilled contexts, optionally checked              */
+/* ------------------------------------------------------------------------ */
+
+typedef struct run_result {
+  akv_backend_kind backend;
+  cli_route route;
+  uint32_t contexts, queued;
+  uint32_t steps;
+  double tokens_per_s, step_ms_median, step_ms_p90, step_ms_mean;
+  double resident_tokens_per_s, resident_step_ms_median;
+  double prefill_s;
+  uint64_t bytes_h2d, bytes_d2d, bytes_d2h; /* per measured step */
+  uint64_t engine_device_bytes, engine_staging_bytes, device_peak_bytes;
+  uint32_t device_pages;
+  uint64_t host_pool_bytes, history_bytes;
+  model_memory mem;
+  uint64_t adm[AKV_ADM_RULE_COUNT];
+  int have_engine;
+  int checked;
+  uint32_t steps_compared, mismatched_steps, first_mismatch;
+  double max_abs_diff;
+  akv_fit_report fit;
+  uint32_t host_pool_gib;
+  int host_pool_chosen;
+} run_result;
+
+typedef struct runner runner;
+
+/* What the attention hook hands to a host-queue function: one per layer. */
+typedef struct layer_slot {
+  runner *r;
+  uint32_t layer;
+  model_kv_view kv;
+  uint32_t len[MODEL_MAX_BATCH];
+  int failed;
+} layer_slot;
+
+struct runner {
+  const cli_opts *o;
+  model *m;
+  akv_engine *engine;
+  akv_backend_kind backend;
+  akv_stream stream;
+  int own_stream;
+  uint32_t n_ctx;
+  akv_context *ctx[MODEL_MAX_BATCH];
+  akv_lease **lease; /* [n_layers], the open step's leases not yet retired */
+  layer_slot *slot;  /* [n_layers] */
+  uint32_t res_len[MODEL_MAX_BATCH];
+  char err[768];
+};
+
+static void run_fail(runner *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void run_fail(runner *r, const char *fmt, ...) {
+  if (r->err[0]) return; /* keep the first cause */
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(r->err, sizeof r->err, fmt, ap);
+  va_end(ap);
+}
+
+static void run_fail_akv(runner *r, const char *what, akv_status st) {
+  run_fail(r, "%s: %s (%s)", what, akv_status_string(st),
+           r->engine ? akv_engine_last_error(r->engine) : lib_last);
+}
+
+/* Host backend: the queue worker runs the CPU attention of one layer. */
+static void slot_run(void *arg) {
+  layer_slot *s = arg;
+  if (model_attend(s->r->m, s->layer, &s->kv) != 0) s->failed = 1;
+}
+
+/* The akv_attention_fn of the staged routes. */
+static int attention_hook(void *user, const akv_view *view, akv_stream stream) {
+  runner *r = user;
+  const model_geometry *g = &r->m->g;
+  if (view->layer >= g->n_layers || view->n_contexts != r->n_ctx ||
+      view->kv_heads != g->kv_heads || view->head_dim != g->head_dim ||
+      view->dtype != AKV_DTYPE_BF16) {
+    run_fail(r, "hook: the view (layer %u, %u contexts, %u x %u) does not match the model",
+             view->layer, view->n_contexts, view->kv_heads, view->head_dim);
+    return 1;
+  }
+  layer_slot *s = &r->slot[view->layer];
+  s->r = r;
+  s->layer = view->layer;
+  s->failed = 0;
+  memcpy(s->len, view->len, view->n_contexts * sizeof(uint32_t));
+  s->kv.base = view->base;
+  s->kv.context_stride = view->context_stride;
+  s->kv.v_offset = view->v_offset;
+  s->kv.row_bytes = view->row_bytes;
+  s->kv.len = s->len;
+  s->kv.n_ctx = view->n_contexts;
+  if (model_stream(r->m) == NULL) {
+    akv_status st = akv_stream_launch_host(r->engine, stream, slot_run, s);
+    if (st != AKV_OK) {
+      run_fail_akv(r, "akv_stream_launch_host", st);
+      return 1;
+    }
+    return 0;
+  }
+  /* CUDA: the stream is the model's own; model_attend enqueues on it. */
+  if (model_attend(r->m, view->layer, &s->kv) != 0) {
+    run_fail(r, "layer %u: %s", view->layer, model_error(r->m));
+    return 1;
+  }
+  return 0;
+}
+
+static int retire(runner *r, uint32_t layer) {
+  if (r->lease[layer] == NULL) return 0;
+  akv_receipt receipt;
+  akv_status st = akv_lease_retire(r->lease[layer], &receipt);
+  r->lease[layer] = NULL;
+  if (st != AKV_OK) {
+    run_fail_akv(r, "akv_lease_retire", st);
+    return -1;
+  }
+  return 0;
+}
+
+/* model_layer_fn of the staged routes: one lease per layer. */
+static int layer_engine(void *user, model *m, uint32_t l) {
+  runner *r = user;
+  akv_status st;
+  akv_fence attn, tail;
+  (void)m;
+  if ((st = akv_lease_begin(r->engine, l, &r->lease[l])) != AKV_OK) {
+    r->lease[l] = NULL;
+    run_fail_akv(r, "akv_lease_begin", st);
+    return -1;
+  }
+  if (l >= 2 && retire(r, l - 2) != 0) return -1;
+  if ((st = akv_lease_attend(r->lease[l], r->stream, attention_hook, r, &attn)) != AKV_OK) {
+    run_fail_akv(r, "akv_lease_attend", st);
+    return -1;
+  }
+  if ((st = akv_lease_write_back(r->lease[l], NULL, 0, &tail)) != AKV_OK) {
+    run_fail_akv(r, "akv_lease_write_back", st);
+    return -1;
+  }
+  if ((st = akv_lease_seal(r->lease[l], tail, attn)) != AKV_OK) {
+    run_fail_akv(r, "akv_lease_seal", st);
+    return -1;
+  }
+  if (model_stream(r->m) == NULL) {
+    /* The CPU model computes on this thread: its next layer reads the
+     * attention output, so wait for the queue to have run the hook's work. */
+    if ((st = akv_stream_synchronize(r->engine, r->stream)) != AKV_OK) {
+      run_fail_akv(r, "akv_stream_synchronize", st);
+      return -1;
+    }
+    if (r->slot[l].failed) {
+      run_fail(r, "layer %u: %s", l, model_error(r->m));
+      return -1;
+    }
+  }
+  return 0;
+}
+
+/* model_layer_fn of the resident route: the model's own store. */
+static int layer_resident(void *user, model *m, uint32_t l) {
+  runner *r = user;
+  model_kv_view v;
+  if (model_resident_view(m, l, r->res_len, r->n_ctx, &v) != 0 || model_attend(m, l, &v) != 0) {
+    run_fail(r, "resident layer %u: %s", l, model_error(m));
+    return -1;
+  }
+  return 0;
+}
+
+static int step_engine(runner *r, const int32_t *tok, float *logits) {
+  uint32_t pos[MODEL_MAX_BATCH];
+  akv_status st;
+  for (uint32_t i = 0; i < r->n_ctx; ++i) {
+    if ((st = akv_context_length(r->ctx[i], &pos[i])) != AKV_OK) {
+      run_fail_akv(r, "akv_context_length", st);
+      return -1;
+    }
+  }
+  if ((st = akv_step_begin(r->engine, r->ctx, r->n_ctx)) != AKV_OK) {
+    run_fail_akv(r, "akv_step_begin", st);
+    return -1;
+  }
+  const uint32_t L = r->m->g.n_layers;
+  for (uint32_t l = 0; l < L; ++l) r->lease[l] = NULL;
+  if (model_forward(r->m, r->n_ctx, tok, pos, layer_engine, r, logits) != 0) {
+    run_fail(r, "decode step: %s", model_error(r->m));
+    return -1;
+  }
+  for (uint32_t l = L >= 2 ? L - 2 : 0; l < L; ++l)
+    if (retire(r, l) != 0) return -1;
+  if ((st = akv_step_end(r->engine)) != AKV_OK) {
+    run_fail_akv(r, "akv_step_end", st);
+    return -1;
+  }
+  return 0;
+}
+
+static int step_resident(runner *r, const int32_t *tok, float *logits) {
+  if (model_forward(r->m, r->n_ctx, tok, r->res_len, layer_resident, r, logits) != 0) {
+    run_fail(r, "resident step: %s", model_error(r->m));
+    return -1;
+  }
+  for (uint32_t i = 0; i < r->n_ctx; ++i) r->res_len[i]++;
+  return 0;
+}
+
+/* Writes the synthetic history through akv_context_append (and into the
+ * resident store when it is used), in chunks of every layer at once. */
+static int prefill(runner *r, int to_engine, int to_resident, double *seconds) {
+  const cli_opts *o = r->o;
+  const model_geometry *g = &r->m->g;
+  const uint32_t kv_dim = g->kv_heads * g->head_dim, L = g->n_layers;
+  const uint64_t row_bytes = (uint64_t)kv_dim * 2;
+  uint64_t chunk = (16u << 20) / (L * row_bytes);
+  if (chunk < 1) chunk = 1;
+  if (chunk > 4096) chunk = 4096;
+  uint16_t *buf = malloc(2 * L * chunk * row_bytes);
+  const void **kp = malloc(L * sizeof *kp), **vp = malloc(L * sizeof *vp);
+  int rc = -1;
+  if (buf == NULL || kp == NULL || vp == NULL) {
+    run_fail(r, "prefill: out of host memory");
+    goto out;
+  }
+  for (uint32_t l = 0; l < L; ++l) {
+    kp[l] = buf + (uint64_t)(2 * l) * chunk * kv_dim;
+    vp[l] = buf + (uint64_t)(2 * l + 1) * chunk * kv_dim;
+  }
+  uint64_t total = 0, done = 0;
+  for (uint32_t i = 0; i < r->n_ctx; ++i) total += ctx_tokens(o, i);
+  progress bar;
+  progress_begin(&bar, o->progress && !o->json, "prefill", total);
+  double t0 = now_s();
+  for (uint32_t i = 0; i < r->n_ctx; ++i) {
+    const uint32_t len = ctx_tokens(o, i);
+    for (uint32_t first = 0; first < len;) {
+      uint32_t n = len - first < chunk ? len - first : (uint32_t)chunk;
+      for (uint32_t l = 0; l < L; ++l) {
+        for (uint32_t t = 0; t < n; ++t) {
+          model_history_row(o->seed, i, l, 0, first + t, (uint16_t *)kp[l] + (uint64_t)t * kv_dim,
+                            kv_dim);
+          model_history_row(o->seed, i, l, 1, first + t, (uint16_t *)vp[l] + (uint64_t)t * kv_dim,
+                            kv_dim);
+        }
+      }
+      if (to_engine) {
+        akv_status st = akv_context_append(r->ctx[i], n, kp, vp);
+        if (st != AKV_OK) {
+          run_fail_akv(r, "akv_context_append", st);
+          goto out;
+        }
+      }
+      if (to_resident && model_resident_append(r->m, i, first, n, kp, vp) != 0) {
+        run_fail(r, "prefill: %s", model_error(r->m));
+        goto out;
+      }
+      first += n;
+      done += n;
+      char rate[64], b[32];
+      double dt = now_s() - t0;
+      snprintf(rate, sizeof rate, "%s/s",
+               fmt_xfer(b, sizeof b, dt > 0 ? done * L * row_bytes * 2 / dt : 0.0));
+      progress_update(&bar, done, rate);
+    }
+  }
+  *seconds = now_s() - t0;
+  rc = 0;
+out:
+  free(buf);
+  free(kp);
+  free(vp);
+  return rc;
+}
+
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
+
+/* Median and nearest-rank p90 of n values (sorted in place). */
+static void quantiles(double *v, uint32_t n, double *median, double *p90) {
+  qsort(v, n, sizeof *v, cmp_double);
+  *median = n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+  uint32_t k = (uint32_t)ceil(0.9 * n);
+  *p90 = v[k ? k - 1 : 0];
+}
+
+static int32_t argmax(const float *v, uint32_t n) {
+  uint32_t best = 0;
+  for (uint32_t i = 1; i < n; ++i)
+    if (v[i] > v[best]) best = i;
+  return (int32_t)best;
+}
+
+static int model_make(const cli_opts *o, akv_backend_kind backend, uint32_t n_ctx, model **m,
+                      char *err, size_t cap) {
+  model_options mo;
+  memset(&mo, 0, sizeof mo);
+  mo.seed = o->seed;
+  mo.max_batch = n_ctx;
+  mo.chunk_tokens = chunk_tokens(o);
+  mo.max_tokens = max_tokens(o);
+  mo.device = o->device;
+  if (backend == AKV_BACKEND_HOST) return model_cpu_create(&o->g, &mo, m, err, cap);
+#ifdef ACTIVEKV_CUDA_MODEL
+  return model_cuda_create(&o->g, &mo, m, err, cap);
+#else
+  snprintf(err, cap, "this activekv was built without CUDA; use --backend host");
+  return -1;
+#endif
+}
+
+/* The backend the run uses: --backend, or for auto CUDA when a device is there. */
+static akv_backend_kind resolve_backend(const cli_opts *o) {
+  if (o->backend != AKV_BACKEND_AUTO) return o->backend;
+#ifdef ACTIVEKV_CUDA_MODEL
+  if (model_cuda_available()) return AKV_BACKEND_CUDA;
+#endif
+  return AKV_BACKEND_HOST;
+}
+
+static void print_counters(const uint64_t *adm) {
+  printf("admission:");
+  for (int k = 0; k < AKV_ADM_RULE_COUNT; ++k)
+    printf("%s %s %llu", k ? "," : "", akv_adm_rule_string((akv_adm_rule)k),
+           (unsigned long long)adm[k]);
+  printf("\n");
+}
+
+/*
+ * Runs o->route over o->contexts prefilled contexts for warmup + steps
+ * decode steps; with --check, resident alongside. steps_out: print a line per
+ * step (human decode). Returns 0 or EXIT_RUN_ERROR (message printed).
+ */
+static int run(const cli_opts *o, int steps_out, run_result *res) {
+  runner rr, *r = &rr;
+  memset(r, 0, sizeof *r);
+  memset(res, 0, sizeof *res);
+  r->o = o;
+  const int use_engine = o->route != ROUTE_RESIDENT;
+  const int use_resident = o->route == ROUTE_RESIDENT || o->check;
+  const uint32_t total_steps = o->warmup + o->steps;
+  int rc = EXIT_RUN_ERROR;
+  float *logits = NULL, *ref = NULL;
+  double *ms = NULL, *res_ms = NULL;
+  akv_engine_info info0, info1;
+  akv_engine_config cfg;
+  memset(&info0, 0, sizeof info0);
+  memset(&info1, 0, sizeof info1);
+  char err[512] = "";
+
+  r->backend = resolve_backend(o);
+  res->backend = r->backend;
+  res->route = o->route;
+  if (fit_config(o, r->backend, &cfg, &res->fit, &res->host_pool_chosen) != 0) return rc;
+  res->host_pool_gib = cfg.host_pool_gib;
+  res->history_bytes = res->fit.history_bytes;
+  r->n_ctx = o->contexts;
+
+  if (use_engine) {
+    akv_status st = akv_engine_create(&cfg, &r->engine);
+    if (st != AKV_OK) {
+      r->engine = NULL;
+      if (st == AKV_ERR_NO_FIT) say_no_fit(o, &res->fit);
+      else if (st == AKV_ERR_OUT_OF_MEMORY)
+        say_error("akv_engine_create: out of memory for a %u GiB pinned host pool and a %u GiB "
+                  "device pool (%s); lower --host-pool-gib or --device-pool-gib",
+                  cfg.host_pool_gib, cfg.device_pool_gib, lib_last);
+      else if (st == AKV_ERR_NOT_SUPPORTED)
+        say_error("akv_engine_create: the %s backend is not available here (%s); use "
+                  "--backend host",
+                  r->backend == AKV_BACKEND_CUDA ? "CUDA" : "requested", lib_last);
+      else
+        say_error("akv_engine_create: %s (%s); check --page-tokens, --tokens, --kv-heads, "
+                  "--head-dim",
+                  akv_status_string(st), lib_last);
+      return rc;
+    }
+    akv_engine_info_get(r->engine, &info0);
+    res->backend = info0.backend;
+    res->have_engine = 1;
+    res->engine_device_bytes = info0.device_bytes_allocated;
+    res->engine_staging_bytes = info0.staging_bytes;
+    res->device_pages = info0.device_pages;
+    if (info0.backend != r->backend) {
+      say_error("the engine chose the %s backend, the model the %s one; pass --backend",
+                info0.backend == AKV_BACKEND_CUDA ? "CUDA" : "host",
+                r->backend == AKV_BACKEND_CUDA ? "CUDA" : "host");
+      goto out;
+    }
+
+    akv_context_config cc = AKV_CONTEXT_CONFIG_INIT;
+    cc.target_pages = o->target_pages;
+    cc.burst_pages = o->burst_pages;
+    for (uint32_t i = 0; i < o->contexts; ++i) {
+      st = akv_context_open(r->engine, &cc, &r->ctx[i]);
+      if (st == AKV_ERR_REFUSED_QUEUE) { /* shrink mode: the rest would queue */
+        res->queued = o->contexts - i;
+        r->n_ctx = i;
+        break;
+      }
+      if (st != AKV_OK) {
+        r->n_ctx = i;
+        if (st == AKV_ERR_ADMISSION_REFUSED) {
+          char why[512];
+          akv_admission_explain(r->engine, NULL, why, sizeof why);
+          say_error("context %u refused by the device pool: %s; lower --target-pages or raise "
+                    "--device-pool-gib",
+                    i, why);
+        } else {
+          say_error("akv_context_open: %s (%s)", akv_status_string(st),
+                    akv_engine_last_error(r->engine));
+        }
+        goto out;
+      }
+    }
+    if (r->n_ctx == 0) {
+      say_error("no context could be opened; raise --host-pool-gib");
+      goto out;
+    }
+  }
+  res->contexts = r->n_ctx;
+
+  if (model_make(o, r->backend, r->n_ctx, &r->m, err, sizeof err) != 0) {
+    say_error("model: %s", err);
+    goto out;
+  }
+  if (use_engine) {
+    if (model_stream(r->m) != NULL) {
+      /* CUDA backend: a cudaStream_t is an akv_stream (akv.h). */
+      r->stream = (akv_stream)model_stream(r->m);
+    } else {
+      akv_status st = akv_stream_create(r->engine, &r->stream);
+      if (st != AKV_OK) {
+        say_error("akv_stream_create: %s (%s)", akv_status_string(st),
+                  akv_engine_last_error(r->engine));
+        goto out;
+      }
+      r->own_stream = 1;
+    }
+    r->lease = calloc(o->g.n_layers, sizeof *r->lease);
+    r->slot = calloc(o->g.n_layers, sizeof *r->slot);
+    if (r->lease == NULL || r->slot == NULL) {
+      say_error("out of host memory");
+      goto out;
+    }
+  }
+  if (use_resident && model_resident_reserve(r->m, r->n_ctx, max_tokens(o)) != 0) {
+    say_error("%s", model_error(r->m));
+    goto out;
+  }
+
+  if (prefill(r, use_engine, use_resident, &res->prefill_s) != 0) {
+    say_error("%s", r->err);
+    goto out;
+  }
+  for (uint32_t i = 0; i < r->n_ctx; ++i) r->res_len[i] = ctx_tokens(o, i);
+  if (use_engine) akv_admission_counters(r->engine, res->adm, AKV_ADM_RULE_COUNT);
+  if (steps_out) {
+    if (use_engine) print_counters(res->adm);
+    fflush(stdout);
+  }
+
+  const uint64_t lbytes = (uint64_t)r->n_ctx * o->g.vocab * sizeof(float);
+  logits = malloc(lbytes);
+  ref = malloc(lbytes);
+  ms = calloc(total_steps, sizeof *ms);
+  res_ms = calloc(total_steps, sizeof *res_ms);
+  if (!logits || !ref || !ms || !res_ms) {
+    say_error("out of host memory for the logits of %u contexts", r->n_ctx);
+    goto out;
+  }
+  int32_t tok[MODEL_MAX_BATCH];
+  for (uint32_t i = 0; i < r->n_ctx; ++i)
+    tok[i] = (int32_t)(model_mix64(o->seed ^ (0x746f6b656eull + i)) % o->g.vocab);
+
+  res->checked = use_engine && o->check;
+  res->first_mismatch = UINT32_MAX;
+  double route_s = 0.0, resident_s = 0.0;
+  for (uint32_t s = 0; s < total_steps; ++s) {
+    const int measured = s >= o->warmup;
+    if (measured && s == o->warmup && use_engine) akv_engine_info_get(r->engine, &info0);
+    double t0 = now_s();
+    int src = use_engine ? step_engine(r, tok, logits) : step_resident(r, tok, logits);
+    double t1 = now_s();
+    if (src != 0) {
+      say_error("step %u: %s", s + 1, r->err);
+      goto out;
+    }
+    ms[s] = (t1 - t0) * 1e3;
+    if (measured) route_s += t1 - t0;
+
+    int same = -1;
+    if (res->checked) {
+      double t2 = now_s();
+      if (step_resident(r, tok, ref) != 0) {
+        say_error("step %u: %s", s + 1, r->err);
+        goto out;
+      }
+      res_ms[s] = (now_s() - t2) * 1e3;
+      if (measured) resident_s += res_ms[s] / 1e3;
+      same = memcmp(logits, ref, lbytes) == 0;
+      res->steps_compared++;
+      if (!same) {
+        res->mismatched_steps++;
+        if (res->first_mismatch == UINT32_MAX) res->first_mismatch = s + 1;
+        for (uint64_t k = 0; k < (uint64_t)r->n_ctx * o->g.vocab; ++k) {
+          double d = fabs((double)logits[k] - (double)ref[k]);
+          if (d > res->max_abs_diff || d != d) res->max_abs_diff = d;
+        }
+      }
+    }
+    model_memory mm;
+    model_memory_get(r->m, &mm);
+    if (mm.device_used > res->mem.device_used) res->mem.device_used = mm.device_used;
+
+    if (steps_out) {
+      printf("step %*u/%u  %-8s %9.2f ms", total_steps >= 100 ? 4 : 2, s + 1, total_steps,
+             route_names[o->route], ms[s]);
+      if (same >= 0)
+        printf("  resident %9.2f ms  %s", res_ms[s], same ? "bitwise ok" : "MISMATCH");
+      printf("%s\n", measured ? "" : "  (warm-up)");
+      fflush(stdout);
+    }
+    /* greedy: every context continues with the route's argmax */
+    for (uint32_t i = 0; i < r->n_ctx; ++i) tok[i] = argmax(logits + (uint64_t)i * o->g.vocab, o->g.vocab);
+  }
+
+  res->steps = o->steps;
+  res->tokens_per_s = route_s > 0 ? (double)r->n_ctx * o->steps / route_s : 0.0;
+  double sum = 0.0;
+  for (uint32_t s = o->warmup; s < total_steps; ++s) sum += ms[s];
+  res->step_ms_mean = sum / o->steps;
+  quantiles(ms + o->warmup, o->steps, &res->step_ms_median, &res->step_ms_p90);
+  if (res->checked) {
+    double p90;
+    res->resident_tokens_per_s = resident_s > 0 ? (double)r->n_ctx * o->steps / resident_s : 0.0;
+    quantiles(res_ms + o->warmup, o->steps, &res->resident_step_ms_median, &p90);
+  }
+  if (use_engine) {
+    akv_engine_info_get(r->engine, &info1);
+    res->bytes_h2d = (info1.bytes_h2d - info0.bytes_h2d) / o->steps;
+    res->bytes_d2d = (info1.bytes_d2d - info0.bytes_d2d) / o->steps;
+    res->bytes_d2h = (info1.bytes_d2h - info0.bytes_d2h) / o->steps;
+    res->engine_device_bytes = info1.device_bytes_allocated;
+    res->device_peak_bytes = info1.device_peak_bytes;
+    res->host_pool_bytes = res->fit.host_pool_bytes;
+    akv_admission_counters(r->engine, res->adm, AKV_ADM_RULE_COUNT);
+  }
+  {
+    uint64_t used = res->mem.device_used;
+    model_memory_get(r->m, &res->mem);
+    if (used > res->mem.device_used) res->mem.device_used = used;
+  }
+  /* The engine samples the device at its syncs, the model after every step. */
+  if (res->mem.device_used > res->device_peak_bytes) res->device_peak_bytes = res->mem.device_used;
+  rc = 0;
+
+out:
+  if (r->engine) {
+    /* A failed step leaves leases or a step open: quarantine proves the
+     * queues drained before anything is freed. */
+    akv_engine_info ie;
+    int dirty = rc != 0;
+    if (akv_engine_info_get(r->engine, &ie) == AKV_OK && ie.transport_failed) dirty = 1;
+    if (dirty) {
+      akv_quarantine_report qr;
+      akv_engine_quarantine(r->engine, &qr);
+    }
+    if (r->own_stream) akv_stream_destroy(r->engine, r->stream);
+    if (!dirty)
+      for (uint32_t i = 0; i < r->n_ctx; ++i) akv_context_close(r->ctx[i]);
+    akv_status st = akv_engine_destroy(r->engine);
+    if (st != AKV_OK)
+      say_error("akv_engine_destroy: %s (%s)", akv_status_string(st), lib_last);
+  }
+  model_destroy(r->m);
+  free(r->lease);
+  free(r->slot);
+  free(logits);
+  free(ref);
+  free(ms);
+  free(res_ms);
+  return rc;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Reports                                                                   */
+/* ------------------------------------------------------------------------ */
+
+static const char *backend_name(akv_backend_kind b) {
+  return b == AKV_BACKEND_CUDA ? "cuda" : b == AKV_BACKEND_HOST ? "host" : "auto";
+}
+
+static void print_geometry(const cli_opts *o) {
+  const model_geometry *g = &o->g;
+  double params = (double)model_param_count(g);
+  printf("model: %s geometry, %u layers, %u q heads, %u kv heads, head_dim %u, hidden %u, "
+         "ffn %u, vocab %u (%.2f%s parameters, random weights, seed %llu)\n",
+         o->preset, g->n_layers, g->n_heads, g->kv_heads, g->head_dim, g->hidden, g->ffn, g->vocab,
+         params >= 1e9 ? params / 1e9 : params / 1e6, params >= 1e9 ? " B" : " M",
+         (unsigned long long)o->seed);
+}
+
+static void print_tokens(FILE *f, const cli_opts *o, uint32_t n) {
+  for (uint32_t i = 0; i < n; ++i) fprintf(f, "%s%u", i ? "," : "", ctx_tokens(o, i));
+}
+
+static void print_fit(const run_result *res) {
+  printf("fit: %s\n", res->fit.line);
+  if (res->host_pool_chosen)
+    printf("fit: host pool %u GiB is the smallest that holds --contexts (set --host-pool-gib "
+           "to choose)\n",
+           res->host_pool_gib);
+}
+
+/* PCIe bound of the staged bytes: ms per step and tokens/s. */
+static void pcie_bound(const cli_opts *o, const run_result *res, double *ms, double *tps) {
+  *ms = res->bytes_h2d / (o->pcie_gbps * 1e9) * 1e3;
+  *tps = *ms > 0 ? res->contexts / (*ms / 1e3) : 0.0;
+}
+
+static void print_summary(const cli_opts *o, const run_result *res) {
+  char a[32], b[32], c[32], d[32];
+  double bound_ms, bound_tps;
+  pcie_bound(o, res, &bound_ms, &bound_tps);
+  printf("\nsummary (%u measured steps, %u contexts, %s backend)\n", res->steps, res->contexts,
+         backend_name(res->backend));
+  printf("  %-20s %s\n", "route", route_names[res->route]);
+  printf("  %-20s %.2f", "tokens/s", res->tokens_per_s);
+  if (res->checked) printf("   (resident %.2f)", res->resident_tokens_per_s);
+  printf("\n  %-20s median %.2f, p90 %.2f", "step ms", res->step_ms_median, res->step_ms_p90);
+  if (res->checked) printf("   (resident median %.2f)", res->resident_step_ms_median);
+  printf("\n");
+  if (res->have_engine)
+    printf("  %-20s engine %s (staging %s, %u pages), process peak %s\n", "device peak",
+           fmt_mem(a, sizeof a, res->engine_device_bytes),
+           fmt_mem(b, sizeof b, res->engine_staging_bytes), res->device_pages,
+           res->device_peak_bytes ? fmt_mem(c, sizeof c, res->device_peak_bytes) : "unknown");
+  else
+    printf("  %-20s engine none, process peak %s\n", "device peak",
+           res->device_peak_bytes ? fmt_mem(c, sizeof c, res->device_peak_bytes) : "n/a (host)");
+  printf("  %-20s weights %s, resident K/V %s, scratch %s\n", "model",
+         fmt_mem(a, sizeof a, res->mem.weights), fmt_mem(b, sizeof b, res->mem.resident),
+         fmt_mem(d, sizeof d, res->mem.scratch));
+  if (res->have_engine) {
+    printf("  %-20s %s pinned, %s of history per context\n", "host pool",
+           fmt_mem(a, sizeof a, res->host_pool_bytes), fmt_mem(b, sizeof b, res->history_bytes));
+    printf("  %-20s H2D %s, D2D %s, D2H %s\n", "bytes per step", fmt_xfer(a, sizeof a, res->bytes_h2d),
+           fmt_xfer(b, sizeof b, res->bytes_d2d), fmt_xfer(c, sizeof c, res->bytes_d2h));
+    if (bound_ms > 0)
+      printf("  %-20s %.2f ms per step at %.1f GB/s = %.2f tokens/s; achieved %.1f%% of it\n",
+             "PCIe bound", bound_ms, o->pcie_gbps, bound_tps,
+             100.0 * bound_ms / res->step_ms_median);
+    else
+      printf("  %-20s none: nothing crossed PCIe host-to-device\n", "PCIe bound");
+    printf("  ");
+    print_counters(res->adm);
+  }
+  if (res->checked) {
+    if (res->mismatched_steps == 0)
+      printf("  %-20s identical: %u of %u steps' logits match resident bit for bit\n", "bitwise",
+             res->steps_compared, res->steps_compared);
+    else
+      printf("  %-20s MISMATCH: %u of %u steps differ from resident (first: step %u, max |diff| "
+             "%.3g)\n",
+             "bitwise", res->mismatched_steps, res->steps_compared, res->first_mismatch,
+             res->max_abs_diff);
+  } else if (res->route != ROUTE_RESIDENT) {
+    printf("  %-20s not checked (pass --check)\n", "bitwise");
+  }
+  if (res->queued)
+    printf("  %-20s %u contexts did not fit the host pool (shrink mode) and were not run\n",
+           "queued", res->queued);
+}
+
+static void print_json(const cli_opts *o, const char *cmd, const run_result *res) {
+  double bound_ms, bound_tps;
+  pcie_bound(o, res, &bound_ms, &bound_tps);
+  const model_geometry *g = &o->g;
+  printf("{\"cmd\":\"%s\",\"version\":\"%s\",\"preset\":\"%s\",", cmd, akv_version_string(),
+         o->preset);
+  printf("\"geometry\":{\"layers\":%u,\"heads\":%u,\"kv_heads\":%u,\"head_dim\":%u,"
+         "\"hidden\":%u,\"ffn\":%u,\"vocab\":%u},",
+         g->n_layers, g->n_heads, g->kv_heads, g->head_dim, g->hidden, g->ffn, g->vocab);
+  printf("\"seed\":%llu,\"backend\":\"%s\",\"route\":\"%s\",\"contexts\":%u,\"queued\":%u,"
+         "\"tokens\":[",
+         (unsigned long long)o->seed, backend_name(res->backend), route_names[res->route],
+         res->contexts, res->queued);
+  print_tokens(stdout, o, res->contexts);
+  printf("],\"steps\":%u,\"warmup\":%u,\"page_tokens\":%u,\"chunk_tokens\":%u,", o->steps,
+         o->warmup, o->page_tokens, chunk_tokens(o));
+  printf("\"host_pool_gib\":%u,\"device_pool_gib\":%u,\"target_pages\":", res->host_pool_gib,
+         res->route == ROUTE_ARENA ? o->device_pool_gib : 0);
+  if (o->target_pages == AKV_TARGET_FAIR_SHARE) printf("\"fair\"");
+  else printf("%u", o->target_pages);
+  printf(",\"burst_pages\":%u,\"history_bytes\":%llu,\"effective_concurrency\":%u,", o->burst_pages,
+         (unsigned long long)res->fit.history_bytes, res->fit.effective_concurrency);
+  printf("\"tokens_per_s\":%.6g,\"step_ms_median\":%.6g,\"step_ms_p90\":%.6g,"
+         "\"step_ms_mean\":%.6g,\"prefill_s\":%.6g,",
+         res->tokens_per_s, res->step_ms_median, res->step_ms_p90, res->step_ms_mean,
+         res->prefill_s);
+  printf("\"device_engine_bytes\":%llu,\"device_staging_bytes\":%llu,\"device_pages\":%u,"
+         "\"device_peak_bytes\":%llu,",
+         (unsigned long long)res->engine_device_bytes,
+         (unsigned long long)res->engine_staging_bytes, res->device_pages,
+         (unsigned long long)res->device_peak_bytes);
+  printf("\"model_weight_bytes\":%llu,\"model_resident_bytes\":%llu,\"host_pool_bytes\":%llu,",
+         (unsigned long long)res->mem.weights, (unsigned long long)res->mem.resident,
+         (unsigned long long)res->host_pool_bytes);
+  printf("\"bytes_h2d_per_step\":%llu,\"bytes_d2d_per_step\":%llu,\"bytes_d2h_per_step\":%llu,",
+         (unsigned long long)res->bytes_h2d, (unsigned long long)res->bytes_d2d,
+         (unsigned long long)res->bytes_d2h);
+  printf("\"pcie_gbps\":%.6g,\"pcie_bound_ms\":%.6g,\"pcie_bound_tokens_per_s\":%.6g,"
+         "\"pcie_ratio\":%.6g,",
+         o->pcie_gbps, bound_ms, bound_tps, bound_ms > 0 ? bound_ms / res->step_ms_median : 0.0);
+  printf("\"admission\":{");
+  for (int k = 0; k < AKV_ADM_RULE_COUNT; ++k)
+    printf("%s\"%s\":%llu", k ? "," : "", akv_adm_rule_string((akv_adm_rule)k),
+           (unsigned long long)res->adm[k]);
+  printf("},\"check\":%s", res->checked ? "true" : "false");
+  if (res->checked)
+    printf(",\"bitwise\":%s,\"steps_compared\":%u,\"mismatched_steps\":%u,"
+           "\"resident_tokens_per_s\":%.6g,\"resident_step_ms_median\":%.6g",
+           res->mismatched_steps == 0 ? "true" : "false", res->steps_compared,
+           res->mismatched_steps, res->resident_tokens_per_s, res->resident_step_ms_median);
+  else
+    printf(",\"bitwise\":null");
+  printf("}\n");
+  fflush(stdout);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Subcommands                                                               */
+/* ------------------------------------------------------------------------ */
+
+static int cmd_fit(const cli_opts *o) {
+  akv_engine_config cfg;
+  akv_fit_report r;
+  int chosen;
+  if (fit_config(o, resolve_backend(o), &cfg, &r, &chosen) != 0) return EXIT_USAGE;
+  if (o->json) {
+    printf("{\"cmd\":\"fit\",\"preset\":\"%s\",\"contexts\":%u,\"max_tokens\":%u,"
+           "\"row_bytes\":%llu,\"history_bytes\":%llu,\"host_pool_gib\":%u,"
+           "\"host_pool_bytes\":%llu,\"fits\":%llu,\"effective_concurrency\":%u,\"ok\":%s,"
+           "\"host_pool_gib_needed\":%u,\"page_bytes\":%llu,\"device_pages\":%llu}\n",
+           o->preset, o->contexts, cfg.max_tokens, (unsigned long long)r.row_bytes,
+           (unsigned long long)r.history_bytes, cfg.host_pool_gib,
+           (unsigned long long)r.host_pool_bytes, (unsigned long long)r.fits,
+           r.effective_concurrency, r.ok ? "true" : "false", r.host_pool_gib_needed,
+           (unsigned long long)r.page_bytes, (unsigned long long)r.device_pages);
+  } else {
+    char a[32], b[32];
+    print_geometry(o);
+    printf("fit: %s\n", r.line);
+    if (chosen)
+      printf("fit: host pool %u GiB is the smallest that holds --contexts (set "
+             "--host-pool-gib to choose)\n",
+             cfg.host_pool_gib);
+    if (o->route == ROUTE_ARENA)
+      printf("device pool: %u GiB = %llu pages of %s (%u tokens of every layer)\n",
+             cfg.device_pool_gib, (unsigned long long)r.device_pages,
+             fmt_mem(a, sizeof a, r.page_bytes), o->page_tokens);
+    if (r.ok)
+      printf("verdict: fits - %u of %u contexts, %s of history each\n", r.effective_concurrency,
+             o->contexts, fmt_mem(b, sizeof b, r.history_bytes));
+    else if (o->fit_mode == AKV_FIT_SHRINK)
+      printf("verdict: shrink - concurrency lowered to %u of %u; the rest queue (raise "
+             "--host-pool-gib to %u to run all)\n",
+             r.effective_concurrency, o->contexts, r.host_pool_gib_needed);
+    else
+      printf("verdict: does not fit - %llu of %u contexts; raise --host-pool-gib to %u or lower "
+             "--contexts to %llu\n",
+             (unsigned long long)r.fits, o->contexts, r.host_pool_gib_needed,
+             (unsigned long long)r.fits);
+  }
+  return r.ok ? 0 : EXIT_NO_FIT;
+}
+
+static int cmd_decode(const cli_opts *o) {
+  run_result res;
+  if (o->route == ROUTE_RESIDENT && o->check) {
+    say_error("--check compares a staged route with resident; pass --route stage or arena");
+    return EXIT_USAGE;
+  }
+  if (!o->json) {
+    print_geometry(o);
+    printf("run: route %s, %u contexts x ", route_names[o->route], o->contexts);
+    print_tokens(stdout, o, o->contexts < o->n_tokens ? o->contexts : o->n_tokens);
+    printf(" tokens, %u steps after %u warm-up, page %u tokens, chunk %u, device pool %u GiB%s\n",
+           o->steps, o->warmup, o->page_tokens, chunk_tokens(o),
+           o->route == ROUTE_ARENA ? o->device_pool_gib : 0, o->check ? ", checked" : "");
+    /* The fit line comes before any allocation, as the engine logs it. */
+    akv_engine_config cfg;
+    run_result pre;
+    memset(&pre, 0, sizeof pre);
+    if (fit_config(o, resolve_backend(o), &cfg, &pre.fit, &pre.host_pool_chosen) != 0)
+      return EXIT_USAGE;
+    pre.host_pool_gib = cfg.host_pool_gib;
+    if (o->route == ROUTE_RESIDENT)
+      printf("fit: resident route, no engine: every row stays on the device\n");
+    else
+      print_fit(&pre);
+    fflush(stdout);
+  }
+  if (run(o, !o->json, &res) != 0) return EXIT_RUN_ERROR;
+  if (o->json) print_json(o, "decode", &res);
+  else print_summary(o, &res);
+  return res.checked && res.mismatched_steps ? EXIT_MISMATCH : 0;
+}
+
+static int cmd_demo(const cli_opts *base) {
+  /* The demo geometry, contexts across page boundaries (255 crosses 256 at
+   * its first step, 318 crosses 320 at its third), host backend. */
+  cli_opts o = *base;
+  o.preset = "tiny";
+  o.g = presets[2].g;
+  o.backend = AKV_BACKEND_HOST;
+  o.contexts = 3;
+  o.tokens[0] = 318;
+  o.tokens[1] = 255;
+  o.tokens[2] = 301;
+  o.n_tokens = 3;
+  o.warmup = 0;
+  o.page_tokens = 64;
+  o.chunk_tokens = 0;
+  o.check = 1;
+  o.progress = 0;
+
+  struct {
+    const char *what;
+    cli_route route;
+    uint32_t pool, target, burst;
+  } runs[] = {
+      {"stage", ROUTE_STAGE, 0, AKV_TARGET_FAIR_SHARE, 0},
+      {"arena", ROUTE_ARENA, 1, AKV_TARGET_FAIR_SHARE, 0},
+      {"arena, 2 pages each + 1 burst", ROUTE_ARENA, 1, 2, 1},
+  };
+  const int n_runs = (int)(sizeof runs / sizeof runs[0]);
+  int identical = 0;
+
+  if (!o.json) {
+    printf("activekv demo: libactivekv %s, host backend (no GPU needed)\n", akv_version_string());
+    print_geometry(&o);
+    printf("run: 3 contexts of 318, 255, 301 tokens, page %u tokens, %u steps per route, each "
+           "checked bit for bit against resident\n",
+           o.page_tokens, o.steps);
+  }
+  for (int k = 0; k < n_runs; ++k) {
+    run_result res;
+    o.route = runs[k].route;
+    o.device_pool_gib = runs[k].pool;
+    o.target_pages = runs[k].target;
+    o.burst_pages = runs[k].burst;
+    if (run(&o, 0, &res) != 0) return EXIT_RUN_ERROR;
+    if (o.json) {
+      print_json(&o, "demo", &res);
+    } else {
+      char a[32], b[32];
+      if (k == 0) {
+        print_fit(&res);
+        printf("\n  %-30s %10s %12s %12s %10s  %s\n", "route", "dev pool", "H2D/step",
+               "D2D/step", "tokens/s", "bitwise vs resident");
+      }
+      printf("  %-30s %6u GiB %12s %12s %10.1f  %s (%u/%u steps)\n", runs[k].what, runs[k].pool,
+             fmt_xfer(a, sizeof a, res.bytes_h2d), fmt_xfer(b, sizeof b, res.bytes_d2d),
+             res.tokens_per_s, res.mismatched_steps ? "MISMATCH" : "identical",
+             res.steps_compared - res.mismatched_steps, res.steps_compared);
+      if (k == n_runs - 1) {
+        printf("  ");
+        print_counters(res.adm);
+      }
+    }
+    identical += res.checked && res.mismatched_steps == 0;
+  }
+  if (!o.json) {
+    if (identical == n_runs)
+      printf("\nverdict: %d of %d routes give logits bit-identical to resident attention on "
+             "every step\n",
+             identical, n_runs);
+    else
+      printf("\nverdict: MISMATCH - only %d of %d routes match resident bit for bit\n", identical,
+             n_runs);
+  }
+  return identical == n_runs ? 0 : EXIT_MISMATCH;
+}
+
+int main(int argc, char **argv) {
+  cli_opts o;
+  opts_default(&o);
+  const char *cmd = "demo";
+  int first = 1;
+  if (argc > 1 && argv[1][0] != '-') {
+    cmd = argv[1];
+    first = 2;
+  }
+  if (strcmp(cmd, "demo") != 0 && strcmp(cmd, "decode") != 0 && strcmp(cmd, "fit") != 0) {
+    say_error("unknown subcommand '%s'; choose demo, decode or fit (see activekv --help)", cmd);
+    return EXIT_USAGE;
+  }
+  if (strcmp(cmd, "demo") == 0) {
+    /* The demo fixes its workload; only these flags change it. */
+    static const char *const allowed[] = {"--steps", "--seed", "--json", "--verbose",
+                                          "-v",      "--help", "-h",     "--no-progress"};
+    o.steps = 6;
+    for (int i = first; i < argc; ++i) {
+      size_t n = strcspn(argv[i], "=");
+      int ok = 0;
+      for (size_t k = 0; k < sizeof allowed / sizeof allowed[0]; ++k)
+        ok |= strlen(allowed[k]) == n && strncmp(argv[i], allowed[k], n) == 0;
+      if (!ok) {
+        say_error("demo takes only --steps, --seed, --json and --verbose, not '%s'; use "
+                  "'activekv decode' to choose the rest",
+                  argv[i]);
+        return EXIT_USAGE;
+      }
+      if ((strcmp(argv[i], "--steps") == 0 || strcmp(argv[i], "--seed") == 0) && i + 1 < argc) ++i;
+    }
+  }
+  int rc = parse_args(argc, argv, first, &o);
+  if (rc == -1) return 0;
+  if (rc != 0) return rc;
+  if (strcmp(cmd, "decode") == 0 && o.device_pool_gib > 0 && o.route != ROUTE_ARENA) {
+    say_error("--device-pool-gib %u: only --route arena retains pages (stage stages every row, "
+              "resident keeps every row on the device)",
+              o.device_pool_gib);
+    return EXIT_USAGE;
+  }
+  if (strcmp(cmd, "fit") == 0) return cmd_fit(&o);
+  if (strcmp(cmd, "decode") == 0) return cmd_decode(&o);
+  return cmd_demo(&o);
+}

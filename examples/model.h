@@ -1,0 +1,321 @@
+/*
+ * model.h - the synthetic transformer the activekv CLI decodes with.
+ *
+ * A decoder of a real geometry with random weights drawn from a seed:
+ * embedding, then per layer RMSNorm, fused Q/K/V projection, RoPE, GQA
+ * attention (done by the caller, through a per-layer callback), output
+ * projection with residual, RMSNorm, SwiGLU MLP with residual; then a final
+ * RMSNorm and the LM head producing fp32 logits.
+ *
+ * Two implementations share this interface: model_cpu.c (fp32 math on
+ * bf16-rounded weights, small geometries, no GPU) and model_cuda.cu (bf16
+ * weights generated on the device, bf16 GEMV kernels). Both are deterministic:
+ * every reduction has a fixed order, so the same inputs give the same logits
+ * bit for bit, run after run. Both draw identical bf16 weights from a seed.
+ *
+ * The model never touches the engine. Attention over a layer's history goes
+ * through model_attend(m, layer, view): it writes each context's new K/V row
+ * (this step's projection, after RoPE) at row len[i] of the view and attends
+ * over len[i]+1 rows with the library's reference attention function (the C
+ * one on the CPU, the CUDA launcher on the GPU). The view is either the
+ * engine's staged layer or the model's own resident store (model_resident_*),
+ * which is what makes the resident route a bit-exact reference: same function,
+ * same chunk size, same K/V bytes.
+ *
+ * Not thread-safe. Errors: functions returning int give 0 on success and -1 on
+ * failure, with the reason in model_error(m).
+ */
+#ifndef ACTIVEKV_EXAMPLE_MODEL_H
+#define ACTIVEKV_EXAMPLE_MODEL_H
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Shared helpers compile for host and device alike. */
+#if defined(__CUDACC__)
+#define MODEL_FN static __host__ __device__ __forceinline__
+#else
+#define MODEL_FN static inline
+#endif
+
+/* Batch limit of one forward call (contexts decoded together). */
+#define MODEL_MAX_BATCH 64
+
+typedef struct model_geometry {
+  uint32_t n_layers; /* dense layers: each attends over the whole history */
+  uint32_t n_heads;  /* query heads */
+  uint32_t kv_heads; /* K/V heads; n_heads % kv_heads == 0 (GQA) */
+  uint32_t head_dim; /* even, multiple of 8 */
+  uint32_t hidden;   /* multiple of 8 */
+  uint32_t ffn;      /* multiple of 8 */
+  uint32_t vocab;
+  float rope_theta;
+  float norm_eps;
+} model_geometry;
+
+typedef struct model_options {
+  uint64_t seed;         /* weights and nothing else */
+  uint32_t max_batch;    /* most contexts per forward, <= MODEL_MAX_BATCH */
+  uint32_t chunk_tokens; /* attention chunk size, passed to the attention function */
+  uint32_t max_tokens;   /* longest history attended (rows, new one included): sizes the
+                            attention workspace */
+  int device;            /* CUDA device ordinal (CUDA model only) */
+} model_options;
+
+/* Memory the model holds, in bytes. On the CPU model "device" means host. */
+typedef struct model_memory {
+  uint64_t weights;
+  uint64_t scratch;  /* activations, attention workspace, logits */
+  uint64_t resident; /* the resident K/V store (0 until reserved) */
+  uint64_t device_used; /* CUDA: total - free on the device now; CPU: 0 */
+  uint64_t device_total;
+} model_memory;
+
+/*
+ * A layer's K/V history as the attention function reads it: context i's K
+ * rows at base + i*context_stride, its V rows at + v_offset, token-major,
+ * row_bytes apart (kv_heads * head_dim bf16). len[i] rows are already there
+ * (a host array); model_attend writes row len[i] and attends over len[i]+1.
+ * This mirrors akv_view field for field.
+ */
+typedef struct model_kv_view {
+  void *base;
+  uint64_t context_stride;
+  uint64_t v_offset;
+  uint64_t row_bytes;
+  const uint32_t *len;
+  uint32_t n_ctx;
+} model_kv_view;
+
+typedef struct model model;
+
+/*
+ * Called by model_forward once per layer, after the layer's Q/K/V projections
+ * and RoPE are computed (on the model's stream for CUDA). It must arrange for
+ * model_attend(m, layer, view) to run on some view of the layer's history
+ * before it returns (CPU: completed; CUDA: enqueued on model_stream(m), or on
+ * a stream the model's stream is ordered after). Return 0, or nonzero to stop
+ * the forward with an error.
+ */
+typedef int (*model_layer_fn)(void *user, model *m, uint32_t layer);
+
+typedef struct model_ops {
+  const char *name;
+  void (*destroy)(model *m);
+  int (*forward)(model *m, uint32_t n_ctx, const int32_t *tokens, const uint32_t *pos,
+                 model_layer_fn fn, void *user, float *logits);
+  int (*attend)(model *m, uint32_t layer, const model_kv_view *view);
+  int (*resident_reserve)(model *m, uint32_t n_ctx, uint32_t max_tokens);
+  int (*resident_append)(model *m, uint32_t ctx, uint32_t first, uint32_t n_tokens,
+                         const void *const *k_rows, const void *const *v_rows);
+  int (*resident_view)(model *m, uint32_t layer, const uint32_t *len, uint32_t n_ctx,
+                       model_kv_view *out);
+  void (*memory)(model *m, model_memory *out);
+} model_ops;
+
+/* The common head of every implementation's model body. */
+struct model {
+  const model_ops *ops;
+  model_geometry g;
+  model_options opt;
+  void *stream; /* CUDA: the cudaStream_t the model computes on; CPU: NULL */
+  char error[256];
+};
+
+/* Creators. On failure *out is untouched, err names the reason, -1. */
+int model_cpu_create(const model_geometry *g, const model_options *opt, model **out, char *err,
+                     size_t cap);
+/* Defined only in builds with CUDA (model_cuda.cu). */
+int model_cuda_create(const model_geometry *g, const model_options *opt, model **out, char *err,
+                      size_t cap);
+/* 1 when a CUDA device can be used, else 0 (CUDA builds only). */
+int model_cuda_available(void);
+
+static inline void model_destroy(model *m) {
+  if (m) m->ops->destroy(m);
+}
+static inline const char *model_error(const model *m) { return m->error; }
+/* CUDA: the model's cudaStream_t (cast it to akv_stream); CPU: NULL. */
+static inline void *model_stream(const model *m) { return m->stream; }
+
+/*
+ * One decode step for n_ctx contexts: tokens[i] is context i's input token,
+ * pos[i] its position (= rows of history already held). Calls fn(user, m, l)
+ * for l = 0..n_layers-1 in order, then writes fp32 logits to the host array
+ * logits[n_ctx][vocab]. Returns when the logits are on the host.
+ */
+static inline int model_forward(model *m, uint32_t n_ctx, const int32_t *tokens,
+                                const uint32_t *pos, model_layer_fn fn, void *user,
+                                float *logits) {
+  return m->ops->forward(m, n_ctx, tokens, pos, fn, user, logits);
+}
+
+/*
+ * The attention of `layer` in the current forward over `view` (see
+ * model_kv_view). CPU: runs now, on the calling thread (which may be a queue
+ * worker; nothing else may use the model meanwhile). CUDA: enqueued on the
+ * model's stream; `view` may be discarded when this returns.
+ */
+static inline int model_attend(model *m, uint32_t layer, const model_kv_view *view) {
+  return m->ops->attend(m, layer, view);
+}
+
+/* Allocates the resident K/V store: n_ctx contexts of max_tokens rows, every
+ * layer, zeroed. Call once. */
+static inline int model_resident_reserve(model *m, uint32_t n_ctx, uint32_t max_tokens) {
+  return m->ops->resident_reserve(m, n_ctx, max_tokens);
+}
+/* Copies n_tokens prefilled rows of every layer (k_rows[l], v_rows[l], host,
+ * token-major) to rows [first, first+n_tokens) of context ctx. Synchronous. */
+static inline int model_resident_append(model *m, uint32_t ctx, uint32_t first,
+                                        uint32_t n_tokens, const void *const *k_rows,
+                                        const void *const *v_rows) {
+  return m->ops->resident_append(m, ctx, first, n_tokens, k_rows, v_rows);
+}
+/* The resident store of `layer` for contexts 0..n_ctx-1 holding len[i] rows;
+ * `len` must stay valid while the view is used. */
+static inline int model_resident_view(model *m, uint32_t layer, const uint32_t *len,
+                                      uint32_t n_ctx, model_kv_view *out) {
+  return m->ops->resident_view(m, layer, len, n_ctx, out);
+}
+static inline void model_memory_get(model *m, model_memory *out) { m->ops->memory(m, out); }
+
+/* ------------------------------------------------------------------------ */
+/* Shared numerics: seeded values and bf16, identical on host and device     */
+/* ------------------------------------------------------------------------ */
+
+/* Tensor ids for the weight generator. */
+enum {
+  MODEL_T_EMBED = 1,
+  MODEL_T_LM_HEAD = 2,
+  MODEL_T_FINAL_NORM = 3,
+  MODEL_T_ATTN_NORM = 4,
+  MODEL_T_WQKV = 5,
+  MODEL_T_WO = 6,
+  MODEL_T_MLP_NORM = 7,
+  MODEL_T_WGATEUP = 8,
+  MODEL_T_WDOWN = 9
+};
+
+MODEL_FN uint64_t model_mix64(uint64_t x) {
+  /* splitmix64 finaliser */
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+/* A per-tensor key: every (seed, tensor, layer) draws an independent stream. */
+MODEL_FN uint64_t model_tensor_key(uint64_t seed, uint32_t tensor, uint32_t layer) {
+  return model_mix64(seed ^ model_mix64(((uint64_t)tensor << 32) | layer));
+}
+
+/* A signed 24-bit integer in [-2^23, 2^23) for element `index` of a tensor.
+ * Integers keep host and device bit-identical (no contraction, no rounding). */
+MODEL_FN int32_t model_draw24(uint64_t key, uint64_t index) {
+  return (int32_t)(model_mix64(key + index * 0xd1b54a32d192ed03ull) >> 40) - (1 << 23);
+}
+
+MODEL_FN uint16_t model_f32_to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
+  u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
+  return (uint16_t)(u >> 16);
+}
+
+MODEL_FN float model_bf16_to_f32(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+/*
+ * Weight `index` of a tensor as bf16: uniform in [-1, 1) times `unit`, where
+ * unit = scale * 2^-23 is computed once per tensor (one multiply, one rounding,
+ * the same on every device). Norm weights add an offset of 1 (see offset).
+ */
+MODEL_FN uint16_t model_weight_bf16(uint64_t key, uint64_t index, float unit, float offset) {
+#if defined(__CUDA_ARCH__)
+  float v = __fadd_rn(__fmul_rn((float)model_draw24(key, index), unit), offset); /* no FMA */
+#else
+  float v = (float)model_draw24(key, index) * unit + offset; /* ISO C: not contracted */
+#endif
+  return model_f32_to_bf16(v);
+}
+
+/* Scale of a tensor's uniform draw: 1/sqrt(fan_in) for projections, 1 for
+ * the embedding, 0.1 around 1 for norm weights. Host only. */
+static inline float model_tensor_unit(uint32_t tensor, const model_geometry *g) {
+  double scale = 1.0;
+  switch (tensor) {
+    case MODEL_T_EMBED: scale = 1.0; break;
+    case MODEL_T_FINAL_NORM:
+    case MODEL_T_ATTN_NORM:
+    case MODEL_T_MLP_NORM: scale = 0.1; break;
+    case MODEL_T_WQKV:
+    case MODEL_T_WGATEUP:
+    case MODEL_T_LM_HEAD: scale = 1.0 / sqrt((double)g->hidden); break;
+    case MODEL_T_WO: scale = 1.0 / sqrt((double)g->n_heads * g->head_dim); break;
+    case MODEL_T_WDOWN: scale = 1.0 / sqrt((double)g->ffn); break;
+    default: break;
+  }
+  return (float)(scale / (double)(1u << 23));
+}
+
+static inline float model_tensor_offset(uint32_t tensor) {
+  return (tensor == MODEL_T_FINAL_NORM || tensor == MODEL_T_ATTN_NORM ||
+          tensor == MODEL_T_MLP_NORM)
+             ? 1.0f
+             : 0.0f;
+}
+
+/*
+ * The synthetic prefilled history: row `token` of context `ctx`, layer
+ * `layer`, K (kv = 0) or V (kv = 1), `n` bf16 values with a random sign, a
+ * magnitude in [2^-8, 1) and a random 7-bit mantissa. Seeded by `seed` only,
+ * so the engine's host pool and the resident store get the same bytes. Host
+ * only, and fast: four values per mix, built as bits in 16-bit lanes.
+ */
+static inline void model_history_row(uint64_t seed, uint32_t ctx, uint32_t layer, int kv,
+                                     uint32_t token, uint16_t *out, uint32_t n) {
+  /* A domain of its own: the offset keeps history keys apart from weight keys. */
+  uint64_t s = model_mix64(model_mix64(seed + 0x686973746f7279ull) ^
+                           model_mix64(((uint64_t)ctx << 40) ^ ((uint64_t)layer << 33) ^
+                                       ((uint64_t)(kv & 1) << 32) ^ token));
+  for (uint32_t j = 0; j < n; j += 4) {
+    s += 0x9e3779b97f4a7c15ull;
+    uint64_t r = s;
+    r = (r ^ (r >> 30)) * 0xbf58476d1ce4e5b9ull;
+    r = (r ^ (r >> 27)) * 0x94d049bb133111ebull;
+    r ^= r >> 31;
+    /* per 16-bit lane: sign = bit 15, mantissa = bits 0..6, exponent field
+     * 0x77 + (bits 7..9) in 0x77..0x7e, i.e. 2^-8 .. 2^-1 */
+    uint64_t lanes = (r & 0x807f807f807f807full) |
+                     ((((r >> 7) & 0x0007000700070007ull) + 0x0077007700770077ull) << 7);
+    uint16_t v4[4];
+    for (int k = 0; k < 4; ++k) v4[k] = (uint16_t)(lanes >> (16 * k));
+    memcpy(out + j, v4, (n - j < 4 ? n - j : 4) * sizeof(uint16_t));
+  }
+}
+
+/* Parameters (weights) of a geometry, for sizing and messages. */
+static inline uint64_t model_param_count(const model_geometry *g) {
+  uint64_t h = g->hidden, qkv = (uint64_t)(g->n_heads + 2u * g->kv_heads) * g->head_dim;
+  uint64_t per_layer = 2 * h + qkv * h + h * (uint64_t)g->n_heads * g->head_dim +
+                       2 * (uint64_t)g->ffn * h + h * g->ffn;
+  return 2 * (uint64_t)g->vocab * h + h + per_layer * g->n_layers;
+}
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* ACTIVEKV_EXAMPLE_MODEL_H */

@@ -1,0 +1,479 @@
+/*
+ * model_cpu.c - the synthetic transformer on the CPU.
+ *
+ * fp32 math on bf16-rounded weights; every matmul input is rounded to bf16
+ * first, as a bf16 engine would hold it. Loops run in a fixed order, so the
+ * logits are a pure function of (weights seed, tokens, positions, K/V bytes).
+ * Meant for small geometries (the demo, tests on machines without a GPU):
+ * weights are held as fp32, so creation refuses geometries past a bound.
+ *
+ * Attention is the library's C reference, akv_attention_ref_bf16, over
+ * whatever view model_attend is given: the engine's staged layer or the
+ * model's resident store.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "akv_attention.h"
+#include "model.h"
+
+/* Largest parameter count the CPU model accepts (1 GiB of fp32 weights). */
+#define CPU_MAX_PARAMS ((uint64_t)256 << 20)
+
+typedef struct cpu_layer {
+  float *attn_norm; /* [hidden] */
+  float *wqkv;      /* [(n_heads + 2 kv_heads) head_dim][hidden] */
+  float *wo;        /* [hidden][n_heads head_dim] */
+  float *mlp_norm;  /* [hidden] */
+  float *wgateup;   /* [2 ffn][hidden]: gate rows, then up rows */
+  float *wdown;     /* [hidden][ffn] */
+} cpu_layer;
+
+typedef struct cpu_model {
+  model base;
+  uint32_t q_dim, kv_dim, qkv_dim;
+  float *embed;      /* [vocab][hidden] */
+  float *lm_head;    /* [vocab][hidden] */
+  float *final_norm; /* [hidden] */
+  cpu_layer *layers; /* [n_layers] */
+  double *inv_freq;  /* [head_dim / 2] */
+  uint64_t weight_bytes;
+
+  /* activations, [max_batch][...] */
+  float *x;         /* residual stream [hidden] */
+  float *xin;       /* bf16-exact matmul input [max(hidden, q_dim, ffn)] */
+  float *qkv;       /* [qkv_dim] */
+  float *gateup;    /* [2 ffn] */
+  uint16_t *q;      /* [n_heads][head_dim] bf16, after RoPE */
+  uint16_t *k_new;  /* [kv_heads][head_dim] bf16, after RoPE */
+  uint16_t *v_new;  /* [kv_heads][head_dim] bf16 */
+  float *attn;      /* [n_heads][head_dim] fp32, written by attention */
+  void *workspace;
+  size_t workspace_bytes;
+  uint64_t scratch_bytes;
+
+  /* the forward in progress */
+  uint32_t n_ctx;
+  uint32_t pos[MODEL_MAX_BATCH];
+  int32_t layer;   /* layer whose attention is expected, -1 outside a forward */
+  int attended;    /* model_attend ran for `layer` */
+
+  /* resident K/V store: [layer][ctx][K|V][max_tokens][row] */
+  uint8_t *resident;
+  uint32_t res_ctx, res_max_tokens;
+  uint64_t row_bytes;
+} cpu_model;
+
+static void cpu_say(model *m, const char *fmt, const char *detail) {
+  snprintf(m->error, sizeof m->error, fmt, detail);
+}
+
+/* Draws a tensor of `count` bf16-rounded weights into fp32 storage. */
+static void cpu_fill(float *dst, uint64_t count, const model_geometry *g, uint64_t seed,
+                     uint32_t tensor, uint32_t layer) {
+  uint64_t key = model_tensor_key(seed, tensor, layer);
+  float unit = model_tensor_unit(tensor, g), offset = model_tensor_offset(tensor);
+  for (uint64_t i = 0; i < count; ++i)
+    dst[i] = model_bf16_to_f32(model_weight_bf16(key, i, unit, offset));
+}
+
+static float cpu_round_bf16(float v) { return model_bf16_to_f32(model_f32_to_bf16(v)); }
+
+/* y[n] = sum_k W[n][k] x[k], k ascending; `add` accumulates into y. */
+static void cpu_matvec(const float *w, const float *x, float *y, uint32_t rows, uint32_t cols,
+                       int add) {
+  for (uint32_t n = 0; n < rows; ++n) {
+    const float *row = w + (uint64_t)n * cols;
+    float acc = 0.0f;
+    for (uint32_t k = 0; k < cols; ++k) acc += row[k] * x[k];
+    y[n] = add ? y[n] + acc : acc;
+  }
+}
+
+/* out = bf16(x * rsqrt(mean(x^2) + eps) * w) */
+static void cpu_rmsnorm(const float *x, const float *w, float *out, uint32_t n, float eps) {
+  float ss = 0.0f;
+  for (uint32_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  float r = 1.0f / sqrtf(ss / (float)n + eps);
+  for (uint32_t i = 0; i < n; ++i) out[i] = cpu_round_bf16(x[i] * r * w[i]);
+}
+
+/* Rotate-half RoPE of one head at position pos, result rounded to bf16. */
+static void cpu_rope(const cpu_model *cm, const float *in, uint16_t *out, uint32_t pos) {
+  uint32_t half = cm->base.g.head_dim / 2;
+  for (uint32_t j = 0; j < half; ++j) {
+    double a = (double)pos * cm->inv_freq[j];
+    float c = (float)cos(a), s = (float)sin(a);
+    float x0 = in[j], x1 = in[j + half];
+    out[j] = model_f32_to_bf16(x0 * c - x1 * s);
+    out[j + half] = model_f32_to_bf16(x1 * c + x0 * s);
+  }
+}
+
+static void cpu_destroy(model *m) {
+  cpu_model *cm = (cpu_model *)m;
+  if (cm == NULL) return;
+  free(cm->embed);
+  free(cm->lm_head);
+  free(cm->final_norm);
+  if (cm->layers) {
+    for (uint32_t l = 0; l < m->g.n_layers; ++l) {
+      cpu_layer *L = &cm->layers[l];
+      free(L->attn_norm);
+      free(L->wqkv);
+      free(L->wo);
+      free(L->mlp_norm);
+      free(L->wgateup);
+      free(L->wdown);
+    }
+  }
+  free(cm->layers);
+  free(cm->inv_freq);
+  free(cm->x);
+  free(cm->xin);
+  free(cm->qkv);
+  free(cm->gateup);
+  free(cm->q);
+  free(cm->k_new);
+  free(cm->v_new);
+  free(cm->attn);
+  free(cm->workspace);
+  free(cm->resident);
+  free(cm);
+}
+
+static int cpu_forward(model *m, uint32_t n_ctx, const int32_t *tokens, const uint32_t *pos,
+                       model_layer_fn fn, void *user, float *logits) {
+  cpu_model *cm = (cpu_model *)m;
+  const model_geometry *g = &m->g;
+  const uint32_t H = g->hidden, F = g->ffn, hd = g->head_dim;
+  if (n_ctx == 0 || n_ctx > m->opt.max_batch) {
+    snprintf(m->error, sizeof m->error, "forward: %u contexts, the model was built for 1..%u",
+             n_ctx, m->opt.max_batch);
+    return -1;
+  }
+  for (uint32_t b = 0; b < n_ctx; ++b) {
+    if (tokens[b] < 0 || (uint32_t)tokens[b] >= g->vocab) {
+      snprintf(m->error, sizeof m->error, "forward: token %d outside the vocabulary of %u",
+               tokens[b], g->vocab);
+      return -1;
+    }
+    cm->pos[b] = pos[b];
+    memcpy(cm->x + (uint64_t)b * H, cm->embed + (uint64_t)tokens[b] * H, H * sizeof(float));
+  }
+  cm->n_ctx = n_ctx;
+
+  for (uint32_t l = 0; l < g->n_layers; ++l) {
+    const cpu_layer *L = &cm->layers[l];
+    for (uint32_t b = 0; b < n_ctx; ++b) {
+      float *x = cm->x + (uint64_t)b * H;
+      float *qkv = cm->qkv + (uint64_t)b * cm->qkv_dim;
+      cpu_rmsnorm(x, L->attn_norm, cm->xin, H, g->norm_eps);
+      cpu_matvec(L->wqkv, cm->xin, qkv, cm->qkv_dim, H, 0);
+      for (uint32_t h = 0; h < g->n_heads; ++h)
+        cpu_rope(cm, qkv + h * hd, cm->q + ((uint64_t)b * g->n_heads + h) * hd, pos[b]);
+      for (uint32_t h = 0; h < g->kv_heads; ++h) {
+        cpu_rope(cm, qkv + cm->q_dim + h * hd, cm->k_new + ((uint64_t)b * g->kv_heads + h) * hd,
+                 pos[b]);
+      }
+      for (uint32_t i = 0; i < cm->kv_dim; ++i)
+        cm->v_new[(uint64_t)b * cm->kv_dim + i] = model_f32_to_bf16(qkv[cm->q_dim + cm->kv_dim + i]);
+    }
+
+    cm->layer = (int32_t)l;
+    cm->attended = 0;
+    if (fn(user, m, l) != 0) {
+      cm->layer = -1;
+      if (m->error[0] == '\0') snprintf(m->error, sizeof m->error, "layer %u: attention failed", l);
+      return -1;
+    }
+    cm->layer = -1;
+    if (!cm->attended) {
+      snprintf(m->error, sizeof m->error, "layer %u: the layer callback did not attend", l);
+      return -1;
+    }
+
+    for (uint32_t b = 0; b < n_ctx; ++b) {
+      float *x = cm->x + (uint64_t)b * H;
+      const float *attn = cm->attn + (uint64_t)b * cm->q_dim;
+      for (uint32_t i = 0; i < cm->q_dim; ++i) cm->xin[i] = cpu_round_bf16(attn[i]);
+      cpu_matvec(L->wo, cm->xin, x, H, cm->q_dim, 1);
+
+      cpu_rmsnorm(x, L->mlp_norm, cm->xin, H, g->norm_eps);
+      cpu_matvec(L->wgateup, cm->xin, cm->gateup, 2 * F, H, 0);
+      for (uint32_t i = 0; i < F; ++i) {
+        float gt = cm->gateup[i], up = cm->gateup[F + i];
+        cm->xin[i] = cpu_round_bf16(gt / (1.0f + expf(-gt)) * up);
+      }
+      cpu_matvec(L->wdown, cm->xin, x, H, F, 1);
+    }
+  }
+
+  for (uint32_t b = 0; b < n_ctx; ++b) {
+    cpu_rmsnorm(cm->x + (uint64_t)b * H, cm->final_norm, cm->xin, H, g->norm_eps);
+    cpu_matvec(cm->lm_head, cm->xin, logits + (uint64_t)b * g->vocab, g->vocab, H, 0);
+  }
+  return 0;
+}
+
+static int cpu_attend(model *m, uint32_t layer, const model_kv_view *v) {
+  cpu_model *cm = (cpu_model *)m;
+  const model_geometry *g = &m->g;
+  uint32_t len1[MODEL_MAX_BATCH];
+  if (cm->layer < 0 || (uint32_t)cm->layer != layer) {
+    snprintf(m->error, sizeof m->error, "attend: layer %u is not the layer in progress", layer);
+    return -1;
+  }
+  if (v == NULL || v->base == NULL || v->len == NULL || v->n_ctx != cm->n_ctx ||
+      v->row_bytes != cm->row_bytes) {
+    snprintf(m->error, sizeof m->error,
+             "attend: the view does not match the forward (contexts %u vs %u, row %llu vs %llu B)",
+             v ? v->n_ctx : 0, cm->n_ctx, v ? (unsigned long long)v->row_bytes : 0ull,
+             (unsigned long long)cm->row_bytes);
+    return -1;
+  }
+  for (uint32_t i = 0; i < v->n_ctx; ++i) {
+    if (v->len[i] != cm->pos[i]) {
+      snprintf(m->error, sizeof m->error,
+               "attend: context %u holds %u rows but its token is at position %u", i, v->len[i],
+               cm->pos[i]);
+      return -1;
+    }
+    if (v->len[i] + 1 > m->opt.max_tokens) {
+      snprintf(m->error, sizeof m->error,
+               "attend: context %u has %u rows, the attention workspace was sized for %u", i,
+               v->len[i] + 1, m->opt.max_tokens);
+      return -1;
+    }
+    uint8_t *k = (uint8_t *)v->base + i * v->context_stride + (uint64_t)v->len[i] * v->row_bytes;
+    memcpy(k, cm->k_new + (uint64_t)i * cm->kv_dim, v->row_bytes);
+    memcpy(k + v->v_offset, cm->v_new + (uint64_t)i * cm->kv_dim, v->row_bytes);
+    len1[i] = v->len[i] + 1;
+  }
+
+  akv_attention_args a;
+  memset(&a, 0, sizeof a);
+  a.dtype = AKV_DTYPE_BF16;
+  a.n_contexts = v->n_ctx;
+  a.n_heads = g->n_heads;
+  a.kv_heads = g->kv_heads;
+  a.head_dim = g->head_dim;
+  a.q = cm->q;
+  a.k_base = v->base;
+  a.v_base = (const uint8_t *)v->base + v->v_offset;
+  a.context_stride = v->context_stride;
+  a.row_bytes = v->row_bytes;
+  a.len = len1;
+  a.scale = 1.0f / sqrtf((float)g->head_dim);
+  a.chunk_tokens = m->opt.chunk_tokens;
+  a.out = cm->attn;
+  a.workspace = cm->workspace;
+  a.workspace_bytes = cm->workspace_bytes;
+  akv_status st = akv_attention_ref_bf16(&a);
+  if (st != AKV_OK) {
+    cpu_say(m, "attend: akv_attention_ref_bf16 failed: %s", akv_status_string(st));
+    return -1;
+  }
+  cm->attended = 1;
+  return 0;
+}
+
+static int cpu_resident_reserve(model *m, uint32_t n_ctx, uint32_t max_tokens) {
+  cpu_model *cm = (cpu_model *)m;
+  if (cm->resident != NULL || n_ctx == 0 || n_ctx > m->opt.max_batch || max_tokens == 0) {
+    snprintf(m->error, sizeof m->error, "resident_reserve: reserved already or bad size (%u x %u)",
+             n_ctx, max_tokens);
+    return -1;
+  }
+  uint64_t bytes = (uint64_t)m->g.n_layers * n_ctx * 2 * max_tokens * cm->row_bytes;
+  cm->resident = calloc(1, bytes);
+  if (cm->resident == NULL) {
+    snprintf(m->error, sizeof m->error, "resident_reserve: out of memory for %llu bytes",
+             (unsigned long long)bytes);
+    return -1;
+  }
+  cm->res_ctx = n_ctx;
+  cm->res_max_tokens = max_tokens;
+  return 0;
+}
+
+static uint8_t *cpu_resident_k(const cpu_model *cm, uint32_t layer, uint32_t ctx) {
+  uint64_t seg = (uint64_t)cm->res_max_tokens * cm->row_bytes;
+  return cm->resident + ((uint64_t)layer * cm->res_ctx + ctx) * 2 * seg;
+}
+
+static int cpu_resident_append(model *m, uint32_t ctx, uint32_t first, uint32_t n_tokens,
+                               const void *const *k_rows, const void *const *v_rows) {
+  cpu_model *cm = (cpu_model *)m;
+  if (cm->resident == NULL || ctx >= cm->res_ctx || first > cm->res_max_tokens ||
+      n_tokens > cm->res_max_tokens - first) {
+    snprintf(m->error, sizeof m->error,
+             "resident_append: rows %u..%u of context %u do not fit the store", first,
+             first + n_tokens, ctx);
+    return -1;
+  }
+  uint64_t seg = (uint64_t)cm->res_max_tokens * cm->row_bytes;
+  for (uint32_t l = 0; l < m->g.n_layers; ++l) {
+    uint8_t *k = cpu_resident_k(cm, l, ctx) + (uint64_t)first * cm->row_bytes;
+    memcpy(k, k_rows[l], (uint64_t)n_tokens * cm->row_bytes);
+    memcpy(k + seg, v_rows[l], (uint64_t)n_tokens * cm->row_bytes);
+  }
+  return 0;
+}
+
+static int cpu_resident_view(model *m, uint32_t layer, const uint32_t *len, uint32_t n_ctx,
+                             model_kv_view *out) {
+  cpu_model *cm = (cpu_model *)m;
+  if (cm->resident == NULL || layer >= m->g.n_layers || n_ctx > cm->res_ctx) {
+    snprintf(m->error, sizeof m->error, "resident_view: no store for layer %u x %u contexts",
+             layer, n_ctx);
+    return -1;
+  }
+  for (uint32_t i = 0; i < n_ctx; ++i) {
+    if (len[i] >= cm->res_max_tokens) {
+      snprintf(m->error, sizeof m->error, "resident_view: context %u is full (%u rows)", i,
+               len[i]);
+      return -1;
+    }
+  }
+  uint64_t seg = (uint64_t)cm->res_max_tokens * cm->row_bytes;
+  out->base = cpu_resident_k(cm, layer, 0);
+  out->context_stride = 2 * seg;
+  out->v_offset = seg;
+  out->row_bytes = cm->row_bytes;
+  out->len = len;
+  out->n_ctx = n_ctx;
+  return 0;
+}
+
+static void cpu_memory(model *m, model_memory *out) {
+  cpu_model *cm = (cpu_model *)m;
+  memset(out, 0, sizeof *out);
+  out->weights = cm->weight_bytes;
+  out->scratch = cm->scratch_bytes;
+  if (cm->resident)
+    out->resident = (uint64_t)m->g.n_layers * cm->res_ctx * 2 * cm->res_max_tokens * cm->row_bytes;
+}
+
+static const model_ops cpu_ops = {
+    "cpu",          cpu_destroy,         cpu_forward,       cpu_attend, cpu_resident_reserve,
+    cpu_resident_append, cpu_resident_view, cpu_memory,
+};
+
+static float *cpu_alloc(uint64_t count, uint64_t *total) {
+  *total += count * sizeof(float);
+  return malloc(count * sizeof(float));
+}
+
+int model_cpu_create(const model_geometry *g, const model_options *opt, model **out, char *err,
+                     size_t cap) {
+  if (g == NULL || opt == NULL || out == NULL) {
+    snprintf(err, cap, "model_cpu_create: NULL argument");
+    return -1;
+  }
+  if (g->n_layers == 0 || g->n_heads == 0 || g->kv_heads == 0 || g->n_heads % g->kv_heads ||
+      g->head_dim == 0 || g->head_dim % 8 || g->hidden == 0 || g->hidden % 8 || g->ffn == 0 ||
+      g->ffn % 8 || g->vocab == 0 || g->head_dim > AKV_ATTENTION_MAX_HEAD_DIM ||
+      opt->max_batch == 0 || opt->max_batch > MODEL_MAX_BATCH || opt->max_tokens == 0 ||
+      opt->chunk_tokens == 0) {
+    snprintf(err, cap,
+             "geometry: layers, heads, kv heads, head_dim, hidden, ffn and vocab must be > 0, "
+             "heads a multiple of kv heads, head_dim/hidden/ffn multiples of 8, head_dim <= %u, "
+             "batch 1..%d, max tokens and chunk > 0",
+             AKV_ATTENTION_MAX_HEAD_DIM, MODEL_MAX_BATCH);
+    return -1;
+  }
+  uint64_t params = model_param_count(g);
+  if (params > CPU_MAX_PARAMS) {
+    snprintf(err, cap,
+             "the CPU model holds at most %llu M parameters and this geometry has %llu M; "
+             "shrink --layers/--hidden/--ffn/--vocab or use --backend cuda",
+             (unsigned long long)(CPU_MAX_PARAMS >> 20), (unsigned long long)(params >> 20));
+    return -1;
+  }
+
+  cpu_model *cm = calloc(1, sizeof *cm);
+  if (cm == NULL) goto oom;
+  model *m = &cm->base;
+  m->ops = &cpu_ops;
+  m->g = *g;
+  m->opt = *opt;
+  cm->layer = -1;
+  cm->q_dim = g->n_heads * g->head_dim;
+  cm->kv_dim = g->kv_heads * g->head_dim;
+  cm->qkv_dim = cm->q_dim + 2 * cm->kv_dim;
+  cm->row_bytes = (uint64_t)cm->kv_dim * 2;
+
+  const uint64_t H = g->hidden, F = g->ffn, B = opt->max_batch;
+  uint64_t wb = 0;
+  cm->embed = cpu_alloc((uint64_t)g->vocab * H, &wb);
+  cm->lm_head = cpu_alloc((uint64_t)g->vocab * H, &wb);
+  cm->final_norm = cpu_alloc(H, &wb);
+  cm->layers = calloc(g->n_layers, sizeof *cm->layers);
+  if (!cm->embed || !cm->lm_head || !cm->final_norm || !cm->layers) goto oom_free;
+  cpu_fill(cm->embed, (uint64_t)g->vocab * H, g, opt->seed, MODEL_T_EMBED, 0);
+  cpu_fill(cm->lm_head, (uint64_t)g->vocab * H, g, opt->seed, MODEL_T_LM_HEAD, 0);
+  cpu_fill(cm->final_norm, H, g, opt->seed, MODEL_T_FINAL_NORM, 0);
+  for (uint32_t l = 0; l < g->n_layers; ++l) {
+    cpu_layer *L = &cm->layers[l];
+    L->attn_norm = cpu_alloc(H, &wb);
+    L->wqkv = cpu_alloc((uint64_t)cm->qkv_dim * H, &wb);
+    L->wo = cpu_alloc(H * cm->q_dim, &wb);
+    L->mlp_norm = cpu_alloc(H, &wb);
+    L->wgateup = cpu_alloc(2 * F * H, &wb);
+    L->wdown = cpu_alloc(H * F, &wb);
+    if (!L->attn_norm || !L->wqkv || !L->wo || !L->mlp_norm || !L->wgateup || !L->wdown)
+      goto oom_free;
+    cpu_fill(L->attn_norm, H, g, opt->seed, MODEL_T_ATTN_NORM, l);
+    cpu_fill(L->wqkv, (uint64_t)cm->qkv_dim * H, g, opt->seed, MODEL_T_WQKV, l);
+    cpu_fill(L->wo, H * cm->q_dim, g, opt->seed, MODEL_T_WO, l);
+    cpu_fill(L->mlp_norm, H, g, opt->seed, MODEL_T_MLP_NORM, l);
+    cpu_fill(L->wgateup, 2 * F * H, g, opt->seed, MODEL_T_WGATEUP, l);
+    cpu_fill(L->wdown, H * F, g, opt->seed, MODEL_T_WDOWN, l);
+  }
+  cm->weight_bytes = wb;
+
+  cm->inv_freq = malloc((g->head_dim / 2) * sizeof(double));
+  if (cm->inv_freq == NULL) goto oom_free;
+  for (uint32_t j = 0; j < g->head_dim / 2; ++j)
+    cm->inv_freq[j] = pow((double)g->rope_theta, -2.0 * j / (double)g->head_dim);
+
+  uint64_t sb = 0, widest = H;
+  if (cm->q_dim > widest) widest = cm->q_dim;
+  if (F > widest) widest = F;
+  cm->x = cpu_alloc(B * H, &sb);
+  cm->xin = cpu_alloc(widest, &sb);
+  cm->qkv = cpu_alloc(B * cm->qkv_dim, &sb);
+  cm->gateup = cpu_alloc(2 * F, &sb);
+  cm->attn = cpu_alloc(B * cm->q_dim, &sb);
+  cm->q = malloc(B * cm->q_dim * sizeof(uint16_t));
+  cm->k_new = malloc(B * cm->kv_dim * sizeof(uint16_t));
+  cm->v_new = malloc(B * cm->kv_dim * sizeof(uint16_t));
+  sb += B * (cm->q_dim + 2 * cm->kv_dim) * sizeof(uint16_t);
+  if (!cm->x || !cm->xin || !cm->qkv || !cm->gateup || !cm->attn || !cm->q || !cm->k_new ||
+      !cm->v_new)
+    goto oom_free;
+  if (akv_attention_workspace_bytes(opt->max_batch, g->n_heads, g->head_dim, opt->max_tokens,
+                                    opt->chunk_tokens, &cm->workspace_bytes) != AKV_OK) {
+    cpu_destroy(&cm->base);
+    snprintf(err, cap, "attention workspace: bad sizes (head_dim %u, max tokens %u, chunk %u)",
+             g->head_dim, opt->max_tokens, opt->chunk_tokens);
+    return -1;
+  }
+  if (cm->workspace_bytes) {
+    cm->workspace = malloc(cm->workspace_bytes);
+    if (cm->workspace == NULL) goto oom_free;
+  }
+  cm->scratch_bytes = sb + cm->workspace_bytes;
+  *out = m;
+  return 0;
+
+oom_free:
+  cpu_destroy(&cm->base);
+oom:
+  snprintf(err, cap, "the CPU model is out of memory for %llu M parameters",
+           (unsigned long long)(params >> 20));
+  return -1;
+}

@@ -1,0 +1,253 @@
+#!/usr/bin/env bash
+# gpu-pass.sh - the GPU pass of ActiveKV, run on the GPU machine.
+#
+# Run from the repository root with $OUT set (an empty folder whose files come
+# back) and cmocka's Debian packages in .gpu-deps/ (fetched on the CPU machine
+# by shared/tools/gpu-deps.sh and carried with the run). It:
+#   1. unpacks cmocka into /tmp/deps,
+#   2. configures and builds the project (CUDA on, sm_90) in /tmp/akv-build,
+#      and, in parallel, the attention benchmark variants with nvcc,
+#   3. runs `ctest -L gpu --output-on-failure`,
+#   4. runs every GPU test binary under compute-sanitizer memcheck, racecheck
+#      and synccheck,
+#   5. runs the benchmarks,
+#   6. prints a short table (also written to $OUT/summary.txt).
+# A failing step is recorded and the next one still runs. If the CMake build
+# does not produce the GPU tests (the rest of the project may not build yet),
+# they are built directly with nvcc from their sources.
+#
+# Files written under $OUT (at most 8 come back):
+#   build.log  ctest-gpu.log  sanitizer-memcheck.log  sanitizer-racecheck.log
+#   sanitizer-synccheck.log  bench.log  bench.jsonl  summary.txt
+#
+# Knobs (environment):
+#   AKV_STEPS     steps to run, default "build ctest sanitizer bench"
+#   AKV_JOBS      parallel build jobs, default 16
+#   AKV_BENCH_VARIANTS  "label:WARPS:LOADS ...", default
+#                 "w8l4:8:4 w8l2:8:2 w8l8:8:8 w4l4:4:4" (w8l4 is the library's)
+#   AKV_BENCH_CHUNKS    chunk sizes for the library variant, default "256 64 1024"
+#   AKV_SAN_TIMEOUT     seconds per sanitizer run, default 300
+set -u
+
+OUT=${OUT:-/tmp/akv-out}
+mkdir -p "$OUT"
+BUILD=/tmp/akv-build
+SOLO=/tmp/akv-standalone
+DEPS=/tmp/deps
+STEPS=${AKV_STEPS:-"build ctest sanitizer bench"}
+JOBS=${AKV_JOBS:-16}
+VARIANTS=${AKV_BENCH_VARIANTS:-"w8l4:8:4 w8l2:8:2 w8l8:8:8 w4l4:4:4"}
+CHUNKS=${AKV_BENCH_CHUNKS:-"256 64 1024"}
+SAN_TIMEOUT=${AKV_SAN_TIMEOUT:-300}
+
+BUILD_LOG=$OUT/build.log
+CTEST_LOG=$OUT/ctest-gpu.log
+BENCH_LOG=$OUT/bench.log
+BENCH_JSON=$OUT/bench.jsonl
+SUMMARY=$OUT/summary.txt
+ROWS=/tmp/akv-gpu-pass-rows.txt # table rows, gathered outside $OUT
+: >"$BUILD_LOG"
+: >"$ROWS"
+
+T0=$(date +%s)
+# record STEP STATUS DETAIL: one row of the final table.
+record() { printf '%-28s %-8s %s\n' "$1" "$2" "$3" >>"$ROWS"; }
+has_step() { case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+log() { echo "[$(($(date +%s) - T0))s] $*"; }
+
+{
+  echo "== machine"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1
+  nvcc --version 2>&1 | tail -2
+  cmake --version 2>&1 | head -1
+  command -v compute-sanitizer || echo "compute-sanitizer not on PATH"
+  echo "git: $(git rev-parse --short HEAD 2>/dev/null || echo none) $(git status --short 2>/dev/null | wc -l) changed files"
+} >>"$BUILD_LOG" 2>&1
+
+# ------------------------------------------------------------------ deps
+log "unpacking cmocka"
+mkdir -p "$DEPS"
+n_deb=0
+for f in .gpu-deps/*.deb; do
+  [ -e "$f" ] || continue
+  dpkg -x "$f" "$DEPS" && n_deb=$((n_deb + 1))
+done
+export LD_LIBRARY_PATH=$DEPS/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+if [ -f "$DEPS/usr/include/cmocka.h" ]; then
+  record "cmocka" "ok" "$n_deb packages unpacked"
+else
+  record "cmocka" "FAIL" "no cmocka.h in .gpu-deps (run shared/tools/gpu-deps.sh, carry .gpu-deps)"
+fi
+
+# ------------------------------------------------------------------ build
+bench_build() { # label warps loads
+  local out=$SOLO/attention_bw_$1
+  nvcc -O3 -arch=sm_90 -std=c++17 -Iinclude -DAKV_ATTN_WARPS="$2" -DAKV_ATTN_LOADS="$3" \
+    -Xptxas -v bench/attention_bw.cu src/attention_cuda.cu src/attention_ref.c -o "$out" \
+    >"$SOLO/bench_$1.log" 2>&1
+}
+
+if has_step build; then
+  mkdir -p "$SOLO"
+  # The benchmark variants compile with nvcc alongside the CMake build.
+  bench_pids=""
+  if has_step bench && [ -f bench/attention_bw.cu ]; then
+    for v in $VARIANTS; do
+      IFS=: read -r label warps loads <<<"$v"
+      bench_build "$label" "$warps" "$loads" &
+      bench_pids="$bench_pids $!:$label"
+    done
+  fi
+
+  log "configuring"
+  extra=""
+  [ -f examples/CMakeLists.txt ] || extra="-DAKV_BUILD_EXAMPLES=OFF"
+  {
+    echo "== cmake configure"
+    cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DAKV_WITH_CUDA=ON \
+      -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_PREFIX_PATH="$DEPS/usr" $extra
+  } >>"$BUILD_LOG" 2>&1
+  rc=$?
+  record "cmake configure" "$([ $rc = 0 ] && echo ok || echo FAIL)" "rc=$rc"
+  if [ $rc = 0 ]; then
+    log "building"
+    { echo "== cmake build"; cmake --build "$BUILD" -j"$JOBS" -- -k; } >>"$BUILD_LOG" 2>&1
+    rc=$?
+    record "cmake build" "$([ $rc = 0 ] && echo ok || echo FAIL)" "rc=$rc (see build.log)"
+  fi
+
+  # GPU tests: from the CMake build, else standalone from their sources.
+  for t in gpu_attention gpu_backend; do
+    [ -f tests/gpu/test_$t.cu ] || continue
+    [ -x "$BUILD/tests/test_$t" ] && continue
+    log "standalone build of test_$t"
+    case $t in
+      gpu_attention) srcs="src/attention_cuda.cu src/attention_ref.c" ;;
+      gpu_backend) srcs="src/backend_cuda.cu" ;;
+    esac
+    {
+      echo "== standalone nvcc build of test_$t (CMake did not produce it)"
+      # shellcheck disable=SC2086 # $srcs is a list of files
+      nvcc -O2 -g -lineinfo -arch=sm_90 -std=c++17 -DAKV_WITH_CUDA -Iinclude -Isrc \
+        -I"$DEPS/usr/include" tests/gpu/test_$t.cu $srcs -L"$DEPS/usr/lib/x86_64-linux-gnu" \
+        -lcmocka -o "$SOLO/test_$t"
+    } >>"$BUILD_LOG" 2>&1
+    rc=$?
+    record "standalone test_$t" "$([ $rc = 0 ] && echo ok || echo FAIL)" "rc=$rc"
+  done
+
+  for p in $bench_pids; do
+    pid=${p%%:*}
+    label=${p#*:}
+    wait "$pid"
+    rc=$?
+    { echo "== nvcc attention_bw_$label (rc=$rc)"; cat "$SOLO/bench_$label.log"; } >>"$BUILD_LOG"
+    # Registers of the llama-geometry kernel (head_dim 128, 4 heads per block).
+    regs=$(awk '/Compiling entry.*chunk_kernelILi128ELi4ENS_9ContigLoc/{f=1}
+      f && /Used [0-9]+ registers/{print "D128/GT4 kernel: " $5 " regs"; exit}' \
+      "$SOLO/bench_$label.log")
+    record "nvcc attention_bw_$label" "$([ $rc = 0 ] && echo ok || echo FAIL)" "rc=$rc ${regs:-}"
+  done
+fi
+
+# Which GPU test binaries exist now.
+gpu_bins=""
+for t in gpu_attention gpu_backend gpu_cells gpu_faults; do
+  if [ -x "$BUILD/tests/test_$t" ]; then
+    gpu_bins="$gpu_bins $BUILD/tests/test_$t"
+  elif [ -x "$SOLO/test_$t" ]; then
+    gpu_bins="$gpu_bins $SOLO/test_$t"
+  fi
+done
+
+# ------------------------------------------------------------------ ctest
+if has_step ctest; then
+  if [ -f "$BUILD/CTestTestfile.cmake" ] && ls "$BUILD"/tests/test_gpu_* >/dev/null 2>&1; then
+    log "ctest -L gpu"
+    (cd "$BUILD" && ctest -L gpu --output-on-failure --timeout 1800) >"$CTEST_LOG" 2>&1
+    rc=$?
+    line=$(grep -E 'tests passed|tests failed' "$CTEST_LOG" | tail -1)
+    record "ctest -L gpu" "$([ $rc = 0 ] && echo ok || echo FAIL)" "rc=$rc ${line:-}"
+  else
+    log "ctest unavailable; running the GPU test binaries directly"
+    : >"$CTEST_LOG"
+    for b in $gpu_bins; do
+      echo "== $b" >>"$CTEST_LOG"
+      "$b" >>"$CTEST_LOG" 2>&1
+      rc=$?
+      record "run $(basename "$b")" "$([ $rc = 0 ] && echo ok || echo FAIL)" "rc=$rc (no ctest)"
+    done
+  fi
+fi
+
+# ------------------------------------------------------------------ sanitizer
+if has_step sanitizer; then
+  if ! command -v compute-sanitizer >/dev/null 2>&1; then
+    record "compute-sanitizer" "SKIP" "not on PATH"
+  else
+    for tool in memcheck racecheck synccheck; do
+      slog=$OUT/sanitizer-$tool.log
+      : >"$slog"
+      for b in $gpu_bins; do
+        log "compute-sanitizer --tool $tool $(basename "$b")"
+        echo "== compute-sanitizer --tool $tool $b" >>"$slog"
+        # Intentional API failures (a refused 4 PiB allocation, a not-ready
+        # event) are the tests' own checks: the sanitizer's API-error report
+        # is off, device-side errors are what this pass looks for.
+        extra=""
+        [ "$tool" = memcheck ] && extra="--leak-check full"
+        # shellcheck disable=SC2086 # $extra is zero or more options
+        timeout "$SAN_TIMEOUT" compute-sanitizer --tool "$tool" --report-api-errors no \
+          --error-exitcode 99 $extra "$b" >>"$slog" 2>&1
+        rc=$?
+        summary=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$slog" | tail -1 | sed 's/^=* *//')
+        st=ok
+        [ $rc = 0 ] || st=FAIL
+        [ $rc = 124 ] && st=TIMEOUT
+        record "$tool $(basename "$b")" "$st" "rc=$rc ${summary:-no summary line}"
+      done
+    done
+  fi
+fi
+
+# ------------------------------------------------------------------ bench
+if has_step bench; then
+  : >"$BENCH_LOG"
+  for v in $VARIANTS; do
+    IFS=: read -r label warps loads <<<"$v"
+    bin=$SOLO/attention_bw_$label
+    [ -x "$bin" ] || continue
+    chunks=256
+    [ "$label" = w8l4 ] && chunks=$CHUNKS
+    for c in $chunks; do
+      log "attention_bw $label chunk $c"
+      echo "== attention_bw $label chunk $c" >>"$BENCH_LOG"
+      timeout 300 "$bin" --chunk "$c" --label "$label" --json "$BENCH_JSON" >>"$BENCH_LOG" 2>&1
+      rc=$?
+      best=$(grep -E '^(contig|paged) ' "$BENCH_LOG" | tail -4 |
+        awk '{printf "%s/%sctx %.0fus %s; ", $1, $2, $6, $10}')
+      record "bench $label chunk $c" "$([ $rc = 0 ] && echo ok || echo FAIL)" "rc=$rc $best"
+    done
+  done
+  # Other benchmark programs the project builds.
+  for b in "$BUILD"/bench/*; do
+    if [ ! -f "$b" ] || [ ! -x "$b" ]; then continue; fi
+    log "bench $(basename "$b")"
+    echo "== $b" >>"$BENCH_LOG"
+    timeout 300 "$b" >>"$BENCH_LOG" 2>&1
+    rc=$?
+    record "bench $(basename "$b")" "$([ $rc = 0 ] && echo ok || echo FAIL)" "rc=$rc"
+  done
+fi
+
+# ------------------------------------------------------------------ summary
+{
+  echo "ActiveKV GPU pass, $(date -u +%Y-%m-%dT%H:%M:%SZ), $(($(date +%s) - T0)) s"
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null
+  printf '%-28s %-8s %s\n' "step" "status" "detail"
+  cat "$ROWS"
+} >"$SUMMARY"
+echo
+cat "$SUMMARY"
+if grep -qE ' (FAIL|TIMEOUT) ' "$SUMMARY"; then exit 1; fi
+exit 0

@@ -1,0 +1,515 @@
+/*
+ * backend_cuda.cu - the CUDA backend (backend.h), CUDA runtime API only.
+ *
+ * Mapping:
+ *  - queue  = cudaStream_t created with cudaStreamNonBlocking (never the
+ *             legacy default stream, so the caller's default-stream work does
+ *             not serialise with the engine's copies);
+ *  - event  = cudaEvent_t created with cudaEventDisableTiming;
+ *  - host memory = cudaHostAlloc(cudaHostAllocDefault) (pinned);
+ *  - device memory = cudaMalloc.
+ * Queues and events are the CUDA handles cast to akv_bqueue* / akv_bevent*.
+ * CUDA's event semantics are exactly those backend.h asks for (a record
+ * replaces the capture; waiting on a never-recorded event is a no-op).
+ *
+ * Errors: every cudart return code is checked. A failure is written to the
+ * context's last-error string (akv_cuda_last_error) and mapped to
+ * AKV_ERR_OUT_OF_MEMORY (cudaErrorMemoryAllocation) or AKV_ERR_BACKEND
+ * (anything else); the runtime's non-sticky "last error" is then cleared with
+ * cudaGetLastError() so that the caller's own error checks do not report the
+ * engine's failures as theirs.
+ *
+ * Devices: init makes the configured device current on the calling thread.
+ * Calls that depend on the current device (allocation, queue and event
+ * creation, device synchronisation, memory figures) switch to the backend's
+ * device if another one is current and switch back afterwards, so the engine
+ * may be driven from any thread. Stream- and event-bound calls need no switch.
+ *
+ * Memory figure: peak_used_bytes of mem_info is the largest value of
+ * (total - free) from cudaMemGetInfo seen by this backend context, sampled at
+ * init, after every device allocation, at every queue and device
+ * synchronisation and at every mem_info call. It counts everything resident
+ * on the device (other processes, the CUDA context itself, the caller's
+ * allocations), and misses peaks between samples. Event synchronisation, on
+ * the hot path, does not sample.
+ *
+ * Hot path: copy, copy_batch, event_record, queue_wait, event_query and
+ * host_fn neither allocate nor block.
+ */
+#include <cuda_runtime.h>
+
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend.h"
+#include "backend_cuda.h"
+
+namespace {
+
+constexpr uint32_t kCtxMagic = 0x41564B43u; /* "CKVA" */
+constexpr uint32_t kCtxDead = 0xDEADC0DEu;
+
+struct akv_cuda_ctx {
+  uint32_t magic;
+  int device;
+  uint64_t peak_used;
+  char last_error[256];
+};
+
+static akv_cuda_ctx *as_ctx(void *ctx) {
+  akv_cuda_ctx *c = static_cast<akv_cuda_ctx *>(ctx);
+  return (c != nullptr && c->magic == kCtxMagic) ? c : nullptr;
+}
+
+static cudaStream_t as_stream(akv_bqueue *q) { return reinterpret_cast<cudaStream_t>(q); }
+static cudaEvent_t as_event(akv_bevent *e) { return reinterpret_cast<cudaEvent_t>(e); }
+
+static akv_status map_error(cudaError_t err) {
+  return err == cudaErrorMemoryAllocation ? AKV_ERR_OUT_OF_MEMORY : AKV_ERR_BACKEND;
+}
+
+/* Records a failure and clears the runtime's non-sticky last error. */
+static void note_error(akv_cuda_ctx *c, const char *what, cudaError_t err) {
+  if (c != nullptr)
+    snprintf(c->last_error, sizeof c->last_error, "%s: %s: %s", what, cudaGetErrorName(err),
+             cudaGetErrorString(err));
+  (void)cudaGetLastError();
+}
+
+/* The one checking macro of this file: on failure, note, map, goto fail. */
+#define AKV_CUDA_TRY(c, call, what)   \
+  do {                                \
+    const cudaError_t err_ = (call);  \
+    if (err_ != cudaSuccess) {        \
+      note_error((c), (what), err_);  \
+      st = map_error(err_);           \
+      goto fail;                      \
+    }                                 \
+  } while (0)
+
+/* Makes the backend's device current; *prev receives the caller's device. */
+static cudaError_t device_enter(const akv_cuda_ctx *c, int *prev) {
+  cudaError_t err = cudaGetDevice(prev);
+  if (err == cudaSuccess && *prev != c->device) err = cudaSetDevice(c->device);
+  return err;
+}
+
+static void device_leave(const akv_cuda_ctx *c, int prev) {
+  /* Restoring the caller's device can only fail if that device went away;
+   * nothing useful can be done about it here. */
+  if (prev != c->device && prev >= 0) (void)cudaSetDevice(prev);
+}
+
+/* Samples (total - free) into the peak. A failed sample is not an error of
+ * the operation that triggered it: the peak simply misses that sample. */
+static void sample_usage(akv_cuda_ctx *c) {
+  size_t free_b = 0, total_b = 0;
+  if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return;
+  }
+  const uint64_t used = (uint64_t)(total_b - free_b);
+  if (used > c->peak_used) c->peak_used = used;
+}
+
+static cudaMemcpyKind copy_kind(akv_copy_dir dir) {
+  switch (dir) {
+    case AKV_COPY_H2D: return cudaMemcpyHostToDevice;
+    case AKV_COPY_D2H: return cudaMemcpyDeviceToHost;
+    default: return cudaMemcpyDeviceToDevice;
+  }
+}
+
+static bool dir_ok(akv_copy_dir dir) {
+  return dir == AKV_COPY_H2D || dir == AKV_COPY_D2H || dir == AKV_COPY_D2D;
+}
+
+/* ------------------------------------------------------------ lifetime */
+
+static akv_status cuda_probe(const akv_backend_params *params) {
+  int n = 0;
+  const int ordinal = params != nullptr ? params->device_ordinal : 0;
+  /* No driver, no device, or a driver older than the runtime: quietly "not
+   * supported" (the caller falls back to the host backend). */
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return AKV_ERR_NOT_SUPPORTED;
+  }
+  if (n <= 0 || ordinal < 0 || ordinal >= n) return AKV_ERR_NOT_SUPPORTED;
+  return AKV_OK;
+}
+
+static akv_status cuda_init(const akv_backend_params *params, void **out) {
+  akv_status st = AKV_ERR_INVALID_ARGUMENT;
+  akv_cuda_ctx *c = nullptr;
+  if (params == nullptr || out == nullptr) goto fail;
+  st = cuda_probe(params);
+  if (st != AKV_OK) goto fail;
+  c = static_cast<akv_cuda_ctx *>(calloc(1, sizeof *c));
+  st = AKV_ERR_OUT_OF_MEMORY;
+  if (c == nullptr) goto fail;
+  c->magic = kCtxMagic;
+  c->device = params->device_ordinal;
+  c->last_error[0] = '\0';
+  AKV_CUDA_TRY(c, cudaSetDevice(c->device), "cudaSetDevice");
+  /* Creates the primary context now rather than inside the first copy. */
+  AKV_CUDA_TRY(c, cudaFree(nullptr), "cudaFree(NULL) (context creation)");
+  sample_usage(c);
+  *out = c;
+  return AKV_OK;
+fail:
+  free(c);
+  return st;
+}
+
+static void cuda_shutdown(void *ctx) {
+  akv_cuda_ctx *c = as_ctx(ctx);
+  if (c == nullptr) return;
+  c->magic = kCtxDead;
+  free(c);
+}
+
+/* ------------------------------------------------------------ memory */
+
+static akv_status cuda_host_alloc(void *ctx, size_t bytes, void **out) {
+  akv_status st = AKV_ERR_INVALID_ARGUMENT;
+  akv_cuda_ctx *c = as_ctx(ctx);
+  int prev = -1;
+  void *p = nullptr;
+  char what[64];
+  if (c == nullptr || out == nullptr || bytes == 0) goto fail;
+  AKV_CUDA_TRY(c, device_enter(c, &prev), "cudaSetDevice");
+  snprintf(what, sizeof what, "cudaHostAlloc(%zu B)", bytes);
+  {
+    const cudaError_t err = cudaHostAlloc(&p, bytes, cudaHostAllocDefault);
+    device_leave(c, prev);
+    AKV_CUDA_TRY(c, err, what);
+  }
+  *out = p;
+  return AKV_OK;
+fail:
+  return st;
+}
+
+static void cuda_host_free(void *ctx, void *ptr) {
+  akv_cuda_ctx *c = as_ctx(ctx);
+  if (ptr == nullptr) return;
+  const cudaError_t err = cudaFreeHost(ptr);
+  if (err != cudaSuccess) note_error(c, "cudaFreeHost", err);
+}
+
+static akv_status cuda_device_alloc(void *ctx, size_t bytes, void **out) {
+  akv_status st = AKV_ERR_INVALID_ARGUMENT;
+  akv_cuda_ctx *c = as_ctx(ctx);
+  int prev = -1;
+  void *p = nullptr;
+  char what[64];
+  if (c == nullptr || out == nullptr || bytes == 0) goto fail;
+  AKV_CUDA_TRY(c, device_enter(c, &prev), "cudaSetDevice");
+  snprintf(what, sizeof what, "cudaMalloc(%zu B)", bytes);
+  {
+    const cudaError_t err = cudaMalloc(&p, bytes);
+    if (err == cudaSuccess) sample_usage(c);
+    device_leave(c, prev);
+    AKV_CUDA_TRY(c, err, what);
+  }
+  *out = p;
+  return AKV_OK;
+fail:
+  return st;
+}
+
+static void cuda_device_free(void *ctx, void *ptr) {
+  akv_cuda_ctx *c = as_ctx(ctx);
+  if (ptr == nullptr) return;
+  /* cudaFree needs no current-device switch: the pointer names its device. */
+  const cudaError_t err = cudaFree(ptr);
+  if (err != cudaSuccess) note_error(c, "cudaFree", err);
+}
+
+/* ------------------------------------------------------------ queues, events */
+
+static akv_status cuda_queue_create(void *ctx, akv_bqueue **out) {
+  akv_status st = AKV_ERR_INVALID_ARGUMENT;
+  akv_cuda_ctx *c = as_ctx(ctx);
+  int prev = -1;
+  cudaStream_t s = nullptr;
+  if (c == nullptr || out == nullptr) goto fail;
+  AKV_CUDA_TRY(c, device_enter(c, &prev), "cudaSetDevice");
+  {
+    const cudaError_t err = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    device_leave(c, prev);
+    AKV_CUDA_TRY(c, err, "cudaStreamCreateWithFlags(NonBlocking)");
+  }
+  *out = reinterpret_cast<akv_bqueue *>(s);
+  return AKV_OK;
+fail:
+  return st;
+}
+
+static void cuda_queue_destroy(void *ctx, akv_bqueue *q) {
+  akv_cuda_ctx *c = as_ctx(ctx);
+  if (q == nullptr) return;
+  const cudaError_t err = cudaStreamDestroy(as_stream(q));
+  if (err != cudaSuccess) note_error(c, "cudaStreamDestroy", err);
+}
+
+static akv_status cuda_event_create(void *ctx, akv_bevent **out) {
+  akv_status st = AKV_ERR_INVALID_ARGUMENT;
+  akv_cuda_ctx *c = as_ctx(ctx);
+  int prev = -1;
+  cudaEvent_t e = nullptr;
+  if (c == nullptr || out == nullptr) goto fail;
+  AKV_CUDA_TRY(c, device_enter(c, &prev), "cudaSetDevice");
+  {
+    const cudaError_t err = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+    device_leave(c, prev);
+    AKV_CUDA_TRY(c, err, "cudaEventCreateWithFlags(DisableTiming)");
+  }
+  *out = reinterpret_cast<akv_bevent *>(e);
+  return AKV_OK;
+fail:
+  return st;
+}
+
+static void cuda_event_destroy(void *ctx, akv_bevent *e) {
+  akv_cuda_ctx *c = as_ctx(ctx);
+  if (e == nullptr) return;
+  const cudaError_t err = cudaEventDestroy(as_event(e));
+  if (err != cudaSuccess) note_error(c, "cudaEventDestroy", err);
+}
+
+static akv_status cuda_event_record(void *ctx, akv_bevent *e, akv_bqueue *q) {
+  akv_status st = AKV_ERR_INVALID_ARGUMENT;
+  akv_cuda_ctx *c = as_ctx(ctx);
+  /* A NULL queue would be the legacy default stream: refused. */
+  if (c == nullptr || e == nullptr || q == nullptr) goto fail;
+  AKV_CUDA_TRY(c, cudaEventRecord(as_event(e), as_stream(q)), "cudaEventRecord");
+  return AKV_OK;
+fail:
+  return st;
+}
+
+static akv_status cuda_queue_wait(void *ctx, akv_bqueue *q, akv_bevent *e) {
+  akv_status st = AKV_ERR_INVALID_ARGUMENT;
+  akv_cuda_ctx *c = as_ctx(ctx);
+  if (c == nullptr || e == nullptr || q == nullptr) goto fail;
+  AKV_CUDA_TRY(c, cudaStreamWaitEvent(as_stream(q), as_event(e), cudaEventWaitDefault),
+               "cudaStreamWaitEvent");
+  return AKV_OK;
+fail:
+  return st;
+}
+
+static akv_status cuda_event_query(void *ctx, akv_bevent *e, bool *done) {
+  akv_status st = AKV_ERR_INVALID_ARGUMENT;
+  akv_cuda_ctx *c = as_ctx(ctx);
+  cudaError_t err;
+  if (c == nullptr || e == nullptr || done == nullptr) goto fail;
+  err = cudaEventQuery(as_event(e));
+  if (err == cudaErrorNotReady) {
+    /* Not an error: the capture has not completed yet. */
+    *done = false;
+    return AKV_OK;
+  }
+  AKV_CUDA_TRY(c, err, "cudaEventQuery");
+  *done = true;
+  return AKV_OK;
+fail:
+  return st;
+}
+
+static akv_status cuda_event_synchronize(void *ctx, akv_bevent *e) {
+  akv_status st = AKV_ERR_INVALID_ARGUMENT;
+  akv_cuda_ctx *c = as_ctx(ctx);
+  if (c == nullptr || e == nullptr) goto fail;
+  AKV_CUDA_TRY(c, cudaEventSynchronize(as_event(e)), "cudaEventSynchronize");
+  return AKV_OK;
+fail:
+  return st;
+}
+
+static akv_status cuda_queue_synchronize(void *ctx, akv_bqueue *q) {
+  akv_status st = AKV_ERR_INVALID_ARGUMENT;
+  akv_cuda_ctx *c = as_ctx(ctx);
+  if (c == nullptr || q == nullptr) goto fail;
+  AKV_CUDA_TRY(c, cudaStreamSynchronize(as_stream(q)), "cudaStreamSynchronize");
+  sample_usage(c);
+  return AKV_OK;
+fail:
+  return st;
+}
+
+static akv_status cuda_device_synchronize(void *ctx) {
+  akv_status st = AKV_ERR_INVALID_ARGUMENT;
+  akv_cuda_ctx *c = as_ctx(ctx);
+  int prev = -1;
+  if (c == nullptr) goto fail;
+  AKV_CUDA_TRY(c, device_enter(c, &prev), "cudaSetDevice");
+  {
+    const cudaError_t err = cudaDeviceSynchronize();
+    if (err == cudaSuccess) sample_usage(c);
+    device_leave(c, prev);
+    AKV_CUDA_TRY(c, err, "cudaDeviceSynchronize");
+  }
+  return AKV_OK;
+fail:
+  return st;
+}
+
+/* ------------------------------------------------------------ copies */
+
+static akv_status cuda_copy(void *ctx, akv_bqueue *q, akv_copy_dir dir, void *dst, const void *src,
+                     size_t bytes) {
+  akv_status st = AKV_ERR_INVALID_ARGUMENT;
+  akv_cuda_ctx *c = as_ctx(ctx);
+  if (c == nullptr || q == nullptr || !dir_ok(dir)) goto fail;
+  if (bytes == 0) return AKV_OK;
+  if (dst == nullptr || src == nullptr) goto fail;
+  AKV_CUDA_TRY(c, cudaMemcpyAsync(dst, src, bytes, copy_kind(dir), as_stream(q)),
+               "cudaMemcpyAsync");
+  return AKV_OK;
+fail:
+  return st;
+}
+
+#if CUDART_VERSION >= 13000
+/* One cudaMemcpyBatchAsync over copies [0, n), all of direction dir. Sources
+ * are read in stream order (they are the engine's pinned pool or device
+ * pages, valid until the copy's event completes). The location hints only
+ * matter for managed or pageable memory; they name the truth for ours. */
+static cudaError_t batch_submit(const akv_cuda_ctx *c, cudaStream_t s, akv_copy_dir dir, size_t n,
+                         void *const *dst, const void *const *src, const size_t *bytes) {
+  cudaMemcpyAttributes attr;
+  memset(&attr, 0, sizeof attr);
+  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  attr.srcLocHint.type = dir == AKV_COPY_H2D ? cudaMemLocationTypeHost : cudaMemLocationTypeDevice;
+  attr.srcLocHint.id = dir == AKV_COPY_H2D ? 0 : c->device;
+  attr.dstLocHint.type = dir == AKV_COPY_D2H ? cudaMemLocationTypeHost : cudaMemLocationTypeDevice;
+  attr.dstLocHint.id = dir == AKV_COPY_D2H ? 0 : c->device;
+  /* Prefer the copy engines: staging overlaps the caller's attention. */
+  attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+  size_t attr_idx = 0;
+  return cudaMemcpyBatchAsync(dst, src, bytes, n, &attr, &attr_idx, 1, s);
+}
+#endif
+
+/* Submits copies [0, n) (all with bytes > 0): one batch call, or one
+ * cudaMemcpyAsync each where the batch call is not supported. */
+static akv_status batch_run(akv_cuda_ctx *c, cudaStream_t s, akv_copy_dir dir, size_t n,
+                     void *const *dst, const void *const *src, const size_t *bytes) {
+  akv_status st = AKV_ERR_BACKEND;
+  if (n >= 2) {
+#if CUDART_VERSION >= 13000
+    const cudaError_t err = batch_submit(c, s, dir, n, dst, src, bytes);
+    if (err == cudaSuccess) return AKV_OK;
+    if (err != cudaErrorNotSupported) AKV_CUDA_TRY(c, err, "cudaMemcpyBatchAsync");
+    (void)cudaGetLastError(); /* not supported: fall through to the loop */
+#endif
+  }
+  for (size_t i = 0; i < n; ++i)
+    AKV_CUDA_TRY(c, cudaMemcpyAsync(dst[i], src[i], bytes[i], copy_kind(dir), s),
+                 "cudaMemcpyAsync (batch fallback)");
+  return AKV_OK;
+fail:
+  return st;
+}
+
+static akv_status cuda_copy_batch(void *ctx, akv_bqueue *q, akv_copy_dir dir, size_t count,
+                           void *const *dst, const void *const *src, const size_t *bytes) {
+  akv_status st = AKV_ERR_INVALID_ARGUMENT;
+  akv_cuda_ctx *c = as_ctx(ctx);
+  size_t run = 0;
+  if (c == nullptr || q == nullptr || !dir_ok(dir) || count == 0 || dst == nullptr ||
+      src == nullptr || bytes == nullptr)
+    goto fail;
+  for (size_t i = 0; i < count; ++i)
+    if (bytes[i] != 0 && (dst[i] == nullptr || src[i] == nullptr)) goto fail;
+  /* Empty copies are skipped; each run of non-empty ones is one submission
+   * (the arrays are used in place, nothing is allocated). */
+  for (size_t i = 0; i <= count; ++i) {
+    if (i < count && bytes[i] != 0) {
+      ++run;
+      continue;
+    }
+    if (run > 0) {
+      const size_t first = i - run;
+      st = batch_run(c, as_stream(q), dir, run, dst + first, src + first, bytes + first);
+      if (st != AKV_OK) goto fail;
+      run = 0;
+    }
+  }
+  return AKV_OK;
+fail:
+  return st;
+}
+
+static akv_status cuda_host_fn(void *ctx, akv_bqueue *q, void (*fn)(void *), void *arg) {
+  akv_status st = AKV_ERR_INVALID_ARGUMENT;
+  akv_cuda_ctx *c = as_ctx(ctx);
+  if (c == nullptr || q == nullptr || fn == nullptr) goto fail;
+  /* fn runs on a CUDA runtime thread and must not call CUDA. */
+  AKV_CUDA_TRY(c, cudaLaunchHostFunc(as_stream(q), fn, arg), "cudaLaunchHostFunc");
+  return AKV_OK;
+fail:
+  return st;
+}
+
+static akv_status cuda_mem_info(void *ctx, uint64_t *free_bytes, uint64_t *total_bytes,
+                         uint64_t *peak_used_bytes) {
+  akv_status st = AKV_ERR_INVALID_ARGUMENT;
+  akv_cuda_ctx *c = as_ctx(ctx);
+  int prev = -1;
+  size_t free_b = 0, total_b = 0;
+  if (c == nullptr) goto fail;
+  AKV_CUDA_TRY(c, device_enter(c, &prev), "cudaSetDevice");
+  {
+    const cudaError_t err = cudaMemGetInfo(&free_b, &total_b);
+    device_leave(c, prev);
+    AKV_CUDA_TRY(c, err, "cudaMemGetInfo");
+  }
+  if ((uint64_t)(total_b - free_b) > c->peak_used) c->peak_used = (uint64_t)(total_b - free_b);
+  if (free_bytes != nullptr) *free_bytes = free_b;
+  if (total_bytes != nullptr) *total_bytes = total_b;
+  if (peak_used_bytes != nullptr) *peak_used_bytes = c->peak_used;
+  return AKV_OK;
+fail:
+  return st;
+}
+
+#undef AKV_CUDA_TRY
+
+} // namespace
+
+extern "C" const char *akv_cuda_last_error(void *ctx) {
+  akv_cuda_ctx *c = as_ctx(ctx);
+  return c != nullptr ? c->last_error : "no CUDA backend context";
+}
+
+extern "C" const akv_backend_ops akv_backend_cuda_ops = {
+    /* name */ "cuda",
+    /* kind */ AKV_BACKEND_CUDA,
+    cuda_probe,
+    cuda_init,
+    cuda_shutdown,
+    cuda_host_alloc,
+    cuda_host_free,
+    cuda_device_alloc,
+    cuda_device_free,
+    cuda_queue_create,
+    cuda_queue_destroy,
+    cuda_event_create,
+    cuda_event_destroy,
+    cuda_event_record,
+    cuda_queue_wait,
+    cuda_event_query,
+    cuda_event_synchronize,
+    cuda_queue_synchronize,
+    cuda_device_synchronize,
+    cuda_copy,
+    cuda_copy_batch,
+    cuda_host_fn,
+    cuda_mem_info,
+};

@@ -1,0 +1,617 @@
+/*
+ * test_gpu_attention.cu - the CUDA decode attention against the C reference.
+ *
+ * Bound: relative L2 error ||cuda - ref|| / ||ref|| <= 1e-5 per context.
+ * Both sides compute in fp32 from bf16 inputs; they differ only in the order
+ * of their sums (tiles with a running maximum and shuffle trees on the GPU,
+ * two passes in row order on the CPU) and in exp2 (ex2.approx vs libm), so the
+ * error is a few fp32 roundings (about 1e-6), far under the bound, while any
+ * indexing mistake gives errors near 1.
+ * Also checked, with outputs poisoned (NaN) before every launch:
+ *  - every output element is written;
+ *  - CUDA paged == CUDA contiguous, bit for bit (page_tokens == chunk_tokens);
+ *  - the same launch twice gives the same bits;
+ *  - argument checks refuse without enqueueing anything;
+ *  - a page table that overflows max_pages marks only its context with NaN.
+ * Exits 77 (ctest: skipped) when no CUDA device is usable.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* cmocka.h declares no C linkage for C++ callers itself. */
+extern "C" {
+#include <cmocka.h>
+}
+#include <math.h>
+
+#include <cuda_runtime.h>
+
+#include "akv_attention.h"
+#include "akv_cuda.h"
+
+#define REL_L2_TOL 1e-5
+#define BF16_NAN 0x7FC1u
+
+static double worst_err = 0.0;
+
+#define CUDA_OK(call)                                                                \
+  do {                                                                               \
+    const cudaError_t e_ = (call);                                                   \
+    if (e_ != cudaSuccess) print_error("%s: %s\n", #call, cudaGetErrorString(e_)); \
+    assert_int_equal(e_, cudaSuccess);                                               \
+  } while (0)
+
+/* ------------------------------------------------------------------ helpers */
+
+static uint64_t rng_state = 0x2545F4914F6CDD1Dull;
+
+static uint64_t rng_next(void) {
+  uint64_t x = rng_state;
+  x ^= x << 13;
+  x ^= x >> 7;
+  x ^= x << 17;
+  rng_state = x;
+  return x;
+}
+
+static float rng_unit(void) {
+  return (float)((double)(rng_next() >> 11) / 9007199254740992.0 * 2.0 - 1.0);
+}
+
+static uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+
+static void fill_nan16(void *p, size_t bytes) {
+  uint16_t *h = (uint16_t *)p;
+  for (size_t i = 0; i < bytes / 2; ++i) h[i] = BF16_NAN;
+}
+
+static void fill_random16(uint16_t *h, size_t n, float amp) {
+  for (size_t i = 0; i < n; ++i) h[i] = f32_to_bf16(amp * rng_unit());
+}
+
+static void *xmalloc(size_t n) {
+  void *p = malloc(n ? n : 1);
+  assert_non_null(p);
+  return p;
+}
+
+/* One problem: host history in the akv_view layout, its device copy, q. */
+typedef struct problem {
+  uint32_t n_ctx, n_heads, kv_heads, head_dim, chunk;
+  uint32_t *len;
+  uint32_t cap;
+  uint64_t row_bytes, context_stride, v_offset;
+  char *base;
+  uint16_t *q;
+  float scale;
+  /* device */
+  char *d_base;
+  uint16_t *d_q;
+} problem;
+
+static void problem_init(problem *p, uint32_t n_ctx, uint32_t n_heads, uint32_t kv_heads,
+                         uint32_t head_dim, uint32_t chunk, const uint32_t *len, float amp) {
+  memset(p, 0, sizeof *p);
+  p->n_ctx = n_ctx;
+  p->n_heads = n_heads;
+  p->kv_heads = kv_heads;
+  p->head_dim = head_dim;
+  p->chunk = chunk;
+  p->len = (uint32_t *)xmalloc(n_ctx * sizeof(uint32_t));
+  p->cap = 1;
+  for (uint32_t i = 0; i < n_ctx; ++i) {
+    p->len[i] = len[i];
+    if (len[i] + 1 > p->cap) p->cap = len[i] + 1;
+  }
+  p->row_bytes = (uint64_t)kv_heads * head_dim * 2u + 32u;
+  p->v_offset = p->cap * p->row_bytes + 64u;
+  p->context_stride = 2u * p->v_offset;
+  const size_t bytes = (size_t)n_ctx * p->context_stride;
+  p->base = (char *)xmalloc(bytes);
+  fill_nan16(p->base, bytes);
+  const size_t row_elems = (size_t)kv_heads * head_dim;
+  for (uint32_t i = 0; i < n_ctx; ++i)
+    for (uint32_t t = 0; t < len[i]; ++t) {
+      char *k = p->base + i * p->context_stride + t * p->row_bytes;
+      fill_random16((uint16_t *)k, row_elems, 1.0f);
+      fill_random16((uint16_t *)(k + p->v_offset), row_elems, 1.0f);
+    }
+  const size_t q_elems = (size_t)n_ctx * n_heads * head_dim;
+  p->q = (uint16_t *)xmalloc(q_elems * 2u);
+  fill_random16(p->q, q_elems, amp);
+  p->scale = 1.0f / sqrtf((float)head_dim);
+  CUDA_OK(cudaMalloc((void **)&p->d_base, bytes));
+  CUDA_OK(cudaMemcpy(p->d_base, p->base, bytes, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMalloc((void **)&p->d_q, q_elems * 2u));
+  CUDA_OK(cudaMemcpy(p->d_q, p->q, q_elems * 2u, cudaMemcpyHostToDevice));
+}
+
+static void problem_free(problem *p) {
+  CUDA_OK(cudaFree(p->d_base));
+  CUDA_OK(cudaFree(p->d_q));
+  free(p->len);
+  free(p->base);
+  free(p->q);
+}
+
+static size_t out_elems(const problem *p) { return (size_t)p->n_ctx * p->n_heads * p->head_dim; }
+
+static uint32_t max_len(const problem *p) {
+  uint32_t m = 0;
+  for (uint32_t i = 0; i < p->n_ctx; ++i)
+    if (p->len[i] > m) m = p->len[i];
+  return m;
+}
+
+/* Contiguous arguments; pointers host or device as asked. */
+static akv_attention_args make_args(const problem *p, bool device, float *out, void *ws,
+                                    size_t ws_bytes) {
+  akv_attention_args a;
+  memset(&a, 0, sizeof a);
+  a.dtype = AKV_DTYPE_BF16;
+  a.n_contexts = p->n_ctx;
+  a.n_heads = p->n_heads;
+  a.kv_heads = p->kv_heads;
+  a.head_dim = p->head_dim;
+  a.chunk_tokens = p->chunk;
+  a.scale = p->scale;
+  a.q = device ? (const void *)p->d_q : (const void *)p->q;
+  const char *b = device ? p->d_base : p->base;
+  a.k_base = b;
+  a.v_base = b + p->v_offset;
+  a.context_stride = p->context_stride;
+  a.row_bytes = p->row_bytes;
+  a.len = p->len;
+  a.out = out;
+  a.workspace = ws;
+  a.workspace_bytes = ws_bytes;
+  return a;
+}
+
+static size_t ws_bytes_for(const problem *p, uint32_t max_tokens, uint32_t chunk) {
+  size_t b = 0;
+  assert_int_equal(akv_attention_workspace_bytes(p->n_ctx, p->n_heads, p->head_dim, max_tokens,
+                                                 chunk, &b),
+                   AKV_OK);
+  return b;
+}
+
+/* The C reference of the whole problem. */
+static void run_reference(const problem *p, float *out) {
+  const size_t wsb = ws_bytes_for(p, max_len(p), p->chunk);
+  void *ws = xmalloc(wsb);
+  akv_attention_args a = make_args(p, false, out, ws, wsb);
+  assert_int_equal(akv_attention_ref_bf16(&a), AKV_OK);
+  free(ws);
+}
+
+/* Poisons d_out with NaN (0xFF bytes), runs the contiguous CUDA launcher on
+ * its own stream, copies the result to out. */
+static void run_cuda_contig(const problem *p, float *d_out, void *d_ws, size_t ws_bytes,
+                            float *out) {
+  const size_t n = out_elems(p);
+  cudaStream_t s;
+  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  CUDA_OK(cudaMemsetAsync(d_out, 0xFF, n * sizeof(float), s));
+  CUDA_OK(cudaMemsetAsync(d_ws, 0xFF, ws_bytes, s));
+  akv_attention_args a = make_args(p, true, d_out, d_ws, ws_bytes);
+  assert_int_equal(akv_attention_decode_cuda(&a, s), AKV_OK);
+  CUDA_OK(cudaStreamSynchronize(s));
+  CUDA_OK(cudaGetLastError());
+  CUDA_OK(cudaMemcpy(out, d_out, n * sizeof(float), cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaStreamDestroy(s));
+}
+
+/* A device page pool holding the same history, pages shuffled. */
+typedef struct dpaged {
+  akv_page_table t; /* device pointers */
+  char *d_k, *d_v;
+  uint32_t *d_indptr, *d_indices, *d_last;
+  uint32_t *indptr, *indices, *last; /* host copies */
+} dpaged;
+
+static void dpaged_build(dpaged *pg, const problem *p) {
+  memset(pg, 0, sizeof *pg);
+  const uint32_t pt = p->chunk;
+  const uint64_t row_bytes = (uint64_t)p->kv_heads * p->head_dim * 2u + 16u;
+  const uint64_t page_stride = pt * row_bytes + 48u;
+  pg->indptr = (uint32_t *)xmalloc((p->n_ctx + 1) * sizeof(uint32_t));
+  pg->last = (uint32_t *)xmalloc(p->n_ctx * sizeof(uint32_t));
+  uint32_t total = 0, max_pages = 0;
+  pg->indptr[0] = 0;
+  for (uint32_t i = 0; i < p->n_ctx; ++i) {
+    const uint32_t np = (p->len[i] + pt - 1) / pt;
+    pg->indptr[i + 1] = pg->indptr[i] + np;
+    pg->last[i] = np ? p->len[i] - (np - 1) * pt : 0;
+    total += np;
+    if (np > max_pages) max_pages = np;
+  }
+  const uint32_t pool_pages = total + 2;
+  pg->indices = (uint32_t *)xmalloc((total + 1) * sizeof(uint32_t));
+  uint32_t *perm = (uint32_t *)xmalloc(pool_pages * sizeof(uint32_t));
+  for (uint32_t i = 0; i < pool_pages; ++i) perm[i] = i;
+  for (uint32_t i = pool_pages - 1; i > 0; --i) {
+    const uint32_t j = (uint32_t)(rng_next() % (i + 1));
+    const uint32_t tmp = perm[i];
+    perm[i] = perm[j];
+    perm[j] = tmp;
+  }
+  const size_t pool_bytes = (size_t)pool_pages * page_stride;
+  char *hk = (char *)xmalloc(pool_bytes);
+  char *hv = (char *)xmalloc(pool_bytes);
+  fill_nan16(hk, pool_bytes);
+  fill_nan16(hv, pool_bytes);
+  const size_t payload = (size_t)p->kv_heads * p->head_dim * 2u;
+  for (uint32_t i = 0; i < p->n_ctx; ++i)
+    for (uint32_t c = 0; c < pg->indptr[i + 1] - pg->indptr[i]; ++c) {
+      const uint32_t phys = perm[pg->indptr[i] + c];
+      pg->indices[pg->indptr[i] + c] = phys;
+      for (uint32_t r = 0; r < pt && c * pt + r < p->len[i]; ++r) {
+        const char *src = p->base + i * p->context_stride + (size_t)(c * pt + r) * p->row_bytes;
+        memcpy(hk + phys * page_stride + r * row_bytes, src, payload);
+        memcpy(hv + phys * page_stride + r * row_bytes, src + p->v_offset, payload);
+      }
+    }
+  CUDA_OK(cudaMalloc((void **)&pg->d_k, pool_bytes));
+  CUDA_OK(cudaMalloc((void **)&pg->d_v, pool_bytes));
+  CUDA_OK(cudaMemcpy(pg->d_k, hk, pool_bytes, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(pg->d_v, hv, pool_bytes, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMalloc((void **)&pg->d_indptr, (p->n_ctx + 1) * sizeof(uint32_t)));
+  CUDA_OK(cudaMalloc((void **)&pg->d_indices, (total + 1) * sizeof(uint32_t)));
+  CUDA_OK(cudaMalloc((void **)&pg->d_last, p->n_ctx * sizeof(uint32_t)));
+  CUDA_OK(cudaMemcpy(pg->d_indptr, pg->indptr, (p->n_ctx + 1) * sizeof(uint32_t),
+                     cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(pg->d_indices, pg->indices, (total + 1) * sizeof(uint32_t),
+                     cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(pg->d_last, pg->last, p->n_ctx * sizeof(uint32_t), cudaMemcpyHostToDevice));
+  free(perm);
+  free(hk);
+  free(hv);
+  pg->t.batch = p->n_ctx;
+  pg->t.page_tokens = pt;
+  pg->t.max_pages = max_pages;
+  pg->t.indptr = pg->d_indptr;
+  pg->t.indices = pg->d_indices;
+  pg->t.last_page_len = pg->d_last;
+  pg->t.k_pages = pg->d_k;
+  pg->t.v_pages = pg->d_v;
+  pg->t.page_stride = page_stride;
+  pg->t.row_bytes = row_bytes;
+}
+
+static void dpaged_free(dpaged *pg) {
+  CUDA_OK(cudaFree(pg->d_k));
+  CUDA_OK(cudaFree(pg->d_v));
+  CUDA_OK(cudaFree(pg->d_indptr));
+  CUDA_OK(cudaFree(pg->d_indices));
+  CUDA_OK(cudaFree(pg->d_last));
+  free(pg->indptr);
+  free(pg->indices);
+  free(pg->last);
+}
+
+static akv_attention_paged_args make_paged_args(const problem *p, float *d_out, void *d_ws,
+                                                size_t ws_bytes) {
+  akv_attention_paged_args a;
+  memset(&a, 0, sizeof a);
+  a.dtype = AKV_DTYPE_BF16;
+  a.n_heads = p->n_heads;
+  a.kv_heads = p->kv_heads;
+  a.head_dim = p->head_dim;
+  a.scale = p->scale;
+  a.q = p->d_q;
+  a.out = d_out;
+  a.workspace = d_ws;
+  a.workspace_bytes = ws_bytes;
+  return a;
+}
+
+static void run_cuda_paged(const problem *p, const dpaged *pg, float *d_out, void *d_ws,
+                           size_t ws_bytes, float *out) {
+  const size_t n = out_elems(p);
+  cudaStream_t s;
+  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  CUDA_OK(cudaMemsetAsync(d_out, 0xFF, n * sizeof(float), s));
+  CUDA_OK(cudaMemsetAsync(d_ws, 0xFF, ws_bytes, s));
+  akv_attention_paged_args a = make_paged_args(p, d_out, d_ws, ws_bytes);
+  assert_int_equal(akv_attention_paged_cuda(&a, pg->t, s), AKV_OK);
+  CUDA_OK(cudaStreamSynchronize(s));
+  CUDA_OK(cudaGetLastError());
+  CUDA_OK(cudaMemcpy(out, d_out, n * sizeof(float), cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaStreamDestroy(s));
+}
+
+static double rel_l2(const float *out, const float *ref, size_t n) {
+  double num = 0.0, den = 0.0;
+  for (size_t e = 0; e < n; ++e) {
+    if (isnan(out[e]) || isnan(ref[e])) return INFINITY;
+    const double d = (double)out[e] - (double)ref[e];
+    num += d * d;
+    den += (double)ref[e] * ref[e];
+  }
+  if (den == 0.0) return num == 0.0 ? 0.0 : INFINITY;
+  return sqrt(num / den);
+}
+
+/* The whole check for one geometry. */
+static void check_problem(uint32_t n_ctx, uint32_t n_heads, uint32_t kv_heads, uint32_t head_dim,
+                          uint32_t chunk, const uint32_t *len, float amp) {
+  problem p;
+  dpaged pg;
+  problem_init(&p, n_ctx, n_heads, kv_heads, head_dim, chunk, len, amp);
+  const size_t n = out_elems(&p), per = (size_t)n_heads * head_dim;
+  float *ref = (float *)xmalloc(n * sizeof(float));
+  float *got = (float *)xmalloc(n * sizeof(float));
+  float *again = (float *)xmalloc(n * sizeof(float));
+  float *paged = (float *)xmalloc(n * sizeof(float));
+  run_reference(&p, ref);
+
+  const size_t wsb = ws_bytes_for(&p, max_len(&p), chunk);
+  float *d_out;
+  void *d_ws;
+  CUDA_OK(cudaMalloc((void **)&d_out, n * sizeof(float)));
+  CUDA_OK(cudaMalloc(&d_ws, wsb ? wsb : 16));
+
+  run_cuda_contig(&p, d_out, d_ws, wsb, got);
+  for (uint32_t i = 0; i < n_ctx; ++i) {
+    for (size_t e = 0; e < per; ++e) {
+      if (isnan(got[i * per + e]))
+        print_error("ctx %u element %zu not written (NaN)\n", i, e);
+      assert_false(isnan(got[i * per + e]));
+    }
+    const double err = rel_l2(got + i * per, ref + i * per, per);
+    if (!(err <= REL_L2_TOL))
+      print_error("ctx %u len %u heads %u/%u dim %u chunk %u: rel L2 %.3e > %.0e\n", i, p.len[i],
+                  n_heads, kv_heads, head_dim, chunk, err, REL_L2_TOL);
+    assert_true(err <= REL_L2_TOL);
+    if (err > worst_err) worst_err = err;
+  }
+
+  run_cuda_contig(&p, d_out, d_ws, wsb, again);
+  assert_memory_equal(got, again, n * sizeof(float));
+
+  dpaged_build(&pg, &p);
+  size_t pwsb = 0;
+  assert_int_equal(akv_attention_workspace_bytes(n_ctx, n_heads, head_dim,
+                                                 pg.t.max_pages * chunk, chunk, &pwsb),
+                   AKV_OK);
+  void *d_pws;
+  CUDA_OK(cudaMalloc(&d_pws, pwsb ? pwsb : 16));
+  run_cuda_paged(&p, &pg, d_out, d_pws, pwsb, paged);
+  if (memcmp(got, paged, n * sizeof(float)) != 0)
+    print_error("paged differs from contiguous: heads %u/%u dim %u chunk %u\n", n_heads, kv_heads,
+                head_dim, chunk);
+  assert_memory_equal(got, paged, n * sizeof(float));
+
+  CUDA_OK(cudaFree(d_pws));
+  dpaged_free(&pg);
+  CUDA_OK(cudaFree(d_out));
+  CUDA_OK(cudaFree(d_ws));
+  free(ref);
+  free(got);
+  free(again);
+  free(paged);
+  problem_free(&p);
+}
+
+/* ------------------------------------------------------------------ tests */
+
+static void test_llama_geometry(void **state) {
+  (void)state;
+  const uint32_t len[4] = {3000, 257, 1, 1024};
+  check_problem(4, 32, 8, 128, 256, len, 1.0f);
+  check_problem(4, 32, 8, 128, 256, len, 6.0f); /* sharper softmax */
+  const uint32_t edge[5] = {1, 63, 64, 65, 64 * 7 + 13};
+  check_problem(5, 32, 8, 128, 64, edge, 1.0f);
+}
+
+static void test_head_dims_and_groups(void **state) {
+  (void)state;
+  const uint32_t len[5] = {1, 15, 16, 17, 201};
+  check_problem(5, 8, 8, 64, 16, len, 1.0f);    /* D 64, group 1 */
+  check_problem(5, 16, 8, 64, 16, len, 1.0f);   /* D 64, group 2 */
+  check_problem(5, 64, 8, 64, 16, len, 1.0f);   /* D 64, group 8 */
+  check_problem(5, 4, 2, 256, 16, len, 1.0f);   /* D 256, group 2 */
+  check_problem(5, 16, 2, 256, 32, len, 1.0f);  /* D 256, group 8 */
+  check_problem(5, 12, 4, 128, 32, len, 1.0f);  /* group 3: a masked head */
+  check_problem(5, 16, 1, 64, 48, len, 1.0f);   /* group 16: two subgroups */
+  check_problem(5, 40, 4, 128, 100, len, 1.0f); /* group 10: 8 + 2 of 8 */
+  check_problem(5, 64, 8, 128, 1, len, 1.0f);   /* chunk of one row */
+}
+
+static void test_zero_lengths_and_many_contexts(void **state) {
+  (void)state;
+  /* 300 contexts: more than one launch group; some of length 0. */
+  uint32_t len[300];
+  for (uint32_t i = 0; i < 300; ++i) len[i] = (i % 7 == 0) ? 0 : 1 + (uint32_t)(rng_next() % 40);
+  check_problem(300, 8, 2, 64, 16, len, 1.0f);
+
+  /* Zero-length contexts get zeros (written, not left poisoned). */
+  const uint32_t z[3] = {0, 9, 0};
+  problem p;
+  problem_init(&p, 3, 8, 2, 128, 8, z, 1.0f);
+  const size_t n = out_elems(&p), per = (size_t)8 * 128;
+  float *got = (float *)xmalloc(n * sizeof(float));
+  const size_t wsb = ws_bytes_for(&p, max_len(&p), 8);
+  float *d_out;
+  void *d_ws;
+  CUDA_OK(cudaMalloc((void **)&d_out, n * sizeof(float)));
+  CUDA_OK(cudaMalloc(&d_ws, wsb));
+  run_cuda_contig(&p, d_out, d_ws, wsb, got);
+  for (size_t e = 0; e < per; ++e) {
+    assert_true(got[e] == 0.0f);
+    assert_true(got[2 * per + e] == 0.0f);
+  }
+  CUDA_OK(cudaFree(d_out));
+  CUDA_OK(cudaFree(d_ws));
+  free(got);
+  problem_free(&p);
+
+  /* All contexts empty: only the combine runs; workspace may be 0 bytes. */
+  const uint32_t none[2] = {0, 0};
+  problem e;
+  problem_init(&e, 2, 4, 4, 64, 8, none, 1.0f);
+  float *d_out2;
+  float out2[2 * 4 * 64];
+  CUDA_OK(cudaMalloc((void **)&d_out2, sizeof out2));
+  CUDA_OK(cudaMemset(d_out2, 0xFF, sizeof out2));
+  akv_attention_args a = make_args(&e, true, d_out2, NULL, 0);
+  assert_int_equal(akv_attention_decode_cuda(&a, 0), AKV_OK);
+  CUDA_OK(cudaDeviceSynchronize());
+  CUDA_OK(cudaMemcpy(out2, d_out2, sizeof out2, cudaMemcpyDeviceToHost));
+  for (size_t i = 0; i < 2 * 4 * 64; ++i) assert_true(out2[i] == 0.0f);
+  CUDA_OK(cudaFree(d_out2));
+  problem_free(&e);
+}
+
+/* The llama-3-8b layer at the benchmark's length, one context. */
+static void test_long_history(void **state) {
+  (void)state;
+  const uint32_t len[1] = {31744};
+  check_problem(1, 32, 8, 128, 256, len, 1.0f);
+  print_message("worst relative L2 error CUDA vs reference: %.3e (bound %.0e)\n", worst_err,
+                REL_L2_TOL);
+}
+
+static void test_invalid_arguments(void **state) {
+  (void)state;
+  const uint32_t len[2] = {40, 17};
+  problem p;
+  problem_init(&p, 2, 8, 2, 128, 16, len, 1.0f);
+  const size_t n = out_elems(&p);
+  const size_t wsb = ws_bytes_for(&p, 40, 16);
+  float *d_out;
+  char *d_ws;
+  CUDA_OK(cudaMalloc((void **)&d_out, n * sizeof(float)));
+  CUDA_OK(cudaMalloc((void **)&d_ws, wsb + 64));
+  CUDA_OK(cudaMemset(d_out, 0xFF, n * sizeof(float)));
+  const akv_attention_args good = make_args(&p, true, d_out, d_ws, wsb);
+  akv_attention_args a;
+  assert_int_equal(akv_attention_decode_cuda(NULL, 0), AKV_ERR_INVALID_ARGUMENT);
+#define EXPECT_BAD(mutation, status)                         \
+  do {                                                       \
+    a = good;                                                \
+    mutation;                                                \
+    assert_int_equal(akv_attention_decode_cuda(&a, 0), status); \
+  } while (0)
+  EXPECT_BAD(a.workspace_bytes = wsb - 1, AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_BAD(a.workspace = d_ws + 4, AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_BAD(a.k_base = p.d_base + 2, AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_BAD(a.v_base = p.d_base + p.v_offset + 8, AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_BAD(a.row_bytes = p.row_bytes + 2, AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_BAD(a.context_stride = p.context_stride + 4, AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_BAD(a.q = (const char *)p.d_q + 2, AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_BAD(a.n_heads = 9, AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_BAD(a.chunk_tokens = 0, AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_BAD(a.len = NULL, AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_BAD(a.out = NULL, AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_BAD(a.dtype = AKV_DTYPE_F16, AKV_ERR_NOT_SUPPORTED);
+  EXPECT_BAD((a.head_dim = 96, a.row_bytes = 2 * 96 * 2), AKV_ERR_NOT_SUPPORTED);
+#undef EXPECT_BAD
+  /* Nothing was enqueued: the output is still all NaN bytes. */
+  CUDA_OK(cudaDeviceSynchronize());
+  unsigned char *h = (unsigned char *)xmalloc(n * sizeof(float));
+  CUDA_OK(cudaMemcpy(h, d_out, n * sizeof(float), cudaMemcpyDeviceToHost));
+  for (size_t i = 0; i < n * sizeof(float); ++i) assert_int_equal(h[i], 0xFF);
+
+  /* Paged launcher checks. */
+  dpaged pg;
+  dpaged_build(&pg, &p);
+  size_t pwsb = 0;
+  assert_int_equal(akv_attention_workspace_bytes(2, 8, 128, pg.t.max_pages * 16, 16, &pwsb),
+                   AKV_OK);
+  akv_attention_paged_args pa = make_paged_args(&p, d_out, d_ws, pwsb);
+  akv_page_table t = pg.t;
+  assert_int_equal(akv_attention_paged_cuda(NULL, t, 0), AKV_ERR_INVALID_ARGUMENT);
+  pa.workspace_bytes = pwsb - 1;
+  assert_int_equal(akv_attention_paged_cuda(&pa, t, 0), AKV_ERR_INVALID_ARGUMENT);
+  pa.workspace_bytes = pwsb;
+  t.k_pages = pg.d_k + 8;
+  assert_int_equal(akv_attention_paged_cuda(&pa, t, 0), AKV_ERR_INVALID_ARGUMENT);
+  t = pg.t;
+  t.page_stride += 4;
+  assert_int_equal(akv_attention_paged_cuda(&pa, t, 0), AKV_ERR_INVALID_ARGUMENT);
+  t = pg.t;
+  t.indices = NULL;
+  assert_int_equal(akv_attention_paged_cuda(&pa, t, 0), AKV_ERR_INVALID_ARGUMENT);
+  t = pg.t;
+  t.page_tokens = 0;
+  assert_int_equal(akv_attention_paged_cuda(&pa, t, 0), AKV_ERR_INVALID_ARGUMENT);
+  CUDA_OK(cudaDeviceSynchronize());
+  CUDA_OK(cudaMemcpy(h, d_out, n * sizeof(float), cudaMemcpyDeviceToHost));
+  for (size_t i = 0; i < n * sizeof(float); ++i) assert_int_equal(h[i], 0xFF);
+
+  /* A good call after all that still works. */
+  a = good;
+  assert_int_equal(akv_attention_decode_cuda(&a, 0), AKV_OK);
+  CUDA_OK(cudaDeviceSynchronize());
+  CUDA_OK(cudaGetLastError());
+
+  free(h);
+  dpaged_free(&pg);
+  CUDA_OK(cudaFree(d_out));
+  CUDA_OK(cudaFree(d_ws));
+  problem_free(&p);
+}
+
+/* A table whose context 1 has more pages than max_pages: that context's
+ * output is NaN, the others are still right (and nothing is read out of
+ * bounds, which compute-sanitizer checks in the GPU pass). */
+static void test_paged_overflow_marks_context(void **state) {
+  (void)state;
+  const uint32_t len[3] = {32, 80, 16};
+  problem p;
+  problem_init(&p, 3, 8, 2, 64, 16, len, 1.0f);
+  const size_t n = out_elems(&p), per = (size_t)8 * 64;
+  float *ref = (float *)xmalloc(n * sizeof(float));
+  float *got = (float *)xmalloc(n * sizeof(float));
+  run_reference(&p, ref);
+  dpaged pg;
+  dpaged_build(&pg, &p); /* pages: 2, 5, 1 */
+  pg.t.max_pages = 3;
+  size_t wsb = 0;
+  assert_int_equal(akv_attention_workspace_bytes(3, 8, 64, 3 * 16, 16, &wsb), AKV_OK);
+  float *d_out;
+  void *d_ws;
+  CUDA_OK(cudaMalloc((void **)&d_out, n * sizeof(float)));
+  CUDA_OK(cudaMalloc(&d_ws, wsb));
+  run_cuda_paged(&p, &pg, d_out, d_ws, wsb, got);
+  for (size_t e = 0; e < per; ++e) assert_true(isnan(got[per + e]));
+  assert_true(rel_l2(got, ref, per) <= REL_L2_TOL);
+  assert_true(rel_l2(got + 2 * per, ref + 2 * per, per) <= REL_L2_TOL);
+  CUDA_OK(cudaFree(d_out));
+  CUDA_OK(cudaFree(d_ws));
+  dpaged_free(&pg);
+  free(ref);
+  free(got);
+  problem_free(&p);
+}
+
+int main(void) {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess || count == 0) {
+    printf("SKIP: no CUDA device (%s)\n",
+           err != cudaSuccess ? cudaGetErrorString(err) : "device count 0");
+    return 77;
+  }
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_llama_geometry),
+      cmocka_unit_test(test_head_dims_and_groups),
+      cmocka_unit_test(test_zero_lengths_and_many_contexts),
+      cmocka_unit_test(test_invalid_arguments),
+      cmocka_unit_test(test_paged_overflow_marks_context),
+      cmocka_unit_test(test_long_history),
+  };
+  return cmocka_run_group_tests_name("gpu_attention", tests, NULL, NULL);
+}
