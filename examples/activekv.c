@@ -78,6 +78,7 @@ typedef struct cli_opts {
   akv_fit_mode fit_mode;
   uint64_t delay_seed;   /* host backend testing aid: injected queue delays */
   uint32_t delay_max_us;
+  uint32_t fail_nth;     /* testing aid: fail the N-th backend operation */
   int check, json, verbose, progress;
   double pcie_gbps;
 } cli_opts;
@@ -247,6 +248,7 @@ static void usage(FILE *f) {
           "  --host-delay-us N     host backend test aid: random delays up to N us on every\n"
           "                        queue operation (schedule perturbation)   [0]\n"
           "  --host-delay-seed N   seed of those delays   [1]\n"
+          "  --fail-nth N          test aid: the engine fails its N-th backend operation\n"
           "output:\n"
           "  --check               also decode resident in this process and compare the\n"
           "                        logits of every step bit for bit (exit 4 on a mismatch)\n"
@@ -366,6 +368,19 @@ static int parse_args(int argc, char **argv, int first, cli_opts *o) {
     }
 
     /* everything else takes a value */
+    static const char *const valued[] = {
+        "--preset",       "--rope-theta",     "--seed",          "--contexts",      "--tokens",
+        "--steps",        "--warmup",         "--route",         "--backend",       "--device",
+        "--host-pool-gib", "--device-pool-gib", "--page-tokens", "--chunk-tokens",
+        "--target-pages", "--burst-pages",    "--fit-mode",      "--host-delay-us",
+        "--host-delay-seed", "--fail-nth", "--pcie-gbps",   "--layers",        "--heads",         "--kv-heads",
+        "--head-dim",     "--hidden",         "--ffn",           "--vocab"};
+    int known = 0;
+    for (size_t k = 0; k < sizeof valued / sizeof valued[0]; ++k) known |= !strcmp(name, valued[k]);
+    if (!known) {
+      say_error("unknown option %s (see activekv --help)", name);
+      return EXIT_USAGE;
+    }
     if (eq) val = (char *)eq + 1;
     else if (i + 1 < argc) val = argv[++i];
     else {
@@ -449,11 +464,10 @@ static int parse_args(int argc, char **argv, int first, cli_opts *o) {
       rc = parse_u32(name, val, 0, 1000000, &o->delay_max_us);
     } else if (strcmp(name, "--host-delay-seed") == 0) {
       rc = parse_u64(name, val, 1, UINT64_MAX, &o->delay_seed);
+    } else if (strcmp(name, "--fail-nth") == 0) {
+      rc = parse_u32(name, val, 0, UINT32_MAX, &o->fail_nth);
     } else if (strcmp(name, "--pcie-gbps") == 0) {
       rc = parse_double(name, val, 0.001, 1e6, &o->pcie_gbps);
-    } else {
-      say_error("unknown option %s (see activekv --help)", name);
-      return EXIT_USAGE;
     }
     if (rc) return EXIT_USAGE;
   }
@@ -507,6 +521,7 @@ static void engine_config(const cli_opts *o, akv_backend_kind backend, akv_engin
   c->log_level = o->verbose ? AKV_LOG_DEBUG : AKV_LOG_WARN;
   c->host_delay_seed = o->delay_max_us ? o->delay_seed : 0;
   c->host_delay_max_us = o->delay_max_us;
+  c->fault_fail_nth = o->fail_nth;
 }
 
 /*
@@ -550,11 +565,18 @@ static int fit_config(const cli_opts *o, akv_backend_kind backend, akv_engine_co
 }
 
 static void say_no_fit(const cli_opts *o, const akv_fit_report *r) {
-  say_error("the host pool of %u GiB holds %llu of --contexts %u histories of %llu bytes; "
-            "raise --host-pool-gib to %u, lower --contexts to %llu, or pass --fit-mode shrink",
-            (unsigned)(r->host_pool_bytes / GIB), (unsigned long long)r->fits, o->contexts,
-            (unsigned long long)r->history_bytes, r->host_pool_gib_needed,
-            (unsigned long long)r->fits);
+  unsigned pool = (unsigned)(r->host_pool_bytes / GIB);
+  if (r->fits == 0)
+    say_error("the host pool of %u GiB holds no history of %llu bytes (--tokens plus --warmup "
+              "plus --steps rows of every layer); raise --host-pool-gib to %u or lower --tokens",
+              pool, (unsigned long long)r->history_bytes, r->host_pool_gib_needed);
+  else
+    say_error("the host pool of %u GiB holds %llu of --contexts %u histories of %llu bytes; "
+              "raise --host-pool-gib to %u or lower --contexts to %llu%s",
+              pool, (unsigned long long)r->fits, o->contexts,
+              (unsigned long long)r->history_bytes, r->host_pool_gib_needed,
+              (unsigned long long)r->fits,
+              o->fit_mode == AKV_FIT_REFUSE ? " (or pass --fit-mode shrink to run what fits)" : "");
 }
 
 /* ------------------------------------------------------------------------ */
@@ -606,6 +628,7 @@ struct runner {
   akv_context *ctx[MODEL_MAX_BATCH];
   akv_lease **lease; /* [n_layers], the open step's leases not yet retired */
   layer_slot *slot;  /* [n_layers] */
+  int step_open;     /* between akv_step_begin and a successful akv_step_end */
   uint32_t res_len[MODEL_MAX_BATCH];
   char err[768];
 };
@@ -661,6 +684,10 @@ static int attention_hook(void *user, const akv_view *view, akv_stream stream) {
     return 0;
   }
   /* CUDA: the stream is the model's own; model_attend enqueues on it. */
+  if (stream != (akv_stream)model_stream(r->m)) {
+    run_fail(r, "hook: layer %u was attended on a stream other than the model's", view->layer);
+    return 1;
+  }
   if (model_attend(r->m, view->layer, &s->kv) != 0) {
     run_fail(r, "layer %u: %s", view->layer, model_error(r->m));
     return 1;
@@ -743,6 +770,7 @@ static int step_engine(runner *r, const int32_t *tok, float *logits) {
     run_fail_akv(r, "akv_step_begin", st);
     return -1;
   }
+  r->step_open = 1;
   const uint32_t L = r->m->g.n_layers;
   for (uint32_t l = 0; l < L; ++l) r->lease[l] = NULL;
   if (model_forward(r->m, r->n_ctx, tok, pos, layer_engine, r, logits) != 0) {
@@ -755,6 +783,7 @@ static int step_engine(runner *r, const int32_t *tok, float *logits) {
     run_fail_akv(r, "akv_step_end", st);
     return -1;
   }
+  r->step_open = 0;
   return 0;
 }
 
@@ -881,6 +910,10 @@ static akv_backend_kind resolve_backend(const cli_opts *o) {
   return AKV_BACKEND_HOST;
 }
 
+static const char *backend_name(akv_backend_kind b) {
+  return b == AKV_BACKEND_CUDA ? "cuda" : b == AKV_BACKEND_HOST ? "host" : "auto";
+}
+
 static void print_counters(const uint64_t *adm) {
   printf("admission:");
   for (int k = 0; k < AKV_ADM_RULE_COUNT; ++k)
@@ -889,114 +922,90 @@ static void print_counters(const uint64_t *adm) {
   printf("\n");
 }
 
-/*
- * Runs o->route over o->contexts prefilled contexts for warmup + steps
- * decode steps; with --check, resident alongside. steps_out: print a line per
- * step (human decode). Returns 0 or EXIT_RUN_ERROR (message printed).
- */
-static int run(const cli_opts *o, int steps_out, run_result *res) {
-  runner rr, *r = &rr;
-  memset(r, 0, sizeof *r);
-  memset(res, 0, sizeof *res);
-  r->o = o;
-  const int use_engine = o->route != ROUTE_RESIDENT;
-  const int use_resident = o->route == ROUTE_RESIDENT || o->check;
-  const uint32_t total_steps = o->warmup + o->steps;
-  int rc = EXIT_RUN_ERROR;
-  float *logits = NULL, *ref = NULL;
-  double *ms = NULL, *res_ms = NULL;
-  akv_engine_info info0, info1;
-  akv_engine_config cfg;
-  memset(&info0, 0, sizeof info0);
-  memset(&info1, 0, sizeof info1);
-  char err[512] = "";
-
-  r->backend = resolve_backend(o);
-  res->backend = r->backend;
-  res->route = o->route;
-  if (fit_config(o, r->backend, &cfg, &res->fit, &res->host_pool_chosen) != 0) return rc;
-  res->host_pool_gib = cfg.host_pool_gib;
-  res->history_bytes = res->fit.history_bytes;
-  r->n_ctx = o->contexts;
-
-  if (use_engine) {
-    akv_status st = akv_engine_create(&cfg, &r->engine);
-    if (st != AKV_OK) {
-      r->engine = NULL;
-      if (st == AKV_ERR_NO_FIT) say_no_fit(o, &res->fit);
-      else if (st == AKV_ERR_OUT_OF_MEMORY)
-        say_error("akv_engine_create: out of memory for a %u GiB pinned host pool and a %u GiB "
-                  "device pool (%s); lower --host-pool-gib or --device-pool-gib",
-                  cfg.host_pool_gib, cfg.device_pool_gib, lib_last);
-      else if (st == AKV_ERR_NOT_SUPPORTED)
-        say_error("akv_engine_create: the %s backend is not available here (%s); use "
-                  "--backend host",
-                  r->backend == AKV_BACKEND_CUDA ? "CUDA" : "requested", lib_last);
-      else
-        say_error("akv_engine_create: %s (%s); check --page-tokens, --tokens, --kv-heads, "
-                  "--head-dim",
-                  akv_status_string(st), lib_last);
-      return rc;
-    }
-    akv_engine_info_get(r->engine, &info0);
-    res->backend = info0.backend;
-    res->have_engine = 1;
-    res->engine_device_bytes = info0.device_bytes_allocated;
-    res->engine_staging_bytes = info0.staging_bytes;
-    res->device_pages = info0.device_pages;
-    if (info0.backend != r->backend) {
-      say_error("the engine chose the %s backend, the model the %s one; pass --backend",
-                info0.backend == AKV_BACKEND_CUDA ? "CUDA" : "host",
-                r->backend == AKV_BACKEND_CUDA ? "CUDA" : "host");
-      goto out;
-    }
-
-    akv_context_config cc = AKV_CONTEXT_CONFIG_INIT;
-    cc.target_pages = o->target_pages;
-    cc.burst_pages = o->burst_pages;
-    for (uint32_t i = 0; i < o->contexts; ++i) {
-      st = akv_context_open(r->engine, &cc, &r->ctx[i]);
-      if (st == AKV_ERR_REFUSED_QUEUE) { /* shrink mode: the rest would queue */
-        res->queued = o->contexts - i;
-        r->n_ctx = i;
-        break;
-      }
-      if (st != AKV_OK) {
-        r->n_ctx = i;
-        if (st == AKV_ERR_ADMISSION_REFUSED) {
-          char why[512];
-          akv_admission_explain(r->engine, NULL, why, sizeof why);
-          say_error("context %u refused by the device pool: %s; lower --target-pages or raise "
-                    "--device-pool-gib",
-                    i, why);
-        } else {
-          say_error("akv_context_open: %s (%s)", akv_status_string(st),
-                    akv_engine_last_error(r->engine));
-        }
-        goto out;
-      }
-    }
-    if (r->n_ctx == 0) {
-      say_error("no context could be opened; raise --host-pool-gib");
-      goto out;
-    }
+/* Creates the engine and opens the contexts (shrink mode may open fewer).
+ * Returns 0, or -1 with the message printed. */
+static int open_engine(runner *r, const akv_engine_config *cfg, run_result *res) {
+  const cli_opts *o = r->o;
+  akv_engine_info info;
+  akv_status st = akv_engine_create(cfg, &r->engine);
+  if (st != AKV_OK) {
+    r->engine = NULL;
+    if (st == AKV_ERR_NO_FIT)
+      say_no_fit(o, &res->fit);
+    else if (st == AKV_ERR_OUT_OF_MEMORY)
+      say_error("akv_engine_create: out of memory for a %u GiB pinned host pool and a %u GiB "
+                "device pool (%s); lower --host-pool-gib or --device-pool-gib",
+                cfg->host_pool_gib, cfg->device_pool_gib, lib_last);
+    else if (st == AKV_ERR_NOT_SUPPORTED)
+      say_error("akv_engine_create: the %s backend is not available here (%s); use --backend "
+                "host",
+                backend_name(r->backend), lib_last);
+    else
+      say_error("akv_engine_create: %s (%s); check --page-tokens, --tokens, --kv-heads, "
+                "--head-dim",
+                akv_status_string(st), lib_last);
+    return -1;
   }
-  res->contexts = r->n_ctx;
+  akv_engine_info_get(r->engine, &info);
+  res->backend = info.backend;
+  res->have_engine = 1;
+  res->engine_device_bytes = info.device_bytes_allocated;
+  res->engine_staging_bytes = info.staging_bytes;
+  res->device_pages = info.device_pages;
+  res->host_pool_bytes = res->fit.host_pool_bytes;
 
+  akv_context_config cc = AKV_CONTEXT_CONFIG_INIT;
+  cc.target_pages = o->target_pages;
+  cc.burst_pages = o->burst_pages;
+  for (uint32_t i = 0; i < o->contexts; ++i) {
+    st = akv_context_open(r->engine, &cc, &r->ctx[i]);
+    if (st == AKV_ERR_REFUSED_QUEUE) { /* shrink mode: the rest would queue */
+      res->queued = o->contexts - i;
+      break;
+    }
+    if (st == AKV_ERR_ADMISSION_REFUSED) {
+      char why[512];
+      akv_admission_explain(r->engine, NULL, why, sizeof why);
+      size_t n = strlen(why);
+      while (n > 0 && (why[n - 1] == '.' || why[n - 1] == ' ' || why[n - 1] == '\n'))
+        why[--n] = '\0';
+      say_error("context %u of %u refused by the device pool: %s. Lower --target-pages or "
+                "--burst-pages, or raise --device-pool-gib",
+                i + 1, o->contexts, why);
+      return -1;
+    }
+    if (st != AKV_OK) {
+      say_error("akv_context_open: %s (%s)", akv_status_string(st),
+                akv_engine_last_error(r->engine));
+      return -1;
+    }
+    r->n_ctx = i + 1;
+  }
+  if (r->n_ctx == 0) {
+    say_error("no context could be opened; raise --host-pool-gib");
+    return -1;
+  }
+  return 0;
+}
+
+/* The model, its compute stream for the engine, and its resident store. */
+static int open_model(runner *r, int use_engine, int use_resident) {
+  const cli_opts *o = r->o;
+  char err[512] = "";
   if (model_make(o, r->backend, r->n_ctx, &r->m, err, sizeof err) != 0) {
     say_error("model: %s", err);
-    goto out;
+    return -1;
   }
   if (use_engine) {
     if (model_stream(r->m) != NULL) {
-      /* CUDA backend: a cudaStream_t is an akv_stream (akv.h). */
+      /* CUDA backend: a cudaStream_t is an akv_stream (akv_stream_from_cuda). */
       r->stream = (akv_stream)model_stream(r->m);
     } else {
       akv_status st = akv_stream_create(r->engine, &r->stream);
       if (st != AKV_OK) {
         say_error("akv_stream_create: %s (%s)", akv_status_string(st),
                   akv_engine_last_error(r->engine));
-        goto out;
+        return -1;
       }
       r->own_stream = 1;
     }
@@ -1004,44 +1013,68 @@ static int run(const cli_opts *o, int steps_out, run_result *res) {
     r->slot = calloc(o->g.n_layers, sizeof *r->slot);
     if (r->lease == NULL || r->slot == NULL) {
       say_error("out of host memory");
-      goto out;
+      return -1;
     }
   }
   if (use_resident && model_resident_reserve(r->m, r->n_ctx, max_tokens(o)) != 0) {
     say_error("%s", model_error(r->m));
-    goto out;
+    return -1;
   }
+  return 0;
+}
 
-  if (prefill(r, use_engine, use_resident, &res->prefill_s) != 0) {
-    say_error("%s", r->err);
-    goto out;
+/* Releases everything run() made. After a failed step (an open step or a
+ * failed transport) quarantine proves the queues drained before destroy. */
+static void close_all(runner *r) {
+  if (r->engine) {
+    akv_engine_info info;
+    int dirty = r->step_open;
+    if (akv_engine_info_get(r->engine, &info) == AKV_OK && info.transport_failed) dirty = 1;
+    if (dirty) {
+      akv_quarantine_report qr;
+      akv_engine_quarantine(r->engine, &qr);
+    }
+    if (r->own_stream) akv_stream_destroy(r->engine, r->stream);
+    if (!dirty)
+      for (uint32_t i = 0; i < r->n_ctx; ++i) akv_context_close(r->ctx[i]);
+    akv_status st = akv_engine_destroy(r->engine);
+    if (st != AKV_OK) say_error("akv_engine_destroy: %s (%s)", akv_status_string(st), lib_last);
   }
-  for (uint32_t i = 0; i < r->n_ctx; ++i) r->res_len[i] = ctx_tokens(o, i);
-  if (use_engine) akv_admission_counters(r->engine, res->adm, AKV_ADM_RULE_COUNT);
-  if (steps_out) {
-    if (use_engine) print_counters(res->adm);
-    fflush(stdout);
-  }
+  model_destroy(r->m);
+  free(r->lease);
+  free(r->slot);
+}
 
-  const uint64_t lbytes = (uint64_t)r->n_ctx * o->g.vocab * sizeof(float);
-  logits = malloc(lbytes);
-  ref = malloc(lbytes);
-  ms = calloc(total_steps, sizeof *ms);
-  res_ms = calloc(total_steps, sizeof *res_ms);
+/*
+ * warmup + steps decode steps of the route (timed), each followed with
+ * --check by the same step on the resident store, whose logits must match bit
+ * for bit. Every context continues greedily with the route's argmax.
+ */
+static int decode_steps(runner *r, int steps_out, run_result *res) {
+  const cli_opts *o = r->o;
+  const int use_engine = r->engine != NULL;
+  const uint32_t total = o->warmup + o->steps, V = o->g.vocab;
+  const uint64_t lbytes = (uint64_t)r->n_ctx * V * sizeof(float);
+  float *logits = malloc(lbytes), *ref = malloc(lbytes);
+  double *ms = calloc(total, sizeof *ms), *res_ms = calloc(total, sizeof *res_ms);
+  double route_s = 0.0, resident_s = 0.0;
+  akv_engine_info info0, info1;
+  int32_t tok[MODEL_MAX_BATCH];
+  int rc = -1;
+  memset(&info0, 0, sizeof info0);
+  memset(&info1, 0, sizeof info1);
   if (!logits || !ref || !ms || !res_ms) {
     say_error("out of host memory for the logits of %u contexts", r->n_ctx);
     goto out;
   }
-  int32_t tok[MODEL_MAX_BATCH];
   for (uint32_t i = 0; i < r->n_ctx; ++i)
-    tok[i] = (int32_t)(model_mix64(o->seed ^ (0x746f6b656eull + i)) % o->g.vocab);
-
+    tok[i] = (int32_t)(model_mix64(o->seed ^ (0x746f6b656eull + i)) % V);
   res->checked = use_engine && o->check;
   res->first_mismatch = UINT32_MAX;
-  double route_s = 0.0, resident_s = 0.0;
-  for (uint32_t s = 0; s < total_steps; ++s) {
+
+  for (uint32_t s = 0; s < total; ++s) {
     const int measured = s >= o->warmup;
-    if (measured && s == o->warmup && use_engine) akv_engine_info_get(r->engine, &info0);
+    if (s == o->warmup && use_engine) akv_engine_info_get(r->engine, &info0);
     double t0 = now_s();
     int src = use_engine ? step_engine(r, tok, logits) : step_resident(r, tok, logits);
     double t1 = now_s();
@@ -1066,7 +1099,7 @@ static int run(const cli_opts *o, int steps_out, run_result *res) {
       if (!same) {
         res->mismatched_steps++;
         if (res->first_mismatch == UINT32_MAX) res->first_mismatch = s + 1;
-        for (uint64_t k = 0; k < (uint64_t)r->n_ctx * o->g.vocab; ++k) {
+        for (uint64_t k = 0; k < (uint64_t)r->n_ctx * V; ++k) {
           double d = fabs((double)logits[k] - (double)ref[k]);
           if (d > res->max_abs_diff || d != d) res->max_abs_diff = d;
         }
@@ -1074,24 +1107,23 @@ static int run(const cli_opts *o, int steps_out, run_result *res) {
     }
     model_memory mm;
     model_memory_get(r->m, &mm);
-    if (mm.device_used > res->mem.device_used) res->mem.device_used = mm.device_used;
+    if (mm.device_used > res->device_peak_bytes) res->device_peak_bytes = mm.device_used;
 
     if (steps_out) {
-      printf("step %*u/%u  %-8s %9.2f ms", total_steps >= 100 ? 4 : 2, s + 1, total_steps,
+      printf("step %*u/%u  %-8s %9.2f ms", total >= 100 ? 4 : 2, s + 1, total,
              route_names[o->route], ms[s]);
       if (same >= 0)
         printf("  resident %9.2f ms  %s", res_ms[s], same ? "bitwise ok" : "MISMATCH");
       printf("%s\n", measured ? "" : "  (warm-up)");
       fflush(stdout);
     }
-    /* greedy: every context continues with the route's argmax */
-    for (uint32_t i = 0; i < r->n_ctx; ++i) tok[i] = argmax(logits + (uint64_t)i * o->g.vocab, o->g.vocab);
+    for (uint32_t i = 0; i < r->n_ctx; ++i) tok[i] = argmax(logits + (uint64_t)i * V, V);
   }
 
   res->steps = o->steps;
   res->tokens_per_s = route_s > 0 ? (double)r->n_ctx * o->steps / route_s : 0.0;
   double sum = 0.0;
-  for (uint32_t s = o->warmup; s < total_steps; ++s) sum += ms[s];
+  for (uint32_t s = o->warmup; s < total; ++s) sum += ms[s];
   res->step_ms_mean = sum / o->steps;
   quantiles(ms + o->warmup, o->steps, &res->step_ms_median, &res->step_ms_p90);
   if (res->checked) {
@@ -1105,40 +1137,13 @@ static int run(const cli_opts *o, int steps_out, run_result *res) {
     res->bytes_d2d = (info1.bytes_d2d - info0.bytes_d2d) / o->steps;
     res->bytes_d2h = (info1.bytes_d2h - info0.bytes_d2h) / o->steps;
     res->engine_device_bytes = info1.device_bytes_allocated;
-    res->device_peak_bytes = info1.device_peak_bytes;
-    res->host_pool_bytes = res->fit.host_pool_bytes;
+    /* The engine samples the device at its syncs, the model after every step. */
+    if (info1.device_peak_bytes > res->device_peak_bytes)
+      res->device_peak_bytes = info1.device_peak_bytes;
     akv_admission_counters(r->engine, res->adm, AKV_ADM_RULE_COUNT);
   }
-  {
-    uint64_t used = res->mem.device_used;
-    model_memory_get(r->m, &res->mem);
-    if (used > res->mem.device_used) res->mem.device_used = used;
-  }
-  /* The engine samples the device at its syncs, the model after every step. */
-  if (res->mem.device_used > res->device_peak_bytes) res->device_peak_bytes = res->mem.device_used;
   rc = 0;
-
 out:
-  if (r->engine) {
-    /* A failed step leaves leases or a step open: quarantine proves the
-     * queues drained before anything is freed. */
-    akv_engine_info ie;
-    int dirty = rc != 0;
-    if (akv_engine_info_get(r->engine, &ie) == AKV_OK && ie.transport_failed) dirty = 1;
-    if (dirty) {
-      akv_quarantine_report qr;
-      akv_engine_quarantine(r->engine, &qr);
-    }
-    if (r->own_stream) akv_stream_destroy(r->engine, r->stream);
-    if (!dirty)
-      for (uint32_t i = 0; i < r->n_ctx; ++i) akv_context_close(r->ctx[i]);
-    akv_status st = akv_engine_destroy(r->engine);
-    if (st != AKV_OK)
-      say_error("akv_engine_destroy: %s (%s)", akv_status_string(st), lib_last);
-  }
-  model_destroy(r->m);
-  free(r->lease);
-  free(r->slot);
   free(logits);
   free(ref);
   free(ms);
@@ -1146,13 +1151,54 @@ out:
   return rc;
 }
 
+/*
+ * One run: o->route over o->contexts prefilled contexts; with --check,
+ * resident alongside in the same process. steps_out: print the admission
+ * counters and a line per step (human decode). Returns 0 or EXIT_RUN_ERROR
+ * (the message printed).
+ */
+static int run(const cli_opts *o, int steps_out, run_result *res) {
+  runner rr, *r = &rr;
+  akv_engine_config cfg;
+  const int use_engine = o->route != ROUTE_RESIDENT;
+  const int use_resident = o->route == ROUTE_RESIDENT || o->check;
+  int rc = EXIT_RUN_ERROR;
+  memset(r, 0, sizeof *r);
+  memset(res, 0, sizeof *res);
+  r->o = o;
+  r->backend = resolve_backend(o);
+  r->n_ctx = o->contexts;
+  res->backend = r->backend;
+  res->route = o->route;
+  if (fit_config(o, r->backend, &cfg, &res->fit, &res->host_pool_chosen) != 0) return rc;
+  res->host_pool_gib = cfg.host_pool_gib;
+  res->history_bytes = res->fit.history_bytes;
+
+  if (use_engine && open_engine(r, &cfg, res) != 0) goto out;
+  res->contexts = r->n_ctx;
+  if (open_model(r, use_engine, use_resident) != 0) goto out;
+  if (prefill(r, use_engine, use_resident, &res->prefill_s) != 0) {
+    say_error("%s", r->err);
+    goto out;
+  }
+  for (uint32_t i = 0; i < r->n_ctx; ++i) r->res_len[i] = ctx_tokens(o, i);
+  if (use_engine) akv_admission_counters(r->engine, res->adm, AKV_ADM_RULE_COUNT);
+  if (steps_out && use_engine) {
+    print_counters(res->adm);
+    fflush(stdout);
+  }
+  if (decode_steps(r, steps_out, res) != 0) goto out;
+  model_memory_get(r->m, &res->mem);
+  if (res->mem.device_used > res->device_peak_bytes) res->device_peak_bytes = res->mem.device_used;
+  rc = 0;
+out:
+  close_all(r);
+  return rc;
+}
+
 /* ------------------------------------------------------------------------ */
 /* Reports                                                                   */
 /* ------------------------------------------------------------------------ */
-
-static const char *backend_name(akv_backend_kind b) {
-  return b == AKV_BACKEND_CUDA ? "cuda" : b == AKV_BACKEND_HOST ? "host" : "auto";
-}
 
 static void print_geometry(const cli_opts *o) {
   const model_geometry *g = &o->g;
@@ -1211,7 +1257,7 @@ static void print_summary(const cli_opts *o, const run_result *res) {
     printf("  %-20s H2D %s, D2D %s, D2H %s\n", "bytes per step", fmt_xfer(a, sizeof a, res->bytes_h2d),
            fmt_xfer(b, sizeof b, res->bytes_d2d), fmt_xfer(c, sizeof c, res->bytes_d2h));
     if (bound_ms > 0)
-      printf("  %-20s %.2f ms per step at %.1f GB/s = %.2f tokens/s; achieved %.1f%% of it\n",
+      printf("  %-20s %.3g ms per step at %.1f GB/s = %.2f tokens/s; achieved %.1f%% of it\n",
              "PCIe bound", bound_ms, o->pcie_gbps, bound_tps,
              100.0 * bound_ms / res->step_ms_median);
     else
@@ -1302,11 +1348,13 @@ static int cmd_fit(const cli_opts *o) {
   int chosen;
   if (fit_config(o, resolve_backend(o), &cfg, &r, &chosen) != 0) return EXIT_USAGE;
   if (o->json) {
-    printf("{\"cmd\":\"fit\",\"preset\":\"%s\",\"contexts\":%u,\"max_tokens\":%u,"
+    printf("{\"cmd\":\"fit\",\"preset\":\"%s\",\"fit_mode\":\"%s\",\"contexts\":%u,"
+           "\"max_tokens\":%u,"
            "\"row_bytes\":%llu,\"history_bytes\":%llu,\"host_pool_gib\":%u,"
            "\"host_pool_bytes\":%llu,\"fits\":%llu,\"effective_concurrency\":%u,\"ok\":%s,"
            "\"host_pool_gib_needed\":%u,\"page_bytes\":%llu,\"device_pages\":%llu}\n",
-           o->preset, o->contexts, cfg.max_tokens, (unsigned long long)r.row_bytes,
+           o->preset, o->fit_mode == AKV_FIT_SHRINK ? "shrink" : "refuse", o->contexts,
+           cfg.max_tokens, (unsigned long long)r.row_bytes,
            (unsigned long long)r.history_bytes, cfg.host_pool_gib,
            (unsigned long long)r.host_pool_bytes, (unsigned long long)r.fits,
            r.effective_concurrency, r.ok ? "true" : "false", r.host_pool_gib_needed,
@@ -1319,7 +1367,7 @@ static int cmd_fit(const cli_opts *o) {
       printf("fit: host pool %u GiB is the smallest that holds --contexts (set "
              "--host-pool-gib to choose)\n",
              cfg.host_pool_gib);
-    if (o->route == ROUTE_ARENA)
+    if (cfg.device_pool_gib > 0)
       printf("device pool: %u GiB = %llu pages of %s (%u tokens of every layer)\n",
              cfg.device_pool_gib, (unsigned long long)r.device_pages,
              fmt_mem(a, sizeof a, r.page_bytes), o->page_tokens);

@@ -9,7 +9,7 @@
  *
  * Two implementations share this interface: model_cpu.c (fp32 math on
  * bf16-rounded weights, small geometries, no GPU) and model_cuda.cu (bf16
- * weights generated on the device, bf16 GEMV kernels). Both are deterministic:
+ * weights generated on the device, GEMVs on bf16 tensor cores). Both are deterministic:
  * every reduction has a fixed order, so the same inputs give the same logits
  * bit for bit, run after run. Both draw identical bf16 weights from a seed.
  *
@@ -51,7 +51,7 @@ typedef struct model_geometry {
   uint32_t n_layers; /* dense layers: each attends over the whole history */
   uint32_t n_heads;  /* query heads */
   uint32_t kv_heads; /* K/V heads; n_heads % kv_heads == 0 (GQA) */
-  uint32_t head_dim; /* even, multiple of 8 */
+  uint32_t head_dim; /* multiple of 8; CUDA attention: 64, 128 or 256 */
   uint32_t hidden;   /* multiple of 8 */
   uint32_t ffn;      /* multiple of 8 */
   uint32_t vocab;
@@ -73,8 +73,7 @@ typedef struct model_memory {
   uint64_t weights;
   uint64_t scratch;  /* activations, attention workspace, logits */
   uint64_t resident; /* the resident K/V store (0 until reserved) */
-  uint64_t device_used; /* CUDA: total - free on the device now; CPU: 0 */
-  uint64_t device_total;
+  uint64_t device_used; /* CUDA: total - free on the device now (every process); CPU: 0 */
 } model_memory;
 
 /*
@@ -97,11 +96,11 @@ typedef struct model model;
 
 /*
  * Called by model_forward once per layer, after the layer's Q/K/V projections
- * and RoPE are computed (on the model's stream for CUDA). It must arrange for
- * model_attend(m, layer, view) to run on some view of the layer's history
- * before it returns (CPU: completed; CUDA: enqueued on model_stream(m), or on
- * a stream the model's stream is ordered after). Return 0, or nonzero to stop
- * the forward with an error.
+ * and RoPE are computed (on the model's stream for CUDA). Before it returns,
+ * model_attend(m, layer, view) must have run on a view of the layer's history
+ * (CPU: completed, possibly on another thread; CUDA: enqueued, which
+ * model_attend does on the model's stream). Return 0, or nonzero to stop the
+ * forward with an error.
  */
 typedef int (*model_layer_fn)(void *user, model *m, uint32_t layer);
 
@@ -238,9 +237,10 @@ MODEL_FN float model_bf16_to_f32(uint16_t h) {
 }
 
 /*
- * Weight `index` of a tensor as bf16: uniform in [-1, 1) times `unit`, where
- * unit = scale * 2^-23 is computed once per tensor (one multiply, one rounding,
- * the same on every device). Norm weights add an offset of 1 (see offset).
+ * Weight `index` of a tensor as bf16: the 24-bit draw times `unit` (= scale *
+ * 2^-23, so uniform in [-scale, scale)) plus `offset` (1 for norm weights),
+ * one multiply and one add, each rounded, then rounded to bf16: the same bits
+ * on the host and on the device.
  */
 MODEL_FN uint16_t model_weight_bf16(uint64_t key, uint64_t index, float unit, float offset) {
 #if defined(__CUDA_ARCH__)

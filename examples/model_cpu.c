@@ -389,7 +389,7 @@ int model_cpu_create(const model_geometry *g, const model_options *opt, model **
   if (params > CPU_MAX_PARAMS) {
     snprintf(err, cap,
              "the CPU model holds at most %llu M parameters and this geometry has %llu M; "
-             "shrink --layers/--hidden/--ffn/--vocab or use --backend cuda",
+             "use --preset tiny, shrink --layers/--hidden/--ffn/--vocab, or use --backend cuda",
              (unsigned long long)(CPU_MAX_PARAMS >> 20), (unsigned long long)(params >> 20));
     return -1;
   }

@@ -65,8 +65,7 @@ struct cuda_model {
   float *logits_d;  /* [B][vocab] */
   float *logits_h;  /* pinned host [B][vocab] */
   void *workspace;
-  size_t workspace_bytes;
-  uint32_t workspace_tokens; /* longest history the workspace was sized for */
+  size_t workspace_bytes; /* sized for opt.max_tokens rows per context */
 
   uint8_t *resident; /* [layer][ctx][K|V][max_tokens][row] */
   uint32_t res_ctx, res_max_tokens;
@@ -398,10 +397,10 @@ static int cm_attend(model *m, uint32_t layer, const model_kv_view *v) {
                cm->pos[i]);
       return -1;
     }
-    if (v->len[i] + 1 > cm->workspace_tokens) {
+    if (v->len[i] + 1 > m->opt.max_tokens) {
       snprintf(m->error, sizeof m->error,
                "attend: context %u has %u rows, the attention workspace was sized for %u", i,
-               v->len[i] + 1, cm->workspace_tokens);
+               v->len[i] + 1, m->opt.max_tokens);
       return -1;
     }
     off.v[i] = i * v->context_stride + (uint64_t)v->len[i] * v->row_bytes;
@@ -522,10 +521,7 @@ static void cm_memory(model *m, model_memory *out) {
   if (cm->resident)
     out->resident = (uint64_t)m->g.n_layers * cm->res_ctx * 2 * cm->res_max_tokens * cm->row_bytes;
   size_t fr = 0, total = 0;
-  if (cudaMemGetInfo(&fr, &total) == cudaSuccess) {
-    out->device_used = total - fr;
-    out->device_total = total;
-  }
+  if (cudaMemGetInfo(&fr, &total) == cudaSuccess) out->device_used = total - fr;
 }
 
 static void cm_destroy(model *m) {
@@ -668,11 +664,11 @@ static int cm_setup(cuda_model *cm) {
   CM_CHECK(e);
 
   if (akv_attention_workspace_bytes(cm->base.opt.max_batch, g->n_heads, g->head_dim,
-                                    cm->workspace_tokens, cm->base.opt.chunk_tokens,
+                                    cm->base.opt.max_tokens, cm->base.opt.chunk_tokens,
                                     &cm->workspace_bytes) != AKV_OK) {
     snprintf(cm->base.error, sizeof cm->base.error,
              "attention workspace: bad sizes (head_dim %u, max tokens %u, chunk %u)", g->head_dim,
-             cm->workspace_tokens, cm->base.opt.chunk_tokens);
+             cm->base.opt.max_tokens, cm->base.opt.chunk_tokens);
     return -1;
   }
   if (cm->workspace_bytes) {
@@ -729,7 +725,6 @@ extern "C" int model_cuda_create(const model_geometry *g, const model_options *o
   if (cm->q_dim > cm->widest) cm->widest = cm->q_dim;
   if (g->ffn > cm->widest) cm->widest = g->ffn;
   cm->row_bytes = (uint64_t)cm->kv_dim * 2;
-  cm->workspace_tokens = opt->max_tokens;
   if (cm_setup(cm) != 0) {
     snprintf(err, cap, "%s", cm->base.error);
     cm_destroy(&cm->base);

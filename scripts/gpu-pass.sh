@@ -17,8 +17,8 @@
 # they are built directly with nvcc from their sources.
 #
 # Files written under $OUT (at most 8 come back):
-#   build.log  ctest-gpu.log  sanitizer-memcheck.log  sanitizer-racecheck.log
-#   sanitizer-synccheck.log  bench.log  bench.jsonl  summary.txt
+#   build.log  ctest-gpu.log  sanitizer.log  bench.log  bench.jsonl
+#   decode.log  decode.jsonl  summary.txt
 #
 # Knobs (environment):
 #   AKV_STEPS     steps to run, default "build ctest sanitizer bench"
@@ -27,6 +27,7 @@
 #                 "w8l4:8:4 w8l2:8:2 w8l8:8:8 w4l4:4:4" (w8l4 is the library's)
 #   AKV_BENCH_CHUNKS    chunk sizes for the library variant, default "256 64 1024"
 #   AKV_SAN_TIMEOUT     seconds per sanitizer run, default 300
+#   AKV_CMAKE_ARGS      extra arguments for the configure step
 set -u
 
 OUT=${OUT:-/tmp/akv-out}
@@ -34,7 +35,7 @@ mkdir -p "$OUT"
 BUILD=/tmp/akv-build
 SOLO=/tmp/akv-standalone
 DEPS=/tmp/deps
-STEPS=${AKV_STEPS:-"build ctest sanitizer bench"}
+STEPS=${AKV_STEPS:-"build ctest sanitizer bench decode"}
 JOBS=${AKV_JOBS:-16}
 VARIANTS=${AKV_BENCH_VARIANTS:-"w8l4:8:4 w8l2:8:2 w8l8:8:8 w4l4:4:4"}
 CHUNKS=${AKV_BENCH_CHUNKS:-"256 64 1024"}
@@ -104,7 +105,7 @@ if has_step build; then
   [ -f examples/CMakeLists.txt ] || extra="-DAKV_BUILD_EXAMPLES=OFF"
   {
     echo "== cmake configure"
-    cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DAKV_WITH_CUDA=ON \
+    cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DAKV_WITH_CUDA=ON ${AKV_CMAKE_ARGS:-} \
       -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_PREFIX_PATH="$DEPS/usr" $extra
   } >>"$BUILD_LOG" 2>&1
   rc=$?
@@ -167,7 +168,11 @@ if has_step ctest; then
     (cd "$BUILD" && ctest -L gpu --output-on-failure --timeout 1800) >"$CTEST_LOG" 2>&1
     rc=$?
     line=$(grep -E 'tests passed|tests failed' "$CTEST_LOG" | tail -1)
-    record "ctest -L gpu" "$([ $rc = 0 ] && echo ok || echo FAIL)" "rc=$rc ${line:-}"
+    skipped=$(grep -c '\*\*\*Skipped' "$CTEST_LOG")
+    st=ok
+    [ "$skipped" = 0 ] || st=SKIPPED # a GPU test that skips here found no device
+    [ $rc = 0 ] || st=FAIL
+    record "ctest -L gpu" "$st" "rc=$rc ${line:-}; $skipped skipped"
   else
     log "ctest unavailable; running the GPU test binaries directly"
     : >"$CTEST_LOG"
@@ -185,9 +190,9 @@ if has_step sanitizer; then
   if ! command -v compute-sanitizer >/dev/null 2>&1; then
     record "compute-sanitizer" "SKIP" "not on PATH"
   else
+    : >"$OUT/sanitizer.log"
     for tool in memcheck racecheck synccheck; do
-      slog=$OUT/sanitizer-$tool.log
-      : >"$slog"
+      slog=$OUT/sanitizer.log
       for b in $gpu_bins; do
         log "compute-sanitizer --tool $tool $(basename "$b")"
         echo "== compute-sanitizer --tool $tool $b" >>"$slog"
@@ -197,10 +202,11 @@ if has_step sanitizer; then
         extra=""
         [ "$tool" = memcheck ] && extra="--leak-check full"
         # shellcheck disable=SC2086 # $extra is zero or more options
-        timeout "$SAN_TIMEOUT" compute-sanitizer --tool "$tool" --report-api-errors no \
+        AKV_CELLS_QUICK=1 timeout "$SAN_TIMEOUT" compute-sanitizer --tool "$tool" --report-api-errors no \
           --error-exitcode 99 $extra "$b" >>"$slog" 2>&1
         rc=$?
-        summary=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$slog" | tail -1 | sed 's/^=* *//')
+        summary=$(sed -n '/== compute-sanitizer --tool '"$tool $b"'$/,$p' "$slog" |
+          grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' | tail -1 | sed 's/^=* *//')
         st=ok
         [ $rc = 0 ] || st=FAIL
         [ $rc = 124 ] && st=TIMEOUT
@@ -224,8 +230,12 @@ if has_step bench; then
       echo "== attention_bw $label chunk $c" >>"$BENCH_LOG"
       timeout 300 "$bin" --chunk "$c" --label "$label" --json "$BENCH_JSON" >>"$BENCH_LOG" 2>&1
       rc=$?
-      best=$(grep -E '^(contig|paged) ' "$BENCH_LOG" | tail -4 |
-        awk '{printf "%s/%sctx %.0fus %s; ", $1, $2, $6, $10}')
+      if [ $rc = 0 ]; then
+        best=$(grep -E '^(contig|paged) ' "$BENCH_LOG" | tail -4 |
+          awk '{printf "%s/%sctx %.0fus %s; ", $1, $2, $6, $10}')
+      else
+        best=$(tail -1 "$BENCH_LOG")
+      fi
       record "bench $label chunk $c" "$([ $rc = 0 ] && echo ok || echo FAIL)" "rc=$rc $best"
     done
   done
@@ -240,6 +250,21 @@ if has_step bench; then
   done
 fi
 
+# ------------------------------------------------------------------ decode
+# The CLI's decode benchmark (bench/run_decode_bench.sh), knobs through its
+# own environment (PRESETS, ROUTES, POOLS, STEPS, ...).
+if has_step decode; then
+  cli=$BUILD/examples/activekv
+  if [ -x "$cli" ]; then
+    log "decode benchmark"
+    OUT=$OUT timeout "${AKV_DECODE_TIMEOUT:-400}" bash bench/run_decode_bench.sh "$cli" >"$OUT/decode.log" 2>&1
+    rc=$?
+    record "decode bench" "$([ $rc = 0 ] && echo ok || echo FAIL)" "rc=$rc $(grep -c . "$OUT/decode.jsonl" 2>/dev/null) runs"
+  else
+    record "decode bench" "SKIP" "no CLI binary"
+  fi
+fi
+
 # ------------------------------------------------------------------ summary
 {
   echo "ActiveKV GPU pass, $(date -u +%Y-%m-%dT%H:%M:%SZ), $(($(date +%s) - T0)) s"
@@ -249,5 +274,5 @@ fi
 } >"$SUMMARY"
 echo
 cat "$SUMMARY"
-if grep -qE ' (FAIL|TIMEOUT) ' "$SUMMARY"; then exit 1; fi
+if grep -qE ' (FAIL|TIMEOUT|SKIPPED) ' "$SUMMARY"; then exit 1; fi
 exit 0

@@ -29,9 +29,13 @@ static int akv_bk_count(akv_bk *bk, akv_op_kind kind, const char *what) {
 }
 
 static akv_status akv_bk_result(akv_bk *bk, akv_status st, const char *what) {
-  if (st != AKV_OK)
-    snprintf(bk->error, sizeof(bk->error), "%s backend: %s failed (%s)", bk->ops->name, what,
-             akv_status_string(st));
+  if (st != AKV_OK) {
+    const char *detail = bk->ops->error_detail != NULL && bk->ctx != NULL
+                             ? bk->ops->error_detail(bk->ctx)
+                             : NULL;
+    snprintf(bk->error, sizeof(bk->error), "%s backend: %s failed (%s)%s%s", bk->ops->name, what,
+             akv_status_string(st), detail != NULL ? ": " : "", detail != NULL ? detail : "");
+  }
   return st;
 }
 

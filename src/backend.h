@@ -87,6 +87,10 @@ typedef struct akv_backend_ops {
   /* Optional: device memory figures (free/total now, process peak). */
   akv_status (*mem_info)(void *ctx, uint64_t *free_bytes, uint64_t *total_bytes,
                          uint64_t *peak_used_bytes);
+
+  /* Optional: the backend's own words for its last failure (e.g. cudart's
+   * error string), appended to the engine's last error. */
+  const char *(*error_detail)(void *ctx);
 } akv_backend_ops;
 
 /* The tables. akv_backend_cuda_ops is NULL-equivalent when CUDA is not built. */

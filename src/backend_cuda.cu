@@ -33,6 +33,13 @@
  * allocations), and misses peaks between samples. Event synchronisation, on
  * the hot path, does not sample.
  *
+ * Statuses: a NULL context (or one failing its magic check), a NULL queue or a NULL event is
+ * AKV_ERR_BAD_HANDLE (a NULL queue would otherwise mean CUDA's legacy default
+ * stream); a NULL output, a zero-byte allocation, an unknown copy direction or
+ * a NULL copy pointer is AKV_ERR_INVALID_ARGUMENT. A zero-byte copy is a
+ * no-op; zero-byte entries of a batch are skipped. CUDA handles themselves
+ * cannot be validated beyond NULL.
+ *
  * Hot path: copy, copy_batch, event_record, queue_wait, event_query and
  * host_fn neither allocate nor block.
  */
@@ -51,11 +58,20 @@ namespace {
 constexpr uint32_t kCtxMagic = 0x41564B43u; /* "CKVA" */
 constexpr uint32_t kCtxDead = 0xDEADC0DEu;
 
+/* Descriptors of one device->device gather launch (see gather_submit). */
+#define AKV_GATHER_MAX 1024
+struct akv_gather_batch {
+  const uint4 *src[AKV_GATHER_MAX];
+  uint4 *dst[AKV_GATHER_MAX];
+  uint32_t words[AKV_GATHER_MAX]; /* 16-byte words per descriptor */
+};
+
 struct akv_cuda_ctx {
   uint32_t magic;
   int device;
   uint64_t peak_used;
   char last_error[256];
+  akv_gather_batch gather; /* kernel parameters of the D2D gather, reused */
 };
 
 static akv_cuda_ctx *as_ctx(void *ctx) {
@@ -63,8 +79,12 @@ static akv_cuda_ctx *as_ctx(void *ctx) {
   return (c != nullptr && c->magic == kCtxMagic) ? c : nullptr;
 }
 
-static cudaStream_t as_stream(akv_bqueue *q) { return reinterpret_cast<cudaStream_t>(q); }
-static cudaEvent_t as_event(akv_bevent *e) { return reinterpret_cast<cudaEvent_t>(e); }
+static cudaStream_t as_stream(akv_bqueue *q) {
+  return reinterpret_cast<cudaStream_t>(q);
+}
+static cudaEvent_t as_event(akv_bevent *e) {
+  return reinterpret_cast<cudaEvent_t>(e);
+}
 
 static akv_status map_error(cudaError_t err) {
   return err == cudaErrorMemoryAllocation ? AKV_ERR_OUT_OF_MEMORY : AKV_ERR_BACKEND;
@@ -78,15 +98,27 @@ static void note_error(akv_cuda_ctx *c, const char *what, cudaError_t err) {
   (void)cudaGetLastError();
 }
 
-/* The one checking macro of this file: on failure, note, map, goto fail. */
-#define AKV_CUDA_TRY(c, call, what)   \
-  do {                                \
-    const cudaError_t err_ = (call);  \
-    if (err_ != cudaSuccess) {        \
-      note_error((c), (what), err_);  \
-      st = map_error(err_);           \
-      goto fail;                      \
-    }                                 \
+/* The checking macros of this file, one family. AKV_CUDA_TRY: a cudart call;
+ * on failure, note, map, goto fail. */
+#define AKV_CUDA_TRY(c, call, what)  \
+  do {                               \
+    const cudaError_t err_ = (call); \
+    if (err_ != cudaSuccess) {       \
+      note_error((c), (what), err_); \
+      st = map_error(err_);          \
+      goto fail;                     \
+    }                                \
+  } while (0)
+
+/* Argument checks of the same family: a NULL or dead context, queue or event
+ * is AKV_ERR_BAD_HANDLE (as on the host backend); other bad arguments are
+ * AKV_ERR_INVALID_ARGUMENT. */
+#define AKV_CUDA_REQUIRE(cond, status) \
+  do {                                 \
+    if (!(cond)) {                     \
+      st = (status);                   \
+      goto fail;                       \
+    }                                  \
   } while (0)
 
 /* Makes the backend's device current; *prev receives the caller's device. */
@@ -149,7 +181,7 @@ static akv_status cuda_init(const akv_backend_params *params, void **out) {
   if (st != AKV_OK) goto fail;
   c = static_cast<akv_cuda_ctx *>(calloc(1, sizeof *c));
   st = AKV_ERR_OUT_OF_MEMORY;
-  if (c == nullptr) goto fail;
+  if (c == nullptr) goto fail; /* calloc */
   c->magic = kCtxMagic;
   c->device = params->device_ordinal;
   c->last_error[0] = '\0';
@@ -179,7 +211,8 @@ static akv_status cuda_host_alloc(void *ctx, size_t bytes, void **out) {
   int prev = -1;
   void *p = nullptr;
   char what[64];
-  if (c == nullptr || out == nullptr || bytes == 0) goto fail;
+  AKV_CUDA_REQUIRE(c != nullptr, AKV_ERR_BAD_HANDLE);
+  AKV_CUDA_REQUIRE(out != nullptr && bytes != 0, AKV_ERR_INVALID_ARGUMENT);
   AKV_CUDA_TRY(c, device_enter(c, &prev), "cudaSetDevice");
   snprintf(what, sizeof what, "cudaHostAlloc(%zu B)", bytes);
   {
@@ -206,7 +239,8 @@ static akv_status cuda_device_alloc(void *ctx, size_t bytes, void **out) {
   int prev = -1;
   void *p = nullptr;
   char what[64];
-  if (c == nullptr || out == nullptr || bytes == 0) goto fail;
+  AKV_CUDA_REQUIRE(c != nullptr, AKV_ERR_BAD_HANDLE);
+  AKV_CUDA_REQUIRE(out != nullptr && bytes != 0, AKV_ERR_INVALID_ARGUMENT);
   AKV_CUDA_TRY(c, device_enter(c, &prev), "cudaSetDevice");
   snprintf(what, sizeof what, "cudaMalloc(%zu B)", bytes);
   {
@@ -236,7 +270,8 @@ static akv_status cuda_queue_create(void *ctx, akv_bqueue **out) {
   akv_cuda_ctx *c = as_ctx(ctx);
   int prev = -1;
   cudaStream_t s = nullptr;
-  if (c == nullptr || out == nullptr) goto fail;
+  AKV_CUDA_REQUIRE(c != nullptr, AKV_ERR_BAD_HANDLE);
+  AKV_CUDA_REQUIRE(out != nullptr, AKV_ERR_INVALID_ARGUMENT);
   AKV_CUDA_TRY(c, device_enter(c, &prev), "cudaSetDevice");
   {
     const cudaError_t err = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
@@ -261,7 +296,8 @@ static akv_status cuda_event_create(void *ctx, akv_bevent **out) {
   akv_cuda_ctx *c = as_ctx(ctx);
   int prev = -1;
   cudaEvent_t e = nullptr;
-  if (c == nullptr || out == nullptr) goto fail;
+  AKV_CUDA_REQUIRE(c != nullptr, AKV_ERR_BAD_HANDLE);
+  AKV_CUDA_REQUIRE(out != nullptr, AKV_ERR_INVALID_ARGUMENT);
   AKV_CUDA_TRY(c, device_enter(c, &prev), "cudaSetDevice");
   {
     const cudaError_t err = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
@@ -285,7 +321,7 @@ static akv_status cuda_event_record(void *ctx, akv_bevent *e, akv_bqueue *q) {
   akv_status st = AKV_ERR_INVALID_ARGUMENT;
   akv_cuda_ctx *c = as_ctx(ctx);
   /* A NULL queue would be the legacy default stream: refused. */
-  if (c == nullptr || e == nullptr || q == nullptr) goto fail;
+  AKV_CUDA_REQUIRE(c != nullptr && e != nullptr && q != nullptr, AKV_ERR_BAD_HANDLE);
   AKV_CUDA_TRY(c, cudaEventRecord(as_event(e), as_stream(q)), "cudaEventRecord");
   return AKV_OK;
 fail:
@@ -295,7 +331,7 @@ fail:
 static akv_status cuda_queue_wait(void *ctx, akv_bqueue *q, akv_bevent *e) {
   akv_status st = AKV_ERR_INVALID_ARGUMENT;
   akv_cuda_ctx *c = as_ctx(ctx);
-  if (c == nullptr || e == nullptr || q == nullptr) goto fail;
+  AKV_CUDA_REQUIRE(c != nullptr && e != nullptr && q != nullptr, AKV_ERR_BAD_HANDLE);
   AKV_CUDA_TRY(c, cudaStreamWaitEvent(as_stream(q), as_event(e), cudaEventWaitDefault),
                "cudaStreamWaitEvent");
   return AKV_OK;
@@ -307,10 +343,13 @@ static akv_status cuda_event_query(void *ctx, akv_bevent *e, bool *done) {
   akv_status st = AKV_ERR_INVALID_ARGUMENT;
   akv_cuda_ctx *c = as_ctx(ctx);
   cudaError_t err;
-  if (c == nullptr || e == nullptr || done == nullptr) goto fail;
+  AKV_CUDA_REQUIRE(c != nullptr && e != nullptr, AKV_ERR_BAD_HANDLE);
+  AKV_CUDA_REQUIRE(done != nullptr, AKV_ERR_INVALID_ARGUMENT);
   err = cudaEventQuery(as_event(e));
   if (err == cudaErrorNotReady) {
-    /* Not an error: the capture has not completed yet. */
+    /* Not an error: the capture has not completed yet. Should the runtime
+     * have latched it as its last error, that entry is ours: drop it. */
+    if (cudaPeekAtLastError() == cudaErrorNotReady) (void)cudaGetLastError();
     *done = false;
     return AKV_OK;
   }
@@ -324,7 +363,7 @@ fail:
 static akv_status cuda_event_synchronize(void *ctx, akv_bevent *e) {
   akv_status st = AKV_ERR_INVALID_ARGUMENT;
   akv_cuda_ctx *c = as_ctx(ctx);
-  if (c == nullptr || e == nullptr) goto fail;
+  AKV_CUDA_REQUIRE(c != nullptr && e != nullptr, AKV_ERR_BAD_HANDLE);
   AKV_CUDA_TRY(c, cudaEventSynchronize(as_event(e)), "cudaEventSynchronize");
   return AKV_OK;
 fail:
@@ -334,7 +373,7 @@ fail:
 static akv_status cuda_queue_synchronize(void *ctx, akv_bqueue *q) {
   akv_status st = AKV_ERR_INVALID_ARGUMENT;
   akv_cuda_ctx *c = as_ctx(ctx);
-  if (c == nullptr || q == nullptr) goto fail;
+  AKV_CUDA_REQUIRE(c != nullptr && q != nullptr, AKV_ERR_BAD_HANDLE);
   AKV_CUDA_TRY(c, cudaStreamSynchronize(as_stream(q)), "cudaStreamSynchronize");
   sample_usage(c);
   return AKV_OK;
@@ -346,7 +385,7 @@ static akv_status cuda_device_synchronize(void *ctx) {
   akv_status st = AKV_ERR_INVALID_ARGUMENT;
   akv_cuda_ctx *c = as_ctx(ctx);
   int prev = -1;
-  if (c == nullptr) goto fail;
+  AKV_CUDA_REQUIRE(c != nullptr, AKV_ERR_BAD_HANDLE);
   AKV_CUDA_TRY(c, device_enter(c, &prev), "cudaSetDevice");
   {
     const cudaError_t err = cudaDeviceSynchronize();
@@ -362,12 +401,13 @@ fail:
 /* ------------------------------------------------------------ copies */
 
 static akv_status cuda_copy(void *ctx, akv_bqueue *q, akv_copy_dir dir, void *dst, const void *src,
-                     size_t bytes) {
+                            size_t bytes) {
   akv_status st = AKV_ERR_INVALID_ARGUMENT;
   akv_cuda_ctx *c = as_ctx(ctx);
-  if (c == nullptr || q == nullptr || !dir_ok(dir)) goto fail;
+  AKV_CUDA_REQUIRE(c != nullptr && q != nullptr, AKV_ERR_BAD_HANDLE);
+  AKV_CUDA_REQUIRE(dir_ok(dir), AKV_ERR_INVALID_ARGUMENT);
   if (bytes == 0) return AKV_OK;
-  if (dst == nullptr || src == nullptr) goto fail;
+  AKV_CUDA_REQUIRE(dst != nullptr && src != nullptr, AKV_ERR_INVALID_ARGUMENT);
   AKV_CUDA_TRY(c, cudaMemcpyAsync(dst, src, bytes, copy_kind(dir), as_stream(q)),
                "cudaMemcpyAsync");
   return AKV_OK;
@@ -381,7 +421,7 @@ fail:
  * pages, valid until the copy's event completes). The location hints only
  * matter for managed or pageable memory; they name the truth for ours. */
 static cudaError_t batch_submit(const akv_cuda_ctx *c, cudaStream_t s, akv_copy_dir dir, size_t n,
-                         void *const *dst, const void *const *src, const size_t *bytes) {
+                                void *const *dst, const void *const *src, const size_t *bytes) {
   cudaMemcpyAttributes attr;
   memset(&attr, 0, sizeof attr);
   attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
@@ -398,9 +438,60 @@ static cudaError_t batch_submit(const akv_cuda_ctx *c, cudaStream_t s, akv_copy_
 
 /* Submits copies [0, n) (all with bytes > 0): one batch call, or one
  * cudaMemcpyAsync each where the batch call is not supported. */
+/* Device->device batches (materialising retained pages into a staging
+ * buffer) run as one gather kernel instead of the copy engine: the page
+ * descriptors travel in the kernel parameters (no device-side table, nothing
+ * allocated), each block copies 16-byte words of one descriptor, so a batch
+ * of many 512 KiB pages moves at device-memory speed. */
+__global__ void __launch_bounds__(256) akv_gather_kernel(const __grid_constant__ akv_gather_batch b) {
+  const uint32_t d = blockIdx.y;
+  const uint32_t n = b.words[d];
+  const uint4 *__restrict__ src = b.src[d];
+  uint4 *__restrict__ dst = b.dst[d];
+  for (uint32_t w = blockIdx.x * blockDim.x + threadIdx.x; w < n; w += gridDim.x * blockDim.x)
+    dst[w] = src[w];
+}
+
+/* Submits one gather launch per AKV_GATHER_MAX descriptors when every copy is
+ * 16-byte aligned and at most 64 GiB; returns cudaErrorNotSupported (nothing
+ * enqueued) otherwise, and the caller falls back to the copy engine. */
+static cudaError_t gather_submit(akv_cuda_ctx *c, cudaStream_t s, size_t n, void *const *dst,
+                                 const void *const *src, const size_t *bytes) {
+  akv_gather_batch &b = c->gather; /* an engine is used from one thread at a time */
+  uint32_t max_words = 0;
+  for (size_t i = 0; i < n; ++i)
+    if (((uintptr_t)dst[i] | (uintptr_t)src[i] | bytes[i]) % 16 != 0 ||
+        bytes[i] / 16 > UINT32_MAX)
+      return cudaErrorNotSupported;
+  for (size_t first = 0; first < n; first += AKV_GATHER_MAX) {
+    const size_t m = n - first < AKV_GATHER_MAX ? n - first : AKV_GATHER_MAX;
+    max_words = 0;
+    for (size_t i = 0; i < m; ++i) {
+      b.src[i] = (const uint4 *)src[first + i];
+      b.dst[i] = (uint4 *)dst[first + i];
+      b.words[i] = (uint32_t)(bytes[first + i] / 16);
+      if (b.words[i] > max_words) max_words = b.words[i];
+    }
+    {
+      const uint32_t per_block = 256 * 8;
+      dim3 grid((max_words + per_block - 1) / per_block, (unsigned)m);
+      if (grid.x == 0) grid.x = 1;
+      akv_gather_kernel<<<grid, 256, 0, s>>>(b);
+      const cudaError_t err = cudaGetLastError();
+      if (err != cudaSuccess) return err;
+    }
+  }
+  return cudaSuccess;
+}
+
 static akv_status batch_run(akv_cuda_ctx *c, cudaStream_t s, akv_copy_dir dir, size_t n,
-                     void *const *dst, const void *const *src, const size_t *bytes) {
+                            void *const *dst, const void *const *src, const size_t *bytes) {
   akv_status st = AKV_ERR_BACKEND;
+  if (dir == AKV_COPY_D2D) {
+    const cudaError_t err = gather_submit(c, s, n, dst, src, bytes);
+    if (err == cudaSuccess) return AKV_OK;
+    if (err != cudaErrorNotSupported) AKV_CUDA_TRY(c, err, "gather kernel launch");
+  }
   if (n >= 2) {
 #if CUDART_VERSION >= 13000
     const cudaError_t err = batch_submit(c, s, dir, n, dst, src, bytes);
@@ -418,15 +509,17 @@ fail:
 }
 
 static akv_status cuda_copy_batch(void *ctx, akv_bqueue *q, akv_copy_dir dir, size_t count,
-                           void *const *dst, const void *const *src, const size_t *bytes) {
+                                  void *const *dst, const void *const *src, const size_t *bytes) {
   akv_status st = AKV_ERR_INVALID_ARGUMENT;
   akv_cuda_ctx *c = as_ctx(ctx);
   size_t run = 0;
-  if (c == nullptr || q == nullptr || !dir_ok(dir) || count == 0 || dst == nullptr ||
-      src == nullptr || bytes == nullptr)
-    goto fail;
+  AKV_CUDA_REQUIRE(c != nullptr && q != nullptr, AKV_ERR_BAD_HANDLE);
+  AKV_CUDA_REQUIRE(
+      dir_ok(dir) && count != 0 && dst != nullptr && src != nullptr && bytes != nullptr,
+      AKV_ERR_INVALID_ARGUMENT);
   for (size_t i = 0; i < count; ++i)
-    if (bytes[i] != 0 && (dst[i] == nullptr || src[i] == nullptr)) goto fail;
+    AKV_CUDA_REQUIRE(bytes[i] == 0 || (dst[i] != nullptr && src[i] != nullptr),
+                     AKV_ERR_INVALID_ARGUMENT);
   /* Empty copies are skipped; each run of non-empty ones is one submission
    * (the arrays are used in place, nothing is allocated). */
   for (size_t i = 0; i <= count; ++i) {
@@ -449,7 +542,8 @@ fail:
 static akv_status cuda_host_fn(void *ctx, akv_bqueue *q, void (*fn)(void *), void *arg) {
   akv_status st = AKV_ERR_INVALID_ARGUMENT;
   akv_cuda_ctx *c = as_ctx(ctx);
-  if (c == nullptr || q == nullptr || fn == nullptr) goto fail;
+  AKV_CUDA_REQUIRE(c != nullptr && q != nullptr, AKV_ERR_BAD_HANDLE);
+  AKV_CUDA_REQUIRE(fn != nullptr, AKV_ERR_INVALID_ARGUMENT);
   /* fn runs on a CUDA runtime thread and must not call CUDA. */
   AKV_CUDA_TRY(c, cudaLaunchHostFunc(as_stream(q), fn, arg), "cudaLaunchHostFunc");
   return AKV_OK;
@@ -458,12 +552,12 @@ fail:
 }
 
 static akv_status cuda_mem_info(void *ctx, uint64_t *free_bytes, uint64_t *total_bytes,
-                         uint64_t *peak_used_bytes) {
+                                uint64_t *peak_used_bytes) {
   akv_status st = AKV_ERR_INVALID_ARGUMENT;
   akv_cuda_ctx *c = as_ctx(ctx);
   int prev = -1;
   size_t free_b = 0, total_b = 0;
-  if (c == nullptr) goto fail;
+  AKV_CUDA_REQUIRE(c != nullptr, AKV_ERR_BAD_HANDLE);
   AKV_CUDA_TRY(c, device_enter(c, &prev), "cudaSetDevice");
   {
     const cudaError_t err = cudaMemGetInfo(&free_b, &total_b);
@@ -480,8 +574,9 @@ fail:
 }
 
 #undef AKV_CUDA_TRY
+#undef AKV_CUDA_REQUIRE
 
-} // namespace
+}  // namespace
 
 extern "C" const char *akv_cuda_last_error(void *ctx) {
   akv_cuda_ctx *c = as_ctx(ctx);
@@ -512,4 +607,5 @@ extern "C" const akv_backend_ops akv_backend_cuda_ops = {
     cuda_copy_batch,
     cuda_host_fn,
     cuda_mem_info,
+    akv_cuda_last_error,
 };

@@ -20,7 +20,7 @@ typedef struct akv_bk {
   uint32_t fail_nth;                  /* 0 = never */
   int32_t fail_kind;                  /* -1 = every kind */
   uint64_t injected;                  /* faults injected so far */
-  char error[160];                    /* last failure in words */
+  char error[320];                    /* last failure in words */
 } akv_bk;
 
 void akv_bk_setup(akv_bk *bk, const akv_backend_ops *ops, uint32_t fail_nth, int32_t fail_kind);
