@@ -1,8 +1,14 @@
 /*
  * host_cost.c - the library's own host cost per layer per step: a null
- * attention hook over a tiny history, so what is timed is the engine's work
- * on the calling thread (begin, attend, write-back, seal, retire) plus the
- * backend's enqueue cost. Prints one JSON line.
+ * attention hook over a tiny history, in the recommended loop (begin l,
+ * retire l-2, attend, write back, seal). Two figures per layer:
+ *  - enqueue: the calling thread's time in begin + attend + write-back + seal
+ *    (the engine's bookkeeping plus the backend's enqueue calls); this is the
+ *    library's host cost on the hot path, target < 10 us;
+ *  - retire: the time retire blocks waiting for the device to finish the
+ *    layer two back (device latency of the copy/attention/write-back chain,
+ *    not host work; with real attention it overlaps the next layer's copy).
+ * Prints a line per figure and one JSON line.
  *
  * usage: akv_host_cost [backend: auto|host|cuda] [steps]
  */
@@ -53,6 +59,7 @@ int main(int argc, char **argv) {
   static unsigned char rows[16 * 2048];
   const void *rp[32];
   double *per_step = calloc(steps, sizeof(double));
+  double *enq_step = calloc(steps, sizeof(double));
   cfg.backend = AKV_BACKEND_AUTO;
   if (argc > 1 && strcmp(argv[1], "host") == 0) cfg.backend = AKV_BACKEND_HOST;
   if (argc > 1 && strcmp(argv[1], "cuda") == 0) cfg.backend = AKV_BACKEND_CUDA;
@@ -74,36 +81,45 @@ int main(int argc, char **argv) {
   }
   for (uint32_t st = 0; st < steps; st++) {
     akv_lease *lease[32];
-    double t0 = now_s();
+    double t0 = now_s(), enq = 0.0;
     TRY(akv_step_begin(e, ctx, n_ctx));
     for (uint32_t l = 0; l < layers; l++) {
       akv_fence attn, tail;
+      double a = now_s(), b;
       TRY(akv_lease_begin(e, l, &lease[l]));
+      b = now_s();
       if (l >= 2) TRY(akv_lease_retire(lease[l - 2], NULL));
+      a += now_s() - b; /* the retire is not enqueue work */
       TRY(akv_lease_attend(lease[l], s, null_hook, NULL, &attn));
       TRY(akv_lease_write_back(lease[l], NULL, 0, &tail));
       TRY(akv_lease_seal(lease[l], tail, attn));
+      enq += now_s() - a;
     }
     TRY(akv_lease_retire(lease[layers - 2], NULL));
     TRY(akv_lease_retire(lease[layers - 1], NULL));
     TRY(akv_step_end(e));
     per_step[st] = now_s() - t0;
+    enq_step[st] = enq;
   }
   qsort(per_step, steps, sizeof(double), cmp_double);
+  qsort(enq_step, steps, sizeof(double), cmp_double);
   {
-    double med = per_step[steps / 2] / layers * 1e6;
-    double p90 = per_step[steps * 9 / 10] / layers * 1e6;
-    printf("host cost per layer per step: median %.2f us, p90 %.2f us (target 10 us) over %u steps"
-           " x %u layers, %u contexts, backend %s; ratio target/median %.2f\n",
-           med, p90, steps, layers, n_ctx, info.backend == AKV_BACKEND_CUDA ? "cuda" : "host",
-           10.0 / med);
+    const char *bk = info.backend == AKV_BACKEND_CUDA ? "cuda" : "host";
+    double med = enq_step[steps / 2] / layers * 1e6, p90 = enq_step[steps * 9 / 10] / layers * 1e6;
+    double wall = per_step[steps / 2] / layers * 1e6;
+    printf("host cost per layer per step (enqueue path): median %.2f us, p90 %.2f us; bound 10 us;"
+           " ratio median/bound %.2f (%u steps x %u layers, %u contexts, backend %s)\n",
+           med, p90, med / 10.0, steps, layers, n_ctx, bk);
+    printf("wall per layer including retire waits on the device chain: median %.2f us\n", wall);
     printf("{\"bench\":\"host_cost\",\"backend\":\"%s\",\"layers\":%u,\"contexts\":%u,\"steps\":%u,"
-           "\"us_per_layer_median\":%.3f,\"us_per_layer_p90\":%.3f,\"target_us\":10}\n",
-           info.backend == AKV_BACKEND_CUDA ? "cuda" : "host", layers, n_ctx, steps, med, p90);
+           "\"enqueue_us_per_layer_median\":%.3f,\"enqueue_us_per_layer_p90\":%.3f,"
+           "\"wall_us_per_layer_median\":%.3f,\"bound_us\":10}\n",
+           bk, layers, n_ctx, steps, med, p90, wall);
   }
   for (uint32_t i = 0; i < n_ctx; i++) TRY(akv_context_close(ctx[i]));
   TRY(akv_stream_destroy(e, s));
   TRY(akv_engine_destroy(e));
   free(per_step);
+  free(enq_step);
   return 0;
 }

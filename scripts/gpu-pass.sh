@@ -35,7 +35,7 @@ mkdir -p "$OUT"
 BUILD=/tmp/akv-build
 SOLO=/tmp/akv-standalone
 DEPS=/tmp/deps
-STEPS=${AKV_STEPS:-"build ctest sanitizer bench decode"}
+PASS_STEPS=${AKV_STEPS:-"build ctest sanitizer bench decode"}
 JOBS=${AKV_JOBS:-16}
 VARIANTS=${AKV_BENCH_VARIANTS:-"w8l4:8:4 w8l2:8:2 w8l8:8:8 w4l4:4:4"}
 CHUNKS=${AKV_BENCH_CHUNKS:-"256 64 1024"}
@@ -53,7 +53,7 @@ ROWS=/tmp/akv-gpu-pass-rows.txt # table rows, gathered outside $OUT
 T0=$(date +%s)
 # record STEP STATUS DETAIL: one row of the final table.
 record() { printf '%-28s %-8s %s\n' "$1" "$2" "$3" >>"$ROWS"; }
-has_step() { case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+has_step() { case " $PASS_STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 log() { echo "[$(($(date +%s) - T0))s] $*"; }
 
 {

@@ -2,6 +2,7 @@
  * engine.c - engine lifetime: create (every allocation the engine will ever
  * make), destroy (never waits), diagnostics and quarantine (DESIGN §7).
  */
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -222,6 +223,37 @@ fail:
   return st;
 }
 
+/* An older caller's config ends at its struct_size: take only the fields it
+ * holds entirely (never read past its end, never half a pointer); every
+ * later field keeps its default. */
+static void akv_config_take(akv_engine_config *full, const akv_engine_config *c) {
+#define AKV_TAKE(f) \
+  if (c->struct_size >= offsetof(akv_engine_config, f) + sizeof(c->f)) full->f = c->f
+  full->struct_size = c->struct_size;
+  AKV_TAKE(version);
+  AKV_TAKE(backend);
+  AKV_TAKE(device_ordinal);
+  AKV_TAKE(n_dense_layers);
+  AKV_TAKE(kv_heads);
+  AKV_TAKE(head_dim);
+  AKV_TAKE(dtype);
+  AKV_TAKE(max_tokens);
+  AKV_TAKE(page_tokens);
+  AKV_TAKE(host_pool_gib);
+  AKV_TAKE(device_pool_gib);
+  AKV_TAKE(max_contexts);
+  AKV_TAKE(fit_mode);
+  AKV_TAKE(route);
+  AKV_TAKE(log_fn);
+  AKV_TAKE(log_user);
+  AKV_TAKE(log_level);
+  AKV_TAKE(host_delay_seed);
+  AKV_TAKE(host_delay_max_us);
+  AKV_TAKE(fault_fail_nth);
+  AKV_TAKE(fault_kind);
+#undef AKV_TAKE
+}
+
 AKV_API akv_status akv_engine_create(const akv_engine_config *caller, akv_engine **out) {
   akv_status st = AKV_OK;
   akv_engine *e = NULL;
@@ -231,9 +263,7 @@ AKV_API akv_status akv_engine_create(const akv_engine_config *caller, akv_engine
   const akv_engine_config *config = &full;
 
   if (caller == NULL || out == NULL) return AKV_ERR_INVALID_ARGUMENT;
-  /* An older caller's config ends at its struct_size: read no further, and
-   * give every later field its default. */
-  memcpy(&full, caller, caller->struct_size < sizeof(full) ? caller->struct_size : sizeof(full));
+  akv_config_take(&full, caller);
   st = akv_fit_compute(config, &fit, why, sizeof(why));
   if (st != AKV_OK) {
     akv_log_cfg(config, AKV_LOG_ERROR, "engine config rejected: %s", why);
