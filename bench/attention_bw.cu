@@ -18,7 +18,9 @@
  *   nvcc -O3 -arch=sm_90 -std=c++17 -Iinclude bench/attention_bw.cu \
  *        src/attention_cuda.cu src/attention_ref.c -o build/attention_bw
  * The kernel's tuning knobs can be varied at build time with
- * -DAKV_ATTN_WARPS=N -DAKV_ATTN_LOADS=N (applied to both files).
+ * -DAKV_ATTN_WARPS=N -DAKV_ATTN_LOADS=N -DAKV_ATTN_STAGES=N -DAKV_ATTN_PDL=0|1
+ * (applied to both files; STAGES 0 is the older register pipeline, PDL 0
+ * launches the combine kernel without programmatic dependent launch).
  *
  * Usage: attention_bw [--tokens N] [--chunk N] [--contexts 1,4] [--iters N]
  *                     [--warmup N] [--json FILE] [--label TEXT] [--no-check]
@@ -43,6 +45,12 @@
 #endif
 #ifndef AKV_ATTN_LOADS
 #define AKV_ATTN_LOADS 4
+#endif
+#ifndef AKV_ATTN_STAGES
+#define AKV_ATTN_STAGES 3
+#endif
+#ifndef AKV_ATTN_PDL
+#define AKV_ATTN_PDL 1
 #endif
 
 static const double kCeilingGBps = 4400.0; /* kernel read ceiling, shared/MEASURED.md */
@@ -196,9 +204,10 @@ int main(int argc, char **argv) {
     perror(o.json);
     return 1;
   }
-  printf("device %s, %d SMs, L2 %d MiB; kernel knobs warps=%d loads=%d; label %s\n", prop.name,
-         prop.multiProcessorCount, prop.l2CacheSize >> 20, AKV_ATTN_WARPS, AKV_ATTN_LOADS,
-         o.label);
+  printf("device %s, %d SMs, L2 %d MiB; kernel knobs warps=%d loads=%d stages=%d pdl=%d; "
+         "label %s\n",
+         prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20, AKV_ATTN_WARPS,
+         AKV_ATTN_LOADS, AKV_ATTN_STAGES, AKV_ATTN_PDL, o.label);
   printf("%-7s %4s %7s %5s %12s %10s %10s %10s %9s %8s %9s %8s\n", "variant", "ctx", "tokens",
          "chunk", "bytes", "median_us", "p10_us", "p90_us", "GB/s", "ratio", "read_GB/s",
          "vs_read");
@@ -397,12 +406,13 @@ int main(int argc, char **argv) {
       snprintf(line, sizeof line,
                "{\"bench\":\"attention_bw\",\"label\":\"%s\",\"variant\":\"%s\",\"device\":\"%s\","
                "\"contexts\":%u,\"tokens\":%u,\"chunk\":%u,\"n_heads\":%u,\"kv_heads\":%u,"
-               "\"head_dim\":%u,\"warps\":%d,\"loads\":%d,\"bytes\":%llu,\"sets\":%d,"
+               "\"head_dim\":%u,\"warps\":%d,\"loads\":%d,\"stages\":%d,\"pdl\":%d,\"bytes\":%llu,\"sets\":%d,"
                "\"iters\":%d,\"median_us\":%.2f,\"p10_us\":%.2f,\"p90_us\":%.2f,\"gbps\":%.1f,"
                "\"ceiling_gbps\":%.0f,\"ratio\":%.4f,\"read_gbps\":%.1f,\"ratio_vs_read\":%.4f,"
                "\"meets_60pct\":%s,\"check\":\"%s\"}",
                o.label, r.name, prop.name, n_ctx, o.tokens, o.chunk, n_heads, kv_heads, head_dim,
-               AKV_ATTN_WARPS, AKV_ATTN_LOADS, (unsigned long long)kv_bytes, sets, o.iters,
+               AKV_ATTN_WARPS, AKV_ATTN_LOADS, AKV_ATTN_STAGES, AKV_ATTN_PDL,
+               (unsigned long long)kv_bytes, sets, o.iters,
                r.st.median_us, r.st.p10_us, r.st.p90_us, gbps, kCeilingGBps, ratio, read_gbps,
                gbps / read_gbps, ratio >= 0.6 ? "true" : "false", check);
       printf("JSON %s\n", line);

@@ -23,8 +23,10 @@
 # Knobs (environment):
 #   AKV_STEPS     steps to run, default "build ctest sanitizer bench"
 #   AKV_JOBS      parallel build jobs, default 16
-#   AKV_BENCH_VARIANTS  "label:WARPS:LOADS ...", default
-#                 "w8l4:8:4 w8l2:8:2 w8l8:8:8 w4l4:4:4" (w8l4 is the library's)
+#   AKV_BENCH_VARIANTS  "label:WARPS:LOADS[:STAGES[:PDL]] ...", default
+#                 "w8l4:8:4:3:1 w8l4s0:8:4:0:0 w8l4s2:8:4:2:1 w8l4s4:8:4:4:1
+#                  w8l2s4:8:2:4:1 w8l4nopdl:8:4:3:0" (w8l4 is the library's;
+#                 STAGES 0 with PDL 0 is the previous register-pipeline kernel)
 #   AKV_BENCH_CHUNKS    chunk sizes for the library variant, default "256 64 1024"
 #   AKV_SAN_TIMEOUT     seconds per sanitizer run, default 300
 #   AKV_CMAKE_ARGS      extra arguments for the configure step
@@ -37,7 +39,7 @@ SOLO=/tmp/akv-standalone
 DEPS=/tmp/deps
 PASS_STEPS=${AKV_STEPS:-"build ctest sanitizer bench decode"}
 JOBS=${AKV_JOBS:-16}
-VARIANTS=${AKV_BENCH_VARIANTS:-"w8l4:8:4 w8l2:8:2 w8l8:8:8 w4l4:4:4"}
+VARIANTS=${AKV_BENCH_VARIANTS:-"w8l4:8:4:3:1 w8l4s0:8:4:0:0 w8l4s2:8:4:2:1 w8l4s4:8:4:4:1 w8l2s4:8:2:4:1 w8l4nopdl:8:4:3:0"}
 CHUNKS=${AKV_BENCH_CHUNKS:-"256 64 1024"}
 SAN_TIMEOUT=${AKV_SAN_TIMEOUT:-300}
 
@@ -81,9 +83,10 @@ else
 fi
 
 # ------------------------------------------------------------------ build
-bench_build() { # label warps loads
+bench_build() { # label warps loads [stages [pdl]]
   local out=$SOLO/attention_bw_$1
   nvcc -O3 -arch=sm_90 -std=c++17 -Iinclude -DAKV_ATTN_WARPS="$2" -DAKV_ATTN_LOADS="$3" \
+    -DAKV_ATTN_STAGES="${4:-3}" -DAKV_ATTN_PDL="${5:-1}" \
     -Xptxas -v bench/attention_bw.cu src/attention_cuda.cu src/attention_ref.c -o "$out" \
     >"$SOLO/bench_$1.log" 2>&1
 }
@@ -94,8 +97,8 @@ if has_step build; then
   bench_pids=""
   if has_step bench && [ -f bench/attention_bw.cu ]; then
     for v in $VARIANTS; do
-      IFS=: read -r label warps loads <<<"$v"
-      bench_build "$label" "$warps" "$loads" &
+      IFS=: read -r label warps loads stages pdl <<<"$v"
+      bench_build "$label" "$warps" "$loads" "$stages" "$pdl" &
       bench_pids="$bench_pids $!:$label"
     done
   fi
@@ -220,7 +223,7 @@ fi
 if has_step bench; then
   : >"$BENCH_LOG"
   for v in $VARIANTS; do
-    IFS=: read -r label warps loads <<<"$v"
+    IFS=: read -r label warps loads _ _ <<<"$v"
     bin=$SOLO/attention_bw_$label
     [ -x "$bin" ] || continue
     chunks=256

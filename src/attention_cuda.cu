@@ -7,13 +7,21 @@
  *     computes, for every query head of the subgroup (all share the K/V
  *     reads), the partial (m, l, acc[head_dim]) of akv_attention.h into the
  *     workspace. Within the chunk it walks tiles of TILE rows: each thread
- *     holds U 16-byte K slices and U V slices of the tile; the scores go to
+ *     owns U 16-byte K slices and U V slices of the tile; the scores go to
  *     shared memory, one warp per head folds the tile into a running maximum
- *     and sum, then every thread accumulates its V slices. The next tile's K
- *     is requested right after the scores and its V right after the
- *     accumulation, so memory requests stay in flight across the barriers.
- *  2. combine kernel: one block per (context, query head); merges the
- *     context's chunk partials.
+ *     and sum, then every thread accumulates its V slices. The K/V slices
+ *     arrive by cp.async in a ring of AKV_ATTN_STAGES tiles in shared memory
+ *     (3 by default: two tiles, 64 KiB per block, 128 KiB per SM, stay in
+ *     flight during the arithmetic, which a decode read needs to approach the
+ *     bandwidth with only two blocks per SM); each thread reads back only the
+ *     slices it copied, so the ring needs no barrier of its own. With
+ *     AKV_ATTN_STAGES=0 the older register pipeline (one tile ahead) is built.
+ *     The arithmetic, and so every bit, is the same either way.
+ *  2. combine kernel: one block per (context, query head, 32-dim slice);
+ *     merges the context's chunk partials. On sm_90 it is launched with
+ *     programmatic dependent launch (AKV_ATTN_PDL), so its launch overlaps
+ *     the chunk kernel's tail; it waits for the chunk grid's completion
+ *     (griddepcontrol.wait) before it reads a partial.
  *
  * Determinism: every value is produced by a fixed thread from a fixed set of
  * inputs in a fixed order (shuffle butterflies, shared-memory sums in warp
@@ -46,6 +54,21 @@ namespace {
 #ifndef AKV_ATTN_LOADS
 #define AKV_ATTN_LOADS 4
 #endif
+/* Tiles of K/V kept in flight per block through cp.async into shared memory
+ * (each thread copies and later reads only its own 16-byte slices, so no
+ * extra barrier guards the buffers); 0 = the older register pipeline, which
+ * loads the next tile into registers one tile ahead. */
+#ifndef AKV_ATTN_STAGES
+#define AKV_ATTN_STAGES 3
+#endif
+/* 1 = the combine kernel is launched with programmatic dependent launch
+ * (sm_90): it is scheduled while the chunk kernel's last blocks run and waits
+ * in griddepcontrol.wait for the chunk grid to complete and flush. */
+#ifndef AKV_ATTN_PDL
+#define AKV_ATTN_PDL 1
+#endif
+constexpr int kStages = AKV_ATTN_STAGES;
+static_assert(kStages == 0 || kStages >= 2, "AKV_ATTN_STAGES is 0 or >= 2");
 constexpr int kWarps = AKV_ATTN_WARPS; /* warps per block; also caps the subgroup size */
 constexpr int kThreads = kWarps * 32;
 /* Contexts per launch pair (their lengths travel in the kernel parameters). */
@@ -172,6 +195,22 @@ __device__ __forceinline__ uint4 load16(const char *p) {
   return __ldg(reinterpret_cast<const uint4 *>(p));
 }
 
+/* 16-byte asynchronous copy global -> shared; a row past the chunk copies
+ * nothing and fills zeros (src-size 0), like the register path's zero row. */
+__device__ __forceinline__ void cp_async16(uint4 *smem, const char *gmem, bool valid) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  const int sz = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(sz)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int off = 16; off >= 1; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, off));
@@ -212,9 +251,17 @@ struct ReduceScatter {
 };
 
 /* Two blocks per SM (at most 128 registers) with the library's knobs,
- * except for 8-head subgroups, whose q and accumulators alone take 128. */
+ * except for 8-head subgroups, whose q and accumulators alone take 128.
+ * With the shared-memory pipeline (3 stages of 32 KiB at the library's
+ * knobs) shared memory also caps a block pair per SM. */
 constexpr int min_blocks(int gt) {
   return (gt >= 8 || kWarps != 8 || AKV_ATTN_LOADS > 4) ? 1 : 2;
+}
+
+/* Dynamic shared memory of the chunk kernel: kStages tiles of K and V. */
+template <int D, int GT>
+constexpr size_t stage_bytes() {
+  return (size_t)kStages * 2u * (size_t)Cfg<D, GT>::U * kThreads * sizeof(uint4);
 }
 
 template <int D, int GT, class Loc>
@@ -232,6 +279,11 @@ __global__ void __launch_bounds__(kThreads, min_blocks(GT))
   const uint32_t kvh = slot / p.n_sub;
   const uint32_t sub = slot - kvh * p.n_sub;
   const uint32_t ctx = blockIdx.y;
+#if AKV_ATTN_PDL
+  /* Lets the combine grid be scheduled once every chunk block has started;
+   * it still waits for this grid's completion before reading partials. */
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
   const char *kp;
   const char *vp;
   uint32_t n = 0;
@@ -281,14 +333,55 @@ __global__ void __launch_bounds__(kThreads, min_blocks(GT))
       r[u] = t < n ? load16(base + t * rb) : make_uint4(0u, 0u, 0u, 0u);
     }
   };
-  load_rows(kr, kd, 0);
-  load_rows(vr, vd, 0);
+  /* Shared-memory pipeline: slot (stage, K|V, u) of thread x is
+   * s_buf[((stage * 2 + kv) * U + u) * kThreads + x] (16 consecutive bytes per
+   * thread: conflict-free). Tile i lives in stage i % kStages. */
+  extern __shared__ uint4 s_buf[];
+  auto issue_tile = [&](uint32_t i) {
+    const uint32_t t0 = i * C::TILE;
+    if (t0 < n) {
+      uint4 *sk = s_buf + (size_t)((i % kStages) * 2 * C::U) * kThreads + threadIdx.x;
+      uint4 *sv = sk + (size_t)C::U * kThreads;
+#pragma unroll
+      for (int u = 0; u < C::U; ++u) {
+        const uint32_t t = t0 + u * (kWarps * C::TPW) + warp * C::TPW + tok;
+        const bool ok = t < n;
+        cp_async16(sk + u * kThreads, ok ? kd + t * rb : kd, ok);
+      }
+#pragma unroll
+      for (int u = 0; u < C::U; ++u) {
+        const uint32_t t = t0 + u * (kWarps * C::TPW) + warp * C::TPW + tok;
+        const bool ok = t < n;
+        cp_async16(sv + u * kThreads, ok ? vd + t * rb : vd, ok);
+      }
+    }
+    cp_async_commit(); /* one group per tile, empty past the chunk */
+  };
+  if constexpr (kStages > 0) {
+#pragma unroll
+    for (int i = 0; i < kStages - 1; ++i) issue_tile((uint32_t)i);
+  } else {
+    load_rows(kr, kd, 0);
+    load_rows(vr, vd, 0);
+  }
 
-  /* Software pipeline without extra registers: the next tile's K is loaded
-   * as soon as this tile's scores are taken, the next V as soon as this
-   * tile's V is accumulated, so loads stay in flight across the barriers. */
-  for (uint32_t t0 = 0; t0 < n; t0 += C::TILE) {
+  /* Register pipeline (kStages == 0), without extra registers: the next
+   * tile's K is loaded as soon as this tile's scores are taken, the next V as
+   * soon as this tile's V is accumulated, so loads stay in flight across the
+   * barriers. Shared-memory pipeline: tile i + kStages - 1 is requested when
+   * tile i starts (its stage was last read before the previous tile's final
+   * barrier), so kStages - 1 tiles stay in flight during the arithmetic. */
+  uint32_t tile = 0;
+  const uint4 *s_cur = s_buf; /* this thread's slots of the current tile */
+  for (uint32_t t0 = 0; t0 < n; t0 += C::TILE, ++tile) {
     const uint32_t t_next = t0 + C::TILE;
+    if constexpr (kStages > 0) {
+      issue_tile(tile + kStages - 1);
+      cp_async_wait<kStages - 1>(); /* this thread's copies of tile `tile` landed */
+      s_cur = s_buf + (size_t)((tile % kStages) * 2 * C::U) * kThreads + threadIdx.x;
+#pragma unroll
+      for (int u = 0; u < C::U; ++u) kr[u] = s_cur[u * kThreads];
+    }
 
     /* Scores of the tile, scaled into the base-2 domain. */
 #pragma unroll
@@ -309,7 +402,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks(GT))
         s_p[dl >> C::HEAD_SHIFT][tl] = (t0 + tl < n) ? part[0] * p.scale_log2 : -INFINITY;
       }
     }
-    if (t_next < n) load_rows(kr, kd, t_next);
+    if constexpr (kStages == 0)
+      if (t_next < n) load_rows(kr, kd, t_next);
     __syncthreads();
 
     /* Warp h folds head h's tile into its running maximum and sum. */
@@ -350,7 +444,10 @@ __global__ void __launch_bounds__(kThreads, min_blocks(GT))
     for (int u = 0; u < C::U; ++u) {
       const int tl = u * (kWarps * C::TPW) + warp * C::TPW + tok;
       float vf[8];
-      bf16x8_to_f32(vr[u], vf);
+      if constexpr (kStages > 0)
+        bf16x8_to_f32(s_cur[(C::U + u) * kThreads], vf);
+      else
+        bf16x8_to_f32(vr[u], vf);
 #pragma unroll
       for (int h = 0; h < GT; ++h) {
         const float pr = s_p[h][tl];
@@ -358,7 +455,9 @@ __global__ void __launch_bounds__(kThreads, min_blocks(GT))
         for (int j = 0; j < 8; ++j) acc[h][j] = fmaf(pr, vf[j], acc[h][j]);
       }
     }
-    if (t_next < n) load_rows(vr, vd, t_next);
+    if constexpr (kStages == 0)
+      if (t_next < n) load_rows(vr, vd, t_next);
+    (void)t_next;
     __syncthreads(); /* s_p and s_alpha are rewritten by the next tile */
   }
 
@@ -397,16 +496,26 @@ __global__ void __launch_bounds__(kThreads, min_blocks(GT))
   }
 }
 
+/* One block per (context, query head, 32-dim slice): lane `lane` of every
+ * warp owns dim slice * 32 + lane. Per dim the arithmetic and its order are
+ * those of one block per head (warp w folds chunks w, w + kWarps, ... in
+ * order; the warps are summed in warp order), only spread over D/32 blocks. */
 template <int D, class Loc>
 __global__ void __launch_bounds__(kThreads)
     akv_attn_combine_kernel(const __grid_constant__ CombineParams p,
                             const __grid_constant__ Loc loc) {
-  constexpr int PER = D / 32;
+  constexpr uint32_t NDS = D / 32;
   __shared__ float s_m[kWarps];
   __shared__ float s_l[kWarps];
-  __shared__ float s_o[kWarps][D];
+  __shared__ float s_o[kWarps][32];
 
-  const uint32_t head = blockIdx.x;
+#if AKV_ATTN_PDL
+  /* The chunk grid (launched just before on this stream) is complete and its
+   * partials visible after this; a no-op without programmatic launch. */
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+  const uint32_t head = blockIdx.x / NDS;
+  const uint32_t d = (blockIdx.x - head * NDS) * 32u + (threadIdx.x & 31u);
   const uint32_t ctx = blockIdx.y;
   const int warp = (int)(threadIdx.x >> 5);
   const int lane = (int)(threadIdx.x & 31);
@@ -425,30 +534,25 @@ __global__ void __launch_bounds__(kThreads)
   for (int w = 0; w < kWarps; ++w) big = fmaxf(big, s_m[w]);
   const float big_use = (big == -INFINITY) ? 0.0f : big;
 
-  /* Warp w takes chunks w, w+8, ... in order; lanes own dims lane + 32k. */
-  float o[PER];
-#pragma unroll
-  for (int k = 0; k < PER; ++k) o[k] = 0.0f;
+  /* Warp w takes chunks w, w+kWarps, ... in order. */
+  float o = 0.0f;
   float l = 0.0f;
 #pragma unroll 8
   for (uint32_t c = warp; c < nch; c += kWarps) {
     const float *ml = p.ml + (slot0 + c) * 2;
     const float w = exp2f(ml[0] - big_use);
     l += w * ml[1];
-    const float *a = p.acc + (slot0 + c) * D;
-#pragma unroll
-    for (int k = 0; k < PER; ++k) o[k] = fmaf(w, a[lane + 32 * k], o[k]);
+    o = fmaf(w, p.acc[(slot0 + c) * D + d], o);
   }
-#pragma unroll
-  for (int k = 0; k < PER; ++k) s_o[warp][lane + 32 * k] = o[k];
+  s_o[warp][lane] = o;
   if (lane == 0) s_l[warp] = l;
   __syncthreads();
 
-  for (int d = (int)threadIdx.x; d < D; d += kThreads) {
+  if (warp == 0) {
     float sum = 0.0f, lsum = 0.0f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
-      sum += s_o[w][d];
+      sum += s_o[w][lane];
       lsum += s_l[w];
     }
     float r = (lsum > 0.0f) ? sum / lsum : 0.0f;
@@ -464,27 +568,37 @@ using ChunkFn = void (*)(ChunkParams, Loc);
 template <class Loc>
 using CombineFn = void (*)(CombineParams, Loc);
 
+template <int D, int GT, class Loc>
+ChunkFn<Loc> chunk_of(size_t *smem) {
+  static_assert(stage_bytes<D, GT>() + 16u * 1024u <= 227u * 1024u,
+                "AKV_ATTN_STAGES x AKV_ATTN_LOADS tiles exceed the shared memory of an SM");
+  *smem = stage_bytes<D, GT>();
+  return akv_attn_chunk_kernel<D, GT, Loc>;
+}
+
 template <int D, class Loc>
-ChunkFn<Loc> pick_chunk_gt(int gt) {
+ChunkFn<Loc> pick_chunk_gt(int gt, size_t *smem) {
   switch (gt) {
-    case 1: return akv_attn_chunk_kernel<D, 1, Loc>;
-    case 2: return akv_attn_chunk_kernel<D, 2, Loc>;
+    case 1: return chunk_of<D, 1, Loc>(smem);
+    case 2: return chunk_of<D, 2, Loc>(smem);
     case 4:
-      if constexpr (kWarps >= 4) return akv_attn_chunk_kernel<D, 4, Loc>;
+      if constexpr (kWarps >= 4) return chunk_of<D, 4, Loc>(smem);
       return nullptr;
     case 8:
-      if constexpr (kWarps >= 8) return akv_attn_chunk_kernel<D, 8, Loc>;
+      if constexpr (kWarps >= 8) return chunk_of<D, 8, Loc>(smem);
       return nullptr;
     default: return nullptr;
   }
 }
 
+/* The chunk kernel for (head_dim, gt) and its dynamic shared memory. */
 template <class Loc>
-ChunkFn<Loc> pick_chunk(uint32_t head_dim, int gt) {
+ChunkFn<Loc> pick_chunk(uint32_t head_dim, int gt, size_t *smem) {
+  *smem = 0;
   switch (head_dim) {
-    case 64: return pick_chunk_gt<64, Loc>(gt);
-    case 128: return pick_chunk_gt<128, Loc>(gt);
-    case 256: return pick_chunk_gt<256, Loc>(gt);
+    case 64: return pick_chunk_gt<64, Loc>(gt, smem);
+    case 128: return pick_chunk_gt<128, Loc>(gt, smem);
+    case 256: return pick_chunk_gt<256, Loc>(gt, smem);
     default: return nullptr;
   }
 }
@@ -556,7 +670,8 @@ template <class Loc>
 akv_status launch_pair(uint32_t head_dim, int gt, dim3 grid_chunk, const ChunkParams &cp,
                        dim3 grid_combine, const CombineParams &pp, const Loc &loc,
                        cudaStream_t stream) {
-  ChunkFn<Loc> chunk_fn = pick_chunk<Loc>(head_dim, gt);
+  size_t smem = 0;
+  ChunkFn<Loc> chunk_fn = pick_chunk<Loc>(head_dim, gt, &smem);
   CombineFn<Loc> combine_fn = pick_combine<Loc>(head_dim);
   if (chunk_fn == nullptr || combine_fn == nullptr) return AKV_ERR_NOT_SUPPORTED;
   cudaLaunchConfig_t cfg = {};
@@ -566,10 +681,28 @@ akv_status launch_pair(uint32_t head_dim, int gt, dim3 grid_chunk, const ChunkPa
   cfg.attrs = nullptr;
   cfg.numAttrs = 0;
   if (grid_chunk.x > 0) {
+    /* Above 48 KiB of dynamic shared memory needs the opt-in; it is a
+     * per-device attribute of the function, so it is set on every call
+     * (cheap, idempotent, right for whichever device is current). */
+    if (smem > 48u * 1024u &&
+        cudaFuncSetAttribute(chunk_fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
+            cudaSuccess)
+      return AKV_ERR_BACKEND;
     cfg.gridDim = grid_chunk;
+    cfg.dynamicSmemBytes = smem;
     if (cudaLaunchKernelEx(&cfg, chunk_fn, cp, loc) != cudaSuccess) return AKV_ERR_BACKEND;
   }
   cfg.gridDim = grid_combine;
+  cfg.dynamicSmemBytes = 0;
+#if AKV_ATTN_PDL
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  if (grid_chunk.x > 0) {
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+  }
+#endif
   if (cudaLaunchKernelEx(&cfg, combine_fn, pp, loc) != cudaSuccess) return AKV_ERR_BACKEND;
   return AKV_OK;
 }
@@ -640,7 +773,7 @@ extern "C" AKV_API akv_status akv_attention_decode_cuda(const akv_attention_args
       pp.n_heads = a->n_heads;
       pp.stride_chunks = stride;
       st = launch_pair<ContigLoc>(a->head_dim, gt, dim3(grid_x * cp.kv_slots, nc, 1), cp,
-                                  dim3(a->n_heads, nc, 1), pp, loc, stream);
+                                  dim3(a->n_heads * (a->head_dim / 32u), nc, 1), pp, loc, stream);
       if (st != AKV_OK) goto fail;
     }
   }
@@ -705,7 +838,7 @@ extern "C" AKV_API akv_status akv_attention_paged_cuda(const akv_attention_paged
       pp.n_heads = a->n_heads;
       pp.stride_chunks = stride;
       st = launch_pair<PagedLoc>(a->head_dim, gt, dim3(t.max_pages * cp.kv_slots, nc, 1), cp,
-                                 dim3(a->n_heads, nc, 1), pp, loc, stream);
+                                 dim3(a->n_heads * (a->head_dim / 32u), nc, 1), pp, loc, stream);
       if (st != AKV_OK) goto fail;
     }
   }

@@ -8,7 +8,7 @@
  * rows (prefill plus every written-back row) are compared byte for byte.
  *
  * Exits 77 (skipped) on a machine without a usable CUDA device.
- * AKV_CELLS_QUICK=1 drops the 31,744-token cells (for sanitizer runs).
+ * AKV_CELLS_QUICK=1 keeps only lengths 1, page-1 and page+1 (for sanitizer runs).
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -299,7 +299,7 @@ static void run_route(akv_route route) {
   uint64_t compared = 0;
   int cells = 0;
   for (uint32_t k = 0; k < sizeof(lens) / sizeof(lens[0]); k++) {
-    if (quick && lens[k] > 4096) continue;
+    if (quick && k != 0 && k != 1 && k != 3) continue;
     for (int v = 0; v < 2; v++) {
       cell c;
       c.route = route;
@@ -321,7 +321,7 @@ static void run_route(akv_route route) {
   }
   printf("route %s: %d cells, %llu layer outputs compared, all bit-identical\n",
          route == AKV_ROUTE_ARENA ? "arena" : "stage", cells, (unsigned long long)compared);
-  assert_true(cells >= (quick ? 8 : 12));
+  assert_true(cells >= (quick ? 6 : 12));
 }
 
 static void test_stage_cells(void **) { run_route(AKV_ROUTE_STAGE); }
