@@ -39,7 +39,7 @@ SOLO=/tmp/akv-standalone
 DEPS=/tmp/deps
 PASS_STEPS=${AKV_STEPS:-"build ctest sanitizer bench decode"}
 JOBS=${AKV_JOBS:-16}
-VARIANTS=${AKV_BENCH_VARIANTS:-"w8l4:8:4:3:1 w8l4s0:8:4:0:0 w8l4s2:8:4:2:1 w8l4s4:8:4:4:1 w8l2s4:8:2:4:1 w8l4nopdl:8:4:3:0"}
+VARIANTS=${AKV_BENCH_VARIANTS:-"w8l4:8:4:0:0 w8l4s3:8:4:3:1 w8l2:8:2:0:0"}
 CHUNKS=${AKV_BENCH_CHUNKS:-"256 64 1024"}
 SAN_TIMEOUT=${AKV_SAN_TIMEOUT:-300}
 

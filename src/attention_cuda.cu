@@ -56,16 +56,19 @@ namespace {
 #endif
 /* Tiles of K/V kept in flight per block through cp.async into shared memory
  * (each thread copies and later reads only its own 16-byte slices, so no
- * extra barrier guards the buffers); 0 = the older register pipeline, which
- * loads the next tile into registers one tile ahead. */
+ * extra barrier guards the buffers); 0 = the register pipeline, which loads
+ * the next tile into registers one tile ahead. Measured on the H200
+ * (docs/benchmarks.md): the register pipeline is faster (1 context 59 us
+ * against 64 us with 3 stages), so the library builds it; the cp.async
+ * pipeline stays available to the benchmark. */
 #ifndef AKV_ATTN_STAGES
-#define AKV_ATTN_STAGES 3
+#define AKV_ATTN_STAGES 0
 #endif
 /* 1 = the combine kernel is launched with programmatic dependent launch
  * (sm_90): it is scheduled while the chunk kernel's last blocks run and waits
  * in griddepcontrol.wait for the chunk grid to complete and flush. */
 #ifndef AKV_ATTN_PDL
-#define AKV_ATTN_PDL 1
+#define AKV_ATTN_PDL 0 /* measured no faster (docs/benchmarks.md) */
 #endif
 constexpr int kStages = AKV_ATTN_STAGES;
 static_assert(kStages == 0 || kStages >= 2, "AKV_ATTN_STAGES is 0 or >= 2");

@@ -194,6 +194,10 @@ AKV_API akv_status akv_lease_begin(akv_engine *e, uint32_t layer, akv_lease **ou
    * it last, if not yet retired). */
   for (uint32_t r = 0; r < n_prior; r++) {
     if (prior[r].buffer != ls->buffer) continue;
+    /* A listed lease is sealed, so its tail was recorded on the D2H queue
+     * after that queue waited on its attention event: waiting on the tail
+     * covers both readers on the device, one wait per queue instead of two. */
+    if (prior[r].event == prior[r].lease->ev_attn) continue;
     AKV_CHECK(akv_bk_wait(&e->bk, e->q_h2d, prior[r].event));
     if (ls->used_d2d) AKV_CHECK(akv_bk_wait(&e->bk, e->q_d2d, prior[r].event));
   }
