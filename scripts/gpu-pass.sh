@@ -208,7 +208,7 @@ if has_step sanitizer; then
         AKV_CELLS_QUICK=1 timeout "$SAN_TIMEOUT" compute-sanitizer --tool "$tool" --report-api-errors no \
           --error-exitcode 99 $extra "$b" >>"$slog" 2>&1
         rc=$?
-        summary=$(sed -n '/== compute-sanitizer --tool '"$tool $b"'$/,$p' "$slog" |
+        summary=$(awk -v h="== compute-sanitizer --tool $tool $b" '$0 == h { f = 1 } f' "$slog" |
           grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' | tail -1 | sed 's/^=* *//')
         st=ok
         [ $rc = 0 ] || st=FAIL
