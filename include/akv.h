@@ -315,16 +315,33 @@ AKV_API akv_status akv_engine_quarantine(akv_engine *engine, akv_quarantine_repo
 /**
  * Creates a compute queue of the engine's backend for callers that have none:
  * a worker thread on the host backend, a non-blocking stream on CUDA. The
- * caller owns it and must destroy it before the engine.
+ * caller owns it and must destroy it before the engine (destroy refuses with
+ * AKV_ERR_BUSY while one is live). At most 8 per engine.
+ * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (out NULL),
+ * AKV_ERR_OUT_OF_MEMORY (8 live already), AKV_ERR_BACKEND, AKV_ERR_QUARANTINED.
  */
 AKV_API akv_status akv_stream_create(akv_engine *engine, akv_stream *out);
+/**
+ * Destroys a stream from akv_stream_create after the work enqueued on it ran
+ * (the host backend drains it; this blocks). Allowed also after a transport
+ * failure. Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (not
+ * a live stream of this engine).
+ */
 AKV_API akv_status akv_stream_destroy(akv_engine *engine, akv_stream stream);
-/** Blocks until everything enqueued on `stream` ran. */
+/**
+ * Blocks until everything enqueued on `stream` ran. On the host backend the
+ * stream must be a live one from akv_stream_create. Returns AKV_OK,
+ * AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT, AKV_ERR_BACKEND (completion not
+ * established: transport marked failed), AKV_ERR_QUARANTINED.
+ */
 AKV_API akv_status akv_stream_synchronize(akv_engine *engine, akv_stream stream);
 /**
  * Enqueues fn(arg) on `stream`: it runs on the queue's thread (host backend)
  * or a runtime thread (cudaLaunchHostFunc) after all earlier work of the stream.
- * This is how a CPU attention hook runs on the host backend.
+ * This is how a CPU attention hook runs on the host backend. fn must not call
+ * the library or synchronise. Returns AKV_OK, AKV_ERR_BAD_HANDLE,
+ * AKV_ERR_INVALID_ARGUMENT (fn NULL, or on the host backend not a live stream
+ * of this engine), AKV_ERR_BACKEND, AKV_ERR_QUARANTINED.
  */
 AKV_API akv_status akv_stream_launch_host(akv_engine *engine, akv_stream stream,
                                           void (*fn)(void *arg), void *arg);

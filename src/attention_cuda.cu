@@ -72,6 +72,7 @@ namespace {
 #endif
 constexpr int kStages = AKV_ATTN_STAGES;
 static_assert(kStages == 0 || kStages >= 2, "AKV_ATTN_STAGES is 0 or >= 2");
+constexpr int kRing = kStages > 0 ? kStages : 1; /* ring slots; the ring is unused at 0 */
 constexpr int kWarps = AKV_ATTN_WARPS; /* warps per block; also caps the subgroup size */
 constexpr int kThreads = kWarps * 32;
 /* Contexts per launch pair (their lengths travel in the kernel parameters). */
@@ -343,7 +344,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks(GT))
   auto issue_tile = [&](uint32_t i) {
     const uint32_t t0 = i * C::TILE;
     if (t0 < n) {
-      uint4 *sk = s_buf + (size_t)((i % kStages) * 2 * C::U) * kThreads + threadIdx.x;
+      uint4 *sk = s_buf + (size_t)((i % kRing) * 2 * C::U) * kThreads + threadIdx.x;
       uint4 *sv = sk + (size_t)C::U * kThreads;
 #pragma unroll
       for (int u = 0; u < C::U; ++u) {
@@ -381,7 +382,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks(GT))
     if constexpr (kStages > 0) {
       issue_tile(tile + kStages - 1);
       cp_async_wait<kStages - 1>(); /* this thread's copies of tile `tile` landed */
-      s_cur = s_buf + (size_t)((tile % kStages) * 2 * C::U) * kThreads + threadIdx.x;
+      s_cur = s_buf + (size_t)((tile % kRing) * 2 * C::U) * kThreads + threadIdx.x;
 #pragma unroll
       for (int u = 0; u < C::U; ++u) kr[u] = s_cur[u * kThreads];
     }

@@ -199,6 +199,11 @@ uint8_t *akv_host_segment(const akv_engine *e, const akv_context *c, uint32_t la
 void akv_ticket_take(akv_engine *e, akv_context *c);
 void akv_ticket_release(akv_engine *e, akv_context *c, uint64_t generation);
 
+/* stream.c */
+/* Where the backend makes it possible (host backend), true only for a live
+ * stream the engine handed out; on CUDA any non-NULL cudaStream_t. */
+bool akv_stream_known(const akv_engine *e, akv_stream s);
+
 /* lease.c */
 void akv_leases_release_all(akv_engine *e); /* quarantine, after completion is proven */
 

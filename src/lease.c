@@ -38,16 +38,6 @@ static akv_status akv_lease_wrong_state(akv_lease *ls, const char *call, const c
                   ls->layer, akv_lease_state_name(ls->state), needs);
 }
 
-/* A stream is checked where the backend makes that possible: on the host
- * backend it must be one the engine handed out. */
-static bool akv_stream_known(const akv_engine *e, akv_stream s) {
-  if (s == NULL) return false;
-  if (e->backend != AKV_BACKEND_HOST) return true;
-  for (size_t i = 0; i < sizeof(e->streams) / sizeof(e->streams[0]); i++)
-    if (e->streams[i].live && (akv_stream)e->streams[i].queue == s) return true;
-  return false;
-}
-
 static bool akv_reader_live(const akv_reader *r) {
   return r->lease->serial == r->lease_serial && r->lease->state != AKV_LEASE_RETIRED &&
          r->lease->state != AKV_LEASE_IDLE;

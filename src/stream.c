@@ -6,6 +6,14 @@
 
 #define AKV_N_STREAMS (sizeof(((akv_engine *)0)->streams) / sizeof(((akv_engine *)0)->streams[0]))
 
+bool akv_stream_known(const akv_engine *e, akv_stream s) {
+  if (s == NULL) return false;
+  if (e->backend != AKV_BACKEND_HOST) return true;
+  for (size_t i = 0; i < AKV_N_STREAMS; i++)
+    if (e->streams[i].live && (akv_stream)e->streams[i].queue == s) return true;
+  return false;
+}
+
 AKV_API akv_status akv_stream_create(akv_engine *e, akv_stream *out) {
   akv_status st = akv_engine_enter(e);
   if (st != AKV_OK) return st;
@@ -38,7 +46,9 @@ AKV_API akv_status akv_stream_destroy(akv_engine *e, akv_stream s) {
 AKV_API akv_status akv_stream_synchronize(akv_engine *e, akv_stream s) {
   akv_status st = akv_engine_enter(e);
   if (st != AKV_OK) return st;
-  if (s == NULL) return akv_fail(e, AKV_ERR_INVALID_ARGUMENT, "stream_synchronize: NULL stream");
+  if (!akv_stream_known(e, s))
+    return akv_fail(e, AKV_ERR_INVALID_ARGUMENT,
+                    "stream_synchronize: not a live stream of this engine");
   st = akv_bk_queue_sync(&e->bk, (akv_bqueue *)s);
   if (st != AKV_OK) return akv_transport_failed(e, st, "stream_synchronize");
   return AKV_OK;
@@ -48,8 +58,9 @@ AKV_API akv_status akv_stream_launch_host(akv_engine *e, akv_stream s, void (*fn
                                           void *arg) {
   akv_status st = akv_engine_enter(e);
   if (st != AKV_OK) return st;
-  if (s == NULL || fn == NULL)
-    return akv_fail(e, AKV_ERR_INVALID_ARGUMENT, "stream_launch_host: NULL stream or function");
+  if (fn == NULL || !akv_stream_known(e, s))
+    return akv_fail(e, AKV_ERR_INVALID_ARGUMENT,
+                    "stream_launch_host: NULL function or not a live stream of this engine");
   st = akv_bk_host_fn(&e->bk, (akv_bqueue *)s, fn, arg);
   if (st != AKV_OK) return akv_transport_failed(e, st, "stream_launch_host");
   return AKV_OK;
