@@ -31,6 +31,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 
 #ifdef __cplusplus
@@ -184,6 +185,34 @@ static inline int model_resident_view(model *m, uint32_t layer, const uint32_t *
   return m->ops->resident_view(m, layer, len, n_ctx, out);
 }
 static inline void model_memory_get(model *m, model_memory *out) { m->ops->memory(m, out); }
+
+/* For the implementations of resident_view: checks the request against a
+ * store of res_ctx contexts x res_max_tokens rows (have_store = the store
+ * exists) and fills every field of *out but base. Returns 0 or -1 with
+ * m->error set. */
+static inline int model_resident_view_fill(model *m, int have_store, uint32_t res_ctx,
+                                           uint32_t res_max_tokens, uint64_t row_bytes,
+                                           uint32_t layer, const uint32_t *len, uint32_t n_ctx,
+                                           model_kv_view *out) {
+  if (!have_store || layer >= m->g.n_layers || n_ctx > res_ctx) {
+    snprintf(m->error, sizeof m->error, "resident_view: no store for layer %u x %u contexts",
+             layer, n_ctx);
+    return -1;
+  }
+  for (uint32_t i = 0; i < n_ctx; ++i) {
+    if (len[i] >= res_max_tokens) {
+      snprintf(m->error, sizeof m->error, "resident_view: context %u is full (%u rows)", i,
+               len[i]);
+      return -1;
+    }
+  }
+  out->context_stride = 2 * (uint64_t)res_max_tokens * row_bytes;
+  out->v_offset = (uint64_t)res_max_tokens * row_bytes;
+  out->row_bytes = row_bytes;
+  out->len = len;
+  out->n_ctx = n_ctx;
+  return 0;
+}
 
 /* ------------------------------------------------------------------------ */
 /* Shared numerics: seeded values and bf16, identical on host and device     */

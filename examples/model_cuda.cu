@@ -491,25 +491,10 @@ static int cm_resident_append(model *m, uint32_t ctx, uint32_t first, uint32_t n
 static int cm_resident_view(model *m, uint32_t layer, const uint32_t *len, uint32_t n_ctx,
                             model_kv_view *out) {
   cuda_model *cm = cm_of(m);
-  if (cm->resident == NULL || layer >= m->g.n_layers || n_ctx > cm->res_ctx) {
-    snprintf(m->error, sizeof m->error, "resident_view: no store for layer %u x %u contexts",
-             layer, n_ctx);
+  if (model_resident_view_fill(m, cm->resident != NULL, cm->res_ctx, cm->res_max_tokens,
+                               cm->row_bytes, layer, len, n_ctx, out) != 0)
     return -1;
-  }
-  for (uint32_t i = 0; i < n_ctx; ++i) {
-    if (len[i] >= cm->res_max_tokens) {
-      snprintf(m->error, sizeof m->error, "resident_view: context %u is full (%u rows)", i,
-               len[i]);
-      return -1;
-    }
-  }
-  uint64_t seg = (uint64_t)cm->res_max_tokens * cm->row_bytes;
   out->base = cm_resident_k(cm, layer, 0);
-  out->context_stride = 2 * seg;
-  out->v_offset = seg;
-  out->row_bytes = cm->row_bytes;
-  out->len = len;
-  out->n_ctx = n_ctx;
   return 0;
 }
 

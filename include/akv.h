@@ -187,7 +187,7 @@ typedef struct akv_engine_config {
   uint32_t head_dim;
   akv_dtype dtype;
   uint32_t max_tokens;  /**< per context, including the tokens decode adds */
-  uint32_t page_tokens; /**< tokens per device page; must divide nothing, > 0 */
+  uint32_t page_tokens; /**< tokens per device page and attention chunk; 1..max_tokens */
 
   /* Memory, explicit whole GiB, never sized from free memory. */
   uint32_t host_pool_gib;   /**< pinned host pool */
