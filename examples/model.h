@@ -34,6 +34,8 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "akv_attention.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -185,6 +187,35 @@ static inline int model_resident_view(model *m, uint32_t layer, const uint32_t *
   return m->ops->resident_view(m, layer, len, n_ctx, out);
 }
 static inline void model_memory_get(model *m, model_memory *out) { m->ops->memory(m, out); }
+
+/* For the implementations of attend: the attention arguments over `v` with
+ * len1[i] = v->len[i] + 1 rows (the new row included), the model's query,
+ * output and workspace. Both models call the library's kernels with exactly
+ * these arguments, so staged and resident attention see the same call. */
+static inline akv_attention_args model_attention_args(const model *m, const model_kv_view *v,
+                                                      const uint32_t *len1, const void *q,
+                                                      float *out, void *workspace,
+                                                      size_t workspace_bytes) {
+  akv_attention_args a;
+  memset(&a, 0, sizeof a);
+  a.dtype = AKV_DTYPE_BF16;
+  a.n_contexts = v->n_ctx;
+  a.n_heads = m->g.n_heads;
+  a.kv_heads = m->g.kv_heads;
+  a.head_dim = m->g.head_dim;
+  a.q = q;
+  a.k_base = v->base;
+  a.v_base = (const uint8_t *)v->base + v->v_offset;
+  a.context_stride = v->context_stride;
+  a.row_bytes = v->row_bytes;
+  a.len = len1;
+  a.scale = 1.0f / sqrtf((float)m->g.head_dim);
+  a.chunk_tokens = m->opt.chunk_tokens;
+  a.out = out;
+  a.workspace = workspace;
+  a.workspace_bytes = workspace_bytes;
+  return a;
+}
 
 /* For the implementations of resident_view: checks the request against a
  * store of res_ctx contexts x res_max_tokens rows (have_store = the store

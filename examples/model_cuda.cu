@@ -374,7 +374,6 @@ static int cm_forward(model *m, uint32_t n_ctx, const int32_t *tokens, const uin
 
 static int cm_attend(model *m, uint32_t layer, const model_kv_view *v) {
   cuda_model *cm = cm_of(m);
-  const model_geometry *g = &m->g;
   uint32_t len1[MODEL_MAX_BATCH];
   if (cm->layer < 0 || (uint32_t)cm->layer != layer) {
     snprintf(m->error, sizeof m->error, "attend: layer %u is not the layer in progress", layer);
@@ -410,24 +409,8 @@ static int cm_attend(model *m, uint32_t layer, const model_kv_view *v) {
                                                    cm->v_new, (uint32_t)v->row_bytes);
   CM_LAUNCHED();
 
-  akv_attention_args a;
-  memset(&a, 0, sizeof a);
-  a.dtype = AKV_DTYPE_BF16;
-  a.n_contexts = v->n_ctx;
-  a.n_heads = g->n_heads;
-  a.kv_heads = g->kv_heads;
-  a.head_dim = g->head_dim;
-  a.q = cm->q;
-  a.k_base = v->base;
-  a.v_base = (const uint8_t *)v->base + v->v_offset;
-  a.context_stride = v->context_stride;
-  a.row_bytes = v->row_bytes;
-  a.len = len1;
-  a.scale = 1.0f / sqrtf((float)g->head_dim);
-  a.chunk_tokens = m->opt.chunk_tokens;
-  a.out = cm->attn;
-  a.workspace = cm->workspace;
-  a.workspace_bytes = cm->workspace_bytes;
+  akv_attention_args a =
+      model_attention_args(m, v, len1, cm->q, cm->attn, cm->workspace, cm->workspace_bytes);
   akv_status st = akv_attention_decode_cuda(&a, cm->stream);
   if (st != AKV_OK) {
     snprintf(m->error, sizeof m->error, "attend: akv_attention_decode_cuda failed: %s",

@@ -33,9 +33,10 @@ extern "C" {
 
 #include "akv_attention.h"
 #include "akv_cuda.h"
+#define ATTN_TEST_SEED 0x2545F4914F6CDD1Dull
+#include "attn_testdata.h"
 
 #define REL_L2_TOL 1e-5
-#define BF16_NAN 0x7FC1u
 
 static double worst_err = 0.0;
 
@@ -47,37 +48,6 @@ static double worst_err = 0.0;
   } while (0)
 
 /* ------------------------------------------------------------------ helpers */
-
-static uint64_t rng_state = 0x2545F4914F6CDD1Dull;
-
-static uint64_t rng_next(void) {
-  uint64_t x = rng_state;
-  x ^= x << 13;
-  x ^= x >> 7;
-  x ^= x << 17;
-  rng_state = x;
-  return x;
-}
-
-static float rng_unit(void) {
-  return (float)((double)(rng_next() >> 11) / 9007199254740992.0 * 2.0 - 1.0);
-}
-
-static uint16_t f32_to_bf16(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
-}
-
-static void fill_nan16(void *p, size_t bytes) {
-  uint16_t *h = (uint16_t *)p;
-  for (size_t i = 0; i < bytes / 2; ++i) h[i] = BF16_NAN;
-}
-
-static void fill_random16(uint16_t *h, size_t n, float amp) {
-  for (size_t i = 0; i < n; ++i) h[i] = f32_to_bf16(amp * rng_unit());
-}
 
 static void *xmalloc(size_t n) {
   void *p = malloc(n ? n : 1);
