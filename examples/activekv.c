@@ -2,7 +2,7 @@
  * activekv.c - the ActiveKV command line: a synthetic transformer of a real
  * geometry decoding several long contexts through libactivekv.
  *
- *   activekv [demo]    a small model on the host backend (no GPU): routes
+ *   activekv [demo]    a small model (CUDA if a GPU is there, else host): routes
  *                      stage and arena, each checked bit for bit against
  *                      resident attention
  *   activekv decode    one route, timed; --check compares every step's logits
@@ -216,7 +216,7 @@ static void usage(FILE *f) {
   fprintf(f,
           "usage: activekv [demo|decode|fit] [options]\n"
           "\n"
-          "  demo     (default) a small model on the host backend, no GPU needed: routes\n"
+          "  demo     (default) a small model, CUDA if a GPU is there, else host: routes\n"
           "           stage and arena, each checked bit for bit against resident\n"
           "  decode   decode a synthetic model on one route and report tokens/s\n"
           "  fit      print the host-fit line and its verdict (exit 3 if it does not fit)\n"
@@ -1423,9 +1423,17 @@ static int cmd_demo(const cli_opts *base) {
   /* The demo geometry, contexts across page boundaries (255 crosses 256 at
    * its first step, 318 crosses 320 at its third), host backend. */
   cli_opts o = *base;
-  o.preset = "tiny";
-  o.g = presets[2].g;
-  o.backend = AKV_BACKEND_HOST;
+  /* CUDA when a device is there (llama3.2-1b's layer geometry, 4 layers: the
+   * CUDA attention takes head_dim 64/128/256), the host backend otherwise. */
+  o.backend = resolve_backend(base);
+  if (o.backend == AKV_BACKEND_CUDA) {
+    o.preset = "llama3.2-1b, 4 layers";
+    o.g = presets[1].g;
+    o.g.n_layers = 4;
+  } else {
+    o.preset = "tiny";
+    o.g = presets[2].g;
+  }
   o.contexts = 3;
   o.tokens[0] = 318;
   o.tokens[1] = 255;
@@ -1450,7 +1458,9 @@ static int cmd_demo(const cli_opts *base) {
   int identical = 0;
 
   if (!o.json) {
-    printf("activekv demo: libactivekv %s, host backend (no GPU needed)\n", akv_version_string());
+    printf("activekv demo: libactivekv %s, %s\n", akv_version_string(),
+           o.backend == AKV_BACKEND_CUDA ? "CUDA backend (a GPU was found)"
+                                         : "host backend (no GPU found; none needed)");
     print_geometry(&o);
     printf("run: 3 contexts of 318, 255, 301 tokens, page %u tokens, %u steps per route, each "
            "checked bit for bit against resident\n",
