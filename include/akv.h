@@ -102,7 +102,8 @@ typedef enum akv_status {
   AKV_STATUS_COUNT_ = 20
 } akv_status;
 
-/** A short English description of a status; never NULL, static storage. */
+/** A short English description of a status; never NULL, static storage.
+ *  Thread-safe. Unknown values give "unknown status". */
 AKV_API const char *akv_status_string(akv_status status);
 
 /* ------------------------------------------------------------------------ */
@@ -215,7 +216,8 @@ typedef struct akv_engine_config {
         NULL, AKV_LOG_INFO, 0, 0, 0, -1                                          \
   }
 
-/** Sets *config to AKV_ENGINE_CONFIG_INIT. Returns AKV_ERR_INVALID_ARGUMENT on NULL. */
+/** Sets *config to AKV_ENGINE_CONFIG_INIT. Thread-safe. Returns AKV_OK or
+ *  AKV_ERR_INVALID_ARGUMENT (NULL). */
 AKV_API akv_status akv_engine_config_init(akv_engine_config *config);
 
 /* ------------------------------------------------------------------------ */
@@ -265,7 +267,11 @@ AKV_API akv_status akv_engine_create(const akv_engine_config *config, akv_engine
  */
 AKV_API akv_status akv_engine_destroy(akv_engine *engine);
 
-/** Last error of this engine in words; never NULL; valid until the next call. */
+/**
+ * Last error of this engine in words ("" before any); never NULL; the string
+ * belongs to the engine and stays valid until the next call on it. A bad
+ * handle gives a static "bad engine handle". Allowed at any time.
+ */
 AKV_API const char *akv_engine_last_error(const akv_engine *engine);
 
 typedef struct akv_engine_info {
@@ -287,7 +293,13 @@ typedef struct akv_engine_info {
   int quarantined;      /**< 1 after akv_engine_quarantine established completion */
 } akv_engine_info;
 
-/** Diagnostics; allowed at any time, also after a transport failure. */
+/**
+ * Fills *out with the engine's geometry, memory and counters. Enqueues
+ * nothing and does not wait for queued work (the device peak comes from the
+ * backend's memory query, cudaMemGetInfo on CUDA).
+ * Allowed at any time, also after a transport failure.
+ * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (out NULL).
+ */
 AKV_API akv_status akv_engine_info_get(const akv_engine *engine, akv_engine_info *out);
 
 typedef struct akv_quarantine_report {
@@ -400,7 +412,11 @@ AKV_API akv_status akv_context_append(akv_context *context, uint32_t n_tokens,
 AKV_API akv_status akv_context_read(const akv_context *context, uint32_t layer, uint32_t first,
                                     uint32_t n, void *k_out, void *v_out);
 
-/** Rows held per layer (diagnostic; also after a transport failure). */
+/**
+ * Rows held per dense layer (prefill plus one per finished step). Allowed at
+ * any time, also after a transport failure. Returns AKV_OK,
+ * AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (out NULL).
+ */
 AKV_API akv_status akv_context_length(const akv_context *context, uint32_t *out);
 
 /* ------------------------------------------------------------------------ */
@@ -560,13 +576,24 @@ typedef struct akv_adm_decision {
 } akv_adm_decision;
 
 AKV_API const char *akv_adm_rule_string(akv_adm_rule rule);
-/** A context's id, stable for its lifetime, as used in admission decisions. */
+/**
+ * A context's id as admission decisions and explanations name it: unique for
+ * the engine's lifetime (never reused, refused opens included). Returns
+ * AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (out NULL).
+ */
 AKV_API akv_status akv_context_id(const akv_context *context, uint32_t *out);
-/** Per-rule counters since create: out[AKV_ADM_RULE_COUNT]. */
+/**
+ * Per-rule counters since create, indexed by akv_adm_rule: pages moved for the
+ * fill and reclaim rules, events for refuse/admit/release. Copies the first
+ * min(n, AKV_ADM_RULE_COUNT). Allowed at any time. Returns AKV_OK,
+ * AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (out NULL or n == 0).
+ */
 AKV_API akv_status akv_admission_counters(const akv_engine *engine, uint64_t *out, size_t n);
 /**
  * Copies up to `cap` of the newest decisions (oldest first) into out and
- * their number into *n_out. The log is bounded; older entries are dropped.
+ * their number into *n_out. The log is bounded (256 entries); older entries
+ * are dropped. Allowed at any time. Returns AKV_OK, AKV_ERR_BAD_HANDLE,
+ * AKV_ERR_INVALID_ARGUMENT (n_out NULL, or out NULL with cap > 0).
  */
 AKV_API akv_status akv_admission_log(const akv_engine *engine, akv_adm_decision *out,
                                      size_t cap, size_t *n_out);
@@ -574,6 +601,9 @@ AKV_API akv_status akv_admission_log(const akv_engine *engine, akv_adm_decision 
  * Writes one readable paragraph explaining the context's admission: target,
  * burst, pages held, and why it waited or was refused. NUL-terminated,
  * truncated to `cap`. Pass context NULL to explain the last refused open.
+ * Allowed at any time. Returns AKV_OK, AKV_ERR_BAD_HANDLE (engine, or a
+ * context not open on this engine), AKV_ERR_INVALID_ARGUMENT (buf NULL or
+ * cap == 0).
  */
 AKV_API akv_status akv_admission_explain(const akv_engine *engine, const akv_context *context,
                                          char *buf, size_t cap);
