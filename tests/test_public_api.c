@@ -1,0 +1,145 @@
+/*
+ * test_public_api.c - the public API through libactivekv.so alone (no
+ * internal headers): versions, status strings, config initialisers, NULL and
+ * foreign handles, and a create/open/append/read/close/destroy round trip on
+ * the host backend.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "akv.h"
+
+static void quiet(void *user, akv_log_level level, const char *message) {
+  (void)user;
+  (void)level;
+  (void)message;
+}
+
+static void test_versions(void **state) {
+  (void)state;
+  assert_int_equal(akv_version_number(), AKV_VERSION_NUMBER);
+  assert_string_equal(akv_version_string(), "0.1.0");
+}
+
+static void test_status_strings_distinct(void **state) {
+  (void)state;
+  for (int a = 0; a < AKV_STATUS_COUNT_; a++) {
+    const char *sa = akv_status_string((akv_status)a);
+    assert_non_null(sa);
+    assert_string_not_equal(sa, "unknown status");
+    for (int b = 0; b < a; b++) assert_string_not_equal(sa, akv_status_string((akv_status)b));
+  }
+  assert_string_equal(akv_status_string((akv_status)999), "unknown status");
+  for (int r = 0; r < AKV_ADM_RULE_COUNT; r++)
+    assert_string_not_equal(akv_adm_rule_string((akv_adm_rule)r), "unknown");
+}
+
+static void test_config_init(void **state) {
+  akv_engine_config a = AKV_ENGINE_CONFIG_INIT, b;
+  (void)state;
+  memset(&b, 0xab, sizeof(b));
+  assert_int_equal(akv_engine_config_init(&b), AKV_OK);
+  /* field by field: padding bytes are not part of the value */
+  assert_int_equal(a.struct_size, b.struct_size);
+  assert_int_equal(a.version, b.version);
+  assert_int_equal(a.backend, b.backend);
+  assert_int_equal(a.device_ordinal, b.device_ordinal);
+  assert_int_equal(a.n_dense_layers, b.n_dense_layers);
+  assert_int_equal(a.page_tokens, b.page_tokens);
+  assert_int_equal(a.host_pool_gib, b.host_pool_gib);
+  assert_int_equal(a.device_pool_gib, b.device_pool_gib);
+  assert_int_equal(a.fit_mode, b.fit_mode);
+  assert_int_equal(a.route, b.route);
+  assert_null(b.log_fn);
+  assert_null(b.log_user);
+  assert_int_equal(a.log_level, b.log_level);
+  assert_int_equal(b.host_delay_seed, 0);
+  assert_int_equal(b.fault_fail_nth, 0);
+  assert_int_equal(b.fault_kind, -1);
+  assert_int_equal(a.struct_size, sizeof(akv_engine_config));
+  assert_int_equal(a.version, AKV_CONFIG_VERSION);
+  assert_int_equal(a.fault_kind, -1);
+  assert_int_equal(akv_engine_config_init(NULL), AKV_ERR_INVALID_ARGUMENT);
+}
+
+static void test_null_and_foreign_handles(void **state) {
+  akv_engine_info info;
+  uint32_t n;
+  int not_a_handle[64];
+  (void)state;
+  memset(not_a_handle, 0, sizeof(not_a_handle));
+  assert_int_equal(akv_engine_destroy(NULL), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(akv_engine_info_get(NULL, &info), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(akv_engine_info_get((akv_engine *)not_a_handle, &info), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(akv_context_length(NULL, &n), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(akv_context_length((akv_context *)not_a_handle, &n), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(akv_lease_retire((akv_lease *)not_a_handle, NULL), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(akv_step_end((akv_engine *)not_a_handle), AKV_ERR_BAD_HANDLE);
+  assert_string_equal(akv_engine_last_error(NULL), "bad engine handle");
+  assert_int_equal(akv_engine_create(NULL, NULL), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_fit(NULL, NULL), AKV_ERR_INVALID_ARGUMENT);
+}
+
+static void test_round_trip_host_backend(void **state) {
+  akv_engine_config cfg = AKV_ENGINE_CONFIG_INIT;
+  akv_engine *e = NULL;
+  akv_context *c = NULL;
+  akv_engine_info info;
+  uint16_t k[3][5 * 8], v[3][5 * 8], out_k[5 * 8], out_v[5 * 8];
+  const void *kp[3] = {k[0], k[1], k[2]}, *vp[3] = {v[0], v[1], v[2]};
+  uint32_t len = 0, id = 0;
+  (void)state;
+  for (int l = 0; l < 3; l++)
+    for (int j = 0; j < 5 * 8; j++) {
+      k[l][j] = (uint16_t)(l * 1000 + j);
+      v[l][j] = (uint16_t)(l * 1000 + j + 500);
+    }
+  cfg.backend = AKV_BACKEND_HOST;
+  cfg.n_dense_layers = 3;
+  cfg.kv_heads = 2;
+  cfg.head_dim = 4;
+  cfg.max_tokens = 16;
+  cfg.page_tokens = 4;
+  cfg.max_contexts = 2;
+  cfg.host_pool_gib = 1;
+  cfg.log_fn = quiet;
+  assert_int_equal(akv_engine_create(&cfg, &e), AKV_OK);
+  assert_int_equal(akv_engine_info_get(e, &info), AKV_OK);
+  assert_int_equal(info.backend, AKV_BACKEND_HOST);
+  assert_int_equal(info.row_bytes, 16);
+  assert_int_equal(info.effective_concurrency, 2);
+  assert_int_equal(akv_context_open(e, NULL, &c), AKV_OK);
+  assert_int_equal(akv_context_id(c, &id), AKV_OK);
+  assert_true(id > 0);
+  assert_int_equal(akv_context_append(c, 5, kp, vp), AKV_OK);
+  assert_int_equal(akv_context_length(c, &len), AKV_OK);
+  assert_int_equal(len, 5);
+  for (uint32_t l = 0; l < 3; l++) {
+    assert_int_equal(akv_context_read(c, l, 0, 5, out_k, out_v), AKV_OK);
+    assert_memory_equal(out_k, k[l], sizeof(out_k));
+    assert_memory_equal(out_v, v[l], sizeof(out_v));
+  }
+  /* a refused append changes nothing */
+  assert_int_equal(akv_context_append(c, 12, kp, vp), AKV_ERR_CAPACITY);
+  assert_int_equal(akv_context_length(c, &len), AKV_OK);
+  assert_int_equal(len, 5);
+  assert_string_not_equal(akv_engine_last_error(e), "");
+  assert_int_equal(akv_context_close(c), AKV_OK);
+  assert_int_equal(akv_engine_destroy(e), AKV_OK);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_versions),
+      cmocka_unit_test(test_status_strings_distinct),
+      cmocka_unit_test(test_config_init),
+      cmocka_unit_test(test_null_and_foreign_handles),
+      cmocka_unit_test(test_round_trip_host_backend),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
