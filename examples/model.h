@@ -188,6 +188,26 @@ static inline int model_resident_view(model *m, uint32_t layer, const uint32_t *
 }
 static inline void model_memory_get(model *m, model_memory *out) { m->ops->memory(m, out); }
 
+/* For the implementations of attend: checks that `layer` is the layer in
+ * progress (cur_layer, -1 when none) and that the view matches the forward's
+ * n_ctx contexts of row_bytes rows. Returns 0 or -1 with m->error set. */
+static inline int model_attend_check(model *m, int cur_layer, uint32_t n_ctx, uint64_t row_bytes,
+                                     uint32_t layer, const model_kv_view *v) {
+  if (cur_layer < 0 || (uint32_t)cur_layer != layer) {
+    snprintf(m->error, sizeof m->error, "attend: layer %u is not the layer in progress", layer);
+    return -1;
+  }
+  if (v == NULL || v->base == NULL || v->len == NULL || v->n_ctx != n_ctx ||
+      v->row_bytes != row_bytes) {
+    snprintf(m->error, sizeof m->error,
+             "attend: the view does not match the forward (contexts %u vs %u, row %llu vs %llu B)",
+             v ? v->n_ctx : 0, n_ctx, v ? (unsigned long long)v->row_bytes : 0ull,
+             (unsigned long long)row_bytes);
+    return -1;
+  }
+  return 0;
+}
+
 /* For the implementations of attend: the attention arguments over `v` with
  * len1[i] = v->len[i] + 1 rows (the new row included), the model's query,
  * output and workspace. Both models call the library's kernels with exactly

@@ -375,18 +375,7 @@ static int cm_forward(model *m, uint32_t n_ctx, const int32_t *tokens, const uin
 static int cm_attend(model *m, uint32_t layer, const model_kv_view *v) {
   cuda_model *cm = cm_of(m);
   uint32_t len1[MODEL_MAX_BATCH];
-  if (cm->layer < 0 || (uint32_t)cm->layer != layer) {
-    snprintf(m->error, sizeof m->error, "attend: layer %u is not the layer in progress", layer);
-    return -1;
-  }
-  if (v == NULL || v->base == NULL || v->len == NULL || v->n_ctx != cm->n_ctx ||
-      v->row_bytes != cm->row_bytes) {
-    snprintf(m->error, sizeof m->error,
-             "attend: the view does not match the forward (contexts %u vs %u, row %llu vs %llu B)",
-             v ? v->n_ctx : 0, cm->n_ctx, v ? (unsigned long long)v->row_bytes : 0ull,
-             (unsigned long long)cm->row_bytes);
-    return -1;
-  }
+  if (model_attend_check(m, cm->layer, cm->n_ctx, cm->row_bytes, layer, v) != 0) return -1;
   cuda_u64x off;
   memset(&off, 0, sizeof off);
   for (uint32_t i = 0; i < v->n_ctx; ++i) {
