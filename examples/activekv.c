@@ -43,9 +43,17 @@ enum { EXIT_RUN_ERROR = 1, EXIT_USAGE = 2, EXIT_NO_FIT = 3, EXIT_MISMATCH = 4 };
 /* Options                                                                   */
 /* ------------------------------------------------------------------------ */
 
-typedef enum cli_route { ROUTE_RESIDENT = 0, ROUTE_STAGE = 1, ROUTE_ARENA = 2 } cli_route;
+typedef enum cli_route {
+  ROUTE_RESIDENT = 0,
+  ROUTE_STAGE = 1,
+  ROUTE_ARENA = 2,
+  ROUTE_PAGED = 3
+} cli_route;
 
-static const char *const route_names[] = {"resident", "stage", "arena"};
+static const char *const route_names[] = {"resident", "stage", "arena", "paged"};
+
+/* Routes that keep pages in the device pool. */
+static int route_retains(cli_route r) { return r == ROUTE_ARENA || r == ROUTE_PAGED; }
 
 typedef struct preset {
   const char *name;
@@ -217,7 +225,7 @@ static void usage(FILE *f) {
           "usage: activekv [demo|decode|fit] [options]\n"
           "\n"
           "  demo     (default) a small model, CUDA if a GPU is there, else host: routes\n"
-          "           stage and arena, each checked bit for bit against resident\n"
+          "           stage, arena and paged, each checked bit for bit against resident\n"
           "  decode   decode a synthetic model on one route and report tokens/s\n"
           "  fit      print the host-fit line and its verdict (exit 3 if it does not fit)\n"
           "\n"
@@ -235,11 +243,11 @@ static void usage(FILE *f) {
           "  --steps N             measured decode steps   [16]\n"
           "  --warmup N            decode steps before measuring   [2]\n"
           "engine:\n"
-          "  --route R             resident | stage | arena   [stage]\n"
+          "  --route R             resident | stage | arena | paged   [stage]\n"
           "  --backend B           auto | host | cuda   [auto]\n"
           "  --device N            CUDA device   [0]\n"
           "  --host-pool-gib N     pinned host pool   [the smallest that fits --contexts]\n"
-          "  --device-pool-gib N   device page pool; arena retains nothing at 0   [0]\n"
+          "  --device-pool-gib N   device page pool (arena, paged); nothing retained at 0   [0]\n"
           "  --page-tokens N       tokens per device page   [256]\n"
           "  --chunk-tokens N      attention chunk   [--page-tokens]\n"
           "  --target-pages N      device pages each context holds by right   [fair share]\n"
@@ -425,8 +433,9 @@ static int parse_args(int argc, char **argv, int first, cli_opts *o) {
       if (strcmp(val, "resident") == 0) o->route = ROUTE_RESIDENT;
       else if (strcmp(val, "stage") == 0) o->route = ROUTE_STAGE;
       else if (strcmp(val, "arena") == 0) o->route = ROUTE_ARENA;
+      else if (strcmp(val, "paged") == 0) o->route = ROUTE_PAGED;
       else {
-        say_error("--route: unknown '%s'; choose resident, stage or arena", val);
+        say_error("--route: unknown '%s'; choose resident, stage, arena or paged", val);
         return EXIT_USAGE;
       }
     } else if (strcmp(name, "--backend") == 0) {
@@ -514,8 +523,9 @@ static void engine_config(const cli_opts *o, akv_backend_kind backend, akv_engin
   c->device_pool_gib = o->device_pool_gib;
   c->max_contexts = o->contexts;
   c->fit_mode = o->fit_mode;
-  c->route = o->route == ROUTE_ARENA || o->device_pool_gib > 0 ? AKV_ROUTE_ARENA
-                                                                : AKV_ROUTE_STAGE;
+  c->route = o->route == ROUTE_PAGED                              ? AKV_ROUTE_PAGED
+             : o->route == ROUTE_ARENA || o->device_pool_gib > 0 ? AKV_ROUTE_ARENA
+                                                                 : AKV_ROUTE_STAGE;
   c->log_fn = lib_log;
   c->log_user = NULL;
   c->log_level = o->verbose ? AKV_LOG_DEBUG : AKV_LOG_WARN;
@@ -672,9 +682,14 @@ static int attention_hook(void *user, const akv_view *view, akv_stream stream) {
   s->kv.base = view->base;
   s->kv.context_stride = view->context_stride;
   s->kv.v_offset = view->v_offset;
-  s->kv.row_bytes = view->row_bytes;
+  s->kv.row_stride = view->row_stride;
   s->kv.len = s->len;
   s->kv.n_ctx = view->n_contexts;
+  s->kv.page_map = view->page_map;
+  s->kv.page_map_stride = view->page_map_stride;
+  s->kv.page_tokens = view->page_tokens;
+  s->kv.pages = view->pages;
+  s->kv.page_stride = view->page_stride;
   if (model_stream(r->m) == NULL) {
     akv_status st = akv_stream_launch_host(r->engine, stream, slot_run, s);
     if (st != AKV_OK) {
@@ -1299,7 +1314,7 @@ static void print_json(const cli_opts *o, const char *cmd, const run_result *res
   printf("],\"steps\":%u,\"warmup\":%u,\"page_tokens\":%u,\"chunk_tokens\":%u,", o->steps,
          o->warmup, o->page_tokens, chunk_tokens(o));
   printf("\"host_pool_gib\":%u,\"device_pool_gib\":%u,\"target_pages\":", res->host_pool_gib,
-         res->route == ROUTE_ARENA ? o->device_pool_gib : 0);
+         route_retains(res->route) ? o->device_pool_gib : 0);
   if (o->target_pages == AKV_TARGET_FAIR_SHARE) printf("\"fair\"");
   else printf("%u", o->target_pages);
   printf(",\"burst_pages\":%u,\"history_bytes\":%llu,\"effective_concurrency\":%u,", o->burst_pages,
@@ -1390,7 +1405,7 @@ static int cmd_fit(const cli_opts *o) {
 static int cmd_decode(const cli_opts *o) {
   run_result res;
   if (o->route == ROUTE_RESIDENT && o->check) {
-    say_error("--check compares a staged route with resident; pass --route stage or arena");
+    say_error("--check compares a staged route with resident; pass --route stage, arena or paged");
     return EXIT_USAGE;
   }
   if (!o->json) {
@@ -1399,7 +1414,7 @@ static int cmd_decode(const cli_opts *o) {
     print_tokens(stdout, o, o->contexts < o->n_tokens ? o->contexts : o->n_tokens);
     printf(" tokens, %u steps after %u warm-up, page %u tokens, chunk %u, device pool %u GiB%s\n",
            o->steps, o->warmup, o->page_tokens, chunk_tokens(o),
-           o->route == ROUTE_ARENA ? o->device_pool_gib : 0, o->check ? ", checked" : "");
+           route_retains(o->route) ? o->device_pool_gib : 0, o->check ? ", checked" : "");
     /* The fit line comes before any allocation, as the engine logs it. */
     akv_engine_config cfg;
     run_result pre;
@@ -1453,6 +1468,7 @@ static int cmd_demo(const cli_opts *base) {
       {"stage", ROUTE_STAGE, 0, AKV_TARGET_FAIR_SHARE, 0},
       {"arena", ROUTE_ARENA, 1, AKV_TARGET_FAIR_SHARE, 0},
       {"arena, 2 pages each + 1 burst", ROUTE_ARENA, 1, 2, 1},
+      {"paged", ROUTE_PAGED, 1, AKV_TARGET_FAIR_SHARE, 0},
   };
   const int n_runs = (int)(sizeof runs / sizeof runs[0]);
   int identical = 0;
@@ -1540,8 +1556,14 @@ int main(int argc, char **argv) {
   int rc = parse_args(argc, argv, first, &o);
   if (rc == -1) return 0;
   if (rc != 0) return rc;
-  if (strcmp(cmd, "decode") == 0 && o.device_pool_gib > 0 && o.route != ROUTE_ARENA) {
-    say_error("--device-pool-gib %u: only --route arena retains pages (stage stages every row, "
+  if (strcmp(cmd, "decode") == 0 && o.route == ROUTE_PAGED && chunk_tokens(&o) != o.page_tokens) {
+    say_error("--chunk-tokens %u: the paged route reads whole pages in place, so the attention "
+              "chunk must equal --page-tokens (%u)",
+              chunk_tokens(&o), o.page_tokens);
+    return EXIT_USAGE;
+  }
+  if (strcmp(cmd, "decode") == 0 && o.device_pool_gib > 0 && !route_retains(o.route)) {
+    say_error("--device-pool-gib %u: only --route arena or paged retains pages (stage stages every row, "
               "resident keeps every row on the device)",
               o.device_pool_gib);
     return EXIT_USAGE;

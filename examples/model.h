@@ -80,19 +80,26 @@ typedef struct model_memory {
 } model_memory;
 
 /*
- * A layer's K/V history as the attention function reads it: context i's K
- * rows at base + i*context_stride, its V rows at + v_offset, token-major,
- * row_bytes apart (kv_heads * head_dim bf16). len[i] rows are already there
- * (a host array); model_attend writes row len[i] and attends over len[i]+1.
- * This mirrors akv_view field for field.
+ * A layer's K/V history as the attention function reads it: context i's row
+ * t has its K at base + i*context_stride + t*row_stride and its V at that
+ * address + v_offset (a row: kv_heads * head_dim bf16). len[i] rows are
+ * already there (a host array); model_attend writes row len[i] and attends
+ * over len[i]+1. With page_map set (the engine's paged route), full pages of
+ * the history are read in place instead (akv_view and akv_attention_args
+ * describe the fields). This mirrors akv_view.
  */
 typedef struct model_kv_view {
   void *base;
   uint64_t context_stride;
   uint64_t v_offset;
-  uint64_t row_bytes;
+  uint64_t row_stride;
   const uint32_t *len;
   uint32_t n_ctx;
+  const uint32_t *page_map; /* NULL: every row at base */
+  uint32_t page_map_stride;
+  uint32_t page_tokens;
+  const void *pages;
+  uint64_t page_stride;
 } model_kv_view;
 
 typedef struct model model;
@@ -190,7 +197,8 @@ static inline void model_memory_get(model *m, model_memory *out) { m->ops->memor
 
 /* For the implementations of attend: checks that `layer` is the layer in
  * progress (cur_layer, -1 when none) and that the view matches the forward's
- * n_ctx contexts of row_bytes rows. Returns 0 or -1 with m->error set. */
+ * n_ctx contexts of row_bytes rows (rows at least that far apart, a paged
+ * view paged at the model's chunk size). Returns 0 or -1 with m->error set. */
 static inline int model_attend_check(model *m, int cur_layer, uint32_t n_ctx, uint64_t row_bytes,
                                      uint32_t layer, const model_kv_view *v) {
   if (cur_layer < 0 || (uint32_t)cur_layer != layer) {
@@ -198,11 +206,19 @@ static inline int model_attend_check(model *m, int cur_layer, uint32_t n_ctx, ui
     return -1;
   }
   if (v == NULL || v->base == NULL || v->len == NULL || v->n_ctx != n_ctx ||
-      v->row_bytes != row_bytes) {
+      v->row_stride < row_bytes || v->v_offset < row_bytes) {
     snprintf(m->error, sizeof m->error,
-             "attend: the view does not match the forward (contexts %u vs %u, row %llu vs %llu B)",
-             v ? v->n_ctx : 0, n_ctx, v ? (unsigned long long)v->row_bytes : 0ull,
+             "attend: the view does not match the forward (contexts %u vs %u, rows %llu B apart "
+             "for %llu B rows)",
+             v ? v->n_ctx : 0, n_ctx, v ? (unsigned long long)v->row_stride : 0ull,
              (unsigned long long)row_bytes);
+    return -1;
+  }
+  if (v->page_map != NULL && v->page_tokens != m->opt.chunk_tokens) {
+    snprintf(m->error, sizeof m->error,
+             "attend: the view's pages hold %u rows, the model attends in chunks of %u (set "
+             "--page-tokens and the chunk alike)",
+             v->page_tokens, m->opt.chunk_tokens);
     return -1;
   }
   return 0;
@@ -227,7 +243,14 @@ static inline akv_attention_args model_attention_args(const model *m, const mode
   a.k_base = v->base;
   a.v_base = (const uint8_t *)v->base + v->v_offset;
   a.context_stride = v->context_stride;
-  a.row_bytes = v->row_bytes;
+  a.row_bytes = v->row_stride;
+  if (v->page_map != NULL) {
+    a.page_map = v->page_map;
+    a.page_map_stride = v->page_map_stride;
+    a.k_pages = v->pages;
+    a.v_pages = (const uint8_t *)v->pages + v->v_offset;
+    a.page_stride = v->page_stride;
+  }
   a.len = len1;
   a.scale = 1.0f / sqrtf((float)m->g.head_dim);
   a.chunk_tokens = m->opt.chunk_tokens;
@@ -259,7 +282,8 @@ static inline int model_resident_view_fill(model *m, int have_store, uint32_t re
   }
   out->context_stride = 2 * (uint64_t)res_max_tokens * row_bytes;
   out->v_offset = (uint64_t)res_max_tokens * row_bytes;
-  out->row_bytes = row_bytes;
+  out->row_stride = row_bytes;
+  out->page_map = NULL;
   out->len = len;
   out->n_ctx = n_ctx;
   return 0;

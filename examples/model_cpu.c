@@ -235,9 +235,9 @@ static int cpu_attend(model *m, uint32_t layer, const model_kv_view *v) {
                v->len[i] + 1, m->opt.max_tokens);
       return -1;
     }
-    uint8_t *k = (uint8_t *)v->base + i * v->context_stride + (uint64_t)v->len[i] * v->row_bytes;
-    memcpy(k, cm->k_new + (uint64_t)i * cm->kv_dim, v->row_bytes);
-    memcpy(k + v->v_offset, cm->v_new + (uint64_t)i * cm->kv_dim, v->row_bytes);
+    uint8_t *k = (uint8_t *)v->base + i * v->context_stride + (uint64_t)v->len[i] * v->row_stride;
+    memcpy(k, cm->k_new + (uint64_t)i * cm->kv_dim, cm->row_bytes);
+    memcpy(k + v->v_offset, cm->v_new + (uint64_t)i * cm->kv_dim, cm->row_bytes);
     len1[i] = v->len[i] + 1;
   }
 

@@ -391,11 +391,11 @@ static int cm_attend(model *m, uint32_t layer, const model_kv_view *v) {
                v->len[i] + 1, m->opt.max_tokens);
       return -1;
     }
-    off.v[i] = i * v->context_stride + (uint64_t)v->len[i] * v->row_bytes;
+    off.v[i] = i * v->context_stride + (uint64_t)v->len[i] * v->row_stride;
     len1[i] = v->len[i] + 1;
   }
   k_write_rows<<<v->n_ctx, 128, 0, cm->stream>>>((uint8_t *)v->base, off, v->v_offset, cm->k_new,
-                                                   cm->v_new, (uint32_t)v->row_bytes);
+                                                   cm->v_new, (uint32_t)cm->row_bytes);
   CM_LAUNCHED();
 
   akv_attention_args a =

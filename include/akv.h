@@ -148,7 +148,9 @@ typedef enum akv_fit_mode {
 
 typedef enum akv_route {
   AKV_ROUTE_STAGE = 0, /**< every row crosses PCIe each step */
-  AKV_ROUTE_ARENA = 1  /**< retained full pages copied device->device, the rest staged */
+  AKV_ROUTE_ARENA = 1, /**< retained full pages copied device->device, the rest staged */
+  AKV_ROUTE_PAGED = 2  /**< retained full pages read in place (akv_view.page_map), the rest
+                            staged; no device->device copy */
 } akv_route;
 
 typedef enum akv_log_level {
@@ -447,11 +449,25 @@ AKV_API akv_status akv_step_end(akv_engine *engine);
 
 /**
  * What the attention kernel sees of one staged layer. For context i of the
- * step, its K rows start at base + i*context_stride and its V rows at
- * base + i*context_stride + v_offset, token-major, row_bytes apart. Rows
+ * step, row t has its K at base + i*context_stride + t*row_stride and its V
+ * at that address + v_offset; a K (or V) row is kv_heads * head_dim elements
+ * of dtype. The engine keeps a token's K and V rows side by side
+ * (v_offset = K row size, row_stride = twice that), which the attention
+ * functions of akv_attention.h take as is (row_bytes = row_stride). Rows
  * [0, len[i]) are the staged history; the caller writes the step's new row at
  * index len[i] before attending over len[i]+1 rows. Pointers are device
  * pointers (host memory on the host backend). Valid until the lease retires.
+ *
+ * Paged route (AKV_ROUTE_PAGED): full pages of history the device pool
+ * retains are not staged; page_map says where they are. For context i and
+ * page p (rows [p*page_tokens, (p+1)*page_tokens)), entry
+ * page_map[i*page_map_stride + p] is AKV_PAGE_STAGED (the rows are at base as
+ * above) or a physical page: row t of the page then has its K at
+ * pages + entry*page_stride + (t - p*page_tokens)*row_stride and its V at
+ * that address + v_offset. Pages past page_map_stride are staged. Passing
+ * the view to akv_attention_args_from_view (akv_attention.h) fills all of
+ * this in. page_map is a device array (host memory on the host backend) and
+ * page_map_host its host copy; both are NULL on the other routes.
  */
 typedef struct akv_view {
   uint64_t step;
@@ -460,13 +476,23 @@ typedef struct akv_view {
   uint32_t kv_heads;
   uint32_t head_dim;
   akv_dtype dtype;
-  uint64_t row_bytes;
+  uint64_t row_stride;            /**< bytes from one row to the next */
   void *base;
   uint64_t context_stride;
-  uint64_t v_offset;
+  uint64_t v_offset;              /**< V row = K row + v_offset */
   const uint32_t *len;            /**< [n_contexts], host array */
   akv_context *const *contexts;   /**< [n_contexts], in step order */
+  /* Paged route only (NULL / 0 otherwise). */
+  uint32_t page_tokens;           /**< rows per page: the attention chunk */
+  uint32_t page_map_stride;       /**< entries per context in page_map */
+  const uint32_t *page_map;       /**< [n_contexts][page_map_stride], device */
+  const uint32_t *page_map_host;  /**< the same entries in host memory */
+  const void *pages;              /**< K row 0 of physical page 0, this layer */
+  uint64_t page_stride;           /**< bytes between physical pages */
 } akv_view;
+
+/** page_map entry of a page that is staged, not read in place. */
+#define AKV_PAGE_STAGED 0xFFFFFFFFu
 
 /**
  * Attention hook: enqueue the attention kernel (and the write of each new row

@@ -26,6 +26,9 @@
  *  identical bits on every run. A context of length 0 gets an output of zeros.
  *
  * Equality guarantees:
+ *  - Contiguous arguments with page overrides (the paged route of an engine,
+ *    akv_attention_args.page_map) give the same bits as the contiguous call
+ *    over the same rows: only where a chunk's rows are read from changes.
  *  - The paged variant with page_tokens == chunk_tokens over the same rows
  *    gives the SAME BITS as the contiguous variant, on the CPU and on the GPU
  *    (chunk boundaries fall on page boundaries, and each chunk is computed by
@@ -81,7 +84,34 @@ typedef struct akv_attention_args {
   float *out;             /**< [n_contexts][n_heads][head_dim] fp32 */
   void *workspace;        /**< partials; >= akv_attention_workspace_bytes(...) bytes */
   size_t workspace_bytes; /**< size of workspace */
+  /* Optional page overrides (the paged route's view; leave zero/NULL
+   * otherwise). With page_map set, chunk c of context i (c < page_map_stride)
+   * whose entry page_map[i*page_map_stride + c] is not AKV_PAGE_STAGED is
+   * read from that physical page instead: its row r has its K at
+   * k_pages + entry*page_stride + r*row_bytes and its V at
+   * v_pages + entry*page_stride + r*row_bytes. A page holds chunk_tokens
+   * rows. page_map is device memory for CUDA, host memory for the reference.
+   * The chunking is unchanged, so the result has the same bits as the
+   * contiguous call over the same rows. */
+  const uint32_t *page_map;  /**< [n_contexts][page_map_stride] or NULL */
+  uint32_t page_map_stride;  /**< entries per context */
+  const void *k_pages;       /**< K row 0 of physical page 0 */
+  const void *v_pages;       /**< V row 0 of physical page 0 */
+  uint64_t page_stride;      /**< bytes between physical pages */
 } akv_attention_args;
+
+/**
+ * Fills the fields of *args an engine's view determines: dtype, n_contexts,
+ * kv_heads, head_dim, k_base, v_base, context_stride, row_bytes and, for a
+ * view of the paged route, chunk_tokens (the page size) and the page
+ * overrides (cleared otherwise). Leaves n_heads, scale, q, len, out,
+ * workspace, workspace_bytes and, off the paged route, chunk_tokens as they
+ * are: set those yourself (len usually holds view->len[i] + 1, the new row
+ * included). The page map passed on is view->page_map (device memory on
+ * CUDA, host memory on the host backend), so the result suits the CUDA
+ * launcher on CUDA and the reference on the host backend. Thread-safe. Returns AKV_OK or AKV_ERR_INVALID_ARGUMENT (NULL).
+ */
+AKV_API akv_status akv_attention_args_from_view(const akv_view *view, akv_attention_args *args);
 
 /**
  * A paged history in the FlashInfer manner: a plain struct passed by value,

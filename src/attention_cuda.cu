@@ -122,13 +122,19 @@ struct CombineParams {
   uint32_t stride_chunks;
 };
 
-/* Locator of the contiguous layout. */
+/* Locator of the contiguous layout, with the optional page overrides of
+ * akv_attention_args (map == nullptr: none). */
 struct ContigLoc {
   const char *k;
   const char *v;
   uint64_t context_stride;
   uint64_t row_bytes;
   uint32_t chunk_tokens;
+  uint32_t map_stride;
+  const uint32_t *map; /* already offset to the launch's first context */
+  const char *pk;
+  const char *pv;
+  uint64_t page_stride;
   uint32_t len[kMaxLaunchContexts];
 
   __device__ __forceinline__ bool locate(uint32_t ctx, uint32_t chunk, const char *&kp,
@@ -138,6 +144,15 @@ struct ContigLoc {
     if (first >= l) return false;
     const uint64_t rest = l - first;
     n = rest < chunk_tokens ? (uint32_t)rest : chunk_tokens;
+    if (map != nullptr && chunk < map_stride) {
+      const uint32_t page = __ldg(map + (uint64_t)ctx * map_stride + chunk);
+      if (page != AKV_PAGE_STAGED) {
+        const uint64_t off = (uint64_t)page * page_stride;
+        kp = pk + off;
+        vp = pv + off;
+        return true;
+      }
+    }
     const uint64_t off = ctx * context_stride + first * row_bytes;
     kp = k + off;
     vp = v + off;
@@ -727,6 +742,10 @@ extern "C" AKV_API akv_status akv_attention_decode_cuda(const akv_attention_args
       a->v_base == nullptr)
     goto fail;
   if (!aligned16(a->k_base) || !aligned16(a->v_base) || !aligned16(a->context_stride)) goto fail;
+  if (a->page_map != nullptr &&
+      (a->page_map_stride == 0 || a->k_pages == nullptr || a->v_pages == nullptr ||
+       !aligned16(a->k_pages) || !aligned16(a->v_pages) || !aligned16(a->page_stride)))
+    goto fail;
   for (uint32_t i = 0; i < a->n_contexts; ++i)
     if (a->len[i] > max_len) max_len = a->len[i];
   if (!ws_layout(a->n_contexts, a->n_heads, a->head_dim, div_up(max_len, a->chunk_tokens),
@@ -754,6 +773,13 @@ extern "C" AKV_API akv_status akv_attention_decode_cuda(const akv_attention_args
       loc.context_stride = a->context_stride;
       loc.row_bytes = a->row_bytes;
       loc.chunk_tokens = a->chunk_tokens;
+      if (a->page_map != nullptr) {
+        loc.map = a->page_map + (size_t)c0 * a->page_map_stride;
+        loc.map_stride = a->page_map_stride;
+        loc.pk = static_cast<const char *>(a->k_pages);
+        loc.pv = static_cast<const char *>(a->v_pages);
+        loc.page_stride = a->page_stride;
+      }
       uint32_t grid_x = 0;
       for (uint32_t i = 0; i < nc; ++i) {
         loc.len[i] = a->len[c0 + i];

@@ -194,6 +194,8 @@ akv_status akv_attention_ref_bf16(const akv_attention_args *a) {
   if (a->n_contexts == 0 || a->chunk_tokens == 0 || a->len == NULL || a->k_base == NULL ||
       a->v_base == NULL)
     goto fail;
+  if (a->page_map != NULL && (a->page_map_stride == 0 || a->k_pages == NULL || a->v_pages == NULL))
+    goto fail;
   for (uint32_t i = 0; i < a->n_contexts; ++i)
     if (a->len[i] > max_len) max_len = a->len[i];
 
@@ -216,10 +218,18 @@ akv_status akv_attention_ref_bf16(const akv_attention_args *a) {
       const uint32_t first = c * a->chunk_tokens;
       const uint32_t rem = a->len[i] - first;
       const uint32_t n = rem < a->chunk_tokens ? rem : a->chunk_tokens;
-      const size_t off = (size_t)first * a->row_bytes;
+      const char *kp = kc + (size_t)first * a->row_bytes;
+      const char *vp = vc + (size_t)first * a->row_bytes;
+      if (a->page_map != NULL && c < a->page_map_stride) {
+        const uint32_t page = a->page_map[(size_t)i * a->page_map_stride + c];
+        if (page != AKV_PAGE_STAGED) {
+          kp = (const char *)a->k_pages + (size_t)page * a->page_stride;
+          vp = (const char *)a->v_pages + (size_t)page * a->page_stride;
+        }
+      }
       for (uint32_t kvh = 0; kvh < a->kv_heads; ++kvh) {
         const size_t head_off = (size_t)kvh * a->head_dim * 2u;
-        chunk_partial(&g, i, kvh, c, kc + off + head_off, vc + off + head_off, a->row_bytes, n);
+        chunk_partial(&g, i, kvh, c, kp + head_off, vp + head_off, a->row_bytes, n);
       }
     }
     combine(&g, i, n_chunks);
@@ -227,6 +237,31 @@ akv_status akv_attention_ref_bf16(const akv_attention_args *a) {
   return AKV_OK;
 fail:
   return st;
+}
+
+akv_status akv_attention_args_from_view(const akv_view *v, akv_attention_args *a) {
+  if (v == NULL || a == NULL) return AKV_ERR_INVALID_ARGUMENT;
+  a->dtype = v->dtype;
+  a->n_contexts = v->n_contexts;
+  a->kv_heads = v->kv_heads;
+  a->head_dim = v->head_dim;
+  a->k_base = v->base;
+  a->v_base = (const char *)v->base + v->v_offset;
+  a->context_stride = v->context_stride;
+  a->row_bytes = v->row_stride;
+  a->page_map = NULL;
+  a->page_map_stride = 0;
+  a->k_pages = a->v_pages = NULL;
+  a->page_stride = 0;
+  if (v->page_map != NULL) {
+    a->chunk_tokens = v->page_tokens;
+    a->page_map = v->page_map;
+    a->page_map_stride = v->page_map_stride;
+    a->k_pages = v->pages;
+    a->v_pages = (const char *)v->pages + v->v_offset;
+    a->page_stride = v->page_stride;
+  }
+  return AKV_OK;
 }
 
 akv_status akv_attention_paged_ref_bf16(const akv_attention_paged_args *a, akv_page_table t) {

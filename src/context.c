@@ -11,8 +11,8 @@ bool akv_context_ok(const akv_context *c) {
          akv_engine_ok(c->engine) && c->open;
 }
 
-uint8_t *akv_host_segment(const akv_engine *e, const akv_context *c, uint32_t layer, int kv) {
-  return c->host + ((uint64_t)layer * 2 + (uint64_t)kv) * e->seg_bytes;
+uint8_t *akv_host_layer(const akv_engine *e, const akv_context *c, uint32_t layer) {
+  return c->host + (uint64_t)layer * e->seg_bytes;
 }
 
 /* A ticket takes a host page lease on the context's slot and a reference on
@@ -34,7 +34,7 @@ void akv_ticket_release(akv_engine *e, akv_context *c, uint64_t generation) {
 }
 
 static uint32_t akv_default_target(const akv_engine *e) {
-  if (e->cfg.route != AKV_ROUTE_ARENA || e->n_pages == 0) return 0;
+  if (e->n_pages == 0) return 0;
   return e->n_pages / e->concurrency;
 }
 
@@ -126,9 +126,12 @@ AKV_API akv_status akv_context_append(akv_context *c, uint32_t n_tokens,
                     n_tokens, e->cfg.max_tokens);
   /* n_tokens == 0 copies nothing: row pointers may then be NULL */
   for (uint32_t l = 0; n_tokens > 0 && l < e->cfg.n_dense_layers; l++) {
-    uint64_t off = (uint64_t)c->len * e->row_bytes, n = (uint64_t)n_tokens * e->row_bytes;
-    memcpy(akv_host_segment(e, c, l, 0) + off, k_rows[l], n);
-    memcpy(akv_host_segment(e, c, l, 1) + off, v_rows[l], n);
+    uint8_t *dst = akv_host_layer(e, c, l) + (uint64_t)c->len * e->pair_bytes;
+    const uint8_t *k = k_rows[l], *v = v_rows[l];
+    for (uint32_t t = 0; t < n_tokens; t++, dst += e->pair_bytes) {
+      memcpy(dst, k + (uint64_t)t * e->row_bytes, e->row_bytes);
+      memcpy(dst + e->row_bytes, v + (uint64_t)t * e->row_bytes, e->row_bytes);
+    }
   }
   c->len += n_tokens;
   return AKV_OK;
@@ -148,10 +151,13 @@ AKV_API akv_status akv_context_read(const akv_context *c, uint32_t layer, uint32
     return akv_fail(e, AKV_ERR_IN_USE, "context_read: context %u is part of the open step",
                     c->id);
   if (n == 0) return AKV_OK; /* the buffers may then be NULL */
-  memcpy(k_out, akv_host_segment(e, c, layer, 0) + (uint64_t)first * e->row_bytes,
-         (uint64_t)n * e->row_bytes);
-  memcpy(v_out, akv_host_segment(e, c, layer, 1) + (uint64_t)first * e->row_bytes,
-         (uint64_t)n * e->row_bytes);
+  {
+    const uint8_t *src = akv_host_layer(e, c, layer) + (uint64_t)first * e->pair_bytes;
+    for (uint32_t t = 0; t < n; t++, src += e->pair_bytes) {
+      memcpy((uint8_t *)k_out + (uint64_t)t * e->row_bytes, src, e->row_bytes);
+      memcpy((uint8_t *)v_out + (uint64_t)t * e->row_bytes, src + e->row_bytes, e->row_bytes);
+    }
+  }
   return AKV_OK;
 }
 

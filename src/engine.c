@@ -10,6 +10,15 @@
 #include "fit.h"
 #include "internal.h"
 
+const char *akv_route_name(akv_route r) {
+  switch (r) {
+    case AKV_ROUTE_STAGE: return "stage";
+    case AKV_ROUTE_ARENA: return "arena";
+    case AKV_ROUTE_PAGED: return "paged";
+    default: return "unknown";
+  }
+}
+
 bool akv_engine_ok(const akv_engine *e) {
   return e != NULL && e->magic == AKV_MAGIC_ENGINE && e->magic_end == AKV_MAGIC_ENGINE;
 }
@@ -84,6 +93,8 @@ static void akv_engine_free_all(akv_engine *e) {
   akv_bk_queue_destroy(bk, e->q_d2d);
   for (int b = 0; b < AKV_N_BUFFERS; b++) akv_bk_device_free(bk, e->staging[b]);
   akv_bk_device_free(bk, e->dev_pool);
+  akv_bk_device_free(bk, e->page_map_dev);
+  akv_bk_host_free(bk, e->page_map_host);
   akv_bk_host_free(bk, e->host_pool);
   akv_bk_shutdown(bk);
   if (e->contexts != NULL)
@@ -132,7 +143,7 @@ static akv_status akv_engine_allocate(akv_engine *e) {
   e->leases = calloc(c->n_dense_layers, sizeof(*e->leases));
   /* Batched copies of one lease: per context at most two H2D runs per K/V
    * around its resident pages plus the tail, and one D2D per resident page. */
-  e->scratch_cap = (size_t)n * 2 * ((size_t)e->max_logical_pages + 2);
+  e->scratch_cap = (size_t)n * ((size_t)e->max_logical_pages + 2);
   e->sc_dst = calloc(e->scratch_cap, sizeof(void *));
   e->sc_src = calloc(e->scratch_cap, sizeof(void *));
   e->sc_bytes = calloc(e->scratch_cap, sizeof(size_t));
@@ -192,7 +203,7 @@ static akv_status akv_engine_allocate(akv_engine *e) {
              c->host_pool_gib, bk->error);
     goto fail;
   }
-  if (c->route == AKV_ROUTE_ARENA && c->device_pool_gib > 0) {
+  if (c->route != AKV_ROUTE_STAGE && c->device_pool_gib > 0) {
     e->dev_pool_bytes = (uint64_t)c->device_pool_gib * AKV_GIB;
     st = akv_bk_device_alloc(bk, e->dev_pool_bytes, (void **)&e->dev_pool);
     if (st != AKV_OK) {
@@ -202,7 +213,20 @@ static akv_status akv_engine_allocate(akv_engine *e) {
     }
     e->device_allocated += e->dev_pool_bytes;
   }
-  e->staging_bytes = (uint64_t)n * 2 * e->seg_bytes;
+  if (c->route == AKV_ROUTE_PAGED && e->n_pages > 0) {
+    /* The step's page map: rebuilt in pinned memory at each boundary and
+     * copied to the device on the H2D queue ahead of the step's leases. */
+    e->page_map_bytes = (uint64_t)n * e->max_logical_pages * sizeof(uint32_t);
+    st = akv_bk_host_alloc(bk, e->page_map_bytes, (void **)&e->page_map_host);
+    if (st == AKV_OK) st = akv_bk_device_alloc(bk, e->page_map_bytes, (void **)&e->page_map_dev);
+    if (st != AKV_OK) {
+      akv_fail(e, st, "page map of %llu bytes could not be allocated: %s",
+               (unsigned long long)e->page_map_bytes, bk->error);
+      goto fail;
+    }
+    e->device_allocated += e->page_map_bytes;
+  }
+  e->staging_bytes = (uint64_t)n * e->seg_bytes;
   for (int b = 0; b < AKV_N_BUFFERS; b++) {
     st = akv_bk_device_alloc(bk, e->staging_bytes, (void **)&e->staging[b]);
     if (st != AKV_OK) {
@@ -289,10 +313,11 @@ AKV_API akv_status akv_engine_create(const akv_engine_config *caller, akv_engine
   e->fit = fit;
   e->concurrency = fit.effective_concurrency;
   e->row_bytes = fit.row_bytes;
-  e->seg_bytes = (uint64_t)config->max_tokens * fit.row_bytes;
+  e->pair_bytes = 2 * fit.row_bytes;
+  e->seg_bytes = (uint64_t)config->max_tokens * e->pair_bytes;
   e->page_bytes = fit.page_bytes;
-  e->page_seg_bytes = (uint64_t)config->page_tokens * fit.row_bytes;
-  e->n_pages = config->route == AKV_ROUTE_ARENA ? (uint32_t)fit.device_pages : 0;
+  e->page_seg_bytes = (uint64_t)config->page_tokens * e->pair_bytes;
+  e->n_pages = config->route != AKV_ROUTE_STAGE ? (uint32_t)fit.device_pages : 0;
   e->max_logical_pages = (config->max_tokens + config->page_tokens - 1) / config->page_tokens;
   if (config->route == AKV_ROUTE_STAGE && config->device_pool_gib > 0)
     akv_log_cfg(config, AKV_LOG_INFO,
@@ -323,7 +348,7 @@ AKV_API akv_status akv_engine_create(const akv_engine_config *caller, akv_engine
   akv_log(e, AKV_LOG_INFO,
           "engine ready: backend %s, route %s, %u contexts, %u device pages of %llu B, "
           "staging 2 x %llu B",
-          e->bk.ops->name, config->route == AKV_ROUTE_ARENA ? "arena" : "stage",
+          e->bk.ops->name, akv_route_name(config->route),
           e->concurrency, e->n_pages, (unsigned long long)e->page_bytes,
           (unsigned long long)e->staging_bytes);
   *out = e;

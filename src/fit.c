@@ -144,8 +144,9 @@ static akv_status akv_fit_validate(const akv_engine_config *cfg, char *why, size
     st = AKV_ERR_CONFIG;
     goto fail;
   }
-  if ((unsigned)cfg->route > (unsigned)AKV_ROUTE_ARENA) {
-    akv_fit_say(why, cap, "route=%d is not an akv_route (stage 0, arena 1)", (int)cfg->route);
+  if ((unsigned)cfg->route > (unsigned)AKV_ROUTE_PAGED) {
+    akv_fit_say(why, cap, "route=%d is not an akv_route (stage 0, arena 1, paged 2)",
+                (int)cfg->route);
     st = AKV_ERR_CONFIG;
     goto fail;
   }

@@ -112,10 +112,15 @@ struct akv_engine {
   akv_fit_report fit;
   akv_backend_kind backend;
   uint32_t concurrency;
-  uint64_t row_bytes;
-  uint64_t seg_bytes;    /* max_tokens * row_bytes: one K or V segment */
+  /* Layout (host pool, staging buffers, device pages alike): the K row and
+   * the V row of a token sit side by side, [K row][V row], pair_bytes apart
+   * from the next token's, so one token range of one layer is one
+   * contiguous byte range and one copy. */
+  uint64_t row_bytes;    /* one K (or V) row: kv_heads * head_dim * dtype size */
+  uint64_t pair_bytes;   /* 2 * row_bytes: the row stride */
+  uint64_t seg_bytes;    /* max_tokens * pair_bytes: one layer of one context */
   uint64_t page_bytes;
-  uint64_t page_seg_bytes; /* page_tokens * row_bytes */
+  uint64_t page_seg_bytes; /* page_tokens * pair_bytes: one layer of one page */
   uint32_t max_logical_pages;
 
   akv_bk bk;
@@ -127,6 +132,9 @@ struct akv_engine {
   uint8_t *dev_pool;
   uint64_t dev_pool_bytes;
   uint32_t n_pages;
+  uint32_t *page_map_host; /* paged route: [concurrency][max_logical_pages], pinned */
+  uint32_t *page_map_dev;  /* its device copy, read by attention */
+  uint64_t page_map_bytes;
   uint8_t *staging[AKV_N_BUFFERS];
   uint64_t staging_bytes; /* each buffer */
   uint64_t device_allocated;
@@ -188,6 +196,7 @@ akv_status akv_fail(akv_engine *e, akv_status st, const char *fmt, ...)
 
 /* engine.c */
 bool akv_engine_ok(const akv_engine *e);
+const char *akv_route_name(akv_route r);
 /* Marks the transport failed after a failed backend op; returns AKV_ERR_BACKEND. */
 akv_status akv_transport_failed(akv_engine *e, akv_status st, const char *where);
 /* Common entry check: valid handle, not failed. */
@@ -195,7 +204,9 @@ akv_status akv_engine_enter(akv_engine *e);
 
 /* context.c */
 bool akv_context_ok(const akv_context *c);
-uint8_t *akv_host_segment(const akv_engine *e, const akv_context *c, uint32_t layer, int kv);
+/* Row 0 of `layer` of the context's authoritative host history (K at +0,
+ * V at +row_bytes, pair_bytes per token). */
+uint8_t *akv_host_layer(const akv_engine *e, const akv_context *c, uint32_t layer);
 void akv_ticket_take(akv_engine *e, akv_context *c);
 void akv_ticket_release(akv_engine *e, akv_context *c, uint64_t generation);
 

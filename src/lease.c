@@ -80,46 +80,41 @@ static void akv_lease_release_tickets(akv_lease *ls) {
 }
 
 /* Builds the copies that stage context i's history for the lease's layer:
- * retained pages device->device (sc2), everything else host->device (sc) in
- * the longest contiguous runs. */
+ * retained pages device->device (sc2; the paged route reads them in place
+ * and copies nothing), everything else host->device (sc) in the longest
+ * contiguous runs (K and V of a run are one byte range). */
 static void akv_lease_plan_context(akv_lease *ls, uint32_t i, size_t *n_h2d, size_t *n_d2d) {
   akv_engine *e = ls->engine;
   akv_context *c = ls->contexts[i];
-  const uint64_t row = e->row_bytes;
+  const uint64_t row = e->pair_bytes;
   const uint32_t pt = e->cfg.page_tokens;
   const uint32_t len = ls->len[i];
   const uint32_t full = e->n_pages > 0 ? len / pt : 0;
-  uint8_t *stage_kv[2], *host_kv[2];
+  uint8_t *stage = e->staging[ls->buffer] + (uint64_t)i * e->seg_bytes;
+  const uint8_t *host = akv_host_layer(e, c, ls->layer);
   uint32_t run_start = 0;
   uint64_t h2d_bytes = 0, d2d_bytes = 0;
-
-  stage_kv[0] = e->staging[ls->buffer] + (uint64_t)i * 2 * e->seg_bytes;
-  stage_kv[1] = stage_kv[0] + e->seg_bytes;
-  host_kv[0] = akv_host_segment(e, c, ls->layer, 0);
-  host_kv[1] = akv_host_segment(e, c, ls->layer, 1);
 
   for (uint32_t p = 0; p <= full; p++) {
     uint32_t phys = p < full ? akv_adm_page_of(e->adm, c->slot, p) : AKV_ADM_NONE;
     uint32_t end = p < full ? p * pt : len; /* where the pending H2D run stops */
     bool flush = p == full || phys != AKV_ADM_NONE;
     if (flush && end > run_start) {
-      for (int kv = 0; kv < 2; kv++) {
-        e->sc_dst[*n_h2d] = stage_kv[kv] + (uint64_t)run_start * row;
-        e->sc_src[*n_h2d] = host_kv[kv] + (uint64_t)run_start * row;
-        e->sc_bytes[*n_h2d] = (uint64_t)(end - run_start) * row;
-        h2d_bytes += e->sc_bytes[*n_h2d];
-        (*n_h2d)++;
-      }
+      e->sc_dst[*n_h2d] = stage + (uint64_t)run_start * row;
+      e->sc_src[*n_h2d] = host + (uint64_t)run_start * row;
+      e->sc_bytes[*n_h2d] = (uint64_t)(end - run_start) * row;
+      h2d_bytes += e->sc_bytes[*n_h2d];
+      (*n_h2d)++;
     }
-    if (p < full && phys != AKV_ADM_NONE) {
-      for (int kv = 0; kv < 2; kv++) {
-        e->sc2_dst[*n_d2d] = stage_kv[kv] + (uint64_t)p * pt * row;
-        e->sc2_src[*n_d2d] = e->dev_pool + (uint64_t)phys * e->page_bytes +
-                             ((uint64_t)ls->layer * 2 + (uint64_t)kv) * e->page_seg_bytes;
-        e->sc2_bytes[*n_d2d] = e->page_seg_bytes;
-        d2d_bytes += e->page_seg_bytes;
-        (*n_d2d)++;
-      }
+    if (p < full && phys != AKV_ADM_NONE && e->cfg.route == AKV_ROUTE_PAGED) {
+      run_start = (p + 1) * pt;
+    } else if (p < full && phys != AKV_ADM_NONE) {
+      e->sc2_dst[*n_d2d] = stage + (uint64_t)p * pt * row;
+      e->sc2_src[*n_d2d] = e->dev_pool + (uint64_t)phys * e->page_bytes +
+                           (uint64_t)ls->layer * e->page_seg_bytes;
+      e->sc2_bytes[*n_d2d] = e->page_seg_bytes;
+      d2d_bytes += e->page_seg_bytes;
+      (*n_d2d)++;
       run_start = (p + 1) * pt;
     }
   }
@@ -232,12 +227,20 @@ static void akv_lease_view(const akv_lease *ls, akv_view *v) {
   v->kv_heads = e->cfg.kv_heads;
   v->head_dim = e->cfg.head_dim;
   v->dtype = e->cfg.dtype;
-  v->row_bytes = e->row_bytes;
+  v->row_stride = e->pair_bytes;
   v->base = e->staging[ls->buffer];
-  v->context_stride = 2 * e->seg_bytes;
-  v->v_offset = e->seg_bytes;
+  v->context_stride = e->seg_bytes;
+  v->v_offset = e->row_bytes;
   v->len = ls->len;
   v->contexts = (akv_context *const *)ls->contexts;
+  if (e->page_map_dev != NULL) {
+    v->page_tokens = e->cfg.page_tokens;
+    v->page_map_stride = e->max_logical_pages;
+    v->page_map = e->page_map_dev;
+    v->page_map_host = e->page_map_host;
+    v->pages = e->dev_pool + (uint64_t)ls->layer * e->page_seg_bytes;
+    v->page_stride = e->page_bytes;
+  }
 }
 
 AKV_API akv_status akv_lease_wait_ready(akv_lease *ls, akv_stream stream, akv_view *view) {
@@ -276,6 +279,17 @@ AKV_API akv_status akv_lease_mark_consumed(akv_lease *ls, akv_stream stream,
   AKV_CHECK(akv_bk_record(&e->bk, ls->ev_attn, (akv_bqueue *)stream));
   ls->fence_attn = ++e->fence_serial;
   ls->state = AKV_LEASE_CONSUMED;
+  /* Paged route: attention read the retained pages in place. Their fence is
+   * set once per step, at the last layer, to that layer's attention fence:
+   * the largest of the step, proven with every other at the next boundary
+   * (pages are reused only at boundaries). */
+  if (e->page_map_dev != NULL && ls->layer + 1 == e->cfg.n_dense_layers) {
+    for (uint32_t i = 0; i < ls->n_contexts; i++) {
+      const uint32_t *row = e->page_map_host + (uint64_t)i * e->max_logical_pages;
+      for (uint32_t p = 0; p < e->max_logical_pages; p++)
+        if (row[p] != AKV_PAGE_STAGED) akv_adm_page_set_fence(e->adm, row[p], ls->fence_attn);
+    }
+  }
   attention->serial = ls->fence_attn;
   return AKV_OK;
 fail:
@@ -350,14 +364,12 @@ AKV_API akv_status akv_lease_write_back(akv_lease *ls, akv_context *const *owner
   for (uint32_t k = 0; k < n; k++) {
     akv_context *c = owners == NULL ? ls->contexts[k] : owners[k];
     int idx = akv_lease_owner_index(ls, c);
-    uint64_t off = (uint64_t)ls->len[idx] * e->row_bytes;
-    uint8_t *stage_k = e->staging[ls->buffer] + (uint64_t)idx * 2 * e->seg_bytes;
-    for (int kv = 0; kv < 2; kv++) {
-      e->sc_dst[nb] = akv_host_segment(e, c, ls->layer, kv) + off;
-      e->sc_src[nb] = stage_k + (uint64_t)kv * e->seg_bytes + off;
-      e->sc_bytes[nb] = e->row_bytes;
-      nb++;
-    }
+    uint64_t off = (uint64_t)ls->len[idx] * e->pair_bytes;
+    /* The new token's K and V rows: one range of pair_bytes. */
+    e->sc_dst[nb] = akv_host_layer(e, c, ls->layer) + off;
+    e->sc_src[nb] = e->staging[ls->buffer] + (uint64_t)idx * e->seg_bytes + off;
+    e->sc_bytes[nb] = e->pair_bytes;
+    nb++;
     akv_lease_add_ticket(ls, AKV_COPY_D2H, c, 2 * e->row_bytes);
     ls->written[idx] = 1;
     ls->n_written++;

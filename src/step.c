@@ -11,13 +11,14 @@
 #include "internal.h"
 
 /* Enqueues the H2D fill of every page admission newly mapped. Each fill
- * copies one logical page of one context, for every dense layer (K and V). */
+ * copies one logical page of one context, for every dense layer (K and V
+ * side by side: one copy per layer). */
 static akv_status akv_step_fill_pages(akv_engine *e) {
   akv_status st = AKV_OK;
   const akv_adm_fill *fills = NULL;
   size_t n_fills = akv_adm_fills(e->adm, &fills);
   size_t n = 0;
-  const uint32_t per_fill = 2 * e->cfg.n_dense_layers;
+  const uint32_t per_fill = e->cfg.n_dense_layers;
 
   for (size_t f = 0; f < n_fills; f++) {
     const akv_adm_fill *fl = &fills[f];
@@ -40,17 +41,12 @@ static akv_status akv_step_fill_pages(akv_engine *e) {
       n = 0;
     }
     for (uint32_t l = 0; l < e->cfg.n_dense_layers; l++) {
-      for (int kv = 0; kv < 2; kv++) {
-        uint8_t *dst = e->dev_pool + (uint64_t)fl->physical * e->page_bytes +
-                       ((uint64_t)l * 2 + (uint64_t)kv) * e->page_seg_bytes;
-        const uint8_t *src =
-            akv_host_segment(e, c, l, kv) + (uint64_t)fl->logical * e->page_seg_bytes;
-        e->sc2_dst[n] = dst;
-        e->sc2_src[n] = src;
-        e->sc2_bytes[n] = e->page_seg_bytes;
-        n++;
-        e->bytes_h2d += e->page_seg_bytes;
-      }
+      e->sc2_dst[n] = e->dev_pool + (uint64_t)fl->physical * e->page_bytes +
+                      (uint64_t)l * e->page_seg_bytes;
+      e->sc2_src[n] = akv_host_layer(e, c, l) + (uint64_t)fl->logical * e->page_seg_bytes;
+      e->sc2_bytes[n] = e->page_seg_bytes;
+      n++;
+      e->bytes_h2d += e->page_seg_bytes;
     }
     /* The fill reads host rows: it holds a host page lease until step_end,
      * by which point every lease of the step retired behind it on the same
@@ -75,6 +71,30 @@ fail:
    * was not submitted is mapped without its content, so every failure here
    * marks the transport failed (quarantine, never a retry). */
   return akv_transport_failed(e, st, "page fill");
+}
+
+/* Paged route: the step's page map (context i of the step, page p: the
+ * physical page retaining it or AKV_PAGE_STAGED), built in pinned memory and
+ * copied on the H2D queue behind the fills, so every lease's history-ready
+ * event covers it. The previous step's map is no longer read: a boundary is
+ * reached only with every lease of that step retired. */
+static akv_status akv_step_publish_map(akv_engine *e, akv_context *const *ctxs, uint32_t n) {
+  akv_status st;
+  const uint32_t stride = e->max_logical_pages;
+  for (uint32_t i = 0; i < n; i++) {
+    uint32_t *row = e->page_map_host + (uint64_t)i * stride;
+    const uint32_t full = ctxs[i]->len / e->cfg.page_tokens;
+    for (uint32_t p = 0; p < stride; p++) {
+      const uint32_t phys = p < full ? akv_adm_page_of(e->adm, ctxs[i]->slot, p) : AKV_ADM_NONE;
+      row[p] = phys == AKV_ADM_NONE ? AKV_PAGE_STAGED : phys;
+    }
+  }
+  AKV_CHECK(akv_bk_copy(&e->bk, e->q_h2d, AKV_COPY_H2D, e->page_map_dev, e->page_map_host,
+                        (uint64_t)n * stride * sizeof(uint32_t)));
+  e->copies_h2d++;
+  return AKV_OK;
+fail:
+  return akv_transport_failed(e, st, "page map");
 }
 
 AKV_API akv_status akv_step_begin(akv_engine *e, akv_context *const *ctxs, uint32_t n) {
@@ -110,6 +130,7 @@ AKV_API akv_status akv_step_begin(akv_engine *e, akv_context *const *ctxs, uint3
     if (st != AKV_OK) return akv_fail(e, st, "step_begin: admission step failed");
     st = akv_step_fill_pages(e);
     if (st != AKV_OK) return st;
+    if (e->page_map_dev != NULL && (st = akv_step_publish_map(e, ctxs, n)) != AKV_OK) return st;
   }
   for (uint32_t i = 0; i < n; i++) {
     e->step_ctx[i] = ctxs[i];

@@ -421,6 +421,113 @@ static void test_zero_length_gives_zeros(void **state) {
   problem_free(&p);
 }
 
+/* Page overrides (the paged route's view): the history laid out as the
+ * engine keeps it (K and V rows of a token side by side), some full chunks
+ * moved into scattered pages with their staged rows poisoned, and a page map
+ * naming them: same bits as the plain call over the original layout. A
+ * locator that read a moved chunk from its old place would read NaN. Also
+ * checks akv_attention_args_from_view on a view of that shape. */
+static void test_page_overrides_same_bits(void **state) {
+  (void)state;
+  const uint32_t len[4] = {300, 64, 17, 257};
+  const uint32_t pt = 32, stride = 12, pool_pages = 40;
+  problem p;
+  problem_init(&p, 4, 16, 4, 64, pt, len, 2.0f);
+  const size_t n = out_elems(&p);
+  float *want = (float *)malloc(n * sizeof(float));
+  float *got = (float *)malloc(n * sizeof(float));
+  uint32_t map[4 * 12];
+  const uint64_t rs = 2 * p.row_bytes, cs = (uint64_t)p.cap * rs;
+  const uint64_t page_stride = pt * rs + 48u; /* padding between pages */
+  char *pool = (char *)malloc(pool_pages * page_stride);
+  char *base = (char *)malloc(4 * cs);
+  assert_non_null(want);
+  assert_non_null(got);
+  assert_non_null(pool);
+  assert_non_null(base);
+  fill_nan16(pool, pool_pages * page_stride);
+  fill_nan16(base, 4 * cs);
+  assert_int_equal(run_contig(&p, want), AKV_OK);
+  for (uint32_t i = 0; i < 4; ++i)
+    for (uint32_t t = 0; t < len[i]; ++t) {
+      const char *src = p.base + i * p.context_stride + (size_t)t * p.row_bytes;
+      memcpy(base + i * cs + t * rs, src, p.row_bytes);
+      memcpy(base + i * cs + t * rs + p.row_bytes, src + p.v_offset, p.row_bytes);
+    }
+  uint32_t next = 0, moved = 0;
+  for (uint32_t i = 0; i < 4; ++i) {
+    for (uint32_t c = 0; c < stride; ++c) {
+      map[i * stride + c] = AKV_PAGE_STAGED;
+      if ((c + 1) * pt > len[i] || rng_next() % 3 == 0) continue; /* partial or kept staged */
+      const uint32_t phys = (next++ * 7u) % pool_pages;             /* scattered */
+      for (uint32_t r = 0; r < pt; ++r) {
+        char *src = base + i * cs + (size_t)(c * pt + r) * rs;
+        memcpy(pool + phys * page_stride + r * rs, src, rs); /* K and V */
+        fill_nan16(src, rs);
+      }
+      map[i * stride + c] = phys;
+      moved++;
+    }
+  }
+  assert_true(moved >= 6);
+  akv_view v;
+  memset(&v, 0, sizeof v);
+  v.n_contexts = 4;
+  v.kv_heads = p.kv_heads;
+  v.head_dim = p.head_dim;
+  v.dtype = AKV_DTYPE_BF16;
+  v.row_stride = rs;
+  v.base = base;
+  v.context_stride = cs;
+  v.v_offset = p.row_bytes;
+  v.len = p.len;
+  v.page_tokens = pt;
+  v.page_map_stride = stride;
+  v.page_map = map;
+  v.page_map_host = map;
+  v.pages = pool;
+  v.page_stride = page_stride;
+  size_t ws_bytes = 0;
+  assert_int_equal(akv_attention_workspace_bytes(4, p.n_heads, p.head_dim, max_len(&p), pt,
+                                                 &ws_bytes),
+                   AKV_OK);
+  void *ws = malloc(ws_bytes);
+  assert_non_null(ws);
+  akv_attention_args a;
+  memset(&a, 0, sizeof a);
+  assert_int_equal(akv_attention_args_from_view(&v, &a), AKV_OK);
+  assert_int_equal(a.chunk_tokens, pt);
+  assert_ptr_equal(a.page_map, map);
+  assert_ptr_equal(a.v_pages, pool + p.row_bytes);
+  assert_ptr_equal(a.v_base, base + p.row_bytes);
+  assert_int_equal(a.row_bytes, rs);
+  a.n_heads = p.n_heads;
+  a.scale = p.scale;
+  a.q = p.q;
+  a.len = p.len;
+  a.out = got;
+  a.workspace = ws;
+  a.workspace_bytes = ws_bytes;
+  poison_f32(got, n);
+  assert_int_equal(akv_attention_ref_bf16(&a), AKV_OK);
+  assert_memory_equal(got, want, n * sizeof(float));
+  /* without the map the moved chunks are NaN: the overrides carried it */
+  a.page_map = NULL;
+  assert_int_equal(akv_attention_ref_bf16(&a), AKV_OK);
+  assert_true(isnan(got[0]) || memcmp(got, want, n * sizeof(float)) != 0);
+  /* an inconsistent override is refused */
+  a.page_map = map;
+  a.k_pages = NULL;
+  assert_int_equal(akv_attention_ref_bf16(&a), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_attention_args_from_view(NULL, &a), AKV_ERR_INVALID_ARGUMENT);
+  free(ws);
+  free(pool);
+  free(base);
+  free(want);
+  free(got);
+  problem_free(&p);
+}
+
 static void test_deterministic(void **state) {
   (void)state;
   const uint32_t len[3] = {1000, 333, 64};
@@ -622,6 +729,7 @@ int main(void) {
       cmocka_unit_test(test_gqa_groups),
       cmocka_unit_test(test_zero_length_gives_zeros),
       cmocka_unit_test(test_deterministic),
+      cmocka_unit_test(test_page_overrides_same_bits),
       cmocka_unit_test(test_checker_has_teeth),
       cmocka_unit_test(test_invalid_arguments),
   };

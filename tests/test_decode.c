@@ -3,7 +3,8 @@
  * layers: every attention output must be byte-identical to the same
  * attention over the fully resident history, and every host row must hold
  * exactly what was prefilled or written back. Also under random per-queue
- * delays, many seeds, and on the arena route with several pool shapes.
+ * delays, many seeds, and on the arena and paged routes with several pool
+ * shapes.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -43,15 +44,14 @@ static void test_stage_two_call_form(void **state) {
   expect_clean(&c, "stage/two-call");
 }
 
-static void test_arena_pool_shapes(void **state) {
-  (void)state;
+static void pool_shapes(akv_route route) {
   /* prefill lengths around page boundaries (page_tokens 8) */
   const uint32_t lens[][4] = {{1, 7, 8, 9}, {16, 23, 33, 47}, {64, 1, 15, 80}};
   for (size_t k = 0; k < sizeof(lens) / sizeof(lens[0]); k++) {
     for (uint32_t tgt = 0; tgt < 4; tgt++) {
       akvt_cfg c = akvt_default_cfg();
       char what[64];
-      c.route = AKV_ROUTE_ARENA;
+      c.route = route;
       c.device_pool_gib = 1;
       c.n_ctx = 4;
       c.steps = 10; /* crosses page boundaries while decoding */
@@ -59,10 +59,21 @@ static void test_arena_pool_shapes(void **state) {
       /* tight (2-3 pages each) through roomy (fair share of a 1 GiB pool) */
       c.target_pages = tgt == 3 ? AKV_TARGET_FAIR_SHARE : 2 + tgt;
       c.burst_pages = tgt == 1 ? 2 : 0;
-      snprintf(what, sizeof(what), "arena lens#%zu target#%u", k, tgt);
+      snprintf(what, sizeof(what), "%s lens#%zu target#%u",
+               route == AKV_ROUTE_ARENA ? "arena" : "paged", k, tgt);
       expect_clean(&c, what);
     }
   }
+}
+
+static void test_arena_pool_shapes(void **state) {
+  (void)state;
+  pool_shapes(AKV_ROUTE_ARENA);
+}
+
+static void test_paged_pool_shapes(void **state) {
+  (void)state;
+  pool_shapes(AKV_ROUTE_PAGED);
 }
 
 static void test_arena_retains_pages(void **state) {
@@ -83,6 +94,27 @@ static void test_arena_retains_pages(void **state) {
   assert_true(r.adm_counters[AKV_ADM_FREE] > 0);
 }
 
+static void test_paged_reads_in_place(void **state) {
+  akvt_cfg c = akvt_default_cfg();
+  akvt_result r, stage;
+  (void)state;
+  c.prefill[0] = 40;
+  c.prefill[1] = 41;
+  c.prefill[2] = 63;
+  c.steps = 3;
+  akvt_run(&c, &stage);
+  assert_int_equal(stage.status, AKV_OK);
+  c.route = AKV_ROUTE_PAGED;
+  c.device_pool_gib = 1;
+  akvt_run(&c, &r);
+  assert_int_equal(r.status, AKV_OK);
+  assert_int_equal(r.outputs_mismatched, 0);
+  /* retained pages are neither staged nor copied device->device */
+  assert_int_equal(r.info.bytes_d2d, 0);
+  assert_true(r.adm_counters[AKV_ADM_FREE] > 0);
+  assert_true(r.info.bytes_h2d < stage.info.bytes_h2d);
+}
+
 static void test_delays_many_seeds(void **state) {
   uint32_t seeds = getenv("AKVT_SEEDS") ? (uint32_t)atoi(getenv("AKVT_SEEDS")) : 200;
   (void)state;
@@ -91,8 +123,8 @@ static void test_delays_many_seeds(void **state) {
     char what[64];
     c.delay_seed = s;
     c.delay_max_us = 50;
-    c.route = (s & 1) ? AKV_ROUTE_ARENA : AKV_ROUTE_STAGE;
-    c.device_pool_gib = (s & 1);
+    c.route = s % 3 == 1 ? AKV_ROUTE_ARENA : s % 3 == 2 ? AKV_ROUTE_PAGED : AKV_ROUTE_STAGE;
+    c.device_pool_gib = c.route != AKV_ROUTE_STAGE;
     c.two_call = (s & 2) != 0;
     snprintf(what, sizeof(what), "seed %u", s);
     expect_clean(&c, what);
@@ -106,6 +138,8 @@ int main(void) {
       cmocka_unit_test(test_stage_two_call_form),
       cmocka_unit_test(test_arena_pool_shapes),
       cmocka_unit_test(test_arena_retains_pages),
+      cmocka_unit_test(test_paged_pool_shapes),
+      cmocka_unit_test(test_paged_reads_in_place),
       cmocka_unit_test(test_delays_many_seeds),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

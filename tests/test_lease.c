@@ -131,7 +131,9 @@ static void test_two_call_form(void **state) {
     assert_int_equal(view.layer, l);
     assert_int_equal(view.n_contexts, 1);
     assert_int_equal(view.len[0], 5);
-    assert_int_equal(view.row_bytes, 32);
+    assert_int_equal(view.row_stride, 64); /* K and V rows of 32 B side by side */
+    assert_int_equal(view.v_offset, 32);
+    assert_null(view.page_map);
     assert_ptr_equal(view.contexts[0], f->c[0]);
     assert_int_equal(akv_lease_mark_consumed(ls, f->s, &attn), AKV_OK);
     assert_int_equal(akv_lease_write_back(ls, &f->c[0], 1, &tail), AKV_OK);

@@ -137,7 +137,7 @@ static void expect_rows(akv_context *c, uint32_t tag, uint32_t n) {
 typedef struct job {
   gate *g;
   uint8_t *base;
-  uint64_t stride, v_offset;
+  uint64_t stride, v_offset, row_stride;
   uint32_t n, layer;
   uint32_t len[8];
   uint32_t tag[8];
@@ -161,12 +161,12 @@ static void job_run(void *arg) {
     uint8_t *k = j->base + i * j->stride, *v = k + j->v_offset;
     for (uint32_t t = 0; t < j->len[i]; t++) {
       fill_row(want, j->tag[i], j->layer, t, 0);
-      if (memcmp(k + (size_t)t * sizeof(want), want, sizeof(want)) != 0) atomic_fetch_add(&j->bad_rows, 1);
+      if (memcmp(k + (size_t)t * j->row_stride, want, sizeof(want)) != 0) atomic_fetch_add(&j->bad_rows, 1);
       fill_row(want, j->tag[i], j->layer, t, 1);
-      if (memcmp(v + (size_t)t * sizeof(want), want, sizeof(want)) != 0) atomic_fetch_add(&j->bad_rows, 1);
+      if (memcmp(v + (size_t)t * j->row_stride, want, sizeof(want)) != 0) atomic_fetch_add(&j->bad_rows, 1);
     }
-    fill_row(k + (size_t)j->len[i] * sizeof(want), j->tag[i], j->layer, j->len[i], 0);
-    fill_row(v + (size_t)j->len[i] * sizeof(want), j->tag[i], j->layer, j->len[i], 1);
+    fill_row(k + (size_t)j->len[i] * j->row_stride, j->tag[i], j->layer, j->len[i], 0);
+    fill_row(v + (size_t)j->len[i] * j->row_stride, j->tag[i], j->layer, j->len[i], 1);
   }
   atomic_store(&j->ran, 1);
 }
@@ -179,6 +179,7 @@ static int hook(void *user, const akv_view *view, akv_stream stream) {
   j->base = view->base;
   j->stride = view->context_stride;
   j->v_offset = view->v_offset;
+  j->row_stride = view->row_stride;
   j->n = view->n_contexts;
   j->layer = view->layer;
   for (uint32_t i = 0; i < view->n_contexts; i++) {
@@ -515,7 +516,7 @@ static void test_quarantine_synchronises_then_releases(void **state) {
   assert_int_equal(atomic_load(&f.h.jobs[0].bad_rows), 0);
   for (uint32_t i = 0; i < 3; i++) {
     uint8_t want[ROW_ELEMS * 2];
-    const uint8_t *k = akv_host_segment(f.e, ctx[i], 0, 0) + (uint64_t)(4 + i) * sizeof(want);
+    const uint8_t *k = akv_host_layer(f.e, ctx[i], 0) + (uint64_t)(4 + i) * 2 * sizeof(want);
     fill_row(want, 10 + i, 0, 4 + i, 0);
     assert_memory_equal(k, want, sizeof(want)); /* the landed write-back row */
   }

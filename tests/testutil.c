@@ -121,8 +121,7 @@ akv_engine *akvt_small_engine(akv_route route, uint32_t device_pool_gib) {
 
 typedef struct akvt_job {
   const akvt_cfg *cfg;
-  uint8_t *base;
-  uint64_t ctx_stride, v_offset, row_bytes;
+  akv_view view; /* its arrays stay valid until the lease retires */
   uint32_t n;
   uint32_t len[16];
   uint32_t layer;
@@ -142,26 +141,34 @@ typedef struct akvt_run_state {
 static void akvt_job_run(void *arg) {
   akvt_job *j = arg;
   const akvt_cfg *c = j->cfg;
-  uint32_t row_elems = c->kv_heads * c->head_dim;
+  const uint32_t row_elems = c->kv_heads * c->head_dim;
+  const size_t row = (size_t)row_elems * 2;
   float q[1024];
+  /* The history gathered row by row through the view (staged rows and, on
+   * the paged route, retained pages read in place). */
+  uint16_t *k = malloc((size_t)c->max_tokens * row), *v = malloc((size_t)c->max_tokens * row);
+  if (k == NULL || v == NULL) abort();
   for (uint32_t i = 0; i < j->n; i++) {
-    uint16_t *k = (uint16_t *)(j->base + i * j->ctx_stride);
-    uint16_t *v = (uint16_t *)(j->base + i * j->ctx_stride + j->v_offset);
-    akvt_fill_row(k + (size_t)j->len[i] * row_elems, row_elems, i, j->layer, j->len[i], 0);
-    akvt_fill_row(v + (size_t)j->len[i] * row_elems, row_elems, i, j->layer, j->len[i], 1);
+    uint8_t *nk = akvt_view_row(&j->view, i, j->len[i]);
+    akvt_fill_row((uint16_t *)nk, row_elems, i, j->layer, j->len[i], 0);
+    akvt_fill_row((uint16_t *)(nk + j->view.v_offset), row_elems, i, j->layer, j->len[i], 1);
+    for (uint32_t t = 0; t <= j->len[i]; t++) {
+      const uint8_t *r = akvt_view_row(&j->view, i, t);
+      memcpy((uint8_t *)k + t * row, r, row);
+      memcpy((uint8_t *)v + t * row, r + j->view.v_offset, row);
+    }
     akvt_query(q, c, i, j->layer, j->len[i]);
     akvt_attention(q, k, v, j->len[i] + 1, c->q_heads, c->kv_heads, c->head_dim, row_elems,
                    j->out + (size_t)i * c->q_heads * c->head_dim);
   }
+  free(k);
+  free(v);
 }
 
 static void akvt_job_prepare(akvt_run_state *rs, const akv_view *view) {
   akvt_job *j = &rs->jobs[view->layer];
   j->cfg = rs->cfg;
-  j->base = view->base;
-  j->ctx_stride = view->context_stride;
-  j->v_offset = view->v_offset;
-  j->row_bytes = view->row_bytes;
+  j->view = *view;
   j->n = view->n_contexts;
   j->layer = view->layer;
   for (uint32_t i = 0; i < view->n_contexts; i++) j->len[i] = view->len[i];

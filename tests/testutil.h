@@ -83,6 +83,19 @@ typedef struct akvt_result {
   akv_quarantine_report requarantine;
 } akvt_result;
 
+/* K row t of context i in a view (its V row is at + view->v_offset): the
+ * staged rows at base, or, on the paged route, the retained page the host
+ * copy of the page map names. Host pointers: host backend only. */
+static inline uint8_t *akvt_view_row(const akv_view *v, uint32_t i, uint32_t t) {
+  if (v->page_map_host != NULL && v->page_tokens > 0 && t / v->page_tokens < v->page_map_stride) {
+    const uint32_t e = v->page_map_host[(size_t)i * v->page_map_stride + t / v->page_tokens];
+    if (e != AKV_PAGE_STAGED)
+      return (uint8_t *)v->pages + (size_t)e * v->page_stride +
+             (size_t)(t % v->page_tokens) * v->row_stride;
+  }
+  return (uint8_t *)v->base + (size_t)i * v->context_stride + (size_t)t * v->row_stride;
+}
+
 akvt_cfg akvt_default_cfg(void);
 /* Runs the decode; on a library failure, quarantines and reports. */
 void akvt_run(const akvt_cfg *cfg, akvt_result *out);

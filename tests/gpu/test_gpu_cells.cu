@@ -1,6 +1,6 @@
 /*
- * test_gpu_cells.cu - bitwise cells on the GPU (DESIGN §9): stage and arena
- * routes over context lengths (1, page-1, page, page+1, odd, 31,744), device
+ * test_gpu_cells.cu - bitwise cells on the GPU (DESIGN §9): stage, arena and
+ * paged routes over context lengths (1, page-1, page, page+1, odd, 31,744), device
  * pools (0, tight, roomy) and 1 or 4 contexts. Each cell runs several decode
  * steps through the CUDA engine with the library's CUDA attention as the hook
  * and compares every attention output bit for bit against the same kernel
@@ -61,7 +61,7 @@ __host__ __device__ static inline uint16_t cell_elem(uint32_t salt, uint32_t ctx
  * given K/V layout. grid.x = contexts, block covers ROW_ELEMS. */
 struct new_rows_args {
   uint8_t *k_base, *v_base;
-  uint64_t context_stride;
+  uint64_t context_stride, row_stride;
   uint32_t len[8];
   uint32_t ctx_id[8];
   uint32_t layer;
@@ -69,8 +69,8 @@ struct new_rows_args {
 
 __global__ void write_new_rows(new_rows_args a) {
   uint32_t i = blockIdx.x;
-  uint16_t *k = (uint16_t *)(a.k_base + i * a.context_stride + (uint64_t)a.len[i] * ROW_BYTES);
-  uint16_t *v = (uint16_t *)(a.v_base + i * a.context_stride + (uint64_t)a.len[i] * ROW_BYTES);
+  uint16_t *k = (uint16_t *)(a.k_base + i * a.context_stride + (uint64_t)a.len[i] * a.row_stride);
+  uint16_t *v = (uint16_t *)(a.v_base + i * a.context_stride + (uint64_t)a.len[i] * a.row_stride);
   for (uint32_t j = threadIdx.x; j < ROW_ELEMS; j += blockDim.x) {
     k[j] = cell_elem(1, a.ctx_id[i], a.layer, a.len[i], 0, j);
     v[j] = cell_elem(1, a.ctx_id[i], a.layer, a.len[i], 1, j);
@@ -100,15 +100,26 @@ struct run_state {
   size_t ws_bytes;
   uint32_t n_ctx;
   uint32_t step;
+  akv_route route;
 };
 
+static const char *route_name(akv_route r) {
+  return r == AKV_ROUTE_ARENA ? "arena" : r == AKV_ROUTE_PAGED ? "paged" : "stage";
+}
+
+/* Writes the new rows and attends. view == NULL: the resident layout given
+ * by the pointers and strides; otherwise the engine's view (staged rows and,
+ * on the paged route, retained pages in place) through
+ * akv_attention_args_from_view. */
 static akv_status attend(run_state *rs, uint32_t layer, uint8_t *k_base, uint8_t *v_base,
-                         uint64_t ctx_stride, const uint32_t *len, float *out) {
+                         uint64_t ctx_stride, uint64_t row_stride, const uint32_t *len,
+                         float *out, const akv_view *view) {
   new_rows_args nr;
   memset(&nr, 0, sizeof(nr));
   nr.k_base = k_base;
   nr.v_base = v_base;
   nr.context_stride = ctx_stride;
+  nr.row_stride = row_stride;
   nr.layer = layer;
   uint32_t lens1[8];
   for (uint32_t i = 0; i < rs->n_ctx; i++) {
@@ -123,16 +134,19 @@ static akv_status attend(run_state *rs, uint32_t layer, uint8_t *k_base, uint8_t
   memset(&a, 0, sizeof(a));
   a.dtype = AKV_DTYPE_BF16;
   a.n_contexts = rs->n_ctx;
-  a.n_heads = QH;
   a.kv_heads = KVH;
   a.head_dim = HD;
-  a.chunk_tokens = PT;
-  a.scale = 0.08838834764831845f;
-  a.q = rs->q;
   a.k_base = k_base;
   a.v_base = v_base;
   a.context_stride = ctx_stride;
-  a.row_bytes = ROW_BYTES;
+  a.row_bytes = row_stride;
+  a.chunk_tokens = PT;
+  if (view != NULL && akv_attention_args_from_view(view, &a) != AKV_OK) return AKV_ERR_BACKEND;
+  if (a.chunk_tokens != PT || (view != NULL && (a.k_base != k_base || a.row_bytes != row_stride)))
+    return AKV_ERR_BACKEND;
+  a.n_heads = QH;
+  a.scale = 0.08838834764831845f;
+  a.q = rs->q;
   a.len = lens1;
   a.out = out;
   a.workspace = rs->ws;
@@ -144,8 +158,10 @@ static int hook(void *user, const akv_view *view, akv_stream stream) {
   run_state *rs = (run_state *)user;
   uint8_t *base = (uint8_t *)view->base;
   if (akv_stream_to_cuda(stream) != rs->stream) return 1;
-  return attend(rs, view->layer, base, base + view->v_offset, view->context_stride, view->len,
-                rs->out_staged + (uint64_t)view->layer * rs->n_ctx * QH * HD) == AKV_OK
+  if ((view->page_map != NULL) != (rs->route == AKV_ROUTE_PAGED)) return 1;
+  return attend(rs, view->layer, base, base + view->v_offset, view->context_stride,
+                view->row_stride, view->len,
+                rs->out_staged + (uint64_t)view->layer * rs->n_ctx * QH * HD, view) == AKV_OK
              ? 0
              : 1;
 }
@@ -180,6 +196,7 @@ static void run_cell(const cell *c, uint64_t *compared) {
   run_state rs;
   memset(&rs, 0, sizeof(rs));
   rs.n_ctx = c->n_ctx;
+  rs.route = c->route;
   CK(cudaStreamCreateWithFlags(&rs.stream, cudaStreamNonBlocking));
   CK(cudaMalloc(&rs.q, (size_t)c->n_ctx * QH * HD * 2));
   size_t out_elems = (size_t)LAYERS * c->n_ctx * QH * HD;
@@ -244,8 +261,8 @@ static void run_cell(const cell *c, uint64_t *compared) {
     /* resident: the same kernel, same new rows, over the resident copy */
     for (uint32_t l = 0; l < LAYERS; l++) {
       uint8_t *k0 = resident + (uint64_t)l * 2 * seg;
-      AK(attend(&rs, l, k0, k0 + seg, (uint64_t)LAYERS * 2 * seg, lens.data(),
-                out_res + (uint64_t)l * c->n_ctx * QH * HD));
+      AK(attend(&rs, l, k0, k0 + seg, (uint64_t)LAYERS * 2 * seg, ROW_BYTES, lens.data(),
+                out_res + (uint64_t)l * c->n_ctx * QH * HD, NULL));
     }
     CK(cudaStreamSynchronize(rs.stream));
     CK(cudaMemcpy(a.data(), rs.out_staged, out_elems * 4, cudaMemcpyDeviceToHost));
@@ -255,8 +272,7 @@ static void run_cell(const cell *c, uint64_t *compared) {
         size_t off = ((size_t)l * c->n_ctx + i) * QH * HD;
         if (memcmp(a.data() + off, b.data() + off, (size_t)QH * HD * 4) != 0)
           fail_msg("cell route=%s len=%u ctx=%u pool=%s: step %u layer %u context %u differs",
-                   c->route == AKV_ROUTE_ARENA ? "arena" : "stage", c->len, c->n_ctx,
-                   c->pool_name, s, l, i);
+                   route_name(c->route), c->len, c->n_ctx, c->pool_name, s, l, i);
         (*compared)++;
       }
     for (uint32_t i = 0; i < c->n_ctx; i++) lens[i]++;
@@ -279,9 +295,10 @@ static void run_cell(const cell *c, uint64_t *compared) {
   }
   AK(akv_engine_info_get(e, &info));
   printf("  cell %-5s len=%-5u ctx=%u pool=%-5s: %u steps bit-identical; H2D %.1f MB, D2D %.1f MB\n",
-         c->route == AKV_ROUTE_ARENA ? "arena" : "stage", c->len, c->n_ctx, c->pool_name, STEPS,
-         info.bytes_h2d / 1e6, info.bytes_d2d / 1e6);
+         route_name(c->route), c->len, c->n_ctx, c->pool_name, STEPS, info.bytes_h2d / 1e6,
+         info.bytes_d2d / 1e6);
   if (c->route == AKV_ROUTE_ARENA && c->len >= 2 * PT) assert_true(info.bytes_d2d > 0);
+  if (c->route == AKV_ROUTE_PAGED) assert_int_equal(info.bytes_d2d, 0);
 
   for (uint32_t i = 0; i < c->n_ctx; i++) AK(akv_context_close(ctx[i]));
   AK(akv_engine_destroy(e));
@@ -320,12 +337,13 @@ static void run_route(akv_route route) {
     }
   }
   printf("route %s: %d cells, %llu layer outputs compared, all bit-identical\n",
-         route == AKV_ROUTE_ARENA ? "arena" : "stage", cells, (unsigned long long)compared);
+         route_name(route), cells, (unsigned long long)compared);
   assert_true(cells >= (quick ? 6 : 12));
 }
 
 static void test_stage_cells(void **) { run_route(AKV_ROUTE_STAGE); }
 static void test_arena_cells(void **) { run_route(AKV_ROUTE_ARENA); }
+static void test_paged_cells(void **) { run_route(AKV_ROUTE_PAGED); }
 
 int main(void) {
   int n = 0;
@@ -336,6 +354,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_stage_cells),
       cmocka_unit_test(test_arena_cells),
+      cmocka_unit_test(test_paged_cells),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

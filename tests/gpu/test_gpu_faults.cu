@@ -27,7 +27,6 @@ extern "C" {
 
 static const uint32_t LAYERS = 3, KVH = 2, HD = 64, PT = 64, NCTX = 2, STEPS = 3;
 static const uint32_t ROW_ELEMS = KVH * HD;
-static const uint64_t ROW_BYTES = ROW_ELEMS * 2;
 static const uint32_t PREFILL[NCTX] = {130, 67};
 
 __host__ __device__ static inline uint16_t elem(uint32_t ctx, uint32_t layer, uint32_t token,
@@ -42,15 +41,15 @@ __host__ __device__ static inline uint16_t elem(uint32_t ctx, uint32_t layer, ui
 
 struct rows_args {
   uint8_t *base;
-  uint64_t stride, v_offset;
+  uint64_t stride, v_offset, row_stride;
   uint32_t len[NCTX];
   uint32_t layer;
 };
 
 __global__ void write_rows(rows_args a) {
   uint32_t i = blockIdx.x;
-  uint16_t *k = (uint16_t *)(a.base + i * a.stride + (uint64_t)a.len[i] * ROW_BYTES);
-  uint16_t *v = (uint16_t *)(a.base + i * a.stride + a.v_offset + (uint64_t)a.len[i] * ROW_BYTES);
+  uint16_t *k = (uint16_t *)(a.base + i * a.stride + (uint64_t)a.len[i] * a.row_stride);
+  uint16_t *v = (uint16_t *)(a.base + i * a.stride + a.v_offset + (uint64_t)a.len[i] * a.row_stride);
   for (uint32_t j = threadIdx.x; j < ROW_ELEMS; j += blockDim.x) {
     k[j] = elem(i, a.layer, a.len[i], 0, j);
     v[j] = elem(i, a.layer, a.len[i], 1, j);
@@ -62,6 +61,7 @@ static int hook(void *, const akv_view *view, akv_stream stream) {
   a.base = (uint8_t *)view->base;
   a.stride = view->context_stride;
   a.v_offset = view->v_offset;
+  a.row_stride = view->row_stride;
   a.layer = view->layer;
   for (uint32_t i = 0; i < view->n_contexts; i++) a.len[i] = view->len[i];
   write_rows<<<view->n_contexts, 128, 0, akv_stream_to_cuda(stream)>>>(a);
