@@ -99,7 +99,7 @@ int main(int argc, char **argv) {
   measure("cudaStreamWaitEvent", reps, s1,
           [&] { CK(cudaStreamWaitEvent(s2, ev, cudaEventWaitDefault)); });
   measure("cudaEventQuery (complete)", reps, s1, [&] { (void)cudaEventQuery(ev); });
-  for (int n : {1, 8}) {
+  for (int n : {1, 4, 8}) {
     for (int i = 0; i < 8; ++i) {
       dst[i] = dev + (size_t)i * (1 << 20);
       src[i] = host + (size_t)i * (1 << 20);
@@ -121,6 +121,30 @@ int main(int argc, char **argv) {
     snprintf(name, sizeof name, "cudaMemcpyBatchAsync D2H x%d (2 KiB each)", n);
     measure(name, reps, s1,
             [&] { CK(cudaMemcpyBatchAsync(dst, src, bytes, n, &attr, &idx, 1, s1)); });
+  }
+  /* The engine's write-back shape (4 rows) under other attributes. */
+  for (int i = 0; i < 4; ++i) {
+    dst[i] = host + (size_t)i * (1 << 20);
+    src[i] = dev + (size_t)i * (1 << 20);
+    bytes[i] = 2 * row;
+  }
+  {
+    cudaMemcpyAttributes a2;
+    memset(&a2, 0, sizeof a2);
+    a2.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    measure("batch D2H x4: no hints, no flags", reps, s1,
+            [&] { CK(cudaMemcpyBatchAsync(dst, src, bytes, 4, &a2, &idx, 1, s1)); });
+    a2.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+    measure("batch D2H x4: no hints, overlap flag", reps, s1,
+            [&] { CK(cudaMemcpyBatchAsync(dst, src, bytes, 4, &a2, &idx, 1, s1)); });
+    a2.flags = 0;
+    a2.srcLocHint.type = cudaMemLocationTypeDevice;
+    a2.dstLocHint.type = cudaMemLocationTypeHost;
+    measure("batch D2H x4: hints, no flags", reps, s1,
+            [&] { CK(cudaMemcpyBatchAsync(dst, src, bytes, 4, &a2, &idx, 1, s1)); });
+    a2.srcAccessOrder = cudaMemcpySrcAccessOrderAny;
+    measure("batch D2H x4: hints, access order any", reps, s1,
+            [&] { CK(cudaMemcpyBatchAsync(dst, src, bytes, 4, &a2, &idx, 1, s1)); });
   }
   measure("cudaMemcpyAsync D2H (2 KiB)", reps, s1, [&] {
     CK(cudaMemcpyAsync(host, dev, row, cudaMemcpyDeviceToHost, s1));

@@ -4,7 +4,8 @@
 # For each geometry (llama3-8b, llama3.2-1b), 4 contexts x 31,744 tokens:
 #   - route resident (every row on the device: the reference line),
 #   - route stage (device pool 0: every row crosses PCIe each step),
-#   - route arena with a device pool swept from 0 GiB to the whole history.
+#   - routes arena and paged with a device pool swept from 0 GiB to the whole
+#     history.
 # Every run is `activekv decode --json` (with --check by default, so each line
 # carries its bitwise verdict against resident) and appends one JSON line to
 # $OUT/decode.jsonl. Plot with: python3 bench/plot.py $OUT/decode.jsonl
@@ -13,12 +14,14 @@
 # environment (defaults in brackets):
 #   OUT        where decode.jsonl goes                [bench/results]
 #   PRESETS    geometries                             ["llama3-8b llama3.2-1b"]
-#   ROUTES     which routes to run                    ["resident stage arena"]
+#   ROUTES     which routes to run                    ["resident stage arena paged"]
 #   CONTEXTS   contexts decoded together              [4]
 #   TOKENS     prefilled rows per context             [31744]
 #   STEPS      measured steps                         [16]
 #   WARMUP     warm-up steps                          [2]
-#   POOLS      arena pool sizes in GiB; empty = 0..history in POOL_POINTS steps
+#   POOLS      arena/paged pool sizes in GiB; empty = 0..history in POOL_POINTS steps
+#   POOLS_<preset>  the same for one preset, '-' and '.' of its name as '_'
+#              (POOLS_llama3_8b="4 8 12 16"); wins over POOLS
 #   POOL_POINTS  points of the automatic sweep        [8]
 #   CHECK      1 = --check every staged run           [1]
 #   EXTRA      more flags for every run               []
@@ -40,7 +43,7 @@ fi
 
 OUT=${OUT:-$here/results}
 PRESETS=${PRESETS:-"llama3-8b llama3.2-1b"}
-ROUTES=${ROUTES:-"resident stage arena"}
+ROUTES=${ROUTES:-"resident stage arena paged"}
 CONTEXTS=${CONTEXTS:-4}
 TOKENS=${TOKENS:-31744}
 STEPS=${STEPS:-16}
@@ -85,7 +88,8 @@ for preset in $PRESETS; do
   fi
   total=$((hist * CONTEXTS))
   gib=$(( (total + (1 << 30) - 1) >> 30 ))
-  pools=$POOLS
+  var="POOLS_$(printf '%s' "$preset" | tr -- '-.' '__')"
+  pools=${!var:-$POOLS}
   if [ -z "$pools" ]; then
     stepg=$(( (gib + POOL_POINTS - 1) / POOL_POINTS ))
     [ "$stepg" -lt 1 ] && stepg=1
@@ -93,15 +97,15 @@ for preset in $PRESETS; do
     for ((p = 0; p < gib; p += stepg)); do pools="$pools $p"; done
     pools="$pools $gib"
   fi
-  echo "run_decode_bench: $preset: history $total bytes ($gib GiB); arena pools:$pools" >&2
+    echo "run_decode_bench: $preset: history $total bytes ($gib GiB); pools:$pools" >&2
 
   for route in $ROUTES; do
     case $route in
       resident) run "$preset resident" --preset "$preset" --route resident ;;
       stage) run "$preset stage" --preset "$preset" --route stage "${check[@]}" ;;
-      arena)
+      arena | paged)
         for p in $pools; do
-          run "$preset arena ${p} GiB" --preset "$preset" --route arena --device-pool-gib "$p" "${check[@]}"
+          run "$preset $route ${p} GiB" --preset "$preset" --route "$route" --device-pool-gib "$p" "${check[@]}"
         done ;;
       *) echo "run_decode_bench: unknown route '$route'" >&2; failed=1 ;;
     esac
