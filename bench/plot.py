@@ -3,11 +3,12 @@
 
 Reads the JSON lines `activekv decode --json` writes (bench/run_decode_bench.sh
 appends them to $OUT/decode.jsonl) and draws, per geometry preset:
-  - the arena route, tokens/s at each device pool size (GiB);
+  - the arena and paged routes, tokens/s at each device pool size (GiB);
   - the stage route, at pool 0;
   - the resident route as a horizontal line (all history on the device);
-  - the PCIe bound of the bytes each arena run staged per step
-    (contexts / (bytes_h2d_per_step / pcie rate)), as a dashed curve.
+  - the PCIe bound of the bytes each run staged per step
+    (contexts / (bytes_h2d_per_step / pcie rate)), capped at resident, as a
+    dashed curve, and the target (that bound / 1.10) as a dotted one.
 Runs whose --check found a mismatch are marked with a red cross. Repeated runs
 of one (preset, route, pool) are reduced to their median.
 
@@ -62,20 +63,32 @@ def plot_preset(plt, preset, recs, out_dir):
     if res_tps is None:  # checked runs also timed resident
         res_tps = median_of([r for r in recs if r.get("check")], "resident_tokens_per_s")
 
-    arena = sorted((pool, rs) for (route, pool), rs in by.items() if route == "arena")
-    if arena:
-        xs = [p for p, _ in arena]
-        ax.plot(xs, [median_of(rs, "tokens_per_s") for _, rs in arena], "o-", color="tab:blue",
-                label="arena (measured)")
-        # The PCIe bound of what was staged; a step cannot beat resident either,
-        # so where resident is known the curve is the lower of the two.
-        bound = [(p, median_of(rs, "pcie_bound_tokens_per_s")) for p, rs in arena]
-        bound = [(p, min(b, res_tps) if res_tps else b) for p, b in bound if b]
-        if bound:
-            rate = first.get("pcie_gbps", 55.4)
-            what = f"PCIe bound of the staged bytes at {rate:g} GB/s"
-            ax.plot([p for p, _ in bound], [b for _, b in bound], "--", color="tab:gray",
-                    label=what + (", capped at resident" if res_tps else ""))
+    bounds = {}
+    for route, color, mark in (("arena", "tab:blue", "o-"), ("paged", "tab:purple", "D-")):
+        pts = sorted((pool, rs) for (r, pool), rs in by.items() if r == route)
+        if not pts:
+            continue
+        ax.plot([p for p, _ in pts], [median_of(rs, "tokens_per_s") for _, rs in pts], mark,
+                color=color, label=f"{route} (measured)")
+        for p, rs in pts:
+            b = median_of(rs, "pcie_bound_tokens_per_s")
+            if b:
+                bounds.setdefault(p, b)
+    if ("stage", 0) in by and 0 not in bounds:  # a pool of 0 stages everything
+        b = median_of(by[("stage", 0)], "pcie_bound_tokens_per_s")
+        if b:
+            bounds[0] = b
+    # The PCIe bound of what was staged (the same bytes for both routes); a
+    # step cannot beat resident either, so where resident is known the curve
+    # is the lower of the two.
+    bound = sorted((p, min(b, res_tps) if res_tps else b) for p, b in bounds.items())
+    if bound:
+        rate = first.get("pcie_gbps", 55.4)
+        what = f"PCIe bound of the staged bytes at {rate:g} GB/s"
+        ax.plot([p for p, _ in bound], [b for _, b in bound], "--", color="tab:gray",
+                label=what + (", capped at resident" if res_tps else ""))
+        ax.plot([p for p, _ in bound], [b / 1.10 for _, b in bound], ":", color="tab:gray",
+                label="target: within 1.10x of that")
     stage = by.get(("stage", 0))
     if stage:
         ax.plot([0], [median_of(stage, "tokens_per_s")], "s", color="tab:orange", markersize=8,

@@ -257,7 +257,7 @@ static akv_engine_config base_config(uint32_t layers, uint32_t max_ctx, akv_rout
   ec.max_tokens = MAX_TOKENS;
   ec.page_tokens = 16;
   ec.host_pool_gib = 1;
-  ec.device_pool_gib = route == AKV_ROUTE_ARENA ? 1 : 0;
+  ec.device_pool_gib = route != AKV_ROUTE_STAGE ? 1 : 0;
   ec.max_contexts = max_ctx;
   ec.route = route;
   ec.log_fn = fuzz_log;
@@ -270,7 +270,10 @@ static void engine_new(state *s, input *in) {
   akv_status st;
   s->layers = 1 + b % MAX_LAYERS;
   s->max_ctx = 1 + (b >> 2) % 4;
-  ec = base_config(s->layers, s->max_ctx, (b >> 4) & 1 ? AKV_ROUTE_ARENA : AKV_ROUTE_STAGE);
+  ec = base_config(s->layers, s->max_ctx,
+                   !((b >> 4) & 1)  ? AKV_ROUTE_STAGE
+                   : (b >> 5) & 1   ? AKV_ROUTE_PAGED
+                                    : AKV_ROUTE_ARENA);
   if ((b >> 5) == 7) { /* an injected fault somewhere in this engine's life */
     ec.fault_fail_nth = 1 + byte(in);
     ec.fault_kind = (int32_t)(byte(in) % (AKV_OP_KIND_COUNT + 1)) - 1;

@@ -45,14 +45,18 @@ static inline cudaStream_t akv_stream_to_cuda(akv_stream stream) {
  * HOST array, read during the call only (its values travel in the kernel
  * parameters), so the caller may reuse it as soon as the call returns.
  * head_dim must be 64, 128 or 256. q, k_base, v_base, workspace, row_bytes
- * and context_stride must be multiples of 16 bytes. The workspace is
+ * and context_stride must be multiples of 16 bytes. Page overrides (the
+ * paged route; akv_attention_args_from_view fills them from a view): the
+ * page map is a device array read by the kernel, and k_pages, v_pages and
+ * page_stride must be multiples of 16 bytes as well. The workspace is
  * overwritten; it and out must not be read or written by other work until
  * the enqueued kernels have run.
  * Bits: identical on every run for identical inputs; identical to
  * akv_attention_paged_cuda over the same rows with page_tokens == chunk_tokens;
  * within a relative L2 error of 1e-5 of akv_attention_ref_bf16.
  * Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT (NULL, bad geometry, misaligned
- * pointer or stride, workspace too small), AKV_ERR_NOT_SUPPORTED (dtype other
+ * pointer or stride, workspace too small, page overrides incomplete),
+ * AKV_ERR_NOT_SUPPORTED (dtype other
  * than bf16, head_dim other than 64/128/256), AKV_ERR_BACKEND (a launch
  * failed; cudaGetLastError() names the cause).
  */

@@ -26,6 +26,30 @@ def jsonl(path):
     return rows
 
 
+def host_cost(out):
+    """host_cost records: JSON lines of bench.log and hostcost.log, or, where a
+    run kept only its human line, that line parsed."""
+    rows = []
+    for f in ("bench.log", "hostcost.log"):
+        p = os.path.join(out, f)
+        if not os.path.exists(p):
+            continue
+        got = [r for r in jsonl(p) if r.get("bench") == "host_cost"]
+        if not got:
+            for line in open(p):
+                m = re.match(r"host cost per layer per step \(enqueue path\): median ([\d.]+) us, "
+                             r"p90 ([\d.]+) us.*\((\d+) steps x (\d+) layers, (\d+) contexts, "
+                             r"backend (\w+)\)", line)
+                if m:
+                    got.append({"bench": "host_cost", "backend": m[6], "layers": int(m[4]),
+                                "contexts": int(m[5]), "steps": int(m[3]),
+                                "enqueue_us_per_layer_median": float(m[1]),
+                                "enqueue_us_per_layer_p90": float(m[2]), "bound_us": 10,
+                                "source": f + " (human line)"})
+        rows += got
+    return rows
+
+
 def main():
     out, name, commit, command = sys.argv[1:5]
     machine = sys.argv[5] if len(sys.argv) > 5 else "NVIDIA H200 (nvidia-h200), driver 580.159.04, CUDA 13.0"
@@ -35,7 +59,9 @@ def main():
         "commit": commit,
         "command": command,
         "attention": [r for r in jsonl(os.path.join(out, "bench.jsonl")) if r.get("bench") == "attention_bw"],
-        "host_cost": [r for r in jsonl(os.path.join(out, "bench.log")) if r.get("bench") == "host_cost"],
+        "host_cost": host_cost(out),
+        "cudart_cost": [r for f in ("bench.log", "cudart.log")
+                        for r in jsonl(os.path.join(out, f)) if r.get("bench") == "cudart_cost"],
         "decode": jsonl(os.path.join(out, "decode.jsonl")),
     }
     cells = []

@@ -169,6 +169,8 @@ if has_step ctest; then
   if [ -f "$BUILD/CTestTestfile.cmake" ] && ls "$BUILD"/tests/test_gpu_* >/dev/null 2>&1; then
     log "ctest -L gpu"
     (cd "$BUILD" && ctest -L gpu --output-on-failure --timeout 1800) >"$CTEST_LOG" 2>&1
+    # The tests' own output (one line per bitwise cell) is in ctest's full log.
+    cp "$BUILD/Testing/Temporary/LastTest.log" "$OUT/LastTest.log" 2>/dev/null || true
     rc=$?
     line=$(grep -E 'tests passed|tests failed' "$CTEST_LOG" | tail -1)
     skipped=$(grep -c '\*\*\*Skipped' "$CTEST_LOG")
@@ -247,8 +249,14 @@ if has_step bench; then
     if [ ! -f "$b" ] || [ ! -x "$b" ]; then continue; fi
     log "bench $(basename "$b")"
     echo "== $b" >>"$BENCH_LOG"
-    timeout 300 "$b" >>"$BENCH_LOG" 2>&1
-    rc=$?
+    # The host cost depends on the machine's cudart call costs (akv_cudart_cost
+    # measures them next to it): three runs show the spread.
+    reps=1
+    [ "$(basename "$b")" = akv_host_cost ] && reps=3
+    rc=0
+    for _ in $(seq "$reps"); do
+      timeout 300 "$b" >>"$BENCH_LOG" 2>&1 || rc=$?
+    done
     record "bench $(basename "$b")" "$([ $rc = 0 ] && echo ok || echo FAIL)" "rc=$rc"
   done
 fi

@@ -47,7 +47,8 @@ static akvt_cfg schedule_cfg(uint64_t seed) {
   c.steps = 2;
   c.two_call = (seed >> 2) & 1;
   if (seed & 1) {
-    c.route = AKV_ROUTE_ARENA;
+    /* Odd seeds retain pages: arena and paged in turn. */
+    c.route = ((seed >> 4) & 1) ? AKV_ROUTE_PAGED : AKV_ROUTE_ARENA;
     c.device_pool_gib = 1;
     c.page_tokens = 16; /* 17 and 40 rows: one and two retained pages */
     c.target_pages = ((seed >> 3) & 1) ? AKV_TARGET_FAIR_SHARE : 1;
@@ -59,7 +60,7 @@ static akvt_cfg schedule_cfg(uint64_t seed) {
 static void test_seeded_schedules_bit_identical(void **state) {
   uint64_t n = env_u64("AKVT_SCHEDULES", 10000);
   uint64_t seed0 = env_u64("AKVT_SEED0", 1);
-  uint64_t outputs = 0, rows = 0, arena = 0, d2d_runs = 0;
+  uint64_t outputs = 0, rows = 0, arena = 0, paged = 0, d2d_runs = 0;
   (void)state;
   assert_true(n > 0);
   for (uint64_t seed = seed0; seed < seed0 + n; seed++) {
@@ -75,7 +76,11 @@ static void test_seeded_schedules_bit_identical(void **state) {
     if (r.outputs_mismatched != 0 || r.rows_mismatched != 0)
       fail_msg("seed %llu (%s, %u layers, delays <= %u us): %llu of %llu outputs and %llu of "
                "%llu host rows differ from resident",
-               (unsigned long long)seed, c.route == AKV_ROUTE_ARENA ? "arena" : "stage", c.layers,
+               (unsigned long long)seed,
+               c.route == AKV_ROUTE_ARENA   ? "arena"
+               : c.route == AKV_ROUTE_PAGED ? "paged"
+                                            : "stage",
+               c.layers,
                c.delay_max_us, (unsigned long long)r.outputs_mismatched,
                (unsigned long long)r.outputs_compared, (unsigned long long)r.rows_mismatched,
                (unsigned long long)r.rows_checked);
@@ -89,14 +94,22 @@ static void test_seeded_schedules_bit_identical(void **state) {
       arena++;
       if (r.info.bytes_d2d > 0) d2d_runs++;
     }
+    if (c.route == AKV_ROUTE_PAGED) {
+      paged++;
+      if (r.info.bytes_d2d != 0)
+        fail_msg("seed %llu: the paged route copied device to device", (unsigned long long)seed);
+    }
   }
   /* the arena schedules really overlap device-to-device materialisation */
   assert_int_equal(d2d_runs, arena);
-  printf("perturb: %llu seeded schedules (seeds %llu..%llu; %llu stage, %llu arena; delays <= "
+  if (n >= 32) assert_true(paged > 0);
+  printf("perturb: %llu seeded schedules (seeds %llu..%llu; %llu stage, %llu arena, %llu paged; "
+         "delays <= "
          "1..8 us per queue op), all bit-identical: %llu attention outputs and %llu host rows "
          "compared, 0 differ\n",
          (unsigned long long)n, (unsigned long long)seed0, (unsigned long long)(seed0 + n - 1),
-         (unsigned long long)(n - arena), (unsigned long long)arena, (unsigned long long)outputs,
+         (unsigned long long)(n - arena - paged), (unsigned long long)arena,
+         (unsigned long long)paged, (unsigned long long)outputs,
          (unsigned long long)rows);
 }
 

@@ -487,6 +487,16 @@ static void test_invalid_arguments(void **state) {
   EXPECT_BAD(a.out = NULL, AKV_ERR_INVALID_ARGUMENT);
   EXPECT_BAD(a.dtype = AKV_DTYPE_F16, AKV_ERR_NOT_SUPPORTED);
   EXPECT_BAD((a.head_dim = 96, a.row_bytes = 2 * 96 * 2), AKV_ERR_NOT_SUPPORTED);
+  /* Page overrides: incomplete or misaligned. */
+  EXPECT_BAD((a.page_map = (const uint32_t *)d_ws, a.page_map_stride = 0, a.k_pages = p.d_base,
+              a.v_pages = p.d_base),
+             AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_BAD((a.page_map = (const uint32_t *)d_ws, a.page_map_stride = 4, a.k_pages = NULL,
+              a.v_pages = p.d_base),
+             AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_BAD((a.page_map = (const uint32_t *)d_ws, a.page_map_stride = 4, a.k_pages = p.d_base,
+              a.v_pages = p.d_base, a.page_stride = 8),
+             AKV_ERR_INVALID_ARGUMENT);
 #undef EXPECT_BAD
   /* Nothing was enqueued: the output is still all NaN bytes. */
   CUDA_OK(cudaDeviceSynchronize());
