@@ -60,7 +60,7 @@ def main():
         "command": command,
         "attention": [r for r in jsonl(os.path.join(out, "bench.jsonl")) if r.get("bench") == "attention_bw"],
         "host_cost": host_cost(out),
-        "cudart_cost": [r for f in ("bench.log", "cudart.log")
+        "cudart_cost": [r for f in ("bench.log", "cudart.log", "hostcost.log")
                         for r in jsonl(os.path.join(out, f)) if r.get("bench") == "cudart_cost"],
         "decode": jsonl(os.path.join(out, "decode.jsonl")),
     }

@@ -21,7 +21,10 @@
 #   decode.log  decode.jsonl  summary.txt
 #
 # Knobs (environment):
-#   AKV_STEPS     steps to run, default "build ctest sanitizer bench"
+#   AKV_STEPS     steps to run, default "build hostcost ctest sanitizer bench
+#                 decode" (hostcost: the cudart call costs and the engine's
+#                 host cost, three runs, on the idle machine right after the
+#                 build; written to hostcost.log)
 #   AKV_JOBS      parallel build jobs, default 16
 #   AKV_BENCH_VARIANTS  "label:WARPS:LOADS[:STAGES[:PDL]] ...", default
 #                 "w8l4:8:4:3:1 w8l4s0:8:4:0:0 w8l4s2:8:4:2:1 w8l4s4:8:4:4:1
@@ -37,7 +40,7 @@ mkdir -p "$OUT"
 BUILD=/tmp/akv-build
 SOLO=/tmp/akv-standalone
 DEPS=/tmp/deps
-PASS_STEPS=${AKV_STEPS:-"build ctest sanitizer bench decode"}
+PASS_STEPS=${AKV_STEPS:-"build hostcost ctest sanitizer bench decode"}
 JOBS=${AKV_JOBS:-16}
 VARIANTS=${AKV_BENCH_VARIANTS:-"w8l4:8:4:0:0 w8l4s3:8:4:3:1 w8l2:8:2:0:0"}
 CHUNKS=${AKV_BENCH_CHUNKS:-"256 64 1024"}
@@ -164,6 +167,26 @@ for t in gpu_attention gpu_backend gpu_cells gpu_faults; do
   fi
 done
 
+# ------------------------------------------------------------------ hostcost
+# Before anything else loads the machine: the cudart calls the enqueue path is
+# made of, then the engine's host cost per layer (three runs, to show the
+# spread), in one log.
+if has_step hostcost; then
+  : >"$OUT/hostcost.log"
+  for b in akv_cudart_cost akv_host_cost akv_host_cost akv_host_cost; do
+    if [ -x "$BUILD/bench/$b" ]; then
+      log "hostcost: $b"
+      echo "== $BUILD/bench/$b" >>"$OUT/hostcost.log"
+      timeout 300 "$BUILD/bench/$b" >>"$OUT/hostcost.log" 2>&1
+      rc=$?
+      record "hostcost $b" "$([ $rc = 0 ] && echo ok || echo FAIL)" \
+        "rc=$rc $(grep -o 'median [0-9.]* us, p90 [0-9.]* us' "$OUT/hostcost.log" | tail -1)"
+    else
+      record "hostcost $b" "SKIP" "not built"
+    fi
+  done
+fi
+
 # ------------------------------------------------------------------ ctest
 if has_step ctest; then
   if [ -f "$BUILD/CTestTestfile.cmake" ] && ls "$BUILD"/tests/test_gpu_* >/dev/null 2>&1; then
@@ -247,6 +270,9 @@ if has_step bench; then
   # Other benchmark programs the project builds.
   for b in "$BUILD"/bench/*; do
     if [ ! -f "$b" ] || [ ! -x "$b" ]; then continue; fi
+    case $(basename "$b") in
+      akv_host_cost | akv_cudart_cost) has_step hostcost && continue ;;
+    esac
     log "bench $(basename "$b")"
     echo "== $b" >>"$BENCH_LOG"
     # The host cost depends on the machine's cudart call costs (akv_cudart_cost
