@@ -188,6 +188,10 @@ if has_step hostcost; then
         record "hostcost pinned" "SKIP" "GPU-local CPUs unknown or no taskset"
         break
       fi
+      if [ "$cpus" = "$(cat /sys/devices/system/cpu/online 2>/dev/null)" ]; then
+        record "hostcost pinned" "SKIP" "every CPU is local to the GPU (one NUMA node)"
+        break
+      fi
       pre="taskset -c $cpus"
     fi
     for b in akv_cudart_cost akv_host_cost akv_host_cost akv_host_cost; do
