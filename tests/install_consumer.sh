@@ -24,5 +24,5 @@ ${CC:-cc} -std=c11 -o "$work/consumer-pc" "$src/tests/consumer/consumer.c" \
 LD_LIBRARY_PATH="$libdir" "$work/consumer-pc"
 
 # The SONAME is versioned.
-readelf -d "$libdir/libactivekv.so" | grep -q 'SONAME.*libactivekv.so.0'
+readelf -d "$libdir/libactivekv.so" | grep -q 'SONAME.*libactivekv.so.0.2'
 echo "install consumer: cmake and pkg-config builds ran"

@@ -23,7 +23,7 @@ static void quiet(void *user, akv_log_level level, const char *message) {
 static void test_versions(void **state) {
   (void)state;
   assert_int_equal(akv_version_number(), AKV_VERSION_NUMBER);
-  assert_string_equal(akv_version_string(), "0.1.0");
+  assert_string_equal(akv_version_string(), "0.2.0");
 }
 
 static void test_status_strings_distinct(void **state) {
