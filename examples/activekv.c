@@ -602,6 +602,7 @@ typedef struct run_result {
   double resident_tokens_per_s, resident_step_ms_median;
   double prefill_s;
   uint64_t bytes_h2d, bytes_d2d, bytes_d2h; /* per measured step */
+  uint64_t bytes_in_place;                  /* paged route, per measured step */
   uint64_t engine_device_bytes, engine_staging_bytes, device_peak_bytes;
   uint32_t device_pages;
   uint64_t host_pool_bytes, history_bytes;
@@ -1151,6 +1152,7 @@ static int decode_steps(runner *r, int steps_out, run_result *res) {
     res->bytes_h2d = (info1.bytes_h2d - info0.bytes_h2d) / o->steps;
     res->bytes_d2d = (info1.bytes_d2d - info0.bytes_d2d) / o->steps;
     res->bytes_d2h = (info1.bytes_d2h - info0.bytes_d2h) / o->steps;
+    res->bytes_in_place = (info1.bytes_in_place - info0.bytes_in_place) / o->steps;
     res->engine_device_bytes = info1.device_bytes_allocated;
     /* The engine samples the device at its syncs, the model after every step. */
     if (info1.device_peak_bytes > res->device_peak_bytes)
@@ -1269,8 +1271,11 @@ static void print_summary(const cli_opts *o, const run_result *res) {
   if (res->have_engine) {
     printf("  %-20s %s pinned, %s of history per context\n", "host pool",
            fmt_mem(a, sizeof a, res->host_pool_bytes), fmt_mem(b, sizeof b, res->history_bytes));
-    printf("  %-20s H2D %s, D2D %s, D2H %s\n", "bytes per step", fmt_xfer(a, sizeof a, res->bytes_h2d),
+    printf("  %-20s H2D %s, D2D %s, D2H %s", "bytes per step", fmt_xfer(a, sizeof a, res->bytes_h2d),
            fmt_xfer(b, sizeof b, res->bytes_d2d), fmt_xfer(c, sizeof c, res->bytes_d2h));
+    if (res->route == ROUTE_PAGED)
+      printf("; read in place %s", fmt_xfer(a, sizeof a, res->bytes_in_place));
+    printf("\n");
     if (bound_ms > 0)
       printf("  %-20s %.3g ms per step at %.1f GB/s = %.2f tokens/s; achieved %.1f%% of it\n",
              "PCIe bound", bound_ms, o->pcie_gbps, bound_tps,
@@ -1331,6 +1336,7 @@ static void print_json(const cli_opts *o, const char *cmd, const run_result *res
   printf("\"model_weight_bytes\":%llu,\"model_resident_bytes\":%llu,\"host_pool_bytes\":%llu,",
          (unsigned long long)res->mem.weights, (unsigned long long)res->mem.resident,
          (unsigned long long)res->host_pool_bytes);
+  printf("\"bytes_in_place_per_step\":%llu,", (unsigned long long)res->bytes_in_place);
   printf("\"bytes_h2d_per_step\":%llu,\"bytes_d2d_per_step\":%llu,\"bytes_d2h_per_step\":%llu,",
          (unsigned long long)res->bytes_h2d, (unsigned long long)res->bytes_d2d,
          (unsigned long long)res->bytes_d2h);

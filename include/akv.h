@@ -293,6 +293,8 @@ typedef struct akv_engine_info {
   uint64_t backend_ops[AKV_OP_KIND_COUNT]; /**< fallible backend ops issued, per kind */
   int transport_failed; /**< 1 after any failed backend op */
   int quarantined;      /**< 1 after akv_engine_quarantine established completion */
+  uint64_t bytes_in_place; /**< paged route: retained bytes handed to attention in place
+                                (neither staged nor copied), so far */
 } akv_engine_info;
 
 /**
@@ -564,6 +566,7 @@ typedef struct akv_receipt {
   uint32_t readers;        /**< consumer events proven complete */
   uint64_t bytes_h2d, bytes_d2d, bytes_d2h;
   akv_fence attention, tail;
+  uint64_t bytes_in_place; /**< paged route: retained bytes read in place */
 } akv_receipt;
 
 /**

@@ -402,6 +402,7 @@ AKV_API akv_status akv_engine_info_get(const akv_engine *e, akv_engine_info *out
   out->bytes_h2d = e->bytes_h2d;
   out->bytes_d2h = e->bytes_d2h;
   out->bytes_d2d = e->bytes_d2d;
+  out->bytes_in_place = e->bytes_in_place;
   out->copies_h2d = e->copies_h2d;
   out->copies_d2h = e->copies_d2h;
   out->copies_d2d = e->copies_d2d;

@@ -82,6 +82,7 @@ struct akv_lease {
   akv_ticket *tickets; /* [3 * concurrency] */
   uint32_t n_tickets;
   uint64_t bytes_h2d, bytes_d2d, bytes_d2h;
+  uint64_t bytes_in_place; /* paged route: retained pages attention reads in place */
   uint32_t magic_end;
 };
 
@@ -180,6 +181,7 @@ struct akv_engine {
 
   /* statistics */
   uint64_t bytes_h2d, bytes_d2h, bytes_d2d;
+  uint64_t bytes_in_place;
   uint64_t copies_h2d, copies_d2h, copies_d2d;
   uint64_t steps_done, leases_retired;
   uint32_t magic_end;

@@ -107,6 +107,7 @@ static void akv_lease_plan_context(akv_lease *ls, uint32_t i, size_t *n_h2d, siz
       (*n_h2d)++;
     }
     if (p < full && phys != AKV_ADM_NONE && e->cfg.route == AKV_ROUTE_PAGED) {
+      ls->bytes_in_place += e->page_seg_bytes;
       run_start = (p + 1) * pt;
     } else if (p < full && phys != AKV_ADM_NONE) {
       e->sc2_dst[*n_d2d] = stage + (uint64_t)p * pt * row;
@@ -159,7 +160,7 @@ AKV_API akv_status akv_lease_begin(akv_engine *e, uint32_t layer, akv_lease **ou
   ls->n_contexts = e->step_n;
   ls->n_written = 0;
   ls->n_tickets = 0;
-  ls->bytes_h2d = ls->bytes_d2d = ls->bytes_d2h = 0;
+  ls->bytes_h2d = ls->bytes_d2d = ls->bytes_d2h = ls->bytes_in_place = 0;
   for (uint32_t i = 0; i < e->step_n; i++) {
     ls->contexts[i] = e->step_ctx[i];
     ls->len[i] = e->step_ctx[i]->len;
@@ -172,6 +173,7 @@ AKV_API akv_status akv_lease_begin(akv_engine *e, uint32_t layer, akv_lease **ou
 
   for (uint32_t i = 0; i < ls->n_contexts; i++) akv_lease_plan_context(ls, i, &n_h2d, &n_d2d);
   ls->used_d2d = n_d2d > 0;
+  e->bytes_in_place += ls->bytes_in_place;
 
 #ifndef AKV_TEST_DROP_PRIOR_READER_WAITS
   /* No copy into a buffer is submitted before its queue waits on every prior
@@ -429,6 +431,7 @@ AKV_API akv_status akv_lease_retire(akv_lease *ls, akv_receipt *receipt) {
   r.bytes_h2d = ls->bytes_h2d;
   r.bytes_d2d = ls->bytes_d2d;
   r.bytes_d2h = ls->bytes_d2h;
+  r.bytes_in_place = ls->bytes_in_place;
   r.attention.serial = ls->fence_attn;
   r.tail.serial = ls->fence_tail;
   /* Only now, with every fence proven, are tickets and the layer released. */

@@ -91,6 +91,7 @@ static void test_arena_retains_pages(void **state) {
   assert_int_equal(r.outputs_mismatched, 0);
   /* retained pages are materialised device->device: less crosses PCIe */
   assert_true(r.info.bytes_d2d > 0);
+  assert_int_equal(r.info.bytes_in_place, 0);
   assert_true(r.adm_counters[AKV_ADM_FREE] > 0);
 }
 
@@ -111,6 +112,8 @@ static void test_paged_reads_in_place(void **state) {
   assert_int_equal(r.outputs_mismatched, 0);
   /* retained pages are neither staged nor copied device->device */
   assert_int_equal(r.info.bytes_d2d, 0);
+  assert_true(r.info.bytes_in_place > 0);
+  assert_int_equal(stage.info.bytes_in_place, 0);
   assert_true(r.adm_counters[AKV_ADM_FREE] > 0);
   assert_true(r.info.bytes_h2d < stage.info.bytes_h2d);
 }
