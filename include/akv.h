@@ -209,13 +209,19 @@ typedef struct akv_engine_config {
   uint32_t host_delay_max_us;   /**< host backend: upper bound of one injected delay */
   uint32_t fault_fail_nth;      /**< fail the N-th (1-based) counted backend op; 0 = never */
   int32_t fault_kind;           /**< count only ops of this akv_op_kind; -1 = all kinds */
+  /** Paged route: before each layer's copy, fill the staging rows of every
+   *  page read in place with 0xFF bytes (NaN in bf16, f16 and f32), so that
+   *  attention which ignores view.page_map reads NaN instead of stale rows
+   *  that may look plausible. Costs a device copy of every retained byte per
+   *  layer (not counted in bytes_d2d): for testing a hook, not for serving. */
+  uint32_t poison_holes;
 } akv_engine_config;
 
 #define AKV_ENGINE_CONFIG_INIT                                                  \
   {                                                                            \
     sizeof(akv_engine_config), AKV_CONFIG_VERSION, AKV_BACKEND_AUTO, 0, 0, 0, 0, \
         AKV_DTYPE_BF16, 0, 256, 0, 0, 1, AKV_FIT_REFUSE, AKV_ROUTE_STAGE, NULL,  \
-        NULL, AKV_LOG_INFO, 0, 0, 0, -1                                          \
+        NULL, AKV_LOG_INFO, 0, 0, 0, -1, 0                                       \
   }
 
 /** Sets *config to AKV_ENGINE_CONFIG_INIT. Thread-safe. Returns AKV_OK or

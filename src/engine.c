@@ -94,6 +94,7 @@ static void akv_engine_free_all(akv_engine *e) {
   for (int b = 0; b < AKV_N_BUFFERS; b++) akv_bk_device_free(bk, e->staging[b]);
   akv_bk_device_free(bk, e->dev_pool);
   akv_bk_device_free(bk, e->page_map_dev);
+  akv_bk_device_free(bk, e->poison);
   akv_bk_host_free(bk, e->page_map_host);
   akv_bk_host_free(bk, e->host_pool);
   akv_bk_shutdown(bk);
@@ -225,6 +226,24 @@ static akv_status akv_engine_allocate(akv_engine *e) {
       goto fail;
     }
     e->device_allocated += e->page_map_bytes;
+    if (c->poison_holes) {
+      /* One page-layer of 0xFF bytes on the device, the source of every
+       * poison copy: filled once here from pinned memory. */
+      uint8_t *fill = NULL;
+      st = akv_bk_device_alloc(bk, e->page_seg_bytes, (void **)&e->poison);
+      if (st == AKV_OK) st = akv_bk_host_alloc(bk, e->page_seg_bytes, (void **)&fill);
+      if (st == AKV_OK) {
+        memset(fill, 0xFF, e->page_seg_bytes);
+        st = akv_bk_copy(bk, e->q_h2d, AKV_COPY_H2D, e->poison, fill, e->page_seg_bytes);
+        if (st == AKV_OK) st = akv_bk_queue_sync(bk, e->q_h2d);
+      }
+      akv_bk_host_free(bk, fill);
+      if (st != AKV_OK) {
+        akv_fail(e, st, "poison page could not be prepared: %s", bk->error);
+        goto fail;
+      }
+      e->device_allocated += e->page_seg_bytes;
+    }
   }
   e->staging_bytes = (uint64_t)n * e->seg_bytes;
   for (int b = 0; b < AKV_N_BUFFERS; b++) {
@@ -275,6 +294,7 @@ static void akv_config_take(akv_engine_config *full, const akv_engine_config *c)
   AKV_TAKE(host_delay_max_us);
   AKV_TAKE(fault_fail_nth);
   AKV_TAKE(fault_kind);
+  AKV_TAKE(poison_holes);
 #undef AKV_TAKE
 }
 

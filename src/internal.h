@@ -136,6 +136,7 @@ struct akv_engine {
   uint32_t *page_map_host; /* paged route: [concurrency][max_logical_pages], pinned */
   uint32_t *page_map_dev;  /* its device copy, read by attention */
   uint64_t page_map_bytes;
+  uint8_t *poison;         /* poison_holes: one page-layer of 0xFF bytes, device */
   uint8_t *staging[AKV_N_BUFFERS];
   uint64_t staging_bytes; /* each buffer */
   uint64_t device_allocated;

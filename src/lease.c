@@ -108,6 +108,12 @@ static void akv_lease_plan_context(akv_lease *ls, uint32_t i, size_t *n_h2d, siz
     }
     if (p < full && phys != AKV_ADM_NONE && e->cfg.route == AKV_ROUTE_PAGED) {
       ls->bytes_in_place += e->page_seg_bytes;
+      if (e->poison != NULL) { /* testing aid: the hole reads NaN */
+        e->sc2_dst[*n_d2d] = stage + (uint64_t)p * pt * row;
+        e->sc2_src[*n_d2d] = e->poison;
+        e->sc2_bytes[*n_d2d] = e->page_seg_bytes;
+        (*n_d2d)++;
+      }
       run_start = (p + 1) * pt;
     } else if (p < full && phys != AKV_ADM_NONE) {
       e->sc2_dst[*n_d2d] = stage + (uint64_t)p * pt * row;
@@ -172,7 +178,9 @@ AKV_API akv_status akv_lease_begin(akv_engine *e, uint32_t layer, akv_lease **ou
   e->last_begun = ls;
 
   for (uint32_t i = 0; i < ls->n_contexts; i++) akv_lease_plan_context(ls, i, &n_h2d, &n_d2d);
-  ls->used_d2d = n_d2d > 0;
+  /* On the paged route the only device->device entries are poison fills
+   * (testing aid); they go on the H2D queue, behind the same waits. */
+  ls->used_d2d = n_d2d > 0 && e->cfg.route != AKV_ROUTE_PAGED;
   e->bytes_in_place += ls->bytes_in_place;
 
 #ifndef AKV_TEST_DROP_PRIOR_READER_WAITS
@@ -189,7 +197,10 @@ AKV_API akv_status akv_lease_begin(akv_engine *e, uint32_t layer, akv_lease **ou
     if (ls->used_d2d) AKV_CHECK(akv_bk_wait(&e->bk, e->q_d2d, prior[r].event));
   }
 #endif
-  if (n_d2d > 0) {
+  if (n_d2d > 0 && !ls->used_d2d)
+    AKV_CHECK(akv_bk_copy_batch(&e->bk, e->q_h2d, AKV_COPY_D2D, n_d2d, e->sc2_dst,
+                                (const void *const *)e->sc2_src, e->sc2_bytes));
+  if (ls->used_d2d) {
     AKV_CHECK(akv_bk_copy_batch(&e->bk, e->q_d2d, AKV_COPY_D2D, n_d2d, e->sc2_dst,
                                 (const void *const *)e->sc2_src, e->sc2_bytes));
     AKV_CHECK(akv_bk_record(&e->bk, ls->ev_d2d, e->q_d2d));

@@ -118,6 +118,32 @@ static void test_paged_reads_in_place(void **state) {
   assert_true(r.info.bytes_h2d < stage.info.bytes_h2d);
 }
 
+/* A hook that ignores the page map reads the staging buffer's holes. With
+ * poison_holes those read NaN, so the misuse shows in every comparison;
+ * the same poison leaves a correct hook bit-identical. */
+static void test_paged_poison_exposes_a_hook_ignoring_the_map(void **state) {
+  akvt_cfg c = akvt_default_cfg();
+  akvt_result good, bad;
+  (void)state;
+  c.route = AKV_ROUTE_PAGED;
+  c.device_pool_gib = 1;
+  c.prefill[0] = 40;
+  c.prefill[1] = 41;
+  c.prefill[2] = 63;
+  c.steps = 3;
+  c.poison_holes = 1;
+  expect_clean(&c, "paged, poisoned holes, hook reading the map");
+  akvt_run(&c, &good);
+  assert_true(good.info.bytes_in_place > 0);
+  assert_int_equal(good.info.bytes_d2d, 0); /* the poison copies are not traffic */
+  c.ignore_page_map = 1;
+  akvt_run(&c, &bad);
+  assert_int_equal(bad.status, AKV_OK);
+  /* every context has a retained page, so every output of every layer is off */
+  assert_int_equal(bad.outputs_mismatched, bad.outputs_compared);
+  assert_int_equal(bad.rows_mismatched, 0); /* the host rows are still right */
+}
+
 static void test_delays_many_seeds(void **state) {
   uint32_t seeds = getenv("AKVT_SEEDS") ? (uint32_t)atoi(getenv("AKVT_SEEDS")) : 200;
   (void)state;
@@ -143,6 +169,7 @@ int main(void) {
       cmocka_unit_test(test_arena_retains_pages),
       cmocka_unit_test(test_paged_pool_shapes),
       cmocka_unit_test(test_paged_reads_in_place),
+      cmocka_unit_test(test_paged_poison_exposes_a_hook_ignoring_the_map),
       cmocka_unit_test(test_delays_many_seeds),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -169,6 +169,7 @@ static void akvt_job_prepare(akvt_run_state *rs, const akv_view *view) {
   akvt_job *j = &rs->jobs[view->layer];
   j->cfg = rs->cfg;
   j->view = *view;
+  if (rs->cfg->ignore_page_map) j->view.page_map_host = NULL; /* the misuse under test */
   j->n = view->n_contexts;
   j->layer = view->layer;
   for (uint32_t i = 0; i < view->n_contexts; i++) j->len[i] = view->len[i];
@@ -298,6 +299,7 @@ void akvt_run(const akvt_cfg *c, akvt_result *out) {
   ec.host_delay_max_us = c->delay_max_us;
   ec.fault_fail_nth = c->fault_fail_nth;
   ec.fault_kind = c->fault_kind;
+  ec.poison_holes = c->poison_holes;
   {
     akv_status s = akv_engine_create(&ec, &rs.engine);
     if (s != AKV_OK) {

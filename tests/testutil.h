@@ -38,6 +38,8 @@ typedef struct akvt_cfg {
   uint32_t fault_fail_nth;
   int32_t fault_kind;
   int two_call;           /* use wait_ready/mark_consumed instead of the hook */
+  uint32_t poison_holes;  /* engine config poison_holes (paged route) */
+  int ignore_page_map;    /* a wrong hook: reads every row at view.base */
   /* Optional; zero leaves them off (the defaults above keep them zero). */
   akv_log_fn log_fn;      /* engine log sink; NULL: akvt_silent_log */
   void *log_user;
