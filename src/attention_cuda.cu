@@ -685,6 +685,36 @@ static akv_status check_common(akv_dtype dtype, uint32_t n_heads, uint32_t kv_he
   return AKV_OK;
 }
 
+/* The chunk and combine parameters of the launch that covers contexts from
+ * c0 on: pointers offset to c0 in q, out and the workspace (acc region, then
+ * the ml region at acc_bytes; stride chunk slots per context and head). */
+static void launch_params(uint32_t n_heads, uint32_t kv_heads, uint32_t head_dim, float scale,
+                          const void *q, float *out, void *workspace, size_t acc_bytes,
+                          uint32_t stride, uint32_t c0, ChunkParams *cp, CombineParams *pp) {
+  const uint32_t group = n_heads / kv_heads;
+  const uint32_t n_sub = div_up(group, (uint32_t)pick_gt(group));
+  const size_t q_per_ctx = (size_t)n_heads * head_dim; /* elements */
+  const size_t slots_per_ctx = (size_t)n_heads * stride;
+  float *acc = static_cast<float *>(workspace);
+  float *ml = reinterpret_cast<float *>(static_cast<char *>(workspace) + acc_bytes);
+  *cp = ChunkParams{};
+  cp->q = static_cast<const uint16_t *>(q) + (size_t)c0 * q_per_ctx;
+  cp->acc = acc + (size_t)c0 * slots_per_ctx * head_dim;
+  cp->ml = ml + (size_t)c0 * slots_per_ctx * 2;
+  cp->n_heads = n_heads;
+  cp->group = group;
+  cp->n_sub = n_sub;
+  cp->kv_slots = kv_heads * n_sub;
+  cp->stride_chunks = stride;
+  cp->scale_log2 = scale * kLog2e;
+  *pp = CombineParams{};
+  pp->acc = cp->acc;
+  pp->ml = cp->ml;
+  pp->out = out + (size_t)c0 * q_per_ctx;
+  pp->n_heads = n_heads;
+  pp->stride_chunks = stride;
+}
+
 template <class Loc>
 akv_status launch_pair(uint32_t head_dim, int gt, dim3 grid_chunk, const ChunkParams &cp,
                        dim3 grid_combine, const CombineParams &pp, const Loc &loc,
@@ -755,14 +785,8 @@ extern "C" AKV_API akv_status akv_attention_decode_cuda(const akv_attention_args
   if (!grid_fits(div_up(max_len, a->chunk_tokens), a->n_heads, a->kv_heads)) goto fail;
 
   {
-    const uint32_t group = a->n_heads / a->kv_heads;
-    const int gt = pick_gt(group);
-    const uint32_t n_sub = div_up(group, (uint32_t)gt);
+    const int gt = pick_gt(a->n_heads / a->kv_heads);
     const uint32_t stride = div_up(max_len, a->chunk_tokens);
-    const size_t q_per_ctx = (size_t)a->n_heads * a->head_dim; /* elements */
-    const size_t slots_per_ctx = (size_t)a->n_heads * stride;
-    float *acc = static_cast<float *>(a->workspace);
-    float *ml = reinterpret_cast<float *>(static_cast<char *>(a->workspace) + acc_bytes);
 
     for (uint32_t c0 = 0; c0 < a->n_contexts; c0 += kMaxLaunchContexts) {
       const uint32_t nc = a->n_contexts - c0 < kMaxLaunchContexts ? a->n_contexts - c0
@@ -786,22 +810,10 @@ extern "C" AKV_API akv_status akv_attention_decode_cuda(const akv_attention_args
         const uint32_t ch = div_up(loc.len[i], a->chunk_tokens);
         if (ch > grid_x) grid_x = ch;
       }
-      ChunkParams cp = {};
-      cp.q = static_cast<const uint16_t *>(a->q) + (size_t)c0 * q_per_ctx;
-      cp.acc = acc + (size_t)c0 * slots_per_ctx * a->head_dim;
-      cp.ml = ml + (size_t)c0 * slots_per_ctx * 2;
-      cp.n_heads = a->n_heads;
-      cp.group = group;
-      cp.n_sub = n_sub;
-      cp.kv_slots = a->kv_heads * n_sub;
-      cp.stride_chunks = stride;
-      cp.scale_log2 = a->scale * kLog2e;
-      CombineParams pp = {};
-      pp.acc = cp.acc;
-      pp.ml = cp.ml;
-      pp.out = a->out + (size_t)c0 * q_per_ctx;
-      pp.n_heads = a->n_heads;
-      pp.stride_chunks = stride;
+      ChunkParams cp;
+      CombineParams pp;
+      launch_params(a->n_heads, a->kv_heads, a->head_dim, a->scale, a->q, a->out, a->workspace,
+                    acc_bytes, stride, c0, &cp, &pp);
       st = launch_pair<ContigLoc>(a->head_dim, gt, dim3(grid_x * cp.kv_slots, nc, 1), cp,
                                   dim3(a->n_heads * (a->head_dim / 32u), nc, 1), pp, loc, stream);
       if (st != AKV_OK) goto fail;
@@ -830,14 +842,8 @@ extern "C" AKV_API akv_status akv_attention_paged_cuda(const akv_attention_paged
   if (!grid_fits(t.max_pages, a->n_heads, a->kv_heads)) goto fail;
 
   {
-    const uint32_t group = a->n_heads / a->kv_heads;
-    const int gt = pick_gt(group);
-    const uint32_t n_sub = div_up(group, (uint32_t)gt);
+    const int gt = pick_gt(a->n_heads / a->kv_heads);
     const uint32_t stride = t.max_pages;
-    const size_t q_per_ctx = (size_t)a->n_heads * a->head_dim;
-    const size_t slots_per_ctx = (size_t)a->n_heads * stride;
-    float *acc = static_cast<float *>(a->workspace);
-    float *ml = reinterpret_cast<float *>(static_cast<char *>(a->workspace) + acc_bytes);
 
     for (uint32_t c0 = 0; c0 < t.batch; c0 += kMaxLaunchContexts) {
       const uint32_t nc = t.batch - c0 < kMaxLaunchContexts ? t.batch - c0 : kMaxLaunchContexts;
@@ -851,22 +857,10 @@ extern "C" AKV_API akv_status akv_attention_paged_cuda(const akv_attention_paged
       loc.last_page_len = t.last_page_len + c0;
       loc.page_tokens = t.page_tokens;
       loc.max_pages = t.max_pages;
-      ChunkParams cp = {};
-      cp.q = static_cast<const uint16_t *>(a->q) + (size_t)c0 * q_per_ctx;
-      cp.acc = acc + (size_t)c0 * slots_per_ctx * a->head_dim;
-      cp.ml = ml + (size_t)c0 * slots_per_ctx * 2;
-      cp.n_heads = a->n_heads;
-      cp.group = group;
-      cp.n_sub = n_sub;
-      cp.kv_slots = a->kv_heads * n_sub;
-      cp.stride_chunks = stride;
-      cp.scale_log2 = a->scale * kLog2e;
-      CombineParams pp = {};
-      pp.acc = cp.acc;
-      pp.ml = cp.ml;
-      pp.out = a->out + (size_t)c0 * q_per_ctx;
-      pp.n_heads = a->n_heads;
-      pp.stride_chunks = stride;
+      ChunkParams cp;
+      CombineParams pp;
+      launch_params(a->n_heads, a->kv_heads, a->head_dim, a->scale, a->q, a->out, a->workspace,
+                    acc_bytes, stride, c0, &cp, &pp);
       st = launch_pair<PagedLoc>(a->head_dim, gt, dim3(t.max_pages * cp.kv_slots, nc, 1), cp,
                                  dim3(a->n_heads * (a->head_dim / 32u), nc, 1), pp, loc, stream);
       if (st != AKV_OK) goto fail;
