@@ -196,11 +196,14 @@ static inline int model_resident_view(model *m, uint32_t layer, const uint32_t *
 static inline void model_memory_get(model *m, model_memory *out) { m->ops->memory(m, out); }
 
 /* For the implementations of attend: checks that `layer` is the layer in
- * progress (cur_layer, -1 when none) and that the view matches the forward's
+ * progress (cur_layer, -1 when none), that the view matches the forward's
  * n_ctx contexts of row_bytes rows (rows at least that far apart, a paged
- * view paged at the model's chunk size). Returns 0 or -1 with m->error set. */
+ * view paged at the model's chunk size) and that context i holds pos[i] rows
+ * with room for one more in the workspace; fills len1[i] = pos[i] + 1, the
+ * rows attention covers. Returns 0 or -1 with m->error set. */
 static inline int model_attend_check(model *m, int cur_layer, uint32_t n_ctx, uint64_t row_bytes,
-                                     uint32_t layer, const model_kv_view *v) {
+                                     const uint32_t *pos, uint32_t layer, const model_kv_view *v,
+                                     uint32_t *len1) {
   if (cur_layer < 0 || (uint32_t)cur_layer != layer) {
     snprintf(m->error, sizeof m->error, "attend: layer %u is not the layer in progress", layer);
     return -1;
@@ -220,6 +223,21 @@ static inline int model_attend_check(model *m, int cur_layer, uint32_t n_ctx, ui
              "--page-tokens and the chunk alike)",
              v->page_tokens, m->opt.chunk_tokens);
     return -1;
+  }
+  for (uint32_t i = 0; i < n_ctx; ++i) {
+    if (v->len[i] != pos[i]) {
+      snprintf(m->error, sizeof m->error,
+               "attend: context %u holds %u rows but its token is at position %u", i, v->len[i],
+               pos[i]);
+      return -1;
+    }
+    if (v->len[i] + 1 > m->opt.max_tokens) {
+      snprintf(m->error, sizeof m->error,
+               "attend: context %u has %u rows, the attention workspace was sized for %u", i,
+               v->len[i] + 1, m->opt.max_tokens);
+      return -1;
+    }
+    len1[i] = v->len[i] + 1;
   }
   return 0;
 }

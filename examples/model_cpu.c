@@ -221,24 +221,12 @@ static int cpu_forward(model *m, uint32_t n_ctx, const int32_t *tokens, const ui
 static int cpu_attend(model *m, uint32_t layer, const model_kv_view *v) {
   cpu_model *cm = (cpu_model *)m;
   uint32_t len1[MODEL_MAX_BATCH];
-  if (model_attend_check(m, cm->layer, cm->n_ctx, cm->row_bytes, layer, v) != 0) return -1;
+  if (model_attend_check(m, cm->layer, cm->n_ctx, cm->row_bytes, cm->pos, layer, v, len1) != 0)
+    return -1;
   for (uint32_t i = 0; i < v->n_ctx; ++i) {
-    if (v->len[i] != cm->pos[i]) {
-      snprintf(m->error, sizeof m->error,
-               "attend: context %u holds %u rows but its token is at position %u", i, v->len[i],
-               cm->pos[i]);
-      return -1;
-    }
-    if (v->len[i] + 1 > m->opt.max_tokens) {
-      snprintf(m->error, sizeof m->error,
-               "attend: context %u has %u rows, the attention workspace was sized for %u", i,
-               v->len[i] + 1, m->opt.max_tokens);
-      return -1;
-    }
     uint8_t *k = (uint8_t *)v->base + i * v->context_stride + (uint64_t)v->len[i] * v->row_stride;
     memcpy(k, cm->k_new + (uint64_t)i * cm->kv_dim, cm->row_bytes);
     memcpy(k + v->v_offset, cm->v_new + (uint64_t)i * cm->kv_dim, cm->row_bytes);
-    len1[i] = v->len[i] + 1;
   }
 
   akv_attention_args a =

@@ -375,25 +375,12 @@ static int cm_forward(model *m, uint32_t n_ctx, const int32_t *tokens, const uin
 static int cm_attend(model *m, uint32_t layer, const model_kv_view *v) {
   cuda_model *cm = cm_of(m);
   uint32_t len1[MODEL_MAX_BATCH];
-  if (model_attend_check(m, cm->layer, cm->n_ctx, cm->row_bytes, layer, v) != 0) return -1;
+  if (model_attend_check(m, cm->layer, cm->n_ctx, cm->row_bytes, cm->pos, layer, v, len1) != 0)
+    return -1;
   cuda_u64x off;
   memset(&off, 0, sizeof off);
-  for (uint32_t i = 0; i < v->n_ctx; ++i) {
-    if (v->len[i] != cm->pos[i]) {
-      snprintf(m->error, sizeof m->error,
-               "attend: context %u holds %u rows but its token is at position %u", i, v->len[i],
-               cm->pos[i]);
-      return -1;
-    }
-    if (v->len[i] + 1 > m->opt.max_tokens) {
-      snprintf(m->error, sizeof m->error,
-               "attend: context %u has %u rows, the attention workspace was sized for %u", i,
-               v->len[i] + 1, m->opt.max_tokens);
-      return -1;
-    }
+  for (uint32_t i = 0; i < v->n_ctx; ++i)
     off.v[i] = i * v->context_stride + (uint64_t)v->len[i] * v->row_stride;
-    len1[i] = v->len[i] + 1;
-  }
   k_write_rows<<<v->n_ctx, 128, 0, cm->stream>>>((uint8_t *)v->base, off, v->v_offset, cm->k_new,
                                                    cm->v_new, (uint32_t)cm->row_bytes);
   CM_LAUNCHED();
