@@ -680,17 +680,8 @@ static int attention_hook(void *user, const akv_view *view, akv_stream stream) {
   s->layer = view->layer;
   s->failed = 0;
   memcpy(s->len, view->len, view->n_contexts * sizeof(uint32_t));
-  s->kv.base = view->base;
-  s->kv.context_stride = view->context_stride;
-  s->kv.v_offset = view->v_offset;
-  s->kv.row_stride = view->row_stride;
-  s->kv.len = s->len;
-  s->kv.n_ctx = view->n_contexts;
-  s->kv.page_map = view->page_map;
-  s->kv.page_map_stride = view->page_map_stride;
-  s->kv.page_tokens = view->page_tokens;
-  s->kv.pages = view->pages;
-  s->kv.page_stride = view->page_stride;
+  s->kv = *view;
+  s->kv.len = s->len; /* the slot's copy: the CPU model reads it on the queue */
   if (model_stream(r->m) == NULL) {
     akv_status st = akv_stream_launch_host(r->engine, stream, slot_run, s);
     if (st != AKV_OK) {

@@ -80,27 +80,16 @@ typedef struct model_memory {
 } model_memory;
 
 /*
- * A layer's K/V history as the attention function reads it: context i's row
- * t has its K at base + i*context_stride + t*row_stride and its V at that
- * address + v_offset (a row: kv_heads * head_dim bf16). len[i] rows are
- * already there (a host array); model_attend writes row len[i] and attends
- * over len[i]+1. With page_map set (the engine's paged route), full pages of
- * the history are read in place instead (akv_view and akv_attention_args
- * describe the fields). This mirrors akv_view.
+ * A layer's K/V history as the attention function reads it: the library's
+ * own akv_view, whether the engine staged it or the model's resident store
+ * holds it (then page_map is NULL). Context i's row t has its K at
+ * base + i*context_stride + t*row_stride and its V at that address +
+ * v_offset (a row: kv_heads * head_dim bf16); with page_map set (the
+ * engine's paged route) full pages are read in place instead. len[i] rows
+ * are already there (a host array); model_attend writes row len[i] and
+ * attends over len[i]+1.
  */
-typedef struct model_kv_view {
-  void *base;
-  uint64_t context_stride;
-  uint64_t v_offset;
-  uint64_t row_stride;
-  const uint32_t *len;
-  uint32_t n_ctx;
-  const uint32_t *page_map; /* NULL: every row at base */
-  uint32_t page_map_stride;
-  uint32_t page_tokens;
-  const void *pages;
-  uint64_t page_stride;
-} model_kv_view;
+typedef akv_view model_kv_view;
 
 typedef struct model model;
 
@@ -208,12 +197,12 @@ static inline int model_attend_check(model *m, int cur_layer, uint32_t n_ctx, ui
     snprintf(m->error, sizeof m->error, "attend: layer %u is not the layer in progress", layer);
     return -1;
   }
-  if (v == NULL || v->base == NULL || v->len == NULL || v->n_ctx != n_ctx ||
+  if (v == NULL || v->base == NULL || v->len == NULL || v->n_contexts != n_ctx ||
       v->row_stride < row_bytes || v->v_offset < row_bytes) {
     snprintf(m->error, sizeof m->error,
              "attend: the view does not match the forward (contexts %u vs %u, rows %llu B apart "
              "for %llu B rows)",
-             v ? v->n_ctx : 0, n_ctx, v ? (unsigned long long)v->row_stride : 0ull,
+             v ? v->n_contexts : 0, n_ctx, v ? (unsigned long long)v->row_stride : 0ull,
              (unsigned long long)row_bytes);
     return -1;
   }
@@ -252,26 +241,14 @@ static inline akv_attention_args model_attention_args(const model *m, const mode
                                                       size_t workspace_bytes) {
   akv_attention_args a;
   memset(&a, 0, sizeof a);
-  a.dtype = AKV_DTYPE_BF16;
-  a.n_contexts = v->n_ctx;
+  /* The view's layout and, on the paged route, its page map and page size
+   * (model_attend_check made sure that equals the model's chunk). */
+  a.chunk_tokens = m->opt.chunk_tokens;
+  (void)akv_attention_args_from_view(v, &a); /* v is never NULL here */
   a.n_heads = m->g.n_heads;
-  a.kv_heads = m->g.kv_heads;
-  a.head_dim = m->g.head_dim;
   a.q = q;
-  a.k_base = v->base;
-  a.v_base = (const uint8_t *)v->base + v->v_offset;
-  a.context_stride = v->context_stride;
-  a.row_bytes = v->row_stride;
-  if (v->page_map != NULL) {
-    a.page_map = v->page_map;
-    a.page_map_stride = v->page_map_stride;
-    a.k_pages = v->pages;
-    a.v_pages = (const uint8_t *)v->pages + v->v_offset;
-    a.page_stride = v->page_stride;
-  }
   a.len = len1;
   a.scale = 1.0f / sqrtf((float)m->g.head_dim);
-  a.chunk_tokens = m->opt.chunk_tokens;
   a.out = out;
   a.workspace = workspace;
   a.workspace_bytes = workspace_bytes;
@@ -298,12 +275,16 @@ static inline int model_resident_view_fill(model *m, int have_store, uint32_t re
       return -1;
     }
   }
+  memset(out, 0, sizeof *out); /* no page map: every row at base */
+  out->layer = layer;
+  out->n_contexts = n_ctx;
+  out->kv_heads = m->g.kv_heads;
+  out->head_dim = m->g.head_dim;
+  out->dtype = AKV_DTYPE_BF16;
   out->context_stride = 2 * (uint64_t)res_max_tokens * row_bytes;
   out->v_offset = (uint64_t)res_max_tokens * row_bytes;
   out->row_stride = row_bytes;
-  out->page_map = NULL;
   out->len = len;
-  out->n_ctx = n_ctx;
   return 0;
 }
 

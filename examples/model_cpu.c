@@ -223,7 +223,7 @@ static int cpu_attend(model *m, uint32_t layer, const model_kv_view *v) {
   uint32_t len1[MODEL_MAX_BATCH];
   if (model_attend_check(m, cm->layer, cm->n_ctx, cm->row_bytes, cm->pos, layer, v, len1) != 0)
     return -1;
-  for (uint32_t i = 0; i < v->n_ctx; ++i) {
+  for (uint32_t i = 0; i < v->n_contexts; ++i) {
     uint8_t *k = (uint8_t *)v->base + i * v->context_stride + (uint64_t)v->len[i] * v->row_stride;
     memcpy(k, cm->k_new + (uint64_t)i * cm->kv_dim, cm->row_bytes);
     memcpy(k + v->v_offset, cm->v_new + (uint64_t)i * cm->kv_dim, cm->row_bytes);

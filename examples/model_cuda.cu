@@ -379,9 +379,9 @@ static int cm_attend(model *m, uint32_t layer, const model_kv_view *v) {
     return -1;
   cuda_u64x off;
   memset(&off, 0, sizeof off);
-  for (uint32_t i = 0; i < v->n_ctx; ++i)
+  for (uint32_t i = 0; i < v->n_contexts; ++i)
     off.v[i] = i * v->context_stride + (uint64_t)v->len[i] * v->row_stride;
-  k_write_rows<<<v->n_ctx, 128, 0, cm->stream>>>((uint8_t *)v->base, off, v->v_offset, cm->k_new,
+  k_write_rows<<<v->n_contexts, 128, 0, cm->stream>>>((uint8_t *)v->base, off, v->v_offset, cm->k_new,
                                                    cm->v_new, (uint32_t)cm->row_bytes);
   CM_LAUNCHED();
 
