@@ -60,11 +60,15 @@ typedef struct preset {
   model_geometry g;
 } preset;
 
-/* n_layers, n_heads, kv_heads, head_dim, hidden, ffn, vocab, rope_theta, norm_eps */
+/* n_layers, n_heads, kv_heads, head_dim, hidden, ffn, vocab, rope_theta, norm_eps,
+ * window, dense_every. gemma3-12b is a hybrid geometry: a 1024-token sliding
+ * window on five of every six layers, so 8 of its 48 layers are dense and
+ * staged (its blocks are this model's: SwiGLU MLP, one RoPE base). */
 static const preset presets[] = {
-    {"llama3-8b", {32, 32, 8, 128, 4096, 14336, 128256, 500000.0f, 1e-5f}},
-    {"llama3.2-1b", {16, 32, 8, 64, 2048, 8192, 128256, 500000.0f, 1e-5f}},
-    {"tiny", {4, 4, 2, 16, 64, 128, 256, 10000.0f, 1e-5f}},
+    {"llama3-8b", {32, 32, 8, 128, 4096, 14336, 128256, 500000.0f, 1e-5f, 0, 0}},
+    {"llama3.2-1b", {16, 32, 8, 64, 2048, 8192, 128256, 500000.0f, 1e-5f, 0, 0}},
+    {"gemma3-12b", {48, 16, 8, 256, 3840, 15360, 262208, 1000000.0f, 1e-6f, 1024, 6}},
+    {"tiny", {4, 4, 2, 16, 64, 128, 256, 10000.0f, 1e-5f, 0, 0}},
 };
 
 typedef struct cli_opts {
@@ -91,10 +95,12 @@ typedef struct cli_opts {
   double pcie_gbps;
 } cli_opts;
 
+static const preset *find_preset(const char *name);
+
 static void opts_default(cli_opts *o) {
   memset(o, 0, sizeof *o);
   o->preset = "llama3.2-1b";
-  o->g = presets[1].g;
+  o->g = find_preset("llama3.2-1b")->g;
   o->seed = 1;
   o->contexts = 4;
   o->tokens[0] = 4096;
@@ -230,12 +236,17 @@ static void usage(FILE *f) {
           "  fit      print the host-fit line and its verdict (exit 3 if it does not fit)\n"
           "\n"
           "model (flags override the preset's values):\n"
-          "  --preset NAME         llama3-8b | llama3.2-1b | tiny   [llama3.2-1b]\n"
-          "  --layers N            dense layers\n"
+          "  --preset NAME         llama3-8b | llama3.2-1b | gemma3-12b | tiny   [llama3.2-1b]\n"
+          "  --layers N            layers (dense and sliding-window)\n"
           "  --heads N             query heads\n"
           "  --kv-heads N          K/V heads (GQA)\n"
           "  --head-dim N          (CUDA attention: 64, 128 or 256)\n"
           "  --hidden N  --ffn N  --vocab N  --rope-theta F\n"
+          "  --window N            hybrid: sliding-window layers attend over the last N\n"
+          "                        tokens, kept resident by the model (never staged);\n"
+          "                        0 makes every layer dense   [preset's]\n"
+          "  --dense-every N       hybrid: every N-th layer is dense, the rest slide\n"
+          "                        [preset's; 6 with --window on a dense preset]\n"
           "  --seed N              weights, history and first tokens   [1]\n"
           "workload:\n"
           "  --contexts N          contexts decoded together, 1..%d   [4]\n"
@@ -339,6 +350,8 @@ static int parse_args(int argc, char **argv, int first, cli_opts *o) {
   int geo_set[7] = {0};
   double theta = 0.0;
   int theta_set = 0;
+  uint32_t window = 0, every = 0;
+  int window_set = 0, every_set = 0;
   static const char *const geo_flags[7] = {"--layers", "--heads",  "--kv-heads", "--head-dim",
                                            "--hidden", "--ffn",    "--vocab"};
   for (int i = first; i < argc; ++i) {
@@ -382,7 +395,8 @@ static int parse_args(int argc, char **argv, int first, cli_opts *o) {
         "--host-pool-gib", "--device-pool-gib", "--page-tokens", "--chunk-tokens",
         "--target-pages", "--burst-pages",    "--fit-mode",      "--host-delay-us",
         "--host-delay-seed", "--fail-nth", "--pcie-gbps",   "--layers",        "--heads",         "--kv-heads",
-        "--head-dim",     "--hidden",         "--ffn",           "--vocab"};
+        "--head-dim",     "--hidden",         "--ffn",           "--vocab", "--window",
+        "--dense-every"};
     int known = 0;
     for (size_t k = 0; k < sizeof valued / sizeof valued[0]; ++k) known |= !strcmp(name, valued[k]);
     if (!known) {
@@ -411,11 +425,18 @@ static int parse_args(int argc, char **argv, int first, cli_opts *o) {
     if (strcmp(name, "--preset") == 0) {
       const preset *p = find_preset(val);
       if (p == NULL) {
-        say_error("--preset: unknown '%s'; choose llama3-8b, llama3.2-1b or tiny", val);
+        say_error("--preset: unknown '%s'; choose llama3-8b, llama3.2-1b, gemma3-12b or tiny",
+                  val);
         return EXIT_USAGE;
       }
       o->preset = p->name;
       o->g = p->g;
+    } else if (strcmp(name, "--window") == 0) {
+      rc = parse_u32(name, val, 0, 1u << 24, &window);
+      window_set = 1;
+    } else if (strcmp(name, "--dense-every") == 0) {
+      rc = parse_u32(name, val, 1, 1u << 16, &every);
+      every_set = 1;
     } else if (strcmp(name, "--rope-theta") == 0) {
       rc = parse_double(name, val, 1.0, 1e9, &theta);
       theta_set = 1;
@@ -497,6 +518,14 @@ static int parse_args(int argc, char **argv, int first, cli_opts *o) {
               g->head_dim, g->hidden, g->ffn);
     return EXIT_USAGE;
   }
+  if (window_set) o->g.window = window;
+  if (every_set) o->g.dense_every = every;
+  if (window_set && window > 0 && !every_set && o->g.dense_every < 2) o->g.dense_every = 6;
+  char herr[256];
+  if (model_hybrid_check(g, herr, sizeof herr) != 0) {
+    say_error("%s", herr);
+    return EXIT_USAGE;
+  }
   if ((uint64_t)max_history(o) + o->warmup + o->steps > UINT32_MAX / 2) {
     say_error("--tokens plus --warmup plus --steps is too large");
     return EXIT_USAGE;
@@ -513,7 +542,7 @@ static void engine_config(const cli_opts *o, akv_backend_kind backend, akv_engin
   akv_engine_config_init(c);
   c->backend = backend;
   c->device_ordinal = o->device;
-  c->n_dense_layers = o->g.n_layers;
+  c->n_dense_layers = model_dense_layers(&o->g); /* sliding-window layers are not staged */
   c->kv_heads = o->g.kv_heads;
   c->head_dim = o->g.head_dim;
   c->dtype = AKV_DTYPE_BF16;
@@ -619,10 +648,10 @@ typedef struct run_result {
 
 typedef struct runner runner;
 
-/* What the attention hook hands to a host-queue function: one per layer. */
+/* What the attention hook hands to a host-queue function: one per dense layer. */
 typedef struct layer_slot {
   runner *r;
-  uint32_t layer;
+  uint32_t layer; /* the model's layer index */
   model_kv_view kv;
   uint32_t len[MODEL_MAX_BATCH];
   int failed;
@@ -637,8 +666,11 @@ struct runner {
   int own_stream;
   uint32_t n_ctx;
   akv_context *ctx[MODEL_MAX_BATCH];
-  akv_lease **lease; /* [n_layers], the open step's leases not yet retired */
-  layer_slot *slot;  /* [n_layers] */
+  uint32_t n_dense;  /* the engine's layers: the model's dense ones */
+  akv_lease **lease; /* [n_dense], the open step's leases not yet retired */
+  layer_slot *slot;  /* [n_dense] */
+  uint32_t win_lanes; /* hybrid: the model's window lanes (route 0, resident 1 beside it) */
+  uint32_t res_lane;  /* the window lane of resident steps */
   int step_open;     /* between akv_step_begin and a successful akv_step_end */
   uint32_t res_len[MODEL_MAX_BATCH];
   char err[768];
@@ -668,7 +700,7 @@ static void slot_run(void *arg) {
 static int attention_hook(void *user, const akv_view *view, akv_stream stream) {
   runner *r = user;
   const model_geometry *g = &r->m->g;
-  if (view->layer >= g->n_layers || view->n_contexts != r->n_ctx ||
+  if (view->layer >= r->n_dense || view->n_contexts != r->n_ctx ||
       view->kv_heads != g->kv_heads || view->head_dim != g->head_dim ||
       view->dtype != AKV_DTYPE_BF16) {
     run_fail(r, "hook: the view (layer %u, %u contexts, %u x %u) does not match the model",
@@ -677,7 +709,7 @@ static int attention_hook(void *user, const akv_view *view, akv_stream stream) {
   }
   layer_slot *s = &r->slot[view->layer];
   s->r = r;
-  s->layer = view->layer;
+  s->layer = model_dense_layer(g, view->layer); /* the engine counts dense layers only */
   s->failed = 0;
   memcpy(s->len, view->len, view->n_contexts * sizeof(uint32_t));
   s->kv = *view;
@@ -695,8 +727,8 @@ static int attention_hook(void *user, const akv_view *view, akv_stream stream) {
     run_fail(r, "hook: layer %u was attended on a stream other than the model's", view->layer);
     return 1;
   }
-  if (model_attend(r->m, view->layer, &s->kv) != 0) {
-    run_fail(r, "layer %u: %s", view->layer, model_error(r->m));
+  if (model_attend(r->m, s->layer, &s->kv) != 0) {
+    run_fail(r, "layer %u: %s", s->layer, model_error(r->m));
     return 1;
   }
   return 0;
@@ -714,12 +746,13 @@ static int retire(runner *r, uint32_t layer) {
   return 0;
 }
 
-/* model_layer_fn of the staged routes: one lease per layer. */
-static int layer_engine(void *user, model *m, uint32_t l) {
+/* model_layer_fn of the staged routes: one lease per dense layer (model
+ * layer ml is the engine's layer l). */
+static int layer_engine(void *user, model *m, uint32_t ml) {
   runner *r = user;
   akv_status st;
   akv_fence attn, tail;
-  (void)m;
+  const uint32_t l = model_dense_before(&m->g, ml);
   if ((st = akv_lease_begin(r->engine, l, &r->lease[l])) != AKV_OK) {
     r->lease[l] = NULL;
     run_fail_akv(r, "akv_lease_begin", st);
@@ -746,7 +779,7 @@ static int layer_engine(void *user, model *m, uint32_t l) {
       return -1;
     }
     if (r->slot[l].failed) {
-      run_fail(r, "layer %u: %s", l, model_error(r->m));
+      run_fail(r, "layer %u: %s", ml, model_error(r->m));
       return -1;
     }
   }
@@ -778,9 +811,9 @@ static int step_engine(runner *r, const int32_t *tok, float *logits) {
     return -1;
   }
   r->step_open = 1;
-  const uint32_t L = r->m->g.n_layers;
+  const uint32_t L = r->n_dense;
   for (uint32_t l = 0; l < L; ++l) r->lease[l] = NULL;
-  if (model_forward(r->m, r->n_ctx, tok, pos, layer_engine, r, logits) != 0) {
+  if (model_forward(r->m, 0, r->n_ctx, tok, pos, layer_engine, r, logits) != 0) {
     run_fail(r, "decode step: %s", model_error(r->m));
     return -1;
   }
@@ -795,7 +828,8 @@ static int step_engine(runner *r, const int32_t *tok, float *logits) {
 }
 
 static int step_resident(runner *r, const int32_t *tok, float *logits) {
-  if (model_forward(r->m, r->n_ctx, tok, r->res_len, layer_resident, r, logits) != 0) {
+  if (model_forward(r->m, r->res_lane, r->n_ctx, tok, r->res_len, layer_resident, r, logits) !=
+      0) {
     run_fail(r, "resident step: %s", model_error(r->m));
     return -1;
   }
@@ -803,20 +837,40 @@ static int step_resident(runner *r, const int32_t *tok, float *logits) {
   return 0;
 }
 
-/* Writes the synthetic history through akv_context_append (and into the
- * resident store when it is used), in chunks of every layer at once. */
+/* The synthetic rows [first, first+n) of context ctx for the model layers
+ * layers[0..count): K rows to kp[j], V rows to vp[j], seeded by the model's
+ * layer index (the same bytes whichever store they go to). */
+static void history_rows(const cli_opts *o, uint32_t kv_dim, uint32_t ctx, uint32_t first,
+                         uint32_t n, const uint32_t *layers, uint32_t count, const void **kp,
+                         const void **vp) {
+  for (uint32_t j = 0; j < count; ++j) {
+    for (uint32_t t = 0; t < n; ++t) {
+      model_history_row(o->seed, ctx, layers[j], 0, first + t,
+                        (uint16_t *)kp[j] + (uint64_t)t * kv_dim, kv_dim);
+      model_history_row(o->seed, ctx, layers[j], 1, first + t,
+                        (uint16_t *)vp[j] + (uint64_t)t * kv_dim, kv_dim);
+    }
+  }
+}
+
+/* Writes the synthetic history of the dense layers through
+ * akv_context_append (and into the resident store when it is used), in
+ * chunks of every dense layer at once; then, in a hybrid geometry, the last
+ * window - 1 tokens of every sliding layer into each window lane. */
 static int prefill(runner *r, int to_engine, int to_resident, double *seconds) {
   const cli_opts *o = r->o;
   const model_geometry *g = &r->m->g;
-  const uint32_t kv_dim = g->kv_heads * g->head_dim, L = g->n_layers;
+  const uint32_t kv_dim = g->kv_heads * g->head_dim, D = model_dense_layers(g),
+                 S = model_window_layers(g), L = D > S ? D : S;
   const uint64_t row_bytes = (uint64_t)kv_dim * 2;
   uint64_t chunk = (16u << 20) / (L * row_bytes);
   if (chunk < 1) chunk = 1;
   if (chunk > 4096) chunk = 4096;
   uint16_t *buf = malloc(2 * L * chunk * row_bytes);
   const void **kp = malloc(L * sizeof *kp), **vp = malloc(L * sizeof *vp);
+  uint32_t *dense = malloc(L * sizeof *dense), *slide = malloc(L * sizeof *slide);
   int rc = -1;
-  if (buf == NULL || kp == NULL || vp == NULL) {
+  if (buf == NULL || kp == NULL || vp == NULL || dense == NULL || slide == NULL) {
     run_fail(r, "prefill: out of host memory");
     goto out;
   }
@@ -824,41 +878,55 @@ static int prefill(runner *r, int to_engine, int to_resident, double *seconds) {
     kp[l] = buf + (uint64_t)(2 * l) * chunk * kv_dim;
     vp[l] = buf + (uint64_t)(2 * l + 1) * chunk * kv_dim;
   }
-  uint64_t total = 0, done = 0;
-  for (uint32_t i = 0; i < r->n_ctx; ++i) total += ctx_tokens(o, i);
+  for (uint32_t l = 0, d = 0, w = 0; l < g->n_layers; ++l) {
+    if (model_layer_dense(g, l)) dense[d++] = l;
+    else slide[w++] = l;
+  }
+  /* sliding layers keep the tokens still in the window of the first step */
+  const uint32_t keep = S > 0 ? g->window - 1 : 0;
+  uint64_t total = 0, done = 0, bytes = 0;
+  for (uint32_t i = 0; i < r->n_ctx; ++i) {
+    uint32_t len = ctx_tokens(o, i);
+    total += (uint64_t)len * D + (uint64_t)(len < keep ? len : keep) * S * r->win_lanes;
+  }
   progress bar;
   progress_begin(&bar, o->progress && !o->json, "prefill", total);
   double t0 = now_s();
-  for (uint32_t i = 0; i < r->n_ctx; ++i) {
-    const uint32_t len = ctx_tokens(o, i);
-    for (uint32_t first = 0; first < len;) {
-      uint32_t n = len - first < chunk ? len - first : (uint32_t)chunk;
-      for (uint32_t l = 0; l < L; ++l) {
-        for (uint32_t t = 0; t < n; ++t) {
-          model_history_row(o->seed, i, l, 0, first + t, (uint16_t *)kp[l] + (uint64_t)t * kv_dim,
-                            kv_dim);
-          model_history_row(o->seed, i, l, 1, first + t, (uint16_t *)vp[l] + (uint64_t)t * kv_dim,
-                            kv_dim);
+  for (int pass = 0; pass < 2; ++pass) {
+    const uint32_t count = pass == 0 ? D : S;
+    const uint32_t *layers = pass == 0 ? dense : slide;
+    if (count == 0 || (pass == 1 && r->win_lanes == 0)) continue;
+    for (uint32_t i = 0; i < r->n_ctx; ++i) {
+      const uint32_t len = ctx_tokens(o, i), from = pass == 0 || len < keep ? 0 : len - keep;
+      for (uint32_t first = from; first < len;) {
+        uint32_t n = len - first < chunk ? len - first : (uint32_t)chunk;
+        history_rows(o, kv_dim, i, first, n, layers, count, kp, vp);
+        if (pass == 0 && to_engine) {
+          akv_status st = akv_context_append(r->ctx[i], n, kp, vp);
+          if (st != AKV_OK) {
+            run_fail_akv(r, "akv_context_append", st);
+            goto out;
+          }
         }
-      }
-      if (to_engine) {
-        akv_status st = akv_context_append(r->ctx[i], n, kp, vp);
-        if (st != AKV_OK) {
-          run_fail_akv(r, "akv_context_append", st);
+        if (pass == 0 && to_resident && model_resident_append(r->m, i, first, n, kp, vp) != 0) {
+          run_fail(r, "prefill: %s", model_error(r->m));
           goto out;
         }
+        for (uint32_t lane = 0; pass == 1 && lane < r->win_lanes; ++lane) {
+          if (model_window_append(r->m, lane, i, first, n, kp, vp) != 0) {
+            run_fail(r, "prefill: %s", model_error(r->m));
+            goto out;
+          }
+        }
+        const uint32_t copies = pass == 0 ? 1 : r->win_lanes;
+        first += n;
+        done += (uint64_t)n * count * copies;
+        bytes += (uint64_t)n * count * copies * row_bytes * 2;
+        char rate[64], b[32];
+        double dt = now_s() - t0;
+        snprintf(rate, sizeof rate, "%s/s", fmt_xfer(b, sizeof b, dt > 0 ? bytes / dt : 0.0));
+        progress_update(&bar, done, rate);
       }
-      if (to_resident && model_resident_append(r->m, i, first, n, kp, vp) != 0) {
-        run_fail(r, "prefill: %s", model_error(r->m));
-        goto out;
-      }
-      first += n;
-      done += n;
-      char rate[64], b[32];
-      double dt = now_s() - t0;
-      snprintf(rate, sizeof rate, "%s/s",
-               fmt_xfer(b, sizeof b, dt > 0 ? done * L * row_bytes * 2 / dt : 0.0));
-      progress_update(&bar, done, rate);
     }
   }
   *seconds = now_s() - t0;
@@ -867,6 +935,8 @@ out:
   free(buf);
   free(kp);
   free(vp);
+  free(dense);
+  free(slide);
   return rc;
 }
 
@@ -1016,8 +1086,9 @@ static int open_model(runner *r, int use_engine, int use_resident) {
       }
       r->own_stream = 1;
     }
-    r->lease = calloc(o->g.n_layers, sizeof *r->lease);
-    r->slot = calloc(o->g.n_layers, sizeof *r->slot);
+    r->n_dense = model_dense_layers(&o->g);
+    r->lease = calloc(r->n_dense, sizeof *r->lease);
+    r->slot = calloc(r->n_dense, sizeof *r->slot);
     if (r->lease == NULL || r->slot == NULL) {
       say_error("out of host memory");
       return -1;
@@ -1026,6 +1097,16 @@ static int open_model(runner *r, int use_engine, int use_resident) {
   if (use_resident && model_resident_reserve(r->m, r->n_ctx, max_tokens(o)) != 0) {
     say_error("%s", model_error(r->m));
     return -1;
+  }
+  if (model_hybrid(&o->g)) {
+    /* Sliding-window layers stay with the model: one lane of rows per run,
+     * so the route and its resident reference never share them. */
+    r->win_lanes = use_engine && use_resident ? 2 : 1;
+    r->res_lane = use_engine ? 1 : 0;
+    if (model_window_reserve(r->m, r->win_lanes, r->n_ctx) != 0) {
+      say_error("%s", model_error(r->m));
+      return -1;
+    }
   }
   return 0;
 }
@@ -1211,9 +1292,16 @@ out:
 static void print_geometry(const cli_opts *o) {
   const model_geometry *g = &o->g;
   double params = (double)model_param_count(g);
-  printf("model: %s geometry, %u layers, %u q heads, %u kv heads, head_dim %u, hidden %u, "
+  char layers[128];
+  if (model_hybrid(g))
+    snprintf(layers, sizeof layers,
+             "%u layers (%u dense, staged; %u sliding-window of %u tokens, resident)", g->n_layers,
+             model_dense_layers(g), model_window_layers(g), g->window);
+  else
+    snprintf(layers, sizeof layers, "%u layers", g->n_layers);
+  printf("model: %s geometry, %s, %u q heads, %u kv heads, head_dim %u, hidden %u, "
          "ffn %u, vocab %u (%.2f%s parameters, random weights, seed %llu)\n",
-         o->preset, g->n_layers, g->n_heads, g->kv_heads, g->head_dim, g->hidden, g->ffn, g->vocab,
+         o->preset, layers, g->n_heads, g->kv_heads, g->head_dim, g->hidden, g->ffn, g->vocab,
          params >= 1e9 ? params / 1e9 : params / 1e6, params >= 1e9 ? " B" : " M",
          (unsigned long long)o->seed);
 }
@@ -1256,9 +1344,12 @@ static void print_summary(const cli_opts *o, const run_result *res) {
   else
     printf("  %-20s engine none, process peak %s\n", "device peak",
            res->device_peak_bytes ? fmt_mem(c, sizeof c, res->device_peak_bytes) : "n/a (host)");
-  printf("  %-20s weights %s, resident K/V %s, scratch %s\n", "model",
+  printf("  %-20s weights %s, resident K/V %s, scratch %s", "model",
          fmt_mem(a, sizeof a, res->mem.weights), fmt_mem(b, sizeof b, res->mem.resident),
          fmt_mem(d, sizeof d, res->mem.scratch));
+  if (res->mem.window)
+    printf(", sliding-window rows %s", fmt_mem(a, sizeof a, res->mem.window));
+  printf("\n");
   if (res->have_engine) {
     printf("  %-20s %s pinned, %s of history per context\n", "host pool",
            fmt_mem(a, sizeof a, res->host_pool_bytes), fmt_mem(b, sizeof b, res->history_bytes));
@@ -1308,9 +1399,11 @@ static void print_json(const cli_opts *o, const char *cmd, const run_result *res
   const model_geometry *g = &o->g;
   printf("{\"cmd\":\"%s\",\"version\":\"%s\",\"preset\":\"%s\",", cmd, akv_version_string(),
          o->preset);
-  printf("\"geometry\":{\"layers\":%u,\"heads\":%u,\"kv_heads\":%u,\"head_dim\":%u,"
-         "\"hidden\":%u,\"ffn\":%u,\"vocab\":%u},",
-         g->n_layers, g->n_heads, g->kv_heads, g->head_dim, g->hidden, g->ffn, g->vocab);
+  printf("\"geometry\":{\"layers\":%u,\"dense_layers\":%u,\"window\":%u,\"dense_every\":%u,"
+         "\"heads\":%u,\"kv_heads\":%u,\"head_dim\":%u,\"hidden\":%u,\"ffn\":%u,\"vocab\":%u},",
+         g->n_layers, model_dense_layers(g), model_hybrid(g) ? g->window : 0,
+         model_hybrid(g) ? g->dense_every : 1, g->n_heads, g->kv_heads, g->head_dim, g->hidden,
+         g->ffn, g->vocab);
   printf("\"seed\":%llu,\"backend\":\"%s\",\"route\":\"%s\",\"contexts\":%u,\"queued\":%u,"
          "\"tokens\":[",
          (unsigned long long)o->seed, backend_name(res->backend), route_names[res->route],
@@ -1333,9 +1426,10 @@ static void print_json(const cli_opts *o, const char *cmd, const run_result *res
          (unsigned long long)res->engine_device_bytes,
          (unsigned long long)res->engine_staging_bytes, res->device_pages,
          (unsigned long long)res->device_peak_bytes);
-  printf("\"model_weight_bytes\":%llu,\"model_resident_bytes\":%llu,\"host_pool_bytes\":%llu,",
+  printf("\"model_weight_bytes\":%llu,\"model_resident_bytes\":%llu,"
+         "\"model_window_bytes\":%llu,\"host_pool_bytes\":%llu,",
          (unsigned long long)res->mem.weights, (unsigned long long)res->mem.resident,
-         (unsigned long long)res->host_pool_bytes);
+         (unsigned long long)res->mem.window, (unsigned long long)res->host_pool_bytes);
   printf("\"bytes_in_place_per_step\":%llu,", (unsigned long long)res->bytes_in_place);
   printf("\"bytes_h2d_per_step\":%llu,\"bytes_d2d_per_step\":%llu,\"bytes_d2h_per_step\":%llu,",
          (unsigned long long)res->bytes_h2d, (unsigned long long)res->bytes_d2d,
@@ -1455,11 +1549,11 @@ static int cmd_demo(const cli_opts *base) {
   o.backend = resolve_backend(base);
   if (o.backend == AKV_BACKEND_CUDA) {
     o.preset = "llama3.2-1b, 4 layers";
-    o.g = presets[1].g;
+    o.g = find_preset("llama3.2-1b")->g;
     o.g.n_layers = 4;
   } else {
     o.preset = "tiny";
-    o.g = presets[2].g;
+    o.g = find_preset("tiny")->g;
   }
   o.contexts = 3;
   o.tokens[0] = 318;

@@ -3,9 +3,14 @@
  *
  * A decoder of a real geometry with random weights drawn from a seed:
  * embedding, then per layer RMSNorm, fused Q/K/V projection, RoPE, GQA
- * attention (done by the caller, through a per-layer callback), output
- * projection with residual, RMSNorm, SwiGLU MLP with residual; then a final
- * RMSNorm and the LM head producing fp32 logits.
+ * attention, output projection with residual, RMSNorm, SwiGLU MLP with
+ * residual; then a final RMSNorm and the LM head producing fp32 logits.
+ *
+ * Layers are dense (attention over the whole history, done by the caller
+ * through a per-layer callback: that is what the engine stages) or, in a
+ * hybrid geometry, sliding-window layers (attention over the last `window`
+ * tokens, done by the model itself over a small ring of rows it keeps
+ * resident: those are never staged).
  *
  * Two implementations share this interface: model_cpu.c (fp32 math on
  * bf16-rounded weights, small geometries, no GPU) and model_cuda.cu (bf16
@@ -51,7 +56,7 @@ extern "C" {
 #define MODEL_MAX_BATCH 64
 
 typedef struct model_geometry {
-  uint32_t n_layers; /* dense layers: each attends over the whole history */
+  uint32_t n_layers; /* every layer, dense and sliding-window */
   uint32_t n_heads;  /* query heads */
   uint32_t kv_heads; /* K/V heads; n_heads % kv_heads == 0 (GQA) */
   uint32_t head_dim; /* multiple of 8; CUDA attention: 64, 128 or 256 */
@@ -60,7 +65,52 @@ typedef struct model_geometry {
   uint32_t vocab;
   float rope_theta;
   float norm_eps;
+  /* Hybrid geometries: with window > 0 and dense_every >= 2, layer l is dense
+   * when l % dense_every == dense_every - 1 and a sliding-window layer over
+   * the last `window` tokens (the new one included) otherwise; e.g.
+   * dense_every 6 gives five sliding layers, then one dense. window 0: every
+   * layer is dense. */
+  uint32_t window;
+  uint32_t dense_every;
 } model_geometry;
+
+/* 1 when the geometry has sliding-window layers. */
+static inline int model_hybrid(const model_geometry *g) {
+  return g->window > 0 && g->dense_every >= 2;
+}
+static inline int model_layer_dense(const model_geometry *g, uint32_t l) {
+  return !model_hybrid(g) || l % g->dense_every == g->dense_every - 1;
+}
+/* Dense layers before layer l (the engine's layer index of a dense l). */
+static inline uint32_t model_dense_before(const model_geometry *g, uint32_t l) {
+  return model_hybrid(g) ? l / g->dense_every : l;
+}
+static inline uint32_t model_dense_layers(const model_geometry *g) {
+  return model_dense_before(g, g->n_layers);
+}
+static inline uint32_t model_window_layers(const model_geometry *g) {
+  return g->n_layers - model_dense_layers(g);
+}
+/* The model layer of dense layer d (d < model_dense_layers). */
+static inline uint32_t model_dense_layer(const model_geometry *g, uint32_t d) {
+  return model_hybrid(g) ? d * g->dense_every + g->dense_every - 1 : d;
+}
+/* A geometry's hybrid fields are usable: 0, or a message in err and -1. */
+static inline int model_hybrid_check(const model_geometry *g, char *err, size_t cap) {
+  if (g->window > 0 && g->dense_every < 2) {
+    snprintf(err, cap, "--window %u needs --dense-every of at least 2 (1 makes every layer dense)",
+             g->window);
+    return -1;
+  }
+  if (model_hybrid(g) && g->dense_every > g->n_layers) {
+    snprintf(err, cap,
+             "--dense-every %u leaves no dense layer in %u layers; lower --dense-every or raise "
+             "--layers",
+             g->dense_every, g->n_layers);
+    return -1;
+  }
+  return 0;
+}
 
 typedef struct model_options {
   uint64_t seed;         /* weights and nothing else */
@@ -75,7 +125,8 @@ typedef struct model_options {
 typedef struct model_memory {
   uint64_t weights;
   uint64_t scratch;  /* activations, attention workspace, logits */
-  uint64_t resident; /* the resident K/V store (0 until reserved) */
+  uint64_t resident; /* the resident K/V store of the dense layers (0 until reserved) */
+  uint64_t window;   /* the sliding-window rows, every lane (0 until reserved) */
   uint64_t device_used; /* CUDA: total - free on the device now (every process); CPU: 0 */
 } model_memory;
 
@@ -94,7 +145,8 @@ typedef akv_view model_kv_view;
 typedef struct model model;
 
 /*
- * Called by model_forward once per layer, after the layer's Q/K/V projections
+ * Called by model_forward once per dense layer (`layer` is the model's layer
+ * index; sliding-window layers never reach it), after the layer's Q/K/V projections
  * and RoPE are computed (on the model's stream for CUDA). Before it returns,
  * model_attend(m, layer, view) must have run on a view of the layer's history
  * (CPU: completed, possibly on another thread; CUDA: enqueued, which
@@ -106,14 +158,17 @@ typedef int (*model_layer_fn)(void *user, model *m, uint32_t layer);
 typedef struct model_ops {
   const char *name;
   void (*destroy)(model *m);
-  int (*forward)(model *m, uint32_t n_ctx, const int32_t *tokens, const uint32_t *pos,
-                 model_layer_fn fn, void *user, float *logits);
+  int (*forward)(model *m, uint32_t lane, uint32_t n_ctx, const int32_t *tokens,
+                 const uint32_t *pos, model_layer_fn fn, void *user, float *logits);
   int (*attend)(model *m, uint32_t layer, const model_kv_view *view);
   int (*resident_reserve)(model *m, uint32_t n_ctx, uint32_t max_tokens);
   int (*resident_append)(model *m, uint32_t ctx, uint32_t first, uint32_t n_tokens,
                          const void *const *k_rows, const void *const *v_rows);
   int (*resident_view)(model *m, uint32_t layer, const uint32_t *len, uint32_t n_ctx,
                        model_kv_view *out);
+  int (*window_reserve)(model *m, uint32_t lanes, uint32_t n_ctx);
+  int (*window_append)(model *m, uint32_t lane, uint32_t ctx, uint32_t first, uint32_t n_tokens,
+                       const void *const *k_rows, const void *const *v_rows);
   void (*memory)(model *m, model_memory *out);
 } model_ops;
 
@@ -145,13 +200,15 @@ static inline void *model_stream(const model *m) { return m->stream; }
 /*
  * One decode step for n_ctx contexts: tokens[i] is context i's input token,
  * pos[i] its position (= rows of history already held). Calls fn(user, m, l)
- * for l = 0..n_layers-1 in order, then writes fp32 logits to the host array
- * logits[n_ctx][vocab]. Returns when the logits are on the host.
+ * for each dense layer l in order, attends the sliding-window layers itself
+ * over window lane `lane` (see model_window_reserve), then writes fp32
+ * logits to the host array logits[n_ctx][vocab]. Returns when the logits are
+ * on the host. Without sliding-window layers `lane` is not used.
  */
-static inline int model_forward(model *m, uint32_t n_ctx, const int32_t *tokens,
+static inline int model_forward(model *m, uint32_t lane, uint32_t n_ctx, const int32_t *tokens,
                                 const uint32_t *pos, model_layer_fn fn, void *user,
                                 float *logits) {
-  return m->ops->forward(m, n_ctx, tokens, pos, fn, user, logits);
+  return m->ops->forward(m, lane, n_ctx, tokens, pos, fn, user, logits);
 }
 
 /*
@@ -164,23 +221,43 @@ static inline int model_attend(model *m, uint32_t layer, const model_kv_view *vi
   return m->ops->attend(m, layer, view);
 }
 
-/* Allocates the resident K/V store: n_ctx contexts of max_tokens rows, every
- * layer, zeroed. Call once. */
+/* Allocates the resident K/V store of the dense layers: n_ctx contexts of
+ * max_tokens rows, zeroed. Call once. */
 static inline int model_resident_reserve(model *m, uint32_t n_ctx, uint32_t max_tokens) {
   return m->ops->resident_reserve(m, n_ctx, max_tokens);
 }
-/* Copies n_tokens prefilled rows of every layer (k_rows[l], v_rows[l], host,
- * token-major) to rows [first, first+n_tokens) of context ctx. Synchronous. */
+/* Copies n_tokens prefilled rows of every dense layer (k_rows[d], v_rows[d]
+ * for dense layer d, host, token-major: the arrays akv_context_append takes)
+ * to rows [first, first+n_tokens) of context ctx. Synchronous. */
 static inline int model_resident_append(model *m, uint32_t ctx, uint32_t first,
                                         uint32_t n_tokens, const void *const *k_rows,
                                         const void *const *v_rows) {
   return m->ops->resident_append(m, ctx, first, n_tokens, k_rows, v_rows);
 }
-/* The resident store of `layer` for contexts 0..n_ctx-1 holding len[i] rows;
- * `len` must stay valid while the view is used. */
+/* The resident store of dense layer `layer` (the model's index) for contexts
+ * 0..n_ctx-1 holding len[i] rows; `len` must stay valid while the view is used. */
 static inline int model_resident_view(model *m, uint32_t layer, const uint32_t *len,
                                       uint32_t n_ctx, model_kv_view *out) {
   return m->ops->resident_view(m, layer, len, n_ctx, out);
+}
+/*
+ * Hybrid geometries: allocates `lanes` independent sets of sliding-window
+ * rows for n_ctx contexts, zeroed. A forward reads and writes one lane, so a
+ * checked run and its resident reference each keep their own. Each set holds
+ * min(window, max_tokens) rows per context and sliding layer; token t lives
+ * in row t % window. Call once; an error without sliding-window layers.
+ */
+static inline int model_window_reserve(model *m, uint32_t lanes, uint32_t n_ctx) {
+  return m->ops->window_reserve(m, lanes, n_ctx);
+}
+/* Writes tokens [first, first+n_tokens) of every sliding layer (k_rows[w],
+ * v_rows[w] for the w-th sliding layer, host, token-major) into lane `lane`
+ * of context ctx, token t at row t % window (later tokens overwrite earlier
+ * ones: pass the last window - 1 tokens of a history). Synchronous. */
+static inline int model_window_append(model *m, uint32_t lane, uint32_t ctx, uint32_t first,
+                                      uint32_t n_tokens, const void *const *k_rows,
+                                      const void *const *v_rows) {
+  return m->ops->window_append(m, lane, ctx, first, n_tokens, k_rows, v_rows);
 }
 static inline void model_memory_get(model *m, model_memory *out) { m->ops->memory(m, out); }
 
@@ -263,9 +340,11 @@ static inline int model_resident_view_fill(model *m, int have_store, uint32_t re
                                            uint32_t res_max_tokens, uint64_t row_bytes,
                                            uint32_t layer, const uint32_t *len, uint32_t n_ctx,
                                            model_kv_view *out) {
-  if (!have_store || layer >= m->g.n_layers || n_ctx > res_ctx) {
-    snprintf(m->error, sizeof m->error, "resident_view: no store for layer %u x %u contexts",
-             layer, n_ctx);
+  if (!have_store || layer >= m->g.n_layers || !model_layer_dense(&m->g, layer) ||
+      n_ctx > res_ctx) {
+    snprintf(m->error, sizeof m->error,
+             "resident_view: no store for layer %u x %u contexts (dense layers only)", layer,
+             n_ctx);
     return -1;
   }
   for (uint32_t i = 0; i < n_ctx; ++i) {
@@ -285,6 +364,63 @@ static inline int model_resident_view_fill(model *m, int have_store, uint32_t re
   out->v_offset = (uint64_t)res_max_tokens * row_bytes;
   out->row_stride = row_bytes;
   out->len = len;
+  return 0;
+}
+
+/* Rows per context and sliding layer in one window lane. */
+static inline uint32_t model_window_rows(const model *m) {
+  return m->g.window < m->opt.max_tokens ? m->g.window : m->opt.max_tokens;
+}
+
+/* For the implementations of window_append: checks the request against
+ * `lanes` lanes of n_ctx contexts (have_store = reserved). 0, or -1 with
+ * m->error set. */
+static inline int model_window_append_check(model *m, int have_store, uint32_t lanes,
+                                            uint32_t n_ctx, uint32_t lane, uint32_t ctx,
+                                            uint32_t first, uint32_t n_tokens) {
+  if (!have_store || lane >= lanes || ctx >= n_ctx ||
+      (uint64_t)first + n_tokens > m->opt.max_tokens) {
+    snprintf(m->error, sizeof m->error,
+             "window_append: tokens %u..%u of context %u, lane %u: no such window rows", first,
+             first + n_tokens, ctx, lane);
+    return -1;
+  }
+  return 0;
+}
+
+/*
+ * For the implementations of forward, at a sliding-window layer: the view
+ * over one lane's rows of that layer (base: context 0's K rows; contexts
+ * model_window_rows() rows apart, K rows then V rows), the row each
+ * context's new token goes to (write_row[i] = pos[i] % window, replacing the
+ * token that just left the window) and the rows attention covers (len1[i] =
+ * min(pos[i] + 1, window), the new token included; also the view's len).
+ * Checks the workspace bound like model_attend_check: 0, or -1 with m->error.
+ */
+static inline int model_window_view(model *m, void *base, uint64_t row_bytes, uint32_t n_ctx,
+                                    const uint32_t *pos, uint32_t *write_row, uint32_t *len1,
+                                    model_kv_view *out) {
+  const uint32_t rows = model_window_rows(m), w = m->g.window;
+  for (uint32_t i = 0; i < n_ctx; ++i) {
+    write_row[i] = pos[i] % w;
+    len1[i] = pos[i] + 1 < w ? pos[i] + 1 : w;
+    if (write_row[i] >= rows || len1[i] > m->opt.max_tokens) {
+      snprintf(m->error, sizeof m->error,
+               "sliding layer: context %u at position %u is past the %u rows the model was sized for",
+               i, pos[i], m->opt.max_tokens);
+      return -1;
+    }
+  }
+  memset(out, 0, sizeof *out);
+  out->base = base;
+  out->n_contexts = n_ctx;
+  out->kv_heads = m->g.kv_heads;
+  out->head_dim = m->g.head_dim;
+  out->dtype = AKV_DTYPE_BF16;
+  out->context_stride = 2 * (uint64_t)rows * row_bytes;
+  out->v_offset = (uint64_t)rows * row_bytes;
+  out->row_stride = row_bytes;
+  out->len = len1;
   return 0;
 }
 

@@ -8,8 +8,9 @@
  * weights are held as fp32, so creation refuses geometries past a bound.
  *
  * Attention is the library's C reference, akv_attention_ref_bf16, over
- * whatever view model_attend is given: the engine's staged layer or the
- * model's resident store.
+ * whatever view model_attend is given (the engine's staged layer or the
+ * model's resident store) and, at sliding-window layers, over the model's
+ * own window rows.
  */
 #include <math.h>
 #include <stdio.h>
@@ -60,10 +61,14 @@ typedef struct cpu_model {
   int32_t layer;   /* layer whose attention is expected, -1 outside a forward */
   int attended;    /* model_attend ran for `layer` */
 
-  /* resident K/V store: [layer][ctx][K|V][max_tokens][row] */
+  /* resident K/V store: [dense layer][ctx][K|V][max_tokens][row] */
   uint8_t *resident;
   uint32_t res_ctx, res_max_tokens;
   uint64_t row_bytes;
+
+  /* sliding-window rows: [lane][sliding layer][ctx][K|V][window rows][row] */
+  uint8_t *window;
+  uint32_t win_lanes, win_ctx;
 } cpu_model;
 
 static void cpu_say(model *m, const char *fmt, const char *detail) {
@@ -141,11 +146,16 @@ static void cpu_destroy(model *m) {
   free(cm->attn);
   free(cm->workspace);
   free(cm->resident);
+  free(cm->window);
   free(cm);
 }
 
-static int cpu_forward(model *m, uint32_t n_ctx, const int32_t *tokens, const uint32_t *pos,
-                       model_layer_fn fn, void *user, float *logits) {
+static int cpu_attend_rows(cpu_model *cm, const model_kv_view *v, const uint32_t *write_row,
+                           const uint32_t *len1);
+static uint8_t *cpu_window_k(const cpu_model *cm, uint32_t lane, uint32_t layer, uint32_t ctx);
+
+static int cpu_forward(model *m, uint32_t lane, uint32_t n_ctx, const int32_t *tokens,
+                       const uint32_t *pos, model_layer_fn fn, void *user, float *logits) {
   cpu_model *cm = (cpu_model *)m;
   const model_geometry *g = &m->g;
   const uint32_t H = g->hidden, F = g->ffn, hd = g->head_dim;
@@ -182,14 +192,31 @@ static int cpu_forward(model *m, uint32_t n_ctx, const int32_t *tokens, const ui
         cm->v_new[(uint64_t)b * cm->kv_dim + i] = model_f32_to_bf16(qkv[cm->q_dim + cm->kv_dim + i]);
     }
 
-    cm->layer = (int32_t)l;
     cm->attended = 0;
-    if (fn(user, m, l) != 0) {
+    if (!model_layer_dense(g, l)) {
+      /* sliding-window layer: the model's own rows of this lane */
+      uint32_t wrow[MODEL_MAX_BATCH], len1[MODEL_MAX_BATCH];
+      model_kv_view wv;
+      if (cm->window == NULL || lane >= cm->win_lanes || n_ctx > cm->win_ctx) {
+        snprintf(m->error, sizeof m->error,
+                 "sliding layer %u: no window rows for lane %u x %u contexts (model_window_reserve)",
+                 l, lane, n_ctx);
+        return -1;
+      }
+      if (model_window_view(m, cpu_window_k(cm, lane, l, 0), cm->row_bytes, n_ctx, pos, wrow,
+                            len1, &wv) != 0 ||
+          cpu_attend_rows(cm, &wv, wrow, len1) != 0)
+        return -1;
+    } else {
+      cm->layer = (int32_t)l;
+      if (fn(user, m, l) != 0) {
+        cm->layer = -1;
+        if (m->error[0] == '\0')
+          snprintf(m->error, sizeof m->error, "layer %u: attention failed", l);
+        return -1;
+      }
       cm->layer = -1;
-      if (m->error[0] == '\0') snprintf(m->error, sizeof m->error, "layer %u: attention failed", l);
-      return -1;
     }
-    cm->layer = -1;
     if (!cm->attended) {
       snprintf(m->error, sizeof m->error, "layer %u: the layer callback did not attend", l);
       return -1;
@@ -218,13 +245,13 @@ static int cpu_forward(model *m, uint32_t n_ctx, const int32_t *tokens, const ui
   return 0;
 }
 
-static int cpu_attend(model *m, uint32_t layer, const model_kv_view *v) {
-  cpu_model *cm = (cpu_model *)m;
-  uint32_t len1[MODEL_MAX_BATCH];
-  if (model_attend_check(m, cm->layer, cm->n_ctx, cm->row_bytes, cm->pos, layer, v, len1) != 0)
-    return -1;
+/* Writes each context's new K/V row at row write_row[i] of the view, then
+ * attends over len1[i] rows. */
+static int cpu_attend_rows(cpu_model *cm, const model_kv_view *v, const uint32_t *write_row,
+                           const uint32_t *len1) {
+  model *m = &cm->base;
   for (uint32_t i = 0; i < v->n_contexts; ++i) {
-    uint8_t *k = (uint8_t *)v->base + i * v->context_stride + (uint64_t)v->len[i] * v->row_stride;
+    uint8_t *k = (uint8_t *)v->base + i * v->context_stride + (uint64_t)write_row[i] * v->row_stride;
     memcpy(k, cm->k_new + (uint64_t)i * cm->kv_dim, cm->row_bytes);
     memcpy(k + v->v_offset, cm->v_new + (uint64_t)i * cm->kv_dim, cm->row_bytes);
   }
@@ -240,6 +267,14 @@ static int cpu_attend(model *m, uint32_t layer, const model_kv_view *v) {
   return 0;
 }
 
+static int cpu_attend(model *m, uint32_t layer, const model_kv_view *v) {
+  cpu_model *cm = (cpu_model *)m;
+  uint32_t len1[MODEL_MAX_BATCH];
+  if (model_attend_check(m, cm->layer, cm->n_ctx, cm->row_bytes, cm->pos, layer, v, len1) != 0)
+    return -1;
+  return cpu_attend_rows(cm, v, v->len, len1); /* the new row goes after the history */
+}
+
 static int cpu_resident_reserve(model *m, uint32_t n_ctx, uint32_t max_tokens) {
   cpu_model *cm = (cpu_model *)m;
   if (cm->resident != NULL || n_ctx == 0 || n_ctx > m->opt.max_batch || max_tokens == 0) {
@@ -247,7 +282,7 @@ static int cpu_resident_reserve(model *m, uint32_t n_ctx, uint32_t max_tokens) {
              n_ctx, max_tokens);
     return -1;
   }
-  uint64_t bytes = (uint64_t)m->g.n_layers * n_ctx * 2 * max_tokens * cm->row_bytes;
+  uint64_t bytes = (uint64_t)model_dense_layers(&m->g) * n_ctx * 2 * max_tokens * cm->row_bytes;
   cm->resident = calloc(1, bytes);
   if (cm->resident == NULL) {
     snprintf(m->error, sizeof m->error, "resident_reserve: out of memory for %llu bytes",
@@ -259,9 +294,10 @@ static int cpu_resident_reserve(model *m, uint32_t n_ctx, uint32_t max_tokens) {
   return 0;
 }
 
-static uint8_t *cpu_resident_k(const cpu_model *cm, uint32_t layer, uint32_t ctx) {
+/* Context ctx's K rows of dense layer d (the engine's index). */
+static uint8_t *cpu_resident_k(const cpu_model *cm, uint32_t d, uint32_t ctx) {
   uint64_t seg = (uint64_t)cm->res_max_tokens * cm->row_bytes;
-  return cm->resident + ((uint64_t)layer * cm->res_ctx + ctx) * 2 * seg;
+  return cm->resident + ((uint64_t)d * cm->res_ctx + ctx) * 2 * seg;
 }
 
 static int cpu_resident_append(model *m, uint32_t ctx, uint32_t first, uint32_t n_tokens,
@@ -275,10 +311,10 @@ static int cpu_resident_append(model *m, uint32_t ctx, uint32_t first, uint32_t 
     return -1;
   }
   uint64_t seg = (uint64_t)cm->res_max_tokens * cm->row_bytes;
-  for (uint32_t l = 0; l < m->g.n_layers; ++l) {
-    uint8_t *k = cpu_resident_k(cm, l, ctx) + (uint64_t)first * cm->row_bytes;
-    memcpy(k, k_rows[l], (uint64_t)n_tokens * cm->row_bytes);
-    memcpy(k + seg, v_rows[l], (uint64_t)n_tokens * cm->row_bytes);
+  for (uint32_t d = 0; d < model_dense_layers(&m->g); ++d) {
+    uint8_t *k = cpu_resident_k(cm, d, ctx) + (uint64_t)first * cm->row_bytes;
+    memcpy(k, k_rows[d], (uint64_t)n_tokens * cm->row_bytes);
+    memcpy(k + seg, v_rows[d], (uint64_t)n_tokens * cm->row_bytes);
   }
   return 0;
 }
@@ -289,7 +325,64 @@ static int cpu_resident_view(model *m, uint32_t layer, const uint32_t *len, uint
   if (model_resident_view_fill(m, cm->resident != NULL, cm->res_ctx, cm->res_max_tokens,
                                cm->row_bytes, layer, len, n_ctx, out) != 0)
     return -1;
-  out->base = cpu_resident_k(cm, layer, 0);
+  out->base = cpu_resident_k(cm, model_dense_before(&m->g, layer), 0);
+  return 0;
+}
+
+static uint64_t cpu_window_bytes(const cpu_model *cm, uint32_t lanes, uint32_t n_ctx) {
+  return (uint64_t)lanes * model_window_layers(&cm->base.g) * n_ctx * 2 *
+         model_window_rows(&cm->base) * cm->row_bytes;
+}
+
+/* Context ctx's K rows of sliding layer `layer` (the model's index) in `lane`. */
+static uint8_t *cpu_window_k(const cpu_model *cm, uint32_t lane, uint32_t layer, uint32_t ctx) {
+  const uint32_t w = layer - model_dense_before(&cm->base.g, layer);
+  const uint64_t seg = (uint64_t)model_window_rows(&cm->base) * cm->row_bytes;
+  return cm->window +
+         (((uint64_t)lane * model_window_layers(&cm->base.g) + w) * cm->win_ctx + ctx) * 2 * seg;
+}
+
+static int cpu_window_reserve(model *m, uint32_t lanes, uint32_t n_ctx) {
+  cpu_model *cm = (cpu_model *)m;
+  if (!model_hybrid(&m->g) || cm->window != NULL || lanes == 0 || n_ctx == 0 ||
+      n_ctx > m->opt.max_batch) {
+    snprintf(m->error, sizeof m->error,
+             "window_reserve: no sliding layers, reserved already or bad size (%u x %u)", lanes,
+             n_ctx);
+    return -1;
+  }
+  cm->win_ctx = n_ctx; /* cpu_window_bytes reads it */
+  uint64_t bytes = cpu_window_bytes(cm, lanes, n_ctx);
+  cm->window = calloc(1, bytes);
+  if (cm->window == NULL) {
+    cm->win_ctx = 0;
+    snprintf(m->error, sizeof m->error, "window_reserve: out of memory for %llu bytes",
+             (unsigned long long)bytes);
+    return -1;
+  }
+  cm->win_lanes = lanes;
+  return 0;
+}
+
+static int cpu_window_append(model *m, uint32_t lane, uint32_t ctx, uint32_t first,
+                             uint32_t n_tokens, const void *const *k_rows,
+                             const void *const *v_rows) {
+  cpu_model *cm = (cpu_model *)m;
+  if (model_window_append_check(m, cm->window != NULL, cm->win_lanes, cm->win_ctx, lane, ctx,
+                                first, n_tokens) != 0)
+    return -1;
+  const uint64_t seg = (uint64_t)model_window_rows(m) * cm->row_bytes;
+  for (uint32_t l = 0, w = 0; l < m->g.n_layers; ++l) {
+    if (model_layer_dense(&m->g, l)) continue;
+    uint8_t *k = cpu_window_k(cm, lane, l, ctx);
+    for (uint32_t t = 0; t < n_tokens; ++t) {
+      const uint64_t row = (uint64_t)((first + t) % m->g.window) * cm->row_bytes;
+      memcpy(k + row, (const uint8_t *)k_rows[w] + (uint64_t)t * cm->row_bytes, cm->row_bytes);
+      memcpy(k + seg + row, (const uint8_t *)v_rows[w] + (uint64_t)t * cm->row_bytes,
+             cm->row_bytes);
+    }
+    ++w;
+  }
   return 0;
 }
 
@@ -299,12 +392,15 @@ static void cpu_memory(model *m, model_memory *out) {
   out->weights = cm->weight_bytes;
   out->scratch = cm->scratch_bytes;
   if (cm->resident)
-    out->resident = (uint64_t)m->g.n_layers * cm->res_ctx * 2 * cm->res_max_tokens * cm->row_bytes;
+    out->resident =
+        (uint64_t)model_dense_layers(&m->g) * cm->res_ctx * 2 * cm->res_max_tokens * cm->row_bytes;
+  if (cm->window) out->window = cpu_window_bytes(cm, cm->win_lanes, cm->win_ctx);
 }
 
 static const model_ops cpu_ops = {
-    "cpu",          cpu_destroy,         cpu_forward,       cpu_attend, cpu_resident_reserve,
-    cpu_resident_append, cpu_resident_view, cpu_memory,
+    "cpu",           cpu_destroy,        cpu_forward,       cpu_attend,
+    cpu_resident_reserve, cpu_resident_append, cpu_resident_view, cpu_window_reserve,
+    cpu_window_append,   cpu_memory,
 };
 
 static float *cpu_alloc(uint64_t count, uint64_t *total) {
@@ -330,6 +426,7 @@ int model_cpu_create(const model_geometry *g, const model_options *opt, model **
              AKV_ATTENTION_MAX_HEAD_DIM, MODEL_MAX_BATCH);
     return -1;
   }
+  if (model_hybrid_check(g, err, cap) != 0) return -1;
   uint64_t params = model_param_count(g);
   if (params > CPU_MAX_PARAMS) {
     snprintf(err, cap,

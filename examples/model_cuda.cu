@@ -16,7 +16,8 @@
  *
  * Attention is the library's CUDA launcher, akv_attention_decode_cuda, over
  * the view model_attend is given (the engine's staged layer or the model's
- * resident store), with the model's chunk size.
+ * resident store) and, at sliding-window layers, over the model's own window
+ * rows, with the model's chunk size.
  */
 #include <cuda_runtime.h>
 #include <stdio.h>
@@ -67,8 +68,11 @@ struct cuda_model {
   void *workspace;
   size_t workspace_bytes; /* sized for opt.max_tokens rows per context */
 
-  uint8_t *resident; /* [layer][ctx][K|V][max_tokens][row] */
+  uint8_t *resident; /* [dense layer][ctx][K|V][max_tokens][row] */
   uint32_t res_ctx, res_max_tokens;
+
+  uint8_t *window; /* [lane][sliding layer][ctx][K|V][window rows][row] */
+  uint32_t win_lanes, win_ctx;
 
   uint32_t n_ctx;
   uint32_t pos[MODEL_MAX_BATCH];
@@ -296,8 +300,12 @@ static int cm_gemv(cuda_model *cm, const uint16_t *W, uint32_t N, uint32_t K, co
   return 0;
 }
 
-static int cm_forward(model *m, uint32_t n_ctx, const int32_t *tokens, const uint32_t *pos,
-                      model_layer_fn fn, void *user, float *logits) {
+static int cm_attend_rows(cuda_model *cm, const model_kv_view *v, const uint32_t *write_row,
+                          const uint32_t *len1);
+static uint8_t *cm_window_k(const cuda_model *cm, uint32_t lane, uint32_t layer, uint32_t ctx);
+
+static int cm_forward(model *m, uint32_t lane, uint32_t n_ctx, const int32_t *tokens,
+                      const uint32_t *pos, model_layer_fn fn, void *user, float *logits) {
   cuda_model *cm = cm_of(m);
   const model_geometry *g = &m->g;
   const uint32_t H = g->hidden, F = g->ffn;
@@ -337,14 +345,31 @@ static int cm_forward(model *m, uint32_t n_ctx, const int32_t *tokens, const uin
                                  g->n_heads, g->kv_heads, g->head_dim);
     CM_LAUNCHED();
 
-    cm->layer = (int32_t)l;
     cm->attended = 0;
     m->error[0] = '\0';
-    int rc = fn(user, m, l);
-    cm->layer = -1;
-    if (rc != 0) {
-      if (m->error[0] == '\0') snprintf(m->error, sizeof m->error, "layer %u: attention failed", l);
-      return -1;
+    if (!model_layer_dense(g, l)) {
+      /* sliding-window layer: the model's own rows of this lane */
+      uint32_t wrow[MODEL_MAX_BATCH], len1[MODEL_MAX_BATCH];
+      model_kv_view wv;
+      if (cm->window == NULL || lane >= cm->win_lanes || n_ctx > cm->win_ctx) {
+        snprintf(m->error, sizeof m->error,
+                 "sliding layer %u: no window rows for lane %u x %u contexts (model_window_reserve)",
+                 l, lane, n_ctx);
+        return -1;
+      }
+      if (model_window_view(m, cm_window_k(cm, lane, l, 0), cm->row_bytes, n_ctx, pos, wrow,
+                            len1, &wv) != 0 ||
+          cm_attend_rows(cm, &wv, wrow, len1) != 0)
+        return -1;
+    } else {
+      cm->layer = (int32_t)l;
+      int rc = fn(user, m, l);
+      cm->layer = -1;
+      if (rc != 0) {
+        if (m->error[0] == '\0')
+          snprintf(m->error, sizeof m->error, "layer %u: attention failed", l);
+        return -1;
+      }
     }
     if (!cm->attended) {
       snprintf(m->error, sizeof m->error, "layer %u: the layer callback did not attend", l);
@@ -372,15 +397,15 @@ static int cm_forward(model *m, uint32_t n_ctx, const int32_t *tokens, const uin
   return 0;
 }
 
-static int cm_attend(model *m, uint32_t layer, const model_kv_view *v) {
-  cuda_model *cm = cm_of(m);
-  uint32_t len1[MODEL_MAX_BATCH];
-  if (model_attend_check(m, cm->layer, cm->n_ctx, cm->row_bytes, cm->pos, layer, v, len1) != 0)
-    return -1;
+/* Enqueues the write of each context's new K/V row at row write_row[i] of
+ * the view, then attention over len1[i] rows. */
+static int cm_attend_rows(cuda_model *cm, const model_kv_view *v, const uint32_t *write_row,
+                          const uint32_t *len1) {
+  model *m = &cm->base;
   cuda_u64x off;
   memset(&off, 0, sizeof off);
   for (uint32_t i = 0; i < v->n_contexts; ++i)
-    off.v[i] = i * v->context_stride + (uint64_t)v->len[i] * v->row_stride;
+    off.v[i] = i * v->context_stride + (uint64_t)write_row[i] * v->row_stride;
   k_write_rows<<<v->n_contexts, 128, 0, cm->stream>>>((uint8_t *)v->base, off, v->v_offset, cm->k_new,
                                                    cm->v_new, (uint32_t)cm->row_bytes);
   CM_LAUNCHED();
@@ -397,6 +422,14 @@ static int cm_attend(model *m, uint32_t layer, const model_kv_view *v) {
   return 0;
 }
 
+static int cm_attend(model *m, uint32_t layer, const model_kv_view *v) {
+  cuda_model *cm = cm_of(m);
+  uint32_t len1[MODEL_MAX_BATCH];
+  if (model_attend_check(m, cm->layer, cm->n_ctx, cm->row_bytes, cm->pos, layer, v, len1) != 0)
+    return -1;
+  return cm_attend_rows(cm, v, v->len, len1); /* the new row goes after the history */
+}
+
 static int cm_resident_reserve(model *m, uint32_t n_ctx, uint32_t max_tokens) {
   cuda_model *cm = cm_of(m);
   if (cm->resident != NULL || n_ctx == 0 || n_ctx > m->opt.max_batch || max_tokens == 0) {
@@ -404,7 +437,7 @@ static int cm_resident_reserve(model *m, uint32_t n_ctx, uint32_t max_tokens) {
              n_ctx, max_tokens);
     return -1;
   }
-  uint64_t bytes = (uint64_t)m->g.n_layers * n_ctx * 2 * max_tokens * cm->row_bytes;
+  uint64_t bytes = (uint64_t)model_dense_layers(&m->g) * n_ctx * 2 * max_tokens * cm->row_bytes;
   void *p = NULL;
   cudaError_t e = cudaMalloc(&p, bytes);
   if (e != cudaSuccess) {
@@ -421,9 +454,10 @@ static int cm_resident_reserve(model *m, uint32_t n_ctx, uint32_t max_tokens) {
   return 0;
 }
 
-static uint8_t *cm_resident_k(const cuda_model *cm, uint32_t layer, uint32_t ctx) {
+/* Context ctx's K rows of dense layer d (the engine's index). */
+static uint8_t *cm_resident_k(const cuda_model *cm, uint32_t d, uint32_t ctx) {
   uint64_t seg = (uint64_t)cm->res_max_tokens * cm->row_bytes;
-  return cm->resident + ((uint64_t)layer * cm->res_ctx + ctx) * 2 * seg;
+  return cm->resident + ((uint64_t)d * cm->res_ctx + ctx) * 2 * seg;
 }
 
 static int cm_resident_append(model *m, uint32_t ctx, uint32_t first, uint32_t n_tokens,
@@ -438,10 +472,10 @@ static int cm_resident_append(model *m, uint32_t ctx, uint32_t first, uint32_t n
   }
   uint64_t seg = (uint64_t)cm->res_max_tokens * cm->row_bytes;
   size_t bytes = (size_t)n_tokens * cm->row_bytes;
-  for (uint32_t l = 0; l < m->g.n_layers; ++l) {
-    uint8_t *k = cm_resident_k(cm, l, ctx) + (uint64_t)first * cm->row_bytes;
-    CM_CHECK(cudaMemcpyAsync(k, k_rows[l], bytes, cudaMemcpyHostToDevice, cm->stream));
-    CM_CHECK(cudaMemcpyAsync(k + seg, v_rows[l], bytes, cudaMemcpyHostToDevice, cm->stream));
+  for (uint32_t d = 0; d < model_dense_layers(&m->g); ++d) {
+    uint8_t *k = cm_resident_k(cm, d, ctx) + (uint64_t)first * cm->row_bytes;
+    CM_CHECK(cudaMemcpyAsync(k, k_rows[d], bytes, cudaMemcpyHostToDevice, cm->stream));
+    CM_CHECK(cudaMemcpyAsync(k + seg, v_rows[d], bytes, cudaMemcpyHostToDevice, cm->stream));
   }
   CM_CHECK(cudaStreamSynchronize(cm->stream));
   return 0;
@@ -453,7 +487,75 @@ static int cm_resident_view(model *m, uint32_t layer, const uint32_t *len, uint3
   if (model_resident_view_fill(m, cm->resident != NULL, cm->res_ctx, cm->res_max_tokens,
                                cm->row_bytes, layer, len, n_ctx, out) != 0)
     return -1;
-  out->base = cm_resident_k(cm, layer, 0);
+  out->base = cm_resident_k(cm, model_dense_before(&m->g, layer), 0);
+  return 0;
+}
+
+static uint64_t cm_window_bytes(const cuda_model *cm, uint32_t lanes, uint32_t n_ctx) {
+  return (uint64_t)lanes * model_window_layers(&cm->base.g) * n_ctx * 2 *
+         model_window_rows(&cm->base) * cm->row_bytes;
+}
+
+/* Context ctx's K rows of sliding layer `layer` (the model's index) in `lane`. */
+static uint8_t *cm_window_k(const cuda_model *cm, uint32_t lane, uint32_t layer, uint32_t ctx) {
+  const uint32_t w = layer - model_dense_before(&cm->base.g, layer);
+  const uint64_t seg = (uint64_t)model_window_rows(&cm->base) * cm->row_bytes;
+  return cm->window +
+         (((uint64_t)lane * model_window_layers(&cm->base.g) + w) * cm->win_ctx + ctx) * 2 * seg;
+}
+
+static int cm_window_reserve(model *m, uint32_t lanes, uint32_t n_ctx) {
+  cuda_model *cm = cm_of(m);
+  if (!model_hybrid(&m->g) || cm->window != NULL || lanes == 0 || n_ctx == 0 ||
+      n_ctx > m->opt.max_batch) {
+    snprintf(m->error, sizeof m->error,
+             "window_reserve: no sliding layers, reserved already or bad size (%u x %u)", lanes,
+             n_ctx);
+    return -1;
+  }
+  uint64_t bytes = cm_window_bytes(cm, lanes, n_ctx);
+  void *p = NULL;
+  cudaError_t e = cudaMalloc(&p, bytes);
+  if (e != cudaSuccess) {
+    snprintf(m->error, sizeof m->error,
+             "sliding-window rows of %.2f GiB: %s; lower --contexts or --window",
+             bytes / 1073741824.0, cudaGetErrorString(e));
+    return -1;
+  }
+  cm->window = (uint8_t *)p;
+  cm->win_lanes = lanes;
+  cm->win_ctx = n_ctx;
+  CM_CHECK(cudaMemsetAsync(cm->window, 0, bytes, cm->stream));
+  CM_CHECK(cudaStreamSynchronize(cm->stream));
+  return 0;
+}
+
+static int cm_window_append(model *m, uint32_t lane, uint32_t ctx, uint32_t first,
+                            uint32_t n_tokens, const void *const *k_rows,
+                            const void *const *v_rows) {
+  cuda_model *cm = cm_of(m);
+  if (model_window_append_check(m, cm->window != NULL, cm->win_lanes, cm->win_ctx, lane, ctx,
+                                first, n_tokens) != 0)
+    return -1;
+  const uint64_t seg = (uint64_t)model_window_rows(m) * cm->row_bytes;
+  const uint32_t W = m->g.window;
+  for (uint32_t l = 0, w = 0; l < m->g.n_layers; ++l) {
+    if (model_layer_dense(&m->g, l)) continue;
+    uint8_t *k = cm_window_k(cm, lane, l, ctx);
+    /* token t at row t % W: at most two contiguous runs per pass of W tokens */
+    for (uint32_t t = 0; t < n_tokens;) {
+      const uint32_t row = (first + t) % W, run = n_tokens - t < W - row ? n_tokens - t : W - row;
+      const size_t bytes = (size_t)run * cm->row_bytes;
+      const uint64_t src = (uint64_t)t * cm->row_bytes, dst = (uint64_t)row * cm->row_bytes;
+      CM_CHECK(cudaMemcpyAsync(k + dst, (const uint8_t *)k_rows[w] + src, bytes,
+                               cudaMemcpyHostToDevice, cm->stream));
+      CM_CHECK(cudaMemcpyAsync(k + seg + dst, (const uint8_t *)v_rows[w] + src, bytes,
+                               cudaMemcpyHostToDevice, cm->stream));
+      t += run;
+    }
+    ++w;
+  }
+  CM_CHECK(cudaStreamSynchronize(cm->stream));
   return 0;
 }
 
@@ -463,7 +565,9 @@ static void cm_memory(model *m, model_memory *out) {
   out->weights = cm->weight_bytes;
   out->scratch = cm->scratch_bytes + cm->workspace_bytes;
   if (cm->resident)
-    out->resident = (uint64_t)m->g.n_layers * cm->res_ctx * 2 * cm->res_max_tokens * cm->row_bytes;
+    out->resident =
+        (uint64_t)model_dense_layers(&m->g) * cm->res_ctx * 2 * cm->res_max_tokens * cm->row_bytes;
+  if (cm->window) out->window = cm_window_bytes(cm, cm->win_lanes, cm->win_ctx);
   size_t fr = 0, total = 0;
   if (cudaMemGetInfo(&fr, &total) == cudaSuccess) out->device_used = total - fr;
 }
@@ -473,6 +577,7 @@ static void cm_destroy(model *m) {
   if (cm == NULL) return;
   if (cm->stream) cudaStreamSynchronize(cm->stream);
   cudaFree(cm->resident);
+  cudaFree(cm->window);
   cudaFree(cm->workspace);
   cudaFree(cm->scratch);
   cudaFree(cm->weights);
@@ -484,8 +589,9 @@ static void cm_destroy(model *m) {
 }
 
 static const model_ops cm_ops = {
-    "cuda",        cm_destroy,         cm_forward,       cm_attend, cm_resident_reserve,
-    cm_resident_append, cm_resident_view, cm_memory,
+    "cuda",           cm_destroy,        cm_forward,       cm_attend,
+    cm_resident_reserve, cm_resident_append, cm_resident_view, cm_window_reserve,
+    cm_window_append,    cm_memory,
 };
 
 /* Carves aligned pieces out of one allocation (pass base NULL to size it). */
@@ -644,6 +750,7 @@ extern "C" int model_cuda_create(const model_geometry *g, const model_options *o
              MODEL_MAX_BATCH);
     return -1;
   }
+  if (model_hybrid_check(g, err, cap) != 0) return -1;
   if (g->head_dim != 64 && g->head_dim != 128 && g->head_dim != 256) {
     snprintf(err, cap, "--head-dim %u: the CUDA attention kernels take 64, 128 or 256",
              g->head_dim);
