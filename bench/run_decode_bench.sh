@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Decode benchmark of the activekv CLI, for the GPU machine.
 #
-# For each geometry (llama3-8b, llama3.2-1b), 4 contexts x 31,744 tokens:
+# For each geometry (llama3-8b, llama3.2-1b and the hybrid gemma3-12b, whose
+# sliding-window layers stay with the model), 4 contexts x 31,744 tokens:
 #   - route resident (every row on the device: the reference line),
 #   - route stage (device pool 0: every row crosses PCIe each step),
 #   - routes arena and paged with a device pool swept from 0 GiB to the whole
@@ -13,7 +14,7 @@
 # usage: bench/run_decode_bench.sh [path/to/activekv]
 # environment (defaults in brackets):
 #   OUT        where decode.jsonl goes                [bench/results]
-#   PRESETS    geometries                             ["llama3-8b llama3.2-1b"]
+#   PRESETS    geometries                  ["llama3-8b llama3.2-1b gemma3-12b"]
 #   ROUTES     which routes to run                    ["resident stage arena paged"]
 #   CONTEXTS   contexts decoded together              [4]
 #   TOKENS     prefilled rows per context             [31744]
@@ -42,7 +43,7 @@ if [ -z "$bin" ] || [ ! -x "$bin" ]; then
 fi
 
 OUT=${OUT:-$here/results}
-PRESETS=${PRESETS:-"llama3-8b llama3.2-1b"}
+PRESETS=${PRESETS:-"llama3-8b llama3.2-1b gemma3-12b"}
 ROUTES=${ROUTES:-"resident stage arena paged"}
 CONTEXTS=${CONTEXTS:-4}
 TOKENS=${TOKENS:-31744}

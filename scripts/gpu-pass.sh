@@ -21,8 +21,9 @@
 #   decode.log  decode.jsonl  summary.txt
 #
 # Knobs (environment):
-#   AKV_STEPS     steps to run, default "build hostcost ctest sanitizer bench
-#                 decode" (hostcost: the cudart call costs and the engine's
+#   AKV_STEPS     steps to run, default "build hostcost ctest sanitizer cli
+#                 bench decode" (cli: the CLI's ctest label and a hybrid
+#                 decode under memcheck, in cli.log; hostcost: the cudart call costs and the engine's
 #                 host cost, three runs, on the idle machine right after the
 #                 build; written to hostcost.log)
 #   AKV_JOBS      parallel build jobs, default 16
@@ -40,7 +41,7 @@ mkdir -p "$OUT"
 BUILD=/tmp/akv-build
 SOLO=/tmp/akv-standalone
 DEPS=/tmp/deps
-PASS_STEPS=${AKV_STEPS:-"build hostcost ctest sanitizer bench decode"}
+PASS_STEPS=${AKV_STEPS:-"build hostcost ctest sanitizer cli bench decode"}
 JOBS=${AKV_JOBS:-16}
 VARIANTS=${AKV_BENCH_VARIANTS:-"w8l4:8:4:0:0 w8l4s3:8:4:3:1 w8l2:8:2:0:0"}
 CHUNKS=${AKV_BENCH_CHUNKS:-"256 64 1024"}
@@ -264,6 +265,37 @@ if has_step sanitizer; then
         record "$tool $(basename "$b")" "$st" "rc=$rc ${summary:-no summary line}"
       done
     done
+  fi
+fi
+
+# ------------------------------------------------------------------ cli
+# The CLI on this machine: its ctest label (the demo picks CUDA here), then
+# a small hybrid decode on CUDA (sliding-window layers in the model's own
+# rows, dense layers staged and read in place) under compute-sanitizer
+# memcheck, checked bit for bit against resident.
+if has_step cli; then
+  cli=$BUILD/examples/activekv
+  : >"$OUT/cli.log"
+  if [ -f "$BUILD/CTestTestfile.cmake" ] && [ -x "$cli" ]; then
+    log "ctest -L cli"
+    (cd "$BUILD" && ctest -L cli --output-on-failure --timeout 600) >>"$OUT/cli.log" 2>&1
+    rc=$?
+    record "ctest -L cli" "$([ $rc = 0 ] && echo ok || echo FAIL)" \
+      "rc=$rc $(grep -E 'tests passed|tests failed' "$OUT/cli.log" | tail -1)"
+    if command -v compute-sanitizer >/dev/null 2>&1; then
+      log "memcheck: hybrid decode on CUDA"
+      echo "== compute-sanitizer memcheck activekv decode (hybrid, paged)" >>"$OUT/cli.log"
+      timeout "$SAN_TIMEOUT" compute-sanitizer --tool memcheck --error-exitcode 99 "$cli" decode \
+        --backend cuda --preset llama3.2-1b --layers 6 --hidden 512 --ffn 1024 --vocab 4096 \
+        --window 64 --dense-every 3 --contexts 3 --tokens 300,97,40 --page-tokens 64 \
+        --route paged --device-pool-gib 1 --target-pages 2 --steps 4 --warmup 1 --check \
+        --no-progress >>"$OUT/cli.log" 2>&1
+      rc=$?
+      record "memcheck hybrid decode" "$([ $rc = 0 ] && echo ok || echo FAIL)" \
+        "rc=$rc $(grep -E 'ERROR SUMMARY' "$OUT/cli.log" | tail -1 | sed 's/^=* *//'); $(grep -E '^  bitwise' "$OUT/cli.log" | tail -1 | sed 's/^ *//')"
+    fi
+  else
+    record "ctest -L cli" "SKIP" "no build"
   fi
 fi
 
