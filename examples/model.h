@@ -332,6 +332,24 @@ static inline akv_attention_args model_attention_args(const model *m, const mode
   return a;
 }
 
+/* A view over a store of `rows` rows per context (context i's K rows, then
+ * its V rows, contexts one after another) with len[i] rows each and no page
+ * map; every field but `layer` is set. */
+static inline void model_store_view(const model *m, void *base, uint32_t rows,
+                                    uint64_t row_bytes, uint32_t n_ctx, const uint32_t *len,
+                                    model_kv_view *out) {
+  memset(out, 0, sizeof *out);
+  out->base = base;
+  out->n_contexts = n_ctx;
+  out->kv_heads = m->g.kv_heads;
+  out->head_dim = m->g.head_dim;
+  out->dtype = AKV_DTYPE_BF16;
+  out->context_stride = 2 * (uint64_t)rows * row_bytes;
+  out->v_offset = (uint64_t)rows * row_bytes;
+  out->row_stride = row_bytes;
+  out->len = len;
+}
+
 /* For the implementations of resident_view: checks the request against a
  * store of res_ctx contexts x res_max_tokens rows (have_store = the store
  * exists) and fills every field of *out but base. Returns 0 or -1 with
@@ -354,22 +372,46 @@ static inline int model_resident_view_fill(model *m, int have_store, uint32_t re
       return -1;
     }
   }
-  memset(out, 0, sizeof *out); /* no page map: every row at base */
+  model_store_view(m, NULL, res_max_tokens, row_bytes, n_ctx, len, out);
   out->layer = layer;
-  out->n_contexts = n_ctx;
-  out->kv_heads = m->g.kv_heads;
-  out->head_dim = m->g.head_dim;
-  out->dtype = AKV_DTYPE_BF16;
-  out->context_stride = 2 * (uint64_t)res_max_tokens * row_bytes;
-  out->v_offset = (uint64_t)res_max_tokens * row_bytes;
-  out->row_stride = row_bytes;
-  out->len = len;
   return 0;
 }
 
 /* Rows per context and sliding layer in one window lane. */
 static inline uint32_t model_window_rows(const model *m) {
   return m->g.window < m->opt.max_tokens ? m->g.window : m->opt.max_tokens;
+}
+
+/* Bytes of `lanes` window lanes for n_ctx contexts. */
+static inline uint64_t model_window_bytes(const model *m, uint32_t lanes, uint32_t n_ctx,
+                                          uint64_t row_bytes) {
+  return (uint64_t)lanes * model_window_layers(&m->g) * n_ctx * 2 * model_window_rows(m) *
+         row_bytes;
+}
+
+/* Byte offset, in window lanes of n_ctx contexts laid out
+ * [lane][sliding layer][ctx][K|V][rows][row], of context ctx's K rows of
+ * sliding layer `layer` (the model's index) in `lane`. */
+static inline uint64_t model_window_offset(const model *m, uint32_t lane, uint32_t layer,
+                                           uint32_t ctx, uint32_t n_ctx, uint64_t row_bytes) {
+  const uint32_t w = layer - model_dense_before(&m->g, layer);
+  const uint64_t seg = (uint64_t)model_window_rows(m) * row_bytes;
+  return (((uint64_t)lane * model_window_layers(&m->g) + w) * n_ctx + ctx) * 2 * seg;
+}
+
+/* For the implementations of window_reserve: 0 when the request is usable
+ * (sliding layers exist, nothing reserved yet, sizes in range), else -1
+ * with m->error set. */
+static inline int model_window_reserve_check(model *m, int reserved, uint32_t lanes,
+                                             uint32_t n_ctx) {
+  if (!model_hybrid(&m->g) || reserved || lanes == 0 || n_ctx == 0 ||
+      n_ctx > m->opt.max_batch) {
+    snprintf(m->error, sizeof m->error,
+             "window_reserve: no sliding layers, reserved already or bad size (%u x %u)", lanes,
+             n_ctx);
+    return -1;
+  }
+  return 0;
 }
 
 /* For the implementations of window_append: checks the request against
@@ -389,18 +431,24 @@ static inline int model_window_append_check(model *m, int have_store, uint32_t l
 }
 
 /*
- * For the implementations of forward, at a sliding-window layer: the view
- * over one lane's rows of that layer (base: context 0's K rows; contexts
- * model_window_rows() rows apart, K rows then V rows), the row each
- * context's new token goes to (write_row[i] = pos[i] % window, replacing the
- * token that just left the window) and the rows attention covers (len1[i] =
- * min(pos[i] + 1, window), the new token included; also the view's len).
- * Checks the workspace bound like model_attend_check: 0, or -1 with m->error.
+ * For the implementations of forward, at sliding-window layer `layer`: the
+ * view over `lane` of the window rows `store` (lanes x store_ctx contexts,
+ * NULL when not reserved), the row each context's new token goes to
+ * (write_row[i] = pos[i] % window, replacing the token that just left the
+ * window) and the rows attention covers (len1[i] = min(pos[i] + 1, window),
+ * the new token included; also the view's len). 0, or -1 with m->error set.
  */
-static inline int model_window_view(model *m, void *base, uint64_t row_bytes, uint32_t n_ctx,
-                                    const uint32_t *pos, uint32_t *write_row, uint32_t *len1,
-                                    model_kv_view *out) {
+static inline int model_window_view(model *m, uint8_t *store, uint32_t lanes, uint32_t store_ctx,
+                                    uint32_t lane, uint32_t layer, uint64_t row_bytes,
+                                    uint32_t n_ctx, const uint32_t *pos, uint32_t *write_row,
+                                    uint32_t *len1, model_kv_view *out) {
   const uint32_t rows = model_window_rows(m), w = m->g.window;
+  if (store == NULL || lane >= lanes || n_ctx > store_ctx) {
+    snprintf(m->error, sizeof m->error,
+             "sliding layer %u: no window rows for lane %u x %u contexts (model_window_reserve)",
+             layer, lane, n_ctx);
+    return -1;
+  }
   for (uint32_t i = 0; i < n_ctx; ++i) {
     write_row[i] = pos[i] % w;
     len1[i] = pos[i] + 1 < w ? pos[i] + 1 : w;
@@ -411,16 +459,9 @@ static inline int model_window_view(model *m, void *base, uint64_t row_bytes, ui
       return -1;
     }
   }
-  memset(out, 0, sizeof *out);
-  out->base = base;
-  out->n_contexts = n_ctx;
-  out->kv_heads = m->g.kv_heads;
-  out->head_dim = m->g.head_dim;
-  out->dtype = AKV_DTYPE_BF16;
-  out->context_stride = 2 * (uint64_t)rows * row_bytes;
-  out->v_offset = (uint64_t)rows * row_bytes;
-  out->row_stride = row_bytes;
-  out->len = len1;
+  model_store_view(m, store + model_window_offset(m, lane, layer, 0, store_ctx, row_bytes), rows,
+                   row_bytes, n_ctx, len1, out);
+  out->layer = layer;
   return 0;
 }
 

@@ -152,7 +152,6 @@ static void cpu_destroy(model *m) {
 
 static int cpu_attend_rows(cpu_model *cm, const model_kv_view *v, const uint32_t *write_row,
                            const uint32_t *len1);
-static uint8_t *cpu_window_k(const cpu_model *cm, uint32_t lane, uint32_t layer, uint32_t ctx);
 
 static int cpu_forward(model *m, uint32_t lane, uint32_t n_ctx, const int32_t *tokens,
                        const uint32_t *pos, model_layer_fn fn, void *user, float *logits) {
@@ -197,14 +196,8 @@ static int cpu_forward(model *m, uint32_t lane, uint32_t n_ctx, const int32_t *t
       /* sliding-window layer: the model's own rows of this lane */
       uint32_t wrow[MODEL_MAX_BATCH], len1[MODEL_MAX_BATCH];
       model_kv_view wv;
-      if (cm->window == NULL || lane >= cm->win_lanes || n_ctx > cm->win_ctx) {
-        snprintf(m->error, sizeof m->error,
-                 "sliding layer %u: no window rows for lane %u x %u contexts (model_window_reserve)",
-                 l, lane, n_ctx);
-        return -1;
-      }
-      if (model_window_view(m, cpu_window_k(cm, lane, l, 0), cm->row_bytes, n_ctx, pos, wrow,
-                            len1, &wv) != 0 ||
+      if (model_window_view(m, cm->window, cm->win_lanes, cm->win_ctx, lane, l, cm->row_bytes,
+                            n_ctx, pos, wrow, len1, &wv) != 0 ||
           cpu_attend_rows(cm, &wv, wrow, len1) != 0)
         return -1;
     } else {
@@ -329,38 +322,23 @@ static int cpu_resident_view(model *m, uint32_t layer, const uint32_t *len, uint
   return 0;
 }
 
-static uint64_t cpu_window_bytes(const cpu_model *cm, uint32_t lanes, uint32_t n_ctx) {
-  return (uint64_t)lanes * model_window_layers(&cm->base.g) * n_ctx * 2 *
-         model_window_rows(&cm->base) * cm->row_bytes;
-}
-
 /* Context ctx's K rows of sliding layer `layer` (the model's index) in `lane`. */
 static uint8_t *cpu_window_k(const cpu_model *cm, uint32_t lane, uint32_t layer, uint32_t ctx) {
-  const uint32_t w = layer - model_dense_before(&cm->base.g, layer);
-  const uint64_t seg = (uint64_t)model_window_rows(&cm->base) * cm->row_bytes;
-  return cm->window +
-         (((uint64_t)lane * model_window_layers(&cm->base.g) + w) * cm->win_ctx + ctx) * 2 * seg;
+  return cm->window + model_window_offset(&cm->base, lane, layer, ctx, cm->win_ctx, cm->row_bytes);
 }
 
 static int cpu_window_reserve(model *m, uint32_t lanes, uint32_t n_ctx) {
   cpu_model *cm = (cpu_model *)m;
-  if (!model_hybrid(&m->g) || cm->window != NULL || lanes == 0 || n_ctx == 0 ||
-      n_ctx > m->opt.max_batch) {
-    snprintf(m->error, sizeof m->error,
-             "window_reserve: no sliding layers, reserved already or bad size (%u x %u)", lanes,
-             n_ctx);
-    return -1;
-  }
-  cm->win_ctx = n_ctx; /* cpu_window_bytes reads it */
-  uint64_t bytes = cpu_window_bytes(cm, lanes, n_ctx);
+  if (model_window_reserve_check(m, cm->window != NULL, lanes, n_ctx) != 0) return -1;
+  uint64_t bytes = model_window_bytes(m, lanes, n_ctx, cm->row_bytes);
   cm->window = calloc(1, bytes);
   if (cm->window == NULL) {
-    cm->win_ctx = 0;
     snprintf(m->error, sizeof m->error, "window_reserve: out of memory for %llu bytes",
              (unsigned long long)bytes);
     return -1;
   }
   cm->win_lanes = lanes;
+  cm->win_ctx = n_ctx;
   return 0;
 }
 
@@ -394,7 +372,7 @@ static void cpu_memory(model *m, model_memory *out) {
   if (cm->resident)
     out->resident =
         (uint64_t)model_dense_layers(&m->g) * cm->res_ctx * 2 * cm->res_max_tokens * cm->row_bytes;
-  if (cm->window) out->window = cpu_window_bytes(cm, cm->win_lanes, cm->win_ctx);
+  if (cm->window) out->window = model_window_bytes(m, cm->win_lanes, cm->win_ctx, cm->row_bytes);
 }
 
 static const model_ops cpu_ops = {

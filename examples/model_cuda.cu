@@ -302,7 +302,6 @@ static int cm_gemv(cuda_model *cm, const uint16_t *W, uint32_t N, uint32_t K, co
 
 static int cm_attend_rows(cuda_model *cm, const model_kv_view *v, const uint32_t *write_row,
                           const uint32_t *len1);
-static uint8_t *cm_window_k(const cuda_model *cm, uint32_t lane, uint32_t layer, uint32_t ctx);
 
 static int cm_forward(model *m, uint32_t lane, uint32_t n_ctx, const int32_t *tokens,
                       const uint32_t *pos, model_layer_fn fn, void *user, float *logits) {
@@ -351,14 +350,8 @@ static int cm_forward(model *m, uint32_t lane, uint32_t n_ctx, const int32_t *to
       /* sliding-window layer: the model's own rows of this lane */
       uint32_t wrow[MODEL_MAX_BATCH], len1[MODEL_MAX_BATCH];
       model_kv_view wv;
-      if (cm->window == NULL || lane >= cm->win_lanes || n_ctx > cm->win_ctx) {
-        snprintf(m->error, sizeof m->error,
-                 "sliding layer %u: no window rows for lane %u x %u contexts (model_window_reserve)",
-                 l, lane, n_ctx);
-        return -1;
-      }
-      if (model_window_view(m, cm_window_k(cm, lane, l, 0), cm->row_bytes, n_ctx, pos, wrow,
-                            len1, &wv) != 0 ||
+      if (model_window_view(m, cm->window, cm->win_lanes, cm->win_ctx, lane, l, cm->row_bytes,
+                            n_ctx, pos, wrow, len1, &wv) != 0 ||
           cm_attend_rows(cm, &wv, wrow, len1) != 0)
         return -1;
     } else {
@@ -491,29 +484,15 @@ static int cm_resident_view(model *m, uint32_t layer, const uint32_t *len, uint3
   return 0;
 }
 
-static uint64_t cm_window_bytes(const cuda_model *cm, uint32_t lanes, uint32_t n_ctx) {
-  return (uint64_t)lanes * model_window_layers(&cm->base.g) * n_ctx * 2 *
-         model_window_rows(&cm->base) * cm->row_bytes;
-}
-
 /* Context ctx's K rows of sliding layer `layer` (the model's index) in `lane`. */
 static uint8_t *cm_window_k(const cuda_model *cm, uint32_t lane, uint32_t layer, uint32_t ctx) {
-  const uint32_t w = layer - model_dense_before(&cm->base.g, layer);
-  const uint64_t seg = (uint64_t)model_window_rows(&cm->base) * cm->row_bytes;
-  return cm->window +
-         (((uint64_t)lane * model_window_layers(&cm->base.g) + w) * cm->win_ctx + ctx) * 2 * seg;
+  return cm->window + model_window_offset(&cm->base, lane, layer, ctx, cm->win_ctx, cm->row_bytes);
 }
 
 static int cm_window_reserve(model *m, uint32_t lanes, uint32_t n_ctx) {
   cuda_model *cm = cm_of(m);
-  if (!model_hybrid(&m->g) || cm->window != NULL || lanes == 0 || n_ctx == 0 ||
-      n_ctx > m->opt.max_batch) {
-    snprintf(m->error, sizeof m->error,
-             "window_reserve: no sliding layers, reserved already or bad size (%u x %u)", lanes,
-             n_ctx);
-    return -1;
-  }
-  uint64_t bytes = cm_window_bytes(cm, lanes, n_ctx);
+  if (model_window_reserve_check(m, cm->window != NULL, lanes, n_ctx) != 0) return -1;
+  uint64_t bytes = model_window_bytes(m, lanes, n_ctx, cm->row_bytes);
   void *p = NULL;
   cudaError_t e = cudaMalloc(&p, bytes);
   if (e != cudaSuccess) {
@@ -567,7 +546,7 @@ static void cm_memory(model *m, model_memory *out) {
   if (cm->resident)
     out->resident =
         (uint64_t)model_dense_layers(&m->g) * cm->res_ctx * 2 * cm->res_max_tokens * cm->row_bytes;
-  if (cm->window) out->window = cm_window_bytes(cm, cm->win_lanes, cm->win_ctx);
+  if (cm->window) out->window = model_window_bytes(m, cm->win_lanes, cm->win_ctx, cm->row_bytes);
   size_t fr = 0, total = 0;
   if (cudaMemGetInfo(&fr, &total) == cudaSuccess) out->device_used = total - fr;
 }
