@@ -130,80 +130,15 @@ static akv_status run_contig(const problem *p, float *out) {
   return st;
 }
 
-/* A paged copy of the same history: pages scattered in a pool in a shuffled
- * order, with their own row padding and page padding. */
-typedef struct paged {
-  akv_page_table t;
-  char *k_pool, *v_pool;
-  uint32_t indptr[17];
-  uint32_t *indices;
-  uint32_t last[16];
-} paged;
-
-static void paged_build(paged *pg, const problem *p) {
-  memset(pg, 0, sizeof *pg);
-  const uint32_t pt = p->chunk;
-  const uint64_t row_bytes = (uint64_t)p->kv_heads * p->head_dim * 2u + 16u;
-  const uint64_t page_stride = pt * row_bytes + 48u;
-  uint32_t total = 0, max_pages = 0;
-  pg->indptr[0] = 0;
-  for (uint32_t i = 0; i < p->n_ctx; ++i) {
-    const uint32_t np = (p->len[i] + pt - 1) / pt;
-    pg->indptr[i + 1] = pg->indptr[i] + np;
-    pg->last[i] = np ? p->len[i] - (np - 1) * pt : 0;
-    total += np;
-    if (np > max_pages) max_pages = np;
-  }
-  const uint32_t pool_pages = total + 3; /* a few pages nobody owns */
-  pg->indices = (uint32_t *)malloc((total + 1) * sizeof(uint32_t));
-  uint32_t *perm = (uint32_t *)malloc(pool_pages * sizeof(uint32_t));
-  assert_non_null(pg->indices);
-  assert_non_null(perm);
-  for (uint32_t i = 0; i < pool_pages; ++i) perm[i] = i;
-  for (uint32_t i = pool_pages - 1; i > 0; --i) {
-    uint32_t j = (uint32_t)(rng_next() % (i + 1));
-    uint32_t tmp = perm[i];
-    perm[i] = perm[j];
-    perm[j] = tmp;
-  }
-  pg->k_pool = (char *)malloc(pool_pages * page_stride);
-  pg->v_pool = (char *)malloc(pool_pages * page_stride);
-  assert_non_null(pg->k_pool);
-  assert_non_null(pg->v_pool);
-  fill_nan16(pg->k_pool, pool_pages * page_stride);
-  fill_nan16(pg->v_pool, pool_pages * page_stride);
-  const size_t row_payload = (size_t)p->kv_heads * p->head_dim * 2u;
-  for (uint32_t i = 0; i < p->n_ctx; ++i) {
-    for (uint32_t c = 0; c < pg->indptr[i + 1] - pg->indptr[i]; ++c) {
-      const uint32_t phys = perm[pg->indptr[i] + c];
-      pg->indices[pg->indptr[i] + c] = phys;
-      for (uint32_t r = 0; r < pt && c * pt + r < p->len[i]; ++r) {
-        const char *src = p->base + i * p->context_stride + (size_t)(c * pt + r) * p->row_bytes;
-        memcpy(pg->k_pool + phys * page_stride + r * row_bytes, src, row_payload);
-        memcpy(pg->v_pool + phys * page_stride + r * row_bytes, src + p->v_offset, row_payload);
-      }
-    }
-  }
-  free(perm);
-  pg->t.batch = p->n_ctx;
-  pg->t.page_tokens = pt;
-  pg->t.max_pages = max_pages;
-  pg->t.indptr = pg->indptr;
-  pg->t.indices = pg->indices;
-  pg->t.last_page_len = pg->last;
-  pg->t.k_pages = pg->k_pool;
-  pg->t.v_pages = pg->v_pool;
-  pg->t.page_stride = page_stride;
-  pg->t.row_bytes = row_bytes;
+/* A paged copy of the same history (attn_paged_build): pages shuffled in a
+ * pool with three pages nobody owns, NaN wherever no row is. */
+static void paged_build(attn_paged *pg, const problem *p) {
+  assert_int_equal(attn_paged_build(pg, p->n_ctx, p->len, p->kv_heads, p->head_dim, p->base,
+                                    p->context_stride, p->row_bytes, p->v_offset, p->chunk, 3),
+                   0);
 }
 
-static void paged_free(paged *pg) {
-  free(pg->indices);
-  free(pg->k_pool);
-  free(pg->v_pool);
-}
-
-static akv_status run_paged(const problem *p, const paged *pg, float *out) {
+static akv_status run_paged(const problem *p, const attn_paged *pg, float *out) {
   size_t ws_bytes = 0;
   assert_int_equal(akv_attention_workspace_bytes(pg->t.batch, p->n_heads, p->head_dim,
                                                  pg->t.max_pages * pg->t.page_tokens,
@@ -283,7 +218,7 @@ static double rel_l2_ctx(const problem *p, const float *out, uint32_t i) {
 static void check_problem(uint32_t n_ctx, uint32_t n_heads, uint32_t kv_heads, uint32_t head_dim,
                           uint32_t chunk, const uint32_t *len, float amp) {
   problem p;
-  paged pg;
+  attn_paged pg;
   problem_init(&p, n_ctx, n_heads, kv_heads, head_dim, chunk, len, amp);
   const size_t n = out_elems(&p);
   float *out = (float *)malloc(n * sizeof(float));
@@ -307,7 +242,7 @@ static void check_problem(uint32_t n_ctx, uint32_t n_heads, uint32_t kv_heads, u
   assert_int_equal(run_paged(&p, &pg, out_paged), AKV_OK);
   assert_memory_equal(out, out_paged, n * sizeof(float));
 
-  paged_free(&pg);
+  attn_paged_free(&pg);
   free(out);
   free(out_paged);
   problem_free(&p);
@@ -371,7 +306,7 @@ static void test_zero_length_gives_zeros(void **state) {
   (void)state;
   const uint32_t len[3] = {0, 5, 0};
   problem p;
-  paged pg;
+  attn_paged pg;
   problem_init(&p, 3, 8, 2, 64, 4, len, 1.0f);
   const size_t n = out_elems(&p), per = (size_t)8 * 64;
   float *out = (float *)malloc(n * sizeof(float));
@@ -389,7 +324,7 @@ static void test_zero_length_gives_zeros(void **state) {
   paged_build(&pg, &p);
   assert_int_equal(run_paged(&p, &pg, out2), AKV_OK);
   assert_memory_equal(out, out2, n * sizeof(float));
-  paged_free(&pg);
+  attn_paged_free(&pg);
 
   /* All contexts empty: a workspace of 0 bytes (and NULL) is enough. */
   const uint32_t none[2] = {0, 0};
@@ -658,7 +593,7 @@ static void test_invalid_arguments(void **state) {
   assert_memory_not_equal(out, keep, n * sizeof(float));
 
   /* Paged table checks. */
-  paged pg;
+  attn_paged pg;
   paged_build(&pg, &p);
   size_t pws = 0;
   assert_int_equal(akv_attention_workspace_bytes(2, 8, 64, pg.t.max_pages * 16, 16, &pws), AKV_OK);
@@ -714,7 +649,7 @@ static void test_invalid_arguments(void **state) {
   assert_int_equal(akv_attention_paged_ref_bf16(&pa, pg.t), AKV_OK);
 
   free(pw);
-  paged_free(&pg);
+  attn_paged_free(&pg);
   free(ws);
   free(out);
   free(keep);

@@ -182,81 +182,41 @@ static void run_cuda_contig(const problem *p, float *d_out, void *d_ws, size_t w
   CUDA_OK(cudaStreamDestroy(s));
 }
 
-/* A device page pool holding the same history, pages shuffled. */
+/* A device page pool holding the same history, pages shuffled: built on the
+ * host (attn_paged_build, two pages nobody owns), then uploaded. */
 typedef struct dpaged {
   akv_page_table t; /* device pointers */
   char *d_k, *d_v;
   uint32_t *d_indptr, *d_indices, *d_last;
-  uint32_t *indptr, *indices, *last; /* host copies */
 } dpaged;
+
+/* cudaMalloc + cudaMemcpy of bytes from host; returns the device copy. */
+template <typename T>
+static T *upload(const T *host, size_t bytes) {
+  T *d = NULL;
+  CUDA_OK(cudaMalloc((void **)&d, bytes));
+  CUDA_OK(cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice));
+  return d;
+}
 
 static void dpaged_build(dpaged *pg, const problem *p) {
   memset(pg, 0, sizeof *pg);
-  const uint32_t pt = p->chunk;
-  const uint64_t row_bytes = (uint64_t)p->kv_heads * p->head_dim * 2u + 16u;
-  const uint64_t page_stride = pt * row_bytes + 48u;
-  pg->indptr = (uint32_t *)xmalloc((p->n_ctx + 1) * sizeof(uint32_t));
-  pg->last = (uint32_t *)xmalloc(p->n_ctx * sizeof(uint32_t));
-  uint32_t total = 0, max_pages = 0;
-  pg->indptr[0] = 0;
-  for (uint32_t i = 0; i < p->n_ctx; ++i) {
-    const uint32_t np = (p->len[i] + pt - 1) / pt;
-    pg->indptr[i + 1] = pg->indptr[i] + np;
-    pg->last[i] = np ? p->len[i] - (np - 1) * pt : 0;
-    total += np;
-    if (np > max_pages) max_pages = np;
-  }
-  const uint32_t pool_pages = total + 2;
-  pg->indices = (uint32_t *)xmalloc((total + 1) * sizeof(uint32_t));
-  uint32_t *perm = (uint32_t *)xmalloc(pool_pages * sizeof(uint32_t));
-  for (uint32_t i = 0; i < pool_pages; ++i) perm[i] = i;
-  for (uint32_t i = pool_pages - 1; i > 0; --i) {
-    const uint32_t j = (uint32_t)(rng_next() % (i + 1));
-    const uint32_t tmp = perm[i];
-    perm[i] = perm[j];
-    perm[j] = tmp;
-  }
-  const size_t pool_bytes = (size_t)pool_pages * page_stride;
-  char *hk = (char *)xmalloc(pool_bytes);
-  char *hv = (char *)xmalloc(pool_bytes);
-  fill_nan16(hk, pool_bytes);
-  fill_nan16(hv, pool_bytes);
-  const size_t payload = (size_t)p->kv_heads * p->head_dim * 2u;
-  for (uint32_t i = 0; i < p->n_ctx; ++i)
-    for (uint32_t c = 0; c < pg->indptr[i + 1] - pg->indptr[i]; ++c) {
-      const uint32_t phys = perm[pg->indptr[i] + c];
-      pg->indices[pg->indptr[i] + c] = phys;
-      for (uint32_t r = 0; r < pt && c * pt + r < p->len[i]; ++r) {
-        const char *src = p->base + i * p->context_stride + (size_t)(c * pt + r) * p->row_bytes;
-        memcpy(hk + phys * page_stride + r * row_bytes, src, payload);
-        memcpy(hv + phys * page_stride + r * row_bytes, src + p->v_offset, payload);
-      }
-    }
-  CUDA_OK(cudaMalloc((void **)&pg->d_k, pool_bytes));
-  CUDA_OK(cudaMalloc((void **)&pg->d_v, pool_bytes));
-  CUDA_OK(cudaMemcpy(pg->d_k, hk, pool_bytes, cudaMemcpyHostToDevice));
-  CUDA_OK(cudaMemcpy(pg->d_v, hv, pool_bytes, cudaMemcpyHostToDevice));
-  CUDA_OK(cudaMalloc((void **)&pg->d_indptr, (p->n_ctx + 1) * sizeof(uint32_t)));
-  CUDA_OK(cudaMalloc((void **)&pg->d_indices, (total + 1) * sizeof(uint32_t)));
-  CUDA_OK(cudaMalloc((void **)&pg->d_last, p->n_ctx * sizeof(uint32_t)));
-  CUDA_OK(cudaMemcpy(pg->d_indptr, pg->indptr, (p->n_ctx + 1) * sizeof(uint32_t),
-                     cudaMemcpyHostToDevice));
-  CUDA_OK(cudaMemcpy(pg->d_indices, pg->indices, (total + 1) * sizeof(uint32_t),
-                     cudaMemcpyHostToDevice));
-  CUDA_OK(cudaMemcpy(pg->d_last, pg->last, p->n_ctx * sizeof(uint32_t), cudaMemcpyHostToDevice));
-  free(perm);
-  free(hk);
-  free(hv);
-  pg->t.batch = p->n_ctx;
-  pg->t.page_tokens = pt;
-  pg->t.max_pages = max_pages;
+  attn_paged h;
+  assert_int_equal(attn_paged_build(&h, p->n_ctx, p->len, p->kv_heads, p->head_dim, p->base,
+                                    p->context_stride, p->row_bytes, p->v_offset, p->chunk, 2),
+                   0);
+  pg->d_k = upload(h.k_pool, h.pool_bytes);
+  pg->d_v = upload(h.v_pool, h.pool_bytes);
+  pg->d_indptr = upload(h.indptr, (p->n_ctx + 1) * sizeof(uint32_t));
+  pg->d_indices = upload(h.indices, (h.total + 1) * sizeof(uint32_t));
+  pg->d_last = upload(h.last, p->n_ctx * sizeof(uint32_t));
+  pg->t = h.t; /* geometry; the pointers become the device copies */
   pg->t.indptr = pg->d_indptr;
   pg->t.indices = pg->d_indices;
   pg->t.last_page_len = pg->d_last;
   pg->t.k_pages = pg->d_k;
   pg->t.v_pages = pg->d_v;
-  pg->t.page_stride = page_stride;
-  pg->t.row_bytes = row_bytes;
+  attn_paged_free(&h);
 }
 
 static void dpaged_free(dpaged *pg) {
@@ -265,9 +225,6 @@ static void dpaged_free(dpaged *pg) {
   CUDA_OK(cudaFree(pg->d_indptr));
   CUDA_OK(cudaFree(pg->d_indices));
   CUDA_OK(cudaFree(pg->d_last));
-  free(pg->indptr);
-  free(pg->indices);
-  free(pg->last);
 }
 
 static akv_attention_paged_args make_paged_args(const problem *p, float *d_out, void *d_ws,
