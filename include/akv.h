@@ -397,9 +397,13 @@ AKV_API akv_status akv_context_open(akv_engine *engine, const akv_context_config
 
 /**
  * Closes a context and releases its host slot and device pages. The slot's
- * generation moves only when no ticket holds it. Returns AKV_OK,
- * AKV_ERR_BAD_HANDLE, AKV_ERR_IN_USE (part of the open step),
- * AKV_ERR_QUARANTINED.
+ * generation moves only when no ticket holds it. The handle is dead from
+ * then on: every call with it returns AKV_ERR_BAD_HANDLE and changes
+ * nothing, also after other contexts take its host slot. (Handles are
+ * records the engine hands out in turn, 16 per host slot: a closed handle
+ * could only come back to life after 16 x effective concurrency - 1 later
+ * opens; do not keep one.) Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_IN_USE
+ * (part of the open step), AKV_ERR_QUARANTINED.
  */
 AKV_API akv_status akv_context_close(akv_context *context);
 

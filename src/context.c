@@ -26,7 +26,7 @@ void akv_ticket_release(akv_engine *e, akv_context *c, uint64_t generation) {
   /* Source authority survives until its replacement is valid: a slot whose
    * generation moved under a live ticket would mean DMA touched rows of a
    * different owner. close refuses while host_leases > 0, so this holds. */
-  if (c->generation != generation)
+  if (c->generation != generation || e->slot_generation[c->slot] != generation)
     akv_log(e, AKV_LOG_ERROR, "invariant violated: slot %u generation moved under a ticket",
             c->slot);
   c->host_leases--;
@@ -54,9 +54,10 @@ AKV_API akv_status akv_context_open(akv_engine *e, const akv_context_config *con
   }
   if (e->step_open)
     return akv_fail(e, AKV_ERR_STEP_STATE, "context_open: not allowed inside a step");
-  for (uint32_t i = 0; i < e->concurrency && c == NULL; i++)
-    if (!e->contexts[i].open) c = &e->contexts[i];
-  if (c == NULL)
+  uint32_t slot = UINT32_MAX;
+  for (uint32_t i = 0; i < e->concurrency && slot == UINT32_MAX; i++)
+    if (e->slot_owner[i] == NULL) slot = i;
+  if (slot == UINT32_MAX)
     return akv_fail(e, AKV_ERR_REFUSED_QUEUE,
                     "context_open: all %u host slots are taken (effective concurrency); queue "
                     "the request and retry after a close",
@@ -67,19 +68,33 @@ AKV_API akv_status akv_context_open(akv_engine *e, const akv_context_config *con
     cc.burst_pages = 0;
   }
   /* Ids are never reused, refused attempts included (explain names them). */
-  st = akv_adm_admit(e->adm, e->step, c->slot, ++e->next_context_id, cc.target_pages,
+  st = akv_adm_admit(e->adm, e->step, slot, ++e->next_context_id, cc.target_pages,
                      cc.burst_pages);
   if (st != AKV_OK) {
     char why[900];
     akv_adm_explain(e->adm, AKV_ADM_NONE, why, sizeof(why));
     return akv_fail(e, st, "context_open: %s", why);
   }
+  /* The next record not in use, in turn: a handle closed since stays dead
+   * until every other record has been opened (n_records > concurrency, so
+   * one is always free). */
+  for (uint32_t k = 0; k < e->n_records && c == NULL; k++) {
+    akv_context *r = &e->contexts[(e->next_record + k) % e->n_records];
+    if (!r->open) c = r;
+  }
+  e->next_record = (uint32_t)(c - e->contexts + 1) % e->n_records;
+  c->slot = slot;
+  c->host = e->host_pool + (uint64_t)slot * e->fit.history_bytes;
+  c->host_leases = 0;
+  c->fill_leases = 0;
+  e->slot_owner[slot] = c;
   c->id = e->next_context_id;
   c->open = true;
   c->len = 0;
   c->target = cc.target_pages;
   c->burst = cc.burst_pages;
-  c->generation++; /* no ticket holds a closed slot, so the generation may move */
+  /* no ticket holds a free slot, so its generation may move */
+  c->generation = ++e->slot_generation[slot];
   c->in_step = false;
   c->magic = c->magic_end = AKV_MAGIC_CONTEXT;
   e->open_contexts++;
@@ -101,6 +116,7 @@ AKV_API akv_status akv_context_close(akv_context *c) {
   c->open = false;
   c->len = 0;
   c->magic = c->magic_end = AKV_MAGIC_DEAD;
+  e->slot_owner[c->slot] = NULL;
   e->open_contexts--;
   return AKV_OK;
 }

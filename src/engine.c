@@ -99,11 +99,13 @@ static void akv_engine_free_all(akv_engine *e) {
   akv_bk_host_free(bk, e->host_pool);
   akv_bk_shutdown(bk);
   if (e->contexts != NULL)
-    for (uint32_t i = 0; i < e->concurrency; i++)
+    for (uint32_t i = 0; i < e->n_records; i++)
       e->contexts[i].magic = e->contexts[i].magic_end = AKV_MAGIC_DEAD;
   akv_adm_destroy(e->adm);
   free(e->leases);
   free(e->contexts);
+  free(e->slot_owner);
+  free(e->slot_generation);
   free(e->step_ctx);
   free(e->adm_req);
   free(e->sc_dst);
@@ -138,7 +140,10 @@ static akv_status akv_engine_allocate(akv_engine *e) {
   uint32_t n = e->concurrency;
   akv_backend_params params = {c->device_ordinal, c->host_delay_seed, c->host_delay_max_us};
 
-  e->contexts = calloc(n, sizeof(*e->contexts));
+  e->n_records = n * AKV_CONTEXT_RECORDS_PER_SLOT;
+  e->contexts = calloc(e->n_records, sizeof(*e->contexts));
+  e->slot_owner = calloc(n, sizeof(*e->slot_owner));
+  e->slot_generation = calloc(n, sizeof(*e->slot_generation));
   e->step_ctx = calloc(n, sizeof(*e->step_ctx));
   e->adm_req = calloc(n, sizeof(*e->adm_req));
   e->leases = calloc(c->n_dense_layers, sizeof(*e->leases));
@@ -152,7 +157,7 @@ static akv_status akv_engine_allocate(akv_engine *e) {
   e->sc2_dst = calloc(e->scratch2_cap, sizeof(void *));
   e->sc2_src = calloc(e->scratch2_cap, sizeof(void *));
   e->sc2_bytes = calloc(e->scratch2_cap, sizeof(size_t));
-  if (!e->contexts || !e->step_ctx || !e->adm_req || !e->leases || !e->sc_dst || !e->sc_src || !e->sc_bytes ||
+  if (!e->contexts || !e->slot_owner || !e->slot_generation || !e->step_ctx || !e->adm_req || !e->leases || !e->sc_dst || !e->sc_src || !e->sc_bytes ||
       !e->sc2_dst || !e->sc2_src || !e->sc2_bytes) {
     st = akv_fail(e, AKV_ERR_OUT_OF_MEMORY, "engine bookkeeping allocation failed");
     goto fail;
@@ -255,11 +260,10 @@ static akv_status akv_engine_allocate(akv_engine *e) {
     }
     e->device_allocated += e->staging_bytes;
   }
-  for (uint32_t i = 0; i < n; i++) {
+  for (uint32_t i = 0; i < e->n_records; i++) {
     akv_context *ctx = &e->contexts[i];
     ctx->engine = e;
-    ctx->slot = i;
-    ctx->host = e->host_pool + (uint64_t)i * e->fit.history_bytes;
+    ctx->slot = UINT32_MAX; /* bound to a host slot at open */
   }
   return AKV_OK;
 fail:

@@ -26,6 +26,7 @@
 #define AKV_GIB ((uint64_t)1 << 30)
 #define AKV_N_BUFFERS 2 /* double-buffered staging */
 #define AKV_MAX_PRIOR 8 /* prior readers a lease can list */
+#define AKV_CONTEXT_RECORDS_PER_SLOT 16 /* context handle records per host slot */
 
 /* A ticket: one submitted copy (or batch) on behalf of one host owner. It
  * holds the pinned pool (the owner of the memory DMA reads or writes) and a
@@ -143,7 +144,15 @@ struct akv_engine {
   uint32_t pinned_refs;   /* tickets holding the pinned pool */
 
   akv_adm *adm;
-  struct akv_context *contexts; /* [concurrency] */
+  /* Context handles are records, AKV_CONTEXT_RECORDS_PER_SLOT per host slot,
+   * handed out in turn: a closed handle stays dead (AKV_ERR_BAD_HANDLE) until
+   * every other record has been opened since, instead of aliasing the next
+   * context to take its slot. */
+  struct akv_context *contexts;     /* [n_records] */
+  uint32_t n_records;
+  uint32_t next_record;             /* where the search for a free record starts */
+  struct akv_context **slot_owner;  /* [concurrency]: the open record on a host slot, or NULL */
+  uint64_t *slot_generation;        /* [concurrency]: moves at each open of the slot */
   uint32_t next_context_id;
   uint32_t open_contexts;
 

@@ -74,7 +74,7 @@ static void akv_lease_release_tickets(akv_lease *ls) {
   akv_engine *e = ls->engine;
   for (uint32_t i = 0; i < ls->n_tickets; i++) {
     akv_ticket *t = &ls->tickets[i];
-    if (t->dir != AKV_COPY_D2D) akv_ticket_release(e, &e->contexts[t->slot], t->generation);
+    if (t->dir != AKV_COPY_D2D) akv_ticket_release(e, e->slot_owner[t->slot], t->generation);
   }
   ls->n_tickets = 0;
 }
@@ -465,7 +465,8 @@ void akv_leases_release_all(akv_engine *e) {
   }
   e->leases_live = 0;
   for (uint32_t i = 0; i < e->concurrency; i++) {
-    akv_context *c = &e->contexts[i];
+    akv_context *c = e->slot_owner[i];
+    if (c == NULL) continue;
     for (; c->fill_leases > 0; c->fill_leases--) akv_ticket_release(e, c, c->generation);
     c->in_step = false;
   }

@@ -22,7 +22,13 @@ static akv_status akv_step_fill_pages(akv_engine *e) {
 
   for (size_t f = 0; f < n_fills; f++) {
     const akv_adm_fill *fl = &fills[f];
-    akv_context *c = &e->contexts[fl->slot];
+    akv_context *c = e->slot_owner[fl->slot]; /* admission fills only admitted slots */
+    if (c == NULL) {
+      snprintf(e->bk.error, sizeof(e->bk.error), "page %u filled for slot %u, which no context holds",
+               fl->physical, fl->slot);
+      st = AKV_ERR_BACKEND;
+      goto fail;
+    }
     /* Logical cancellation revokes publication but physical reuse waits for
      * every fence: the page's last readers were D2D materialisations of
      * leases that have all retired (a boundary is reached only with no live
@@ -158,7 +164,8 @@ AKV_API akv_status akv_step_end(akv_engine *e) {
   }
   /* Fill tickets: proven complete by the retires behind them on the H2D queue. */
   for (uint32_t i = 0; i < e->concurrency; i++) {
-    akv_context *c = &e->contexts[i];
+    akv_context *c = e->slot_owner[i];
+    if (c == NULL) continue;
     for (; c->fill_leases > 0; c->fill_leases--) akv_ticket_release(e, c, c->generation);
   }
   e->step_open = false;

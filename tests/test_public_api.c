@@ -133,6 +133,56 @@ static void test_round_trip_host_backend(void **state) {
   assert_int_equal(akv_engine_destroy(e), AKV_OK);
 }
 
+/* A closed handle stays dead after another context takes its host slot: it
+ * never aliases the new context, for as many opens as the engine has handle
+ * records per slot (16) times its slots, less the slots themselves. */
+static void test_closed_handle_never_aliases(void **state) {
+  akv_engine_config cfg = AKV_ENGINE_CONFIG_INIT;
+  akv_engine *e = NULL;
+  akv_context *old = NULL, *c = NULL, *other = NULL;
+  uint16_t k[8] = {1, 2, 3, 4, 5, 6, 7, 8}, v[8] = {9, 10, 11, 12, 13, 14, 15, 16};
+  const void *kp[1] = {k}, *vp[1] = {v};
+  uint32_t len = 99, id_old = 0, id = 0;
+  (void)state;
+  cfg.backend = AKV_BACKEND_HOST;
+  cfg.n_dense_layers = 1;
+  cfg.kv_heads = 2;
+  cfg.head_dim = 4;
+  cfg.max_tokens = 8;
+  cfg.page_tokens = 4;
+  cfg.max_contexts = 2;
+  cfg.host_pool_gib = 1;
+  cfg.log_fn = quiet;
+  assert_int_equal(akv_engine_create(&cfg, &e), AKV_OK);
+  assert_int_equal(akv_context_open(e, NULL, &other), AKV_OK); /* holds slot 0 throughout */
+  assert_int_equal(akv_context_open(e, NULL, &old), AKV_OK);
+  assert_int_equal(akv_context_id(old, &id_old), AKV_OK);
+  assert_int_equal(akv_context_close(old), AKV_OK);
+  /* 16 records per slot x 2 slots, one held by `other`: 30 more opens of
+   * the free slot keep `old` dead */
+  for (int round = 0; round < 30; ++round) {
+    assert_int_equal(akv_context_open(e, NULL, &c), AKV_OK); /* the slot `old` had */
+    assert_ptr_not_equal(c, old);
+    assert_ptr_not_equal(c, other);
+    assert_int_equal(akv_context_append(c, 1, kp, vp), AKV_OK);
+    /* every call with the closed handle is refused and changes nothing */
+    len = 99;
+    assert_int_equal(akv_context_length(old, &len), AKV_ERR_BAD_HANDLE);
+    assert_int_equal(len, 99);
+    assert_int_equal(akv_context_id(old, &id), AKV_ERR_BAD_HANDLE);
+    assert_int_equal(akv_context_append(old, 1, kp, vp), AKV_ERR_BAD_HANDLE);
+    assert_int_equal(akv_context_close(old), AKV_ERR_BAD_HANDLE);
+    assert_int_equal(akv_context_length(c, &len), AKV_OK);
+    assert_int_equal(len, 1); /* the refused append on `old` did not land here */
+    assert_int_equal(akv_context_id(c, &id), AKV_OK);
+    assert_true(id > id_old);
+    assert_int_equal(akv_context_close(c), AKV_OK);
+    assert_int_equal(akv_context_length(c, &len), AKV_ERR_BAD_HANDLE);
+  }
+  assert_int_equal(akv_context_close(other), AKV_OK);
+  assert_int_equal(akv_engine_destroy(e), AKV_OK);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_versions),
@@ -140,6 +190,7 @@ int main(void) {
       cmocka_unit_test(test_config_init),
       cmocka_unit_test(test_null_and_foreign_handles),
       cmocka_unit_test(test_round_trip_host_backend),
+      cmocka_unit_test(test_closed_handle_never_aliases),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
