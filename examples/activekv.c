@@ -528,6 +528,12 @@ static int parse_args(int argc, char **argv, int first, cli_opts *o) {
   if (window_set) o->g.window = window;
   if (every_set) o->g.dense_every = every;
   if (window_set && window > 0 && !every_set && o->g.dense_every < 2) o->g.dense_every = 6;
+  if (every_set && o->g.window == 0 && every > 1) {
+    say_error("--dense-every %u needs --window (the sliding window of the other layers); "
+              "without one every layer is dense",
+              every);
+    return EXIT_USAGE;
+  }
   char herr[256];
   if (model_hybrid_check(g, herr, sizeof herr) != 0) {
     say_error("%s", herr);
