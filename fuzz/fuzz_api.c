@@ -75,6 +75,7 @@ typedef struct state {
   akv_stream stale[N_STREAM];   /* destroyed ones (never dereferenced by the library's lease calls) */
   int n_stale;
   akv_context *ctx[N_CTX];      /* handles seen: open, closed, or reopened slots */
+  unsigned char dead[N_CTX];    /* ctx[i] was closed and open has not returned it since */
   akv_lease *lease[N_LEASE];    /* handles seen: any state */
   akv_fence fence[N_FENCE];
   int n_fence;
@@ -195,15 +196,38 @@ static void keep_lease(state *s, akv_lease *ls) {
   s->lease[(uintptr_t)ls % N_LEASE] = ls;
 }
 
+/* A handle open just returned: alive (again, if its record came back). */
 static void keep_ctx(state *s, akv_context *c) {
   for (int i = 0; i < N_CTX; i++)
-    if (s->ctx[i] == c) return;
+    if (s->ctx[i] == c) {
+      s->dead[i] = 0;
+      return;
+    }
   for (int i = 0; i < N_CTX; i++)
     if (s->ctx[i] == NULL) {
       s->ctx[i] = c;
+      s->dead[i] = 0;
       return;
     }
   s->ctx[(uintptr_t)c % N_CTX] = c;
+  s->dead[(uintptr_t)c % N_CTX] = 0;
+}
+
+static void mark_closed(state *s, akv_context *c) {
+  for (int i = 0; i < N_CTX; i++)
+    if (s->ctx[i] == c && c != NULL) s->dead[i] = 1;
+}
+
+/* A closed handle stays dead: every call with it is AKV_ERR_BAD_HANDLE,
+ * whoever took its host slot since (until open hands its record out again). */
+static void expect_dead_refused(const state *s, const char *fn, const akv_context *c,
+                                akv_status st) {
+  for (int i = 0; i < N_CTX; i++)
+    if (s->ctx[i] == c && c != NULL && s->dead[i] && st != AKV_ERR_BAD_HANDLE) {
+      fprintf(stderr, "fuzz_api: %s on a closed context handle returned %s, not BAD_HANDLE\n",
+              fn, akv_status_string(st));
+      abort();
+    }
 }
 
 /* ------------------------------------------------------------ the hook */
@@ -368,9 +392,10 @@ static void op_append(state *s, input *in, int failed) {
     v[l] = g_rows[l];
   }
   if (b == 1) k[s->layers - 1] = NULL;
-  expect_mut(s, failed, "akv_context_append",
-             akv_context_append(c, n, b == 2 ? NULL : k, b == 3 ? NULL : v),
+  akv_status st = akv_context_append(c, n, b == 2 ? NULL : k, b == 3 ? NULL : v);
+  expect_mut(s, failed, "akv_context_append", st,
              OKS | BH | IA | S(AKV_ERR_CAPACITY) | S(AKV_ERR_IN_USE) | QU);
+  expect_dead_refused(s, "akv_context_append", c, st);
 }
 
 static void op_read(state *s, input *in) {
@@ -381,17 +406,21 @@ static void op_read(state *s, input *in) {
   uint8_t b = byte(in);
   if (b == 0xff) n = UINT32_MAX; /* first + n overflows 32 bits */
   if (b == 0xfe) first = UINT32_MAX;
-  expect("akv_context_read",
-         akv_context_read(c, layer, first, n, b == 1 ? NULL : k, b == 2 ? NULL : v),
-         OKS | BH | IA | S(AKV_ERR_IN_USE));
+  akv_status st = akv_context_read(c, layer, first, n, b == 1 ? NULL : k, b == 2 ? NULL : v);
+  expect("akv_context_read", st, OKS | BH | IA | S(AKV_ERR_IN_USE));
+  expect_dead_refused(s, "akv_context_read", c, st);
 }
 
 static void op_small_diag(state *s, input *in) {
   akv_context *c = pick_ctx(s, in);
   uint32_t out;
   uint8_t b = byte(in);
-  expect("akv_context_length", akv_context_length(c, b & 1 ? NULL : &out), OKS | BH | IA);
-  expect("akv_context_id", akv_context_id(c, b & 2 ? NULL : &out), OKS | BH | IA);
+  akv_status st = akv_context_length(c, b & 1 ? NULL : &out);
+  expect("akv_context_length", st, OKS | BH | IA);
+  expect_dead_refused(s, "akv_context_length", c, st);
+  st = akv_context_id(c, b & 2 ? NULL : &out);
+  expect("akv_context_id", st, OKS | BH | IA);
+  expect_dead_refused(s, "akv_context_id", c, st);
 }
 
 static void op_step_begin(state *s, input *in, int failed) {
@@ -720,8 +749,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
       case 0: op_open(&s, &in, failed); break;
       case 1: {
         akv_context *c = pick_ctx(&s, &in);
-        expect_mut(&s, failed, "akv_context_close", akv_context_close(c),
-                   OKS | BH | S(AKV_ERR_IN_USE) | QU);
+        akv_status st = akv_context_close(c);
+        expect_mut(&s, failed, "akv_context_close", st, OKS | BH | S(AKV_ERR_IN_USE) | QU);
+        expect_dead_refused(&s, "akv_context_close", c, st);
+        if (st == AKV_OK) mark_closed(&s, c);
         break;
       }
       case 2: op_append(&s, &in, failed); break;
