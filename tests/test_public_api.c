@@ -20,6 +20,24 @@ static void quiet(void *user, akv_log_level level, const char *message) {
   (void)message;
 }
 
+/* A host-backend engine of `layers` dense layers, rows of 2 KV heads x 4
+ * dims, max_tokens rows per context, 2 contexts, pages of 4 tokens. */
+static akv_engine *host_engine(uint32_t layers, uint32_t max_tokens) {
+  akv_engine_config cfg = AKV_ENGINE_CONFIG_INIT;
+  akv_engine *e = NULL;
+  cfg.backend = AKV_BACKEND_HOST;
+  cfg.n_dense_layers = layers;
+  cfg.kv_heads = 2;
+  cfg.head_dim = 4;
+  cfg.max_tokens = max_tokens;
+  cfg.page_tokens = 4;
+  cfg.max_contexts = 2;
+  cfg.host_pool_gib = 1;
+  cfg.log_fn = quiet;
+  assert_int_equal(akv_engine_create(&cfg, &e), AKV_OK);
+  return e;
+}
+
 static void test_versions(void **state) {
   (void)state;
   assert_int_equal(akv_version_number(), AKV_VERSION_NUMBER);
@@ -86,7 +104,6 @@ static void test_null_and_foreign_handles(void **state) {
 }
 
 static void test_round_trip_host_backend(void **state) {
-  akv_engine_config cfg = AKV_ENGINE_CONFIG_INIT;
   akv_engine *e = NULL;
   akv_context *c = NULL;
   akv_engine_info info;
@@ -99,16 +116,7 @@ static void test_round_trip_host_backend(void **state) {
       k[l][j] = (uint16_t)(l * 1000 + j);
       v[l][j] = (uint16_t)(l * 1000 + j + 500);
     }
-  cfg.backend = AKV_BACKEND_HOST;
-  cfg.n_dense_layers = 3;
-  cfg.kv_heads = 2;
-  cfg.head_dim = 4;
-  cfg.max_tokens = 16;
-  cfg.page_tokens = 4;
-  cfg.max_contexts = 2;
-  cfg.host_pool_gib = 1;
-  cfg.log_fn = quiet;
-  assert_int_equal(akv_engine_create(&cfg, &e), AKV_OK);
+  e = host_engine(3, 16);
   assert_int_equal(akv_engine_info_get(e, &info), AKV_OK);
   assert_int_equal(info.backend, AKV_BACKEND_HOST);
   assert_int_equal(info.row_bytes, 16);
@@ -137,23 +145,13 @@ static void test_round_trip_host_backend(void **state) {
  * never aliases the new context, for as many opens as the engine has handle
  * records per slot (16) times its slots, less the slots themselves. */
 static void test_closed_handle_never_aliases(void **state) {
-  akv_engine_config cfg = AKV_ENGINE_CONFIG_INIT;
   akv_engine *e = NULL;
   akv_context *old = NULL, *c = NULL, *other = NULL;
   uint16_t k[8] = {1, 2, 3, 4, 5, 6, 7, 8}, v[8] = {9, 10, 11, 12, 13, 14, 15, 16};
   const void *kp[1] = {k}, *vp[1] = {v};
   uint32_t len = 99, id_old = 0, id = 0;
   (void)state;
-  cfg.backend = AKV_BACKEND_HOST;
-  cfg.n_dense_layers = 1;
-  cfg.kv_heads = 2;
-  cfg.head_dim = 4;
-  cfg.max_tokens = 8;
-  cfg.page_tokens = 4;
-  cfg.max_contexts = 2;
-  cfg.host_pool_gib = 1;
-  cfg.log_fn = quiet;
-  assert_int_equal(akv_engine_create(&cfg, &e), AKV_OK);
+  e = host_engine(1, 8);
   assert_int_equal(akv_context_open(e, NULL, &other), AKV_OK); /* holds slot 0 throughout */
   assert_int_equal(akv_context_open(e, NULL, &old), AKV_OK);
   assert_int_equal(akv_context_id(old, &id_old), AKV_OK);
