@@ -16,7 +16,7 @@
  *
  * Build (from the repository root):
  *   nvcc -O3 -arch=sm_90 -std=c++17 -Iinclude bench/attention_bw.cu \
- *        src/attention_cuda.cu src/attention_ref.c -o build/attention_bw
+ *        src/kernels/attention_cuda.cu src/kernels/attention_ref.c -o build/attention_bw
  * The kernel's tuning knobs can be varied at build time with
  * -DAKV_ATTN_WARPS=N -DAKV_ATTN_LOADS=N -DAKV_ATTN_STAGES=N -DAKV_ATTN_PDL=0|1
  * (applied to both files; STAGES 0 is the older register pipeline, PDL 0

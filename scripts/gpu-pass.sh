@@ -91,7 +91,7 @@ bench_build() { # label warps loads [stages [pdl]]
   local out=$SOLO/attention_bw_$1
   nvcc -O3 -arch=sm_90 -std=c++17 -Iinclude -DAKV_ATTN_WARPS="$2" -DAKV_ATTN_LOADS="$3" \
     -DAKV_ATTN_STAGES="${4:-3}" -DAKV_ATTN_PDL="${5:-1}" \
-    -Xptxas -v bench/attention_bw.cu src/attention_cuda.cu src/attention_ref.c -o "$out" \
+    -Xptxas -v bench/attention_bw.cu src/kernels/attention_cuda.cu src/kernels/attention_ref.c -o "$out" \
     >"$SOLO/bench_$1.log" 2>&1
 }
 
@@ -130,13 +130,13 @@ if has_step build; then
     [ -x "$BUILD/tests/test_$t" ] && continue
     log "standalone build of test_$t"
     case $t in
-      gpu_attention) srcs="src/attention_cuda.cu src/attention_ref.c" ;;
-      gpu_backend) srcs="src/backend_cuda.cu" ;;
+      gpu_attention) srcs="src/kernels/attention_cuda.cu src/kernels/attention_ref.c" ;;
+      gpu_backend) srcs="src/backends/backend_cuda.cu" ;;
     esac
     {
       echo "== standalone nvcc build of test_$t (CMake did not produce it)"
       # shellcheck disable=SC2086 # $srcs is a list of files
-      nvcc -O2 -g -lineinfo -arch=sm_90 -std=c++17 -DAKV_WITH_CUDA -Iinclude -Isrc \
+      nvcc -O2 -g -lineinfo -arch=sm_90 -std=c++17 -DAKV_WITH_CUDA -Iinclude -Isrc/core -Isrc/backends -Isrc/kernels \
         -I"$DEPS/usr/include" tests/gpu/test_$t.cu $srcs -L"$DEPS/usr/lib/x86_64-linux-gnu" \
         -lcmocka -o "$SOLO/test_$t"
     } >>"$BUILD_LOG" 2>&1

@@ -1,5 +1,5 @@
 /*
- * test_admission.c - the device page pool allocator (DESIGN §4, src/admission.c).
+ * test_admission.c - the device page pool allocator (DESIGN §4, src/core/admission.c).
  *
  * Rules one at a time, then in order, then property tests over thousands of
  * seeded random arrival/departure/length sequences checked against the

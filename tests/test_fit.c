@@ -1,5 +1,5 @@
 /*
- * test_fit.c - host-fit arithmetic and config validation (DESIGN §3, src/fit.c).
+ * test_fit.c - host-fit arithmetic and config validation (DESIGN §3, src/core/fit.c).
  *
  * Table-driven: every row is one config and the exact report (or status) it
  * must produce, including the floor boundaries where one token more or less
