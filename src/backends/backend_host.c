@@ -56,7 +56,7 @@
  *  - Memory. host_alloc and device_alloc both return host memory aligned to
  *    at least AKV_HOST_ALIGN bytes: anonymous private mappings (lazily
  *    committed, never touched here, so a 1 GiB pool costs nothing until
- *    written) from AKV_HOST_MMAP_MIN bytes on, aligned_alloc below. A small
+ *    written) from AKV_HOST_MMAP_MIN bytes on (device blocks always), aligned_alloc below. A small
  *    header right before the returned pointer says how to free it.
  *    mem_info describes device_alloc memory as a device exactly as large as
  *    what is allocated on it: free = 0, total = bytes allocated now, peak =
@@ -64,8 +64,10 @@
  *    on CUDA. With a fake capacity (akv_engine_config.host_fake_free_bytes,
  *    a testing aid for headroom) the device holds that many bytes: free =
  *    capacity - bytes allocated, total = capacity, and a device_alloc past
- *    it fails with AKV_ERR_OUT_OF_MEMORY. device_free fills small blocks
- *    with 0xFF before freeing them.
+ *    it fails with AKV_ERR_OUT_OF_MEMORY. Device blocks are always mappings,
+ *    whatever their size: they sit close together in the address space, as
+ *    cudaMalloc's do (the paged route's page grid relies on it, headroom.c),
+ *    and a read after their free faults instead of returning stale rows.
  *
  *  - Sync timeout. 30 s, overridable at init by the environment variable
  *    AKV_HOST_SYNC_TIMEOUT_MS (a positive integer; a testing aid).
@@ -540,7 +542,7 @@ static akv_status akv_host_block_alloc(void *ctx, size_t bytes, int device, void
   char *user = NULL;
   AKV_HOST_CHECK(akv_host_ctx_ok(c), AKV_ERR_BAD_HANDLE);
   AKV_HOST_CHECK(out != NULL && bytes > 0, AKV_ERR_INVALID_ARGUMENT);
-  if (bytes >= AKV_HOST_MMAP_MIN) {
+  if (bytes >= AKV_HOST_MMAP_MIN || device) {
     long page = sysconf(_SC_PAGESIZE);
     size_t prefix = page >= (long)AKV_HOST_ALIGN ? (size_t)page : AKV_HOST_ALIGN;
     AKV_HOST_CHECK(bytes <= SIZE_MAX - 2 * prefix, AKV_ERR_OUT_OF_MEMORY);
@@ -606,11 +608,6 @@ static void akv_host_block_free(void *ctx, void *ptr, int device) {
   void *base = h->base;
   size_t map_bytes = h->map_bytes;
   h->magic = AKV_HOST_MAGIC_DEAD;
-  /* Freed device memory reads 0xFF bytes (NaN in bf16, f16 and f32) until
-   * the allocator reuses it, so a reader that outlives a free is seen as
-   * corruption, not as plausible stale rows. Small blocks only: a mapping is
-   * unmapped, and a later read of it faults. */
-  if (device && map_bytes == 0) memset(ptr, 0xFF, bytes);
   if (map_bytes != 0)
     munmap(base, map_bytes);
   else

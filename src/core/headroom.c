@@ -237,7 +237,8 @@ AKV_API akv_status akv_headroom_release(akv_engine *e, uint64_t bytes, uint64_t 
                     "paged route)");
   const uint64_t chunk_bytes = (uint64_t)e->hr_chunk_pages * e->page_bytes;
   const uint32_t avail = e->hr_chunks - e->hr_pending_chunks;
-  uint64_t n64 = chunk_bytes ? (bytes + chunk_bytes - 1) / chunk_bytes : 0;
+  /* Whole chunks covering `bytes` (no overflow for bytes near UINT64_MAX). */
+  uint64_t n64 = chunk_bytes ? bytes / chunk_bytes + (bytes % chunk_bytes != 0) : 0;
   const uint32_t n = n64 > avail ? avail : (uint32_t)n64;
   if (freed_now) *freed_now = 0;
   if (pending) *pending = 0;
