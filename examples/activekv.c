@@ -282,8 +282,22 @@ static void usage(FILE *f) {
           "  --pcie-gbps F         host-to-device rate of the PCIe bound   [55.4]\n"
           "  --no-progress         no progress bar (it is drawn only on a terminal anyway)\n"
           "  -v, --verbose         the library's log down to debug\n"
+          "  --version             this program's and the loaded library's version\n"
           "  -h, --help\n",
           MODEL_MAX_BATCH);
+}
+
+/* The CLI's compile-time version and the version of the libactivekv actually
+ * loaded (they differ when the dynamic linker found another build). */
+static void print_version(void) {
+  printf("activekv %d.%d.%d (libactivekv %s loaded; CUDA model %s)\n", AKV_VERSION_MAJOR,
+         AKV_VERSION_MINOR, AKV_VERSION_PATCH, akv_version_string(),
+#ifdef ACTIVEKV_CUDA_MODEL
+         "built"
+#else
+         "not built"
+#endif
+  );
 }
 
 static int parse_u64(const char *flag, const char *s, uint64_t lo, uint64_t hi, uint64_t *out) {
@@ -366,6 +380,10 @@ static int parse_args(int argc, char **argv, int first, cli_opts *o) {
     char name[64];
     if (strcmp(arg, "-h") == 0 || strcmp(arg, "--help") == 0) {
       usage(stdout);
+      return -1;
+    }
+    if (strcmp(arg, "--version") == 0) {
+      print_version();
       return -1;
     }
     if (strcmp(arg, "-v") == 0 || strcmp(arg, "--verbose") == 0) {
@@ -1660,8 +1678,9 @@ int main(int argc, char **argv) {
   }
   if (strcmp(cmd, "demo") == 0) {
     /* The demo fixes its workload; only these flags change it. */
-    static const char *const allowed[] = {"--steps", "--seed", "--json", "--verbose",
-                                          "-v",      "--help", "-h",     "--no-progress"};
+    static const char *const allowed[] = {"--steps", "--seed", "--json",        "--verbose",
+                                          "-v",      "--help", "-h",            "--no-progress",
+                                          "--version"};
     o.steps = 6;
     for (int i = first; i < argc; ++i) {
       size_t n = strcspn(argv[i], "=");
