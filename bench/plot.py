@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
 """Plot the decode benchmark: tokens/s against device pool size.
 
-Reads the JSON lines `activekv decode --json` writes (bench/run_decode_bench.sh
-appends them to $OUT/decode.jsonl) and draws, per geometry preset:
+Reads the JSON lines `activekv decode --json` writes: by default the current
+result, bench/results/decode.jsonl (merged from a pass's $OUT/decode.jsonl by
+scripts/collect-results.py, one line per preset, route and pool, each with its
+date, machine, commit and command), or the files named. Draws, per geometry
+preset:
   - the arena and paged routes, tokens/s at each device pool size (GiB);
   - the stage route, at pool 0;
   - the resident route as a horizontal line (all history on the device);
@@ -12,7 +15,8 @@ appends them to $OUT/decode.jsonl) and draws, per geometry preset:
 Runs whose --check found a mismatch are marked with a red cross. Repeated runs
 of one (preset, route, pool) are reduced to their median.
 
-usage: bench/plot.py [decode.jsonl ...] [--out-dir docs]
+usage: bench/plot.py [decode.jsonl ...] [--out-dir docs]   (default input:
+       bench/results/decode.jsonl)
 Writes <out-dir>/decode_<preset>.png and prints each path.
 """
 import argparse

@@ -16,11 +16,13 @@
 #     headroom_release.request_to_reusable_ms.
 # Every run is `activekv decode --json` (with --check by default, so each line
 # carries its bitwise verdict against resident) and appends one JSON line to
-# $OUT/decode.jsonl. Plot with: python3 bench/plot.py $OUT/decode.jsonl
+# $OUT/decode.jsonl (a scratch file: bench/results/decode.jsonl is the current
+# result, merged from it with metadata by scripts/collect-results.py).
+# Plot with: python3 bench/plot.py $OUT/decode.jsonl
 #
 # usage: bench/run_decode_bench.sh [path/to/activekv]
 # environment (defaults in brackets):
-#   OUT        where decode.jsonl goes                [bench/results]
+#   OUT        where decode.jsonl goes                [${TMPDIR:-/tmp}/akv-decode]
 #   PRESETS    geometries                  ["llama3-8b llama3.2-1b gemma3-12b"]
 #   ROUTES     which routes to run                    ["resident stage arena paged"]
 #   CONTEXTS   contexts decoded together              [4]
@@ -51,7 +53,7 @@ if [ -z "$bin" ] || [ ! -x "$bin" ]; then
   exit 2
 fi
 
-OUT=${OUT:-$here/results}
+OUT=${OUT:-${TMPDIR:-/tmp}/akv-decode}
 PRESETS=${PRESETS:-"llama3-8b llama3.2-1b gemma3-12b"}
 ROUTES=${ROUTES:-"resident stage arena paged"}
 CONTEXTS=${CONTEXTS:-4}

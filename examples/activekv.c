@@ -79,6 +79,8 @@ static const preset presets[] = {
 
 typedef struct cli_opts {
   const char *preset;
+  int preset_set;       /* --preset was given */
+  int preset_defaulted; /* no --preset, host backend: tiny instead of llama3.2-1b */
   model_geometry g;
   uint64_t seed;
   uint32_t contexts;
@@ -105,6 +107,7 @@ typedef struct cli_opts {
 } cli_opts;
 
 static const preset *find_preset(const char *name);
+static akv_backend_kind resolve_backend(const cli_opts *o);
 
 static void opts_default(cli_opts *o) {
   memset(o, 0, sizeof *o);
@@ -200,6 +203,21 @@ static const char *fmt_xfer(char *buf, size_t cap, double bytes) {
   return buf;
 }
 
+/* Parameter counts, always decimal: "1.50 B", "268.44 M". */
+static const char *fmt_params(char *buf, size_t cap, uint64_t params) {
+  const double p = (double)params;
+  if (p >= 1e9) snprintf(buf, cap, "%.2f B", p / 1e9);
+  else snprintf(buf, cap, "%.2f M", p / 1e6);
+  return buf;
+}
+
+/* Physical memory of this machine in bytes, or 0 when it cannot be read. */
+static uint64_t machine_memory_bytes(void) {
+  long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page <= 0) return 0;
+  return (uint64_t)pages * (uint64_t)page;
+}
+
 /* A progress bar on stderr, drawn only when stderr is a terminal. */
 typedef struct progress {
   int on;
@@ -246,11 +264,12 @@ static void usage(FILE *f) {
           "  fit      print the host-fit line and its verdict (exit 3 if it does not fit)\n"
           "\n"
           "model (flags override the preset's values):\n"
-          "  --preset NAME         llama3-8b | llama3.2-1b | gemma3-12b | tiny   [llama3.2-1b]\n"
+          "  --preset NAME         llama3-8b | llama3.2-1b | gemma3-12b | tiny\n"
+          "                        [llama3.2-1b on CUDA; tiny on the host backend]\n"
           "  --layers N            layers (dense and sliding-window)\n"
           "  --heads N             query heads\n"
           "  --kv-heads N          K/V heads (GQA)\n"
-          "  --head-dim N          (CUDA attention: 64, 128 or 256)\n"
+          "  --head-dim N          multiple of 8, at most 256 (CUDA: 64, 128 or 256)\n"
           "  --hidden N  --ffn N  --vocab N  --rope-theta F\n"
           "  --window N            hybrid: sliding-window layers attend over the last N\n"
           "                        tokens, kept resident by the model (never staged);\n"
@@ -261,6 +280,7 @@ static void usage(FILE *f) {
           "workload:\n"
           "  --contexts N          contexts decoded together, 1..%d   [4]\n"
           "  --tokens N[,N...]     prefilled rows per context; a list is taken in turn [4096]\n"
+          "                        (a context holds --tokens + --warmup + --steps rows)\n"
           "  --steps N             measured decode steps   [16]\n"
           "  --warmup N            decode steps before measuring   [2]\n"
           "engine:\n"
@@ -268,7 +288,9 @@ static void usage(FILE *f) {
           "  --backend B           auto | host | cuda   [auto]\n"
           "  --device N            CUDA device   [0]\n"
           "  --host-pool-gib N     pinned host pool   [the smallest that fits --contexts]\n"
-          "  --device-pool-gib N   device page pool (arena, paged); nothing retained at 0   [0]\n"
+          "  --device-pool-gib N   device page pool (arena, paged); at 0 nothing is retained\n"
+          "                        and every row is staged, as on stage (said on stderr),\n"
+          "                        unless --headroom-gib retains it   [0]\n"
           "  --headroom-gib N      revocable headroom: borrow up to N GiB of free device memory\n"
           "                        for history (arena, paged); 0 = off   [0]\n"
           "  --headroom-reserve-gib N  device memory headroom leaves free   [0]\n"
@@ -292,8 +314,22 @@ static void usage(FILE *f) {
           "  --pcie-gbps F         host-to-device rate of the PCIe bound   [55.4]\n"
           "  --no-progress         no progress bar (it is drawn only on a terminal anyway)\n"
           "  -v, --verbose         the library's log down to debug\n"
+          "  --version             this program's and the loaded library's version\n"
           "  -h, --help\n",
           MODEL_MAX_BATCH);
+}
+
+/* The CLI's compile-time version and the version of the libactivekv actually
+ * loaded (they differ when the dynamic linker found another build). */
+static void print_version(void) {
+  printf("activekv %d.%d.%d (libactivekv %s loaded; CUDA model %s)\n", AKV_VERSION_MAJOR,
+         AKV_VERSION_MINOR, AKV_VERSION_PATCH, akv_version_string(),
+#ifdef ACTIVEKV_CUDA_MODEL
+         "built"
+#else
+         "not built"
+#endif
+  );
 }
 
 static int parse_u64(const char *flag, const char *s, uint64_t lo, uint64_t hi, uint64_t *out) {
@@ -329,6 +365,11 @@ static int parse_double(const char *flag, const char *s, double lo, double hi, d
   return 0;
 }
 
+/*
+ * --tokens N[,N...]. Every comma separates two values: an empty entry
+ * ("10,,20", ",10", "10,") is refused, never skipped, so the list the run
+ * uses is exactly the list that was typed.
+ */
 static int parse_tokens(const char *s, cli_opts *o) {
   char buf[256];
   if (s == NULL || strlen(s) >= sizeof buf) {
@@ -336,19 +377,24 @@ static int parse_tokens(const char *s, cli_opts *o) {
     return -1;
   }
   strcpy(buf, s);
-  o->n_tokens = 0;
-  for (char *save = NULL, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
-    if (o->n_tokens == MAX_LIST) {
+  uint32_t n = 0;
+  for (char *t = buf;;) {
+    char *comma = strchr(t, ',');
+    if (comma) *comma = '\0';
+    if (*t == '\0') {
+      say_error("--tokens: entry %u of '%s' is empty; expected N or N,N,...", n + 1, s);
+      return -1;
+    }
+    if (n == MAX_LIST) {
       say_error("--tokens: at most %d values", MAX_LIST);
       return -1;
     }
-    if (parse_u32("--tokens", t, 0, 1u << 30, &o->tokens[o->n_tokens])) return -1;
-    o->n_tokens++;
+    if (parse_u32("--tokens", t, 0, 1u << 30, &o->tokens[n])) return -1;
+    n++;
+    if (comma == NULL) break;
+    t = comma + 1;
   }
-  if (o->n_tokens == 0) {
-    say_error("--tokens: expected N or N,N,...");
-    return -1;
-  }
+  o->n_tokens = n;
   return 0;
 }
 
@@ -376,6 +422,10 @@ static int parse_args(int argc, char **argv, int first, cli_opts *o) {
     char name[64];
     if (strcmp(arg, "-h") == 0 || strcmp(arg, "--help") == 0) {
       usage(stdout);
+      return -1;
+    }
+    if (strcmp(arg, "--version") == 0) {
+      print_version();
       return -1;
     }
     if (strcmp(arg, "-v") == 0 || strcmp(arg, "--verbose") == 0) {
@@ -449,6 +499,7 @@ static int parse_args(int argc, char **argv, int first, cli_opts *o) {
       }
       o->preset = p->name;
       o->g = p->g;
+      o->preset_set = 1;
     } else if (strcmp(name, "--window") == 0) {
       rc = parse_u32(name, val, 0, 1u << 24, &window);
       window_set = 1;
@@ -526,6 +577,16 @@ static int parse_args(int argc, char **argv, int first, cli_opts *o) {
       rc = parse_double(name, val, 0.001, 1e6, &o->pcie_gbps);
     }
     if (rc) return EXIT_USAGE;
+  }
+
+  /* Without --preset the model must run on the backend this run uses: the
+   * CPU model holds MODEL_CPU_MAX_PARAMS, so the host backend (no GPU, or
+   * --backend host) defaults to tiny, as the demo does; CUDA to
+   * llama3.2-1b. Geometry flags then override the chosen preset. */
+  if (!o->preset_set && resolve_backend(o) == AKV_BACKEND_HOST) {
+    o->preset = "tiny";
+    o->g = find_preset("tiny")->g;
+    o->preset_defaulted = 1;
   }
 
   uint32_t *dst[7] = {&o->g.n_layers, &o->g.n_heads, &o->g.kv_heads, &o->g.head_dim,
@@ -1366,31 +1427,58 @@ out:
 
 static void print_geometry(const cli_opts *o) {
   const model_geometry *g = &o->g;
-  double params = (double)model_param_count(g);
-  char layers[128];
+  char layers[128], params[32];
   if (model_hybrid(g))
     snprintf(layers, sizeof layers,
              "%u layers (%u dense, staged; %u sliding-window of %u tokens, resident)", g->n_layers,
              model_dense_layers(g), model_window_layers(g), g->window);
   else
     snprintf(layers, sizeof layers, "%u layers", g->n_layers);
+  if (o->preset_defaulted)
+    printf("note: no --preset and the host backend, so the preset is tiny (llama3.2-1b, the "
+           "CUDA default, is beyond the CPU model); pass --preset to choose\n");
   printf("model: %s geometry, %s, %u q heads, %u kv heads, head_dim %u, hidden %u, "
-         "ffn %u, vocab %u (%.2f%s parameters, random weights, seed %llu)\n",
+         "ffn %u, vocab %u (%s parameters, random weights, seed %llu)\n",
          o->preset, layers, g->n_heads, g->kv_heads, g->head_dim, g->hidden, g->ffn, g->vocab,
-         params >= 1e9 ? params / 1e9 : params / 1e6, params >= 1e9 ? " B" : " M",
-         (unsigned long long)o->seed);
+         fmt_params(params, sizeof params, model_param_count(g)), (unsigned long long)o->seed);
 }
 
 static void print_tokens(FILE *f, const cli_opts *o, uint32_t n) {
   for (uint32_t i = 0; i < n; ++i) fprintf(f, "%s%u", i ? "," : "", ctx_tokens(o, i));
 }
 
-static void print_fit(const run_result *res) {
-  printf("fit: %s\n", res->fit.line);
-  if (res->host_pool_chosen)
+/*
+ * The lines under the library's fit line: where its token count comes from
+ * (the fit counts every row a context will hold, not only --tokens), which
+ * host pool was chosen, and whether that pool exceeds this machine's memory
+ * (a pool is never sized from memory, DESIGN §3, but one that cannot be
+ * pinned here is said so before anything is allocated).
+ */
+static void print_fit_notes(const cli_opts *o, uint32_t pool_gib, int pool_chosen) {
+  char a[32];
+  printf("fit: %u rows per context = %s--tokens %u + --warmup %u + --steps %u (every decoded "
+         "step appends a row)\n",
+         max_tokens(o), o->n_tokens > 1 ? "the longest " : "", max_history(o), o->warmup,
+         o->steps);
+  if (pool_chosen)
     printf("fit: host pool %u GiB is the smallest that holds --contexts (set --host-pool-gib "
            "to choose)\n",
-           res->host_pool_gib);
+           pool_gib);
+  const uint64_t mem = machine_memory_bytes();
+  if (mem > 0 && (uint64_t)pool_gib * GIB > mem)
+    printf("fit: warning: the %u GiB host pool%s is more than this machine's %s of memory and "
+           "cannot be pinned here; lower --contexts or --tokens, or run on a larger machine\n",
+           pool_gib, pool_chosen ? " it needs" : " (--host-pool-gib)",
+           fmt_mem(a, sizeof a, mem));
+  else if (mem == 0)
+    printf("fit: this machine's memory could not be read; the %u GiB host pool is unchecked "
+           "against it\n",
+           pool_gib);
+}
+
+static void print_fit(const cli_opts *o, const run_result *res) {
+  printf("fit: %s\n", res->fit.line);
+  print_fit_notes(o, res->host_pool_gib, res->host_pool_chosen);
 }
 
 /* PCIe bound of the staged bytes: ms per step and tokens/s. */
@@ -1567,12 +1655,14 @@ static int cmd_fit(const cli_opts *o) {
   if (fit_config(o, resolve_backend(o), &cfg, &r, &chosen) != 0) return EXIT_USAGE;
   if (o->json) {
     printf("{\"cmd\":\"fit\",\"preset\":\"%s\",\"fit_mode\":\"%s\",\"contexts\":%u,"
-           "\"max_tokens\":%u,"
+           "\"tokens\":%u,\"warmup\":%u,\"steps\":%u,\"host_pool_chosen\":%s,"
+           "\"machine_memory_bytes\":%llu,\"max_tokens\":%u,"
            "\"row_bytes\":%llu,\"history_bytes\":%llu,\"host_pool_gib\":%u,"
            "\"host_pool_bytes\":%llu,\"fits\":%llu,\"effective_concurrency\":%u,\"ok\":%s,"
            "\"host_pool_gib_needed\":%u,\"page_bytes\":%llu,\"device_pages\":%llu}\n",
            o->preset, o->fit_mode == AKV_FIT_SHRINK ? "shrink" : "refuse", o->contexts,
-           cfg.max_tokens, (unsigned long long)r.row_bytes,
+           max_history(o), o->warmup, o->steps, chosen ? "true" : "false",
+           (unsigned long long)machine_memory_bytes(), cfg.max_tokens, (unsigned long long)r.row_bytes,
            (unsigned long long)r.history_bytes, cfg.host_pool_gib,
            (unsigned long long)r.host_pool_bytes, (unsigned long long)r.fits,
            r.effective_concurrency, r.ok ? "true" : "false", r.host_pool_gib_needed,
@@ -1581,10 +1671,7 @@ static int cmd_fit(const cli_opts *o) {
     char a[32], b[32];
     print_geometry(o);
     printf("fit: %s\n", r.line);
-    if (chosen)
-      printf("fit: host pool %u GiB is the smallest that holds --contexts (set "
-             "--host-pool-gib to choose)\n",
-             cfg.host_pool_gib);
+    print_fit_notes(o, cfg.host_pool_gib, chosen);
     if (cfg.device_pool_gib > 0)
       printf("device pool: %u GiB = %llu pages of %s (%u tokens of every layer)\n",
              cfg.device_pool_gib, (unsigned long long)r.device_pages,
@@ -1605,12 +1692,46 @@ static int cmd_fit(const cli_opts *o) {
   return r.ok ? 0 : EXIT_NO_FIT;
 }
 
+/*
+ * What the model of this run's backend can take, checked before anything is
+ * printed or allocated so that a bad flag is named with exit 2 rather than
+ * surfacing as the model's runtime error (exit 1).
+ */
+static int check_model(const cli_opts *o, akv_backend_kind backend) {
+  const model_geometry *g = &o->g;
+  char a[32], b[32];
+  if (backend == AKV_BACKEND_CUDA) {
+    if (g->head_dim != 64 && g->head_dim != 128 && g->head_dim != 256) {
+      say_error("--head-dim %u: the CUDA attention kernels take 64, 128 or 256", g->head_dim);
+      return EXIT_USAGE;
+    }
+    return 0;
+  }
+  if (g->head_dim > AKV_ATTENTION_MAX_HEAD_DIM) {
+    say_error("--head-dim %u: the host backend's reference attention takes at most %u "
+              "(a multiple of 8)",
+              g->head_dim, AKV_ATTENTION_MAX_HEAD_DIM);
+    return EXIT_USAGE;
+  }
+  if (model_param_count(g) > MODEL_CPU_MAX_PARAMS) {
+    say_error("the %s geometry has %s parameters, more than the %s the host backend's CPU "
+              "model holds; use --preset tiny, shrink --layers/--hidden/--ffn/--vocab, or "
+              "--backend cuda on a GPU machine",
+              o->preset, fmt_params(a, sizeof a, model_param_count(g)),
+              fmt_params(b, sizeof b, MODEL_CPU_MAX_PARAMS));
+    return EXIT_USAGE;
+  }
+  return 0;
+}
+
 static int cmd_decode(const cli_opts *o) {
   run_result res;
   if (o->route == ROUTE_RESIDENT && o->check) {
     say_error("--check compares a staged route with resident; pass --route stage, arena or paged");
     return EXIT_USAGE;
   }
+  int rc = check_model(o, resolve_backend(o));
+  if (rc != 0) return rc;
   if (!o->json) {
     print_geometry(o);
     printf("run: route %s, %u contexts x ", route_names[o->route], o->contexts);
@@ -1628,7 +1749,7 @@ static int cmd_decode(const cli_opts *o) {
     if (o->route == ROUTE_RESIDENT)
       printf("fit: resident route, no engine: every row stays on the device\n");
     else
-      print_fit(&pre);
+      print_fit(o, &pre);
     fflush(stdout);
   }
   if (run(o, !o->json, &res) != 0) return EXIT_RUN_ERROR;
@@ -1641,6 +1762,7 @@ static int cmd_demo(const cli_opts *base) {
   /* The demo geometry, contexts across page boundaries (255 crosses 256 at
    * its first step, 318 crosses 320 at its third), host backend. */
   cli_opts o = *base;
+  o.preset_defaulted = 0; /* the demo picks its own geometry, below */
   /* CUDA when a device is there (llama3.2-1b's layer geometry, 4 layers: the
    * CUDA attention takes head_dim 64/128/256), the host backend otherwise. */
   o.backend = resolve_backend(base);
@@ -1702,7 +1824,7 @@ static int cmd_demo(const cli_opts *base) {
     } else {
       char a[32], b[32];
       if (k == 0) {
-        print_fit(&res);
+        print_fit(&o, &res);
         printf("\n  %-30s %10s %12s %12s %10s  %s\n", "route", "dev pool", "H2D/step",
                "D2D/step", "tokens/s", "bitwise vs resident");
       }
@@ -1744,8 +1866,9 @@ int main(int argc, char **argv) {
   }
   if (strcmp(cmd, "demo") == 0) {
     /* The demo fixes its workload; only these flags change it. */
-    static const char *const allowed[] = {"--steps", "--seed", "--json", "--verbose",
-                                          "-v",      "--help", "-h",     "--no-progress"};
+    static const char *const allowed[] = {"--steps", "--seed", "--json",        "--verbose",
+                                          "-v",      "--help", "-h",            "--no-progress",
+                                          "--version"};
     o.steps = 6;
     for (int i = first; i < argc; ++i) {
       size_t n = strcspn(argv[i], "=");
@@ -1776,6 +1899,21 @@ int main(int argc, char **argv) {
               o.device_pool_gib);
     return EXIT_USAGE;
   }
+  if (strcmp(cmd, "decode") == 0 && (o.headroom_gib > 0 || o.release_headroom_at > 0) &&
+      !route_retains(o.route)) {
+    say_error("--headroom-gib / --release-headroom-at: only --route arena or paged retains "
+              "history in headroom");
+    return EXIT_USAGE;
+  }
+  if (strcmp(cmd, "decode") == 0 && o.device_pool_gib == 0 && o.headroom_gib == 0 &&
+      route_retains(o.route))
+    /* Allowed (the benchmark sweeps the pool from 0), but never silent: with
+     * no pool the route retains nothing and stages every row. */
+    fprintf(stderr,
+            "activekv: note: --route %s with --device-pool-gib 0 retains no page: every row "
+            "is staged each step, as on --route stage (pass --device-pool-gib N to retain "
+            "pages)\n",
+            route_names[o.route]);
   if (strcmp(cmd, "fit") == 0) return cmd_fit(&o);
   if (strcmp(cmd, "decode") == 0) return cmd_decode(&o);
   return cmd_demo(&o);

@@ -19,6 +19,12 @@
 # Files written under $OUT (at most 8 come back):
 #   build.log  ctest-gpu.log  sanitizer.log  bench.log  bench.jsonl
 #   decode.log  decode.jsonl  summary.txt
+# Back on the CPU machine, merge them into the one current result file of
+# each benchmark (no pass files; git keeps the history):
+#   scripts/collect-results.py "$OUT" "$(git rev-parse --short HEAD)" "<the command>"
+# updates bench/results/decode.jsonl, attention_bw.json, host_cost.json and
+# gpu_pass.json, each record with its date, machine, commit and command; then
+# `python3 bench/plot.py` redraws docs/decode_<preset>.png from decode.jsonl.
 #
 # Knobs (environment):
 #   AKV_STEPS     steps to run, default "build hostcost ctest sanitizer cli
