@@ -113,6 +113,32 @@ AKV_API const char *akv_status_string(akv_status status);
 typedef struct akv_engine akv_engine;   /**< one engine: pools, queues, admission */
 typedef struct akv_context akv_context; /**< one request's history */
 typedef struct akv_lease akv_lease;     /**< one staged layer, begin..retire */
+
+/*
+ * Handle lifetimes. Engine, context and lease handles are records the library
+ * takes from process-wide pools and never frees: a handle that died (engine
+ * destroyed, context closed or freed with its engine, lease retired or
+ * released by quarantine) stays readable and answers AKV_ERR_BAD_HANDLE,
+ * changing nothing. Free records are handed out again in FIFO order, so a
+ * dead handle could only come back to life (naming a newer object) after the
+ * number of later hand-outs below; do not keep dead handles.
+ *  - engine: at least AKV_ENGINE_HANDLE_REUSE_MIN later successful
+ *    akv_engine_create calls in the process;
+ *  - context: at least AKV_CONTEXT_HANDLE_REUSE_MIN later successful
+ *    akv_context_open calls in the process (on any engine), whatever stays
+ *    open meanwhile; a context freed by akv_engine_destroy likewise;
+ *  - lease: at least (AKV_LEASE_HANDLES_PER_LAYER - 1) x n_dense_layers later
+ *    akv_lease_begin calls on its engine (15 whole steps); once its engine is
+ *    destroyed, at least AKV_LEASE_HANDLE_REUSE_MIN lease handle records
+ *    handed to later engines (each takes AKV_LEASE_HANDLES_PER_LAYER per dense
+ *    layer at create).
+ * Pointers that were never handles (other objects, freed memory of the
+ * caller's) cannot be told apart reliably: pass only handles or NULL.
+ */
+#define AKV_ENGINE_HANDLE_REUSE_MIN 32
+#define AKV_CONTEXT_HANDLE_REUSE_MIN 1024
+#define AKV_LEASE_HANDLES_PER_LAYER 16
+#define AKV_LEASE_HANDLE_REUSE_MIN 4096
 /**
  * A queue of the engine's backend, as the caller's compute stream.
  * CUDA backend: a cudaStream_t cast to akv_stream (see akv_cuda.h).
