@@ -5,7 +5,11 @@
 #include <string.h>
 
 #include "internal.h"
+#include "records.h"
 
+/* A context record is never freed (records.h) and its engine pointer names
+ * an engine record, also never freed: checking a closed handle, or one whose
+ * engine was destroyed, reads only live memory. */
 bool akv_context_ok(const akv_context *c) {
   return c != NULL && c->magic == AKV_MAGIC_CONTEXT && c->magic_end == AKV_MAGIC_CONTEXT &&
          akv_engine_ok(c->engine) && c->open;
@@ -75,14 +79,16 @@ AKV_API akv_status akv_context_open(akv_engine *e, const akv_context_config *con
     akv_adm_explain(e->adm, AKV_ADM_NONE, why, sizeof(why));
     return akv_fail(e, st, "context_open: %s", why);
   }
-  /* The next record not in use, in turn: a handle closed since stays dead
-   * until every other record has been opened (n_records > concurrency, so
-   * one is always free). */
-  for (uint32_t k = 0; k < e->n_records && c == NULL; k++) {
-    akv_context *r = &e->contexts[(e->next_record + k) % e->n_records];
-    if (!r->open) c = r;
+  /* A record of the process-wide pool, in FIFO order: a closed handle
+   * queues behind at least AKV_CONTEXT_HANDLE_REUSE_MIN free records. The
+   * engine reserved its concurrency at create, so this take never
+   * allocates and never fails; the check guards the invariant. */
+  c = akv_rec_take(&akv_context_records);
+  if (c == NULL) {
+    akv_adm_release(e->adm, e->step, slot);
+    return akv_fail(e, AKV_ERR_OUT_OF_MEMORY, "context_open: no context handle record");
   }
-  e->next_record = (uint32_t)(c - e->contexts + 1) % e->n_records;
+  c->engine = e;
   c->slot = slot;
   c->host = e->host_pool + (uint64_t)slot * e->fit.history_bytes;
   c->host_leases = 0;
@@ -118,6 +124,7 @@ AKV_API akv_status akv_context_close(akv_context *c) {
   c->magic = c->magic_end = AKV_MAGIC_DEAD;
   e->slot_owner[c->slot] = NULL;
   e->open_contexts--;
+  akv_rec_give(&akv_context_records, c); /* dead, at the tail of the FIFO */
   return AKV_OK;
 }
 
