@@ -379,6 +379,12 @@ class _Driver:
         self.hook_seals = 0
         self.fallback_seals = 0
 
+    def torch_stream(self) -> int:
+        """torch's current CUDA stream as an akv_stream. torch's default stream is the legacy
+        default stream, whose cudaStream_t is 0; the engine refuses a NULL stream, so it is
+        named by its other handle, cudaStreamLegacy ((cudaStream_t)0x1), the same stream."""
+        return torch.cuda.current_stream(self.device).cuda_stream or 1  # 1 = cudaStreamLegacy
+
     # -- errors -------------------------------------------------------------
 
     def check(self, status: int, what: str) -> None:
@@ -416,15 +422,16 @@ class _Driver:
         self.batch = batch
 
     def append(self, d: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        # [B, H, T, D] on the model's device -> [B, T, H, D] on the host, one transfer each.
-        k_host = key_states.detach().transpose(1, 2).to("cpu")
-        v_host = value_states.detach().transpose(1, 2).to("cpu")
         n = int(key_states.shape[-2])
         if self.layer_len[d] + n > self.max_tokens:
             raise ValueError("ActiveKVCache: %d rows exceed max_cache_len=%d"
                              % (self.layer_len[d] + n, self.max_tokens))
+        # [B, H, T, D] on the model's device -> [B, T, H, D] contiguous there (token-major
+        # rows, the host pool's layout), then one device-to-host transfer each for K and V.
+        k_host = key_states.detach().transpose(1, 2).contiguous().cpu()
+        v_host = value_states.detach().transpose(1, 2).contiguous().cpu()
         for b, ctx in enumerate(self.contexts):
-            ctx.append_layer(d, k_host[b].contiguous(), v_host[b].contiguous())
+            ctx.append_layer(d, k_host[b], v_host[b])
         self.layer_len[d] += n
 
     # -- decode -------------------------------------------------------------
@@ -469,10 +476,7 @@ class _Driver:
         length = self.layer_len[d]
         if length + 1 > self.max_tokens:
             raise ValueError("ActiveKVCache: a new row exceeds max_cache_len=%d" % self.max_tokens)
-        if self.host_stream is None:
-            stream = torch.cuda.current_stream(self.device).cuda_stream
-        else:
-            stream = self.host_stream_raw
+        stream = self.host_stream_raw if self.host_stream is not None else self.torch_stream()
         lease = ctypes.c_void_p()
         self.check(api.begin(self.eng, d, ctypes.byref(lease)), "lease_begin")
         lease = lease.value
@@ -564,8 +568,7 @@ class _Driver:
         if self.pending is not None:
             self.seal_pending()
         api = self.api
-        stream = self.host_stream_raw if self.host_stream is not None else (
-            torch.cuda.current_stream(self.device).cuda_stream)
+        stream = self.host_stream_raw if self.host_stream is not None else self.torch_stream()
         while self.next_dense < self.n_dense:
             d = self.next_dense
             lease = ctypes.c_void_p()
@@ -618,7 +621,7 @@ class ActiveKVLayer(CacheLayerMixin):
         super().__init__()
         self._driver = driver
         self.dense_index = dense_index
-        self.max_cache_len = max_cache_len
+        self._max_cache_len = max_cache_len
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         drv = self._driver
@@ -776,7 +779,7 @@ class ActiveKVCache(Cache):
         self._driver = driver
         self.engine_config = ecfg
         self.dense_layers = dense  # dense index d -> model layer index
-        self.max_cache_len = max_cache_len
+        self._max_cache_len = max_cache_len
         self._hooks: list = []
         if model is not None:
             self.attach(model)
