@@ -307,6 +307,17 @@ class _CudaArray:
 
 # ----------------------------------------------------------------- engine
 
+_CUDA_STREAM_LEGACY = 1  # cudaStreamLegacy, ((cudaStream_t)0x1)
+
+
+def _torch_stream_handle(stream: Any) -> int:
+    """A torch.cuda.Stream as the engine's compute stream. torch's default
+    stream is CUDA's legacy default stream, cudaStream_t 0; the engine refuses
+    a NULL stream (NULL is ambiguous under per-thread default streams), so it
+    is named by its explicit handle cudaStreamLegacy, the same stream."""
+    return int(stream.cuda_stream) or _CUDA_STREAM_LEGACY
+
+
 LogFn = Callable[[str, str], None]
 
 
@@ -551,11 +562,12 @@ class Engine:
 
     def default_stream(self) -> Union[int, "Stream"]:
         """The stream used when a call is given stream=None: on CUDA torch's
-        current stream (its cudaStream_t as an int); on the host backend one
+        current stream (its cudaStream_t as an int; torch's default stream,
+        0, as cudaStreamLegacy, 1: the same stream); on the host backend one
         engine-owned Stream, created on first use and destroyed on close."""
         self._h()
         if self.backend == "cuda":
-            return int(_torch().cuda.current_stream().cuda_stream)
+            return _torch_stream_handle(_torch().cuda.current_stream())
         if self._default_stream is None or self._default_stream._handle is None:
             self._default_stream = self.stream_create()
         return self._default_stream
@@ -569,7 +581,7 @@ class Engine:
                 raise InvalidArgument.make("the stream belongs to another engine")
             return stream._h(), stream
         if hasattr(stream, "cuda_stream"):  # torch.cuda.Stream
-            return int(stream.cuda_stream), None
+            return _torch_stream_handle(stream), None
         if isinstance(stream, (int, np.integer)):
             return int(stream), None
         raise InvalidArgument.make(f"stream {stream!r}: expected a Stream, a torch.cuda.Stream, "

@@ -24,7 +24,21 @@ def test_default_stream_is_torchs_current_stream():
         s = torch.cuda.Stream()
         with torch.cuda.stream(s):
             assert eng.default_stream() == s.cuda_stream
-        assert eng.default_stream() == torch.cuda.current_stream().cuda_stream
+        # torch's default stream is cudaStream_t 0, named cudaStreamLegacy (1)
+        assert eng.default_stream() == (torch.cuda.current_stream().cuda_stream or 1)
+        rng = np.random.default_rng(0)
+        with eng.open_context() as ctx:  # a whole step on torch's default stream
+            ctx.append(rng.integers(0, 2**15, (L, 3, H, D), dtype=np.uint16),
+                       rng.integers(0, 2**15, (L, 3, H, D), dtype=np.uint16))
+            with eng.step([ctx]):
+                for layer in range(L):
+                    lease = eng.lease_begin(layer)
+                    lease.wait_ready().keys(0)[3] = 1.0
+                    attn = lease.mark_consumed()
+                    lease.seal(lease.write_back(), attn)
+                    lease.retire()
+            k, _ = ctx.read(2, 3, 1)
+            assert (k == 0x3F80).all()  # 1.0 in bf16
 
 
 @pytest.mark.parametrize("route,pool", [("stage", 0), ("arena", 1)])
