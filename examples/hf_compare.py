@@ -9,6 +9,9 @@ Decodes a random-weight Llama model (bf16, SDPA) over several long contexts with
   half        ActiveKVCache, arena route, pool = half the history (whole GiB, rounded up),
               fair-share targets: about half of each context retained on the device
   all         ActiveKVCache, arena route, pool = the whole history: nothing staged from host
+  resident2   DynamicCache again, last: checks that resident decoding is itself deterministic
+              (bit-identical to the first run) and shows how far the machine drifted between
+              the first and the last row (the decode of one process is often bound by the host)
 
 Every row starts from the same history (a seeded synthetic history appended through each
 cache's own update(), layer by layer as a prefill would; or --history model: the model's
@@ -67,7 +70,7 @@ PRESETS = {
                   num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=256,
                   tie_word_embeddings=False),
 }
-ROWS = ("resident", "offloaded", "stage", "half", "all")
+ROWS = ("resident", "offloaded", "stage", "half", "all", "resident2")
 
 
 def parse_args(argv):
@@ -189,10 +192,12 @@ def fill_history(model, cache, args, dev):
 
 
 def decode(model, cache, args, dev, ref_logits=None):
-    """Greedy decode of args.steps tokens from the same first token; times every step."""
+    """Greedy decode of args.steps tokens from the same first token; times every step
+    (synchronize + perf_counter around it) and the host time until the forward returned
+    (host-enqueue: close to the step time when the step is bound by the host, not the GPU)."""
     kw = cache_kw(model)
     token = torch.full((args.contexts, 1), 1, dtype=torch.long, device=dev)
-    times, logits_host, equal = [], [], []
+    times, enqueued, logits_host, equal = [], [], [], []
     first_mismatch, max_diff = None, 0.0
     with torch.no_grad():
         for s in range(args.steps):
@@ -201,6 +206,7 @@ def decode(model, cache, args, dev, ref_logits=None):
             out = model(input_ids=token, use_cache=True, **{kw: cache})
             logits = out.logits[:, -1]
             token = logits.argmax(-1, keepdim=True)
+            enqueued.append(time.perf_counter() - t0)
             sync(dev)
             times.append(time.perf_counter() - t0)
             host = logits.to("cpu")
@@ -213,7 +219,7 @@ def decode(model, cache, args, dev, ref_logits=None):
                 if not same:
                     first_mismatch = s if first_mismatch is None else first_mismatch
                     max_diff = max(max_diff, (host.float() - ref_logits[s].float()).abs().max().item())
-    return times, logits_host, equal, first_mismatch, max_diff
+    return times, enqueued, logits_host, equal, first_mismatch, max_diff
 
 
 def offloaded_bytes_per_step(model, args):
@@ -237,7 +243,7 @@ def history_bytes(model, args):
 
 def make_cache(row, model, args, dev):
     """(cache, extra row fields). ActiveKV rows import the adapter lazily."""
-    if row == "resident":
+    if row in ("resident", "resident2"):
         return DynamicCache(config=model.config), {}
     if row == "offloaded":
         if not cuda(dev):
@@ -291,12 +297,13 @@ def run_row(row, model, args, dev, bw, ref, weights_bytes):
         info0 = engine.info() if engine is not None else None
         if cuda(dev):
             torch.cuda.reset_peak_memory_stats(dev)
-        times, logits, equal, mismatch, max_diff = decode(
-            model, cache, args, dev, None if row == "resident" else ref.get("logits"))
+        times, enqueued, logits, equal, mismatch, max_diff = decode(
+            model, cache, args, dev, None if row == "resident" else ref["logits"])
         timed = times[args.warmup:]
         rec["step_ms_median"] = statistics.median(timed) * 1e3
         rec["step_ms_p90"] = sorted(timed)[min(len(timed) - 1, int(math.ceil(0.9 * len(timed))) - 1)] * 1e3
         rec["tokens_per_s"] = args.contexts * len(timed) / sum(timed)
+        rec["host_enqueue_ms_median"] = statistics.median(enqueued[args.warmup:]) * 1e3
         rec["step_ms_all"] = [round(t * 1e3, 3) for t in times]
         torch_peak = torch.cuda.max_memory_allocated(dev) if cuda(dev) else 0
         rec["device_peak_torch_bytes"] = torch_peak
@@ -394,15 +401,17 @@ def fmt_bytes(n):
 
 
 def print_table(rows):
-    head = ("row", "tok/s", "med ms", "p90 ms", "dev peak", "H2D/step", "xPCIe", "xres", "bitwise")
-    print("%-10s %9s %9s %9s %11s %11s %7s %6s %8s" % head)
+    head = ("row", "tok/s", "med ms", "p90 ms", "host ms", "dev peak", "H2D/step", "xPCIe", "xres",
+            "bitwise")
+    print("%-10s %9s %9s %9s %8s %11s %11s %7s %6s %8s" % head)
     for r in rows:
         if not r.get("ok"):
             print("%-10s %s" % (r["row"], r.get("skipped") and "skipped: " + r["skipped"]
                                 or "FAILED: " + r.get("error", r.get("close_error", "?"))))
             continue
-        print("%-10s %9.1f %9.2f %9.2f %11s %11s %7s %6.3f %8s" % (
+        print("%-10s %9.1f %9.2f %9.2f %8.2f %11s %11s %7s %6.3f %8s" % (
             r["row"], r["tokens_per_s"], r["step_ms_median"], r["step_ms_p90"],
+            r["host_enqueue_ms_median"],
             fmt_bytes(r["device_peak_bytes"]), fmt_bytes(r.get("h2d_bytes_per_step")),
             "%.3f" % r["pcie_ratio"] if r.get("pcie_ratio") else "-", r.get("vs_resident", 0),
             "yes" if r["bitwise"] else "NO (step %s)" % r.get("first_mismatch_step")))

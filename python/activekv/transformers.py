@@ -68,6 +68,10 @@ __all__ = ["ActiveKVCache", "ActiveKVLayer", "dense_layer_indices", "engine_conf
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 
+# torch's current CUDA stream as a raw cudaStream_t without building a Stream object
+# (a few microseconds a layer); the public call is the fallback.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
 
 
 def _status_name(status: int) -> str:
@@ -342,6 +346,7 @@ class _Driver:
             self.engine.close()
             raise
         self.device = device
+        self.device_index = device.index if device.index is not None else 0
         self.dtype = dtype
         self.itemsize = torch.empty((), dtype=dtype).element_size()
         self.n_dense = n_dense
@@ -383,7 +388,10 @@ class _Driver:
         """torch's current CUDA stream as an akv_stream. torch's default stream is the legacy
         default stream, whose cudaStream_t is 0; the engine refuses a NULL stream, so it is
         named by its other handle, cudaStreamLegacy ((cudaStream_t)0x1), the same stream."""
-        return torch.cuda.current_stream(self.device).cuda_stream or 1  # 1 = cudaStreamLegacy
+        raw = _raw_stream
+        if raw is not None:
+            return raw(self.device_index) or 1  # 1 = cudaStreamLegacy
+        return torch.cuda.current_stream(self.device).cuda_stream or 1
 
     # -- errors -------------------------------------------------------------
 
@@ -504,13 +512,17 @@ class _Driver:
             flat = _buffer_tensor(base, self.staging_extent, self.dtype, self.device)
             self.buffers[base] = flat
         isz = self.itemsize
-        size = (self.batch, view.kv_heads, length + 1, view.head_dim)
-        strides = (view.context_stride // isz, view.head_dim, view.row_stride // isz, 1)
+        heads, dim = view.kv_heads, view.head_dim
+        cs, rs, vo = view.context_stride // isz, view.row_stride // isz, view.v_offset // isz
+        size = (self.batch, heads, length + 1, dim)
+        strides = (cs, dim, rs, 1)
         keys = flat.as_strided(size, strides, 0)
-        values = flat.as_strided(size, strides, view.v_offset // isz)
+        values = flat.as_strided(size, strides, vo)
         # The step's new row at index len, written on torch's stream before attention.
-        keys[:, :, length].copy_(key_states[:, :, 0])
-        values[:, :, length].copy_(value_states[:, :, 0])
+        row = (self.batch, heads, dim)
+        row_strides = (cs, dim, 1)
+        flat.as_strided(row, row_strides, length * rs).copy_(key_states.select(2, 0))
+        flat.as_strided(row, row_strides, length * rs + vo).copy_(value_states.select(2, 0))
         self.layer_len[d] = length + 1
         return keys, values
 
