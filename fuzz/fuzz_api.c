@@ -448,6 +448,25 @@ static void op_append(state *s, input *in, int failed) {
     v[l] = g_rows[l];
   }
   if (b == 1) k[s->layers - 1] = NULL;
+  if (b & 0x10) {
+    /* One layer only (layer may be out of range; b & 0x20 a NULL row
+     * array): the context's length is the minimum over its layers, so a
+     * per-layer append never lowers it and a refused one never moves it. */
+    uint32_t layer = byte(in) % (MAX_LAYERS + 2), before = 0, after = 0;
+    int had = akv_context_length(c, &before) == AKV_OK;
+    akv_status st = akv_context_append_layer(c, layer, n, b & 0x20 ? NULL : g_rows[layer % MAX_LAYERS],
+                                             g_rows[layer % MAX_LAYERS]);
+    expect_mut(s, failed, "akv_context_append_layer", st,
+               OKS | BH | IA | S(AKV_ERR_CAPACITY) | S(AKV_ERR_IN_USE) | QU);
+    expect_dead_refused(s, "akv_context_append_layer", c, st);
+    if (had && (akv_context_length(c, &after) != AKV_OK || after < before ||
+                (st != AKV_OK && after != before) || after > before + n)) {
+      fprintf(stderr, "fuzz_api: akv_context_append_layer (%s) moved the length %u -> %u\n",
+              akv_status_string(st), before, after);
+      abort();
+    }
+    return;
+  }
   akv_status st = akv_context_append(c, n, b == 2 ? NULL : k, b == 3 ? NULL : v);
   expect_mut(s, failed, "akv_context_append", st,
              OKS | BH | IA | S(AKV_ERR_CAPACITY) | S(AKV_ERR_IN_USE) | QU);
@@ -485,7 +504,8 @@ static void op_step_begin(state *s, input *in, int failed) {
   uint8_t b = byte(in);
   for (uint32_t i = 0; i < n; i++) list[i] = pick_ctx(s, in);
   expect_mut(s, failed, "akv_step_begin", akv_step_begin(s->e, b == 7 ? NULL : list, n),
-             OKS | BH | IA | S(AKV_ERR_STEP_STATE) | S(AKV_ERR_CAPACITY) | BE | QU);
+             OKS | BH | IA | S(AKV_ERR_STEP_STATE) | S(AKV_ERR_CAPACITY) |
+                 S(AKV_ERR_UNEVEN_LAYERS) | BE | QU);
 }
 
 static void op_lease_begin(state *s, input *in, int failed) {
@@ -787,7 +807,8 @@ static void op_legal_step(state *s, int failed) {
   if (n == 0 || s->streams[0] == NULL) return;
   st = akv_step_begin(s->e, list, n);
   expect_mut(s, failed, "akv_step_begin", st,
-             OKS | BH | IA | S(AKV_ERR_STEP_STATE) | S(AKV_ERR_CAPACITY) | BE | QU);
+             OKS | BH | IA | S(AKV_ERR_STEP_STATE) | S(AKV_ERR_CAPACITY) |
+                 S(AKV_ERR_UNEVEN_LAYERS) | BE | QU);
   if (st != AKV_OK) return;
   s->hook_mode = 0;
   for (uint32_t l = 0; l < s->layers; l++) {

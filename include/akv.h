@@ -125,7 +125,10 @@ typedef enum akv_status {
   AKV_ERR_NOT_SUPPORTED = 18,
   /** The object is in use by the current step (close a context mid-step, ...). */
   AKV_ERR_IN_USE = 19,
-  AKV_STATUS_COUNT_ = 20
+  /** step_begin: a context's dense layers hold different row counts (filled
+   *  unevenly through akv_context_append_layer); nothing changed. */
+  AKV_ERR_UNEVEN_LAYERS = 20,
+  AKV_STATUS_COUNT_ = 21
 } akv_status;
 
 /** A short English description of a status; never NULL, static storage.
@@ -495,16 +498,49 @@ AKV_API akv_status akv_context_close(akv_context *context);
 /**
  * Appends `n_tokens` prefilled rows to every dense layer (synchronous host
  * copy into the pinned pool). k_rows[l] and v_rows[l] point to n_tokens rows of
- * layer l (token-major, row_bytes each). Not allowed while the context is part
- * of an open step. Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT,
+ * layer l (token-major, row_bytes each). Each layer's rows go after the rows
+ * that layer holds (the same place on every layer unless akv_context_append_layer
+ * filled them unevenly; capacity is checked against the layer holding the most).
+ * Not allowed while the context is part of an open step. Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT,
  * AKV_ERR_CAPACITY (nothing appended), AKV_ERR_IN_USE, AKV_ERR_QUARANTINED.
  */
 AKV_API akv_status akv_context_append(akv_context *context, uint32_t n_tokens,
                                       const void *const *k_rows, const void *const *v_rows);
 
 /**
- * Copies rows [first, first+n) of one layer out of the authoritative host pool.
- * Allowed while no lease of an open step can write them (outside a step, or
+ * Appends `n_tokens` prefilled rows to ONE dense layer, `layer`, after the
+ * rows that layer already holds (synchronous host copy into the pinned pool;
+ * enqueues nothing, does not block on any queue). For callers that receive a
+ * prompt's K/V one layer at a time (a framework's per-layer cache update).
+ * k_rows and v_rows point to n_tokens rows of that layer (token-major,
+ * row_bytes each); they may be NULL when n_tokens == 0. The caller keeps
+ * ownership of both; they are read during the call only.
+ *
+ * Layers may be filled in any order and by different amounts. The context's
+ * length (akv_context_length) is the MINIMUM over its dense layers of the
+ * rows each holds: it advances by n once every dense layer holds n more
+ * rows. Rows a layer holds beyond that minimum are kept and readable through
+ * akv_context_read on that layer. A context whose layers are uneven cannot
+ * join a step: akv_step_begin refuses it with AKV_ERR_UNEVEN_LAYERS and
+ * changes nothing; once the layers are even again it may. akv_context_append
+ * on an uneven context appends to every layer after that layer's own rows.
+ *
+ * Capacity is per layer: the layer's rows plus n_tokens must not exceed
+ * max_tokens (checked in 64 bits). Not allowed while the context is part of
+ * an open step. A failing call appends nothing on any layer.
+ * Thread safety: as every context call (see the top of this header).
+ * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (layer out of
+ * range, or rows NULL with n_tokens > 0), AKV_ERR_CAPACITY (nothing
+ * appended), AKV_ERR_IN_USE, AKV_ERR_QUARANTINED.
+ */
+AKV_API akv_status akv_context_append_layer(akv_context *context, uint32_t layer,
+                                            uint32_t n_tokens, const void *k_rows,
+                                            const void *v_rows);
+
+/**
+ * Copies rows [first, first+n) of one layer out of the authoritative host pool;
+ * the rows that layer holds bound the range (akv_context_append_layer may have
+ * given it more than akv_context_length reports). Allowed while no lease of an open step can write them (outside a step, or
  * for a context not in the step). Also allowed after a transport failure.
  * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT, AKV_ERR_IN_USE.
  */
@@ -512,7 +548,8 @@ AKV_API akv_status akv_context_read(const akv_context *context, uint32_t layer, 
                                     uint32_t n, void *k_out, void *v_out);
 
 /**
- * Rows held per dense layer (prefill plus one per finished step). Allowed at
+ * Rows held per dense layer (prefill plus one per finished step); after
+ * uneven akv_context_append_layer calls, the minimum over the layers. Allowed at
  * any time, also after a transport failure. Returns AKV_OK,
  * AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (out NULL).
  */
@@ -529,7 +566,8 @@ AKV_API akv_status akv_context_length(const akv_context *context, uint32_t *out)
  * per dense layer in this step. Returns AKV_OK, AKV_ERR_BAD_HANDLE,
  * AKV_ERR_INVALID_ARGUMENT (n == 0, n > concurrency, duplicates),
  * AKV_ERR_STEP_STATE (a step is open), AKV_ERR_CAPACITY (a context is full),
- * AKV_ERR_BACKEND, AKV_ERR_QUARANTINED.
+ * AKV_ERR_UNEVEN_LAYERS (a context's layers hold different row counts; see
+ * akv_context_append_layer), AKV_ERR_BACKEND, AKV_ERR_QUARANTINED.
  */
 AKV_API akv_status akv_step_begin(akv_engine *engine, akv_context *const *contexts, uint32_t n);
 

@@ -381,6 +381,153 @@ static void test_closed_handle_reuse_bound_with_others_open(void **state) {
   assert_int_equal(akv_engine_destroy(e), AKV_OK);
 }
 
+/* Runs one whole decode step over `c` alone on the host backend, writing
+ * `fill` into every byte of the new K and V rows of each layer. */
+static void one_step(akv_engine *e, akv_stream q, akv_context *c, uint32_t layers, uint8_t fill) {
+  for (uint32_t l = 0; l < layers; l++) {
+    akv_lease *ls = NULL;
+    akv_view view;
+    akv_fence attn, tail;
+    akv_receipt r;
+    uint8_t *row;
+    assert_int_equal(akv_lease_begin(e, l, &ls), AKV_OK);
+    assert_int_equal(akv_lease_wait_ready(ls, q, &view), AKV_OK);
+    assert_int_equal(akv_stream_synchronize(e, q), AKV_OK); /* the staged rows are readable */
+    row = (uint8_t *)view.base + (uint64_t)view.len[0] * view.row_stride;
+    memset(row, fill, view.v_offset);
+    memset(row + view.v_offset, fill, view.v_offset);
+    assert_int_equal(akv_lease_mark_consumed(ls, q, &attn), AKV_OK);
+    assert_int_equal(akv_lease_write_back(ls, NULL, 0, &tail), AKV_OK);
+    assert_int_equal(akv_lease_seal(ls, tail, attn), AKV_OK);
+    assert_int_equal(akv_lease_retire(ls, &r), AKV_OK);
+  }
+}
+
+/* akv_context_append_layer: rows go after each layer's own rows, layers in
+ * any order; the length is the minimum over the layers; step_begin refuses
+ * an uneven context with AKV_ERR_UNEVEN_LAYERS and changes nothing; every
+ * refused call appends nothing. */
+static void test_append_layer(void **state) {
+  enum { L = 3, ROW = 16, MAXT = 8 };
+  akv_engine *e = NULL;
+  akv_context *c = NULL, *dead = NULL;
+  akv_stream q = NULL;
+  uint8_t rows[L][MAXT * ROW], vrows[L][MAXT * ROW];
+  uint8_t out_k[MAXT * ROW], out_v[MAXT * ROW];
+  const void *kp[L], *vp[L];
+  uint32_t len = 99;
+  (void)state;
+  for (int l = 0; l < L; l++) {
+    for (int j = 0; j < MAXT * ROW; j++) {
+      rows[l][j] = (uint8_t)(l * 50 + j);
+      vrows[l][j] = (uint8_t)(l * 50 + j + 7);
+    }
+    kp[l] = rows[l];
+    vp[l] = vrows[l];
+  }
+  e = host_engine(L, MAXT);
+  assert_int_equal(akv_stream_create(e, &q), AKV_OK);
+  assert_int_equal(akv_context_open(e, NULL, &c), AKV_OK);
+
+  /* layers out of order and uneven: the length is the minimum */
+  assert_int_equal(akv_context_append_layer(c, 2, 2, rows[2], vrows[2]), AKV_OK);
+  assert_int_equal(akv_context_length(c, &len), AKV_OK);
+  assert_int_equal(len, 0);
+  assert_int_equal(akv_context_append_layer(c, 0, 3, rows[0], vrows[0]), AKV_OK);
+  assert_int_equal(akv_context_append_layer(c, 1, 1, rows[1], vrows[1]), AKV_OK);
+  assert_int_equal(akv_context_length(c, &len), AKV_OK);
+  assert_int_equal(len, 1);
+  /* a layer's own rows are readable up to what it holds, not beyond */
+  assert_int_equal(akv_context_read(c, 0, 0, 3, out_k, out_v), AKV_OK);
+  assert_memory_equal(out_k, rows[0], 3 * ROW);
+  assert_memory_equal(out_v, vrows[0], 3 * ROW);
+  assert_int_equal(akv_context_read(c, 1, 0, 2, out_k, out_v), AKV_ERR_INVALID_ARGUMENT);
+
+  /* an uneven context cannot join a step; nothing changes */
+  assert_int_equal(akv_step_begin(e, &c, 1), AKV_ERR_UNEVEN_LAYERS);
+  assert_string_not_equal(akv_engine_last_error(e), "");
+  assert_int_equal(akv_step_end(e), AKV_ERR_STEP_STATE); /* no step was opened */
+  assert_int_equal(akv_context_append_layer(c, 1, 1, rows[1], vrows[1]), AKV_OK); /* not in a step */
+  assert_int_equal(akv_context_length(c, &len), AKV_OK);
+  assert_int_equal(len, 2);
+
+  /* refusals append nothing on any layer */
+  assert_int_equal(akv_context_append_layer(c, L, 1, rows[0], vrows[0]), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_context_append_layer(c, UINT32_MAX, 1, rows[0], vrows[0]),
+                   AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_context_append_layer(c, 1, 1, NULL, vrows[1]), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_context_append_layer(c, 1, 1, rows[1], NULL), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_context_append_layer(c, 0, MAXT - 2, rows[0], vrows[0]), AKV_ERR_CAPACITY);
+  assert_int_equal(akv_context_append_layer(c, 0, UINT32_MAX, rows[0], vrows[0]), AKV_ERR_CAPACITY);
+  /* the all-layer append checks the fullest layer (layer 0, 3 rows) */
+  assert_int_equal(akv_context_append(c, MAXT - 2, kp, vp), AKV_ERR_CAPACITY);
+  assert_int_equal(akv_context_append_layer(c, 1, 0, NULL, NULL), AKV_OK); /* n == 0: no rows */
+  assert_int_equal(akv_context_length(c, &len), AKV_OK);
+  assert_int_equal(len, 2);
+  assert_int_equal(akv_context_read(c, 0, 0, 3, out_k, out_v), AKV_OK);
+  assert_memory_equal(out_k, rows[0], 3 * ROW);
+  assert_int_equal(akv_context_read(c, 0, 0, 4, out_k, out_v), AKV_ERR_INVALID_ARGUMENT);
+
+  /* the all-layer append goes after each layer's own rows */
+  assert_int_equal(akv_context_append(c, 1, kp, vp), AKV_OK); /* layers hold 4, 3, 3 */
+  assert_int_equal(akv_context_length(c, &len), AKV_OK);
+  assert_int_equal(len, 3);
+  assert_int_equal(akv_context_read(c, 0, 3, 1, out_k, out_v), AKV_OK);
+  assert_memory_equal(out_k, rows[0], ROW);
+  assert_int_equal(akv_context_read(c, 1, 0, 3, out_k, out_v), AKV_OK);
+  assert_memory_equal(out_k, rows[1], ROW);          /* first append_layer */
+  assert_memory_equal(out_k + ROW, rows[1], ROW);    /* second append_layer */
+  assert_memory_equal(out_k + 2 * ROW, rows[1], ROW); /* the all-layer append */
+  assert_int_equal(akv_context_append_layer(c, 1, 1, rows[1] + ROW, vrows[1] + ROW), AKV_OK);
+  assert_int_equal(akv_context_append_layer(c, 2, 1, rows[2] + 2 * ROW, vrows[2] + 2 * ROW),
+                   AKV_OK);
+  assert_int_equal(akv_context_length(c, &len), AKV_OK);
+  assert_int_equal(len, 4); /* every layer holds 4 */
+  assert_int_equal(akv_context_read(c, 2, 0, 4, out_k, out_v), AKV_OK);
+  assert_memory_equal(out_k, rows[2], 2 * ROW);
+  assert_memory_equal(out_k + 2 * ROW, rows[2], ROW);
+  assert_memory_equal(out_k + 3 * ROW, rows[2] + 2 * ROW, ROW);
+  assert_memory_equal(out_v + 3 * ROW, vrows[2] + 2 * ROW, ROW);
+
+  /* even again: the step runs and appends one row on every layer */
+  assert_int_equal(akv_step_begin(e, &c, 1), AKV_OK);
+  assert_int_equal(akv_context_append_layer(c, 0, 1, rows[0], vrows[0]), AKV_ERR_IN_USE);
+  one_step(e, q, c, L, 0xA5);
+  assert_int_equal(akv_step_end(e), AKV_OK);
+  assert_int_equal(akv_context_length(c, &len), AKV_OK);
+  assert_int_equal(len, 5);
+  for (uint32_t l = 0; l < L; l++) {
+    uint8_t a5[ROW];
+    memset(a5, 0xA5, sizeof(a5));
+    assert_int_equal(akv_context_read(c, l, 4, 1, out_k, out_v), AKV_OK);
+    assert_memory_equal(out_k, a5, ROW);
+    assert_memory_equal(out_v, a5, ROW);
+  }
+  /* after the step, per-layer appends continue from the step's row */
+  assert_int_equal(akv_context_append_layer(c, 1, 1, rows[1], vrows[1]), AKV_OK);
+  assert_int_equal(akv_context_read(c, 1, 5, 1, out_k, out_v), AKV_OK);
+  assert_memory_equal(out_k, rows[1], ROW);
+  assert_int_equal(akv_context_length(c, &len), AKV_OK);
+  assert_int_equal(len, 5);
+
+  /* a closed handle is refused; a new context on the slot starts even, empty */
+  dead = c;
+  assert_int_equal(akv_context_close(c), AKV_OK);
+  assert_int_equal(akv_context_append_layer(dead, 0, 1, rows[0], vrows[0]), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(akv_context_append_layer(NULL, 0, 1, rows[0], vrows[0]), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(akv_context_open(e, NULL, &c), AKV_OK);
+  assert_int_equal(akv_context_length(c, &len), AKV_OK);
+  assert_int_equal(len, 0);
+  assert_int_equal(akv_context_read(c, 1, 0, 1, out_k, out_v), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_context_append(c, 1, kp, vp), AKV_OK);
+  assert_int_equal(akv_step_begin(e, &c, 1), AKV_OK); /* even: no leftover per-layer rows */
+  one_step(e, q, c, L, 0x11);
+  assert_int_equal(akv_step_end(e), AKV_OK);
+  assert_int_equal(akv_context_close(c), AKV_OK);
+  assert_int_equal(akv_stream_destroy(e, q), AKV_OK);
+  assert_int_equal(akv_engine_destroy(e), AKV_OK);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_versions),
@@ -393,6 +540,7 @@ int main(void) {
       cmocka_unit_test(test_destroyed_engine_and_its_contexts_are_bad_handles),
       cmocka_unit_test(test_retired_lease_handle_is_dead),
       cmocka_unit_test(test_closed_handle_reuse_bound_with_others_open),
+      cmocka_unit_test(test_append_layer),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -125,6 +125,7 @@ static void akv_engine_free_all(akv_engine *e, bool created) {
   free(e->lease_ring);
   free(e->slot_owner);
   free(e->slot_generation);
+  free(e->slot_layer_len);
   free(e->step_ctx);
   free(e->adm_req);
   free(e->sc_dst);
@@ -165,6 +166,7 @@ static akv_status akv_engine_allocate(akv_engine *e) {
 
   e->slot_owner = calloc(n, sizeof(*e->slot_owner));
   e->slot_generation = calloc(n, sizeof(*e->slot_generation));
+  e->slot_layer_len = calloc((size_t)n * c->n_dense_layers, sizeof(*e->slot_layer_len));
   e->step_ctx = calloc(n, sizeof(*e->step_ctx));
   e->adm_req = calloc(n, sizeof(*e->adm_req));
   e->leases = calloc(c->n_dense_layers, sizeof(*e->leases));
@@ -181,7 +183,7 @@ static akv_status akv_engine_allocate(akv_engine *e) {
   e->sc2_dst = calloc(e->scratch2_cap, sizeof(void *));
   e->sc2_src = calloc(e->scratch2_cap, sizeof(void *));
   e->sc2_bytes = calloc(e->scratch2_cap, sizeof(size_t));
-  if (!e->lease_recs || !e->lease_ring || !e->slot_owner || !e->slot_generation || !e->step_ctx || !e->adm_req || !e->leases || !e->sc_dst || !e->sc_src || !e->sc_bytes ||
+  if (!e->lease_recs || !e->lease_ring || !e->slot_owner || !e->slot_generation || !e->slot_layer_len || !e->step_ctx || !e->adm_req || !e->leases || !e->sc_dst || !e->sc_src || !e->sc_bytes ||
       !e->sc2_dst || !e->sc2_src || !e->sc2_bytes) {
     st = akv_fail(e, AKV_ERR_OUT_OF_MEMORY, "engine bookkeeping allocation failed");
     goto fail;

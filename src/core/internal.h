@@ -106,7 +106,10 @@ struct akv_context {
   uint32_t slot;
   uint32_t id;
   bool open;
-  uint32_t len;          /* rows per dense layer */
+  uint32_t len;          /* rows of every dense layer: min over layer_len */
+  uint32_t *layer_len;   /* [n_dense_layers]: rows each layer holds (its slot's
+                            row of engine.slot_layer_len); >= len, and == len
+                            on every layer of a context in a step */
   uint32_t target, burst;
   uint64_t generation;   /* host slot generation */
   uint32_t host_leases;  /* tickets holding the slot */
@@ -185,6 +188,7 @@ struct akv_engine {
   bool contexts_reserved;
   struct akv_context **slot_owner;  /* [concurrency]: the open record on a host slot, or NULL */
   uint64_t *slot_generation;        /* [concurrency]: moves at each open of the slot */
+  uint32_t *slot_layer_len;         /* [concurrency][n_dense_layers]: rows per layer */
   uint32_t next_context_id;
   uint32_t open_contexts;
 
@@ -254,6 +258,8 @@ akv_status akv_engine_enter(akv_engine *e);
 
 /* context.c */
 bool akv_context_ok(const akv_context *c);
+/* 1 when some dense layer holds more rows than the context length. */
+bool akv_context_uneven(const akv_engine *e, const akv_context *c);
 /* Row 0 of `layer` of the context's authoritative host history (K at +0,
  * V at +row_bytes, pair_bytes per token). */
 uint8_t *akv_host_layer(const akv_engine *e, const akv_context *c, uint32_t layer);
