@@ -99,7 +99,18 @@ typedef enum akv_status {
   AKV_ERR_NOT_SUPPORTED = 18,
   /** The object is in use by the current step (close a context mid-step, ...). */
   AKV_ERR_IN_USE = 19,
-  AKV_STATUS_COUNT_ = 20
+  /** Group (akv_group.h): a rank did not arrive at an agreement point within
+   *  the group's timeout; the communicator was aborted and this rank's engine
+   *  quarantined. */
+  AKV_ERR_TIMEOUT = 20,
+  /** Group: the communicator failed (an error or asynchronous error of the
+   *  collective, or an abort); the communicator was aborted and this rank's
+   *  engine quarantined. */
+  AKV_ERR_COMM = 21,
+  /** Group: ranks gave different inputs at an agreement point (contexts,
+   *  lengths, geometry); every rank returns it and nothing changed on any. */
+  AKV_ERR_DISAGREE = 22,
+  AKV_STATUS_COUNT_ = 23
 } akv_status;
 
 /** A short English description of a status; never NULL, static storage.
