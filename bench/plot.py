@@ -54,6 +54,13 @@ def plot_preset(plt, preset, recs, out_dir):
     gib = 1 << 30
     by = defaultdict(list)
     for r in recs:
+        if r.get("headroom_gib", 0) > 0:
+            # Headroom runs (pool 0, history in headroom) plot at x = the
+            # headroom cap; a run that released its headroom mid-way is a
+            # time series (step_ms), not a point of the sweep.
+            if "headroom_release" not in r:
+                by[(r["route"] + "+headroom", r["headroom_gib"])].append(r)
+            continue
         by[(r["route"], r.get("device_pool_gib", 0))].append(r)
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=130)
@@ -93,6 +100,12 @@ def plot_preset(plt, preset, recs, out_dir):
                 label=what + (", capped at resident" if res_tps else ""))
         ax.plot([p for p, _ in bound], [b / 1.10 for _, b in bound], ":", color="tab:gray",
                 label="target: within 1.10x of that")
+    for route, color, mark in (("arena+headroom", "tab:cyan", "^--"),
+                               ("paged+headroom", "tab:pink", "v--")):
+        pts = sorted((g, rs) for (r, g), rs in by.items() if r == route)
+        if pts:
+            ax.plot([g for g, _ in pts], [median_of(rs, "tokens_per_s") for _, rs in pts], mark,
+                    color=color, label=f"{route} (pool 0; x = headroom GiB)")
     stage = by.get(("stage", 0))
     if stage:
         ax.plot([0], [median_of(stage, "tokens_per_s")], "s", color="tab:orange", markersize=8,

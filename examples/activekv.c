@@ -92,6 +92,9 @@ typedef struct cli_opts {
   int device;
   uint32_t host_pool_gib; /* 0: the smallest that fits --contexts */
   uint32_t device_pool_gib;
+  uint32_t headroom_gib, headroom_reserve_gib; /* revocable headroom (0: off) */
+  uint32_t host_device_mib; /* host backend testing aid: a modelled device of N MiB; 0: none */
+  uint32_t release_headroom_at; /* 1-based step whose middle gives all headroom back; 0: never */
   uint32_t page_tokens;
   uint32_t chunk_tokens; /* 0: --page-tokens */
   uint32_t target_pages, burst_pages;
@@ -286,7 +289,15 @@ static void usage(FILE *f) {
           "  --device N            CUDA device   [0]\n"
           "  --host-pool-gib N     pinned host pool   [the smallest that fits --contexts]\n"
           "  --device-pool-gib N   device page pool (arena, paged); at 0 nothing is retained\n"
-          "                        and every row is staged, as on stage (said on stderr)   [0]\n"
+          "                        and every row is staged, as on stage (said on stderr),\n"
+          "                        unless --headroom-gib retains it   [0]\n"
+          "  --headroom-gib N      revocable headroom: borrow up to N GiB of free device memory\n"
+          "                        for history (arena, paged); 0 = off   [0]\n"
+          "  --headroom-reserve-gib N  device memory headroom leaves free   [0]\n"
+          "  --release-headroom-at STEP  give all headroom back in the middle of step STEP\n"
+          "                        (1-based, warmup included) and time it   [never]\n"
+          "  --host-device-mib N   host backend, testing: model a device of N MiB so that\n"
+          "                        headroom has free memory to take   [0: none free]\n"
           "  --page-tokens N       tokens per device page   [256]\n"
           "  --chunk-tokens N      attention chunk   [--page-tokens]\n"
           "  --target-pages N      device pages each context holds by right   [fair share]\n"
@@ -449,6 +460,7 @@ static int parse_args(int argc, char **argv, int first, cli_opts *o) {
         "--preset",       "--rope-theta",     "--seed",          "--contexts",      "--tokens",
         "--steps",        "--warmup",         "--route",         "--backend",       "--device",
         "--host-pool-gib", "--device-pool-gib", "--page-tokens", "--chunk-tokens",
+        "--headroom-gib", "--headroom-reserve-gib", "--release-headroom-at", "--host-device-mib",
         "--target-pages", "--burst-pages",    "--fit-mode",      "--host-delay-us",
         "--host-delay-seed", "--fail-nth", "--pcie-gbps",   "--layers",        "--heads",         "--kv-heads",
         "--head-dim",     "--hidden",         "--ffn",           "--vocab", "--window",
@@ -532,6 +544,14 @@ static int parse_args(int argc, char **argv, int first, cli_opts *o) {
       rc = parse_u32(name, val, 1, 1u << 20, &o->host_pool_gib);
     } else if (strcmp(name, "--device-pool-gib") == 0) {
       rc = parse_u32(name, val, 0, 1u << 20, &o->device_pool_gib);
+    } else if (strcmp(name, "--headroom-gib") == 0) {
+      rc = parse_u32(name, val, 0, 1u << 20, &o->headroom_gib);
+    } else if (strcmp(name, "--headroom-reserve-gib") == 0) {
+      rc = parse_u32(name, val, 0, 1u << 20, &o->headroom_reserve_gib);
+    } else if (strcmp(name, "--host-device-mib") == 0) {
+      rc = parse_u32(name, val, 0, 1u << 30, &o->host_device_mib);
+    } else if (strcmp(name, "--release-headroom-at") == 0) {
+      rc = parse_u32(name, val, 1, UINT32_MAX, &o->release_headroom_at);
     } else if (strcmp(name, "--page-tokens") == 0) {
       rc = parse_u32(name, val, 1, 1u << 20, &o->page_tokens);
     } else if (strcmp(name, "--chunk-tokens") == 0) {
@@ -634,6 +654,9 @@ static void engine_config(const cli_opts *o, akv_backend_kind backend, akv_engin
   c->host_delay_seed = o->delay_max_us ? o->delay_seed : 0;
   c->host_delay_max_us = o->delay_max_us;
   c->fault_fail_nth = o->fail_nth;
+  c->headroom_gib = o->headroom_gib;
+  c->headroom_reserve_gib = o->headroom_reserve_gib;
+  c->host_fake_free_bytes = (uint64_t)o->host_device_mib << 20;
 }
 
 /*
@@ -717,6 +740,15 @@ typedef struct run_result {
   akv_fit_report fit;
   uint32_t host_pool_gib;
   int host_pool_chosen;
+  /* Headroom: at create, and the timed release (--release-headroom-at). */
+  uint32_t headroom_pages;
+  uint64_t headroom_bytes;
+  uint32_t release_step;        /* 0: no release happened */
+  uint64_t released_bytes;
+  double release_call_ms;       /* the akv_headroom_release call itself */
+  double release_reusable_ms;   /* request to memory freed (the step's end) */
+  double *step_ms;              /* [steps incl. warmup] when a release was asked for */
+  uint32_t n_step_ms;
 } run_result;
 
 typedef struct runner runner;
@@ -746,6 +778,9 @@ struct runner {
   uint32_t res_lane;  /* the window lane of resident steps */
   int step_open;     /* between akv_step_begin and a successful akv_step_end */
   uint32_t res_len[MODEL_MAX_BATCH];
+  uint32_t step_no;        /* 1-based engine step in progress */
+  double release_t0;       /* when the headroom release was asked for; 0: none pending */
+  run_result *res;
   char err[768];
 };
 
@@ -832,6 +867,20 @@ static int layer_engine(void *user, model *m, uint32_t ml) {
     return -1;
   }
   if (l >= 2 && retire(r, l - 2) != 0) return -1;
+  if (r->o->release_headroom_at == r->step_no && l == r->n_dense / 2 && r->res != NULL &&
+      r->res->release_step == 0) {
+    /* Mid-step, leases in flight: the engine frees at the step's end. */
+    uint64_t now_b = 0, pend_b = 0;
+    double t0 = now_s();
+    if ((st = akv_headroom_release(r->engine, UINT64_MAX, &now_b, &pend_b)) != AKV_OK) {
+      run_fail_akv(r, "akv_headroom_release", st);
+      return -1;
+    }
+    r->res->release_call_ms = (now_s() - t0) * 1e3;
+    r->res->release_step = r->step_no;
+    r->res->released_bytes = now_b + pend_b;
+    r->release_t0 = t0;
+  }
   if ((st = akv_lease_attend(r->lease[l], r->stream, attention_hook, r, &attn)) != AKV_OK) {
     run_fail_akv(r, "akv_lease_attend", st);
     return -1;
@@ -897,6 +946,10 @@ static int step_engine(runner *r, const int32_t *tok, float *logits) {
     return -1;
   }
   r->step_open = 0;
+  if (r->release_t0 > 0.0) { /* step_end freed the headroom: reusable from here */
+    r->res->release_reusable_ms = (now_s() - r->release_t0) * 1e3;
+    r->release_t0 = 0.0;
+  }
   return 0;
 }
 
@@ -1103,6 +1156,9 @@ static int open_engine(runner *r, const akv_engine_config *cfg, run_result *res)
   res->engine_staging_bytes = info.staging_bytes;
   res->device_pages = info.device_pages;
   res->host_pool_bytes = res->fit.host_pool_bytes;
+  res->headroom_pages = info.headroom_pages;
+  res->headroom_bytes = info.headroom_bytes;
+  r->res = res;
 
   akv_context_config cc = AKV_CONTEXT_CONFIG_INIT;
   cc.target_pages = o->target_pages;
@@ -1237,6 +1293,7 @@ static int decode_steps(runner *r, int steps_out, run_result *res) {
     const int measured = s >= o->warmup;
     if (s == o->warmup && use_engine) akv_engine_info_get(r->engine, &info0);
     double t0 = now_s();
+    r->step_no = s + 1;
     int src = use_engine ? step_engine(r, tok, logits) : step_resident(r, tok, logits);
     double t1 = now_s();
     if (src != 0) {
@@ -1245,6 +1302,12 @@ static int decode_steps(runner *r, int steps_out, run_result *res) {
     }
     ms[s] = (t1 - t0) * 1e3;
     if (measured) route_s += t1 - t0;
+    if (use_engine && o->release_headroom_at > 0 && res->step_ms == NULL)
+      res->step_ms = calloc(total, sizeof *res->step_ms);
+    if (use_engine && res->step_ms != NULL) {
+      res->step_ms[s] = ms[s];
+      res->n_step_ms = s + 1;
+    }
 
     int same = -1;
     if (res->checked) {
@@ -1436,6 +1499,13 @@ static void print_summary(const cli_opts *o, const run_result *res) {
   printf("\n  %-20s median %.2f, p90 %.2f", "step ms", res->step_ms_median, res->step_ms_p90);
   if (res->checked) printf("   (resident median %.2f)", res->resident_step_ms_median);
   printf("\n");
+  if (res->have_engine && (res->headroom_pages > 0 || o->headroom_gib > 0))
+    printf("  %-20s %u pages (%s) of up to %u GiB\n", "headroom", res->headroom_pages,
+           fmt_mem(a, sizeof a, res->headroom_bytes), o->headroom_gib);
+  if (res->release_step > 0)
+    printf("  %-20s step %u: %s given back; call %.3f ms, request to reusable %.3f ms\n",
+           "headroom release", res->release_step, fmt_mem(a, sizeof a, res->released_bytes),
+           res->release_call_ms, res->release_reusable_ms);
   if (res->have_engine)
     printf("  %-20s engine %s (staging %s, %u pages), process peak %s\n", "device peak",
            fmt_mem(a, sizeof a, res->engine_device_bytes),
@@ -1531,6 +1601,21 @@ static void print_json(const cli_opts *o, const char *cmd, const run_result *res
          (unsigned long long)res->mem.weights, (unsigned long long)res->mem.resident,
          (unsigned long long)res->mem.window, (unsigned long long)res->host_pool_bytes);
   printf("\"bytes_in_place_per_step\":%llu,", (unsigned long long)res->bytes_in_place);
+  printf("\"headroom_gib\":%u,\"headroom_reserve_gib\":%u,\"headroom_pages\":%u,"
+         "\"headroom_bytes\":%llu,",
+         o->headroom_gib, o->headroom_reserve_gib, res->headroom_pages,
+         (unsigned long long)res->headroom_bytes);
+  if (res->release_step > 0) {
+    printf("\"headroom_release\":{\"step\":%u,\"bytes\":%llu,\"call_ms\":%.6g,"
+           "\"request_to_reusable_ms\":%.6g},",
+           res->release_step, (unsigned long long)res->released_bytes, res->release_call_ms,
+           res->release_reusable_ms);
+  }
+  if (res->step_ms != NULL) {
+    printf("\"step_ms\":[");
+    for (uint32_t k = 0; k < res->n_step_ms; ++k) printf("%s%.6g", k ? "," : "", res->step_ms[k]);
+    printf("],");
+  }
   printf("\"bytes_h2d_per_step\":%llu,\"bytes_d2d_per_step\":%llu,\"bytes_d2h_per_step\":%llu,",
          (unsigned long long)res->bytes_h2d, (unsigned long long)res->bytes_d2d,
          (unsigned long long)res->bytes_d2h);
@@ -1814,7 +1899,14 @@ int main(int argc, char **argv) {
               o.device_pool_gib);
     return EXIT_USAGE;
   }
-  if (strcmp(cmd, "decode") == 0 && o.device_pool_gib == 0 && route_retains(o.route))
+  if (strcmp(cmd, "decode") == 0 && (o.headroom_gib > 0 || o.release_headroom_at > 0) &&
+      !route_retains(o.route)) {
+    say_error("--headroom-gib / --release-headroom-at: only --route arena or paged retains "
+              "history in headroom");
+    return EXIT_USAGE;
+  }
+  if (strcmp(cmd, "decode") == 0 && o.device_pool_gib == 0 && o.headroom_gib == 0 &&
+      route_retains(o.route))
     /* Allowed (the benchmark sweeps the pool from 0), but never silent: with
      * no pool the route retains nothing and stages every row. */
     fprintf(stderr,

@@ -49,7 +49,8 @@ extern "C" {
  * group call) comm was aborted: do not use or destroy it again.
  * Returns, on every rank alike: AKV_OK, AKV_ERR_INVALID_ARGUMENT (NULL),
  * AKV_ERR_CONFIG (rank or size differ from comm's, bad struct sizes),
- * AKV_ERR_DISAGREE (geometry differs), the statuses of akv_engine_create
+ * AKV_ERR_DISAGREE (geometry differs), AKV_ERR_NOT_SUPPORTED (headroom_gib
+ * set on any rank: headroom is not agreed yet), the statuses of akv_engine_create
  * (the largest over ranks), AKV_ERR_TIMEOUT, AKV_ERR_COMM; AKV_ERR_BACKEND (this rank only: the
  * group's stream or buffers could not be made; the others time out).
  */

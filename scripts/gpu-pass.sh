@@ -28,13 +28,16 @@
 #
 # Knobs (environment):
 #   AKV_STEPS     steps to run, default "build hostcost ctest sanitizer cli
-#                 bench decode" (cli: the CLI's ctest label and a hybrid
+#                 bench decode tp" (cli: the CLI's ctest label and a hybrid
 #                 decode under memcheck, in cli.log; hostcost: the cudart call costs and the engine's
 #                 host cost, three runs, on the idle machine right after the
 #                 build; written to hostcost.log)
 #                 tp: tensor parallel groups through NCCL on every visible
 #                 GPU (tests/gpu/test_gpu_nccl.c), in tp.log; scripts/tp-pass.sh
 #                 runs build and tp only)
+#                 headroom: issue 13's headroom sweep and mid-run release
+#                 (llama3-8b; headroom.log, headroom.jsonl), not in the default
+#                 list: AKV_STEPS="build ctest headroom" measures it alone
 #   AKV_JOBS      parallel build jobs, default 16
 #   AKV_BENCH_VARIANTS  "label:WARPS:LOADS[:STAGES[:PDL]] ...", default
 #                 "w8l4:8:4:3:1 w8l4s0:8:4:0:0 w8l4s2:8:4:2:1 w8l4s4:8:4:4:1
@@ -386,6 +389,29 @@ if has_step tp; then
       "rc=$rc $(grep -E 'rank\(s\) through NCCL|SKIPPED' "$OUT/tp.log" | tr '\n' ' ' | sed 's/^ *//')"
   else
     record "tp groups (NCCL)" "SKIP" "no test_gpu_nccl (NCCL not found at configure? see build.log)"
+  fi
+fi
+
+# ------------------------------------------------------------------ headroom
+# Issue 13's measurements (DESIGN §6 headroom), llama3-8b, 4 x 31,744:
+# resident, stage, pool 0 + headroom swept up to the whole history (arena and
+# paged), and a mid-run release of all headroom (step_ms and the time from
+# request to reusable memory in the JSON). Results: headroom.jsonl, headroom.log.
+if has_step headroom; then
+  cli=$BUILD/examples/activekv
+  if [ -x "$cli" ]; then
+    log "headroom benchmark"
+    mkdir -p /tmp/akv-headroom
+    rm -f /tmp/akv-headroom/decode.jsonl
+    OUT=/tmp/akv-headroom PRESETS=${AKV_HR_PRESETS:-llama3-8b} \
+      ROUTES=${AKV_HR_ROUTES:-"resident stage headroom release"} \
+      timeout "${AKV_HR_TIMEOUT:-500}" bash bench/run_decode_bench.sh "$cli" >"$OUT/headroom.log" 2>&1
+    rc=$?
+    cp /tmp/akv-headroom/decode.jsonl "$OUT/headroom.jsonl" 2>/dev/null
+    record "headroom bench" "$([ $rc = 0 ] && echo ok || echo FAIL)" \
+      "rc=$rc $(grep -c . "$OUT/headroom.jsonl" 2>/dev/null) runs"
+  else
+    record "headroom bench" "SKIP" "no CLI binary"
   fi
 fi
 

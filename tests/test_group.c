@@ -518,6 +518,9 @@ static void test_illegal_calls(void **state) {
   assert_int_equal(akv_group_create_with(&ec, &gc, coll, &g), AKV_ERR_CONFIG);
   gc.size = 1;
   assert_int_equal(akv_group_create_with(NULL, &gc, coll, &g), AKV_ERR_INVALID_ARGUMENT);
+  ec.headroom_gib = 1; /* not agreed yet: refused */
+  assert_int_equal(akv_group_create_with(&ec, &gc, coll, &g), AKV_ERR_NOT_SUPPORTED);
+  ec.headroom_gib = 0;
   assert_int_equal(akv_group_create_with(&ec, &gc, coll, &g), AKV_OK);
   assert_int_equal(akv_group_engine(g, &e), AKV_OK);
   d = akv_engine_plan_digest(e);

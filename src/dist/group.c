@@ -258,6 +258,11 @@ akv_status akv_group_create_with(const akv_engine_config *shard, const akv_group
     local = AKV_ERR_CONFIG;
   else if (config->size != coll->size || config->rank != coll->rank || config->timeout_ms == 0)
     local = AKV_ERR_CONFIG;
+  else if (shard->headroom_gib != 0)
+    /* Headroom is profiled per device, so it differs between ranks; until a
+     * headroom change is an agreement point (headroom pages the MIN over
+     * ranks), a group refuses it rather than quarantine at the first step. */
+    local = AKV_ERR_NOT_SUPPORTED;
   if (local != AKV_OK) {
     g->cfg.rank = coll->rank;
     g->cfg.size = coll->size;

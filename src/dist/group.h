@@ -20,7 +20,7 @@ size_t akv_group_vector_len(uint32_t max_contexts);
  * the outcome. On AKV_OK the group owns `coll`; otherwise the caller keeps
  * it. Every rank returns the same status. Blocks until every rank arrived.
  * Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT, AKV_ERR_CONFIG, AKV_ERR_DISAGREE
- * (geometry differs), AKV_ERR_NO_FIT, AKV_ERR_OUT_OF_MEMORY,
+ * (geometry differs), AKV_ERR_NOT_SUPPORTED (headroom_gib != 0 on any rank), AKV_ERR_NO_FIT, AKV_ERR_OUT_OF_MEMORY,
  * AKV_ERR_NOT_SUPPORTED, AKV_ERR_BACKEND (as akv_engine_create, the largest
  * over ranks), AKV_ERR_TIMEOUT, AKV_ERR_COMM.
  */
