@@ -128,7 +128,18 @@ typedef enum akv_status {
   /** step_begin: a context's dense layers hold different row counts (filled
    *  unevenly through akv_context_append_layer); nothing changed. */
   AKV_ERR_UNEVEN_LAYERS = 20,
-  AKV_STATUS_COUNT_ = 21
+  /** Group (akv_group.h): a rank did not arrive at an agreement point within
+   *  the group's timeout; the communicator was aborted and this rank's engine
+   *  quarantined. */
+  AKV_ERR_TIMEOUT = 21,
+  /** Group: the communicator failed (an error or asynchronous error of the
+   *  collective, or an abort); the communicator was aborted and this rank's
+   *  engine quarantined. */
+  AKV_ERR_COMM = 22,
+  /** Group: ranks gave different inputs at an agreement point (contexts,
+   *  lengths, geometry); every rank returns it and nothing changed on any. */
+  AKV_ERR_DISAGREE = 23,
+  AKV_STATUS_COUNT_ = 24
 } akv_status;
 
 /** A short English description of a status; never NULL, static storage.

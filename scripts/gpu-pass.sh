@@ -28,10 +28,13 @@
 #
 # Knobs (environment):
 #   AKV_STEPS     steps to run, default "build hostcost ctest sanitizer cli
-#                 bench decode" (cli: the CLI's ctest label and a hybrid
+#                 bench decode tp" (cli: the CLI's ctest label and a hybrid
 #                 decode under memcheck, in cli.log; hostcost: the cudart call costs and the engine's
 #                 host cost, three runs, on the idle machine right after the
 #                 build; written to hostcost.log)
+#                 tp: tensor parallel groups through NCCL on every visible
+#                 GPU (tests/gpu/test_gpu_nccl.c), in tp.log; scripts/tp-pass.sh
+#                 runs build and tp only)
 #                 headroom: issue 13's headroom sweep and mid-run release
 #                 (llama3-8b; headroom.log, headroom.jsonl), not in the default
 #                 list: AKV_STEPS="build ctest headroom" measures it alone
@@ -50,7 +53,9 @@ mkdir -p "$OUT"
 BUILD=/tmp/akv-build
 SOLO=/tmp/akv-standalone
 DEPS=/tmp/deps
-PASS_STEPS=${AKV_STEPS:-"build hostcost ctest sanitizer cli bench decode"}
+PASS_STEPS=${AKV_STEPS:-"build hostcost ctest sanitizer cli bench decode tp"}
+# NVLink SHARP (multicast) stays off in every run that may start NCCL.
+export NCCL_NVLS_ENABLE=0
 JOBS=${AKV_JOBS:-16}
 VARIANTS=${AKV_BENCH_VARIANTS:-"w8l4:8:4:0:0 w8l4s3:8:4:3:1 w8l2:8:2:0:0"}
 CHUNKS=${AKV_BENCH_CHUNKS:-"256 64 1024"}
@@ -363,6 +368,27 @@ if has_step decode; then
     record "decode bench" "$([ $rc = 0 ] && echo ok || echo FAIL)" "rc=$rc $(grep -c . "$OUT/decode.jsonl" 2>/dev/null) runs"
   else
     record "decode bench" "SKIP" "no CLI binary"
+  fi
+fi
+
+# ------------------------------------------------------------------ tp
+# Tensor parallel groups through NCCL: one process driving every visible GPU
+# (one rank per GPU). One GPU: a group of one through NCCL; two or more: also
+# a rank that never arrives (the others time out and abort).
+if has_step tp; then
+  t=$BUILD/tests/test_gpu_nccl
+  if [ -x "$t" ]; then
+    log "tensor parallel groups through NCCL"
+    {
+      echo "== NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE, $(nvidia-smi -L 2>/dev/null | wc -l) GPU(s)"
+      grep -E 'ActiveKV: NCCL' "$BUILD_LOG" | tail -1
+      timeout 600 "$t"
+    } >"$OUT/tp.log" 2>&1
+    rc=$?
+    record "tp groups (NCCL)" "$([ $rc = 0 ] && echo ok || echo FAIL)" \
+      "rc=$rc $(grep -E 'rank\(s\) through NCCL|SKIPPED' "$OUT/tp.log" | tr '\n' ' ' | sed 's/^ *//')"
+  else
+    record "tp groups (NCCL)" "SKIP" "no test_gpu_nccl (NCCL not found at configure? see build.log)"
   fi
 fi
 

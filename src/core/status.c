@@ -35,6 +35,9 @@ AKV_API const char *akv_status_string(akv_status status) {
     case AKV_ERR_NOT_SUPPORTED: return "not supported by this build or machine";
     case AKV_ERR_IN_USE: return "in use by the open step or a live ticket";
     case AKV_ERR_UNEVEN_LAYERS: return "a context's dense layers hold different row counts";
+    case AKV_ERR_TIMEOUT: return "a rank did not reach the agreement point in time; communicator aborted";
+    case AKV_ERR_COMM: return "the group's communicator failed; communicator aborted";
+    case AKV_ERR_DISAGREE: return "ranks gave different inputs; nothing changed on any rank";
     case AKV_STATUS_COUNT_: break;
   }
   return "unknown status";

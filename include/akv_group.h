@@ -1,0 +1,175 @@
+/*
+ * akv_group.h - tensor parallel groups: one engine per rank, every admission
+ * decision and every quarantine agreed across the ranks (DESIGN §8,
+ * docs/distributed.md).
+ *
+ * Each rank's engine holds its KV-head shard (engine config kv_heads = the
+ * rank's heads) and stages it over its own link. What must never differ
+ * between ranks is the plan: which contexts are admitted, which pages each
+ * keeps resident, and whether the group is still healthy. A group makes the
+ * calls that decide those (context open and close, the step boundary) into
+ * agreement points: the ranks exchange their inputs through one collective
+ * on the group's communicator before deciding and compare the outcome (its
+ * status and, with digest checking, the plan's digest) after. The allocator
+ * is deterministic, so agreed inputs give identical plans.
+ *
+ * Groups are made by akv_nccl_group_create (akv_nccl.h), on the caller's
+ * NCCL communicator, when the library is built with NCCL.
+ *
+ * What every rank sees (the same status on every rank unless stated):
+ *  - Agreed inputs differ (contexts, lengths): AKV_ERR_DISAGREE; nothing
+ *    changed on any rank.
+ *  - A local argument or state error on any rank (NULL out, a step already
+ *    open, ...): every rank returns the largest such status; nothing changed.
+ *  - Any rank's transport failed (a backend error since the last agreement
+ *    point), the outcome differs between ranks, or the plan digests differ:
+ *    every rank quarantines its engine (akv_engine_quarantine) and returns
+ *    AKV_ERR_QUARANTINED; akv_group_info_get says why and which rank failed.
+ *  - A rank does not arrive within timeout_ms: the ranks that did arrive
+ *    abort the communicator, quarantine their engines and return
+ *    AKV_ERR_TIMEOUT within timeout_ms (plus a poll interval); the late rank
+ *    returns AKV_ERR_TIMEOUT (NCCL: within its own timeout) or AKV_ERR_COMM.
+ *  - The communicator fails (an NCCL error or asynchronous error): the rank
+ *    aborts it, quarantines and returns AKV_ERR_COMM.
+ *  - After any of the last three, every group call returns
+ *    AKV_ERR_QUARANTINED without a collective; only akv_group_info_get,
+ *    akv_group_engine (diagnostics, reads) and akv_group_destroy remain.
+ *
+ * Thread safety: a group and its engine are used from one thread at a time;
+ * the ranks of a group call concurrently, each from its own thread or
+ * process. Every agreement point is a collective: each rank must make the
+ * same sequence of agreement calls (a rank that makes a different call
+ * meets the others at a point of another kind, which quarantines all).
+ * Blocking: agreement calls block the calling thread until every rank
+ * arrived or the timeout passed; nothing else in a group blocks.
+ * Streams: the collectives run on the group's own queue (NCCL: a stream the
+ * group created on the engine's device); the caller's compute stream is
+ * never touched.
+ */
+#ifndef AKV_GROUP_H
+#define AKV_GROUP_H
+
+#include "akv.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct akv_group akv_group; /**< one rank of a tensor parallel group */
+
+/** Digest checking: each plan's digest compared across ranks. */
+typedef enum akv_group_digest {
+  AKV_GROUP_DIGEST_DEFAULT = 0, /**< on in debug builds (NDEBUG unset), off in release */
+  AKV_GROUP_DIGEST_ON = 1,      /**< always on (if any rank asks, every rank checks) */
+} akv_group_digest;
+
+typedef struct akv_group_config {
+  uint32_t struct_size; /**< sizeof(akv_group_config) */
+  uint32_t version;     /**< AKV_CONFIG_VERSION */
+  uint32_t rank;        /**< this rank, 0..size-1 */
+  uint32_t size;        /**< ranks in the group */
+  uint32_t timeout_ms;  /**< longest wait at an agreement point, >= 1 */
+  akv_group_digest digest;
+} akv_group_config;
+
+#define AKV_GROUP_CONFIG_INIT \
+  { sizeof(akv_group_config), AKV_CONFIG_VERSION, 0, 1, 60000, AKV_GROUP_DIGEST_DEFAULT }
+
+/** Why a group stopped. */
+typedef enum akv_group_reason {
+  AKV_GROUP_HEALTHY = 0,
+  AKV_GROUP_PEER_FAILED = 1,     /**< a rank's transport failed (failed_rank names the first) */
+  AKV_GROUP_DIGEST_MISMATCH = 2, /**< the ranks' plan digests differ */
+  AKV_GROUP_DIVERGED = 3,        /**< the ranks' outcomes or agreement points differ */
+  AKV_GROUP_TIMEOUT = 4,         /**< a rank did not arrive; communicator aborted */
+  AKV_GROUP_COMM_FAILED = 5      /**< the communicator failed; communicator aborted */
+} akv_group_reason;
+
+typedef struct akv_group_info {
+  uint32_t rank, size;
+  uint64_t agreements;     /**< collectives this rank completed */
+  uint64_t digest;         /**< the plan digest at the last agreement point */
+  int digest_checked;      /**< 1 when digests are compared */
+  int stopped;             /**< 1 once the group quarantined or its communicator failed */
+  akv_group_reason reason;
+  uint32_t failed_rank;    /**< PEER_FAILED: the lowest failed rank; else UINT32_MAX */
+  /* The agreed inputs of the engines (the MIN over ranks of each). */
+  uint32_t host_pool_gib, device_pool_gib, max_contexts;
+  uint32_t local_host_pool_gib, local_device_pool_gib, local_max_contexts; /**< as configured here */
+} akv_group_info;
+
+/**
+ * This rank's engine, for everything that is not an agreement point (leases,
+ * step_end, appends, reads, diagnostics). Do not call akv_context_open,
+ * akv_context_close or akv_step_begin on it directly: the plan would diverge
+ * from the other ranks' (digest checking catches it at the next agreement
+ * point and quarantines every rank). The group owns the engine.
+ * Allowed at any time. Returns AKV_OK, AKV_ERR_BAD_HANDLE,
+ * AKV_ERR_INVALID_ARGUMENT (out NULL).
+ */
+AKV_API akv_status akv_group_engine(const akv_group *group, akv_engine **out);
+
+/**
+ * Agreement point: opens a context on every rank. The target and burst are
+ * the MIN over ranks of the ones given (config may differ per rank; NULL is
+ * AKV_CONTEXT_CONFIG_INIT). Every rank opens or refuses alike; the context
+ * gets the same id on every rank. Blocks until every rank arrived.
+ * Returns, on every rank: AKV_OK, AKV_ERR_INVALID_ARGUMENT, AKV_ERR_CONFIG,
+ * AKV_ERR_STEP_STATE, AKV_ERR_REFUSED_QUEUE, AKV_ERR_ADMISSION_REFUSED (as
+ * akv_context_open), AKV_ERR_QUARANTINED, AKV_ERR_TIMEOUT, AKV_ERR_COMM;
+ * AKV_ERR_BAD_HANDLE (this rank only, without entering the agreement).
+ */
+AKV_API akv_status akv_group_context_open(akv_group *group, const akv_context_config *config,
+                                          akv_context **out);
+
+/**
+ * Agreement point: closes the context with the same id on every rank.
+ * Returns, on every rank: AKV_OK, AKV_ERR_BAD_HANDLE (a context not open on
+ * this rank's engine), AKV_ERR_DISAGREE (different contexts), AKV_ERR_IN_USE,
+ * AKV_ERR_QUARANTINED, AKV_ERR_TIMEOUT, AKV_ERR_COMM.
+ */
+AKV_API akv_status akv_group_context_close(akv_group *group, akv_context *context);
+
+/**
+ * Agreement point: the step boundary. The ranks agree that they step the
+ * same contexts (ids, in order) at the same lengths, then each runs
+ * akv_step_begin; the outcomes and plan digests are compared.
+ * Returns, on every rank: AKV_OK, AKV_ERR_INVALID_ARGUMENT, AKV_ERR_BAD_HANDLE
+ * (a context not open here), AKV_ERR_STEP_STATE, AKV_ERR_CAPACITY (as
+ * akv_step_begin), AKV_ERR_DISAGREE, AKV_ERR_QUARANTINED, AKV_ERR_TIMEOUT,
+ * AKV_ERR_COMM.
+ */
+AKV_API akv_status akv_group_step_begin(akv_group *group, akv_context *const *contexts,
+                                        uint32_t n);
+
+/**
+ * Agreement point without a decision: the ranks compare their health and
+ * (with digest checking) their plans, e.g. after akv_step_end, to learn of a
+ * peer's failure before the next boundary. Returns, on every rank: AKV_OK,
+ * AKV_ERR_QUARANTINED, AKV_ERR_TIMEOUT, AKV_ERR_COMM.
+ */
+AKV_API akv_status akv_group_check(akv_group *group);
+
+/** Fills *out. Allowed at any time. Returns AKV_OK, AKV_ERR_BAD_HANDLE,
+ *  AKV_ERR_INVALID_ARGUMENT (out NULL). */
+AKV_API akv_status akv_group_info_get(const akv_group *group, akv_group_info *out);
+
+/** The last error of this rank's group in words ("" before any); owned by
+ *  the group. A bad handle gives a static "bad group handle". */
+AKV_API const char *akv_group_last_error(const akv_group *group);
+
+/**
+ * Destroys this rank's engine (akv_engine_destroy: never waits; AKV_ERR_BUSY
+ * with live work, and then nothing is freed) and the group's resources. Not
+ * a collective: it never waits on peers. The caller's communicator is not
+ * destroyed (after AKV_ERR_TIMEOUT or AKV_ERR_COMM it was aborted, which
+ * freed it: do not use it again). Returns AKV_OK, AKV_ERR_BAD_HANDLE,
+ * AKV_ERR_BUSY.
+ */
+AKV_API akv_status akv_group_destroy(akv_group *group);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* AKV_GROUP_H */

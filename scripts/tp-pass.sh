@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# tp-pass.sh - the tensor parallel part of the GPU pass, one command on any
+# machine kind: builds the project (scripts/gpu-pass.sh, step build) and runs
+# the NCCL groups on every visible GPU (step tp). With one GPU this is the
+# N=1 path through NCCL; with two it is the TP=2 run, the missing-rank case
+# included. NCCL_NVLS_ENABLE=0 is set for every run.
+#   OUT=<dir> scripts/tp-pass.sh       # files under $OUT: build.log tp.log summary.txt
+set -u
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0
+AKV_STEPS="build tp" exec bash scripts/gpu-pass.sh "$@"

@@ -1,0 +1,38 @@
+/*
+ * plan.h - what a layer above the core needs to agree on an engine's plans:
+ * a digest of the admission state (DESIGN §4) after each decision.
+ *
+ * The allocator is deterministic: engines fed the same inputs (pool pages,
+ * concurrency, and the same sequence of opens, closes and step boundaries
+ * with the same contexts and lengths) hold the same plan, so their digests
+ * are equal. Distributed callers (src/dist) compare digests across ranks.
+ * Pure C, no device dependency; the core never includes the layers above it.
+ */
+#ifndef AKV_PLAN_H
+#define AKV_PLAN_H
+
+#include <stdint.h>
+
+#include "akv.h"
+
+/*
+ * 64-bit FNV-1a digest of the engine's plan: the step counter, the next
+ * context id, every host slot (owner id, length, target, burst, pages held,
+ * and the physical page of every logical page) and the admission counters.
+ * Everything it covers is a logical decision; nothing about device addresses
+ * or timing enters it, so two ranks with equal plans give equal digests.
+ * Reads only; enqueues nothing; O(concurrency x logical pages per context).
+ * Not thread-safe with calls on the same engine. Returns 0 for a bad handle
+ * (a digest of a live engine is never 0: it always covers the geometry).
+ */
+uint64_t akv_engine_plan_digest(const akv_engine *engine);
+
+/* 1 while a step is open on the engine (akv_step_begin .. akv_step_end);
+ * 0 otherwise or for a bad handle. Reads only. */
+int akv_engine_step_open(const akv_engine *engine);
+
+/* 1 when `context` is an open context of `engine`; 0 otherwise (bad or
+ * closed handles, another engine's context). Reads only. */
+int akv_engine_owns_context(const akv_engine *engine, const akv_context *context);
+
+#endif /* AKV_PLAN_H */

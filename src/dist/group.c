@@ -1,0 +1,516 @@
+/*
+ * group.c - the agreement protocol (akv_group.h, docs/distributed.md).
+ *
+ * Every agreement point is one MIN all-reduce of a fixed-length vector on the
+ * group's collective (collective.h). The vector opens with a header every
+ * point shares:
+ *   op         same   the kind of point (create, open, close, step, check,
+ *                     outcome): ranks at different kinds of point diverged
+ *   seq        same   agreement points passed: ranks out of step diverged
+ *   failed     min    this rank if its transport failed, else UINT64_MAX
+ *   digest     same   the plan digest (0 when digests are not checked)
+ *   local      max    the status of this rank's argument and state checks
+ * then the point's own inputs. "same" fields travel as (v, ~v) and are equal
+ * on every rank exactly when min == ~min(~v). The length is fixed for the
+ * group's life (every rank passes the same n to the collective, whatever it
+ * was asked), so a disagreement is data, never a mismatched collective.
+ *
+ * A decision is then taken locally from agreed inputs (the allocator is
+ * deterministic) and its outcome (status and new digest) is compared in a
+ * second collective. Any disagreement about the plan, or any failed rank,
+ * quarantines every rank at the same point: each rank reads the same reduced
+ * vector, so each takes the same branch.
+ */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "group.h"
+#include "plan.h"
+
+#define AKV_MAGIC_GROUP 0x474b5641u /* "AVKG" */
+#define AKV_MAGIC_GROUP_DEAD 0xdeadbeefu
+#define AKV_GROUP_HEADER_LEN 8u  /* slots of the shared header */
+#define AKV_GROUP_FIXED_LEN 32u  /* header + the largest fixed payload (create) */
+
+typedef enum akv_point {
+  AKV_POINT_CREATE = 1,
+  AKV_POINT_OPEN = 2,
+  AKV_POINT_CLOSE = 3,
+  AKV_POINT_STEP = 4,
+  AKV_POINT_CHECK = 5,
+  AKV_POINT_OUTCOME = 6
+} akv_point;
+
+struct akv_group {
+  uint32_t magic;
+  akv_engine *engine;
+  akv_coll *coll;
+  akv_group_config cfg;
+  akv_engine_config local;  /* as this rank configured it */
+  akv_engine_config agreed; /* what the engine was created with */
+  uint32_t concurrency;
+  size_t vec_len;           /* every collective of this group passes this n */
+  uint64_t *vec;            /* [coll->max_n] */
+  size_t at;                /* cursor while writing or reading vec */
+  uint64_t seq;
+  uint64_t agreements;
+  uint64_t digest;
+  int check_digest;
+  int stopped;
+  akv_group_reason reason;
+  uint32_t failed_rank;
+  char last_error[512];
+  uint32_t magic_end;
+};
+
+static int akv_group_ok(const akv_group *g) {
+  return g != NULL && g->magic == AKV_MAGIC_GROUP && g->magic_end == AKV_MAGIC_GROUP;
+}
+
+size_t akv_group_vector_len(uint32_t max_contexts) {
+  /* step: n (2) + ids (2 per context) + lengths (2 per context) */
+  size_t step = AKV_GROUP_HEADER_LEN + 2u + 4u * (size_t)max_contexts;
+  return step > AKV_GROUP_FIXED_LEN ? step : AKV_GROUP_FIXED_LEN;
+}
+
+static void akv_group_log(const akv_group *g, const akv_engine_config *cfg, akv_log_level level,
+                          const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+static void akv_group_log(const akv_group *g, const akv_engine_config *cfg, akv_log_level level,
+                          const char *fmt, ...) {
+  char line[512];
+  va_list ap;
+  int n;
+  if (cfg == NULL || level > cfg->log_level) return;
+  n = snprintf(line, sizeof(line), "group rank %u/%u: ", g->cfg.rank, g->cfg.size);
+  va_start(ap, fmt);
+  vsnprintf(line + n, sizeof(line) - (size_t)n, fmt, ap);
+  va_end(ap);
+  if (cfg->log_fn != NULL)
+    cfg->log_fn(cfg->log_user, level, line);
+  else
+    fprintf(stderr, "activekv: %s\n", line);
+}
+
+static akv_status akv_group_fail(akv_group *g, akv_status st, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static akv_status akv_group_fail(akv_group *g, akv_status st, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(g->last_error, sizeof(g->last_error), fmt, ap);
+  va_end(ap);
+  akv_group_log(g, &g->local, AKV_LOG_WARN, "%s", g->last_error);
+  return st;
+}
+
+/* Stops the group: every rank reaches this at the same agreement point (or,
+ * for a timeout or a communicator failure, at its own), quarantines its
+ * engine, and from then on refuses every agreement call without entering a
+ * collective. Returns the status the caller returns. */
+static akv_status akv_group_stop(akv_group *g, akv_group_reason reason, uint32_t failed_rank,
+                                 akv_status st, const char *why) {
+  g->stopped = 1;
+  g->reason = reason;
+  g->failed_rank = failed_rank;
+  if (g->engine != NULL) {
+    akv_quarantine_report rep;
+    akv_status q = akv_engine_quarantine(g->engine, &rep);
+    return akv_group_fail(g, st, "%s; engine quarantined (%s)", why, akv_status_string(q));
+  }
+  return akv_group_fail(g, st, "%s", why);
+}
+
+/* ---------------------------------------------------------------- vector */
+
+static void akv_put_same(akv_group *g, uint64_t x) {
+  g->vec[g->at++] = x;
+  g->vec[g->at++] = ~x;
+}
+static void akv_put_min(akv_group *g, uint64_t x) { g->vec[g->at++] = x; }
+static void akv_put_max(akv_group *g, uint64_t x) { g->vec[g->at++] = ~x; }
+static int akv_get_same(akv_group *g, uint64_t *x) {
+  const uint64_t mn = g->vec[g->at], mx = ~g->vec[g->at + 1];
+  g->at += 2;
+  if (x != NULL) *x = mn;
+  return mn == mx;
+}
+static uint64_t akv_get_min(akv_group *g) { return g->vec[g->at++]; }
+static uint64_t akv_get_max(akv_group *g) { return ~g->vec[g->at++]; }
+
+static int akv_group_engine_failed(const akv_group *g) {
+  akv_engine_info info;
+  if (g->engine == NULL) return 0;
+  if (akv_engine_info_get(g->engine, &info) != AKV_OK) return 1;
+  return info.transport_failed;
+}
+
+static void akv_group_put_header(akv_group *g, akv_point op, akv_status local) {
+  memset(g->vec, 0, g->vec_len * sizeof(uint64_t));
+  g->at = 0;
+  akv_put_same(g, op);
+  akv_put_same(g, g->seq);
+  akv_put_min(g, akv_group_engine_failed(g) ? g->cfg.rank : UINT64_MAX);
+  akv_put_same(g, g->check_digest && g->engine != NULL ? akv_engine_plan_digest(g->engine) : 0);
+  akv_put_max(g, (uint64_t)local);
+}
+
+/* The collective. A timeout or a communicator failure stops the group (the
+ * collective already aborted the communicator, so no rank hangs). */
+static akv_status akv_group_exchange(akv_group *g) {
+  akv_status st = g->coll->ops->allreduce_min(g->coll, g->vec, g->vec_len, g->cfg.timeout_ms);
+  g->seq++;
+  if (st == AKV_OK) {
+    g->agreements++;
+    return AKV_OK;
+  }
+  if (st == AKV_ERR_TIMEOUT)
+    return akv_group_stop(g, AKV_GROUP_TIMEOUT, UINT32_MAX, AKV_ERR_TIMEOUT, g->coll->error);
+  return akv_group_stop(g, AKV_GROUP_COMM_FAILED, UINT32_MAX, AKV_ERR_COMM,
+                        g->coll->error[0] ? g->coll->error : akv_status_string(st));
+}
+
+/* Reads the header of the reduced vector. Returns AKV_OK to go on (and the
+ * agreed local status in *local), or the status every rank returns. The
+ * order of the checks is the same on every rank, so every rank takes the
+ * same branch. */
+static akv_status akv_group_read_header(akv_group *g, akv_status *local) {
+  uint64_t digest;
+  int same_op, same_seq, same_digest;
+  uint64_t failed;
+  char why[160];
+  g->at = 0;
+  same_op = akv_get_same(g, NULL);
+  same_seq = akv_get_same(g, NULL);
+  failed = akv_get_min(g);
+  same_digest = akv_get_same(g, &digest);
+  *local = (akv_status)akv_get_max(g);
+  if (!same_op || !same_seq)
+    return akv_group_stop(g, AKV_GROUP_DIVERGED, UINT32_MAX, AKV_ERR_QUARANTINED,
+                          "ranks met at different agreement points (a rank made a different "
+                          "call)");
+  /* Agreed failure: any rank's transport failure quarantines every rank at
+   * the next agreement point. */
+  if (failed != UINT64_MAX) {
+    snprintf(why, sizeof(why), "rank %llu's transport failed", (unsigned long long)failed);
+    return akv_group_stop(g, AKV_GROUP_PEER_FAILED, (uint32_t)failed, AKV_ERR_QUARANTINED, why);
+  }
+  /* A digest mismatch quarantines every rank: it never hangs one. */
+  if (g->check_digest && !same_digest)
+    return akv_group_stop(g, AKV_GROUP_DIGEST_MISMATCH, UINT32_MAX, AKV_ERR_QUARANTINED,
+                          "the ranks' plan digests differ");
+  g->digest = digest;
+  return AKV_OK;
+}
+
+/* The outcome of a decision taken locally from agreed inputs: every rank
+ * must have reached the same status and (when checked) the same digest. */
+static akv_status akv_group_outcome(akv_group *g, akv_status st) {
+  akv_status local, rc;
+  akv_group_put_header(g, AKV_POINT_OUTCOME, AKV_OK);
+  akv_put_same(g, (uint64_t)st);
+  if ((rc = akv_group_exchange(g)) != AKV_OK) return rc;
+  if ((rc = akv_group_read_header(g, &local)) != AKV_OK) return rc;
+  if (!akv_get_same(g, NULL))
+    return akv_group_stop(g, AKV_GROUP_DIVERGED, UINT32_MAX, AKV_ERR_QUARANTINED,
+                          "the ranks decided differently from agreed inputs");
+  if (st != AKV_OK)
+    return akv_group_fail(g, st, "every rank: %s (%s)", akv_status_string(st),
+                          akv_engine_last_error(g->engine));
+  return AKV_OK;
+}
+
+static akv_status akv_group_enter(akv_group *g) {
+  if (!akv_group_ok(g)) return AKV_ERR_BAD_HANDLE;
+  if (g->stopped)
+    return akv_group_fail(g, AKV_ERR_QUARANTINED, "the group stopped earlier; only info, "
+                          "engine diagnostics and destroy remain");
+  return AKV_OK;
+}
+
+/* ---------------------------------------------------------------- create */
+
+akv_status akv_group_create_with(const akv_engine_config *shard, const akv_group_config *config,
+                                 akv_coll *coll, akv_group **out) {
+  akv_group *g = NULL;
+  akv_status local = AKV_OK, st, agreed_local;
+  uint64_t v;
+  int same = 1;
+  if (coll == NULL || coll->ops == NULL || out == NULL || config == NULL || shard == NULL)
+    return AKV_ERR_INVALID_ARGUMENT;
+  if (coll->max_n < AKV_GROUP_FIXED_LEN) return AKV_ERR_INVALID_ARGUMENT;
+  g = calloc(1, sizeof(*g));
+  if (g == NULL) return AKV_ERR_OUT_OF_MEMORY;
+  g->vec = calloc(coll->max_n, sizeof(uint64_t));
+  if (g->vec == NULL) {
+    free(g);
+    return AKV_ERR_OUT_OF_MEMORY;
+  }
+  g->coll = coll;
+  g->failed_rank = UINT32_MAX;
+  g->local = *shard;
+  g->cfg = *config;
+  g->vec_len = AKV_GROUP_FIXED_LEN;
+  /* Local checks travel as the header's status: a rank that refuses its own
+   * arguments still meets the others, so none of them waits for it. */
+  if (config->struct_size < sizeof(akv_group_config) || config->version != AKV_CONFIG_VERSION ||
+      shard->struct_size < sizeof(akv_engine_config) || shard->version != AKV_CONFIG_VERSION)
+    local = AKV_ERR_CONFIG;
+  else if (config->size != coll->size || config->rank != coll->rank || config->timeout_ms == 0)
+    local = AKV_ERR_CONFIG;
+  else if (shard->headroom_gib != 0)
+    /* Headroom is profiled per device, so it differs between ranks; until a
+     * headroom change is an agreement point (headroom pages the MIN over
+     * ranks), a group refuses it rather than quarantine at the first step. */
+    local = AKV_ERR_NOT_SUPPORTED;
+  if (local != AKV_OK) {
+    g->cfg.rank = coll->rank;
+    g->cfg.size = coll->size;
+    if (g->cfg.timeout_ms == 0) g->cfg.timeout_ms = 60000; /* the default: meet the others */
+  }
+  akv_group_put_header(g, AKV_POINT_CREATE, local);
+  /* Geometry: identical on every rank (each holds an equal KV-head shard). */
+  akv_put_same(g, shard->n_dense_layers);
+  akv_put_same(g, shard->kv_heads);
+  akv_put_same(g, shard->head_dim);
+  akv_put_same(g, (uint64_t)shard->dtype);
+  akv_put_same(g, shard->max_tokens);
+  akv_put_same(g, shard->page_tokens);
+  akv_put_same(g, (uint64_t)shard->route);
+  akv_put_same(g, (uint64_t)shard->fit_mode);
+  akv_put_same(g, coll->size);
+  /* Pools and concurrency: the MIN over ranks, so host fit and the device
+   * pool of every rank are the smallest rank's. */
+  akv_put_min(g, shard->host_pool_gib);
+  akv_put_min(g, shard->device_pool_gib);
+  akv_put_min(g, shard->max_contexts);
+#ifndef NDEBUG
+  akv_put_max(g, 1); /* debug builds always compare digests */
+#else
+  akv_put_max(g, config->digest == AKV_GROUP_DIGEST_ON);
+#endif
+  if ((st = akv_group_exchange(g)) != AKV_OK) goto fail;
+  if ((st = akv_group_read_header(g, &agreed_local)) != AKV_OK) goto fail;
+  if (agreed_local != AKV_OK) {
+    st = akv_group_fail(g, agreed_local, "create: a rank refused its arguments (%s)",
+                        akv_status_string(agreed_local));
+    goto fail;
+  }
+  for (int i = 0; i < 9; i++) same &= akv_get_same(g, NULL);
+  if (!same) {
+    st = akv_group_fail(g, AKV_ERR_DISAGREE,
+                        "create: the ranks' shard geometry differs (layers, kv_heads, head_dim, "
+                        "dtype, max_tokens, page_tokens, route, fit mode or group size)");
+    goto fail;
+  }
+  g->agreed = *shard;
+  g->agreed.host_pool_gib = (uint32_t)akv_get_min(g);
+  g->agreed.device_pool_gib = (uint32_t)akv_get_min(g);
+  g->agreed.max_contexts = (uint32_t)akv_get_min(g);
+  g->check_digest = akv_get_max(g) != 0;
+  akv_group_log(g, shard, AKV_LOG_INFO,
+                "agreed over %u ranks: host_pool_gib = %u (here %u), device_pool_gib = %u (here "
+                "%u), max_contexts = %u (here %u), digests %s",
+                g->cfg.size, g->agreed.host_pool_gib, shard->host_pool_gib,
+                g->agreed.device_pool_gib, shard->device_pool_gib, g->agreed.max_contexts,
+                shard->max_contexts, g->check_digest ? "compared" : "not compared");
+  st = akv_engine_create(&g->agreed, &g->engine);
+  if (st != AKV_OK) g->engine = NULL;
+  /* The outcome: every rank created its engine, with the same concurrency. */
+  {
+    akv_engine_info info;
+    memset(&info, 0, sizeof(info));
+    if (g->engine != NULL) akv_engine_info_get(g->engine, &info);
+    akv_group_put_header(g, AKV_POINT_OUTCOME, st);
+    akv_put_same(g, info.effective_concurrency);
+    akv_put_same(g, info.device_pages);
+    if ((st = akv_group_exchange(g)) != AKV_OK) goto fail;
+    if ((st = akv_group_read_header(g, &agreed_local)) != AKV_OK) goto fail;
+    if (agreed_local != AKV_OK) {
+      st = akv_group_fail(g, agreed_local, "create: a rank's engine create failed (%s)",
+                          akv_status_string(agreed_local));
+      goto fail;
+    }
+    same = akv_get_same(g, &v);
+    same &= akv_get_same(g, NULL);
+    if (!same) {
+      st = akv_group_fail(g, AKV_ERR_DISAGREE,
+                          "create: the ranks' engines differ in concurrency or device pages");
+      goto fail;
+    }
+    g->concurrency = (uint32_t)v;
+  }
+  g->vec_len = akv_group_vector_len(g->concurrency);
+  /* Every rank computes the same length from the agreed concurrency; each
+   * collective was sized for its own max_contexts >= the agreed one. */
+  if (g->vec_len > coll->max_n) {
+    st = akv_group_fail(g, AKV_ERR_CONFIG, "create: the collective takes %zu values, %zu needed",
+                        coll->max_n, g->vec_len);
+    goto fail;
+  }
+  g->magic = g->magic_end = AKV_MAGIC_GROUP;
+  *out = g;
+  return AKV_OK;
+fail:
+  /* Nothing of the group survives a failed create; the caller keeps coll. */
+  if (g->engine != NULL) {
+    if (akv_engine_destroy(g->engine) != AKV_OK) {
+      akv_engine_quarantine(g->engine, NULL);
+      akv_engine_destroy(g->engine);
+    }
+  }
+  free(g->vec);
+  free(g);
+  return st;
+}
+
+/* ---------------------------------------------------------------- points */
+
+AKV_API akv_status akv_group_context_open(akv_group *g, const akv_context_config *config,
+                                          akv_context **out) {
+  akv_context_config cc = AKV_CONTEXT_CONFIG_INIT;
+  akv_context *c = NULL;
+  akv_status st = akv_group_enter(g), local = AKV_OK, agreed_local;
+  if (st != AKV_OK) return st;
+  if (out == NULL)
+    local = AKV_ERR_INVALID_ARGUMENT;
+  else if (config != NULL && (config->struct_size < sizeof(akv_context_config) ||
+                              config->version != AKV_CONFIG_VERSION))
+    local = AKV_ERR_CONFIG;
+  else if (akv_engine_step_open(g->engine))
+    local = AKV_ERR_STEP_STATE;
+  if (local == AKV_OK && config != NULL) cc = *config;
+  akv_group_put_header(g, AKV_POINT_OPEN, local);
+  /* Target and burst: the MIN over ranks (AKV_TARGET_FAIR_SHARE is the
+   * largest value, so an explicit target on any rank wins). */
+  akv_put_min(g, cc.target_pages);
+  akv_put_min(g, cc.burst_pages);
+  if ((st = akv_group_exchange(g)) != AKV_OK) return st;
+  if ((st = akv_group_read_header(g, &agreed_local)) != AKV_OK) return st;
+  if (agreed_local != AKV_OK)
+    return akv_group_fail(g, agreed_local, "context_open: refused on every rank (%s)",
+                          akv_status_string(agreed_local));
+  cc.target_pages = (uint32_t)akv_get_min(g);
+  cc.burst_pages = (uint32_t)akv_get_min(g);
+  st = akv_context_open(g->engine, &cc, &c);
+  if ((st = akv_group_outcome(g, st)) != AKV_OK) return st;
+  *out = c;
+  return AKV_OK;
+}
+
+AKV_API akv_status akv_group_context_close(akv_group *g, akv_context *context) {
+  uint32_t id = 0;
+  akv_status st = akv_group_enter(g), local = AKV_OK, agreed_local;
+  if (st != AKV_OK) return st;
+  if (!akv_engine_owns_context(g->engine, context) || akv_context_id(context, &id) != AKV_OK)
+    local = AKV_ERR_BAD_HANDLE;
+  akv_group_put_header(g, AKV_POINT_CLOSE, local);
+  akv_put_same(g, id);
+  if ((st = akv_group_exchange(g)) != AKV_OK) return st;
+  if ((st = akv_group_read_header(g, &agreed_local)) != AKV_OK) return st;
+  if (agreed_local != AKV_OK)
+    return akv_group_fail(g, agreed_local, "context_close: refused on every rank (%s)",
+                          akv_status_string(agreed_local));
+  if (!akv_get_same(g, NULL))
+    return akv_group_fail(g, AKV_ERR_DISAGREE,
+                          "context_close: the ranks named different contexts; nothing changed");
+  return akv_group_outcome(g, akv_context_close(context));
+}
+
+AKV_API akv_status akv_group_step_begin(akv_group *g, akv_context *const *contexts, uint32_t n) {
+  akv_status st = akv_group_enter(g), local = AKV_OK, agreed_local;
+  int same = 1;
+  if (st != AKV_OK) return st;
+  if (contexts == NULL || n == 0 || n > g->concurrency) {
+    local = AKV_ERR_INVALID_ARGUMENT;
+  } else {
+    for (uint32_t i = 0; i < n && local == AKV_OK; i++)
+      if (!akv_engine_owns_context(g->engine, contexts[i])) local = AKV_ERR_BAD_HANDLE;
+    if (local == AKV_OK && akv_engine_step_open(g->engine)) local = AKV_ERR_STEP_STATE;
+  }
+  akv_group_put_header(g, AKV_POINT_STEP, local);
+  /* The step's contexts and lengths: the same on every rank, in order. The
+   * slots past n (and all of them after a local refusal) hold 0 on every
+   * rank, so they agree. */
+  akv_put_same(g, local == AKV_OK ? n : 0);
+  for (uint32_t i = 0; i < g->concurrency; i++) {
+    uint32_t id = 0, len = 0;
+    if (local == AKV_OK && i < n) {
+      akv_context_id(contexts[i], &id);
+      akv_context_length(contexts[i], &len);
+      akv_put_same(g, id);
+      akv_put_same(g, len);
+    } else {
+      akv_put_same(g, 0);
+      akv_put_same(g, 0);
+    }
+  }
+  if ((st = akv_group_exchange(g)) != AKV_OK) return st;
+  if ((st = akv_group_read_header(g, &agreed_local)) != AKV_OK) return st;
+  if (agreed_local != AKV_OK)
+    return akv_group_fail(g, agreed_local, "step_begin: refused on every rank (%s)",
+                          akv_status_string(agreed_local));
+  for (uint32_t i = 0; i < 1 + 2 * g->concurrency; i++) same &= akv_get_same(g, NULL);
+  if (!same)
+    return akv_group_fail(g, AKV_ERR_DISAGREE,
+                          "step_begin: the ranks step different contexts or lengths; nothing "
+                          "changed");
+  return akv_group_outcome(g, akv_step_begin(g->engine, contexts, n));
+}
+
+AKV_API akv_status akv_group_check(akv_group *g) {
+  akv_status st = akv_group_enter(g), local;
+  if (st != AKV_OK) return st;
+  akv_group_put_header(g, AKV_POINT_CHECK, AKV_OK);
+  if ((st = akv_group_exchange(g)) != AKV_OK) return st;
+  return akv_group_read_header(g, &local);
+}
+
+/* ---------------------------------------------------------------- others */
+
+AKV_API akv_status akv_group_engine(const akv_group *g, akv_engine **out) {
+  if (!akv_group_ok(g)) return AKV_ERR_BAD_HANDLE;
+  if (out == NULL) return AKV_ERR_INVALID_ARGUMENT;
+  *out = g->engine;
+  return AKV_OK;
+}
+
+AKV_API akv_status akv_group_info_get(const akv_group *g, akv_group_info *out) {
+  if (!akv_group_ok(g)) return AKV_ERR_BAD_HANDLE;
+  if (out == NULL) return AKV_ERR_INVALID_ARGUMENT;
+  memset(out, 0, sizeof(*out));
+  out->rank = g->cfg.rank;
+  out->size = g->cfg.size;
+  out->agreements = g->agreements;
+  out->digest = g->check_digest ? g->digest : akv_engine_plan_digest(g->engine);
+  out->digest_checked = g->check_digest;
+  out->stopped = g->stopped;
+  out->reason = g->reason;
+  out->failed_rank = g->failed_rank;
+  out->host_pool_gib = g->agreed.host_pool_gib;
+  out->device_pool_gib = g->agreed.device_pool_gib;
+  out->max_contexts = g->agreed.max_contexts;
+  out->local_host_pool_gib = g->local.host_pool_gib;
+  out->local_device_pool_gib = g->local.device_pool_gib;
+  out->local_max_contexts = g->local.max_contexts;
+  return AKV_OK;
+}
+
+AKV_API const char *akv_group_last_error(const akv_group *g) {
+  if (!akv_group_ok(g)) return "bad group handle";
+  return g->last_error;
+}
+
+AKV_API akv_status akv_group_destroy(akv_group *g) {
+  akv_status st;
+  if (!akv_group_ok(g)) return AKV_ERR_BAD_HANDLE;
+  /* The engine's destroy never waits; with live work it frees nothing and
+   * neither does the group. */
+  st = akv_engine_destroy(g->engine);
+  if (st != AKV_OK) return akv_group_fail(g, st, "destroy: the engine is busy; nothing freed");
+  g->coll->ops->destroy(g->coll);
+  free(g->vec);
+  g->magic = g->magic_end = AKV_MAGIC_GROUP_DEAD;
+  free(g);
+  return AKV_OK;
+}

@@ -1,0 +1,165 @@
+/*
+ * coll_nccl.c - the collective interface (src/dist/collective.h) on the
+ * caller's NCCL communicator, and akv_nccl_group_create (akv_nccl.h).
+ *
+ * One all-reduce per agreement point: the vector is copied to a device
+ * buffer on the group's own stream, reduced with ncclAllReduce(ncclMin) and
+ * copied back, then the host polls the stream's event, the communicator's
+ * asynchronous error and the deadline. A timeout or an error aborts the
+ * communicator (ncclCommAbort), which ends the collective on every rank, so
+ * no rank hangs on one that never arrives.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <cuda_runtime.h>
+#include <nccl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "akv_nccl.h"
+#include "collective.h"
+#include "group.h"
+
+typedef struct akv_nccl_coll {
+  akv_coll base; /* first: an akv_coll * is an akv_nccl_coll * */
+  ncclComm_t comm;
+  int device;
+  cudaStream_t stream;
+  cudaEvent_t done;
+  uint64_t *dev;  /* [max_n] device */
+  uint64_t *host; /* [max_n] pinned */
+} akv_nccl_coll;
+
+static uint64_t akv_now_us(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
+}
+
+static void akv_nccl_sleep_us(long us) {
+  struct timespec ts = {0, us * 1000L};
+  nanosleep(&ts, NULL);
+}
+
+/* Aborts the communicator: the only way to end a collective whose peer never
+ * arrives. Afterwards every call on this rank fails at once. */
+static akv_status akv_nccl_abort(akv_nccl_coll *nc, akv_status st, const char *why) {
+  if (!nc->base.aborted) {
+    nc->base.aborted = 1;
+    ncclCommAbort(nc->comm);
+  }
+  snprintf(nc->base.error, sizeof(nc->base.error), "%s; communicator aborted", why);
+  return st;
+}
+
+/* Waits while NCCL reports ncclInProgress (non-blocking communicators). */
+static ncclResult_t akv_nccl_settle(akv_nccl_coll *nc, ncclResult_t r, uint64_t deadline_us) {
+  while (r == ncclInProgress) {
+    if (akv_now_us() > deadline_us) return ncclInProgress;
+    akv_nccl_sleep_us(20);
+    if (ncclCommGetAsyncError(nc->comm, &r) != ncclSuccess) return ncclInternalError;
+  }
+  return r;
+}
+
+static akv_status akv_nccl_allreduce(akv_coll *c, uint64_t *v, size_t n, uint32_t timeout_ms) {
+  akv_nccl_coll *nc = (akv_nccl_coll *)c;
+  const uint64_t deadline = akv_now_us() + (uint64_t)timeout_ms * 1000u;
+  ncclResult_t r, async;
+  char why[200];
+  if (v == NULL || n == 0 || n > c->max_n) return AKV_ERR_INVALID_ARGUMENT;
+  if (c->aborted) return AKV_ERR_COMM;
+  if (cudaSetDevice(nc->device) != cudaSuccess)
+    return akv_nccl_abort(nc, AKV_ERR_COMM, "cudaSetDevice failed");
+  memcpy(nc->host, v, n * sizeof(uint64_t));
+  if (cudaMemcpyAsync(nc->dev, nc->host, n * sizeof(uint64_t), cudaMemcpyHostToDevice,
+                      nc->stream) != cudaSuccess)
+    return akv_nccl_abort(nc, AKV_ERR_COMM, "copy of the agreement vector failed");
+  r = ncclAllReduce(nc->dev, nc->dev, n, ncclUint64, ncclMin, nc->comm, nc->stream);
+  r = akv_nccl_settle(nc, r, deadline);
+  if (r == ncclInProgress) {
+    snprintf(why, sizeof(why), "rank %u: ncclAllReduce not enqueued after %u ms", c->rank,
+             timeout_ms);
+    return akv_nccl_abort(nc, AKV_ERR_TIMEOUT, why);
+  }
+  if (r != ncclSuccess) {
+    snprintf(why, sizeof(why), "ncclAllReduce: %s", ncclGetErrorString(r));
+    return akv_nccl_abort(nc, AKV_ERR_COMM, why);
+  }
+  if (cudaMemcpyAsync(nc->host, nc->dev, n * sizeof(uint64_t), cudaMemcpyDeviceToHost,
+                      nc->stream) != cudaSuccess ||
+      cudaEventRecord(nc->done, nc->stream) != cudaSuccess)
+    return akv_nccl_abort(nc, AKV_ERR_COMM, "copy back of the agreement vector failed");
+  for (;;) {
+    cudaError_t q = cudaEventQuery(nc->done);
+    if (q == cudaSuccess) break;
+    if (q != cudaErrorNotReady) {
+      snprintf(why, sizeof(why), "agreement stream: %s", cudaGetErrorString(q));
+      return akv_nccl_abort(nc, AKV_ERR_COMM, why);
+    }
+    /* An NCCL asynchronous error is handled with an abort of the
+     * communicator, never by waiting on. */
+    if (ncclCommGetAsyncError(nc->comm, &async) != ncclSuccess ||
+        (async != ncclSuccess && async != ncclInProgress)) {
+      snprintf(why, sizeof(why), "NCCL asynchronous error: %s", ncclGetErrorString(async));
+      return akv_nccl_abort(nc, AKV_ERR_COMM, why);
+    }
+    /* A rank that never arrives: abort after the timeout. */
+    if (akv_now_us() > deadline) {
+      snprintf(why, sizeof(why), "rank %u waited %u ms for the other ranks", c->rank, timeout_ms);
+      return akv_nccl_abort(nc, AKV_ERR_TIMEOUT, why);
+    }
+    akv_nccl_sleep_us(10);
+  }
+  memcpy(v, nc->host, n * sizeof(uint64_t));
+  return AKV_OK;
+}
+
+static void akv_nccl_destroy(akv_coll *c) {
+  akv_nccl_coll *nc = (akv_nccl_coll *)c;
+  if (nc == NULL) return;
+  cudaSetDevice(nc->device);
+  /* After an abort the stream's work was ended by NCCL; freeing waits for
+   * nothing of the caller's. */
+  if (nc->done != NULL) cudaEventDestroy(nc->done);
+  if (nc->stream != NULL) cudaStreamDestroy(nc->stream);
+  if (nc->dev != NULL) cudaFree(nc->dev);
+  if (nc->host != NULL) cudaFreeHost(nc->host);
+  free(nc);
+}
+
+static const akv_coll_ops akv_nccl_ops = {"nccl", akv_nccl_allreduce, akv_nccl_destroy};
+
+AKV_API akv_status akv_nccl_group_create(const akv_engine_config *shard,
+                                         const akv_group_config *config, ncclComm_t comm,
+                                         akv_group **out) {
+  akv_nccl_coll *nc;
+  int count = 0, rank = -1;
+  akv_status st;
+  if (shard == NULL || config == NULL || comm == NULL || out == NULL)
+    return AKV_ERR_INVALID_ARGUMENT;
+  if (ncclCommCount(comm, &count) != ncclSuccess || ncclCommUserRank(comm, &rank) != ncclSuccess)
+    return AKV_ERR_COMM;
+  nc = calloc(1, sizeof(*nc));
+  if (nc == NULL) return AKV_ERR_OUT_OF_MEMORY;
+  nc->base.ops = &akv_nccl_ops;
+  nc->base.rank = (uint32_t)rank;
+  nc->base.size = (uint32_t)count;
+  nc->base.max_n = akv_group_vector_len(shard->max_contexts);
+  nc->comm = comm;
+  nc->device = shard->device_ordinal;
+  if (cudaSetDevice(nc->device) != cudaSuccess ||
+      cudaStreamCreateWithFlags(&nc->stream, cudaStreamNonBlocking) != cudaSuccess ||
+      cudaEventCreateWithFlags(&nc->done, cudaEventDisableTiming) != cudaSuccess ||
+      cudaMalloc((void **)&nc->dev, nc->base.max_n * sizeof(uint64_t)) != cudaSuccess ||
+      cudaMallocHost((void **)&nc->host, nc->base.max_n * sizeof(uint64_t)) != cudaSuccess) {
+    akv_nccl_destroy(&nc->base);
+    return AKV_ERR_BACKEND;
+  }
+  /* A mismatch of config->rank/size with comm is refused inside the
+   * agreement (every rank meets the others and returns AKV_ERR_CONFIG). */
+  st = akv_group_create_with(shard, config, &nc->base, out);
+  if (st != AKV_OK) akv_nccl_destroy(&nc->base);
+  return st;
+}

@@ -1,0 +1,564 @@
+/*
+ * test_group.c - tensor parallel agreement (src/dist) on the host backend,
+ * threads as ranks over the in-process collective.
+ *
+ * Each rank runs in its own thread and records what it saw; the checks run
+ * on the main thread after every rank joined.
+ *  - ranks with different local pools, concurrency and requested targets
+ *    end with identical plans (digests and admission logs at every step),
+ *    while the same engines without agreement diverge (the check has teeth);
+ *  - one rank's injected transport fault quarantines every rank at the same
+ *    agreement point;
+ *  - a rank that never arrives times out cleanly on every rank, and the late
+ *    rank is refused at once;
+ *  - a communicator failure, a digest mismatch, different calls, different
+ *    inputs and a local argument error each end the same way on every rank.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <cmocka.h>
+
+#include "akv.h"
+#include "akv_group.h"
+#include "coll_inproc.h"
+#include "group.h"
+#include "plan.h"
+
+#define MAX_RANKS 4
+#define MAX_STEPS 12
+#define LOG_CAP 256
+
+/* Geometry: 8 layers of 2 x 8 bf16 (64 B per K+V pair), 64 Ki tokens per
+ * context: 32 MiB of history, so a 1 GiB host pool fits 32 contexts and a
+ * 2 GiB one 64. Pages of 1024 tokens (512 KiB), 2048 per device GiB. */
+#define LAYERS 8
+#define KV_HEADS 2
+#define HEAD_DIM 8
+#define MAX_TOKENS 65536
+#define PAGE_TOKENS 1024
+
+static void quiet(void *user, akv_log_level level, const char *message) {
+  (void)user;
+  (void)level;
+  (void)message;
+}
+
+static akv_engine_config shard_config(uint32_t host_gib, uint32_t dev_gib, uint32_t max_contexts) {
+  akv_engine_config c = AKV_ENGINE_CONFIG_INIT;
+  c.backend = AKV_BACKEND_HOST;
+  c.n_dense_layers = LAYERS;
+  c.kv_heads = KV_HEADS;
+  c.head_dim = HEAD_DIM;
+  c.max_tokens = MAX_TOKENS;
+  c.page_tokens = PAGE_TOKENS;
+  c.host_pool_gib = host_gib;
+  c.device_pool_gib = dev_gib;
+  c.max_contexts = max_contexts;
+  c.fit_mode = AKV_FIT_SHRINK;
+  c.route = AKV_ROUTE_ARENA;
+  c.log_fn = quiet;
+  return c;
+}
+
+/* ------------------------------------------------------------ one rank */
+
+typedef enum scenario {
+  SC_PRESSURE = 0, /* different local inputs, identical plans */
+  SC_FAULT,        /* rank `special` fails a copy mid-run */
+  SC_MISSING,      /* rank `special` stops arriving after step `special_step` */
+  SC_ABORT,        /* the world is aborted while ranks wait */
+  SC_DIGEST,       /* rank `special` opens a context behind the group's back */
+  SC_DIVERGED,     /* rank `special` makes a different call */
+  SC_DISAGREE,     /* different step inputs, then a local argument error */
+  SC_GEOMETRY      /* rank `special` has a different kv_heads */
+} scenario;
+
+typedef struct world_run world_run;
+
+typedef struct rank_run {
+  world_run *w;
+  uint32_t rank;
+  /* what the rank saw */
+  akv_status create;
+  akv_status opens[40];
+  uint32_t n_opens;
+  akv_status steps[MAX_STEPS];
+  uint64_t digests[MAX_STEPS];
+  uint32_t n_steps;
+  akv_adm_decision log[LOG_CAP];
+  size_t n_log;
+  akv_status last;         /* the status that ended the run */
+  akv_status after;        /* a group call after the end */
+  double last_wait_s;      /* wall time of the call that ended the run */
+  akv_group_info info;
+  akv_engine_info einfo;
+  akv_status destroy;
+  akv_status extra[4];     /* scenario-specific */
+} rank_run;
+
+struct world_run {
+  scenario sc;
+  uint32_t size;
+  uint32_t special;
+  uint32_t special_step;
+  uint32_t timeout_ms;
+  akv_inproc_world *world;
+  rank_run ranks[MAX_RANKS];
+};
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static int noop_hook(void *user, const akv_view *view, akv_stream stream) {
+  (void)user;
+  (void)view;
+  (void)stream;
+  return 0;
+}
+
+/* One decode step's leases on this rank's engine (after the group's
+ * step_begin). Returns the first failing status. */
+static akv_status run_layers(akv_engine *e, akv_stream s) {
+  akv_status st;
+  for (uint32_t l = 0; l < LAYERS; l++) {
+    akv_lease *ls;
+    akv_fence attn, tail;
+    if ((st = akv_lease_begin(e, l, &ls)) != AKV_OK) return st;
+    if ((st = akv_lease_attend(ls, s, noop_hook, NULL, &attn)) != AKV_OK) return st;
+    if ((st = akv_lease_write_back(ls, NULL, 0, &tail)) != AKV_OK) return st;
+    if ((st = akv_lease_seal(ls, tail, attn)) != AKV_OK) return st;
+    if ((st = akv_lease_retire(ls, NULL)) != AKV_OK) return st;
+  }
+  return akv_step_end(e);
+}
+
+/* Prefill `n` rows of zeros into every layer. */
+static akv_status prefill(akv_context *c, uint32_t n) {
+  static const uint8_t zeros[4096 * 2 * KV_HEADS * HEAD_DIM];
+  const void *rows[LAYERS];
+  akv_status st = AKV_OK;
+  for (uint32_t l = 0; l < LAYERS; l++) rows[l] = zeros;
+  while (n > 0 && st == AKV_OK) {
+    uint32_t k = n < 4096 ? n : 4096;
+    st = akv_context_append(c, k, rows, rows);
+    n -= k;
+  }
+  return st;
+}
+
+/* Each rank's own idea of a context's target and burst: they differ, the
+ * group uses the MIN (target 3, burst 1). */
+static akv_context_config local_context_config(uint32_t rank) {
+  akv_context_config cc = AKV_CONTEXT_CONFIG_INIT;
+  cc.target_pages = rank == 0 ? AKV_TARGET_FAIR_SHARE : 2 + rank;
+  cc.burst_pages = 1 + rank;
+  return cc;
+}
+
+static void *rank_main(void *arg) {
+  rank_run *r = arg;
+  world_run *w = r->w;
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  akv_engine_config ec = shard_config(1 + r->rank, 1 + r->rank, 34 + r->rank);
+  akv_coll *coll = NULL;
+  akv_group *g = NULL;
+  akv_engine *e = NULL;
+  akv_stream s = NULL;
+  akv_context *ctx[40];
+  uint32_t n_ctx = 0;
+  akv_status st;
+  double t0;
+
+  gc.rank = r->rank;
+  gc.size = w->size;
+  gc.timeout_ms = w->timeout_ms;
+  gc.digest = AKV_GROUP_DIGEST_ON;
+  if (w->sc == SC_FAULT && r->rank == w->special) {
+    ec.fault_fail_nth = 30; /* a copy of step 3 or so */
+    ec.fault_kind = AKV_OP_COPY;
+  }
+  if (w->sc == SC_GEOMETRY && r->rank == w->special) ec.kv_heads = 2 * KV_HEADS;
+  r->last = AKV_OK;
+  if (akv_inproc_coll_create(w->world, r->rank, &coll) != AKV_OK) {
+    r->create = AKV_ERR_OUT_OF_MEMORY;
+    return NULL;
+  }
+  r->create = akv_group_create_with(&ec, &gc, coll, &g);
+  if (r->create != AKV_OK) {
+    coll->ops->destroy(coll);
+    return NULL;
+  }
+  akv_group_engine(g, &e);
+  akv_stream_create(e, &s);
+
+  /* Opens: up to the agreed concurrency (32: the smallest host pool) and
+   * one past it. */
+  {
+    const uint32_t n_open = w->sc == SC_PRESSURE ? 33 : 3;
+    for (uint32_t i = 0; i < n_open; i++) {
+      akv_context_config cc = local_context_config(r->rank);
+      akv_context *c = NULL;
+      st = akv_group_context_open(g, &cc, &c);
+      r->opens[r->n_opens++] = st;
+      if (st == AKV_OK) ctx[n_ctx++] = c;
+    }
+  }
+  /* Prefill the first three: 3, 2 and 5 full pages plus a partial one. */
+  for (uint32_t i = 0; i < 3 && i < n_ctx; i++) prefill(ctx[i], (i == 1 ? 2 : 3 + 2 * (i == 2)) * PAGE_TOKENS + 7);
+
+  if (w->sc == SC_DIGEST && r->rank == w->special) {
+    akv_context *sneak;
+    r->extra[0] = akv_context_open(e, NULL, &sneak); /* behind the group's back */
+  }
+  if (w->sc == SC_DISAGREE) {
+    /* Different contexts on rank `special`: DISAGREE everywhere, nothing
+     * changes; then a NULL list on rank `special`: INVALID_ARGUMENT
+     * everywhere; the digests stay what they were. */
+    uint64_t before = akv_engine_plan_digest(e);
+    r->extra[0] = akv_group_step_begin(g, ctx, r->rank == w->special ? 2 : 3);
+    r->extra[1] = akv_group_step_begin(g, r->rank == w->special ? NULL : ctx, 3);
+    r->extra[2] = akv_engine_plan_digest(e) == before ? AKV_OK : AKV_ERR_DISAGREE;
+  }
+
+  for (uint32_t step = 0; step < MAX_STEPS; step++) {
+    /* The later steps leave context 1 out: its pages become idle. */
+    const uint32_t n = step < 6 ? 3 : 2;
+    akv_context *list[3] = {ctx[0], step < 6 ? ctx[1] : ctx[2], ctx[2]};
+    if (w->sc == SC_MISSING && r->rank == w->special && step == w->special_step) {
+      /* This rank stops arriving; it comes back only after the others gave
+       * up, and must be refused at once. */
+      struct timespec ts = {0, (long)w->timeout_ms * 3 * 1000000L};
+      while (ts.tv_nsec >= 1000000000L) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000L;
+      }
+      nanosleep(&ts, NULL);
+    }
+    if (w->sc == SC_ABORT && r->rank == w->special && step == w->special_step) {
+      struct timespec ts = {0, 50 * 1000000L};
+      nanosleep(&ts, NULL);
+      akv_inproc_world_abort(w->world, "asynchronous error injected by the test");
+    }
+    t0 = now_s();
+    if (w->sc == SC_DIVERGED && r->rank == w->special && step == w->special_step)
+      st = akv_group_check(g);
+    else
+      st = akv_group_step_begin(g, list, n);
+    r->last_wait_s = now_s() - t0;
+    r->steps[r->n_steps] = st;
+    r->digests[r->n_steps] = akv_engine_plan_digest(e);
+    r->n_steps++;
+    if (st != AKV_OK) {
+      r->last = st;
+      break;
+    }
+    st = run_layers(e, s);
+    /* A failed step leaves this rank's transport failed; the next
+     * agreement point tells every rank. */
+    (void)st;
+  }
+  r->n_log = 0;
+  akv_admission_log(e, r->log, LOG_CAP, &r->n_log);
+  r->after = akv_group_check(g);
+  akv_group_info_get(g, &r->info);
+  akv_engine_info_get(e, &r->einfo);
+  /* Without a quarantine the engine still holds contexts: close them
+   * through the group where it is healthy, then destroy. */
+  if (!r->info.stopped) {
+    for (uint32_t i = 0; i < n_ctx; i++) akv_group_context_close(g, ctx[i]);
+  }
+  akv_stream_destroy(e, s);
+  r->destroy = akv_group_destroy(g);
+  return NULL;
+}
+
+static void run_world(world_run *w) {
+  pthread_t th[MAX_RANKS];
+  assert_int_equal(akv_inproc_world_create(w->size, akv_group_vector_len(64), &w->world), AKV_OK);
+  for (uint32_t r = 0; r < w->size; r++) {
+    w->ranks[r].w = w;
+    w->ranks[r].rank = r;
+    assert_int_equal(pthread_create(&th[r], NULL, rank_main, &w->ranks[r]), 0);
+  }
+  for (uint32_t r = 0; r < w->size; r++) pthread_join(th[r], NULL);
+  akv_inproc_world_destroy(w->world);
+}
+
+static world_run *new_world(scenario sc, uint32_t size) {
+  static world_run the_world; /* one test at a time */
+  world_run *w = &the_world;
+  memset(w, 0, sizeof(*w));
+  w->sc = sc;
+  w->size = size;
+  w->special = size - 1;
+  w->special_step = 2;
+  w->timeout_ms = 20000;
+  return w;
+}
+
+/* ------------------------------------------------------------ tests */
+
+/* Same opens and steps on engines created from each rank's local config,
+ * without a group: the plans differ (the agreement is what makes them
+ * equal, not the workload). Returns the digest after `steps` steps. */
+static uint64_t ungrouped_digest(uint32_t rank, uint32_t steps, akv_status *open33) {
+  akv_engine_config ec = shard_config(1 + rank, 1 + rank, 34 + rank);
+  akv_engine *e;
+  akv_stream s;
+  akv_context *ctx[40];
+  uint32_t n = 0;
+  uint64_t d;
+  assert_int_equal(akv_engine_create(&ec, &e), AKV_OK);
+  assert_int_equal(akv_stream_create(e, &s), AKV_OK);
+  for (uint32_t i = 0; i < 33; i++) {
+    akv_context_config cc = local_context_config(rank);
+    akv_status st = akv_context_open(e, &cc, &ctx[n]);
+    if (st == AKV_OK) n++;
+    if (i == 32) *open33 = st;
+  }
+  for (uint32_t i = 0; i < 3; i++) prefill(ctx[i], (i == 1 ? 2 : 3 + 2 * (i == 2)) * PAGE_TOKENS + 7);
+  for (uint32_t step = 0; step < steps; step++) {
+    akv_context *list[3] = {ctx[0], step < 6 ? ctx[1] : ctx[2], ctx[2]};
+    assert_int_equal(akv_step_begin(e, list, step < 6 ? 3 : 2), AKV_OK);
+    assert_int_equal(run_layers(e, s), AKV_OK);
+  }
+  d = akv_engine_plan_digest(e);
+  akv_stream_destroy(e, s);
+  for (uint32_t i = 0; i < n; i++) akv_context_close(ctx[i]);
+  assert_int_equal(akv_engine_destroy(e), AKV_OK);
+  return d;
+}
+
+static void test_pressure_identical_plans(void **state) {
+  (void)state;
+  world_run *w = new_world(SC_PRESSURE, 3);
+  run_world(w);
+  for (uint32_t r = 0; r < w->size; r++) {
+    rank_run *rr = &w->ranks[r];
+    assert_int_equal(rr->create, AKV_OK);
+    /* Host fit in a group uses the smallest rank's pool: 32 contexts. */
+    assert_int_equal(rr->n_opens, 33);
+    for (uint32_t i = 0; i < 32; i++) assert_int_equal(rr->opens[i], AKV_OK);
+    assert_int_equal(rr->opens[32], AKV_ERR_REFUSED_QUEUE);
+    assert_int_equal(rr->info.host_pool_gib, 1);
+    assert_int_equal(rr->info.device_pool_gib, 1);
+    assert_int_equal(rr->info.max_contexts, 34);
+    assert_int_equal(rr->info.local_host_pool_gib, 1 + r);
+    assert_int_equal(rr->n_steps, MAX_STEPS);
+    for (uint32_t s = 0; s < MAX_STEPS; s++) assert_int_equal(rr->steps[s], AKV_OK);
+    assert_int_equal(rr->after, AKV_OK);
+    assert_false(rr->info.stopped);
+    assert_true(rr->info.digest_checked);
+    assert_int_equal(rr->destroy, AKV_OK);
+  }
+  /* Identical plans: the digest after every step and the whole decision log. */
+  for (uint32_t r = 1; r < w->size; r++) {
+    for (uint32_t s = 0; s < MAX_STEPS; s++)
+      assert_int_equal(w->ranks[r].digests[s], w->ranks[0].digests[s]);
+    assert_int_equal(w->ranks[r].n_log, w->ranks[0].n_log);
+    assert_memory_equal(w->ranks[r].log, w->ranks[0].log, w->ranks[0].n_log * sizeof(akv_adm_decision));
+  }
+  /* The plans moved pages (the comparison is about something). */
+  assert_true(w->ranks[0].n_log > 33);
+  /* Teeth: without the agreement, the same workload gives different plans
+   * and a different host fit on each rank. */
+  {
+    akv_status open33[3];
+    uint64_t d0 = ungrouped_digest(0, MAX_STEPS, &open33[0]);
+    uint64_t d1 = ungrouped_digest(1, MAX_STEPS, &open33[1]);
+    uint64_t d2 = ungrouped_digest(2, MAX_STEPS, &open33[2]);
+    assert_true(d0 != d1 && d1 != d2 && d0 != d2);
+    assert_int_equal(open33[0], AKV_ERR_REFUSED_QUEUE);
+    assert_int_equal(open33[1], AKV_OK);
+  }
+}
+
+static void test_fault_quarantines_all(void **state) {
+  (void)state;
+  world_run *w = new_world(SC_FAULT, 3);
+  run_world(w);
+  for (uint32_t r = 0; r < w->size; r++) {
+    rank_run *rr = &w->ranks[r];
+    assert_int_equal(rr->create, AKV_OK);
+    /* Every rank stops at the same agreement point with the same status. */
+    assert_true(rr->n_steps < MAX_STEPS);
+    assert_int_equal(rr->n_steps, w->ranks[0].n_steps);
+    assert_int_equal(rr->last, AKV_ERR_QUARANTINED);
+    assert_int_equal(rr->after, AKV_ERR_QUARANTINED);
+    assert_true(rr->info.stopped);
+    assert_int_equal(rr->info.reason, AKV_GROUP_PEER_FAILED);
+    assert_int_equal(rr->info.failed_rank, w->special);
+    assert_true(rr->einfo.quarantined);
+    assert_int_equal(rr->destroy, AKV_OK);
+  }
+}
+
+static void test_missing_rank_times_out(void **state) {
+  (void)state;
+  world_run *w = new_world(SC_MISSING, 3);
+  w->timeout_ms = 300;
+  run_world(w);
+  for (uint32_t r = 0; r < w->size; r++) {
+    rank_run *rr = &w->ranks[r];
+    assert_int_equal(rr->create, AKV_OK);
+    assert_int_equal(rr->n_steps, w->special_step + 1);
+    assert_int_equal(rr->last, AKV_ERR_TIMEOUT);
+    assert_true(rr->info.stopped);
+    assert_int_equal(rr->info.reason, AKV_GROUP_TIMEOUT);
+    assert_true(rr->einfo.quarantined);
+    assert_int_equal(rr->after, AKV_ERR_QUARANTINED);
+    assert_int_equal(rr->destroy, AKV_OK);
+    if (r == w->special) {
+      /* The late rank is refused at once: the communicator was aborted. */
+      assert_true(rr->last_wait_s < 0.2);
+    } else {
+      /* The others gave up after the timeout, not much later. */
+      assert_true(rr->last_wait_s >= 0.25);
+      assert_true(rr->last_wait_s < 5.0);
+    }
+  }
+}
+
+static void test_comm_abort(void **state) {
+  (void)state;
+  world_run *w = new_world(SC_ABORT, 3);
+  run_world(w);
+  for (uint32_t r = 0; r < w->size; r++) {
+    rank_run *rr = &w->ranks[r];
+    assert_int_equal(rr->last, AKV_ERR_COMM);
+    assert_int_equal(rr->info.reason, AKV_GROUP_COMM_FAILED);
+    assert_true(rr->einfo.quarantined);
+    assert_int_equal(rr->after, AKV_ERR_QUARANTINED);
+    assert_int_equal(rr->destroy, AKV_OK);
+  }
+}
+
+static void test_digest_mismatch(void **state) {
+  (void)state;
+  world_run *w = new_world(SC_DIGEST, 2);
+  run_world(w);
+  assert_int_equal(w->ranks[1].extra[0], AKV_OK);
+  for (uint32_t r = 0; r < w->size; r++) {
+    rank_run *rr = &w->ranks[r];
+    assert_int_equal(rr->n_steps, 1);
+    assert_int_equal(rr->last, AKV_ERR_QUARANTINED);
+    assert_int_equal(rr->info.reason, AKV_GROUP_DIGEST_MISMATCH);
+    assert_true(rr->einfo.quarantined);
+    assert_int_equal(rr->destroy, AKV_OK);
+  }
+}
+
+static void test_different_calls_diverge(void **state) {
+  (void)state;
+  world_run *w = new_world(SC_DIVERGED, 2);
+  run_world(w);
+  for (uint32_t r = 0; r < w->size; r++) {
+    rank_run *rr = &w->ranks[r];
+    assert_int_equal(rr->n_steps, w->special_step + 1);
+    assert_int_equal(rr->last, AKV_ERR_QUARANTINED);
+    assert_int_equal(rr->info.reason, AKV_GROUP_DIVERGED);
+    assert_true(rr->einfo.quarantined);
+    assert_int_equal(rr->destroy, AKV_OK);
+  }
+}
+
+static void test_disagreement_changes_nothing(void **state) {
+  (void)state;
+  world_run *w = new_world(SC_DISAGREE, 2);
+  run_world(w);
+  for (uint32_t r = 0; r < w->size; r++) {
+    rank_run *rr = &w->ranks[r];
+    assert_int_equal(rr->extra[0], AKV_ERR_DISAGREE);
+    assert_int_equal(rr->extra[1], AKV_ERR_INVALID_ARGUMENT);
+    assert_int_equal(rr->extra[2], AKV_OK); /* the plan did not move */
+    /* and the group goes on afterwards */
+    assert_int_equal(rr->n_steps, MAX_STEPS);
+    assert_int_equal(rr->last, AKV_OK);
+    assert_false(rr->info.stopped);
+    assert_int_equal(rr->destroy, AKV_OK);
+  }
+  for (uint32_t s = 0; s < MAX_STEPS; s++)
+    assert_int_equal(w->ranks[1].digests[s], w->ranks[0].digests[s]);
+}
+
+static void test_geometry_disagrees(void **state) {
+  (void)state;
+  world_run *w = new_world(SC_GEOMETRY, 2);
+  run_world(w);
+  for (uint32_t r = 0; r < w->size; r++) assert_int_equal(w->ranks[r].create, AKV_ERR_DISAGREE);
+}
+
+/* Illegal calls on a one-rank group: a specific status, nothing changed. */
+static void test_illegal_calls(void **state) {
+  (void)state;
+  akv_inproc_world *world;
+  akv_coll *coll;
+  akv_group *g;
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  akv_engine_config ec = shard_config(1, 1, 4);
+  akv_engine *e;
+  akv_context *c = NULL;
+  akv_group_info info;
+  uint64_t d;
+  assert_int_equal(akv_inproc_world_create(1, akv_group_vector_len(4), &world), AKV_OK);
+  assert_int_equal(akv_inproc_coll_create(world, 0, &coll), AKV_OK);
+  gc.size = 2; /* not the collective's size */
+  assert_int_equal(akv_group_create_with(&ec, &gc, coll, &g), AKV_ERR_CONFIG);
+  gc.size = 1;
+  assert_int_equal(akv_group_create_with(NULL, &gc, coll, &g), AKV_ERR_INVALID_ARGUMENT);
+  ec.headroom_gib = 1; /* not agreed yet: refused */
+  assert_int_equal(akv_group_create_with(&ec, &gc, coll, &g), AKV_ERR_NOT_SUPPORTED);
+  ec.headroom_gib = 0;
+  assert_int_equal(akv_group_create_with(&ec, &gc, coll, &g), AKV_OK);
+  assert_int_equal(akv_group_engine(g, &e), AKV_OK);
+  d = akv_engine_plan_digest(e);
+  assert_int_equal(akv_group_context_open(g, NULL, NULL), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_group_step_begin(g, NULL, 1), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_group_context_close(g, NULL), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(akv_engine_plan_digest(e), d);
+  assert_int_equal(akv_group_context_open(g, NULL, &c), AKV_OK);
+  assert_int_equal(akv_group_step_begin(g, &c, 1), AKV_OK);
+  assert_int_equal(akv_group_step_begin(g, &c, 1), AKV_ERR_STEP_STATE);
+  assert_int_equal(akv_group_context_open(g, NULL, &c), AKV_ERR_STEP_STATE);
+  assert_int_equal(akv_group_destroy(g), AKV_ERR_BUSY); /* open step: nothing freed */
+  assert_int_equal(akv_group_info_get(g, &info), AKV_OK);
+  assert_false(info.stopped);
+  assert_int_equal(akv_group_check(g), AKV_OK);
+  assert_int_equal(akv_group_info_get(NULL, &info), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(akv_group_info_get(g, NULL), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_engine_quarantine(e, NULL), AKV_OK);
+  assert_int_equal(akv_group_check(g), AKV_ERR_QUARANTINED);
+  assert_int_equal(akv_group_info_get(g, &info), AKV_OK);
+  assert_int_equal(info.reason, AKV_GROUP_PEER_FAILED);
+  assert_int_equal(info.failed_rank, 0);
+  assert_int_equal(akv_group_destroy(g), AKV_OK);
+  assert_int_equal(akv_group_destroy(NULL), AKV_ERR_BAD_HANDLE);
+  akv_inproc_world_destroy(world);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_pressure_identical_plans),
+      cmocka_unit_test(test_fault_quarantines_all),
+      cmocka_unit_test(test_missing_rank_times_out),
+      cmocka_unit_test(test_comm_abort),
+      cmocka_unit_test(test_digest_mismatch),
+      cmocka_unit_test(test_different_calls_diverge),
+      cmocka_unit_test(test_disagreement_changes_nothing),
+      cmocka_unit_test(test_geometry_disagrees),
+      cmocka_unit_test(test_illegal_calls),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
