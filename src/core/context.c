@@ -192,8 +192,8 @@ AKV_API akv_status akv_context_read(const akv_context *c, uint32_t layer, uint32
   if (layer >= e->cfg.n_dense_layers || (uint64_t)first + n > c->len ||
       (n > 0 && (k_out == NULL || v_out == NULL)))
     return akv_fail(e, AKV_ERR_INVALID_ARGUMENT,
-                    "context_read: layer %u rows [%u, %u) outside the %u layers x %u rows held",
-                    layer, first, first + n, e->cfg.n_dense_layers, c->len);
+                    "context_read: layer %u rows [%u, %llu) outside the %u layers x %u rows held",
+                    layer, first, (unsigned long long)first + n, e->cfg.n_dense_layers, c->len);
   if (c->in_step || c->host_leases > 0)
     return akv_fail(e, AKV_ERR_IN_USE, "context_read: context %u is part of the open step",
                     c->id);
