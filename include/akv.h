@@ -49,7 +49,10 @@
  *  - ABI: within one major version (AKV_VERSION_MAJOR), functions are only
  *    added, enum values only appended, and config structs only grow at their
  *    end; each config carries its size and version so an older caller keeps
- *    working against a newer library.
+ *    working against a newer library: the fields its smaller struct holds
+ *    entirely are taken, every later field gets its _INIT default, and any
+ *    version from 1 to AKV_CONFIG_VERSION is accepted. (A field appended
+ *    later always grows the struct's size.)
  */
 #ifndef AKV_H
 #define AKV_H
@@ -332,7 +335,11 @@ typedef struct akv_fit_report {
 /**
  * Host-fit arithmetic of DESIGN §3 for a config, without creating anything.
  * Thread-safe. Returns AKV_OK (see report->ok for the verdict),
- * AKV_ERR_INVALID_ARGUMENT (NULL) or AKV_ERR_CONFIG (bad geometry/overflow).
+ * AKV_ERR_INVALID_ARGUMENT (NULL) or AKV_ERR_CONFIG (bad geometry, a size
+ * that does not fit 64 bits, or, for a config an engine would be created
+ * from, bookkeeping beyond 1/64 of the host pool plus 1/4 of the device pool
+ * in use: docs/admission.md). akv_engine_create refuses exactly the configs
+ * this refuses, with the same AKV_ERR_CONFIG.
  */
 AKV_API akv_status akv_fit(const akv_engine_config *config, akv_fit_report *report);
 
@@ -344,9 +351,13 @@ AKV_API akv_status akv_fit(const akv_engine_config *config, akv_fit_report *repo
  * Creates an engine: allocates the pinned host pool, the device page pool, the
  * staging buffers, the engine's queues and every event it will use. Nothing is
  * allocated after this call. Logs the host-fit line.
- * Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT, AKV_ERR_CONFIG, AKV_ERR_NO_FIT
- * (refuse mode; the message names the setting to change), AKV_ERR_OUT_OF_MEMORY,
- * AKV_ERR_NOT_SUPPORTED (CUDA requested but unavailable), AKV_ERR_BACKEND.
+ * Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT (config or out NULL),
+ * AKV_ERR_CONFIG (what akv_fit refuses, or a struct_size below the oldest
+ * layout; the message names the setting), AKV_ERR_NO_FIT (refuse mode; the
+ * message names the setting to change), AKV_ERR_OUT_OF_MEMORY (the pools and
+ * staging buffers are allocated first, so a geometry larger than the machine
+ * fails there), AKV_ERR_NOT_SUPPORTED (CUDA requested but unavailable),
+ * AKV_ERR_BACKEND.
  * Diagnostics of a failed create are passed to the log callback.
  */
 AKV_API akv_status akv_engine_create(const akv_engine_config *config, akv_engine **out);
@@ -475,8 +486,9 @@ AKV_API akv_status akv_stream_launch_host(akv_engine *engine, akv_stream stream,
 typedef struct akv_context_config {
   uint32_t struct_size; /**< sizeof(akv_context_config) */
   uint32_t version;     /**< AKV_CONFIG_VERSION */
-  uint32_t target_pages; /**< device pages by right; AKV_TARGET_FAIR_SHARE = pool / concurrency */
-  uint32_t burst_pages;  /**< pages it may borrow while free */
+  uint32_t target_pages; /**< device pages by right; AKV_TARGET_FAIR_SHARE = pool / concurrency;
+                              1 is raised to the floor of 2 (sink + newest page) */
+  uint32_t burst_pages;  /**< pages it may borrow while free; with target 0, 1 is raised to 2 */
 } akv_context_config;
 
 #define AKV_CONTEXT_CONFIG_INIT \
@@ -486,9 +498,15 @@ typedef struct akv_context_config {
  * Opens a context: takes a host slot and admits its device target, and
  * takes a handle record (reserved at akv_engine_create: nothing is
  * allocated). Not allowed inside a step (AKV_ERR_STEP_STATE). `config` may
- * be NULL for defaults. Returns AKV_OK, AKV_ERR_BAD_HANDLE,
- * AKV_ERR_INVALID_ARGUMENT, AKV_ERR_CONFIG, AKV_ERR_REFUSED_QUEUE (no host
- * slot: queue it), AKV_ERR_ADMISSION_REFUSED (device targets do not fit),
+ * be NULL for defaults; an older, smaller struct (struct_size at least 8:
+ * struct_size and version) gives its fields and the rest keep
+ * AKV_CONTEXT_CONFIG_INIT's. A context that retains anything holds at least
+ * its sink and its newest page: a target of 1, or with target 0 a burst of 1,
+ * is raised to 2 (logged at INFO, stated by akv_admission_explain); target 0
+ * with no burst stays pure staging. Returns AKV_OK, AKV_ERR_BAD_HANDLE,
+ * AKV_ERR_INVALID_ARGUMENT, AKV_ERR_CONFIG (struct_size below 8, version
+ * outside 1..AKV_CONFIG_VERSION), AKV_ERR_REFUSED_QUEUE (no host slot: queue
+ * it), AKV_ERR_ADMISSION_REFUSED (device targets do not fit),
  * AKV_ERR_STEP_STATE, AKV_ERR_QUARANTINED.
  */
 AKV_API akv_status akv_context_open(akv_engine *engine, const akv_context_config *config,
@@ -583,9 +601,13 @@ AKV_API akv_status akv_context_length(const akv_context *context, uint32_t *out)
 AKV_API akv_status akv_step_begin(akv_engine *engine, akv_context *const *contexts, uint32_t n);
 
 /**
- * Closes the step: requires every dense layer's lease retired; each context's
- * length grows by one. Returns AKV_OK, AKV_ERR_BAD_HANDLE,
- * AKV_ERR_STEP_STATE, AKV_ERR_QUARANTINED.
+ * Closes the step: requires every dense layer's lease retired (the next
+ * boundary may then reuse any device page); each context's length grows by
+ * one and the page fills' host page leases are released. Returns AKV_OK,
+ * AKV_ERR_BAD_HANDLE, AKV_ERR_STEP_STATE (a layer not leased or a lease not
+ * retired; nothing changes), AKV_ERR_BACKEND (a page fill's host slot changed
+ * generation under it: nothing released or published, transport marked
+ * failed), AKV_ERR_QUARANTINED.
  */
 AKV_API akv_status akv_step_end(akv_engine *engine);
 
@@ -733,7 +755,8 @@ typedef struct akv_receipt {
  * the same layer is live ("Handle lifetimes"). A successful
  * akv_engine_quarantine kills the handles of the leases it released the same
  * way. Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_LEASE_STATE,
- * AKV_ERR_BACKEND (a wait failed: nothing released, transport failed),
+ * AKV_ERR_BACKEND (a wait failed, or a ticket's host slot changed generation
+ * under it: nothing released, transport failed),
  * AKV_ERR_QUARANTINED.
  */
 AKV_API akv_status akv_lease_retire(akv_lease *lease, akv_receipt *receipt);

@@ -16,6 +16,7 @@
 #include <cmocka.h>
 
 #include "admission.h"
+#include "testutil.h"
 
 #define NONE AKV_ADM_NONE
 
@@ -154,16 +155,13 @@ static void test_rule_free(void **state) {
   akv_adm_destroy(adm);
 }
 
-/* Rule 1: the window slides; the page that fell out is remapped, carrying
- * its fence. */
+/* Rule 1: the window slides; the page that fell out is remapped. */
 static void test_rule_own_reuse(void **state) {
   (void)state;
   akv_adm *adm = mk(8, 2, 16, 64);
   assert_int_equal(akv_adm_admit(adm, 0, 0, 7, 3, 0), AKV_OK);
   step1(adm, 1, 0, 3); /* {0,1,2} */
   uint32_t p1 = akv_adm_page_of(adm, 0, 1);
-  akv_adm_page_set_fence(adm, p1, 41);
-  akv_adm_page_set_fence(adm, p1, 40); /* older serial: ignored */
   step1(adm, 2, 0, 4);                 /* window {0,3,2}: page of 1 -> 3 */
   assert_int_equal(akv_adm_page_of(adm, 0, 3), p1);
   assert_false(resident(adm, 0, 1));
@@ -171,7 +169,6 @@ static void test_rule_own_reuse(void **state) {
   assert_int_equal(akv_adm_fills(adm, &f), 1);
   assert_int_equal(f[0].logical, 3);
   assert_int_equal(f[0].physical, p1);
-  assert_int_equal(f[0].fence, 41);
   uint64_t c[AKV_ADM_RULE_COUNT];
   counters(adm, c);
   assert_int_equal(c[AKV_ADM_OWN_REUSE], 1);
@@ -733,17 +730,11 @@ static void test_worked_example(void **state) {
   akv_adm_destroy(adm);
 }
 
-static void test_release_carries_fences(void **state) {
+static void test_release_frees_pages(void **state) {
   (void)state;
   akv_adm *adm = mk(3, 2, 8, 64);
   assert_int_equal(akv_adm_admit(adm, 0, 0, 1, 3, 0), AKV_OK);
   step1(adm, 1, 0, 3);
-  uint64_t fence_of[3] = {0};
-  for (uint32_t l = 0; l < 3; l++) {
-    uint32_t p = akv_adm_page_of(adm, 0, l);
-    fence_of[p] = 100 + l;
-    akv_adm_page_set_fence(adm, p, fence_of[p]);
-  }
   assert_int_equal(akv_adm_release(adm, 1, 0), AKV_OK);
   const akv_adm_fill *f;
   assert_int_equal(akv_adm_fills(adm, &f), 0);
@@ -752,12 +743,12 @@ static void test_release_carries_fences(void **state) {
   akv_adm_decision d = last_row(adm);
   assert_int_equal(d.rule, AKV_ADM_RELEASE);
   assert_int_equal(d.pages, 3);
-  /* Re-admitted in the same slot with a new id; its fills wait on the fences. */
+  /* Re-admitted in the same slot with a new id; the freed pages are filled again. */
   assert_int_equal(akv_adm_admit(adm, 1, 0, 2, 3, 0), AKV_OK);
   step1(adm, 2, 0, 3);
   size_t n = akv_adm_fills(adm, &f);
   assert_int_equal(n, 3);
-  for (size_t i = 0; i < n; i++) assert_int_equal(f[i].fence, fence_of[f[i].physical]);
+  for (size_t i = 0; i < n; i++) assert_int_equal(f[i].slot, 0);
   akv_adm_destroy(adm);
 }
 
@@ -827,13 +818,11 @@ typedef struct model {
   int in_last[PMAXC];       /* part of the latest boundary */
   int since_last[PMAXC];    /* admitted after the latest boundary */
   uint64_t last_active[PMAXC];
-  uint64_t fence[PMAXP];    /* latest fence set per physical page */
   size_t log_seen;
   uint64_t c[AKV_ADM_RULE_COUNT];
   uint32_t map[PMAXC][PMAXL];
   uint32_t next_id;
   uint64_t step;
-  uint64_t serial;
   uint64_t hash; /* of every log row and fill, for determinism */
   int reclaimed[PMAXC]; /* took a page by a reclaim rule at the latest boundary */
 } model;
@@ -938,8 +927,8 @@ static uint32_t pos_logical(const model *m, int s, uint32_t i) {
 
 static void check_after_step(akv_adm *adm, model *m, const akv_adm_request *req, uint32_t n,
                              uint64_t moves) {
-  /* Fills: one per physical page, each consistent with page_of, each waiting
-   * on the page's latest fence; every changed mapping has one. */
+  /* Fills: one per physical page, each consistent with page_of; every
+   * changed mapping has one. */
   const akv_adm_fill *f;
   size_t nf = akv_adm_fills(adm, &f);
   assert_int_equal(nf, moves); /* a page moves at most once per boundary */
@@ -949,7 +938,6 @@ static void check_after_step(akv_adm *adm, model *m, const akv_adm_request *req,
     assert_int_equal(filled[f[i].physical], 0);
     filled[f[i].physical] = 1;
     assert_int_equal(akv_adm_page_of(adm, f[i].slot, f[i].logical), f[i].physical);
-    assert_int_equal(f[i].fence, m->fence[f[i].physical]);
     mix(m, ((uint64_t)f[i].slot << 48) ^ ((uint64_t)f[i].logical << 24) ^ f[i].physical);
   }
   for (int s = 0; s < PMAXC; s++) {
@@ -1102,14 +1090,6 @@ static void model_step(akv_adm *adm, akv_adm *twin, model *m, rng *r) {
   uint64_t moves = follow_log(adm, m);
   check_structure(adm, m);
   check_after_step(adm, m, req, n, moves);
-  /* The engine records readers' fences on resident pages. */
-  for (uint32_t p = 0; p < m->cfg.n_pages; p++) {
-    if (rnd(r, 3) != 0) continue;
-    uint64_t fence = ++m->serial;
-    akv_adm_page_set_fence(adm, p, fence);
-    akv_adm_page_set_fence(twin, p, fence);
-    m->fence[p] = fence;
-  }
 }
 
 /* Read-only calls change nothing. */
@@ -1177,9 +1157,117 @@ static void test_determinism(void **state) {
   assert_int_not_equal(run_seed(7, 150), run_seed(8, 150));
 }
 
+/* ------------------------------------------------------------------ */
+/* The floor, through the engine (akv_context_open)                     */
+/* ------------------------------------------------------------------ */
+
+static int noop_hook(void *user, const akv_view *view, akv_stream stream) {
+  (void)user;
+  (void)view;
+  (void)stream;
+  return 0;
+}
+
+static void noop_step(akv_engine *e, akv_stream s, akv_context **ctx, uint32_t n, uint32_t layers) {
+  assert_int_equal(akv_step_begin(e, ctx, n), AKV_OK);
+  for (uint32_t l = 0; l < layers; l++) {
+    akv_lease *ls = NULL;
+    akv_fence attn, tail;
+    assert_int_equal(akv_lease_begin(e, l, &ls), AKV_OK);
+    assert_int_equal(akv_lease_attend(ls, s, noop_hook, NULL, &attn), AKV_OK);
+    assert_int_equal(akv_lease_write_back(ls, NULL, 0, &tail), AKV_OK);
+    assert_int_equal(akv_lease_seal(ls, tail, attn), AKV_OK);
+    assert_int_equal(akv_lease_retire(ls, NULL), AKV_OK);
+  }
+  assert_int_equal(akv_step_end(e), AKV_OK);
+}
+
+static void prefill_zero(akv_context *c, uint32_t layers, uint32_t n, size_t row_bytes) {
+  void *rows = calloc(n, row_bytes);
+  const void *kp[8], *vp[8];
+  assert_non_null(rows);
+  for (uint32_t l = 0; l < layers; l++) kp[l] = vp[l] = rows;
+  assert_int_equal(akv_context_append(c, n, kp, vp), AKV_OK);
+  free(rows);
+}
+
+/* DESIGN §4: a context that retains anything holds at least the sink and a
+ * tail page. A target of 1 (or, with target 0, a burst of 1) is raised to
+ * the floor of 2, and explain says so; a target of 0 and no burst (pure
+ * staging) stays. An open whose raised target does not fit is refused, and
+ * the refusal's explanation names the raise. */
+static void test_floor_enforced_for_every_context_that_retains(void **state) {
+  akv_engine *e = akvt_small_engine(AKV_ROUTE_ARENA, 1); /* 3 layers, pages of 8 tokens */
+  akv_stream s = NULL;
+  akv_context *c[3] = {NULL, NULL, NULL};
+  akv_context_config cc = AKV_CONTEXT_CONFIG_INIT;
+  char text[1024];
+  (void)state;
+  assert_non_null(e);
+  assert_int_equal(akv_stream_create(e, &s), AKV_OK);
+  cc.target_pages = 1;
+  cc.burst_pages = 0;
+  assert_int_equal(akv_context_open(e, &cc, &c[0]), AKV_OK);
+  cc.target_pages = 0;
+  cc.burst_pages = 1;
+  assert_int_equal(akv_context_open(e, &cc, &c[1]), AKV_OK);
+  cc.target_pages = 0;
+  cc.burst_pages = 0;
+  assert_int_equal(akv_context_open(e, &cc, &c[2]), AKV_OK);
+  for (int i = 0; i < 3; i++) prefill_zero(c[i], 3, 40, 32); /* 5 full pages */
+  noop_step(e, s, c, 3, 3);
+
+  assert_int_equal(akv_admission_explain(e, c[0], text, sizeof text), AKV_OK);
+  assert_non_null(strstr(text, "holds 2 pages against its target of 2 (+0 burst)"));
+  assert_non_null(strstr(text, "asked for a target of 1 page (+0 burst), raised to 2"));
+  assert_int_equal(akv_admission_explain(e, c[1], text, sizeof text), AKV_OK);
+  assert_non_null(strstr(text, "holds 2 pages against its target of 0 (+2 burst)"));
+  assert_non_null(strstr(text, "raised to 0 (+2 burst)"));
+  assert_int_equal(akv_admission_explain(e, c[2], text, sizeof text), AKV_OK);
+  assert_non_null(strstr(text, "holds 0 pages against its target of 0 (+0 burst)"));
+  assert_null(strstr(text, "raised"));
+  for (int i = 0; i < 3; i++) assert_int_equal(akv_context_close(c[i]), AKV_OK);
+  assert_int_equal(akv_stream_destroy(e, s), AKV_OK);
+  assert_int_equal(akv_engine_destroy(e), AKV_OK);
+
+  /* a pool of 4 pages of 256 MiB: 3 + the floor of 2 do not fit */
+  {
+    akv_engine_config ec = AKV_ENGINE_CONFIG_INIT;
+    ec.backend = AKV_BACKEND_HOST;
+    ec.n_dense_layers = 1;
+    ec.kv_heads = 8;
+    ec.head_dim = 128;
+    ec.dtype = AKV_DTYPE_F32; /* 8 KiB row pair */
+    ec.max_tokens = 65536;
+    ec.page_tokens = 32768;
+    ec.max_contexts = 2;
+    ec.host_pool_gib = 1;
+    ec.device_pool_gib = 1;
+    ec.route = AKV_ROUTE_ARENA;
+    ec.log_fn = akvt_silent_log;
+    e = NULL;
+    assert_int_equal(akv_engine_create(&ec, &e), AKV_OK);
+    cc.target_pages = 3;
+    assert_int_equal(akv_context_open(e, &cc, &c[0]), AKV_OK);
+    cc.target_pages = 1;
+    c[1] = NULL;
+    assert_int_equal(akv_context_open(e, &cc, &c[1]), AKV_ERR_ADMISSION_REFUSED);
+    assert_null(c[1]);
+    assert_int_equal(akv_admission_explain(e, NULL, text, sizeof text), AKV_OK);
+    assert_non_null(strstr(text, "asked for a target of 2 pages"));
+    assert_non_null(strstr(text, "asked for a target of 1 page (+0 burst), raised to 2"));
+    cc.target_pages = 0; /* pure staging is always admitted */
+    assert_int_equal(akv_context_open(e, &cc, &c[1]), AKV_OK);
+    assert_int_equal(akv_context_close(c[1]), AKV_OK);
+    assert_int_equal(akv_context_close(c[0]), AKV_OK);
+    assert_int_equal(akv_engine_destroy(e), AKV_OK);
+  }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_create_invalid),
+      cmocka_unit_test(test_floor_enforced_for_every_context_that_retains),
       cmocka_unit_test(test_invalid_arguments),
       cmocka_unit_test(test_rule_free),
       cmocka_unit_test(test_rule_own_reuse),
@@ -1198,7 +1286,7 @@ int main(void) {
       cmocka_unit_test(test_no_reclaim_at_target),
       cmocka_unit_test(test_intact_target_protected),
       cmocka_unit_test(test_worked_example),
-      cmocka_unit_test(test_release_carries_fences),
+      cmocka_unit_test(test_release_frees_pages),
       cmocka_unit_test(test_log_ring_bounded),
       cmocka_unit_test(test_rule_names),
       cmocka_unit_test(test_property_random_sequences),

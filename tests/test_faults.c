@@ -87,7 +87,6 @@ typedef struct obs {
   uint32_t live_tickets;   /* every ticket of a live lease (D2D included) */
   uint32_t host_tickets;   /* of which hold a host page lease (H2D, D2H) */
   uint32_t fill_leases;    /* page fills holding host page leases */
-  uint32_t pinned_refs;
   uint32_t gen_moved;      /* tickets whose slot generation moved */
   uint32_t unaccounted;    /* host page leases not matched by tickets and fills */
   uint32_t lease_state[64];
@@ -129,10 +128,9 @@ static void snapshot(const akv_engine *e, obs *o) {
     o->fill_leases += e->slot_owner[i]->fill_leases;
     host_leases += e->slot_owner[i]->host_leases;
   }
-  o->pinned_refs = e->pinned_refs;
   o->step_open = e->step_open;
   /* host page leases are exactly the tickets and fills that hold them */
-  if (host_leases != o->host_tickets + o->fill_leases || o->pinned_refs != host_leases)
+  if (host_leases != o->host_tickets + o->fill_leases)
     o->unaccounted++;
 }
 
@@ -153,13 +151,13 @@ static void after_q(akv_engine *e, akv_status st, const akv_quarantine_report *r
   obs now;
   if (st != AKV_ERR_UNCERTAIN_FENCE) return;
   /* Nothing is recycled on an uncertain fence: same leases in the same
-   * states, same tickets, same host page leases, same pinned references. */
+   * states, same tickets, same host page leases. */
   memset(&now, 0, sizeof(now));
   snapshot(e, &now);
   o->retained_checked = 1;
   if (now.live_leases != o->live_leases || now.live_tickets != o->live_tickets ||
       now.host_tickets != o->host_tickets || now.fill_leases != o->fill_leases ||
-      now.pinned_refs != o->pinned_refs || now.step_open != o->step_open || now.gen_moved != 0 ||
+      now.step_open != o->step_open || now.gen_moved != 0 ||
       now.unaccounted != 0 ||
       memcmp(now.lease_state, o->lease_state, sizeof(now.lease_state)) != 0 ||
       r->retained_leases != o->live_leases || r->leases_released != 0 || r->tickets_released != 0)
@@ -253,7 +251,7 @@ static void run_one(const akvt_cfg *base, uint32_t nth, int32_t kind, int arm_sy
   if (o.injected != 1) fail_msg("%s: %llu faults injected before quarantine", what, (unsigned long long)o.injected);
   if (o.gen_moved != 0) fail_msg("%s: %u tickets saw their slot's generation move", what, o.gen_moved);
   if (o.unaccounted != 0)
-    fail_msg("%s: host page leases and pinned references do not match the live tickets and fills", what);
+    fail_msg("%s: host page leases do not match the live tickets and fills", what);
   if (arm_sync == 0) {
     if (r.quarantine_status != AKV_OK)
       fail_msg("%s: quarantine returned %s (%s)", what, akv_status_string(r.quarantine_status),

@@ -128,19 +128,16 @@ static void test_adm_reclaim_headroom_first(void **state) {
 static void test_adm_remove_and_add(void **state) {
   (void)state;
   akv_adm *adm = mk(1, 4, 1, 16);
-  uint64_t cnt[AKV_ADM_RULE_COUNT], fence = 7;
+  uint64_t cnt[AKV_ADM_RULE_COUNT];
   assert_int_equal(akv_adm_headroom_add(adm, 0, 4), AKV_OK);
   assert_int_equal(akv_adm_headroom_add(adm, 0, 1), AKV_ERR_INVALID_ARGUMENT);
   assert_int_equal(akv_adm_admit(adm, 0, 0, 1, 1, 0), AKV_OK);
   akv_adm_request a = {0, 4};
   assert_int_equal(akv_adm_step(adm, 1, &a, 1), AKV_OK);
   assert_int_equal(akv_adm_pages_held(adm, 0), 4); /* 1 pool + 3 headroom; 1 headroom free */
-  akv_adm_page_set_fence(adm, 4, 42);
-  assert_int_equal(akv_adm_headroom_remove(adm, 2, 5, &fence), AKV_ERR_INVALID_ARGUMENT);
-  assert_int_equal(fence, 7);
+  assert_int_equal(akv_adm_headroom_remove(adm, 2, 5), AKV_ERR_INVALID_ARGUMENT);
   assert_int_equal(akv_adm_headroom_pages(adm), 4);
-  assert_int_equal(akv_adm_headroom_remove(adm, 2, 4, &fence), AKV_OK);
-  assert_int_equal(fence, 42);
+  assert_int_equal(akv_adm_headroom_remove(adm, 2, 4), AKV_OK);
   assert_int_equal(akv_adm_headroom_pages(adm), 0);
   assert_int_equal(akv_adm_pages_held(adm, 0), 1);
   for (uint32_t p = 1; p < 5; p++) assert_int_equal(akv_adm_page_owner(adm, p), NONE);

@@ -8,6 +8,8 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <cmocka.h>
@@ -179,6 +181,133 @@ static void test_closed_handle_never_aliases(void **state) {
   assert_int_equal(akv_context_close(other), AKV_OK);
   assert_int_equal(akv_engine_destroy(e), AKV_OK);
 }
+
+/* An older caller's smaller config struct keeps working (akv.h, ABI): the
+ * struct is exactly struct_size bytes (so a read past its end is a heap
+ * overflow under ASan) and every field past it takes its _INIT default. */
+static void *older_copy(const void *full, size_t size) {
+  void *p = malloc(size);
+  assert_non_null(p);
+  memcpy(p, full, size);
+  memcpy(p, &(uint32_t){(uint32_t)size}, sizeof(uint32_t)); /* struct_size */
+  return p;
+}
+
+#define FIELD_END(type, f) (offsetof(type, f) + sizeof(((type *)0)->f))
+
+static void test_older_context_config_sizes(void **state) {
+  akv_engine_config cfg = AKV_ENGINE_CONFIG_INIT;
+  akv_engine *e = NULL;
+  akv_context *c = NULL;
+  char text[1024];
+  (void)state;
+  cfg.backend = AKV_BACKEND_HOST;
+  cfg.n_dense_layers = 2;
+  cfg.kv_heads = 2;
+  cfg.head_dim = 4;
+  cfg.max_tokens = 64;
+  cfg.page_tokens = 4;
+  cfg.max_contexts = 2;
+  cfg.host_pool_gib = 1;
+  cfg.device_pool_gib = 1;
+  cfg.route = AKV_ROUTE_ARENA;
+  cfg.log_fn = quiet;
+  assert_int_equal(akv_engine_create(&cfg, &e), AKV_OK);
+  {
+    /* every size that ends at a field, from the header alone to today's */
+    static const size_t sizes[] = {FIELD_END(akv_context_config, version),
+                                   FIELD_END(akv_context_config, target_pages),
+                                   FIELD_END(akv_context_config, burst_pages),
+                                   sizeof(akv_context_config)};
+    akv_context_config cc = AKV_CONTEXT_CONFIG_INIT;
+    cc.target_pages = 3;
+    cc.burst_pages = 5;
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
+      void *older = older_copy(&cc, sizes[i]);
+      char want[64];
+      assert_int_equal(akv_context_open(e, older, &c), AKV_OK);
+      free(older);
+      assert_int_equal(akv_admission_explain(e, c, text, sizeof text), AKV_OK);
+      /* a field the struct does not hold keeps its default: target fair
+       * share (pool / 2 contexts), burst 0 */
+      if (sizes[i] < FIELD_END(akv_context_config, target_pages))
+        assert_null(strstr(text, "target of 3 "));
+      else if (sizes[i] < FIELD_END(akv_context_config, burst_pages))
+        assert_non_null(strstr(text, "target of 3 (+0 burst)"));
+      else
+        assert_non_null(strstr(text, "target of 3 (+5 burst)"));
+      snprintf(want, sizeof want, "(+%u burst)",
+               sizes[i] < FIELD_END(akv_context_config, burst_pages) ? 0u : 5u);
+      assert_non_null(strstr(text, want));
+      assert_int_equal(akv_context_close(c), AKV_OK);
+    }
+    /* shorter than its header: refused, nothing opened */
+    {
+      void *older = older_copy(&cc, sizeof(uint32_t));
+      c = NULL;
+      assert_int_equal(akv_context_open(e, older, &c), AKV_ERR_CONFIG);
+      assert_null(c);
+      free(older);
+    }
+    cc.version = 0;
+    assert_int_equal(akv_context_open(e, &cc, &c), AKV_ERR_CONFIG);
+    cc.version = AKV_CONFIG_VERSION + 1;
+    assert_int_equal(akv_context_open(e, &cc, &c), AKV_ERR_CONFIG);
+  }
+  assert_int_equal(akv_engine_destroy(e), AKV_OK);
+}
+
+static void test_older_engine_config_sizes(void **state) {
+  /* every field end from the geometry's (the oldest layout) to today's */
+  static const size_t sizes[] = {
+      FIELD_END(akv_engine_config, route),           FIELD_END(akv_engine_config, log_fn),
+      FIELD_END(akv_engine_config, log_user),        FIELD_END(akv_engine_config, log_level),
+      FIELD_END(akv_engine_config, host_delay_seed), FIELD_END(akv_engine_config, host_delay_max_us),
+      FIELD_END(akv_engine_config, fault_fail_nth),  FIELD_END(akv_engine_config, fault_kind),
+      FIELD_END(akv_engine_config, poison_holes),    sizeof(akv_engine_config)};
+  akv_engine_config cfg = AKV_ENGINE_CONFIG_INIT;
+  akv_fit_report full_rep, rep;
+  (void)state;
+  cfg.backend = AKV_BACKEND_HOST;
+  cfg.n_dense_layers = 2;
+  cfg.kv_heads = 2;
+  cfg.head_dim = 4;
+  cfg.max_tokens = 64;
+  cfg.page_tokens = 4;
+  cfg.max_contexts = 2;
+  cfg.host_pool_gib = 1;
+  cfg.device_pool_gib = 1;
+  cfg.route = AKV_ROUTE_PAGED;
+  cfg.log_fn = quiet;
+  cfg.log_level = AKV_LOG_ERROR;
+  cfg.fault_kind = 3;       /* non-defaults, so that a default shows */
+  cfg.fault_fail_nth = 0;   /* (a fault would fail create) */
+  cfg.poison_holes = 1;
+  assert_int_equal(akv_fit(&cfg, &full_rep), AKV_OK);
+  for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
+    akv_engine_config *older = older_copy(&cfg, sizes[i]);
+    akv_engine *e = NULL;
+    akv_engine_info info;
+    assert_int_equal(akv_fit(older, &rep), AKV_OK);
+    assert_memory_equal(&rep, &full_rep, sizeof rep);
+    assert_int_equal(akv_engine_create(older, &e), AKV_OK);
+    free(older);
+    assert_int_equal(akv_engine_info_get(e, &info), AKV_OK);
+    assert_int_equal(info.route, AKV_ROUTE_PAGED);
+    assert_int_equal(info.history_bytes, full_rep.history_bytes);
+    assert_int_equal(akv_engine_destroy(e), AKV_OK);
+  }
+  {
+    akv_engine_config *older = older_copy(&cfg, FIELD_END(akv_engine_config, route) - 1);
+    akv_engine *e = NULL;
+    assert_int_equal(akv_fit(older, &rep), AKV_ERR_CONFIG);
+    free(older);
+    cfg.struct_size = (uint32_t)(FIELD_END(akv_engine_config, route) - 1);
+    assert_int_equal(akv_engine_create(&cfg, &e), AKV_ERR_CONFIG);
+    assert_null(e);
+  }
+}
+
 
 static void noop_job(void *arg) { (void)arg; }
 
@@ -541,6 +670,8 @@ int main(void) {
       cmocka_unit_test(test_retired_lease_handle_is_dead),
       cmocka_unit_test(test_closed_handle_reuse_bound_with_others_open),
       cmocka_unit_test(test_append_layer),
+      cmocka_unit_test(test_older_context_config_sizes),
+      cmocka_unit_test(test_older_engine_config_sizes),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -12,7 +12,8 @@
  *
  * One test is named after each of the four invariants of §7 and drives the
  * code where the invariant is enforced: context.c (source authority),
- * step.c (physical reuse waits for every fence), engine.c and lease.c
+ * step.c (physical reuse waits for every fence: no live lease at a
+ * boundary), engine.c and lease.c
  * (partial submissions; nothing recycled on an uncertain fence).
  *
  * In-flight work is made observable with a gate: a host function on the
@@ -269,7 +270,7 @@ static void whole_step(fx *f, akv_context **ctx, uint32_t n) {
 /* ---------------------------------------------------- retained-state view */
 
 typedef struct held {
-  uint32_t leases_live, tickets, host_leases, fill_leases, pinned;
+  uint32_t leases_live, tickets, host_leases, fill_leases;
   int step_open;
   akv_lease_state state[LAYERS];
 } held;
@@ -278,7 +279,6 @@ static held held_now(const akv_engine *e) {
   held h;
   memset(&h, 0, sizeof(h));
   h.leases_live = e->leases_live;
-  h.pinned = e->pinned_refs;
   h.step_open = e->step_open;
   for (uint32_t l = 0; l < LAYERS; l++) {
     h.state[l] = e->leases[l].state;
@@ -297,7 +297,6 @@ static void assert_held_equal(const held *a, const held *b) {
   assert_int_equal(a->tickets, b->tickets);
   assert_int_equal(a->host_leases, b->host_leases);
   assert_int_equal(a->fill_leases, b->fill_leases);
-  assert_int_equal(a->pinned, b->pinned);
   assert_int_equal(a->step_open, b->step_open);
   assert_memory_equal(a->state, b->state, sizeof(a->state));
 }
@@ -307,7 +306,6 @@ static void assert_nothing_held(const akv_engine *e) {
   assert_int_equal(h.leases_live, 0);
   assert_int_equal(h.host_leases, 0);
   assert_int_equal(h.fill_leases, 0);
-  assert_int_equal(h.pinned, 0);
   assert_int_equal(h.step_open, 0);
 }
 
@@ -599,10 +597,10 @@ static void test_uncertain_fence_keeps_everything_retained(void **state) {
 /* ------------------------------------------------------------ invariants */
 
 /* context.c: a ticket holds a host page lease on its slot; close refuses
- * while one is held, the slot's generation moves only when a closed slot is
- * reopened, and the release checks the generation it was taken at. The
- * authoritative rows survive a failing step: the step's new row is published
- * (the length grows) only at step_end, after every write-back was proven. */
+ * while one is held, so the slot's generation moves only when a closed slot
+ * is reopened. The authoritative rows survive a failing step: the step's new
+ * row is published (the length grows) only at step_end, after every
+ * write-back was proven. */
 static void test_invariant_source_authority_survives_until_replacement_valid(void **state) {
   fx f;
   akv_context *ctx[3], *again = NULL;
@@ -618,32 +616,25 @@ static void test_invariant_source_authority_survives_until_replacement_valid(voi
 
   /* a ticket (here: a page fill's host page lease) holds ctx[2]'s slot
    * outside any step: the slot is neither closed nor readable */
-  gen = ctx[2]->generation;
-  akv_ticket_take(f.e, ctx[2]);
+  gen = akv_ticket_take(f.e, ctx[2]);
+  assert_int_equal(gen, ctx[2]->generation);
   assert_int_equal(akv_context_close(ctx[2]), AKV_ERR_IN_USE);
   assert_int_equal(akv_context_read(ctx[2], 0, 0, 1, k, v), AKV_ERR_IN_USE);
   assert_int_equal(ctx[2]->generation, gen);
-  akv_ticket_release(f.e, ctx[2], gen);
-  assert_int_equal(f.invariant_lines, 0);
+  assert_true(akv_ticket_valid(f.e, ctx[2]->slot, gen));
+  akv_ticket_release(f.e, ctx[2]->slot);
+  assert_int_equal(ctx[2]->host_leases, 0);
   /* released: the source may now be replaced, and only now its generation moves */
   slot = ctx[2]->slot;
   assert_int_equal(akv_context_close(ctx[2]), AKV_OK);
   assert_int_equal(akv_context_open(f.e, NULL, &again), AKV_OK);
   assert_int_equal(again->slot, slot);
   assert_int_equal(again->generation, gen + 1);
+  /* a ticket of the old generation is no longer valid on the reopened slot */
+  assert_false(akv_ticket_valid(f.e, slot, gen));
   ctx[2] = again;
   prefill(ctx[2], 12, 8);
   f.h.tags[2] = 12;
-
-  /* the detector where the invariant is enforced: a release that finds the
-   * generation moved under its ticket reports the violation */
-  gen = ctx[2]->generation;
-  akv_ticket_take(f.e, ctx[2]);
-  ctx[2]->generation++;
-  akv_ticket_release(f.e, ctx[2], gen);
-  assert_int_equal(f.invariant_lines, 1);
-  ctx[2]->generation--;
-  f.invariant_lines = 0;
 
   /* mid-step: tickets of the step's leases hold the owners */
   assert_int_equal(akv_step_begin(f.e, ctx, 2), AKV_OK);
@@ -668,11 +659,76 @@ static void test_invariant_source_authority_survives_until_replacement_valid(voi
   fx_done(&f);
 }
 
+/* The tripwire behind source authority (context.c, akv_ticket_valid): a
+ * ticket whose slot changed generation under it (what a close that ignored
+ * the host page lease would do) is not released. Retire then fails with
+ * AKV_ERR_BACKEND, releases nothing and marks the transport failed; the
+ * same holds for a page fill's ticket at step_end. */
+static void test_generation_moved_under_a_ticket_fails_the_release(void **state) {
+  fx f;
+  akv_context_config cc = AKV_CONTEXT_CONFIG_INIT;
+  akv_context *ctx[1];
+  akv_lease *ls[LAYERS];
+  akv_quarantine_report q;
+  uint32_t leases_before;
+  (void)state;
+
+  /* a lease's tickets, at retire */
+  fx_init(&f, AKV_ROUTE_STAGE, 0, -1);
+  assert_int_equal(akv_context_open(f.e, NULL, &ctx[0]), AKV_OK);
+  prefill(ctx[0], 10, 6);
+  f.h.tags[0] = 10;
+  assert_int_equal(akv_step_begin(f.e, ctx, 1), AKV_OK);
+  ls[0] = layer_sealed(&f, 0);
+  leases_before = ctx[0]->host_leases;
+  assert_true(leases_before > 0);
+  f.e->slot_generation[ctx[0]->slot]++; /* forged: the slot moved under the ticket */
+  ctx[0]->generation++;
+  assert_int_equal(akv_lease_retire(ls[0], NULL), AKV_ERR_BACKEND);
+  assert_non_null(strstr(akv_engine_last_error(f.e), "invariant violated"));
+  assert_int_equal(ctx[0]->host_leases, leases_before); /* nothing released */
+  assert_int_equal(f.e->leases[0].state, AKV_LEASE_SEALED);
+  assert_int_equal(akv_step_end(f.e), AKV_ERR_QUARANTINED);
+  f.e->slot_generation[ctx[0]->slot]--;
+  ctx[0]->generation--;
+  assert_int_equal(akv_engine_quarantine(f.e, &q), AKV_OK);
+  assert_int_equal(ctx[0]->host_leases, 0);
+  f.invariant_lines = 0;
+  fx_done(&f);
+
+  /* a page fill's ticket, at step_end (arena route: the fills of the
+   * context's full pages hold its slot until the step ends) */
+  fx_init(&f, AKV_ROUTE_ARENA, 0, -1);
+  cc.target_pages = 4;
+  assert_int_equal(akv_context_open(f.e, &cc, &ctx[0]), AKV_OK);
+  prefill(ctx[0], 10, 20);
+  f.h.tags[0] = 10;
+  assert_int_equal(akv_step_begin(f.e, ctx, 1), AKV_OK);
+  assert_true(ctx[0]->fill_leases > 0);
+  for (uint32_t l = 0; l < LAYERS; l++) ls[l] = layer_sealed(&f, l);
+  for (uint32_t l = 0; l < LAYERS; l++) assert_int_equal(akv_lease_retire(ls[l], NULL), AKV_OK);
+  leases_before = ctx[0]->host_leases;
+  assert_int_equal(leases_before, ctx[0]->fill_leases);
+  f.e->slot_generation[ctx[0]->slot]++;
+  ctx[0]->generation++;
+  assert_int_equal(akv_step_end(f.e), AKV_ERR_BACKEND);
+  assert_non_null(strstr(akv_engine_last_error(f.e), "invariant violated"));
+  assert_int_equal(ctx[0]->host_leases, leases_before);
+  f.e->slot_generation[ctx[0]->slot]--;
+  ctx[0]->generation--;
+  assert_int_equal(akv_engine_quarantine(f.e, &q), AKV_OK);
+  expect_rows(ctx[0], 10, 20); /* the step was not published */
+  f.invariant_lines = 0;
+  fx_done(&f);
+}
+
 /* step.c: at a boundary a page that left a window (logical cancellation) is
- * refilled for another logical page only when the fence of its last readers
- * is proven (fence <= fence_done); admission carries the fence with the
- * page. A fill whose fence is not proven is refused before anything is
- * submitted, and the transport is marked failed (residency already moved). */
+ * refilled for another logical page (physical reuse) with no wait: every
+ * reader of every page belongs to a lease of an earlier step, and the
+ * boundary is reached only with no live lease, each having waited on its
+ * events at retire. Enforced by akv_step_end: with a lease sealed but not
+ * retired (its device->device reads of the pages may still be running) the
+ * step does not end, nothing changes, and no boundary can be opened. */
 static void test_invariant_logical_cancellation_physical_reuse_waits_for_fences(void **state) {
   fx f;
   akv_context *ctx[1];
@@ -696,39 +752,40 @@ static void test_invariant_logical_cancellation_physical_reuse_waits_for_fences(
     uint32_t leaving = full >= 2 ? akv_adm_page_of(f.e->adm, ctx[0]->slot, full - 2) : AKV_ADM_NONE;
     whole_step(&f, ctx, 1);
     n_fills = akv_adm_fills(f.e->adm, &fills);
-    for (size_t i = 0; i < n_fills; i++) {
-      /* every fill waited on a fence the boundary had proven */
-      assert_true(fills[i].fence <= f.e->fence_done);
-      if (fills[i].physical == leaving && fills[i].logical == full - 1 && fills[i].fence > 0)
-        reused++;
-    }
+    for (size_t i = 0; i < n_fills; i++)
+      if (fills[i].physical == leaving && fills[i].logical == full - 1) reused++;
+    for (uint32_t l = 0; l < LAYERS; l++) assert_int_equal(atomic_load(&f.h.jobs[l].bad_rows), 0);
   }
   assert_int_equal(reused, 2);
   expect_rows(ctx[0], 20, 35);
 
-  /* enforcement: a page whose last readers are not proven complete is not
-   * refilled. At 40 rows the boundary reuses logical page 3's physical page
-   * for page 4; forge that page's fence beyond every recorded fence. */
-  for (uint32_t s = 0; s < 5; s++) whole_step(&f, ctx, 1); /* 40 rows */
+  /* enforcement: decode to 39 rows, so that the next boundary (40 rows)
+   * reuses a page the step's materialisations read; keep the last lease
+   * sealed, not retired */
+  for (uint32_t s = 0; s < 4; s++) whole_step(&f, ctx, 1); /* 39 rows */
   {
-    uint32_t phys = akv_adm_page_of(f.e->adm, ctx[0]->slot, 3);
-    uint64_t copies;
-    akv_engine_info info;
-    akv_quarantine_report q;
-    assert_true(phys != AKV_ADM_NONE);
-    akv_adm_page_set_fence(f.e->adm, phys, f.e->fence_serial + 1000);
-    assert_int_equal(akv_engine_info_get(f.e, &info), AKV_OK);
-    copies = info.backend_ops[AKV_OP_COPY];
-    assert_int_equal(akv_step_begin(f.e, ctx, 1), AKV_ERR_BACKEND);
-    assert_int_equal(akv_engine_info_get(f.e, &info), AKV_OK);
-    assert_int_equal(info.backend_ops[AKV_OP_COPY], copies); /* nothing submitted */
-    assert_int_equal(info.transport_failed, 1);
-    assert_non_null(strstr(akv_engine_last_error(f.e), "fence"));
-    assert_int_equal(akv_step_begin(f.e, ctx, 1), AKV_ERR_QUARANTINED);
-    assert_int_equal(akv_engine_quarantine(f.e, &q), AKV_OK);
-    assert_nothing_held(f.e);
-    expect_rows(ctx[0], 20, 40);
+    akv_lease *ls[LAYERS];
+    uint64_t ops;
+    assert_int_equal(akv_step_begin(f.e, ctx, 1), AKV_OK);
+    for (uint32_t l = 0; l < LAYERS; l++) {
+      ls[l] = layer_sealed(&f, l);
+      if (l + 1 < LAYERS) assert_int_equal(akv_lease_retire(ls[l], NULL), AKV_OK);
+    }
+    ops = ops_total(f.e);
+    assert_int_equal(akv_step_end(f.e), AKV_ERR_STEP_STATE);
+    assert_int_equal(akv_step_begin(f.e, ctx, 1), AKV_ERR_STEP_STATE);
+    assert_int_equal(ops_total(f.e), ops); /* nothing submitted */
+    assert_int_equal(f.e->leases_live, 1);
+    assert_true(f.e->step_open);
+    assert_int_equal(ctx[0]->len, 39); /* not published */
+    assert_int_equal(akv_lease_retire(ls[LAYERS - 1], NULL), AKV_OK);
+    assert_int_equal(akv_step_end(f.e), AKV_OK);
   }
+  whole_step(&f, ctx, 1); /* the boundary at 40 rows reuses the page */
+  n_fills = akv_adm_fills(f.e->adm, &fills);
+  assert_true(n_fills > 0);
+  for (uint32_t l = 0; l < LAYERS; l++) assert_int_equal(atomic_load(&f.h.jobs[l].bad_rows), 0);
+  expect_rows(ctx[0], 20, 41);
   fx_done(&f);
 }
 
@@ -848,6 +905,7 @@ int main(void) {
       cmocka_unit_test(test_quarantine_synchronises_then_releases),
       cmocka_unit_test(test_uncertain_fence_keeps_everything_retained),
       cmocka_unit_test(test_invariant_source_authority_survives_until_replacement_valid),
+      cmocka_unit_test(test_generation_moved_under_a_ticket_fails_the_release),
       cmocka_unit_test(test_invariant_logical_cancellation_physical_reuse_waits_for_fences),
       cmocka_unit_test(test_invariant_partial_submissions_quarantine_until_drain),
       cmocka_unit_test(test_invariant_nothing_recycled_on_uncertain_fence),

@@ -115,7 +115,6 @@ struct akv_adm {
   uint32_t *map;          /* [max_contexts * max_logical_pages]: physical or NONE */
   uint32_t *page_slot;    /* [n_phys]: owner slot or NONE */
   uint32_t *page_logical; /* [n_phys] */
-  uint64_t *page_fence;   /* [n_phys]: last readers' fence, travels with the page */
   uint32_t *free_ring;    /* [n_phys]: FIFO, oldest freed page handed out first */
   uint32_t free_head;
   uint32_t n_free;
@@ -186,6 +185,42 @@ static void *akv_adm_calloc(size_t n, size_t size) {
   return calloc(n > 0 ? n : 1, size);
 }
 
+/* Bytes of one array of n elements (at least one element: see akv_adm_calloc). */
+static int akv_adm_array_bytes(uint64_t n, uint64_t size, uint64_t *acc) {
+  uint64_t bytes;
+  if (n == 0) n = 1;
+  if (n > UINT64_MAX / size) return 0;
+  bytes = n * size;
+  if (bytes > UINT64_MAX - *acc || *acc + bytes > (uint64_t)SIZE_MAX) return 0;
+  *acc += bytes;
+  return 1;
+}
+
+int akv_adm_bytes(const akv_adm_config *config, uint64_t *out) {
+  const akv_adm *adm = NULL; /* for the element sizes only */
+  uint64_t acc = sizeof *adm, n_map = 0;
+  if (config == NULL || out == NULL) return 0;
+  if (config->max_logical_pages != 0 &&
+      config->max_contexts > UINT64_MAX / config->max_logical_pages)
+    return 0;
+  n_map = (uint64_t)config->max_contexts * config->max_logical_pages;
+  /* The arrays akv_adm_create allocates, in its order. */
+  if (!akv_adm_array_bytes(config->max_contexts, sizeof *adm->slots, &acc) ||
+      !akv_adm_array_bytes(n_map, sizeof *adm->map, &acc) ||
+      !akv_adm_array_bytes(config->n_pages, sizeof *adm->page_slot, &acc) ||
+      !akv_adm_array_bytes(config->n_pages, sizeof *adm->page_logical, &acc) ||
+      !akv_adm_array_bytes(config->n_pages, sizeof *adm->free_ring, &acc) ||
+      !akv_adm_array_bytes(config->n_pages, sizeof *adm->fills, &acc) ||
+      !akv_adm_array_bytes(config->n_pages, sizeof *adm->fill_at, &acc) ||
+      !akv_adm_array_bytes(config->max_contexts, sizeof *adm->order, &acc) ||
+      !akv_adm_array_bytes(config->max_contexts, sizeof *adm->cand, &acc) ||
+      !akv_adm_array_bytes(config->max_contexts, sizeof *adm->mark, &acc) ||
+      !akv_adm_array_bytes(config->log_capacity, sizeof *adm->log, &acc))
+    return 0;
+  *out = acc;
+  return 1;
+}
+
 akv_status akv_adm_create(const akv_adm_config *config, akv_adm **out) {
   akv_status st = AKV_OK;
   akv_adm *adm = NULL;
@@ -217,7 +252,6 @@ akv_status akv_adm_create(const akv_adm_config *config, akv_adm **out) {
   adm->map = akv_adm_calloc(n_map, sizeof *adm->map);
   adm->page_slot = akv_adm_calloc(n_phys, sizeof *adm->page_slot);
   adm->page_logical = akv_adm_calloc(n_phys, sizeof *adm->page_logical);
-  adm->page_fence = akv_adm_calloc(n_phys, sizeof *adm->page_fence);
   adm->free_ring = akv_adm_calloc(n_phys, sizeof *adm->free_ring);
   adm->fills = akv_adm_calloc(n_phys, sizeof *adm->fills);
   adm->fill_at = akv_adm_calloc(n_phys, sizeof *adm->fill_at);
@@ -226,7 +260,7 @@ akv_status akv_adm_create(const akv_adm_config *config, akv_adm **out) {
   adm->cursor = akv_adm_calloc(config->max_contexts, sizeof *adm->cursor);
   adm->mark = akv_adm_calloc(config->max_contexts, sizeof *adm->mark);
   adm->log = akv_adm_calloc(config->log_capacity, sizeof *adm->log);
-  if (!adm->slots || !adm->map || !adm->page_slot || !adm->page_logical || !adm->page_fence ||
+  if (!adm->slots || !adm->map || !adm->page_slot || !adm->page_logical ||
       !adm->free_ring || !adm->fills || !adm->fill_at || !adm->order || !adm->cand || !adm->cursor ||
       !adm->mark || !adm->log) {
     st = AKV_ERR_OUT_OF_MEMORY;
@@ -253,7 +287,6 @@ void akv_adm_destroy(akv_adm *adm) {
   free(adm->map);
   free(adm->page_slot);
   free(adm->page_logical);
-  free(adm->page_fence);
   free(adm->free_ring);
   free(adm->fills);
   free(adm->fill_at);
@@ -314,8 +347,10 @@ static void akv_adm_free_push(akv_adm *adm, uint32_t p) {
 
 /* Maps physical page p to (slot, logical) by `rule`: p is either just popped
  * from the free list or still owned by its previous slot (own reuse, shrink,
- * reclaim). Records the fill (it waits on the page's fence), the counter, the
- * log row and the explain material of both sides.
+ * reclaim). Records the fill, the counter, the log row and the explain
+ * material of both sides. (The page's previous readers are no concern here:
+ * the engine moves residency only at a step boundary, where no reader of any
+ * page is live; see akv_step_end.)
  *
  * A page moves at most once per boundary, so fills never name a physical
  * page twice. Own reuse and shrink move a page to a higher-priority window
@@ -367,9 +402,6 @@ static void akv_adm_move(akv_adm *adm, uint32_t p, uint32_t slot, uint32_t logic
   f->slot = slot;
   f->logical = logical;
   f->physical = p;
-  /* Invariant (DESIGN §7): physical reuse waits for every fence. The page
-   * carries the fence of its last readers; the fill must wait on it. */
-  f->fence = adm->page_fence[p];
 
   adm->counters[rule]++;
   akv_adm_log(adm, adm->cur_step, taker->id, rule, victim_id, 1, 1);
@@ -679,8 +711,7 @@ akv_status akv_adm_release(akv_adm *adm, uint64_t step, uint32_t slot) {
   akv_adm_clear_fills(adm);
   akv_adm_slot *s = &adm->slots[slot];
   uint32_t freed = s->held;
-  /* Pages return to the free list oldest logical first, keeping the fence of
-   * their last readers: a later fill of the page waits on it. */
+  /* Pages return to the free list oldest logical first. */
   for (uint32_t l = 0; l < adm->cfg.max_logical_pages && s->held > 0; l++) {
     uint32_t *m = akv_adm_map_at(adm, slot, l);
     if (*m == AKV_ADM_NONE) continue;
@@ -822,20 +853,14 @@ akv_status akv_adm_headroom_add(akv_adm *adm, uint64_t step, uint32_t count) {
   return AKV_OK;
 }
 
-akv_status akv_adm_headroom_remove(akv_adm *adm, uint64_t step, uint32_t count,
-                                   uint64_t *fence_out) {
-  if (adm == NULL || fence_out == NULL || count > adm->hr_live) return AKV_ERR_INVALID_ARGUMENT;
-  uint64_t fence = 0;
-  if (count == 0) {
-    *fence_out = 0;
-    return AKV_OK;
-  }
+akv_status akv_adm_headroom_remove(akv_adm *adm, uint64_t step, uint32_t count) {
+  if (adm == NULL || count > adm->hr_live) return AKV_ERR_INVALID_ARGUMENT;
+  if (count == 0) return AKV_OK;
   akv_adm_clear_fills(adm);
   const uint32_t first = adm->cfg.n_pages + adm->hr_live - count;
   /* Mapped pages leave their slots (the host stays authoritative: the rows
    * are staged again from it); the log names each slot that lost pages. */
   for (uint32_t p = first; p < first + count; p++) {
-    if (adm->page_fence[p] > fence) fence = adm->page_fence[p];
     const uint32_t from = adm->page_slot[p];
     if (from == AKV_ADM_NONE) continue;
     akv_adm_slot *v = &adm->slots[from];
@@ -864,11 +889,9 @@ akv_status akv_adm_headroom_remove(akv_adm *adm, uint64_t step, uint32_t count,
     kept++;
   }
   adm->n_free = kept;
-  for (uint32_t p = first; p < first + count; p++) adm->page_fence[p] = 0;
   adm->hr_live -= count;
   adm->counters[AKV_ADM_HEADROOM_RELEASE] += count;
   akv_adm_log(adm, step, AKV_ADM_NONE, AKV_ADM_HEADROOM_RELEASE, AKV_ADM_NONE, count, 0);
-  *fence_out = fence;
   return AKV_OK;
 }
 
@@ -908,12 +931,6 @@ size_t akv_adm_fills(const akv_adm *adm, const akv_adm_fill **out) {
   }
   if (out) *out = adm->fills;
   return adm->n_fills;
-}
-
-void akv_adm_page_set_fence(akv_adm *adm, uint32_t physical, uint64_t fence) {
-  if (adm == NULL || physical >= adm->n_phys) return;
-  /* Serials are monotonic: keep the latest, never go back to an older one. */
-  if (fence > adm->page_fence[physical]) adm->page_fence[physical] = fence;
 }
 
 void akv_adm_counters(const akv_adm *adm, uint64_t out[AKV_ADM_RULE_COUNT]) {

@@ -43,17 +43,19 @@ typedef struct akv_adm_request {
 } akv_adm_request;
 
 /* A physical page newly mapped at this boundary: its content must be filled
- * from the host rows of (slot, logical) before anyone reads it, and the fill
- * must wait on `fence` (the last readers of the page's previous content;
- * 0 = none). */
+ * from the host rows of (slot, logical) before anyone reads it. The
+ * allocator tracks no readers: the engine moves residency only at a step
+ * boundary, where no reader of any page is live (akv_step_end). */
 typedef struct akv_adm_fill {
   uint32_t slot;
   uint32_t logical;
   uint32_t physical;
-  uint64_t fence;
 } akv_adm_fill;
 
 akv_status akv_adm_create(const akv_adm_config *config, akv_adm **out);
+/* Bytes akv_adm_create allocates for `config`, in checked 64-bit arithmetic
+ * (*out); returns 0 when that does not fit 64 bits or size_t. */
+int akv_adm_bytes(const akv_adm_config *config, uint64_t *out);
 void akv_adm_destroy(akv_adm *adm);
 
 /* Admits a slot with a target (pages by right) and burst (pages it may borrow
@@ -65,8 +67,7 @@ void akv_adm_destroy(akv_adm *adm);
 akv_status akv_adm_admit(akv_adm *adm, uint64_t step, uint32_t slot, uint32_t id,
                          uint32_t target, uint32_t burst);
 
-/* Releases a slot: its pages return to the free list carrying their fences.
- * Only called at a step boundary (the engine forbids closing mid-step). */
+/* Releases a slot: its pages return to the free list. Only called at a step boundary (the engine forbids closing mid-step). */
 akv_status akv_adm_release(akv_adm *adm, uint64_t step, uint32_t slot);
 
 /* The step boundary: requests for the active slots (others are idle). Computes
@@ -83,22 +84,16 @@ uint32_t akv_adm_pages_held(const akv_adm *adm, uint32_t slot);
 /* The fills produced by the last akv_adm_step; valid until the next call. */
 size_t akv_adm_fills(const akv_adm *adm, const akv_adm_fill **out);
 
-/* The engine records the fence of the last readers of a physical page
- * (monotonic serial); it travels with the page when the page is freed. */
-void akv_adm_page_set_fence(akv_adm *adm, uint32_t physical, uint64_t fence);
-
 /* Headroom (DESIGN §6): revocable pages after the pool's. Both calls run at a
  * step boundary only (the engine enforces it) and clear the fills.
  * add: the next `count` headroom pages become present and free (counter and
  * log: headroom-take). remove: the newest `count` present headroom pages
  * leave; a slot holding one loses it (its rows are staged from the
- * authoritative host copy again); *fence_out is the newest fence of their last
- * readers, which the caller must see proven before it frees their memory.
- * Counter and log: headroom-release. Both return AKV_OK or
+ * authoritative host copy again). The caller frees their memory only where no
+ * lease is live (headroom.c). Counter and log: headroom-release. Both return AKV_OK or
  * AKV_ERR_INVALID_ARGUMENT (count out of range) and change nothing then. */
 akv_status akv_adm_headroom_add(akv_adm *adm, uint64_t step, uint32_t count);
-akv_status akv_adm_headroom_remove(akv_adm *adm, uint64_t step, uint32_t count,
-                                   uint64_t *fence_out);
+akv_status akv_adm_headroom_remove(akv_adm *adm, uint64_t step, uint32_t count);
 /* The slot a physical page is mapped to, or AKV_ADM_NONE. */
 uint32_t akv_adm_page_owner(const akv_adm *adm, uint32_t physical);
 /* Headroom pages present now. */

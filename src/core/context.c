@@ -4,6 +4,7 @@
  */
 #include <string.h>
 
+#include "config.h"
 #include "internal.h"
 #include "records.h"
 
@@ -19,22 +20,31 @@ uint8_t *akv_host_layer(const akv_engine *e, const akv_context *c, uint32_t laye
   return c->host + (uint64_t)layer * e->seg_bytes;
 }
 
-/* A ticket takes a host page lease on the context's slot and a reference on
- * the pinned pool. */
-void akv_ticket_take(akv_engine *e, akv_context *c) {
+/* A ticket takes a host page lease on the context's slot. */
+uint64_t akv_ticket_take(akv_engine *e, akv_context *c) {
+  (void)e;
   c->host_leases++;
-  e->pinned_refs++;
+  return c->generation;
 }
 
-void akv_ticket_release(akv_engine *e, akv_context *c, uint64_t generation) {
-  /* Source authority survives until its replacement is valid: a slot whose
-   * generation moved under a live ticket would mean DMA touched rows of a
-   * different owner. close refuses while host_leases > 0, so this holds. */
-  if (c->generation != generation || e->slot_generation[c->slot] != generation)
-    akv_log(e, AKV_LOG_ERROR, "invariant violated: slot %u generation moved under a ticket",
-            c->slot);
-  c->host_leases--;
-  e->pinned_refs--;
+/* Source authority survives until its replacement is valid. What protects
+ * it: akv_context_close refuses while the context holds a host page lease
+ * (host_leases > 0), so a slot's generation cannot move, and its rows
+ * cannot go to another owner, while DMA may still read or write them. This
+ * check is the tripwire behind that rule: a ticket whose slot changed
+ * owner or generation under it is not released, and the caller marks the
+ * transport failed (akv_lease_retire, akv_step_end). */
+bool akv_ticket_valid(const akv_engine *e, uint32_t slot, uint64_t generation) {
+  const akv_context *c = slot < e->concurrency ? e->slot_owner[slot] : NULL;
+  return c != NULL && c->generation == generation && e->slot_generation[slot] == generation &&
+         c->host_leases > 0;
+}
+
+void akv_ticket_release(akv_engine *e, uint32_t slot) { e->slot_owner[slot]->host_leases--; }
+
+uint32_t akv_admission_floor(const akv_engine *e) {
+  /* A context of one logical page has no page besides its sink. */
+  return e->max_logical_pages < 2 ? e->max_logical_pages : 2;
 }
 
 /* Copies n token-major K and V rows of one layer after the rows that layer
@@ -80,11 +90,15 @@ AKV_API akv_status akv_context_open(akv_engine *e, const akv_context_config *con
   if (st != AKV_OK) return st;
   if (out == NULL) return akv_fail(e, AKV_ERR_INVALID_ARGUMENT, "context_open: out is NULL");
   if (config != NULL) {
-    if (config->struct_size < sizeof(akv_context_config) || config->version != AKV_CONFIG_VERSION)
+    /* An older caller's smaller struct: its fields, then the defaults. */
+    char why[256];
+    if (akv_config_merge(&akv_context_config_layout, &cc, config, why, sizeof why) != AKV_OK)
+      return akv_fail(e, AKV_ERR_CONFIG, "context_open: %s", why);
+    if (cc.version == 0 || cc.version > AKV_CONFIG_VERSION)
       return akv_fail(e, AKV_ERR_CONFIG,
-                      "context_open: config struct_size/version mismatch (use "
-                      "AKV_CONTEXT_CONFIG_INIT)");
-    cc = *config;
+                      "context_open: config version=%u is not between 1 and %u (use "
+                      "AKV_CONTEXT_CONFIG_INIT)",
+                      (unsigned)cc.version, (unsigned)AKV_CONFIG_VERSION);
   }
   if (e->step_open)
     return akv_fail(e, AKV_ERR_STEP_STATE, "context_open: not allowed inside a step");
@@ -101,12 +115,27 @@ AKV_API akv_status akv_context_open(akv_engine *e, const akv_context_config *con
     cc.target_pages = 0;
     cc.burst_pages = 0;
   }
+  const uint32_t asked_target = cc.target_pages, asked_burst = cc.burst_pages;
+  /* The admission floor (DESIGN §4): a context that retains anything holds
+   * at least its sink page and its newest page. A target of 1 is raised to
+   * the floor; with target 0 (pure staging by right) a burst of 1 is raised
+   * to it too. A target of 0 and no burst stays: pure staging. */
+  const uint32_t floor = akv_admission_floor(e);
+  if (cc.target_pages > 0 && cc.target_pages < floor) cc.target_pages = floor;
+  if (cc.target_pages == 0 && cc.burst_pages > 0 && cc.burst_pages < floor) cc.burst_pages = floor;
+  if (cc.target_pages != asked_target || cc.burst_pages != asked_burst)
+    akv_log(e, AKV_LOG_INFO,
+            "context_open: target %u + burst %u raised to %u + %u, the floor of %u pages (the "
+            "sink and the newest page)",
+            asked_target, asked_burst, cc.target_pages, cc.burst_pages, floor);
   /* Ids are never reused, refused attempts included (explain names them). */
   st = akv_adm_admit(e->adm, e->step, slot, ++e->next_context_id, cc.target_pages,
                      cc.burst_pages);
   if (st != AKV_OK) {
     char why[900];
-    akv_adm_explain(e->adm, AKV_ADM_NONE, why, sizeof(why));
+    e->refused_asked_target = asked_target;
+    e->refused_target = cc.target_pages;
+    akv_admission_explain(e, NULL, why, sizeof(why));
     return akv_fail(e, st, "context_open: %s", why);
   }
   /* A record of the process-wide pool, in FIFO order: a closed handle
@@ -131,6 +160,8 @@ AKV_API akv_status akv_context_open(akv_engine *e, const akv_context_config *con
   memset(c->layer_len, 0, (size_t)e->cfg.n_dense_layers * sizeof(*c->layer_len));
   c->target = cc.target_pages;
   c->burst = cc.burst_pages;
+  c->asked_target = asked_target;
+  c->asked_burst = asked_burst;
   /* no ticket holds a free slot, so its generation may move */
   c->generation = ++e->slot_generation[slot];
   c->in_step = false;

@@ -2,6 +2,7 @@
  * diagnostics.c - admission counters, decision log and explanations through
  * the public API. Allowed at any time, also after a transport failure.
  */
+#include <stdio.h>
 #include <string.h>
 
 #include "internal.h"
@@ -28,6 +29,18 @@ AKV_API akv_status akv_admission_explain(const akv_engine *e, const akv_context 
   if (!akv_engine_ok(e)) return AKV_ERR_BAD_HANDLE;
   if (buf == NULL || cap == 0) return AKV_ERR_INVALID_ARGUMENT;
   if (c != NULL && (!akv_context_ok(c) || c->engine != e)) return AKV_ERR_BAD_HANDLE;
-  akv_adm_explain(e->adm, c != NULL ? c->slot : AKV_ADM_NONE, buf, cap);
+  size_t n = akv_adm_explain(e->adm, c != NULL ? c->slot : AKV_ADM_NONE, buf, cap);
+  /* The admission floor, where it raised what the caller asked for. */
+  uint32_t asked_t = c != NULL ? c->asked_target : e->refused_asked_target;
+  uint32_t asked_b = c != NULL ? c->asked_burst : 0;
+  uint32_t got_t = c != NULL ? c->target : e->refused_target;
+  uint32_t got_b = c != NULL ? c->burst : 0;
+  if ((asked_t != got_t || asked_b != got_b) && n < cap)
+    snprintf(buf + n, cap - n,
+             " It asked for a target of %u page%s (+%u burst), raised to %u (+%u burst): the "
+             "floor of %u pages, the sink and the newest page, for a context that retains "
+             "anything.",
+             (unsigned)asked_t, asked_t == 1 ? "" : "s", (unsigned)asked_b, (unsigned)got_t,
+             (unsigned)got_b, (unsigned)akv_admission_floor(e));
   return AKV_OK;
 }

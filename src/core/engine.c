@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "config.h"
 #include "fit.h"
 #include "internal.h"
 #include "records.h"
@@ -128,12 +129,12 @@ static void akv_engine_free_all(akv_engine *e, bool created) {
   free(e->slot_layer_len);
   free(e->step_ctx);
   free(e->adm_req);
-  free(e->sc_dst);
-  free(e->sc_src);
-  free(e->sc_bytes);
-  free(e->sc2_dst);
-  free(e->sc2_src);
-  free(e->sc2_bytes);
+  akv_scratch *scratch[] = {&e->sc_stage, &e->sc_mat, &e->sc_wb, &e->sc_fill};
+  for (size_t i = 0; i < sizeof scratch / sizeof scratch[0]; i++) {
+    free(scratch[i]->dst);
+    free(scratch[i]->src);
+    free(scratch[i]->bytes);
+  }
   e->magic = e->magic_end = AKV_MAGIC_DEAD;
   if (created)
     akv_rec_give(&akv_engine_records, e);
@@ -156,6 +157,15 @@ static akv_status akv_alloc_lease_arrays(akv_engine *e, akv_lease_body *ls, uint
   return AKV_OK;
 }
 
+/* Allocates a scratch of `cap` entries (at least one). */
+static bool akv_scratch_alloc(akv_scratch *sc, uint64_t cap) {
+  sc->cap = (size_t)(cap > 0 ? cap : 1); /* cap fits size_t: akv_budget_compute */
+  sc->dst = calloc(sc->cap, sizeof(*sc->dst));
+  sc->src = calloc(sc->cap, sizeof(*sc->src));
+  sc->bytes = calloc(sc->cap, sizeof(*sc->bytes));
+  return sc->dst != NULL && sc->src != NULL && sc->bytes != NULL;
+}
+
 static akv_status akv_engine_allocate(akv_engine *e) {
   akv_status st = AKV_OK;
   akv_bk *bk = &e->bk;
@@ -164,6 +174,49 @@ static akv_status akv_engine_allocate(akv_engine *e) {
   akv_backend_params params = {c->device_ordinal, c->host_delay_seed, c->host_delay_max_us,
                                c->host_fake_free_bytes};
 
+  st = akv_bk_init(bk, &params);
+  if (st != AKV_OK) {
+    akv_fail(e, st, "backend %s failed to start: %s", bk->ops->name, bk->error);
+    goto fail;
+  }
+  if ((st = akv_bk_queue_create(bk, &e->q_h2d)) != AKV_OK ||
+      (st = akv_bk_queue_create(bk, &e->q_d2h)) != AKV_OK ||
+      (st = akv_bk_queue_create(bk, &e->q_d2d)) != AKV_OK ||
+      (st = akv_bk_event_create(bk, &e->ev_fill)) != AKV_OK) {
+    akv_fail(e, st, "queue/event creation failed: %s", bk->error);
+    goto fail;
+  }
+  /* The pools and staging buffers first: a geometry larger than the
+   * machine fails there, cleanly, before any bookkeeping sized from it is
+   * allocated and initialised (that bookkeeping is bounded by the pools:
+   * budget.h). */
+  e->host_pool_bytes = (uint64_t)c->host_pool_gib * AKV_GIB;
+  st = akv_bk_host_alloc(bk, e->host_pool_bytes, (void **)&e->host_pool);
+  if (st != AKV_OK) {
+    akv_fail(e, st, "pinned host pool of %u GiB could not be allocated (host_pool_gib): %s",
+             c->host_pool_gib, bk->error);
+    goto fail;
+  }
+  if (c->route != AKV_ROUTE_STAGE && c->device_pool_gib > 0) {
+    e->dev_pool_bytes = (uint64_t)c->device_pool_gib * AKV_GIB;
+    st = akv_bk_device_alloc(bk, e->dev_pool_bytes, (void **)&e->dev_pool);
+    if (st != AKV_OK) {
+      akv_fail(e, st, "device pool of %u GiB could not be allocated (device_pool_gib): %s",
+               c->device_pool_gib, bk->error);
+      goto fail;
+    }
+    e->device_allocated += e->dev_pool_bytes;
+  }
+  e->staging_bytes = (uint64_t)n * e->seg_bytes;
+  for (int b = 0; b < AKV_N_BUFFERS; b++) {
+    st = akv_bk_device_alloc(bk, e->staging_bytes, (void **)&e->staging[b]);
+    if (st != AKV_OK) {
+      akv_fail(e, st, "staging buffer of %llu bytes could not be allocated: %s",
+               (unsigned long long)e->staging_bytes, bk->error);
+      goto fail;
+    }
+    e->device_allocated += e->staging_bytes;
+  }
   e->slot_owner = calloc(n, sizeof(*e->slot_owner));
   e->slot_generation = calloc(n, sizeof(*e->slot_generation));
   e->slot_layer_len = calloc((size_t)n * c->n_dense_layers, sizeof(*e->slot_layer_len));
@@ -173,18 +226,14 @@ static akv_status akv_engine_allocate(akv_engine *e) {
   e->n_lease_recs = c->n_dense_layers * AKV_LEASE_HANDLES_PER_LAYER;
   e->lease_recs = calloc(e->n_lease_recs, sizeof(*e->lease_recs));
   e->lease_ring = calloc(e->n_lease_recs, sizeof(*e->lease_ring));
-  /* Batched copies of one lease: per context at most two H2D runs per K/V
-   * around its resident pages plus the tail, and one D2D per resident page. */
-  e->scratch_cap = (size_t)n * ((size_t)e->max_logical_pages + 2);
-  e->sc_dst = calloc(e->scratch_cap, sizeof(void *));
-  e->sc_src = calloc(e->scratch_cap, sizeof(void *));
-  e->sc_bytes = calloc(e->scratch_cap, sizeof(size_t));
-  e->scratch2_cap = e->scratch_cap > 4096 ? e->scratch_cap : 4096;
-  e->sc2_dst = calloc(e->scratch2_cap, sizeof(void *));
-  e->sc2_src = calloc(e->scratch2_cap, sizeof(void *));
-  e->sc2_bytes = calloc(e->scratch2_cap, sizeof(size_t));
-  if (!e->lease_recs || !e->lease_ring || !e->slot_owner || !e->slot_generation || !e->slot_layer_len || !e->step_ctx || !e->adm_req || !e->leases || !e->sc_dst || !e->sc_src || !e->sc_bytes ||
-      !e->sc2_dst || !e->sc2_src || !e->sc2_bytes) {
+  /* Scratch: one buffer, one owner, each sized from its own worst case
+   * (budget.h states each bound and why it holds). */
+  bool scratch_ok = akv_scratch_alloc(&e->sc_stage, e->budget.sc_stage) &&
+                    akv_scratch_alloc(&e->sc_mat, e->budget.sc_mat) &&
+                    akv_scratch_alloc(&e->sc_wb, e->budget.sc_wb) &&
+                    akv_scratch_alloc(&e->sc_fill, e->budget.sc_fill);
+  if (!e->slot_owner || !e->slot_generation || !e->slot_layer_len || !e->step_ctx ||
+      !e->adm_req || !e->leases || !e->lease_recs || !e->lease_ring || !scratch_ok) {
     st = akv_fail(e, AKV_ERR_OUT_OF_MEMORY, "engine bookkeeping allocation failed");
     goto fail;
   }
@@ -212,20 +261,6 @@ static akv_status akv_engine_allocate(akv_engine *e) {
       goto fail;
     }
   }
-
-
-  st = akv_bk_init(bk, &params);
-  if (st != AKV_OK) {
-    akv_fail(e, st, "backend %s failed to start: %s", bk->ops->name, bk->error);
-    goto fail;
-  }
-  if ((st = akv_bk_queue_create(bk, &e->q_h2d)) != AKV_OK ||
-      (st = akv_bk_queue_create(bk, &e->q_d2h)) != AKV_OK ||
-      (st = akv_bk_queue_create(bk, &e->q_d2d)) != AKV_OK ||
-      (st = akv_bk_event_create(bk, &e->ev_fill)) != AKV_OK) {
-    akv_fail(e, st, "queue/event creation failed: %s", bk->error);
-    goto fail;
-  }
   for (uint32_t l = 0; l < c->n_dense_layers; l++) {
     akv_lease_body *ls = &e->leases[l];
     if ((st = akv_bk_event_create(bk, &ls->ev_h2d)) != AKV_OK ||
@@ -237,27 +272,10 @@ static akv_status akv_engine_allocate(akv_engine *e) {
     }
   }
 
-  e->host_pool_bytes = (uint64_t)c->host_pool_gib * AKV_GIB;
-  st = akv_bk_host_alloc(bk, e->host_pool_bytes, (void **)&e->host_pool);
-  if (st != AKV_OK) {
-    akv_fail(e, st, "pinned host pool of %u GiB could not be allocated (host_pool_gib): %s",
-             c->host_pool_gib, bk->error);
-    goto fail;
-  }
-  if (c->route != AKV_ROUTE_STAGE && c->device_pool_gib > 0) {
-    e->dev_pool_bytes = (uint64_t)c->device_pool_gib * AKV_GIB;
-    st = akv_bk_device_alloc(bk, e->dev_pool_bytes, (void **)&e->dev_pool);
-    if (st != AKV_OK) {
-      akv_fail(e, st, "device pool of %u GiB could not be allocated (device_pool_gib): %s",
-               c->device_pool_gib, bk->error);
-      goto fail;
-    }
-    e->device_allocated += e->dev_pool_bytes;
-  }
-  if (c->route == AKV_ROUTE_PAGED && (e->n_pages > 0 || c->headroom_gib > 0)) {
+  if (c->route == AKV_ROUTE_PAGED && e->budget.page_map_bytes > 0) {
     /* The step's page map: rebuilt in pinned memory at each boundary and
      * copied to the device on the H2D queue ahead of the step's leases. */
-    e->page_map_bytes = (uint64_t)n * e->max_logical_pages * sizeof(uint32_t);
+    e->page_map_bytes = e->budget.page_map_bytes; /* n x max_logical_pages entries, checked */
     st = akv_bk_host_alloc(bk, e->page_map_bytes, (void **)&e->page_map_host);
     if (st == AKV_OK) st = akv_bk_device_alloc(bk, e->page_map_bytes, (void **)&e->page_map_dev);
     if (st != AKV_OK) {
@@ -285,20 +303,13 @@ static akv_status akv_engine_allocate(akv_engine *e) {
       e->device_allocated += e->page_seg_bytes;
     }
   }
-  e->staging_bytes = (uint64_t)n * e->seg_bytes;
-  for (int b = 0; b < AKV_N_BUFFERS; b++) {
-    st = akv_bk_device_alloc(bk, e->staging_bytes, (void **)&e->staging[b]);
-    if (st != AKV_OK) {
-      akv_fail(e, st, "staging buffer of %llu bytes could not be allocated: %s",
-               (unsigned long long)e->staging_bytes, bk->error);
-      goto fail;
-    }
-    e->device_allocated += e->staging_bytes;
-  }
   /* Headroom is profiled after every other device allocation of the engine. */
   if ((st = akv_headroom_setup(e)) != AKV_OK) goto fail;
   {
-    akv_adm_config ac = {e->n_pages, n, e->max_logical_pages, 256, e->hr_max_pages};
+    /* Without device pages nothing is ever resident: the map tracks one
+     * logical page per slot (budget.h, tracked_pages). */
+    akv_adm_config ac = {e->n_pages, n, e->budget.tracked_pages, AKV_ADM_LOG_ENTRIES,
+                         e->hr_max_pages};
     st = akv_adm_create(&ac, &e->adm);
     if (st != AKV_OK) {
       akv_fail(e, st, "admission allocator creation failed");
@@ -311,42 +322,6 @@ fail:
   return st;
 }
 
-/* An older caller's config ends at its struct_size: take only the fields it
- * holds entirely (never read past its end, never half a pointer); every
- * later field keeps its default. */
-static void akv_config_take(akv_engine_config *full, const akv_engine_config *c) {
-#define AKV_TAKE(f) \
-  if (c->struct_size >= offsetof(akv_engine_config, f) + sizeof(c->f)) full->f = c->f
-  full->struct_size = c->struct_size;
-  AKV_TAKE(version);
-  AKV_TAKE(backend);
-  AKV_TAKE(device_ordinal);
-  AKV_TAKE(n_dense_layers);
-  AKV_TAKE(kv_heads);
-  AKV_TAKE(head_dim);
-  AKV_TAKE(dtype);
-  AKV_TAKE(max_tokens);
-  AKV_TAKE(page_tokens);
-  AKV_TAKE(host_pool_gib);
-  AKV_TAKE(device_pool_gib);
-  AKV_TAKE(max_contexts);
-  AKV_TAKE(fit_mode);
-  AKV_TAKE(route);
-  AKV_TAKE(log_fn);
-  AKV_TAKE(log_user);
-  AKV_TAKE(log_level);
-  AKV_TAKE(host_delay_seed);
-  AKV_TAKE(host_delay_max_us);
-  AKV_TAKE(fault_fail_nth);
-  AKV_TAKE(fault_kind);
-  AKV_TAKE(poison_holes);
-  AKV_TAKE(headroom_gib);
-  AKV_TAKE(headroom_reserve_gib);
-  AKV_TAKE(host_fake_free_bytes);
-  AKV_TAKE(headroom_chunk_pages);
-#undef AKV_TAKE
-}
-
 AKV_API akv_status akv_engine_create(const akv_engine_config *caller, akv_engine **out) {
   akv_status st = AKV_OK;
   akv_engine *e = NULL;
@@ -356,8 +331,9 @@ AKV_API akv_status akv_engine_create(const akv_engine_config *caller, akv_engine
   const akv_engine_config *config = &full;
 
   if (caller == NULL || out == NULL) return AKV_ERR_INVALID_ARGUMENT;
-  akv_config_take(&full, caller);
-  st = akv_fit_compute(config, &fit, why, sizeof(why));
+  /* An older caller's smaller struct: its fields, then the defaults. */
+  st = akv_config_merge(&akv_engine_config_layout, &full, caller, why, sizeof(why));
+  if (st == AKV_OK) st = akv_fit_compute(config, &fit, why, sizeof(why));
   if (st != AKV_OK) {
     akv_log_cfg(config, AKV_LOG_ERROR, "engine config rejected: %s", why);
     return st;
@@ -390,7 +366,14 @@ AKV_API akv_status akv_engine_create(const akv_engine_config *caller, akv_engine
   e->page_bytes = fit.page_bytes;
   e->page_seg_bytes = (uint64_t)config->page_tokens * e->pair_bytes;
   e->n_pages = config->route != AKV_ROUTE_STAGE ? (uint32_t)fit.device_pages : 0;
-  e->max_logical_pages = (config->max_tokens + config->page_tokens - 1) / config->page_tokens;
+  /* Sizes of everything besides the pools, checked by akv_fit_compute. */
+  st = akv_budget_compute(config, fit.effective_concurrency, config->page_tokens, &e->budget,
+                          why, sizeof(why));
+  if (st != AKV_OK) {
+    akv_log_cfg(config, AKV_LOG_ERROR, "engine config rejected: %s", why);
+    goto fail;
+  }
+  e->max_logical_pages = e->budget.max_logical_pages;
   if (config->route == AKV_ROUTE_STAGE && config->device_pool_gib > 0)
     akv_log_cfg(config, AKV_LOG_INFO,
                 "route stage retains nothing: device_pool_gib=%u is not allocated",
@@ -514,7 +497,6 @@ AKV_API akv_status akv_engine_quarantine(akv_engine *e, akv_quarantine_report *r
     /* Completion is established: nothing in flight reads the headroom asked
      * back during the failed step, so it is freed now (an uncertain drain
      * below keeps it, with everything else). */
-    e->fence_done = e->fence_serial;
     (void)akv_headroom_apply_pending(e);
     e->retained = false;
     e->quarantined = true;

@@ -7,6 +7,8 @@
  */
 #include "fit.h"
 
+#include "budget.h"
+
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -60,7 +62,7 @@ static void akv_fit_say(char *why, size_t cap, const char *fmt, ...) {
 
 /* A byte count in the largest binary unit it reaches: "4 GiB", "3.875 GiB",
  * "2 MiB", "96 B"; at most three decimals, trailing zeros trimmed. */
-static void akv_fit_format_bytes(uint64_t bytes, char *buf, size_t cap) {
+void akv_fit_format_bytes(uint64_t bytes, char *buf, size_t cap) {
   static const char *const units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
   unsigned u = 0;
   uint64_t scale = 1;
@@ -121,8 +123,8 @@ static akv_status akv_fit_validate(const akv_engine_config *cfg, char *why, size
     st = AKV_ERR_CONFIG;
     goto fail;
   }
-  if (cfg->version != AKV_CONFIG_VERSION) {
-    akv_fit_say(why, cap, "config version=%u is not %u (AKV_CONFIG_VERSION)",
+  if (cfg->version == 0 || cfg->version > AKV_CONFIG_VERSION) {
+    akv_fit_say(why, cap, "config version=%u is not between 1 and %u (AKV_CONFIG_VERSION)",
                 (unsigned)cfg->version, (unsigned)AKV_CONFIG_VERSION);
     st = AKV_ERR_CONFIG;
     goto fail;
@@ -351,6 +353,15 @@ akv_status akv_fit_compute(const akv_engine_config *cfg, akv_fit_report *r, char
              (unsigned long long)rep.history_bytes);
   }
   if (!rep.ok) akv_fit_explain_no_fit(cfg, &rep, pair_bytes, why, why_cap);
+
+  /* The engine's bookkeeping, at the concurrency it would run (nothing to
+   * check where create refuses for the host fit). */
+  if (rep.ok || (cfg->fit_mode == AKV_FIT_SHRINK && rep.effective_concurrency > 0)) {
+    akv_budget budget;
+    st = akv_budget_compute(cfg, rep.effective_concurrency, cfg->page_tokens, &budget, why,
+                            why_cap);
+    if (st != AKV_OK) goto fail;
+  }
 
   *r = rep;
   return AKV_OK;

@@ -26,6 +26,10 @@ extern "C" {
 #define AKV_FIT_MAX_POOL_GIB (1u << 20)
 #define AKV_FIT_MAX_CONTEXTS (1u << 20)
 
+/* A byte count in the largest binary unit it reaches ("4 GiB", "3.875 GiB",
+ * "96 B"), NUL-terminated, truncated to cap. */
+void akv_fit_format_bytes(uint64_t bytes, char *buf, size_t cap);
+
 /* Bytes of one element of `dtype`, or 0 for a value outside akv_dtype. */
 uint32_t akv_fit_dtype_size(akv_dtype dtype);
 
@@ -53,7 +57,9 @@ uint32_t akv_fit_dtype_size(akv_dtype dtype);
  * (struct_size/version mismatch, zero or absurd geometry, unknown enum value,
  * page_tokens > max_tokens, host_pool_gib 0, a product overflowing 64 bits or
  * size_t, a nonzero device pool that holds no page or more than UINT32_MAX
- * pages). On failure *r is left untouched.
+ * pages, or, for a config an engine would be created from, bookkeeping
+ * beyond 1/AKV_BOOKKEEPING_SHARE of the host pool: budget.h). On failure *r
+ * is left untouched.
  */
 akv_status akv_fit_compute(const akv_engine_config *cfg, akv_fit_report *r, char *why,
                            size_t why_cap);

@@ -15,6 +15,7 @@
 
 #include "admission.h"
 #include "akv.h"
+#include "budget.h"
 #include "dispatch.h"
 
 #define AKV_MAGIC_ENGINE 0x454b5641u  /* "AVKE" */
@@ -114,10 +115,21 @@ struct akv_context {
   uint64_t generation;   /* host slot generation */
   uint32_t host_leases;  /* tickets holding the slot */
   uint32_t fill_leases;  /* of which: page fills of the open step */
+  uint64_t fill_generation; /* the generation the fill tickets were taken at */
+  uint32_t asked_target; /* target the caller asked for, before the floor */
+  uint32_t asked_burst;
   bool in_step;
   uint8_t *host;         /* slot base in the pinned pool */
   uint32_t magic_end;
 };
+
+/* A batch of copies being built: cap entries of (dst, src, bytes). */
+typedef struct akv_scratch {
+  size_t cap;
+  void **dst;
+  const void **src;
+  size_t *bytes;
+} akv_scratch;
 
 struct akv_stream_rec {
   akv_bqueue *queue;
@@ -143,6 +155,7 @@ struct akv_engine {
   uint64_t page_bytes;
   uint64_t page_seg_bytes; /* page_tokens * pair_bytes: one layer of one page */
   uint32_t max_logical_pages;
+  akv_budget budget; /* bookkeeping and scratch sizes (budget.h) */
 
   akv_bk bk;
   akv_bqueue *q_h2d, *q_d2h, *q_d2d;
@@ -160,7 +173,6 @@ struct akv_engine {
   uint8_t *staging[AKV_N_BUFFERS];
   uint64_t staging_bytes; /* each buffer */
   uint64_t device_allocated;
-  uint32_t pinned_refs;   /* tickets holding the pinned pool */
 
   akv_adm *adm;
   /* Physical pages (pool, then headroom; headroom.c): K row 0 of layer 0 of
@@ -210,17 +222,16 @@ struct akv_engine {
   uint32_t n_lease_recs, lease_head, lease_free;
   uint64_t lease_serial;
   uint64_t fence_serial;
-  uint64_t fence_done;      /* every fence <= this is known complete */
 
-  /* scratch for batched copies, sized at create */
-  size_t scratch_cap;
-  void **sc_dst;
-  const void **sc_src;
-  size_t *sc_bytes;
-  size_t scratch2_cap;
-  void **sc2_dst;
-  const void **sc2_src;
-  size_t *sc2_bytes;
+  /* Scratch for batched copies: one buffer, one owner, each sized at create
+   * from its own worst case (budget.h). */
+  akv_scratch sc_stage; /* lease_begin: host->device runs */
+  akv_scratch sc_mat;   /* lease_begin: device->device copies */
+  akv_scratch sc_wb;    /* lease_write_back: one row pair per owner */
+  akv_scratch sc_fill;  /* step_begin: page fills, in batches of at most its cap */
+
+  /* last refused open: the target it asked for and the floor it was raised to */
+  uint32_t refused_asked_target, refused_target;
 
   /* compute streams handed out by akv_stream_create */
   struct akv_stream_rec streams[8];
@@ -263,8 +274,19 @@ bool akv_context_uneven(const akv_engine *e, const akv_context *c);
 /* Row 0 of `layer` of the context's authoritative host history (K at +0,
  * V at +row_bytes, pair_bytes per token). */
 uint8_t *akv_host_layer(const akv_engine *e, const akv_context *c, uint32_t layer);
-void akv_ticket_take(akv_engine *e, akv_context *c);
-void akv_ticket_release(akv_engine *e, akv_context *c, uint64_t generation);
+/* A ticket takes a host page lease on the context's slot (close and read
+ * refuse while one is held); returns the slot generation it holds. */
+uint64_t akv_ticket_take(akv_engine *e, akv_context *c);
+/* True when a ticket taken on `slot` at `generation` may be released: the
+ * slot is still held by a context of that generation with a lease to give
+ * back. */
+bool akv_ticket_valid(const akv_engine *e, uint32_t slot, uint64_t generation);
+/* Releases a valid ticket (akv_ticket_valid); the caller checked it. */
+void akv_ticket_release(akv_engine *e, uint32_t slot);
+
+/* The admission floor: pages a context that retains anything holds at
+ * least (sink + newest page; fewer only when a context has fewer pages). */
+uint32_t akv_admission_floor(const akv_engine *e);
 
 /* stream.c */
 /* Where the backend makes it possible (host backend), true only for a live

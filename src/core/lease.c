@@ -103,22 +103,36 @@ static void akv_lease_add_ticket(akv_lease_body *ls, akv_copy_dir dir, akv_conte
   t->slot = c->slot;
   t->generation = c->generation;
   t->bytes = bytes;
-  if (dir != AKV_COPY_D2D) akv_ticket_take(ls->engine, c);
+  if (dir != AKV_COPY_D2D) t->generation = akv_ticket_take(ls->engine, c);
 }
 
-static void akv_lease_release_tickets(akv_lease_body *ls) {
+/* Releases the lease's host page leases, all or none: if one ticket's slot
+ * changed owner or generation under it (akv_ticket_valid), none is released
+ * and false is returned. */
+static bool akv_lease_release_tickets(akv_lease_body *ls) {
   akv_engine *e = ls->engine;
   for (uint32_t i = 0; i < ls->n_tickets; i++) {
-    akv_ticket *t = &ls->tickets[i];
-    if (t->dir != AKV_COPY_D2D) akv_ticket_release(e, e->slot_owner[t->slot], t->generation);
+    const akv_ticket *t = &ls->tickets[i];
+    if (t->dir != AKV_COPY_D2D && !akv_ticket_valid(e, t->slot, t->generation)) {
+      snprintf(e->bk.error, sizeof(e->bk.error),
+               "invariant violated: slot %u changed generation under a live ticket of layer %u",
+               t->slot, ls->layer);
+      return false;
+    }
   }
+  for (uint32_t i = 0; i < ls->n_tickets; i++)
+    if (ls->tickets[i].dir != AKV_COPY_D2D) akv_ticket_release(e, ls->tickets[i].slot);
   ls->n_tickets = 0;
+  return true;
 }
 
 /* Builds the copies that stage context i's history for the lease's layer:
- * retained pages device->device (sc2; the paged route reads them in place
- * and copies nothing), everything else host->device (sc) in the longest
- * contiguous runs (K and V of a run are one byte range). */
+ * retained pages device->device (sc_mat; the paged route reads them in place
+ * and copies nothing), everything else host->device (sc_stage) in the
+ * longest contiguous runs (K and V of a run are one byte range). Context i
+ * adds at most one run more than its resident pages, and one sc_mat entry
+ * per resident page; resident pages are distinct physical pages, so the
+ * step's contexts together stay within the caps of budget.h. */
 static void akv_lease_plan_context(akv_lease_body *ls, uint32_t i, size_t *n_h2d, size_t *n_d2d) {
   akv_engine *e = ls->engine;
   akv_context *c = ls->contexts[i];
@@ -136,25 +150,25 @@ static void akv_lease_plan_context(akv_lease_body *ls, uint32_t i, size_t *n_h2d
     uint32_t end = p < full ? p * pt : len; /* where the pending H2D run stops */
     bool flush = p == full || phys != AKV_ADM_NONE;
     if (flush && end > run_start) {
-      e->sc_dst[*n_h2d] = stage + (uint64_t)run_start * row;
-      e->sc_src[*n_h2d] = host + (uint64_t)run_start * row;
-      e->sc_bytes[*n_h2d] = (uint64_t)(end - run_start) * row;
-      h2d_bytes += e->sc_bytes[*n_h2d];
+      e->sc_stage.dst[*n_h2d] = stage + (uint64_t)run_start * row;
+      e->sc_stage.src[*n_h2d] = host + (uint64_t)run_start * row;
+      e->sc_stage.bytes[*n_h2d] = (uint64_t)(end - run_start) * row;
+      h2d_bytes += e->sc_stage.bytes[*n_h2d];
       (*n_h2d)++;
     }
     if (p < full && phys != AKV_ADM_NONE && e->cfg.route == AKV_ROUTE_PAGED) {
       ls->bytes_in_place += e->page_seg_bytes;
       if (e->poison != NULL) { /* testing aid: the hole reads NaN */
-        e->sc2_dst[*n_d2d] = stage + (uint64_t)p * pt * row;
-        e->sc2_src[*n_d2d] = e->poison;
-        e->sc2_bytes[*n_d2d] = e->page_seg_bytes;
+        e->sc_mat.dst[*n_d2d] = stage + (uint64_t)p * pt * row;
+        e->sc_mat.src[*n_d2d] = e->poison;
+        e->sc_mat.bytes[*n_d2d] = e->page_seg_bytes;
         (*n_d2d)++;
       }
       run_start = (p + 1) * pt;
     } else if (p < full && phys != AKV_ADM_NONE) {
-      e->sc2_dst[*n_d2d] = stage + (uint64_t)p * pt * row;
-      e->sc2_src[*n_d2d] = e->page_ptr[phys] + (uint64_t)ls->layer * e->page_seg_bytes;
-      e->sc2_bytes[*n_d2d] = e->page_seg_bytes;
+      e->sc_mat.dst[*n_d2d] = stage + (uint64_t)p * pt * row;
+      e->sc_mat.src[*n_d2d] = e->page_ptr[phys] + (uint64_t)ls->layer * e->page_seg_bytes;
+      e->sc_mat.bytes[*n_d2d] = e->page_seg_bytes;
       d2d_bytes += e->page_seg_bytes;
       (*n_d2d)++;
       run_start = (p + 1) * pt;
@@ -233,33 +247,22 @@ AKV_API akv_status akv_lease_begin(akv_engine *e, uint32_t layer, akv_lease **ou
   }
 #endif
   if (n_d2d > 0 && !ls->used_d2d)
-    AKV_CHECK(akv_bk_copy_batch(&e->bk, e->q_h2d, AKV_COPY_D2D, n_d2d, e->sc2_dst,
-                                (const void *const *)e->sc2_src, e->sc2_bytes));
+    AKV_CHECK(akv_bk_copy_batch(&e->bk, e->q_h2d, AKV_COPY_D2D, n_d2d, e->sc_mat.dst,
+                                (const void *const *)e->sc_mat.src, e->sc_mat.bytes));
   if (ls->used_d2d) {
-    AKV_CHECK(akv_bk_copy_batch(&e->bk, e->q_d2d, AKV_COPY_D2D, n_d2d, e->sc2_dst,
-                                (const void *const *)e->sc2_src, e->sc2_bytes));
+    AKV_CHECK(akv_bk_copy_batch(&e->bk, e->q_d2d, AKV_COPY_D2D, n_d2d, e->sc_mat.dst,
+                                (const void *const *)e->sc_mat.src, e->sc_mat.bytes));
     AKV_CHECK(akv_bk_record(&e->bk, ls->ev_d2d, e->q_d2d));
     e->copies_d2d++;
     e->bytes_d2d += ls->bytes_d2d;
   }
   if (n_h2d > 0) {
-    AKV_CHECK(akv_bk_copy_batch(&e->bk, e->q_h2d, AKV_COPY_H2D, n_h2d, e->sc_dst,
-                                (const void *const *)e->sc_src, e->sc_bytes));
+    AKV_CHECK(akv_bk_copy_batch(&e->bk, e->q_h2d, AKV_COPY_H2D, n_h2d, e->sc_stage.dst,
+                                (const void *const *)e->sc_stage.src, e->sc_stage.bytes));
     e->copies_h2d++;
     e->bytes_h2d += ls->bytes_h2d;
   }
   AKV_CHECK(akv_bk_record(&e->bk, ls->ev_h2d, e->q_h2d));
-  /* The pages this lease reads carry its materialisation fence until reuse. */
-  if (ls->used_d2d) {
-    uint64_t fence = ++e->fence_serial;
-    for (uint32_t i = 0; i < ls->n_contexts; i++) {
-      uint32_t full = ls->len[i] / e->cfg.page_tokens;
-      for (uint32_t p = 0; p < full; p++) {
-        uint32_t phys = akv_adm_page_of(e->adm, ls->contexts[i]->slot, p);
-        if (phys != AKV_ADM_NONE) akv_adm_page_set_fence(e->adm, phys, fence);
-      }
-    }
-  }
   *out = ls->handle;
   return AKV_OK;
 fail:
@@ -331,21 +334,6 @@ AKV_API akv_status akv_lease_mark_consumed(akv_lease *handle, akv_stream stream,
   AKV_CHECK(akv_bk_record(&e->bk, ls->ev_attn, (akv_bqueue *)stream));
   ls->fence_attn = ++e->fence_serial;
   ls->state = AKV_LEASE_CONSUMED;
-  /* Paged route: attention read the retained pages in place. Their fence is
-   * set once per step, at the last layer, to that layer's attention fence:
-   * the largest of the step, proven with every other at the next boundary
-   * (pages are reused only at boundaries). */
-  if (e->page_map_dev != NULL && ls->layer + 1 == e->cfg.n_dense_layers) {
-    /* The map holds grid entries; the fences belong to physical pages, the
-     * ones admission mapped at this boundary (the map was built from them). */
-    for (uint32_t i = 0; i < ls->n_contexts; i++) {
-      const uint32_t full = ls->len[i] / e->cfg.page_tokens;
-      for (uint32_t p = 0; p < full; p++) {
-        const uint32_t phys = akv_adm_page_of(e->adm, ls->contexts[i]->slot, p);
-        if (phys != AKV_ADM_NONE) akv_adm_page_set_fence(e->adm, phys, ls->fence_attn);
-      }
-    }
-  }
   attention->serial = ls->fence_attn;
   return AKV_OK;
 fail:
@@ -424,9 +412,9 @@ AKV_API akv_status akv_lease_write_back(akv_lease *handle, akv_context *const *o
     int idx = akv_lease_owner_index(ls, c);
     uint64_t off = (uint64_t)ls->len[idx] * e->pair_bytes;
     /* The new token's K and V rows: one range of pair_bytes. */
-    e->sc_dst[nb] = akv_host_layer(e, c, ls->layer) + off;
-    e->sc_src[nb] = e->staging[ls->buffer] + (uint64_t)idx * e->seg_bytes + off;
-    e->sc_bytes[nb] = e->pair_bytes;
+    e->sc_wb.dst[nb] = akv_host_layer(e, c, ls->layer) + off;
+    e->sc_wb.src[nb] = e->staging[ls->buffer] + (uint64_t)idx * e->seg_bytes + off;
+    e->sc_wb.bytes[nb] = e->pair_bytes; /* nb < n <= n_contexts <= sc_wb.cap */
     nb++;
     akv_lease_add_ticket(ls, AKV_COPY_D2H, c, 2 * e->row_bytes);
     ls->written[idx] = 1;
@@ -434,8 +422,8 @@ AKV_API akv_status akv_lease_write_back(akv_lease *handle, akv_context *const *o
     ls->bytes_d2h += 2 * e->row_bytes;
     e->bytes_d2h += 2 * e->row_bytes;
   }
-  AKV_CHECK(akv_bk_copy_batch(&e->bk, e->q_d2h, AKV_COPY_D2H, nb, e->sc_dst,
-                              (const void *const *)e->sc_src, e->sc_bytes));
+  AKV_CHECK(akv_bk_copy_batch(&e->bk, e->q_d2h, AKV_COPY_D2H, nb, e->sc_wb.dst,
+                              (const void *const *)e->sc_wb.src, e->sc_wb.bytes));
   e->copies_d2h++;
   AKV_CHECK(akv_bk_record(&e->bk, ls->ev_tail, e->q_d2h));
   ls->fence_tail = ++e->fence_serial;
@@ -493,7 +481,10 @@ AKV_API akv_status akv_lease_retire(akv_lease *handle, akv_receipt *receipt) {
   r.attention.serial = ls->fence_attn;
   r.tail.serial = ls->fence_tail;
   /* Only now, with every fence proven, are tickets and the layer released. */
-  akv_lease_release_tickets(ls);
+  if (!akv_lease_release_tickets(ls)) {
+    st = AKV_ERR_BACKEND;
+    goto fail;
+  }
   ls->state = AKV_LEASE_RETIRED;
   akv_lease_handle_give(e, ls); /* the handle is dead from here on */
   e->leases_live--;
@@ -508,7 +499,9 @@ void akv_leases_release_all(akv_engine *e) {
   for (uint32_t l = 0; l < e->cfg.n_dense_layers; l++) {
     akv_lease_body *ls = &e->leases[l];
     if (ls->state == AKV_LEASE_IDLE || ls->state == AKV_LEASE_RETIRED) continue;
-    akv_lease_release_tickets(ls);
+    /* Completion is proven; a ticket whose slot changed generation under
+     * it keeps its count (the slot stays unclosable) and is reported. */
+    if (!akv_lease_release_tickets(ls)) akv_log(e, AKV_LOG_ERROR, "%s", e->bk.error);
     ls->state = AKV_LEASE_RETIRED;
     akv_lease_handle_give(e, ls);
   }
@@ -516,10 +509,15 @@ void akv_leases_release_all(akv_engine *e) {
   for (uint32_t i = 0; i < e->concurrency; i++) {
     akv_context *c = e->slot_owner[i];
     if (c == NULL) continue;
-    for (; c->fill_leases > 0; c->fill_leases--) akv_ticket_release(e, c, c->generation);
+    if (c->fill_leases > 0 && !akv_ticket_valid(e, i, c->fill_generation))
+      akv_log(e, AKV_LOG_ERROR,
+              "invariant violated: slot %u changed generation under a page fill's host page "
+              "lease",
+              i);
+    else
+      for (; c->fill_leases > 0; c->fill_leases--) akv_ticket_release(e, i);
     c->in_step = false;
   }
   e->step_open = false;
   e->step_n = 0;
-  e->fence_done = e->fence_serial;
 }

@@ -10,15 +10,36 @@
 
 #include "internal.h"
 
+/* Submits the fill copies gathered so far as one batch. */
+static akv_status akv_step_flush_fills(akv_engine *e, size_t *n) {
+  akv_status st = AKV_OK;
+  if (*n == 0) return AKV_OK;
+  st = akv_bk_copy_batch(&e->bk, e->q_h2d, AKV_COPY_H2D, *n, e->sc_fill.dst,
+                         (const void *const *)e->sc_fill.src, e->sc_fill.bytes);
+  if (st == AKV_OK) e->copies_h2d++;
+  *n = 0;
+  return st;
+}
+
 /* Enqueues the H2D fill of every page admission newly mapped. Each fill
  * copies one logical page of one context, for every dense layer (K and V
- * side by side: one copy per layer). */
+ * side by side: one copy per layer). The copies go in batches of at most
+ * sc_fill.cap (AKV_FILL_BATCH at most): one fill of n_dense_layers copies may
+ * span several batches, so no geometry the config accepts overruns it.
+ *
+ * Physical reuse waits for every fence: a page admission hands out here may
+ * have been read by earlier steps (device->device materialisations on the
+ * arena route, attention in place on the paged route). Every such reader
+ * belongs to a lease of an earlier step, and a boundary is reached only with
+ * no live lease (akv_step_end enforces it): each of those leases retired,
+ * and retire returned only after waiting on every event of the lease. So
+ * nothing that read a page can still be running when its fill is enqueued,
+ * and the fill needs no wait. */
 static akv_status akv_step_fill_pages(akv_engine *e) {
   akv_status st = AKV_OK;
   const akv_adm_fill *fills = NULL;
   size_t n_fills = akv_adm_fills(e->adm, &fills);
   size_t n = 0;
-  const uint32_t per_fill = e->cfg.n_dense_layers;
 
   for (size_t f = 0; f < n_fills; f++) {
     const akv_adm_fill *fl = &fills[f];
@@ -29,41 +50,21 @@ static akv_status akv_step_fill_pages(akv_engine *e) {
       st = AKV_ERR_BACKEND;
       goto fail;
     }
-    /* Logical cancellation revokes publication but physical reuse waits for
-     * every fence: the page's last readers were D2D materialisations of
-     * leases that have all retired (a boundary is reached only with no live
-     * lease, and retire waited on each fence), so fence <= fence_done. */
-    if (fl->fence > e->fence_done) {
-      snprintf(e->bk.error, sizeof(e->bk.error),
-               "page %u handed out with fence %llu not yet proven (done up to %llu)",
-               fl->physical, (unsigned long long)fl->fence, (unsigned long long)e->fence_done);
-      st = AKV_ERR_BACKEND;
-      goto fail;
-    }
-    if (n + per_fill > e->scratch2_cap) {
-      AKV_CHECK(akv_bk_copy_batch(&e->bk, e->q_h2d, AKV_COPY_H2D, n, e->sc2_dst,
-                                  (const void *const *)e->sc2_src, e->sc2_bytes));
-      e->copies_h2d++;
-      n = 0;
-    }
     for (uint32_t l = 0; l < e->cfg.n_dense_layers; l++) {
-      e->sc2_dst[n] = e->page_ptr[fl->physical] + (uint64_t)l * e->page_seg_bytes;
-      e->sc2_src[n] = akv_host_layer(e, c, l) + (uint64_t)fl->logical * e->page_seg_bytes;
-      e->sc2_bytes[n] = e->page_seg_bytes;
+      if (n == e->sc_fill.cap) AKV_CHECK(akv_step_flush_fills(e, &n));
+      e->sc_fill.dst[n] = e->page_ptr[fl->physical] + (uint64_t)l * e->page_seg_bytes;
+      e->sc_fill.src[n] = akv_host_layer(e, c, l) + (uint64_t)fl->logical * e->page_seg_bytes;
+      e->sc_fill.bytes[n] = e->page_seg_bytes;
       n++;
       e->bytes_h2d += e->page_seg_bytes;
     }
     /* The fill reads host rows: it holds a host page lease until step_end,
      * by which point every lease of the step retired behind it on the same
      * H2D queue. */
-    akv_ticket_take(e, c);
+    c->fill_generation = akv_ticket_take(e, c);
     c->fill_leases++;
   }
-  if (n > 0) {
-    AKV_CHECK(akv_bk_copy_batch(&e->bk, e->q_h2d, AKV_COPY_H2D, n, e->sc2_dst,
-                                (const void *const *)e->sc2_src, e->sc2_bytes));
-    e->copies_h2d++;
-  }
+  AKV_CHECK(akv_step_flush_fills(e, &n));
   if (n_fills > 0) {
     /* Materialisations of this step read the filled pages: the D2D queue
      * waits for the fills on the device. */
@@ -130,9 +131,6 @@ AKV_API akv_status akv_step_begin(akv_engine *e, akv_context *const *ctxs, uint3
       return akv_fail(e, AKV_ERR_CAPACITY, "step_begin: context %u holds max_tokens=%u rows",
                       ctxs[i]->id, e->cfg.max_tokens);
   }
-  /* No lease is live at a boundary: every fence recorded so far was waited
-   * on by a retire (or by quarantine). */
-  e->fence_done = e->fence_serial;
   e->step++;
   if (e->n_pages + e->hr_max_pages > 0) {
     for (uint32_t i = 0; i < n; i++) {
@@ -160,21 +158,40 @@ AKV_API akv_status akv_step_end(akv_engine *e) {
   akv_status st = akv_engine_enter(e);
   if (st != AKV_OK) return st;
   if (!e->step_open) return akv_fail(e, AKV_ERR_STEP_STATE, "step_end: no step is open");
+  /* Invariant (DESIGN §7): logical cancellation revokes publication but
+   * physical reuse waits for every fence. Enforced here: a step ends, and so
+   * the next boundary (the only point where pages change hands) is reached,
+   * only with no live lease; every lease retired, and retire waited on each
+   * of its events. The page fills of the next boundary rely on it. */
   if (e->next_layer != e->cfg.n_dense_layers || e->leases_live > 0)
     return akv_fail(e, AKV_ERR_STEP_STATE,
                     "step_end: %u of %u layers leased, %u leases not retired", e->next_layer,
                     e->cfg.n_dense_layers, e->leases_live);
+  /* Fill tickets: proven complete by the retires behind them on the H2D
+   * queue. Each must still hold the slot at the generation it was taken at
+   * (akv_ticket_valid); if one does not, nothing is released or published
+   * and the transport is marked failed. */
+  for (uint32_t i = 0; i < e->concurrency; i++) {
+    akv_context *c = e->slot_owner[i];
+    if (c != NULL && c->fill_leases > 0 &&
+        (c->host_leases < c->fill_leases || !akv_ticket_valid(e, i, c->fill_generation))) {
+      snprintf(e->bk.error, sizeof(e->bk.error),
+               "invariant violated: slot %u changed generation under a page fill's host page "
+               "lease",
+               i);
+      return akv_transport_failed(e, AKV_ERR_BACKEND, "step_end");
+    }
+  }
   for (uint32_t i = 0; i < e->step_n; i++) {
     akv_context *c = e->step_ctx[i];
     c->len++;
     for (uint32_t l = 0; l < e->cfg.n_dense_layers; l++) c->layer_len[l]++;
     c->in_step = false;
   }
-  /* Fill tickets: proven complete by the retires behind them on the H2D queue. */
   for (uint32_t i = 0; i < e->concurrency; i++) {
     akv_context *c = e->slot_owner[i];
     if (c == NULL) continue;
-    for (; c->fill_leases > 0; c->fill_leases--) akv_ticket_release(e, c, c->generation);
+    for (; c->fill_leases > 0; c->fill_leases--) akv_ticket_release(e, i);
   }
   e->step_open = false;
   e->step_n = 0;
@@ -182,7 +199,6 @@ AKV_API akv_status akv_step_end(akv_engine *e) {
   /* Headroom asked back during the step: every lease of the step has retired
    * (each retire waited on its copies and its attention), so nothing reads
    * those pages any more; they leave admission and their memory is freed. */
-  e->fence_done = e->fence_serial;
   st = akv_headroom_apply_pending(e);
   if (st != AKV_OK) return st;
   return AKV_OK;
