@@ -112,6 +112,39 @@ static inline double elem_to_f64(const char *row, size_t j, akv_dtype dt) {
   return fp8_to_f64((uint8_t)row[j], dt);
 }
 
+/* Naive float64 softmax attention of one context: n rows of K at k (V at
+ * v), row_bytes apart, elements of dt (FP8 values times the head's scale,
+ * in float64; scales NULL: 1), bf16 queries q[n_heads][d]; the result goes
+ * to ref[n_heads][d] (zeros for n == 0). */
+static inline void attn_naive_f64(akv_dtype dt, uint32_t n_heads, uint32_t kv_heads, uint32_t d,
+                                  double scale, const uint16_t *q, const char *k, const char *v,
+                                  uint64_t row_bytes, uint32_t n, const float *k_scale,
+                                  const float *v_scale, double *ref) {
+  const uint32_t group = n_heads / kv_heads;
+  double *s = (double *)malloc((n ? n : 1) * sizeof(double));
+  for (uint32_t h = 0; h < n_heads; ++h) {
+    const uint32_t g = h / group;
+    const size_t off = (size_t)g * d * attn_elem_bytes(dt);
+    const double ks = k_scale ? (double)k_scale[g] : 1.0, vs = v_scale ? (double)v_scale[g] : 1.0;
+    double m = -INFINITY, l = 0.0;
+    for (uint32_t t = 0; t < n; ++t) {
+      double dot = 0.0;
+      for (uint32_t j = 0; j < d; ++j)
+        dot += bf16_to_f64(q[(size_t)h * d + j]) * (elem_to_f64(k + t * row_bytes + off, j, dt) * ks);
+      s[t] = dot * scale;
+      if (s[t] > m) m = s[t];
+    }
+    for (uint32_t j = 0; j < d; ++j) ref[(size_t)h * d + j] = 0.0;
+    for (uint32_t t = 0; t < n; ++t) {
+      const double w = exp(s[t] - m);
+      l += w;
+      for (uint32_t j = 0; j < d; ++j)
+        ref[(size_t)h * d + j] += w * (elem_to_f64(v + t * row_bytes + off, j, dt) * vs);
+    }
+    for (uint32_t j = 0; j < d; ++j) ref[(size_t)h * d + j] = n ? ref[(size_t)h * d + j] / l : 0.0;
+  }
+  free(s);
+}
 /* A paged copy, in host memory, of a contiguous history: pages scattered in
  * a pool in a shuffled order, with their own row padding and page padding.
  * Every byte no row fills (row and page padding, rows past the last, pages
