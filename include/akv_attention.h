@@ -144,8 +144,8 @@ typedef struct akv_attention_args {
  * view of the paged route, chunk_tokens (the page size) and the page
  * overrides (cleared otherwise). Leaves n_heads, scale, q, len, out,
  * workspace, workspace_bytes, k_scale, v_scale and, off the paged route,
- * chunk_tokens as they are: set those yourself (FP8: the layer's scales) (len usually holds view->len[i] + 1, the new row
- * included). The page map passed on is view->page_map (device memory on
+ * chunk_tokens as they are: set those yourself (len usually holds
+ * view->len[i] + 1, the new row included; FP8: the layer's scales). The page map passed on is view->page_map (device memory on
  * CUDA, host memory on the host backend), so the result suits the CUDA
  * launcher on CUDA and the reference on the host backend. Thread-safe. Returns AKV_OK or AKV_ERR_INVALID_ARGUMENT (NULL).
  */
