@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
 """Plot the decode benchmark: tokens/s against device pool size.
 
-Reads the JSON lines `activekv decode --json` writes (bench/run_decode_bench.sh
-appends them to $OUT/decode.jsonl) and draws, per geometry preset:
+Reads the JSON lines `activekv decode --json` writes: by default the current
+result, bench/results/decode.jsonl (merged from a pass's $OUT/decode.jsonl by
+scripts/collect-results.py, one line per preset, route and pool, each with its
+date, machine, commit and command), or the files named. Draws, per geometry
+preset:
   - the arena and paged routes, tokens/s at each device pool size (GiB);
   - the stage route, at pool 0;
   - the resident route as a horizontal line (all history on the device);
@@ -14,7 +17,8 @@ appends them to $OUT/decode.jsonl) and draws, per geometry preset:
 Runs whose --check found a mismatch are marked with a red cross. Repeated runs
 of one (preset, route, pool) are reduced to their median.
 
-usage: bench/plot.py [decode.jsonl ...] [--out-dir docs]
+usage: bench/plot.py [decode.jsonl ...] [--out-dir docs]   (default input:
+       bench/results/decode.jsonl)
 Writes <out-dir>/decode_<preset>.png and prints each path.
 """
 import argparse
@@ -91,6 +95,13 @@ def plot_dtype(ax, recs, dt, tagged):
     fp8 = dt == "fp8"
     by = defaultdict(list)
     for r in recs:
+        if r.get("headroom_gib", 0) > 0:
+            # Headroom runs (pool 0, history in headroom) plot at x = the
+            # headroom cap; a run that released its headroom mid-way is a
+            # time series (step_ms), not a point of the sweep.
+            if "headroom_release" not in r:
+                by[(r["route"] + "+headroom", r["headroom_gib"])].append(r)
+            continue
         by[(r["route"], r.get("device_pool_gib", 0))].append(r)
     first = recs[0]
 
@@ -127,6 +138,12 @@ def plot_dtype(ax, recs, dt, tagged):
                 label=what + (", capped at resident" if res_tps else ""))
         ax.plot([p for p, _ in bound], [b / 1.10 for _, b in bound], ":", color=gray,
                 label="target: within 1.10x of that")
+    for route, color, mark in (("arena+headroom", "tab:cyan", "^--"),
+                               ("paged+headroom", "tab:pink", "v--")):
+        pts = sorted((g, rs) for (r, g), rs in by.items() if r == route)
+        if pts:
+            ax.plot([g for g, _ in pts], [median_of(rs, "tokens_per_s") for _, rs in pts], mark,
+                    color=color, label=f"{route} (pool 0; x = headroom GiB)")
     stage = by.get(("stage", 0))
     if stage:
         ax.plot([0], [median_of(stage, "tokens_per_s")], "s", color="tab:orange", markersize=8,

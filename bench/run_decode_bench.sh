@@ -6,14 +6,23 @@
 #   - route resident (every row on the device: the reference line),
 #   - route stage (device pool 0: every row crosses PCIe each step),
 #   - routes arena and paged with a device pool swept from 0 GiB to the whole
-#     history.
+#     history;
+#   - route "headroom": arena and paged with a 0 GiB pool and revocable headroom
+#     swept like the pool (HEADROOM_GIB, default the pool sweep's points), so
+#     the plot shows headroom next to the pool;
+#   - route "release": paged and arena, 0 GiB pool, headroom for the whole
+#     history, all of it given back in the middle of step RELEASE_AT
+#     (--release-headroom-at); the JSON line carries step_ms (every step) and
+#     headroom_release.request_to_reusable_ms.
 # Every run is `activekv decode --json` (with --check by default, so each line
 # carries its bitwise verdict against resident) and appends one JSON line to
-# $OUT/decode.jsonl. Plot with: python3 bench/plot.py $OUT/decode.jsonl
+# $OUT/decode.jsonl (a scratch file: bench/results/decode.jsonl is the current
+# result, merged from it with metadata by scripts/collect-results.py).
+# Plot with: python3 bench/plot.py $OUT/decode.jsonl
 #
 # usage: bench/run_decode_bench.sh [path/to/activekv]
 # environment (defaults in brackets):
-#   OUT        where decode.jsonl goes                [bench/results]
+#   OUT        where decode.jsonl goes                [${TMPDIR:-/tmp}/akv-decode]
 #   PRESETS    geometries                  ["llama3-8b llama3.2-1b gemma3-12b"]
 #   ROUTES     which routes to run                    ["resident stage arena paged"]
 #   CONTEXTS   contexts decoded together              [4]
@@ -26,6 +35,8 @@
 #   POOL_POINTS  points of the automatic sweep        [8]
 #   KV_DTYPES  K/V dtypes, each a sweep of its own (--kv-dtype)   [bf16]
 #   CHECK      1 = --check every staged run           [1]
+#   HEADROOM_GIB  headroom caps of route "headroom"; empty = the pool sweep
+#   RELEASE_AT    1-based step (warm-up included) of route "release"  [WARMUP + STEPS/2]
 #   EXTRA      more flags for every run               []
 # Exit status: nonzero if any run failed or any --check found a mismatch
 # (the sweep still runs to the end).
@@ -43,7 +54,7 @@ if [ -z "$bin" ] || [ ! -x "$bin" ]; then
   exit 2
 fi
 
-OUT=${OUT:-$here/results}
+OUT=${OUT:-${TMPDIR:-/tmp}/akv-decode}
 PRESETS=${PRESETS:-"llama3-8b llama3.2-1b gemma3-12b"}
 ROUTES=${ROUTES:-"resident stage arena paged"}
 CONTEXTS=${CONTEXTS:-4}
@@ -55,6 +66,8 @@ POOL_POINTS=${POOL_POINTS:-8}
 CHECK=${CHECK:-1}
 KV_DTYPES=${KV_DTYPES:-bf16}
 EXTRA=${EXTRA:-}
+HEADROOM_GIB=${HEADROOM_GIB:-}
+RELEASE_AT=${RELEASE_AT:-$((WARMUP + STEPS / 2))}
 mkdir -p "$OUT"
 jsonl="$OUT/decode.jsonl"
 failed=0
@@ -111,6 +124,20 @@ for preset in $PRESETS; do
         for p in $pools; do
           run "$preset $kvd $route ${p} GiB" --preset "$preset" --kv-dtype "$kvd" --route "$route" \
             --device-pool-gib "$p" "${check[@]}"
+        done ;;
+      headroom)
+        for r2 in arena paged; do
+          for g in ${HEADROOM_GIB:-$pools}; do
+            [ "$g" = 0 ] && continue
+            run "$preset $r2 pool 0 + headroom ${g} GiB" --preset "$preset" --route "$r2" \
+              --device-pool-gib 0 --headroom-gib "$g" "${check[@]}"
+          done
+        done ;;
+      release)
+        for r2 in paged arena; do
+          run "$preset $r2 headroom ${gib} GiB released at step $RELEASE_AT" --preset "$preset" \
+            --route "$r2" --device-pool-gib 0 --headroom-gib "$gib" \
+            --release-headroom-at "$RELEASE_AT" "${check[@]}"
         done ;;
       *) echo "run_decode_bench: unknown route '$route'" >&2; failed=1 ;;
     esac

@@ -79,6 +79,8 @@ static const preset presets[] = {
 
 typedef struct cli_opts {
   const char *preset;
+  int preset_set;       /* --preset was given */
+  int preset_defaulted; /* no --preset, host backend: tiny instead of llama3.2-1b */
   model_geometry g;
   uint64_t seed;
   uint32_t contexts;
@@ -90,6 +92,9 @@ typedef struct cli_opts {
   int device;
   uint32_t host_pool_gib; /* 0: the smallest that fits --contexts */
   uint32_t device_pool_gib;
+  uint32_t headroom_gib, headroom_reserve_gib; /* revocable headroom (0: off) */
+  uint32_t host_device_mib; /* host backend testing aid: a modelled device of N MiB; 0: none */
+  uint32_t release_headroom_at; /* 1-based step whose middle gives all headroom back; 0: never */
   uint32_t page_tokens;
   uint32_t chunk_tokens; /* 0: --page-tokens */
   uint32_t target_pages, burst_pages;
@@ -105,6 +110,7 @@ typedef struct cli_opts {
 } cli_opts;
 
 static const preset *find_preset(const char *name);
+static akv_backend_kind resolve_backend(const cli_opts *o);
 
 static void opts_default(cli_opts *o) {
   memset(o, 0, sizeof *o);
@@ -200,6 +206,21 @@ static const char *fmt_xfer(char *buf, size_t cap, double bytes) {
   return buf;
 }
 
+/* Parameter counts, always decimal: "1.50 B", "268.44 M". */
+static const char *fmt_params(char *buf, size_t cap, uint64_t params) {
+  const double p = (double)params;
+  if (p >= 1e9) snprintf(buf, cap, "%.2f B", p / 1e9);
+  else snprintf(buf, cap, "%.2f M", p / 1e6);
+  return buf;
+}
+
+/* Physical memory of this machine in bytes, or 0 when it cannot be read. */
+static uint64_t machine_memory_bytes(void) {
+  long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page <= 0) return 0;
+  return (uint64_t)pages * (uint64_t)page;
+}
+
 /* A progress bar on stderr, drawn only when stderr is a terminal. */
 typedef struct progress {
   int on;
@@ -246,11 +267,12 @@ static void usage(FILE *f) {
           "  fit      print the host-fit line and its verdict (exit 3 if it does not fit)\n"
           "\n"
           "model (flags override the preset's values):\n"
-          "  --preset NAME         llama3-8b | llama3.2-1b | gemma3-12b | tiny   [llama3.2-1b]\n"
+          "  --preset NAME         llama3-8b | llama3.2-1b | gemma3-12b | tiny\n"
+          "                        [llama3.2-1b on CUDA; tiny on the host backend]\n"
           "  --layers N            layers (dense and sliding-window)\n"
           "  --heads N             query heads\n"
           "  --kv-heads N          K/V heads (GQA)\n"
-          "  --head-dim N          (CUDA attention: 64, 128 or 256)\n"
+          "  --head-dim N          multiple of 8, at most 256 (CUDA: 64, 128 or 256)\n"
           "  --hidden N  --ffn N  --vocab N  --rope-theta F\n"
           "  --window N            hybrid: sliding-window layers attend over the last N\n"
           "                        tokens, kept resident by the model (never staged);\n"
@@ -261,6 +283,7 @@ static void usage(FILE *f) {
           "workload:\n"
           "  --contexts N          contexts decoded together, 1..%d   [4]\n"
           "  --tokens N[,N...]     prefilled rows per context; a list is taken in turn [4096]\n"
+          "                        (a context holds --tokens + --warmup + --steps rows)\n"
           "  --steps N             measured decode steps   [16]\n"
           "  --warmup N            decode steps before measuring   [2]\n"
           "engine:\n"
@@ -268,7 +291,16 @@ static void usage(FILE *f) {
           "  --backend B           auto | host | cuda   [auto]\n"
           "  --device N            CUDA device   [0]\n"
           "  --host-pool-gib N     pinned host pool   [the smallest that fits --contexts]\n"
-          "  --device-pool-gib N   device page pool (arena, paged); nothing retained at 0   [0]\n"
+          "  --device-pool-gib N   device page pool (arena, paged); at 0 nothing is retained\n"
+          "                        and every row is staged, as on stage (said on stderr),\n"
+          "                        unless --headroom-gib retains it   [0]\n"
+          "  --headroom-gib N      revocable headroom: borrow up to N GiB of free device memory\n"
+          "                        for history (arena, paged); 0 = off   [0]\n"
+          "  --headroom-reserve-gib N  device memory headroom leaves free   [0]\n"
+          "  --release-headroom-at STEP  give all headroom back in the middle of step STEP\n"
+          "                        (1-based, warmup included) and time it   [never]\n"
+          "  --host-device-mib N   host backend, testing: model a device of N MiB so that\n"
+          "                        headroom has free memory to take   [0: none free]\n"
           "  --page-tokens N       tokens per device page   [256]\n"
           "  --chunk-tokens N      attention chunk   [--page-tokens]\n"
           "  --kv-dtype T          bf16 | fp8: K/V rows in bf16, or FP8 E4M3 quantized on\n"
@@ -292,8 +324,22 @@ static void usage(FILE *f) {
           "                        max |logit difference| and the top-1 agreement\n"
           "  --no-progress         no progress bar (it is drawn only on a terminal anyway)\n"
           "  -v, --verbose         the library's log down to debug\n"
+          "  --version             this program's and the loaded library's version\n"
           "  -h, --help\n",
           MODEL_MAX_BATCH);
+}
+
+/* The CLI's compile-time version and the version of the libactivekv actually
+ * loaded (they differ when the dynamic linker found another build). */
+static void print_version(void) {
+  printf("activekv %d.%d.%d (libactivekv %s loaded; CUDA model %s)\n", AKV_VERSION_MAJOR,
+         AKV_VERSION_MINOR, AKV_VERSION_PATCH, akv_version_string(),
+#ifdef ACTIVEKV_CUDA_MODEL
+         "built"
+#else
+         "not built"
+#endif
+  );
 }
 
 static int parse_u64(const char *flag, const char *s, uint64_t lo, uint64_t hi, uint64_t *out) {
@@ -329,6 +375,11 @@ static int parse_double(const char *flag, const char *s, double lo, double hi, d
   return 0;
 }
 
+/*
+ * --tokens N[,N...]. Every comma separates two values: an empty entry
+ * ("10,,20", ",10", "10,") is refused, never skipped, so the list the run
+ * uses is exactly the list that was typed.
+ */
 static int parse_tokens(const char *s, cli_opts *o) {
   char buf[256];
   if (s == NULL || strlen(s) >= sizeof buf) {
@@ -336,19 +387,24 @@ static int parse_tokens(const char *s, cli_opts *o) {
     return -1;
   }
   strcpy(buf, s);
-  o->n_tokens = 0;
-  for (char *save = NULL, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
-    if (o->n_tokens == MAX_LIST) {
+  uint32_t n = 0;
+  for (char *t = buf;;) {
+    char *comma = strchr(t, ',');
+    if (comma) *comma = '\0';
+    if (*t == '\0') {
+      say_error("--tokens: entry %u of '%s' is empty; expected N or N,N,...", n + 1, s);
+      return -1;
+    }
+    if (n == MAX_LIST) {
       say_error("--tokens: at most %d values", MAX_LIST);
       return -1;
     }
-    if (parse_u32("--tokens", t, 0, 1u << 30, &o->tokens[o->n_tokens])) return -1;
-    o->n_tokens++;
+    if (parse_u32("--tokens", t, 0, 1u << 30, &o->tokens[n])) return -1;
+    n++;
+    if (comma == NULL) break;
+    t = comma + 1;
   }
-  if (o->n_tokens == 0) {
-    say_error("--tokens: expected N or N,N,...");
-    return -1;
-  }
+  o->n_tokens = n;
   return 0;
 }
 
@@ -376,6 +432,10 @@ static int parse_args(int argc, char **argv, int first, cli_opts *o) {
     char name[64];
     if (strcmp(arg, "-h") == 0 || strcmp(arg, "--help") == 0) {
       usage(stdout);
+      return -1;
+    }
+    if (strcmp(arg, "--version") == 0) {
+      print_version();
       return -1;
     }
     if (strcmp(arg, "-v") == 0 || strcmp(arg, "--verbose") == 0) {
@@ -410,6 +470,7 @@ static int parse_args(int argc, char **argv, int first, cli_opts *o) {
         "--preset",       "--rope-theta",     "--seed",          "--contexts",      "--tokens",
         "--steps",        "--warmup",         "--route",         "--backend",       "--device",
         "--host-pool-gib", "--device-pool-gib", "--page-tokens", "--chunk-tokens",
+        "--headroom-gib", "--headroom-reserve-gib", "--release-headroom-at", "--host-device-mib",
         "--target-pages", "--burst-pages",    "--fit-mode",      "--host-delay-us",
         "--host-delay-seed", "--fail-nth", "--pcie-gbps",   "--layers",        "--heads",         "--kv-heads",
         "--head-dim",     "--hidden",         "--ffn",           "--vocab", "--window",
@@ -448,6 +509,7 @@ static int parse_args(int argc, char **argv, int first, cli_opts *o) {
       }
       o->preset = p->name;
       o->g = p->g;
+      o->preset_set = 1;
     } else if (strcmp(name, "--window") == 0) {
       rc = parse_u32(name, val, 0, 1u << 24, &window);
       window_set = 1;
@@ -504,6 +566,14 @@ static int parse_args(int argc, char **argv, int first, cli_opts *o) {
       rc = parse_u32(name, val, 1, 1u << 20, &o->host_pool_gib);
     } else if (strcmp(name, "--device-pool-gib") == 0) {
       rc = parse_u32(name, val, 0, 1u << 20, &o->device_pool_gib);
+    } else if (strcmp(name, "--headroom-gib") == 0) {
+      rc = parse_u32(name, val, 0, 1u << 20, &o->headroom_gib);
+    } else if (strcmp(name, "--headroom-reserve-gib") == 0) {
+      rc = parse_u32(name, val, 0, 1u << 20, &o->headroom_reserve_gib);
+    } else if (strcmp(name, "--host-device-mib") == 0) {
+      rc = parse_u32(name, val, 0, 1u << 30, &o->host_device_mib);
+    } else if (strcmp(name, "--release-headroom-at") == 0) {
+      rc = parse_u32(name, val, 1, UINT32_MAX, &o->release_headroom_at);
     } else if (strcmp(name, "--page-tokens") == 0) {
       rc = parse_u32(name, val, 1, 1u << 20, &o->page_tokens);
     } else if (strcmp(name, "--chunk-tokens") == 0) {
@@ -529,6 +599,16 @@ static int parse_args(int argc, char **argv, int first, cli_opts *o) {
       rc = parse_double(name, val, 0.001, 1e6, &o->pcie_gbps);
     }
     if (rc) return EXIT_USAGE;
+  }
+
+  /* Without --preset the model must run on the backend this run uses: the
+   * CPU model holds MODEL_CPU_MAX_PARAMS, so the host backend (no GPU, or
+   * --backend host) defaults to tiny, as the demo does; CUDA to
+   * llama3.2-1b. Geometry flags then override the chosen preset. */
+  if (!o->preset_set && resolve_backend(o) == AKV_BACKEND_HOST) {
+    o->preset = "tiny";
+    o->g = find_preset("tiny")->g;
+    o->preset_defaulted = 1;
   }
 
   uint32_t *dst[7] = {&o->g.n_layers, &o->g.n_heads, &o->g.kv_heads, &o->g.head_dim,
@@ -596,6 +676,9 @@ static void engine_config(const cli_opts *o, akv_backend_kind backend, akv_engin
   c->host_delay_seed = o->delay_max_us ? o->delay_seed : 0;
   c->host_delay_max_us = o->delay_max_us;
   c->fault_fail_nth = o->fail_nth;
+  c->headroom_gib = o->headroom_gib;
+  c->headroom_reserve_gib = o->headroom_reserve_gib;
+  c->host_fake_free_bytes = (uint64_t)o->host_device_mib << 20;
 }
 
 /*
@@ -684,6 +767,15 @@ typedef struct run_result {
   akv_fit_report fit;
   uint32_t host_pool_gib;
   int host_pool_chosen;
+  /* Headroom: at create, and the timed release (--release-headroom-at). */
+  uint32_t headroom_pages;
+  uint64_t headroom_bytes;
+  uint32_t release_step;        /* 0: no release happened */
+  uint64_t released_bytes;
+  double release_call_ms;       /* the akv_headroom_release call itself */
+  double release_reusable_ms;   /* request to memory freed (the step's end) */
+  double *step_ms;              /* [steps incl. warmup] when a release was asked for */
+  uint32_t n_step_ms;
 } run_result;
 
 typedef struct runner runner;
@@ -713,6 +805,9 @@ struct runner {
   uint32_t res_lane;  /* the window lane of resident steps */
   int step_open;     /* between akv_step_begin and a successful akv_step_end */
   uint32_t res_len[MODEL_MAX_BATCH];
+  uint32_t step_no;        /* 1-based engine step in progress */
+  double release_t0;       /* when the headroom release was asked for; 0: none pending */
+  run_result *res;
   char err[768];
 };
 
@@ -799,6 +894,20 @@ static int layer_engine(void *user, model *m, uint32_t ml) {
     return -1;
   }
   if (l >= 2 && retire(r, l - 2) != 0) return -1;
+  if (r->o->release_headroom_at == r->step_no && l == r->n_dense / 2 && r->res != NULL &&
+      r->res->release_step == 0) {
+    /* Mid-step, leases in flight: the engine frees at the step's end. */
+    uint64_t now_b = 0, pend_b = 0;
+    double t0 = now_s();
+    if ((st = akv_headroom_release(r->engine, UINT64_MAX, &now_b, &pend_b)) != AKV_OK) {
+      run_fail_akv(r, "akv_headroom_release", st);
+      return -1;
+    }
+    r->res->release_call_ms = (now_s() - t0) * 1e3;
+    r->res->release_step = r->step_no;
+    r->res->released_bytes = now_b + pend_b;
+    r->release_t0 = t0;
+  }
   if ((st = akv_lease_attend(r->lease[l], r->stream, attention_hook, r, &attn)) != AKV_OK) {
     run_fail_akv(r, "akv_lease_attend", st);
     return -1;
@@ -864,6 +973,10 @@ static int step_engine(runner *r, const int32_t *tok, float *logits) {
     return -1;
   }
   r->step_open = 0;
+  if (r->release_t0 > 0.0) { /* step_end freed the headroom: reusable from here */
+    r->res->release_reusable_ms = (now_s() - r->release_t0) * 1e3;
+    r->release_t0 = 0.0;
+  }
   return 0;
 }
 
@@ -1081,6 +1194,9 @@ static int open_engine(runner *r, const akv_engine_config *cfg, run_result *res)
   res->engine_staging_bytes = info.staging_bytes;
   res->device_pages = info.device_pages;
   res->host_pool_bytes = res->fit.host_pool_bytes;
+  res->headroom_pages = info.headroom_pages;
+  res->headroom_bytes = info.headroom_bytes;
+  r->res = res;
 
   akv_context_config cc = AKV_CONTEXT_CONFIG_INIT;
   cc.target_pages = o->target_pages;
@@ -1276,6 +1392,7 @@ static int decode_steps(runner *r, int steps_out, run_result *res) {
     const int measured = s >= o->warmup;
     if (s == o->warmup && use_engine) akv_engine_info_get(r->engine, &info0);
     double t0 = now_s();
+    r->step_no = s + 1;
     int src = use_engine ? step_engine(r, tok, logits) : step_resident(r, tok, logits);
     double t1 = now_s();
     if (src != 0) {
@@ -1284,6 +1401,12 @@ static int decode_steps(runner *r, int steps_out, run_result *res) {
     }
     ms[s] = (t1 - t0) * 1e3;
     if (measured) route_s += t1 - t0;
+    if (use_engine && o->release_headroom_at > 0 && res->step_ms == NULL)
+      res->step_ms = calloc(total, sizeof *res->step_ms);
+    if (use_engine && res->step_ms != NULL) {
+      res->step_ms[s] = ms[s];
+      res->n_step_ms = s + 1;
+    }
 
     int same = -1;
     if (res->checked) {
@@ -1432,31 +1555,58 @@ out:
 
 static void print_geometry(const cli_opts *o) {
   const model_geometry *g = &o->g;
-  double params = (double)model_param_count(g);
-  char layers[128];
+  char layers[128], params[32];
   if (model_hybrid(g))
     snprintf(layers, sizeof layers,
              "%u layers (%u dense, staged; %u sliding-window of %u tokens, resident)", g->n_layers,
              model_dense_layers(g), model_window_layers(g), g->window);
   else
     snprintf(layers, sizeof layers, "%u layers", g->n_layers);
+  if (o->preset_defaulted)
+    printf("note: no --preset and the host backend, so the preset is tiny (llama3.2-1b, the "
+           "CUDA default, is beyond the CPU model); pass --preset to choose\n");
   printf("model: %s geometry, %s, %u q heads, %u kv heads, head_dim %u, hidden %u, "
-         "ffn %u, vocab %u (%.2f%s parameters, random weights, seed %llu)\n",
+         "ffn %u, vocab %u (%s parameters, random weights, seed %llu)\n",
          o->preset, layers, g->n_heads, g->kv_heads, g->head_dim, g->hidden, g->ffn, g->vocab,
-         params >= 1e9 ? params / 1e9 : params / 1e6, params >= 1e9 ? " B" : " M",
-         (unsigned long long)o->seed);
+         fmt_params(params, sizeof params, model_param_count(g)), (unsigned long long)o->seed);
 }
 
 static void print_tokens(FILE *f, const cli_opts *o, uint32_t n) {
   for (uint32_t i = 0; i < n; ++i) fprintf(f, "%s%u", i ? "," : "", ctx_tokens(o, i));
 }
 
-static void print_fit(const run_result *res) {
-  printf("fit: %s\n", res->fit.line);
-  if (res->host_pool_chosen)
+/*
+ * The lines under the library's fit line: where its token count comes from
+ * (the fit counts every row a context will hold, not only --tokens), which
+ * host pool was chosen, and whether that pool exceeds this machine's memory
+ * (a pool is never sized from memory, DESIGN §3, but one that cannot be
+ * pinned here is said so before anything is allocated).
+ */
+static void print_fit_notes(const cli_opts *o, uint32_t pool_gib, int pool_chosen) {
+  char a[32];
+  printf("fit: %u rows per context = %s--tokens %u + --warmup %u + --steps %u (every decoded "
+         "step appends a row)\n",
+         max_tokens(o), o->n_tokens > 1 ? "the longest " : "", max_history(o), o->warmup,
+         o->steps);
+  if (pool_chosen)
     printf("fit: host pool %u GiB is the smallest that holds --contexts (set --host-pool-gib "
            "to choose)\n",
-           res->host_pool_gib);
+           pool_gib);
+  const uint64_t mem = machine_memory_bytes();
+  if (mem > 0 && (uint64_t)pool_gib * GIB > mem)
+    printf("fit: warning: the %u GiB host pool%s is more than this machine's %s of memory and "
+           "cannot be pinned here; lower --contexts or --tokens, or run on a larger machine\n",
+           pool_gib, pool_chosen ? " it needs" : " (--host-pool-gib)",
+           fmt_mem(a, sizeof a, mem));
+  else if (mem == 0)
+    printf("fit: this machine's memory could not be read; the %u GiB host pool is unchecked "
+           "against it\n",
+           pool_gib);
+}
+
+static void print_fit(const cli_opts *o, const run_result *res) {
+  printf("fit: %s\n", res->fit.line);
+  print_fit_notes(o, res->host_pool_gib, res->host_pool_chosen);
 }
 
 /* PCIe bound of the staged bytes: ms per step and tokens/s. */
@@ -1479,6 +1629,13 @@ static void print_summary(const cli_opts *o, const run_result *res) {
   printf("\n  %-20s median %.2f, p90 %.2f", "step ms", res->step_ms_median, res->step_ms_p90);
   if (res->checked) printf("   (resident median %.2f)", res->resident_step_ms_median);
   printf("\n");
+  if (res->have_engine && (res->headroom_pages > 0 || o->headroom_gib > 0))
+    printf("  %-20s %u pages (%s) of up to %u GiB\n", "headroom", res->headroom_pages,
+           fmt_mem(a, sizeof a, res->headroom_bytes), o->headroom_gib);
+  if (res->release_step > 0)
+    printf("  %-20s step %u: %s given back; call %.3f ms, request to reusable %.3f ms\n",
+           "headroom release", res->release_step, fmt_mem(a, sizeof a, res->released_bytes),
+           res->release_call_ms, res->release_reusable_ms);
   if (res->have_engine)
     printf("  %-20s engine %s (staging %s, %u pages), process peak %s\n", "device peak",
            fmt_mem(a, sizeof a, res->engine_device_bytes),
@@ -1584,6 +1741,21 @@ static void print_json(const cli_opts *o, const char *cmd, const run_result *res
          (unsigned long long)res->mem.weights, (unsigned long long)res->mem.resident,
          (unsigned long long)res->mem.window, (unsigned long long)res->host_pool_bytes);
   printf("\"bytes_in_place_per_step\":%llu,", (unsigned long long)res->bytes_in_place);
+  printf("\"headroom_gib\":%u,\"headroom_reserve_gib\":%u,\"headroom_pages\":%u,"
+         "\"headroom_bytes\":%llu,",
+         o->headroom_gib, o->headroom_reserve_gib, res->headroom_pages,
+         (unsigned long long)res->headroom_bytes);
+  if (res->release_step > 0) {
+    printf("\"headroom_release\":{\"step\":%u,\"bytes\":%llu,\"call_ms\":%.6g,"
+           "\"request_to_reusable_ms\":%.6g},",
+           res->release_step, (unsigned long long)res->released_bytes, res->release_call_ms,
+           res->release_reusable_ms);
+  }
+  if (res->step_ms != NULL) {
+    printf("\"step_ms\":[");
+    for (uint32_t k = 0; k < res->n_step_ms; ++k) printf("%s%.6g", k ? "," : "", res->step_ms[k]);
+    printf("],");
+  }
   printf("\"bytes_h2d_per_step\":%llu,\"bytes_d2d_per_step\":%llu,\"bytes_d2h_per_step\":%llu,",
          (unsigned long long)res->bytes_h2d, (unsigned long long)res->bytes_d2d,
          (unsigned long long)res->bytes_d2h);
@@ -1623,12 +1795,14 @@ static int cmd_fit(const cli_opts *o) {
   if (fit_config(o, resolve_backend(o), &cfg, &r, &chosen) != 0) return EXIT_USAGE;
   if (o->json) {
     printf("{\"cmd\":\"fit\",\"preset\":\"%s\",\"fit_mode\":\"%s\",\"contexts\":%u,"
-           "\"max_tokens\":%u,"
+           "\"tokens\":%u,\"warmup\":%u,\"steps\":%u,\"host_pool_chosen\":%s,"
+           "\"machine_memory_bytes\":%llu,\"max_tokens\":%u,"
            "\"row_bytes\":%llu,\"history_bytes\":%llu,\"host_pool_gib\":%u,"
            "\"host_pool_bytes\":%llu,\"fits\":%llu,\"effective_concurrency\":%u,\"ok\":%s,"
            "\"host_pool_gib_needed\":%u,\"page_bytes\":%llu,\"device_pages\":%llu}\n",
            o->preset, o->fit_mode == AKV_FIT_SHRINK ? "shrink" : "refuse", o->contexts,
-           cfg.max_tokens, (unsigned long long)r.row_bytes,
+           max_history(o), o->warmup, o->steps, chosen ? "true" : "false",
+           (unsigned long long)machine_memory_bytes(), cfg.max_tokens, (unsigned long long)r.row_bytes,
            (unsigned long long)r.history_bytes, cfg.host_pool_gib,
            (unsigned long long)r.host_pool_bytes, (unsigned long long)r.fits,
            r.effective_concurrency, r.ok ? "true" : "false", r.host_pool_gib_needed,
@@ -1637,10 +1811,7 @@ static int cmd_fit(const cli_opts *o) {
     char a[32], b[32];
     print_geometry(o);
     printf("fit: %s\n", r.line);
-    if (chosen)
-      printf("fit: host pool %u GiB is the smallest that holds --contexts (set "
-             "--host-pool-gib to choose)\n",
-             cfg.host_pool_gib);
+    print_fit_notes(o, cfg.host_pool_gib, chosen);
     if (cfg.device_pool_gib > 0)
       printf("device pool: %u GiB = %llu pages of %s (%u tokens of every layer)\n",
              cfg.device_pool_gib, (unsigned long long)r.device_pages,
@@ -1661,12 +1832,46 @@ static int cmd_fit(const cli_opts *o) {
   return r.ok ? 0 : EXIT_NO_FIT;
 }
 
+/*
+ * What the model of this run's backend can take, checked before anything is
+ * printed or allocated so that a bad flag is named with exit 2 rather than
+ * surfacing as the model's runtime error (exit 1).
+ */
+static int check_model(const cli_opts *o, akv_backend_kind backend) {
+  const model_geometry *g = &o->g;
+  char a[32], b[32];
+  if (backend == AKV_BACKEND_CUDA) {
+    if (g->head_dim != 64 && g->head_dim != 128 && g->head_dim != 256) {
+      say_error("--head-dim %u: the CUDA attention kernels take 64, 128 or 256", g->head_dim);
+      return EXIT_USAGE;
+    }
+    return 0;
+  }
+  if (g->head_dim > AKV_ATTENTION_MAX_HEAD_DIM) {
+    say_error("--head-dim %u: the host backend's reference attention takes at most %u "
+              "(a multiple of 8)",
+              g->head_dim, AKV_ATTENTION_MAX_HEAD_DIM);
+    return EXIT_USAGE;
+  }
+  if (model_param_count(g) > MODEL_CPU_MAX_PARAMS) {
+    say_error("the %s geometry has %s parameters, more than the %s the host backend's CPU "
+              "model holds; use --preset tiny, shrink --layers/--hidden/--ffn/--vocab, or "
+              "--backend cuda on a GPU machine",
+              o->preset, fmt_params(a, sizeof a, model_param_count(g)),
+              fmt_params(b, sizeof b, MODEL_CPU_MAX_PARAMS));
+    return EXIT_USAGE;
+  }
+  return 0;
+}
+
 static int cmd_decode(const cli_opts *o) {
   run_result res;
   if (o->route == ROUTE_RESIDENT && o->check) {
     say_error("--check compares a staged route with resident; pass --route stage, arena or paged");
     return EXIT_USAGE;
   }
+  int rc = check_model(o, resolve_backend(o));
+  if (rc != 0) return rc;
   if (!o->json) {
     print_geometry(o);
     printf("run: route %s, %u contexts x ", route_names[o->route], o->contexts);
@@ -1684,7 +1889,7 @@ static int cmd_decode(const cli_opts *o) {
     if (o->route == ROUTE_RESIDENT)
       printf("fit: resident route, no engine: every row stays on the device\n");
     else
-      print_fit(&pre);
+      print_fit(o, &pre);
     fflush(stdout);
   }
   if (run(o, !o->json, &res) != 0) return EXIT_RUN_ERROR;
@@ -1697,6 +1902,7 @@ static int cmd_demo(const cli_opts *base) {
   /* The demo geometry, contexts across page boundaries (255 crosses 256 at
    * its first step, 318 crosses 320 at its third), host backend. */
   cli_opts o = *base;
+  o.preset_defaulted = 0; /* the demo picks its own geometry, below */
   /* CUDA when a device is there (llama3.2-1b's layer geometry, 4 layers: the
    * CUDA attention takes head_dim 64/128/256), the host backend otherwise. */
   o.backend = resolve_backend(base);
@@ -1758,7 +1964,7 @@ static int cmd_demo(const cli_opts *base) {
     } else {
       char a[32], b[32];
       if (k == 0) {
-        print_fit(&res);
+        print_fit(&o, &res);
         printf("\n  %-30s %10s %12s %12s %10s  %s\n", "route", "dev pool", "H2D/step",
                "D2D/step", "tokens/s", "bitwise vs resident");
       }
@@ -1800,8 +2006,9 @@ int main(int argc, char **argv) {
   }
   if (strcmp(cmd, "demo") == 0) {
     /* The demo fixes its workload; only these flags change it. */
-    static const char *const allowed[] = {"--steps", "--seed", "--json", "--verbose",
-                                          "-v",      "--help", "-h",     "--no-progress"};
+    static const char *const allowed[] = {"--steps", "--seed", "--json",        "--verbose",
+                                          "-v",      "--help", "-h",            "--no-progress",
+                                          "--version"};
     o.steps = 6;
     for (int i = first; i < argc; ++i) {
       size_t n = strcspn(argv[i], "=");
@@ -1832,6 +2039,21 @@ int main(int argc, char **argv) {
               o.device_pool_gib);
     return EXIT_USAGE;
   }
+  if (strcmp(cmd, "decode") == 0 && (o.headroom_gib > 0 || o.release_headroom_at > 0) &&
+      !route_retains(o.route)) {
+    say_error("--headroom-gib / --release-headroom-at: only --route arena or paged retains "
+              "history in headroom");
+    return EXIT_USAGE;
+  }
+  if (strcmp(cmd, "decode") == 0 && o.device_pool_gib == 0 && o.headroom_gib == 0 &&
+      route_retains(o.route))
+    /* Allowed (the benchmark sweeps the pool from 0), but never silent: with
+     * no pool the route retains nothing and stages every row. */
+    fprintf(stderr,
+            "activekv: note: --route %s with --device-pool-gib 0 retains no page: every row "
+            "is staged each step, as on --route stage (pass --device-pool-gib N to retain "
+            "pages)\n",
+            route_names[o.route]);
   if (strcmp(cmd, "fit") == 0) return cmd_fit(&o);
   if (strcmp(cmd, "decode") == 0) return cmd_decode(&o);
   return cmd_demo(&o);

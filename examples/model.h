@@ -64,6 +64,11 @@ extern "C" {
 /* Batch limit of one forward call (contexts decoded together). */
 #define MODEL_MAX_BATCH 64
 
+/* Largest parameter count the CPU model accepts: 2^28 parameters, 1 GiB of
+ * fp32 weights (268.44 M, counted in decimal like every parameter count the
+ * CLI prints). */
+#define MODEL_CPU_MAX_PARAMS ((uint64_t)256 << 20)
+
 typedef struct model_geometry {
   uint32_t n_layers; /* every layer, dense and sliding-window */
   uint32_t n_heads;  /* query heads */

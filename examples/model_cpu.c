@@ -20,8 +20,6 @@
 #include "akv_attention.h"
 #include "model.h"
 
-/* Largest parameter count the CPU model accepts (1 GiB of fp32 weights). */
-#define CPU_MAX_PARAMS ((uint64_t)256 << 20)
 
 typedef struct cpu_layer {
   float *attn_norm; /* [hidden] */
@@ -416,11 +414,12 @@ int model_cpu_create(const model_geometry *g, const model_options *opt, model **
   if (model_hybrid_check(g, err, cap) != 0) return -1;
   if (model_kv_dtype_check(opt->kv_dtype, g->kv_heads, err, cap) != 0) return -1;
   uint64_t params = model_param_count(g);
-  if (params > CPU_MAX_PARAMS) {
+  if (params > MODEL_CPU_MAX_PARAMS) {
+    /* Decimal millions, as the CLI prints every parameter count. */
     snprintf(err, cap,
-             "the CPU model holds at most %llu M parameters and this geometry has %llu M; "
+             "the CPU model holds at most %.2f M parameters and this geometry has %.2f M; "
              "use --preset tiny, shrink --layers/--hidden/--ffn/--vocab, or use --backend cuda",
-             (unsigned long long)(CPU_MAX_PARAMS >> 20), (unsigned long long)(params >> 20));
+             (double)MODEL_CPU_MAX_PARAMS / 1e6, (double)params / 1e6);
     return -1;
   }
 
@@ -503,7 +502,6 @@ int model_cpu_create(const model_geometry *g, const model_options *opt, model **
 oom_free:
   cpu_destroy(&cm->base);
 oom:
-  snprintf(err, cap, "the CPU model is out of memory for %llu M parameters",
-           (unsigned long long)(params >> 20));
+  snprintf(err, cap, "the CPU model is out of memory for %.2f M parameters", (double)params / 1e6);
   return -1;
 }

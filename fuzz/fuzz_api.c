@@ -298,6 +298,14 @@ static void engine_new(state *s, input *in) {
                    !((b >> 4) & 1)  ? AKV_ROUTE_STAGE
                    : (b >> 5) & 1   ? AKV_ROUTE_PAGED
                                     : AKV_ROUTE_ARENA);
+  if ((b >> 6) & 1 && ec.route != AKV_ROUTE_STAGE) {
+    /* Revocable headroom on a modelled device of 3 GiB: about 1 GiB of
+     * headroom after the 1 GiB pool and the 1 GiB reserve, in a few chunks. */
+    ec.headroom_gib = 1;
+    ec.headroom_reserve_gib = 1;
+    ec.host_fake_free_bytes = (uint64_t)3 << 30;
+    ec.headroom_chunk_pages = 1024;
+  }
   if ((b >> 5) == 7) { /* an injected fault somewhere in this engine's life */
     ec.fault_fail_nth = 1 + byte(in);
     ec.fault_kind = (int32_t)(byte(in) % (AKV_OP_KIND_COUNT + 1)) - 1;
@@ -563,6 +571,39 @@ static void op_diagnostics(state *s, input *in) {
   if (akv_adm_rule_string((akv_adm_rule)byte(in)) == NULL) abort();
 }
 
+/* Headroom calls: release (any size, mid-step included), take, get. A
+ * release inside a step frees nothing until the step ends; outside a step
+ * nothing is left pending. */
+static void op_headroom(state *s, input *in, int failed) {
+  akv_headroom_info a, b;
+  uint64_t now_b = 0, pend_b = 0, taken = 0;
+  uint8_t k = byte(in);
+  uint64_t bytes = (k & 4) ? UINT64_MAX : (uint64_t)u32(in) << (byte(in) % 24);
+  akv_engine *e = (k & 0xF0) == 0xF0 ? (akv_engine *)s->bogus : s->e;
+  int have = akv_headroom_get(s->e, &a) == AKV_OK;
+  switch (k % 3) {
+    case 0: {
+      akv_status st = akv_headroom_release(e, bytes, (k & 8) ? NULL : &now_b, &pend_b);
+      expect_mut(s, failed, "akv_headroom_release", st,
+                 OKS | BH | S(AKV_ERR_NOT_SUPPORTED) | QU);
+      if (st == AKV_OK && have && akv_headroom_get(s->e, &b) == AKV_OK) {
+        /* Mid-step: memory still allocated; outside: freed at once. */
+        if (pend_b > 0 && b.bytes != a.bytes) abort();
+        if (now_b > 0 && b.bytes + now_b != a.bytes) abort();
+        if (pend_b > 0 && now_b > 0) abort();
+      }
+      break;
+    }
+    case 1:
+      expect_mut(s, failed, "akv_headroom_take", akv_headroom_take(e, bytes, &taken),
+                 OKS | BH | S(AKV_ERR_NOT_SUPPORTED) | S(AKV_ERR_STEP_STATE) | QU);
+      break;
+    default:
+      expect("akv_headroom_get", akv_headroom_get(e, (k & 8) ? NULL : &b), OKS | BH | IA);
+      break;
+  }
+}
+
 static void op_streams(state *s, input *in, int failed) {
   uint8_t b = byte(in) % 6;
   akv_stream st = NULL;
@@ -745,7 +786,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   if (s.e == NULL) return 0;
   while (in.n > 0 && steps++ < 200 && s.e != NULL) {
     int failed = transport_failed(&s);
-    switch (byte(&in) % 20) {
+    switch (byte(&in) % 21) {
       case 0: op_open(&s, &in, failed); break;
       case 1: {
         akv_context *c = pick_ctx(&s, &in);
@@ -775,6 +816,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
       case 16: op_diagnostics(&s, &in); break;
       case 17: op_streams(&s, &in, failed); break;
       case 18: op_config(&s, &in); break;
+      case 19: op_headroom(&s, &in, failed); break;
       default: op_legal_step(&s, failed); break;
     }
   }

@@ -229,13 +229,31 @@ typedef struct akv_engine_config {
    *  that may look plausible. Costs a device copy of every retained byte per
    *  layer (not counted in bytes_d2d): for testing a hook, not for serving. */
   uint32_t poison_holes;
+
+  /* Revocable headroom (DESIGN §6). Opt-in: at create, after
+   * its own allocations, the engine asks the device how much memory is free
+   * and takes min(headroom_gib GiB, free - headroom_reserve_gib GiB) as
+   * headroom pages, logging one line with every term. Headroom retains more
+   * of each context's history than its pool pages (sink kept, newest first),
+   * is taken back first under admission pressure, never holds the only copy
+   * of a row (the host stays authoritative), and can be given back to the
+   * caller (akv_headroom_release) and taken again (akv_headroom_take).
+   * Arena and paged routes only (ignored, and logged, on stage). */
+  uint32_t headroom_gib;         /**< cap in whole GiB; 0 = off */
+  uint32_t headroom_reserve_gib; /**< device memory left free, whole GiB */
+  /* Testing aids for headroom; leave zero in production. */
+  uint64_t host_fake_free_bytes; /**< host backend: model a device of this many bytes
+                                      (free = this - bytes allocated; allocations past it
+                                      fail); 0 = report no free memory */
+  uint32_t headroom_chunk_pages; /**< pages per headroom allocation (the unit a release
+                                      frees); 0 = as many as fit in 1 GiB */
 } akv_engine_config;
 
 #define AKV_ENGINE_CONFIG_INIT                                                  \
   {                                                                            \
     sizeof(akv_engine_config), AKV_CONFIG_VERSION, AKV_BACKEND_AUTO, 0, 0, 0, 0, \
         AKV_DTYPE_BF16, 0, 256, 0, 0, 1, AKV_FIT_REFUSE, AKV_ROUTE_STAGE, NULL,  \
-        NULL, AKV_LOG_INFO, 0, 0, 0, -1, 0                                       \
+        NULL, AKV_LOG_INFO, 0, 0, 0, -1, 0, 0, 0, 0, 0                           \
   }
 
 /** Sets *config to AKV_ENGINE_CONFIG_INIT. Thread-safe. Returns AKV_OK or
@@ -315,6 +333,9 @@ typedef struct akv_engine_info {
   int quarantined;      /**< 1 after akv_engine_quarantine established completion */
   uint64_t bytes_in_place; /**< paged route: retained bytes handed to attention in place
                                 (neither staged nor copied), so far */
+  /* Headroom (see akv_headroom_get for the full picture). */
+  uint32_t headroom_pages;       /**< headroom pages present now */
+  uint64_t headroom_bytes;       /**< device bytes they occupy (allocations, slack included) */
 } akv_engine_info;
 
 /**
@@ -617,12 +638,23 @@ typedef enum akv_adm_rule {
   AKV_ADM_REFUSE = 6,           /**< admission refused */
   AKV_ADM_ADMIT = 7,
   AKV_ADM_RELEASE = 8,
-  AKV_ADM_RULE_COUNT = 9
+  /** fill 3 / reclaim 0: pages another context held beyond its target + burst
+   *  (its headroom extension), taken back before borrowed pages */
+  AKV_ADM_RECLAIM_HEADROOM = 9,
+  /** a window position past target + burst filled while headroom is present */
+  AKV_ADM_HEADROOM = 10,
+  /** headroom pages given back to the caller (counter: pages; a log row per
+   *  context that lost pages, victim = that context, and one summary row) */
+  AKV_ADM_HEADROOM_RELEASE = 11,
+  /** headroom pages taken (at create and by akv_headroom_take; counter: pages) */
+  AKV_ADM_HEADROOM_TAKE = 12,
+  AKV_ADM_RULE_COUNT = 13
 } akv_adm_rule;
 
 typedef struct akv_adm_decision {
   uint64_t step;
-  uint32_t context; /**< context id (akv_context_id) */
+  uint32_t context; /**< context id (akv_context_id); UINT32_MAX for the engine's own
+                         headroom rows */
   akv_adm_rule rule;
   uint32_t victim;  /**< context id of the victim, UINT32_MAX if none */
   uint32_t pages;
@@ -660,6 +692,71 @@ AKV_API akv_status akv_admission_log(const akv_engine *engine, akv_adm_decision 
  */
 AKV_API akv_status akv_admission_explain(const akv_engine *engine, const akv_context *context,
                                          char *buf, size_t cap);
+
+/* ------------------------------------------------------------------------ */
+/* Revocable headroom (DESIGN §6)                                            */
+/* ------------------------------------------------------------------------ */
+
+typedef struct akv_headroom_info {
+  uint32_t enabled;          /**< 1 when the config asked for headroom on a retaining route */
+  uint64_t profile_free_bytes; /**< free device memory measured at create, after the
+                                    engine's own allocations */
+  uint64_t cap_bytes;        /**< headroom_gib in bytes */
+  uint64_t reserve_bytes;    /**< headroom_reserve_gib in bytes */
+  uint32_t max_pages;        /**< pages measured at create: the most ever present */
+  uint32_t chunk_pages;      /**< pages per allocation: the unit of release and take */
+  uint32_t pages;            /**< present now (free or retaining history) */
+  uint32_t pages_held;       /**< of those, retaining history */
+  uint32_t pages_pending;    /**< asked back during the open step; freed at its end */
+  uint64_t bytes;            /**< device bytes allocated for headroom now */
+  uint64_t bytes_released;   /**< given back to the caller since create */
+  uint64_t releases, takes;  /**< calls that gave back / took at least one chunk */
+} akv_headroom_info;
+
+/**
+ * Fills *out with the engine's headroom figures. Enqueues nothing, never
+ * blocks; allowed at any time, also after a transport failure.
+ * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (out NULL).
+ */
+AKV_API akv_status akv_headroom_get(const akv_engine *engine, akv_headroom_info *out);
+
+/**
+ * Gives at least `bytes` of headroom back to the caller's allocator (whole
+ * chunks, newest first; all of it when bytes exceeds what is present;
+ * bytes == 0 gives nothing back). Residency changes at step boundaries only:
+ *  - Outside a step: the chunks leave admission and their device memory is
+ *    freed before the call returns; *freed_now says how many bytes. Every
+ *    lease of the last step has retired, so nothing can still read them. On
+ *    CUDA the free is cudaFree, which may wait for the device to go idle
+ *    (the runtime's rule): call it where that is acceptable.
+ *  - Inside a step: nothing is freed and nothing blocks; the chunks are
+ *    marked and *pending says how many bytes. akv_step_end, after every lease
+ *    of the step has retired (so no copy or attention in flight still reads
+ *    them), takes them out of admission and frees them; a quarantine that
+ *    establishes completion frees them too; an uncertain one keeps them.
+ * When the call (or the step end) has freed the memory, a device allocation of
+ * that size by the caller can succeed. Decode goes on bit-identically: the
+ * rows come from the authoritative host copy again. Counted in the admission
+ * counters (headroom-release) and log. Not thread-safe (engine rule).
+ * freed_now and pending are optional (NULL). Returns AKV_OK, AKV_ERR_BAD_HANDLE,
+ * AKV_ERR_NOT_SUPPORTED (headroom not enabled), AKV_ERR_QUARANTINED (also
+ * after a transport failure: quarantine first).
+ */
+AKV_API akv_status akv_headroom_release(akv_engine *engine, uint64_t bytes, uint64_t *freed_now,
+                                        uint64_t *pending);
+
+/**
+ * Takes headroom again, up to `bytes` (whole chunks) and never past the pages
+ * measured at create nor past free - reserve as the device reports it now.
+ * Only outside a step (allocates device memory: blocking, not for the hot
+ * path). The pages are free and fill from the next step boundary on.
+ * *taken (optional) receives the bytes of headroom taken.
+ * Returns AKV_OK (also when nothing could be taken: *taken = 0),
+ * AKV_ERR_BAD_HANDLE, AKV_ERR_NOT_SUPPORTED (headroom not enabled),
+ * AKV_ERR_STEP_STATE (a step is open, or a release is pending),
+ * AKV_ERR_QUARANTINED.
+ */
+AKV_API akv_status akv_headroom_take(akv_engine *engine, uint64_t bytes, uint64_t *taken);
 
 #ifdef __cplusplus
 }

@@ -24,6 +24,12 @@
 #   build.log  ctest-gpu.log  sanitizer.log  bench.log  bench.jsonl
 #   fp8.log  fp8-distance.json  decode.log  decode.jsonl  summary.txt
 #   (and hostcost.log, cli.log, LastTest.log)
+# Back on the CPU machine, merge them into the one current result file of
+# each benchmark (no pass files; git keeps the history):
+#   scripts/collect-results.py "$OUT" "$(git rev-parse --short HEAD)" "<the command>"
+# updates bench/results/decode.jsonl, attention_bw.json, host_cost.json and
+# gpu_pass.json, each record with its date, machine, commit and command; then
+# `python3 bench/plot.py` redraws docs/decode_<preset>.png from decode.jsonl.
 #
 # Knobs (environment):
 #   AKV_STEPS     steps to run, default "build hostcost ctest sanitizer cli
@@ -31,6 +37,9 @@
 #                 decode under memcheck, in cli.log; hostcost: the cudart call costs and the engine's
 #                 host cost, three runs, on the idle machine right after the
 #                 build; written to hostcost.log)
+#                 headroom: issue 13's headroom sweep and mid-run release
+#                 (llama3-8b; headroom.log, headroom.jsonl), not in the default
+#                 list: AKV_STEPS="build ctest headroom" measures it alone
 #   AKV_JOBS      parallel build jobs, default 16
 #   AKV_BENCH_VARIANTS  "label:WARPS:LOADS[:STAGES[:PDL[:PIECE]]] ...", default
 #                 "w8l4:8:4:0:0:128 w8l4p0:8:4:0:0:0 w8l4p64:8:4:0:0:64
@@ -417,6 +426,29 @@ if has_step decode; then
     record "decode bench" "$([ $rc = 0 ] && echo ok || echo FAIL)" "rc=$rc $(grep -c . "$OUT/decode.jsonl" 2>/dev/null) runs"
   else
     record "decode bench" "SKIP" "no CLI binary"
+  fi
+fi
+
+# ------------------------------------------------------------------ headroom
+# Issue 13's measurements (DESIGN §6 headroom), llama3-8b, 4 x 31,744:
+# resident, stage, pool 0 + headroom swept up to the whole history (arena and
+# paged), and a mid-run release of all headroom (step_ms and the time from
+# request to reusable memory in the JSON). Results: headroom.jsonl, headroom.log.
+if has_step headroom; then
+  cli=$BUILD/examples/activekv
+  if [ -x "$cli" ]; then
+    log "headroom benchmark"
+    mkdir -p /tmp/akv-headroom
+    rm -f /tmp/akv-headroom/decode.jsonl
+    OUT=/tmp/akv-headroom PRESETS=${AKV_HR_PRESETS:-llama3-8b} \
+      ROUTES=${AKV_HR_ROUTES:-"resident stage headroom release"} \
+      timeout "${AKV_HR_TIMEOUT:-500}" bash bench/run_decode_bench.sh "$cli" >"$OUT/headroom.log" 2>&1
+    rc=$?
+    cp /tmp/akv-headroom/decode.jsonl "$OUT/headroom.jsonl" 2>/dev/null
+    record "headroom bench" "$([ $rc = 0 ] && echo ok || echo FAIL)" \
+      "rc=$rc $(grep -c . "$OUT/headroom.jsonl" 2>/dev/null) runs"
+  else
+    record "headroom bench" "SKIP" "no CLI binary"
   fi
 fi
 

@@ -21,7 +21,7 @@
 
 static akv_adm *mk(uint32_t n_pages, uint32_t max_contexts, uint32_t max_logical,
                    uint32_t log_capacity) {
-  akv_adm_config cfg = {n_pages, max_contexts, max_logical, log_capacity};
+  akv_adm_config cfg = {n_pages, max_contexts, max_logical, log_capacity, 0};
   akv_adm *adm = NULL;
   assert_int_equal(akv_adm_create(&cfg, &adm), AKV_OK);
   assert_non_null(adm);
@@ -62,13 +62,13 @@ static int resident(const akv_adm *adm, uint32_t slot, uint32_t logical) {
 static void test_create_invalid(void **state) {
   (void)state;
   akv_adm *adm = (akv_adm *)0x1;
-  akv_adm_config bad[] = {{4, 0, 4, 8}, {4, 2, 0, 8}, {4, 2, 4, 0}};
+  akv_adm_config bad[] = {{4, 0, 4, 8, 0}, {4, 2, 0, 8, 0}, {4, 2, 4, 0, 0}};
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
     assert_int_equal(akv_adm_create(&bad[i], &adm), AKV_ERR_INVALID_ARGUMENT);
     assert_ptr_equal(adm, (akv_adm *)0x1); /* untouched on failure */
   }
   assert_int_equal(akv_adm_create(NULL, &adm), AKV_ERR_INVALID_ARGUMENT);
-  akv_adm_config ok = {4, 2, 4, 8};
+  akv_adm_config ok = {4, 2, 4, 8, 0};
   assert_int_equal(akv_adm_create(&ok, NULL), AKV_ERR_INVALID_ARGUMENT);
   /* A pool of 0 pages is valid: pure staging. */
   akv_adm *zero = mk(0, 2, 4, 8);

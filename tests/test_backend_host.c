@@ -62,7 +62,7 @@ static void *ctx_new(uint64_t seed, uint32_t max_us, unsigned timeout_ms) {
   char buf[32];
   snprintf(buf, sizeof(buf), "%u", timeout_ms);
   setenv("AKV_HOST_SYNC_TIMEOUT_MS", buf, 1);
-  akv_backend_params p = {0, seed, max_us};
+  akv_backend_params p = {0, seed, max_us, 0};
   void *ctx = NULL;
   assert_int_equal(B->probe(&p), AKV_OK);
   assert_int_equal(B->init(&p, &ctx), AKV_OK);

@@ -300,6 +300,28 @@ void akvt_run(const akvt_cfg *c, akvt_result *out) {
   ec.fault_fail_nth = c->fault_fail_nth;
   ec.fault_kind = c->fault_kind;
   ec.poison_holes = c->poison_holes;
+  if (c->headroom_pages > 0) {
+    /* Measure the engine's own allocations (headroom on, no free memory),
+     * then model a device with room for exactly the pages asked for. */
+    akv_engine *probe = NULL;
+    akv_engine_info pi;
+    const uint32_t chunk = c->headroom_chunk_pages ? c->headroom_chunk_pages : c->headroom_pages;
+    const uint32_t slack = c->route == AKV_ROUTE_PAGED ? 1 : 0;
+    ec.headroom_gib = 1;
+    ec.headroom_chunk_pages = chunk;
+    ec.host_fake_free_bytes = 0;
+    ec.fault_fail_nth = 0;
+    if (akv_engine_create(&ec, &probe) != AKV_OK) {
+      out->status = AKV_ERR_CONFIG;
+      out->failed_call = "headroom probe";
+      goto done;
+    }
+    akv_engine_info_get(probe, &pi);
+    akv_engine_destroy(probe);
+    ec.host_fake_free_bytes = pi.device_bytes_allocated +
+                              (uint64_t)(c->headroom_pages / chunk) * (chunk + slack) * pi.page_bytes;
+    ec.fault_fail_nth = c->fault_fail_nth;
+  }
   {
     akv_status s = akv_engine_create(&ec, &rs.engine);
     if (s != AKV_OK) {
@@ -308,6 +330,7 @@ void akvt_run(const akvt_cfg *c, akvt_result *out) {
       goto done;
     }
   }
+  akv_headroom_get(rs.engine, &out->headroom_start);
   AKVT_TRY(akv_stream_create(rs.engine, &rs.stream));
   for (uint32_t i = 0; i < c->n_ctx; i++) {
     akv_context_config cc = AKV_CONTEXT_CONFIG_INIT;
@@ -342,10 +365,30 @@ void akvt_run(const akvt_cfg *c, akvt_result *out) {
   for (uint32_t s = 0; s < c->steps; s++) {
     out->failed_step = s; /* reset to UINT32_MAX below when the run ends cleanly */
     for (uint32_t i = 0; i < c->n_ctx; i++) AKVT_TRY(akv_context_length(ctx[i], &lens[i]));
+    if (c->take_step == s + 1) {
+      out->take_status = akv_headroom_take(rs.engine, UINT64_MAX, &out->taken);
+      AKVT_TRY(out->take_status);
+    }
+    if (c->release_step == s + 1 && !c->release_mid_step) {
+      out->release_status = akv_headroom_release(rs.engine, c->release_bytes,
+                                                 &out->released_now, &out->released_pending);
+      AKVT_TRY(out->release_status);
+    }
     AKVT_TRY(akv_step_begin(rs.engine, ctx, c->n_ctx));
     for (uint32_t l = 0; l < c->layers; l++) {
       akv_fence attn, tail;
       AKVT_TRY(akv_lease_begin(rs.engine, l, &leases[l]));
+      if (c->release_step == s + 1 && c->release_mid_step && c->release_layer == l) {
+        /* Leases in flight: this lease's copies are queued, earlier layers'
+         * attention may still run, and attention of this and later layers
+         * reads the retained pages. */
+        akv_headroom_info mid;
+        out->release_status = akv_headroom_release(rs.engine, c->release_bytes,
+                                                   &out->released_now, &out->released_pending);
+        AKVT_TRY(out->release_status);
+        akv_headroom_get(rs.engine, &mid);
+        out->headroom_bytes_after_release_call = mid.bytes;
+      }
       if (l >= 2) AKVT_TRY(akv_lease_retire(leases[l - 2], NULL));
       if (c->two_call) {
         akv_view view;
@@ -387,6 +430,7 @@ failed:
 finish:
   akvt_check_rows(c, ctx, auth_len, out);
   akv_engine_info_get(rs.engine, &out->info);
+  akv_headroom_get(rs.engine, &out->headroom_end);
   akv_admission_counters(rs.engine, out->adm_counters, AKV_ADM_RULE_COUNT);
   if (rs.stream != NULL) akv_stream_destroy(rs.engine, rs.stream);
   out->destroyed = akv_engine_destroy(rs.engine) == AKV_OK;

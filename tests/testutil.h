@@ -56,6 +56,22 @@ typedef struct akvt_cfg {
    * the row check and destroy only if that second drain established
    * completion. */
   int retry_uncertain;
+  /* Headroom (zero: off). headroom_pages > 0 gives the engine headroom_gib 1
+   * and a modelled device (host_fake_free_bytes) with room for exactly
+   * headroom_pages pages after its own allocations, in chunks of
+   * headroom_chunk_pages pages (0: one chunk). */
+  uint32_t headroom_pages;
+  uint32_t headroom_chunk_pages;
+  /* Release `release_bytes` (UINT64_MAX: all) of headroom at step
+   * release_step (1-based; 0 = never): before akv_step_begin, or with
+   * release_mid_step after layer release_layer's lease began and before
+   * anything of it ran (leases in flight). take_step (1-based; 0 = never):
+   * akv_headroom_take(UINT64_MAX) before that step begins. */
+  uint32_t release_step;
+  int release_mid_step;
+  uint32_t release_layer;
+  uint64_t release_bytes;
+  uint32_t take_step;
 } akvt_cfg;
 
 typedef struct akvt_result {
@@ -83,6 +99,12 @@ typedef struct akvt_result {
   int requarantined;              /* a second quarantine ran (retry_uncertain) */
   akv_status requarantine_status;
   akv_quarantine_report requarantine;
+  /* Headroom: figures after create, the release's outputs, figures at the end. */
+  akv_headroom_info headroom_start, headroom_end;
+  uint64_t released_now, released_pending;
+  akv_status release_status, take_status;
+  uint64_t taken;
+  uint64_t headroom_bytes_after_release_call; /* still allocated right after a mid-step release */
 } akvt_result;
 
 /* K row t of context i in a view (its V row is at + view->v_offset): the

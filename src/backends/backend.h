@@ -46,6 +46,7 @@ typedef struct akv_backend_params {
   int device_ordinal;
   uint64_t delay_seed;    /* host backend: injected delays; 0 = none */
   uint32_t delay_max_us;
+  uint64_t fake_free_bytes; /* host backend: modelled device capacity (testing); 0 = none */
 } akv_backend_params;
 
 typedef struct akv_backend_ops {

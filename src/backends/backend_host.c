@@ -56,12 +56,18 @@
  *  - Memory. host_alloc and device_alloc both return host memory aligned to
  *    at least AKV_HOST_ALIGN bytes: anonymous private mappings (lazily
  *    committed, never touched here, so a 1 GiB pool costs nothing until
- *    written) from AKV_HOST_MMAP_MIN bytes on, aligned_alloc below. A small
+ *    written) from AKV_HOST_MMAP_MIN bytes on (device blocks always), aligned_alloc below. A small
  *    header right before the returned pointer says how to free it.
  *    mem_info describes device_alloc memory as a device exactly as large as
  *    what is allocated on it: free = 0, total = bytes allocated now, peak =
  *    the peak of bytes allocated, so total - free is the memory in use, as
- *    on CUDA.
+ *    on CUDA. With a fake capacity (akv_engine_config.host_fake_free_bytes,
+ *    a testing aid for headroom) the device holds that many bytes: free =
+ *    capacity - bytes allocated, total = capacity, and a device_alloc past
+ *    it fails with AKV_ERR_OUT_OF_MEMORY. Device blocks are always mappings,
+ *    whatever their size: they sit close together in the address space, as
+ *    cudaMalloc's do (the paged route's page grid relies on it, headroom.c),
+ *    and a read after their free faults instead of returning stale rows.
  *
  *  - Sync timeout. 30 s, overridable at init by the environment variable
  *    AKV_HOST_SYNC_TIMEOUT_MS (a positive integer; a testing aid).
@@ -162,6 +168,7 @@ typedef struct akv_host_ctx {
   /* Immutable after init. */
   uint64_t delay_seed;
   uint32_t delay_max_us;
+  uint64_t fake_capacity;  /**< testing: device bytes the modelled device holds; 0 = none */
   uint64_t sync_timeout_ns;
   pthread_mutex_t sync_mu; /**< held by device_synchronize's walk of `queues` and by
                                 every change of the list; taken before mu */
@@ -484,6 +491,7 @@ static akv_status akv_host_init(const akv_backend_params *params, void **out) {
   if (params != NULL) {
     c->delay_seed = params->delay_seed;
     c->delay_max_us = params->delay_max_us;
+    c->fake_capacity = params->fake_free_bytes;
   }
   c->sync_timeout_ns = (uint64_t)AKV_HOST_SYNC_TIMEOUT_MS_DEFAULT * 1000000u;
   const char *env = getenv("AKV_HOST_SYNC_TIMEOUT_MS");
@@ -534,7 +542,7 @@ static akv_status akv_host_block_alloc(void *ctx, size_t bytes, int device, void
   char *user = NULL;
   AKV_HOST_CHECK(akv_host_ctx_ok(c), AKV_ERR_BAD_HANDLE);
   AKV_HOST_CHECK(out != NULL && bytes > 0, AKV_ERR_INVALID_ARGUMENT);
-  if (bytes >= AKV_HOST_MMAP_MIN) {
+  if (bytes >= AKV_HOST_MMAP_MIN || device) {
     long page = sysconf(_SC_PAGESIZE);
     size_t prefix = page >= (long)AKV_HOST_ALIGN ? (size_t)page : AKV_HOST_ALIGN;
     AKV_HOST_CHECK(bytes <= SIZE_MAX - 2 * prefix, AKV_ERR_OUT_OF_MEMORY);
@@ -548,6 +556,21 @@ static akv_status akv_host_block_alloc(void *ctx, size_t bytes, int device, void
     base = aligned_alloc(AKV_HOST_ALIGN, total);
     AKV_HOST_CHECK(base != NULL, AKV_ERR_OUT_OF_MEMORY);
     user = (char *)base + AKV_HOST_ALIGN;
+  }
+  if (device && c->fake_capacity > 0) {
+    /* A modelled device of fake_capacity bytes: an allocation past it fails,
+     * as cudaMalloc does on a full card. */
+    pthread_mutex_lock(&c->mu);
+    bool full = c->device_bytes + bytes > c->fake_capacity;
+    pthread_mutex_unlock(&c->mu);
+    if (full) {
+      if (map_bytes != 0)
+        munmap(base, map_bytes);
+      else
+        free(base);
+      st = AKV_ERR_OUT_OF_MEMORY;
+      goto fail;
+    }
   }
   akv_host_block *h = (akv_host_block *)(void *)(user - sizeof(akv_host_block));
   h->magic = AKV_HOST_MAGIC_BLOCK;
@@ -615,7 +638,8 @@ static akv_status akv_host_device_alloc(void *ctx, size_t bytes, void **out) {
 static void akv_host_device_free(void *ctx, void *ptr) { akv_host_block_free(ctx, ptr, 1); }
 
 /**
- * mem_info: free = 0, total = device bytes allocated now, peak = their peak.
+ * mem_info: free = 0, total = device bytes allocated now, peak = their peak;
+ * with a fake capacity, free = capacity - allocated and total = capacity.
  * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT.
  */
 static akv_status akv_host_mem_info(void *ctx, uint64_t *free_bytes, uint64_t *total_bytes,
@@ -626,8 +650,13 @@ static akv_status akv_host_mem_info(void *ctx, uint64_t *free_bytes, uint64_t *t
   AKV_HOST_CHECK(free_bytes != NULL && total_bytes != NULL && peak_used_bytes != NULL,
                  AKV_ERR_INVALID_ARGUMENT);
   pthread_mutex_lock(&c->mu);
-  *free_bytes = 0;
-  *total_bytes = c->device_bytes;
+  if (c->fake_capacity > 0) {
+    *free_bytes = c->fake_capacity > c->device_bytes ? c->fake_capacity - c->device_bytes : 0;
+    *total_bytes = c->fake_capacity;
+  } else {
+    *free_bytes = 0;
+    *total_bytes = c->device_bytes;
+  }
   *peak_used_bytes = c->device_peak;
   pthread_mutex_unlock(&c->mu);
   return AKV_OK;

@@ -40,8 +40,18 @@
  * pages for the page rules and events (rows with no victim) for refuse,
  * admit and release.
  *
- * Nothing allocates after akv_adm_create; nothing moves outside akv_adm_step
- * and akv_adm_release.
+ * Headroom (DESIGN §6): physical pages [n_pages, n_pages + hr_live) are
+ * revocable headroom, present between akv_adm_headroom_add and _remove.
+ * Targets are admitted against n_pages alone, so headroom never decides an
+ * admission. While headroom is present, pass 3 extends each active window to
+ * all its full pages (see akv_adm_fill_headroom); pages a slot holds beyond
+ * target + burst are its headroom extension, the first rung of reclamation
+ * (reclaim-headroom, before borrowed pages). A slot below its target still
+ * always finds a free page or a victim: the live pages (n_pages + hr_live)
+ * are at least the intact targets.
+ *
+ * Nothing allocates after akv_adm_create; nothing moves outside akv_adm_step,
+ * akv_adm_release and akv_adm_headroom_add/_remove.
  */
 #include "admission.h"
 
@@ -103,17 +113,18 @@ struct akv_adm {
   akv_adm_config cfg;
   akv_adm_slot *slots;    /* [max_contexts] */
   uint32_t *map;          /* [max_contexts * max_logical_pages]: physical or NONE */
-  uint32_t *page_slot;    /* [n_pages]: owner slot or NONE */
-  uint32_t *page_logical; /* [n_pages] */
-  uint64_t *page_fence;   /* [n_pages]: last readers' fence, travels with the page */
-  uint32_t *free_ring;    /* [n_pages]: FIFO, oldest freed page handed out first */
+  uint32_t *page_slot;    /* [n_phys]: owner slot or NONE */
+  uint32_t *page_logical; /* [n_phys] */
+  uint64_t *page_fence;   /* [n_phys]: last readers' fence, travels with the page */
+  uint32_t *free_ring;    /* [n_phys]: FIFO, oldest freed page handed out first */
   uint32_t free_head;
   uint32_t n_free;
-  akv_adm_fill *fills;    /* [n_pages]: at most one entry per physical page */
+  akv_adm_fill *fills;    /* [n_phys]: at most one entry per physical page */
   size_t n_fills;
-  uint32_t *fill_at;      /* [n_pages]: index into fills or NONE */
+  uint32_t *fill_at;      /* [n_phys]: index into fills or NONE */
   uint32_t *order;        /* [max_contexts]: scratch, slots in processing order */
   uint32_t *cand;         /* [max_contexts]: scratch, revocable idle slots */
+  uint32_t *cursor;       /* [max_contexts]: scratch, pass 3 window position per slot */
   uint64_t *mark;         /* [max_contexts]: scratch, duplicate detection */
   uint64_t mark_stamp;
   uint64_t counters[AKV_ADM_RULE_COUNT];
@@ -123,6 +134,8 @@ struct akv_adm {
   uint64_t epoch;        /* boundaries processed */
   uint64_t seq_next;
   uint64_t sum_targets;  /* sum of eff_target over admitted slots */
+  uint32_t n_phys;       /* n_pages + n_headroom_pages: every array above is this long */
+  uint32_t hr_live;      /* headroom pages present: [n_pages, n_pages + hr_live) */
   uint64_t cur_step;
   akv_adm_refusal refusal;
 };
@@ -151,6 +164,14 @@ AKV_API const char *akv_adm_rule_string(akv_adm_rule rule) {
     return "admit";
   case AKV_ADM_RELEASE:
     return "release";
+  case AKV_ADM_RECLAIM_HEADROOM:
+    return "reclaim-headroom";
+  case AKV_ADM_HEADROOM:
+    return "headroom";
+  case AKV_ADM_HEADROOM_RELEASE:
+    return "headroom-release";
+  case AKV_ADM_HEADROOM_TAKE:
+    return "headroom-take";
   case AKV_ADM_RULE_COUNT:
     break;
   }
@@ -173,6 +194,10 @@ akv_status akv_adm_create(const akv_adm_config *config, akv_adm **out) {
     st = AKV_ERR_INVALID_ARGUMENT;
     goto fail;
   }
+  if (config->n_headroom_pages > UINT32_MAX - 1 - config->n_pages) {
+    st = AKV_ERR_INVALID_ARGUMENT;
+    goto fail;
+  }
   if ((size_t)config->max_logical_pages > SIZE_MAX / sizeof(uint32_t) / config->max_contexts) {
     st = AKV_ERR_INVALID_ARGUMENT;
     goto fail;
@@ -183,27 +208,32 @@ akv_status akv_adm_create(const akv_adm_config *config, akv_adm **out) {
     goto fail;
   }
   adm->cfg = *config;
+  /* Physical pages: the pool's [0, n_pages), then the headroom's
+   * [n_pages, n_pages + n_headroom_pages), absent until akv_adm_pages_add. */
+  const uint32_t n_phys = config->n_pages + config->n_headroom_pages;
+  adm->n_phys = n_phys;
   size_t n_map = (size_t)config->max_contexts * config->max_logical_pages;
   adm->slots = akv_adm_calloc(config->max_contexts, sizeof *adm->slots);
   adm->map = akv_adm_calloc(n_map, sizeof *adm->map);
-  adm->page_slot = akv_adm_calloc(config->n_pages, sizeof *adm->page_slot);
-  adm->page_logical = akv_adm_calloc(config->n_pages, sizeof *adm->page_logical);
-  adm->page_fence = akv_adm_calloc(config->n_pages, sizeof *adm->page_fence);
-  adm->free_ring = akv_adm_calloc(config->n_pages, sizeof *adm->free_ring);
-  adm->fills = akv_adm_calloc(config->n_pages, sizeof *adm->fills);
-  adm->fill_at = akv_adm_calloc(config->n_pages, sizeof *adm->fill_at);
+  adm->page_slot = akv_adm_calloc(n_phys, sizeof *adm->page_slot);
+  adm->page_logical = akv_adm_calloc(n_phys, sizeof *adm->page_logical);
+  adm->page_fence = akv_adm_calloc(n_phys, sizeof *adm->page_fence);
+  adm->free_ring = akv_adm_calloc(n_phys, sizeof *adm->free_ring);
+  adm->fills = akv_adm_calloc(n_phys, sizeof *adm->fills);
+  adm->fill_at = akv_adm_calloc(n_phys, sizeof *adm->fill_at);
   adm->order = akv_adm_calloc(config->max_contexts, sizeof *adm->order);
   adm->cand = akv_adm_calloc(config->max_contexts, sizeof *adm->cand);
+  adm->cursor = akv_adm_calloc(config->max_contexts, sizeof *adm->cursor);
   adm->mark = akv_adm_calloc(config->max_contexts, sizeof *adm->mark);
   adm->log = akv_adm_calloc(config->log_capacity, sizeof *adm->log);
   if (!adm->slots || !adm->map || !adm->page_slot || !adm->page_logical || !adm->page_fence ||
-      !adm->free_ring || !adm->fills || !adm->fill_at || !adm->order || !adm->cand ||
+      !adm->free_ring || !adm->fills || !adm->fill_at || !adm->order || !adm->cand || !adm->cursor ||
       !adm->mark || !adm->log) {
     st = AKV_ERR_OUT_OF_MEMORY;
     goto fail;
   }
   for (size_t i = 0; i < n_map; i++) adm->map[i] = AKV_ADM_NONE;
-  for (uint32_t p = 0; p < config->n_pages; p++) {
+  for (uint32_t p = 0; p < n_phys; p++) {
     adm->page_slot[p] = AKV_ADM_NONE;
     adm->page_logical[p] = AKV_ADM_NONE;
     adm->free_ring[p] = p;
@@ -229,6 +259,7 @@ void akv_adm_destroy(akv_adm *adm) {
   free(adm->fill_at);
   free(adm->order);
   free(adm->cand);
+  free(adm->cursor);
   free(adm->mark);
   free(adm->log);
   free(adm);
@@ -270,13 +301,13 @@ static uint32_t *akv_adm_map_at(const akv_adm *adm, uint32_t slot, uint32_t logi
 
 static uint32_t akv_adm_free_pop(akv_adm *adm) {
   uint32_t p = adm->free_ring[adm->free_head];
-  adm->free_head = (adm->free_head + 1) % adm->cfg.n_pages;
+  adm->free_head = (adm->free_head + 1) % adm->n_phys;
   adm->n_free--;
   return p;
 }
 
 static void akv_adm_free_push(akv_adm *adm, uint32_t p) {
-  uint32_t at = (uint32_t)(((uint64_t)adm->free_head + adm->n_free) % adm->cfg.n_pages);
+  uint32_t at = (uint32_t)(((uint64_t)adm->free_head + adm->n_free) % adm->n_phys);
   adm->free_ring[at] = p;
   adm->n_free++;
 }
@@ -379,8 +410,9 @@ static uint32_t akv_adm_spare(const akv_adm *adm, uint32_t slot) {
   return AKV_ADM_NONE;
 }
 
-/* Reclaim class of victim v, or AKV_ADM_RULE_COUNT if none: borrowed (intact
- * target, held above it), above target (target revoked, active at this
+/* Reclaim class of victim v, or AKV_ADM_RULE_COUNT if none: headroom (held
+ * above target + burst: reclaim rung 0), borrowed (intact target, held above
+ * it), above target (target revoked, active at this
  * boundary), idle (target revoked, idle: reclaimed whole). Pages within an
  * intact target are never reclaimed, whether their context is active or idle;
  * only admission revokes a target. Because admission keeps the intact targets
@@ -388,8 +420,30 @@ static uint32_t akv_adm_spare(const akv_adm *adm, uint32_t slot) {
  * victim here. */
 static akv_adm_rule akv_adm_victim_class(const akv_adm_slot *v, int idle) {
   if (!v->admitted || v->held == 0) return AKV_ADM_RULE_COUNT;
+  /* Reclaim 0 (headroom): pages an intact target holds beyond target +
+   * burst, which only the headroom extension of a window (pass 3) puts
+   * there. Taken back first. (With a revoked target every page is already
+   * above target: rungs 2 and 3.) */
+  if (!v->revoked && (uint64_t)v->held > (uint64_t)v->eff_target + v->burst)
+    return AKV_ADM_RECLAIM_HEADROOM;
   if (!v->revoked) return v->held > v->eff_target ? AKV_ADM_RECLAIM_BORROWED : AKV_ADM_RULE_COUNT;
   return idle ? AKV_ADM_RECLAIM_IDLE : AKV_ADM_RECLAIM_ABOVE_TARGET;
+}
+
+/* Position of a reclaim class in the reclamation order (lower goes first). */
+static int akv_adm_reclaim_rank(akv_adm_rule r) {
+  switch (r) {
+  case AKV_ADM_RECLAIM_HEADROOM:
+    return 0;
+  case AKV_ADM_RECLAIM_BORROWED:
+    return 1;
+  case AKV_ADM_RECLAIM_ABOVE_TARGET:
+    return 2;
+  case AKV_ADM_RECLAIM_IDLE:
+    return 3;
+  default:
+    return 4;
+  }
 }
 
 /* Idle: admitted and not part of the latest boundary. Between boundaries a
@@ -413,7 +467,7 @@ static uint32_t akv_adm_pick_victim(const akv_adm *adm, uint32_t taker, akv_adm_
     if (s == taker) continue;
     akv_adm_rule r = akv_adm_victim_class(&adm->slots[s], akv_adm_is_idle(adm, &adm->slots[s]));
     if (r == AKV_ADM_RULE_COUNT) continue;
-    if (best == AKV_ADM_NONE || r < best_rule ||
+    if (best == AKV_ADM_NONE || akv_adm_reclaim_rank(r) < akv_adm_reclaim_rank(best_rule) ||
         (r == best_rule && akv_adm_lra_before(&adm->slots[s], &adm->slots[best]))) {
       best = s;
       best_rule = r;
@@ -458,6 +512,60 @@ static void akv_adm_fill_slot(akv_adm *adm, uint32_t slot, uint32_t limit, int b
     uint32_t old = akv_adm_oldest(adm, slot, i == 0 ? adm->cfg.max_logical_pages : l, 0);
     if (old == AKV_ADM_NONE) return; /* nothing of lower priority is resident */
     akv_adm_move(adm, *akv_adm_map_at(adm, slot, old), slot, l, AKV_ADM_SHRINK);
+  }
+}
+
+/* An idle slot holding pages beyond target + burst (its headroom extension),
+ * least recently active first, or NONE: what pass 3 may take back when no
+ * page is free. */
+static uint32_t akv_adm_idle_headroom_victim(const akv_adm *adm, uint32_t taker) {
+  uint32_t best = AKV_ADM_NONE;
+  for (uint32_t s = 0; s < adm->cfg.max_contexts; s++) {
+    const akv_adm_slot *v = &adm->slots[s];
+    if (s == taker || !akv_adm_is_idle(adm, v)) continue;
+    if (akv_adm_victim_class(v, 1) != AKV_ADM_RECLAIM_HEADROOM) continue;
+    if (best == AKV_ADM_NONE || akv_adm_lra_before(v, &adm->slots[best])) best = s;
+  }
+  return best;
+}
+
+/* Pass 3, the headroom extension (only while headroom pages are present):
+ * every active slot's window grows to all its full pages, and the positions
+ * past target + burst are filled round-robin, one page per slot per round in
+ * admission order, from a free page (rule headroom), else from the headroom
+ * extension of an idle slot (reclaim-headroom), else by shrinking from the
+ * slot's own oldest page (keeping the tail hot). Pages placed here are
+ * beyond target + burst: reclaim rung 0 takes them back first. */
+static void akv_adm_fill_headroom(akv_adm *adm, uint32_t n) {
+  for (uint32_t i = 0; i < n; i++) adm->cursor[i] = adm->slots[adm->order[i]].window;
+  for (int progress = 1; progress;) {
+    progress = 0;
+    for (uint32_t i = 0; i < n; i++) {
+      const uint32_t slot = adm->order[i];
+      akv_adm_slot *s = &adm->slots[slot];
+      uint32_t *cur = &adm->cursor[i];
+      while (*cur < s->full_pages &&
+             *akv_adm_map_at(adm, slot, akv_adm_window_logical(s, *cur)) != AKV_ADM_NONE)
+        (*cur)++;
+      if (*cur >= s->full_pages) continue;
+      const uint32_t l = akv_adm_window_logical(s, *cur);
+      uint32_t v;
+      if (adm->n_free > 0) {
+        akv_adm_move(adm, akv_adm_free_pop(adm), slot, l, AKV_ADM_HEADROOM);
+      } else if ((v = akv_adm_idle_headroom_victim(adm, slot)) != AKV_ADM_NONE) {
+        uint32_t vl = akv_adm_oldest(adm, v, adm->cfg.max_logical_pages, 1);
+        akv_adm_move(adm, *akv_adm_map_at(adm, v, vl), slot, l, AKV_ADM_RECLAIM_HEADROOM);
+      } else {
+        uint32_t old = akv_adm_oldest(adm, slot, *cur == 0 ? adm->cfg.max_logical_pages : l, 0);
+        if (old == AKV_ADM_NONE) {
+          *cur = s->full_pages; /* nothing of lower priority is resident */
+          continue;
+        }
+        akv_adm_move(adm, *akv_adm_map_at(adm, slot, old), slot, l, AKV_ADM_SHRINK);
+      }
+      (*cur)++;
+      progress = 1;
+    }
   }
 }
 
@@ -674,6 +782,8 @@ akv_status akv_adm_step(akv_adm *adm, uint64_t step, const akv_adm_request *requ
     akv_adm_slot *s = &adm->slots[adm->order[i]];
     akv_adm_fill_slot(adm, adm->order[i], s->window, 0);
   }
+  /* Pass 3: the headroom extension, while headroom pages are present. */
+  if (adm->hr_live > 0) akv_adm_fill_headroom(adm, n);
   /* Explain material: how far each active slot is from its window. */
   for (uint32_t i = 0; i < n; i++) {
     akv_adm_slot *s = &adm->slots[adm->order[i]];
@@ -689,6 +799,91 @@ akv_status akv_adm_step(akv_adm *adm, uint64_t step, const akv_adm_request *requ
   return AKV_OK;
 fail:
   return st;
+}
+
+/* ------------------------------------------------------------------ */
+/* Headroom pages                                                      */
+/* ------------------------------------------------------------------ */
+
+akv_status akv_adm_headroom_add(akv_adm *adm, uint64_t step, uint32_t count) {
+  if (adm == NULL || count > adm->cfg.n_headroom_pages - adm->hr_live)
+    return AKV_ERR_INVALID_ARGUMENT;
+  if (count == 0) return AKV_OK;
+  akv_adm_clear_fills(adm);
+  for (uint32_t k = 0; k < count; k++) {
+    const uint32_t p = adm->cfg.n_pages + adm->hr_live + k;
+    adm->page_slot[p] = AKV_ADM_NONE;
+    adm->page_logical[p] = AKV_ADM_NONE;
+    akv_adm_free_push(adm, p);
+  }
+  adm->hr_live += count;
+  adm->counters[AKV_ADM_HEADROOM_TAKE] += count;
+  akv_adm_log(adm, step, AKV_ADM_NONE, AKV_ADM_HEADROOM_TAKE, AKV_ADM_NONE, count, 0);
+  return AKV_OK;
+}
+
+akv_status akv_adm_headroom_remove(akv_adm *adm, uint64_t step, uint32_t count,
+                                   uint64_t *fence_out) {
+  if (adm == NULL || fence_out == NULL || count > adm->hr_live) return AKV_ERR_INVALID_ARGUMENT;
+  uint64_t fence = 0;
+  if (count == 0) {
+    *fence_out = 0;
+    return AKV_OK;
+  }
+  akv_adm_clear_fills(adm);
+  const uint32_t first = adm->cfg.n_pages + adm->hr_live - count;
+  /* Mapped pages leave their slots (the host stays authoritative: the rows
+   * are staged again from it); the log names each slot that lost pages. */
+  for (uint32_t p = first; p < first + count; p++) {
+    if (adm->page_fence[p] > fence) fence = adm->page_fence[p];
+    const uint32_t from = adm->page_slot[p];
+    if (from == AKV_ADM_NONE) continue;
+    akv_adm_slot *v = &adm->slots[from];
+    *akv_adm_map_at(adm, from, adm->page_logical[p]) = AKV_ADM_NONE;
+    v->held--;
+    if (v->lost_any && v->lost_step == step && v->lost_to == AKV_ADM_NONE &&
+        v->lost_rule == AKV_ADM_HEADROOM_RELEASE) {
+      v->lost_pages++;
+    } else {
+      v->lost_any = 1;
+      v->lost_step = step;
+      v->lost_to = AKV_ADM_NONE;
+      v->lost_rule = AKV_ADM_HEADROOM_RELEASE;
+      v->lost_pages = 1;
+    }
+    akv_adm_log(adm, step, AKV_ADM_NONE, AKV_ADM_HEADROOM_RELEASE, v->id, 1, 1);
+    adm->page_slot[p] = AKV_ADM_NONE;
+    adm->page_logical[p] = AKV_ADM_NONE;
+  }
+  /* Free pages among them leave the free list (kept in its FIFO order). */
+  uint32_t kept = 0;
+  for (uint32_t k = 0; k < adm->n_free; k++) {
+    uint32_t p = adm->free_ring[(adm->free_head + k) % adm->n_phys];
+    if (p >= first && p < first + count) continue;
+    adm->free_ring[(adm->free_head + kept) % adm->n_phys] = p;
+    kept++;
+  }
+  adm->n_free = kept;
+  for (uint32_t p = first; p < first + count; p++) adm->page_fence[p] = 0;
+  adm->hr_live -= count;
+  adm->counters[AKV_ADM_HEADROOM_RELEASE] += count;
+  akv_adm_log(adm, step, AKV_ADM_NONE, AKV_ADM_HEADROOM_RELEASE, AKV_ADM_NONE, count, 0);
+  *fence_out = fence;
+  return AKV_OK;
+}
+
+uint32_t akv_adm_page_owner(const akv_adm *adm, uint32_t physical) {
+  if (adm == NULL || physical >= adm->n_phys) return AKV_ADM_NONE;
+  return adm->page_slot[physical];
+}
+
+uint32_t akv_adm_headroom_pages(const akv_adm *adm) { return adm != NULL ? adm->hr_live : 0; }
+
+uint32_t akv_adm_headroom_held(const akv_adm *adm, uint32_t slot) {
+  if (adm == NULL || slot >= adm->cfg.max_contexts) return 0;
+  const akv_adm_slot *s = &adm->slots[slot];
+  uint64_t by_right = (uint64_t)s->eff_target + s->burst;
+  return !s->revoked && s->held > by_right ? (uint32_t)(s->held - by_right) : 0;
 }
 
 /* ------------------------------------------------------------------ */
@@ -716,7 +911,7 @@ size_t akv_adm_fills(const akv_adm *adm, const akv_adm_fill **out) {
 }
 
 void akv_adm_page_set_fence(akv_adm *adm, uint32_t physical, uint64_t fence) {
-  if (adm == NULL || physical >= adm->cfg.n_pages) return;
+  if (adm == NULL || physical >= adm->n_phys) return;
   /* Serials are monotonic: keep the latest, never go back to an older one. */
   if (fence > adm->page_fence[physical]) adm->page_fence[physical] = fence;
 }
@@ -770,6 +965,10 @@ static const char *akv_adm_rule_words(akv_adm_rule rule) {
     return "pages above its revoked target";
   case AKV_ADM_RECLAIM_IDLE:
     return "an idle context with a revoked target";
+  case AKV_ADM_RECLAIM_HEADROOM:
+    return "headroom pages beyond its target + burst, taken back first";
+  case AKV_ADM_HEADROOM_RELEASE:
+    return "headroom given back to the caller";
   default:
     return akv_adm_rule_string(rule);
   }
@@ -845,14 +1044,19 @@ size_t akv_adm_explain(const akv_adm *adm, uint32_t slot, char *buf, size_t cap)
                     "the newest)",
                 (unsigned long long)s->seen_step, (unsigned)s->window, (unsigned)s->full_pages,
                 akv_adm_plural(s->full_pages));
-  static const char *const verbs[AKV_ADM_SHRINK + 1] = {
-      "remapped %u own page%s that left its window", "took %u free page%s",
-      "reclaimed %u borrowed page%s", "reclaimed %u page%s above others' targets",
-      "reclaimed %u page%s of idle contexts", "shrank its window by %u page%s"};
+  static const char *const verbs[AKV_ADM_RULE_COUNT] = {
+      [AKV_ADM_OWN_REUSE] = "remapped %u own page%s that left its window",
+      [AKV_ADM_FREE] = "took %u free page%s",
+      [AKV_ADM_RECLAIM_BORROWED] = "reclaimed %u borrowed page%s",
+      [AKV_ADM_RECLAIM_ABOVE_TARGET] = "reclaimed %u page%s above others' targets",
+      [AKV_ADM_RECLAIM_IDLE] = "reclaimed %u page%s of idle contexts",
+      [AKV_ADM_SHRINK] = "shrank its window by %u page%s",
+      [AKV_ADM_RECLAIM_HEADROOM] = "took back %u headroom page%s from others",
+      [AKV_ADM_HEADROOM] = "retained %u more page%s in headroom"};
   uint32_t n_moves = 0, done = 0;
-  for (int r = AKV_ADM_OWN_REUSE; r <= AKV_ADM_SHRINK; r++) n_moves += s->gained[r] > 0;
-  for (int r = AKV_ADM_OWN_REUSE; r <= AKV_ADM_SHRINK; r++) {
-    if (s->gained[r] == 0) continue;
+  for (int r = 0; r < AKV_ADM_RULE_COUNT; r++) n_moves += verbs[r] != NULL && s->gained[r] > 0;
+  for (int r = 0; r < AKV_ADM_RULE_COUNT; r++) {
+    if (verbs[r] == NULL || s->gained[r] == 0) continue;
     akv_adm_say(&t, done == 0 ? "; it " : (done + 1 == n_moves ? " and " : ", "));
     akv_adm_say(&t, verbs[r], (unsigned)s->gained[r], akv_adm_plural(s->gained[r]));
     done++;
@@ -873,9 +1077,20 @@ size_t akv_adm_explain(const akv_adm *adm, uint32_t slot, char *buf, size_t cap)
     akv_adm_say(&t, "; %u %s not resident: it was below its target and nothing was "
                     "reclaimable.",
                 (unsigned)s->short_by, verb);
+  {
+    uint64_t by_right = (uint64_t)s->eff_target + s->burst;
+    if (!s->revoked && s->held > by_right)
+      akv_adm_say(&t, " %llu of its pages are headroom (beyond target + burst): revocable, "
+                      "taken back first under pressure.",
+                  (unsigned long long)(s->held - by_right));
+  }
   if (akv_adm_is_idle(adm, s))
     akv_adm_say(&t, " It has been idle since step %llu.", (unsigned long long)s->seen_step);
-  if (s->lost_any)
+  if (s->lost_any && s->lost_to == AKV_ADM_NONE)
+    akv_adm_say(&t, " At step %llu it lost %u of its pages (%s).",
+                (unsigned long long)s->lost_step, (unsigned)s->lost_pages,
+                akv_adm_rule_words(s->lost_rule));
+  else if (s->lost_any)
     akv_adm_say(&t, " At step %llu context %u reclaimed %u of its pages (%s).",
                 (unsigned long long)s->lost_step, (unsigned)s->lost_to, (unsigned)s->lost_pages,
                 akv_adm_rule_words(s->lost_rule));

@@ -31,6 +31,9 @@ typedef struct akv_adm_config {
   uint32_t max_contexts;     /* slots */
   uint32_t max_logical_pages;/* per slot: ceil(max_tokens / page_tokens) */
   uint32_t log_capacity;     /* bounded decision log entries (>= 1) */
+  uint32_t n_headroom_pages; /* most headroom pages ever present (0 = no headroom); physical
+                                pages n_pages.. n_pages + n_headroom_pages - 1, absent until
+                                akv_adm_headroom_add */
 } akv_adm_config;
 
 /* One context's demand at a step boundary. */
@@ -83,6 +86,25 @@ size_t akv_adm_fills(const akv_adm *adm, const akv_adm_fill **out);
 /* The engine records the fence of the last readers of a physical page
  * (monotonic serial); it travels with the page when the page is freed. */
 void akv_adm_page_set_fence(akv_adm *adm, uint32_t physical, uint64_t fence);
+
+/* Headroom (DESIGN §6): revocable pages after the pool's. Both calls run at a
+ * step boundary only (the engine enforces it) and clear the fills.
+ * add: the next `count` headroom pages become present and free (counter and
+ * log: headroom-take). remove: the newest `count` present headroom pages
+ * leave; a slot holding one loses it (its rows are staged from the
+ * authoritative host copy again); *fence_out is the newest fence of their last
+ * readers, which the caller must see proven before it frees their memory.
+ * Counter and log: headroom-release. Both return AKV_OK or
+ * AKV_ERR_INVALID_ARGUMENT (count out of range) and change nothing then. */
+akv_status akv_adm_headroom_add(akv_adm *adm, uint64_t step, uint32_t count);
+akv_status akv_adm_headroom_remove(akv_adm *adm, uint64_t step, uint32_t count,
+                                   uint64_t *fence_out);
+/* The slot a physical page is mapped to, or AKV_ADM_NONE. */
+uint32_t akv_adm_page_owner(const akv_adm *adm, uint32_t physical);
+/* Headroom pages present now. */
+uint32_t akv_adm_headroom_pages(const akv_adm *adm);
+/* Pages a slot holds beyond target + burst (its headroom extension). */
+uint32_t akv_adm_headroom_held(const akv_adm *adm, uint32_t slot);
 
 /* Diagnostics. */
 void akv_adm_counters(const akv_adm *adm, uint64_t out[AKV_ADM_RULE_COUNT]);

@@ -93,6 +93,7 @@ static void akv_engine_free_all(akv_engine *e) {
   akv_bk_queue_destroy(bk, e->q_d2d);
   for (int b = 0; b < AKV_N_BUFFERS; b++) akv_bk_device_free(bk, e->staging[b]);
   akv_bk_device_free(bk, e->dev_pool);
+  akv_headroom_free_all(e);
   akv_bk_device_free(bk, e->page_map_dev);
   akv_bk_device_free(bk, e->poison);
   akv_bk_host_free(bk, e->page_map_host);
@@ -138,7 +139,8 @@ static akv_status akv_engine_allocate(akv_engine *e) {
   akv_bk *bk = &e->bk;
   const akv_engine_config *c = &e->cfg;
   uint32_t n = e->concurrency;
-  akv_backend_params params = {c->device_ordinal, c->host_delay_seed, c->host_delay_max_us};
+  akv_backend_params params = {c->device_ordinal, c->host_delay_seed, c->host_delay_max_us,
+                               c->host_fake_free_bytes};
 
   e->n_records = n * AKV_CONTEXT_RECORDS_PER_SLOT;
   e->contexts = calloc(e->n_records, sizeof(*e->contexts));
@@ -170,14 +172,6 @@ static akv_status akv_engine_allocate(akv_engine *e) {
     }
   }
 
-  {
-    akv_adm_config ac = {e->n_pages, n, e->max_logical_pages, 256};
-    st = akv_adm_create(&ac, &e->adm);
-    if (st != AKV_OK) {
-      akv_fail(e, st, "admission allocator creation failed");
-      goto fail;
-    }
-  }
 
   st = akv_bk_init(bk, &params);
   if (st != AKV_OK) {
@@ -219,7 +213,7 @@ static akv_status akv_engine_allocate(akv_engine *e) {
     }
     e->device_allocated += e->dev_pool_bytes;
   }
-  if (c->route == AKV_ROUTE_PAGED && e->n_pages > 0) {
+  if (c->route == AKV_ROUTE_PAGED && (e->n_pages > 0 || c->headroom_gib > 0)) {
     /* The step's page map: rebuilt in pinned memory at each boundary and
      * copied to the device on the H2D queue ahead of the step's leases. */
     e->page_map_bytes = (uint64_t)n * e->max_logical_pages * sizeof(uint32_t);
@@ -260,6 +254,17 @@ static akv_status akv_engine_allocate(akv_engine *e) {
     }
     e->device_allocated += e->staging_bytes;
   }
+  /* Headroom is profiled after every other device allocation of the engine. */
+  if ((st = akv_headroom_setup(e)) != AKV_OK) goto fail;
+  {
+    akv_adm_config ac = {e->n_pages, n, e->max_logical_pages, 256, e->hr_max_pages};
+    st = akv_adm_create(&ac, &e->adm);
+    if (st != AKV_OK) {
+      akv_fail(e, st, "admission allocator creation failed");
+      goto fail;
+    }
+  }
+  if ((st = akv_headroom_start(e)) != AKV_OK) goto fail;
   for (uint32_t i = 0; i < e->n_records; i++) {
     akv_context *ctx = &e->contexts[i];
     ctx->engine = e;
@@ -299,6 +304,10 @@ static void akv_config_take(akv_engine_config *full, const akv_engine_config *c)
   AKV_TAKE(fault_fail_nth);
   AKV_TAKE(fault_kind);
   AKV_TAKE(poison_holes);
+  AKV_TAKE(headroom_gib);
+  AKV_TAKE(headroom_reserve_gib);
+  AKV_TAKE(host_fake_free_bytes);
+  AKV_TAKE(headroom_chunk_pages);
 #undef AKV_TAKE
 }
 
@@ -351,7 +360,7 @@ AKV_API akv_status akv_engine_create(const akv_engine_config *caller, akv_engine
   {
     akv_status pick;
     akv_backend_params params = {config->device_ordinal, config->host_delay_seed,
-                                 config->host_delay_max_us};
+                                 config->host_delay_max_us, config->host_fake_free_bytes};
     const akv_backend_ops *ops = akv_pick_backend(config, &params, &pick);
     if (ops == NULL) {
       akv_log_cfg(config, AKV_LOG_ERROR,
@@ -435,6 +444,8 @@ AKV_API akv_status akv_engine_info_get(const akv_engine *e, akv_engine_info *out
   memcpy(out->backend_ops, e->bk.counts, sizeof(out->backend_ops));
   out->transport_failed = e->transport_failed;
   out->quarantined = e->quarantined;
+  out->headroom_pages = akv_adm_headroom_pages(e->adm);
+  out->headroom_bytes = (uint64_t)e->hr_chunks * e->hr_alloc_bytes;
   return AKV_OK;
 }
 
@@ -461,6 +472,11 @@ AKV_API akv_status akv_engine_quarantine(akv_engine *e, akv_quarantine_report *r
     }
     akv_leases_release_all(e);
     r.tickets_released = before_tickets;
+    /* Completion is established: nothing in flight reads the headroom asked
+     * back during the failed step, so it is freed now (an uncertain drain
+     * below keeps it, with everything else). */
+    e->fence_done = e->fence_serial;
+    (void)akv_headroom_apply_pending(e);
     e->retained = false;
     e->quarantined = true;
     st = AKV_OK;

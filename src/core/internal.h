@@ -144,6 +144,25 @@ struct akv_engine {
   uint32_t pinned_refs;   /* tickets holding the pinned pool */
 
   akv_adm *adm;
+  /* Physical pages (pool, then headroom; headroom.c): K row 0 of layer 0 of
+   * each, and on the paged route its page_map entry, the page sitting at
+   * page_base + entry * page_bytes. [n_pages + hr_max_pages] each. */
+  uint8_t **page_ptr;
+  uint32_t *page_entry;
+  uint8_t *page_base;   /* paged route: the grid's origin (akv_view.pages of layer 0) */
+  uint64_t page_base_k; /* pool page p has entry page_base_k + p */
+
+  /* Revocable headroom (headroom.c). Chunks [0, hr_chunks) are allocated;
+   * the newest hr_pending_chunks of them are asked back during the open step
+   * and freed at its end. */
+  bool hr_enabled;
+  uint32_t hr_max_pages, hr_chunk_pages, hr_max_chunks;
+  uint32_t hr_chunks, hr_pending_chunks;
+  uint8_t **hr_chunk;        /* [hr_max_chunks] */
+  uint64_t hr_alloc_bytes;   /* one chunk's allocation (slack page included on paged) */
+  uint64_t hr_cap_bytes, hr_reserve_bytes, hr_profile_free;
+  uint64_t hr_bytes_released, hr_releases, hr_takes;
+
   /* Context handles are records, AKV_CONTEXT_RECORDS_PER_SLOT per host slot,
    * handed out in turn: a closed handle stays dead (AKV_ERR_BAD_HANDLE) until
    * every other record has been opened since, instead of aliasing the next
@@ -226,6 +245,16 @@ void akv_ticket_release(akv_engine *e, akv_context *c, uint64_t generation);
 /* Where the backend makes it possible (host backend), true only for a live
  * stream the engine handed out; on CUDA any non-NULL cudaStream_t. */
 bool akv_stream_known(const akv_engine *e, akv_stream s);
+
+/* headroom.c */
+/* Create, after every other device allocation: profile, log line, sizes. */
+akv_status akv_headroom_setup(akv_engine *e);
+/* Create, once admission exists: page address tables and the first take. */
+akv_status akv_headroom_start(akv_engine *e);
+/* At a point where no lease is live (step_end, proven quarantine): frees the
+ * chunks asked back during the step. */
+akv_status akv_headroom_apply_pending(akv_engine *e);
+void akv_headroom_free_all(akv_engine *e);
 
 /* lease.c */
 void akv_leases_release_all(akv_engine *e); /* quarantine, after completion is proven */

@@ -89,7 +89,7 @@ static void akv_lease_plan_context(akv_lease *ls, uint32_t i, size_t *n_h2d, siz
   const uint64_t row = e->pair_bytes;
   const uint32_t pt = e->cfg.page_tokens;
   const uint32_t len = ls->len[i];
-  const uint32_t full = e->n_pages > 0 ? len / pt : 0;
+  const uint32_t full = e->n_pages + e->hr_max_pages > 0 ? len / pt : 0;
   uint8_t *stage = e->staging[ls->buffer] + (uint64_t)i * e->seg_bytes;
   const uint8_t *host = akv_host_layer(e, c, ls->layer);
   uint32_t run_start = 0;
@@ -117,8 +117,7 @@ static void akv_lease_plan_context(akv_lease *ls, uint32_t i, size_t *n_h2d, siz
       run_start = (p + 1) * pt;
     } else if (p < full && phys != AKV_ADM_NONE) {
       e->sc2_dst[*n_d2d] = stage + (uint64_t)p * pt * row;
-      e->sc2_src[*n_d2d] = e->dev_pool + (uint64_t)phys * e->page_bytes +
-                           (uint64_t)ls->layer * e->page_seg_bytes;
+      e->sc2_src[*n_d2d] = e->page_ptr[phys] + (uint64_t)ls->layer * e->page_seg_bytes;
       e->sc2_bytes[*n_d2d] = e->page_seg_bytes;
       d2d_bytes += e->page_seg_bytes;
       (*n_d2d)++;
@@ -251,7 +250,7 @@ static void akv_lease_view(const akv_lease *ls, akv_view *v) {
     v->page_map_stride = e->max_logical_pages;
     v->page_map = e->page_map_dev;
     v->page_map_host = e->page_map_host;
-    v->pages = e->dev_pool + (uint64_t)ls->layer * e->page_seg_bytes;
+    v->pages = e->page_base + (uint64_t)ls->layer * e->page_seg_bytes;
     v->page_stride = e->page_bytes;
   }
 }
@@ -297,10 +296,14 @@ AKV_API akv_status akv_lease_mark_consumed(akv_lease *ls, akv_stream stream,
    * the largest of the step, proven with every other at the next boundary
    * (pages are reused only at boundaries). */
   if (e->page_map_dev != NULL && ls->layer + 1 == e->cfg.n_dense_layers) {
+    /* The map holds grid entries; the fences belong to physical pages, the
+     * ones admission mapped at this boundary (the map was built from them). */
     for (uint32_t i = 0; i < ls->n_contexts; i++) {
-      const uint32_t *row = e->page_map_host + (uint64_t)i * e->max_logical_pages;
-      for (uint32_t p = 0; p < e->max_logical_pages; p++)
-        if (row[p] != AKV_PAGE_STAGED) akv_adm_page_set_fence(e->adm, row[p], ls->fence_attn);
+      const uint32_t full = ls->len[i] / e->cfg.page_tokens;
+      for (uint32_t p = 0; p < full; p++) {
+        const uint32_t phys = akv_adm_page_of(e->adm, ls->contexts[i]->slot, p);
+        if (phys != AKV_ADM_NONE) akv_adm_page_set_fence(e->adm, phys, ls->fence_attn);
+      }
     }
   }
   attention->serial = ls->fence_attn;

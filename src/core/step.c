@@ -47,8 +47,7 @@ static akv_status akv_step_fill_pages(akv_engine *e) {
       n = 0;
     }
     for (uint32_t l = 0; l < e->cfg.n_dense_layers; l++) {
-      e->sc2_dst[n] = e->dev_pool + (uint64_t)fl->physical * e->page_bytes +
-                      (uint64_t)l * e->page_seg_bytes;
+      e->sc2_dst[n] = e->page_ptr[fl->physical] + (uint64_t)l * e->page_seg_bytes;
       e->sc2_src[n] = akv_host_layer(e, c, l) + (uint64_t)fl->logical * e->page_seg_bytes;
       e->sc2_bytes[n] = e->page_seg_bytes;
       n++;
@@ -92,7 +91,7 @@ static akv_status akv_step_publish_map(akv_engine *e, akv_context *const *ctxs, 
     const uint32_t full = ctxs[i]->len / e->cfg.page_tokens;
     for (uint32_t p = 0; p < stride; p++) {
       const uint32_t phys = p < full ? akv_adm_page_of(e->adm, ctxs[i]->slot, p) : AKV_ADM_NONE;
-      row[p] = phys == AKV_ADM_NONE ? AKV_PAGE_STAGED : phys;
+      row[p] = phys == AKV_ADM_NONE ? AKV_PAGE_STAGED : e->page_entry[phys];
     }
   }
   AKV_CHECK(akv_bk_copy(&e->bk, e->q_h2d, AKV_COPY_H2D, e->page_map_dev, e->page_map_host,
@@ -127,7 +126,7 @@ AKV_API akv_status akv_step_begin(akv_engine *e, akv_context *const *ctxs, uint3
    * on by a retire (or by quarantine). */
   e->fence_done = e->fence_serial;
   e->step++;
-  if (e->n_pages > 0) {
+  if (e->n_pages + e->hr_max_pages > 0) {
     for (uint32_t i = 0; i < n; i++) {
       e->adm_req[i].slot = ctxs[i]->slot;
       e->adm_req[i].full_pages = ctxs[i]->len / e->cfg.page_tokens;
@@ -171,5 +170,11 @@ AKV_API akv_status akv_step_end(akv_engine *e) {
   e->step_open = false;
   e->step_n = 0;
   e->steps_done++;
+  /* Headroom asked back during the step: every lease of the step has retired
+   * (each retire waited on its copies and its attention), so nothing reads
+   * those pages any more; they leave admission and their memory is freed. */
+  e->fence_done = e->fence_serial;
+  st = akv_headroom_apply_pending(e);
+  if (st != AKV_OK) return st;
   return AKV_OK;
 }

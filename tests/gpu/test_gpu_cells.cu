@@ -10,6 +10,12 @@
  * per element: half the staged bytes) attended with per-(layer, KV head)
  * scales.
  *
+ * Headroom cells (DESIGN §6): arena and paged with revocable headroom, a
+ * 0 GiB pool whose history lives in headroom, and a tight pool plus headroom
+ * whose headroom is all given back in the middle of step 2 (leases in
+ * flight); after that step's end a cudaMalloc of the released size must
+ * succeed and decode goes on bit-identically.
+ *
  * Exits 77 (skipped) on a machine without a usable CUDA device.
  * AKV_CELLS_QUICK=1 keeps only lengths 1, page-1 and page+1 (for sanitizer runs).
  */
@@ -115,6 +121,8 @@ struct cell {
   uint32_t pool_gib;   /* 0 = stage */
   uint32_t target;     /* AKV_TARGET_FAIR_SHARE = roomy */
   const char *pool_name;
+  uint32_t headroom_gib;  /* 0 = off */
+  int release_mid;        /* give all headroom back mid step 2 */
 };
 
 struct run_state {
@@ -230,6 +238,7 @@ static void run_cell(const cell *c, uint64_t *compared) {
    * staging buffer instead of in place would show in every bit. */
   ec.poison_holes = c->route == AKV_ROUTE_PAGED && c->target != AKV_TARGET_FAIR_SHARE;
   ec.log_fn = silent;
+  ec.headroom_gib = c->headroom_gib;
   akv_engine *e = NULL;
   AK(akv_engine_create(&ec, &e));
   akv_engine_info info;
@@ -293,10 +302,17 @@ static void run_cell(const cell *c, uint64_t *compared) {
   for (uint32_t s = 0; s < STEPS; s++) {
     rs.step = s;
     akv_lease *lease[LAYERS];
+    uint64_t released = 0;
     AK(akv_step_begin(e, ctx.data(), c->n_ctx));
     for (uint32_t l = 0; l < LAYERS; l++) {
       akv_fence attn, tail;
       AK(akv_lease_begin(e, l, &lease[l]));
+      if (c->release_mid && s == 1 && l == 0) {
+        uint64_t now_b = 1, pend_b = 0;
+        AK(akv_headroom_release(e, UINT64_MAX, &now_b, &pend_b));
+        assert_int_equal(now_b, 0); /* leases in flight: nothing freed yet */
+        released = pend_b;
+      }
       if (l >= 2) AK(akv_lease_retire(lease[l - 2], NULL));
       AK(akv_lease_attend(lease[l], akv_stream_from_cuda(rs.stream), hook, &rs, &attn));
       AK(akv_lease_write_back(lease[l], NULL, 0, &tail));
@@ -308,6 +324,16 @@ static void run_cell(const cell *c, uint64_t *compared) {
       staged_h2d += r.bytes_h2d;
     }
     AK(akv_step_end(e));
+    if (released > 0) {
+      /* Freed by step_end: the caller's allocator can have it now. */
+      void *p = NULL;
+      CK(cudaMalloc(&p, released));
+      CK(cudaFree(p));
+      akv_headroom_info hi;
+      AK(akv_headroom_get(e, &hi));
+      assert_int_equal(hi.pages, 0);
+      assert_int_equal(hi.bytes, 0);
+    }
     /* resident: the same kernel, same new rows, over the resident copy */
     for (uint32_t l = 0; l < LAYERS; l++) {
       uint8_t *k0 = resident + (uint64_t)l * 2 * seg;
@@ -345,10 +371,12 @@ static void run_cell(const cell *c, uint64_t *compared) {
     }
   }
   AK(akv_engine_info_get(e, &info));
-  printf("  cell %-4s %-5s len=%-5u ctx=%u pool=%-5s: %u steps bit-identical; H2D %.1f MB, D2D "
-         "%.1f MB\n",
-         fp8 ? "fp8" : "bf16", route_name(c->route), c->len, c->n_ctx, c->pool_name, STEPS,
-         info.bytes_h2d / 1e6, info.bytes_d2d / 1e6);
+  printf("  cell %-4s %-5s len=%-5u ctx=%u pool=%-5s headroom=%u GiB%s: %u steps bit-identical; "
+         "H2D %.1f MB, D2D %.1f MB, in place %.1f MB\n",
+         fp8 ? "fp8" : "bf16", route_name(c->route), c->len, c->n_ctx, c->pool_name,
+         c->headroom_gib, c->release_mid ? " (released mid step 2)" : "", STEPS,
+         info.bytes_h2d / 1e6, info.bytes_d2d / 1e6, info.bytes_in_place / 1e6);
+  if (c->headroom_gib > 0 && !c->release_mid) assert_true(info.headroom_pages > 0);
   if (c->route == AKV_ROUTE_ARENA && c->len >= 2 * PT) assert_true(info.bytes_d2d > 0);
   if (c->route == AKV_ROUTE_PAGED) assert_int_equal(info.bytes_d2d, 0);
   /* paged: from two pages on, some history was read in place */
@@ -388,6 +416,8 @@ static void run_route(akv_route route, akv_dtype dtype) {
         c.target = v ? AKV_TARGET_FAIR_SHARE : 2; /* roomy / tight (sink + 1) */
         c.pool_name = v ? "roomy" : "tight";
       }
+      c.headroom_gib = 0;
+      c.release_mid = 0;
       run_cell(&c, &compared);
       cells++;
     }
@@ -398,6 +428,37 @@ static void run_route(akv_route route, akv_dtype dtype) {
   assert_true(cells >= (quick ? 6 : 12));
 }
 
+/* Headroom cells: lengths x {0 GiB pool + headroom, tight pool + headroom
+ * released mid-step}, 1 or 4 contexts: 12 per route. */
+static void run_headroom(akv_route route) {
+  const uint32_t lens[] = {1, PT - 1, PT + 1, 1001, 4 * PT, 31744};
+  bool quick = getenv("AKV_CELLS_QUICK") != NULL;
+  uint64_t compared = 0;
+  int cells = 0;
+  for (uint32_t k = 0; k < sizeof(lens) / sizeof(lens[0]); k++) {
+    if (quick && k != 0 && k != 2 && k != 4) continue;
+    for (int v = 0; v < 2; v++) {
+      cell c;
+      c.dtype = AKV_DTYPE_BF16;
+      c.route = route;
+      c.len = lens[k];
+      c.n_ctx = (k + v) % 2 ? 4 : 1;
+      c.pool_gib = v ? 1 : 0;
+      c.target = v ? 2 : 0;
+      c.pool_name = v ? "tight" : "0";
+      c.headroom_gib = 4;
+      c.release_mid = v;
+      run_cell(&c, &compared);
+      cells++;
+    }
+  }
+  printf("route %s with headroom: %d cells, %llu layer outputs compared, all bit-identical\n",
+         route_name(route), cells, (unsigned long long)compared);
+  assert_true(cells >= (quick ? 6 : 12));
+}
+
+static void test_arena_headroom_cells(void **) { run_headroom(AKV_ROUTE_ARENA); }
+static void test_paged_headroom_cells(void **) { run_headroom(AKV_ROUTE_PAGED); }
 static void test_stage_cells(void **) { run_route(AKV_ROUTE_STAGE, AKV_DTYPE_BF16); }
 static void test_arena_cells(void **) { run_route(AKV_ROUTE_ARENA, AKV_DTYPE_BF16); }
 static void test_paged_cells(void **) { run_route(AKV_ROUTE_PAGED, AKV_DTYPE_BF16); }
@@ -418,6 +479,8 @@ int main(void) {
       cmocka_unit_test(test_stage_cells_fp8),
       cmocka_unit_test(test_arena_cells_fp8),
       cmocka_unit_test(test_paged_cells_fp8),
+      cmocka_unit_test(test_arena_headroom_cells),
+      cmocka_unit_test(test_paged_headroom_cells),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
