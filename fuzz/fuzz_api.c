@@ -17,11 +17,12 @@
  * quarantined when it succeeds; and teardown must free everything (no worker
  * thread may outlive its engine; LeakSanitizer checks memory).
  *
- * Handles the API cannot check are not fuzzed: an engine after a successful
- * destroy (its memory is gone), and a stream after akv_stream_destroy when
- * given to akv_stream_synchronize or akv_stream_launch_host (those two do
- * not look the stream up; see docs/reliability.md). Stale streams are given
- * to the lease calls, which do look them up.
+ * Dead handles must be refused with AKV_ERR_BAD_HANDLE within the reuse
+ * bounds akv.h states ("Handle lifetimes"): a closed context, a retired (or
+ * quarantine-released) lease, an engine after a successful destroy, and the
+ * contexts and leases of that engine. Destroyed streams are given to every
+ * call that takes a stream, and a stream an unretired lease used must not be
+ * destroyable (AKV_ERR_IN_USE); ASan sees any read of freed memory.
  *
  * Build: scripts/fuzz.sh (clang, -fsanitize=fuzzer,address,undefined).
  */
@@ -77,6 +78,15 @@ typedef struct state {
   akv_context *ctx[N_CTX];      /* handles seen: open, closed, or reopened slots */
   unsigned char dead[N_CTX];    /* ctx[i] was closed and open has not returned it since */
   akv_lease *lease[N_LEASE];    /* handles seen: any state */
+  unsigned char lease_dead[N_LEASE]; /* lease[i] retired or released ... */
+  uint32_t lease_dead_at[N_LEASE];   /* ... when `begins` had this value */
+  uint32_t begins;              /* successful akv_lease_begin calls on this engine */
+  /* The engine destroyed last in this input, its contexts and lease handles:
+   * dead, refused while fewer creates than the bound followed. */
+  akv_engine *old_e;
+  uint32_t creates_since;       /* successful creates since old_e's destroy */
+  akv_context *old_ctx[N_CTX];
+  akv_lease *old_lease[N_LEASE];
   akv_fence fence[N_FENCE];
   int n_fence;
   int hook_mode;                /* 0: enqueue the new rows, 1: do nothing, 2: fail */
@@ -154,7 +164,8 @@ static akv_lease *pick_lease(state *s, input *in) {
   }
 }
 
-/* For the lease calls: live streams, destroyed ones, and non-streams. */
+/* For every call that takes a stream: live streams, destroyed ones, and
+ * non-streams. */
 static akv_stream pick_stream(state *s, input *in) {
   uint8_t b = byte(in) % 16;
   if (b < N_STREAM) return s->streams[b % N_STREAM] != NULL ? s->streams[b % N_STREAM] : s->streams[0];
@@ -165,12 +176,6 @@ static akv_stream pick_stream(state *s, input *in) {
     case 13: return (akv_stream)s->e;
     default: return s->streams[0];
   }
-}
-
-/* For stream calls that do not look the stream up: live ones only. */
-static akv_stream pick_live_stream(state *s, input *in) {
-  akv_stream st = s->streams[byte(in) % N_STREAM];
-  return st != NULL ? st : s->streams[0];
 }
 
 static akv_fence pick_fence(state *s, input *in) {
@@ -185,15 +190,44 @@ static void keep_fence(state *s, akv_fence f) {
   s->fence[s->n_fence < N_FENCE ? s->n_fence++ : (int)(f.serial % N_FENCE)] = f;
 }
 
+/* A handle begin just returned: alive (again, if its record came back). */
 static void keep_lease(state *s, akv_lease *ls) {
+  int at = -1;
+  s->begins++;
+  for (int i = 0; i < N_LEASE && at < 0; i++)
+    if (s->lease[i] == ls) at = i;
+  for (int i = 0; i < N_LEASE && at < 0; i++)
+    if (s->lease[i] == NULL) at = i;
+  if (at < 0) at = (int)((uintptr_t)ls % N_LEASE);
+  s->lease[at] = ls;
+  s->lease_dead[at] = 0;
+}
+
+static void mark_lease_dead(state *s, const akv_lease *ls) {
   for (int i = 0; i < N_LEASE; i++)
-    if (s->lease[i] == ls) return;
-  for (int i = 0; i < N_LEASE; i++)
-    if (s->lease[i] == NULL) {
-      s->lease[i] = ls;
-      return;
+    if (s->lease[i] == ls && ls != NULL && !s->lease_dead[i]) {
+      s->lease_dead[i] = 1;
+      s->lease_dead_at[i] = s->begins;
     }
-  s->lease[(uintptr_t)ls % N_LEASE] = ls;
+}
+
+/* Quarantine released every lease not yet retired. */
+static void mark_all_leases_dead(state *s) {
+  for (int i = 0; i < N_LEASE; i++) mark_lease_dead(s, s->lease[i]);
+}
+
+/* A dead lease handle is refused while fewer than (handles per layer - 1) x
+ * layers begins followed its death (akv.h). */
+static void expect_dead_lease_refused(const state *s, const char *fn, const akv_lease *ls,
+                                      akv_status st) {
+  for (int i = 0; i < N_LEASE; i++)
+    if (s->lease[i] == ls && ls != NULL && s->lease_dead[i] &&
+        s->begins - s->lease_dead_at[i] < (AKV_LEASE_HANDLES_PER_LAYER - 1) * s->layers &&
+        st != AKV_ERR_BAD_HANDLE) {
+      fprintf(stderr, "fuzz_api: %s on a dead lease handle returned %s, not BAD_HANDLE\n", fn,
+              akv_status_string(st));
+      abort();
+    }
 }
 
 /* A handle open just returned: alive (again, if its record came back). */
@@ -318,13 +352,21 @@ static void engine_new(state *s, input *in) {
     s->e = NULL;
     return;
   }
+  s->creates_since++;
   st = akv_stream_create(s->e, &s->streams[0]);
   expect("akv_stream_create", st, OKS | BE);
   if (st != AKV_OK) s->streams[0] = NULL;
 }
 
-/* Forgets every handle of the engine (after it was destroyed). */
+/* Forgets every handle of the engine (after it was destroyed), keeping
+ * them as the dead handles of the last destroyed engine. */
 static void forget_engine(state *s) {
+  s->old_e = s->e;
+  s->creates_since = 0;
+  memcpy(s->old_ctx, s->ctx, sizeof(s->ctx));
+  memcpy(s->old_lease, s->lease, sizeof(s->lease));
+  memset(s->lease_dead, 0, sizeof(s->lease_dead));
+  s->begins = 0;
   s->e = NULL;
   memset(s->streams, 0, sizeof(s->streams));
   memset(s->stale, 0, sizeof(s->stale));
@@ -334,10 +376,15 @@ static void forget_engine(state *s) {
   s->n_fence = 0;
 }
 
-static void streams_destroy_all(state *s) {
+/* Destroys every stream no unretired lease used (those answer IN_USE and
+ * stay); with `all`, every one must go (nothing unretired is left). */
+static void streams_destroy_all(state *s, int all) {
   for (int i = 0; i < N_STREAM; i++)
     if (s->streams[i] != NULL) {
-      expect("akv_stream_destroy", akv_stream_destroy(s->e, s->streams[i]), OKS);
+      akv_status st = akv_stream_destroy(s->e, s->streams[i]);
+      expect("akv_stream_destroy", st, all ? OKS : OKS | S(AKV_ERR_IN_USE));
+      if (st != AKV_OK) continue;
+      if (s->n_stale < N_STREAM) s->stale[s->n_stale++] = s->streams[i];
       s->streams[i] = NULL;
     }
 }
@@ -347,7 +394,7 @@ static void teardown(state *s) {
   akv_status st;
   akv_quarantine_report q;
   if (s->e == NULL) return;
-  streams_destroy_all(s);
+  streams_destroy_all(s, 0);
   st = akv_engine_destroy(s->e);
   expect("akv_engine_destroy", st, OKS | S(AKV_ERR_BUSY));
   if (st == AKV_ERR_BUSY) {
@@ -361,6 +408,7 @@ static void teardown(state *s) {
               q.uncertain);
       abort();
     }
+    streams_destroy_all(s, 1); /* quarantine released every lease */
     st = akv_engine_destroy(s->e);
     if (st != AKV_OK) {
       fprintf(stderr, "fuzz_api: destroy after quarantine returned %s: %s\n",
@@ -400,6 +448,25 @@ static void op_append(state *s, input *in, int failed) {
     v[l] = g_rows[l];
   }
   if (b == 1) k[s->layers - 1] = NULL;
+  if (b & 0x10) {
+    /* One layer only (layer may be out of range; b & 0x20 a NULL row
+     * array): the context's length is the minimum over its layers, so a
+     * per-layer append never lowers it and a refused one never moves it. */
+    uint32_t layer = byte(in) % (MAX_LAYERS + 2), before = 0, after = 0;
+    int had = akv_context_length(c, &before) == AKV_OK;
+    akv_status st = akv_context_append_layer(c, layer, n, b & 0x20 ? NULL : g_rows[layer % MAX_LAYERS],
+                                             g_rows[layer % MAX_LAYERS]);
+    expect_mut(s, failed, "akv_context_append_layer", st,
+               OKS | BH | IA | S(AKV_ERR_CAPACITY) | S(AKV_ERR_IN_USE) | QU);
+    expect_dead_refused(s, "akv_context_append_layer", c, st);
+    if (had && (akv_context_length(c, &after) != AKV_OK || after < before ||
+                (st != AKV_OK && after != before) || after > before + n)) {
+      fprintf(stderr, "fuzz_api: akv_context_append_layer (%s) moved the length %u -> %u\n",
+              akv_status_string(st), before, after);
+      abort();
+    }
+    return;
+  }
   akv_status st = akv_context_append(c, n, b == 2 ? NULL : k, b == 3 ? NULL : v);
   expect_mut(s, failed, "akv_context_append", st,
              OKS | BH | IA | S(AKV_ERR_CAPACITY) | S(AKV_ERR_IN_USE) | QU);
@@ -437,7 +504,8 @@ static void op_step_begin(state *s, input *in, int failed) {
   uint8_t b = byte(in);
   for (uint32_t i = 0; i < n; i++) list[i] = pick_ctx(s, in);
   expect_mut(s, failed, "akv_step_begin", akv_step_begin(s->e, b == 7 ? NULL : list, n),
-             OKS | BH | IA | S(AKV_ERR_STEP_STATE) | S(AKV_ERR_CAPACITY) | BE | QU);
+             OKS | BH | IA | S(AKV_ERR_STEP_STATE) | S(AKV_ERR_CAPACITY) |
+                 S(AKV_ERR_UNEVEN_LAYERS) | BE | QU);
 }
 
 static void op_lease_begin(state *s, input *in, int failed) {
@@ -456,8 +524,9 @@ static void op_wait_ready(state *s, input *in, int failed) {
   akv_lease *ls = pick_lease(s, in);
   akv_stream st = pick_stream(s, in);
   uint8_t b = byte(in);
-  expect_mut(s, failed, "akv_lease_wait_ready", akv_lease_wait_ready(ls, st, b == 1 ? NULL : &view),
-             OKS | BH | IA | S(AKV_ERR_LEASE_STATE) | BE | QU);
+  akv_status r = akv_lease_wait_ready(ls, st, b == 1 ? NULL : &view);
+  expect_mut(s, failed, "akv_lease_wait_ready", r, OKS | BH | IA | S(AKV_ERR_LEASE_STATE) | BE | QU);
+  expect_dead_lease_refused(s, "akv_lease_wait_ready", ls, r);
 }
 
 static void op_mark_consumed(state *s, input *in, int failed) {
@@ -468,6 +537,7 @@ static void op_mark_consumed(state *s, input *in, int failed) {
   akv_status r = akv_lease_mark_consumed(ls, st, b == 1 ? NULL : &f);
   expect_mut(s, failed, "akv_lease_mark_consumed", r,
              OKS | BH | IA | S(AKV_ERR_LEASE_STATE) | BE | QU);
+  expect_dead_lease_refused(s, "akv_lease_mark_consumed", ls, r);
   if (r == AKV_OK) keep_fence(s, f);
 }
 
@@ -480,6 +550,7 @@ static void op_attend(state *s, input *in, int failed) {
   s->hook_mode = b < 200 ? 0 : b < 240 ? 1 : 2;
   r = akv_lease_attend(ls, st, b == 1 ? NULL : hook, s, b == 2 ? NULL : &f);
   expect_mut(s, failed, "akv_lease_attend", r, OKS | BH | IA | S(AKV_ERR_LEASE_STATE) | BE | QU);
+  expect_dead_lease_refused(s, "akv_lease_attend", ls, r);
   if (r == AKV_OK) keep_fence(s, f);
 }
 
@@ -495,22 +566,27 @@ static void op_write_back(state *s, input *in, int failed) {
                            b == 0x20 ? NULL : &f);
   expect_mut(s, failed, "akv_lease_write_back", r,
              OKS | BH | IA | S(AKV_ERR_LEASE_STATE) | S(AKV_ERR_OWNER_MISMATCH) | BE | QU);
+  expect_dead_lease_refused(s, "akv_lease_write_back", ls, r);
   if (r == AKV_OK) keep_fence(s, f);
 }
 
 static void op_seal(state *s, input *in, int failed) {
   akv_lease *ls = pick_lease(s, in);
   akv_fence tail = pick_fence(s, in), attn = pick_fence(s, in);
-  expect_mut(s, failed, "akv_lease_seal", akv_lease_seal(ls, tail, attn),
+  akv_status r = akv_lease_seal(ls, tail, attn);
+  expect_mut(s, failed, "akv_lease_seal", r,
              OKS | BH | S(AKV_ERR_LEASE_STATE) | S(AKV_ERR_FENCE_MISMATCH) | QU);
+  expect_dead_lease_refused(s, "akv_lease_seal", ls, r);
 }
 
 static void op_retire(state *s, input *in, int failed) {
   akv_receipt r;
   akv_lease *ls = pick_lease(s, in);
   uint8_t b = byte(in);
-  expect_mut(s, failed, "akv_lease_retire", akv_lease_retire(ls, b & 1 ? NULL : &r),
-             OKS | BH | S(AKV_ERR_LEASE_STATE) | BE | QU);
+  akv_status st = akv_lease_retire(ls, b & 1 ? NULL : &r);
+  expect_mut(s, failed, "akv_lease_retire", st, OKS | BH | S(AKV_ERR_LEASE_STATE) | BE | QU);
+  expect_dead_lease_refused(s, "akv_lease_retire", ls, st);
+  if (st == AKV_OK) mark_lease_dead(s, ls);
 }
 
 static void op_quarantine(state *s, input *in) {
@@ -518,6 +594,7 @@ static void op_quarantine(state *s, input *in) {
   uint8_t b = byte(in);
   akv_status st = akv_engine_quarantine(b == 9 ? (akv_engine *)s->bogus : s->e, b & 1 ? NULL : &q);
   expect("akv_engine_quarantine", st, OKS | BH | S(AKV_ERR_UNCERTAIN_FENCE));
+  if (st == AKV_OK && b != 9) mark_all_leases_dead(s); /* released: dead handles */
   if (st == AKV_OK && b != 9) {
     akv_engine_info info;
     expect("akv_engine_info_get", akv_engine_info_get(s->e, &info), OKS);
@@ -537,7 +614,7 @@ static void op_destroy(state *s, input *in) {
     expect("akv_engine_destroy", akv_engine_destroy((akv_engine *)s->ctx[0]), BH);
     return;
   }
-  if (b & 1) streams_destroy_all(s);
+  if (b & 1) streams_destroy_all(s, 0);
   st = akv_engine_destroy(s->e);
   expect("akv_engine_destroy", st, OKS | S(AKV_ERR_BUSY));
   if (st == AKV_OK) {
@@ -624,7 +701,10 @@ static void op_streams(state *s, input *in, int failed) {
     case 1: {
       int i = byte(in) % N_STREAM;
       if (s->streams[i] == NULL || i == 0) break; /* keep streams[0] for the legal steps */
-      expect("akv_stream_destroy", akv_stream_destroy(s->e, s->streams[i]), OKS);
+      r = akv_stream_destroy(s->e, s->streams[i]);
+      /* a stream an unretired lease used stays (AKV_ERR_IN_USE) */
+      expect("akv_stream_destroy", r, OKS | S(AKV_ERR_IN_USE));
+      if (r != AKV_OK) break;
       if (s->n_stale < N_STREAM) s->stale[s->n_stale++] = s->streams[i];
       s->streams[i] = NULL;
       break;
@@ -634,12 +714,12 @@ static void op_streams(state *s, input *in, int failed) {
              akv_stream_destroy(s->e, byte(in) & 1 ? NULL : (akv_stream)s->bogus), IA | BH);
       break;
     case 3:
-      expect_mut(s, failed, "akv_stream_synchronize", akv_stream_synchronize(s->e, pick_live_stream(s, in)),
+      expect_mut(s, failed, "akv_stream_synchronize", akv_stream_synchronize(s->e, pick_stream(s, in)),
                  OKS | BH | IA | BE | QU);
       break;
     case 4:
       expect_mut(s, failed, "akv_stream_launch_host",
-                 akv_stream_launch_host(s->e, pick_live_stream(s, in), byte(in) & 1 ? NULL : noop_fn,
+                 akv_stream_launch_host(s->e, pick_stream(s, in), byte(in) & 1 ? NULL : noop_fn,
                                         NULL),
                  OKS | BH | IA | BE | QU);
       break;
@@ -696,6 +776,7 @@ static void op_config(state *s, input *in) {
     expect("akv_engine_create", st,
            OKS | IA | S(AKV_ERR_CONFIG) | S(AKV_ERR_NO_FIT) | S(AKV_ERR_OUT_OF_MEMORY) |
                S(AKV_ERR_NOT_SUPPORTED) | BE);
+    if (st == AKV_OK) s->creates_since++;
     if (st == AKV_OK) expect("akv_engine_destroy", akv_engine_destroy(e2), OKS);
     return;
   }
@@ -706,8 +787,8 @@ static void op_config(state *s, input *in) {
   expect("akv_engine_create", st,
          OKS | IA | S(AKV_ERR_CONFIG) | S(AKV_ERR_NO_FIT) | S(AKV_ERR_OUT_OF_MEMORY) |
              S(AKV_ERR_NOT_SUPPORTED) | BE);
+  if (st == AKV_OK) s->creates_since++;
   if (st == AKV_OK) expect("akv_engine_destroy", akv_engine_destroy(e2), OKS);
-  (void)s;
 }
 
 /* One whole legal step over the open contexts that have room. */
@@ -726,7 +807,8 @@ static void op_legal_step(state *s, int failed) {
   if (n == 0 || s->streams[0] == NULL) return;
   st = akv_step_begin(s->e, list, n);
   expect_mut(s, failed, "akv_step_begin", st,
-             OKS | BH | IA | S(AKV_ERR_STEP_STATE) | S(AKV_ERR_CAPACITY) | BE | QU);
+             OKS | BH | IA | S(AKV_ERR_STEP_STATE) | S(AKV_ERR_CAPACITY) |
+                 S(AKV_ERR_UNEVEN_LAYERS) | BE | QU);
   if (st != AKV_OK) return;
   s->hook_mode = 0;
   for (uint32_t l = 0; l < s->layers; l++) {
@@ -748,12 +830,64 @@ static void op_legal_step(state *s, int failed) {
       st = akv_lease_retire(ls[l - 1], NULL);
       expect("akv_lease_retire", st, OKS | BE);
       if (st != AKV_OK) return;
+      mark_lease_dead(s, ls[l - 1]);
     }
   }
   st = akv_lease_retire(ls[s->layers - 1], NULL);
   expect("akv_lease_retire", st, OKS | BE);
   if (st != AKV_OK) return;
+  mark_lease_dead(s, ls[s->layers - 1]);
   expect("akv_step_end", akv_step_end(s->e), OKS);
+}
+
+/* The handles of the engine destroyed last: every call with them answers
+ * AKV_ERR_BAD_HANDLE, changing nothing, while fewer creates than
+ * AKV_ENGINE_HANDLE_REUSE_MIN followed (its contexts and leases died with
+ * it; within one input their own bounds are never reached: an input makes
+ * at most 200 calls). */
+static void op_dead_engine(state *s, input *in) {
+  akv_engine_info info;
+  akv_context *c = s->old_ctx[byte(in) % N_CTX], *list[1];
+  akv_lease *ls = s->old_lease[byte(in) % N_LEASE];
+  akv_lease *out = NULL;
+  akv_context *co = NULL;
+  akv_stream st = s->streams[0];
+  akv_fence f = {0};
+  uint32_t v = 0;
+  size_t n = 0;
+  char buf[32];
+  if (s->old_e == NULL || s->creates_since >= AKV_ENGINE_HANDLE_REUSE_MIN) return;
+  list[0] = c;
+  expect("akv_engine_info_get", akv_engine_info_get(s->old_e, &info), BH);
+  expect("akv_engine_destroy", akv_engine_destroy(s->old_e), BH);
+  expect("akv_engine_quarantine", akv_engine_quarantine(s->old_e, NULL), BH);
+  expect("akv_context_open", akv_context_open(s->old_e, NULL, &co), BH);
+  expect("akv_step_begin", akv_step_begin(s->old_e, list, 1), BH);
+  expect("akv_step_end", akv_step_end(s->old_e), BH);
+  expect("akv_lease_begin", akv_lease_begin(s->old_e, 0, &out), BH);
+  expect("akv_stream_create", akv_stream_create(s->old_e, &st), BH);
+  expect("akv_stream_destroy", akv_stream_destroy(s->old_e, st), BH);
+  expect("akv_stream_synchronize", akv_stream_synchronize(s->old_e, st), BH);
+  expect("akv_stream_launch_host", akv_stream_launch_host(s->old_e, st, noop_fn, NULL), BH);
+  expect("akv_admission_log", akv_admission_log(s->old_e, NULL, 0, &n), BH);
+  expect("akv_admission_explain", akv_admission_explain(s->old_e, NULL, buf, sizeof(buf)), BH);
+  if (strcmp(akv_engine_last_error(s->old_e), "bad engine handle") != 0) abort();
+  if (co != NULL || out != NULL || st != s->streams[0]) abort(); /* outputs untouched */
+  if (c != NULL) {
+    expect("akv_context_length", akv_context_length(c, &v), BH);
+    expect("akv_context_id", akv_context_id(c, &v), BH);
+    expect("akv_context_close", akv_context_close(c), BH);
+    expect("akv_context_read", akv_context_read(c, 0, 0, 0, NULL, NULL), BH);
+    expect("akv_context_append", akv_context_append(c, 0, NULL, NULL), BH);
+    if (s->e != NULL)
+      expect("akv_admission_explain", akv_admission_explain(s->e, c, buf, sizeof(buf)), BH);
+  }
+  if (ls != NULL) {
+    expect("akv_lease_retire", akv_lease_retire(ls, NULL), BH);
+    expect("akv_lease_seal", akv_lease_seal(ls, f, f), BH);
+    expect("akv_lease_attend", akv_lease_attend(ls, st, hook, s, &f), BH);
+    expect("akv_lease_write_back", akv_lease_write_back(ls, NULL, 0, &f), BH);
+  }
 }
 
 /* ------------------------------------------------------------ the entry */
@@ -786,7 +920,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   if (s.e == NULL) return 0;
   while (in.n > 0 && steps++ < 200 && s.e != NULL) {
     int failed = transport_failed(&s);
-    switch (byte(&in) % 21) {
+    switch (byte(&in) % 22) {
       case 0: op_open(&s, &in, failed); break;
       case 1: {
         akv_context *c = pick_ctx(&s, &in);
@@ -817,6 +951,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
       case 17: op_streams(&s, &in, failed); break;
       case 18: op_config(&s, &in); break;
       case 19: op_headroom(&s, &in, failed); break;
+      case 20: op_dead_engine(&s, &in); break;
       default: op_legal_step(&s, failed); break;
     }
   }

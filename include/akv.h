@@ -19,8 +19,33 @@
  *    when it has run. The engine owns two copy queues (host->device and
  *    device->host) and one materialisation queue (device->device). The compute
  *    stream is always the caller's. Ordering between queues is on the device,
- *    through events. Only akv_lease_retire, akv_engine_quarantine and
- *    akv_stream_synchronize block the calling thread.
+ *    through events.
+ *  - Blocking. These calls can block the calling thread, and on nothing else:
+ *     - akv_lease_retire: until every event of the lease completed (copies,
+ *       attention, write-back);
+ *     - akv_engine_quarantine: until the H2D, D2H and D2D queues and the
+ *       device are idle (host backend: each gives up after its sync timeout);
+ *     - akv_stream_synchronize: until the stream's work ran;
+ *     - akv_stream_destroy: host backend, until the stream's work ran and its
+ *       worker thread was joined; CUDA, as cudaStreamDestroy;
+ *     - akv_engine_create: allocation and queue creation (host backend: one
+ *       worker thread per queue; paged route with poison_holes: one H2D copy
+ *       waited for); akv_engine_destroy: frees and joins the engine's idle
+ *       queue threads (host backend), cudaFree/cudaFreeHost (CUDA, which may
+ *       synchronise the device) - it never waits for queued work, it
+ *       refuses with AKV_ERR_BUSY instead;
+ *     - every call that enqueues (akv_step_begin, akv_lease_begin,
+ *       akv_lease_wait_ready, akv_lease_mark_consumed, akv_lease_attend,
+ *       akv_lease_write_back, akv_stream_launch_host): host backend, while
+ *       the target queue's ring is full, until its worker frees a slot (at
+ *       most the sync timeout, then AKV_ERR_BACKEND); CUDA, where the runtime
+ *       itself blocks an enqueue (a full launch queue);
+ *     - akv_engine_create, akv_engine_destroy, akv_context_open,
+ *       akv_context_close: a process-wide mutex over the handle record pools,
+ *       held for a few instructions (other threads' creates, destroys, opens
+ *       and closes);
+ *     - any call that logs: for as long as the caller's log callback runs.
+ *    No other call blocks.
  *  - ABI: within one major version (AKV_VERSION_MAJOR), functions are only
  *    added, enum values only appended, and config structs only grow at their
  *    end; each config carries its size and version so an older caller keeps
@@ -63,7 +88,8 @@ typedef enum akv_status {
   AKV_OK = 0,
   /** A required pointer was NULL or a numeric argument was out of range. */
   AKV_ERR_INVALID_ARGUMENT = 1,
-  /** A handle failed its magic check: NULL, freed, or not a handle of this type. */
+  /** A handle failed its check: NULL, dead (engine destroyed, context closed,
+   *  lease retired; see "Handle lifetimes"), or not a handle of this type. */
   AKV_ERR_BAD_HANDLE = 2,
   /** Config struct with a wrong size/version, or inconsistent geometry. */
   AKV_ERR_CONFIG = 3,
@@ -99,7 +125,10 @@ typedef enum akv_status {
   AKV_ERR_NOT_SUPPORTED = 18,
   /** The object is in use by the current step (close a context mid-step, ...). */
   AKV_ERR_IN_USE = 19,
-  AKV_STATUS_COUNT_ = 20
+  /** step_begin: a context's dense layers hold different row counts (filled
+   *  unevenly through akv_context_append_layer); nothing changed. */
+  AKV_ERR_UNEVEN_LAYERS = 20,
+  AKV_STATUS_COUNT_ = 21
 } akv_status;
 
 /** A short English description of a status; never NULL, static storage.
@@ -113,6 +142,32 @@ AKV_API const char *akv_status_string(akv_status status);
 typedef struct akv_engine akv_engine;   /**< one engine: pools, queues, admission */
 typedef struct akv_context akv_context; /**< one request's history */
 typedef struct akv_lease akv_lease;     /**< one staged layer, begin..retire */
+
+/*
+ * Handle lifetimes. Engine, context and lease handles are records the library
+ * takes from process-wide pools and never frees: a handle that died (engine
+ * destroyed, context closed or freed with its engine, lease retired or
+ * released by quarantine) stays readable and answers AKV_ERR_BAD_HANDLE,
+ * changing nothing. Free records are handed out again in FIFO order, so a
+ * dead handle could only come back to life (naming a newer object) after the
+ * number of later hand-outs below; do not keep dead handles.
+ *  - engine: at least AKV_ENGINE_HANDLE_REUSE_MIN later successful
+ *    akv_engine_create calls in the process;
+ *  - context: at least AKV_CONTEXT_HANDLE_REUSE_MIN later successful
+ *    akv_context_open calls in the process (on any engine), whatever stays
+ *    open meanwhile; a context freed by akv_engine_destroy likewise;
+ *  - lease: at least (AKV_LEASE_HANDLES_PER_LAYER - 1) x n_dense_layers later
+ *    akv_lease_begin calls on its engine (15 whole steps); once its engine is
+ *    destroyed, at least AKV_LEASE_HANDLE_REUSE_MIN lease handle records
+ *    handed to later engines (each takes AKV_LEASE_HANDLES_PER_LAYER per dense
+ *    layer at create).
+ * Pointers that were never handles (other objects, freed memory of the
+ * caller's) cannot be told apart reliably: pass only handles or NULL.
+ */
+#define AKV_ENGINE_HANDLE_REUSE_MIN 32
+#define AKV_CONTEXT_HANDLE_REUSE_MIN 1024
+#define AKV_LEASE_HANDLES_PER_LAYER 16
+#define AKV_LEASE_HANDLE_REUSE_MIN 4096
 /**
  * A queue of the engine's backend, as the caller's compute stream.
  * CUDA backend: a cudaStream_t cast to akv_stream (see akv_cuda.h).
@@ -301,8 +356,12 @@ AKV_API akv_status akv_engine_create(const akv_engine_config *config, akv_engine
 
 /**
  * Frees the engine and every context still open. Never waits, submits or
- * drains: with an open step, an unretired lease, or resources retained by an
- * uncertain quarantine, returns AKV_ERR_BUSY and frees nothing.
+ * drains: with an open step, an unretired lease, a live stream from
+ * akv_stream_create, a failed transport not quarantined, or resources
+ * retained by an uncertain quarantine, returns AKV_ERR_BUSY and frees
+ * nothing. Afterwards the engine handle, its contexts' handles and its lease
+ * handles are dead: every call with them returns AKV_ERR_BAD_HANDLE (see
+ * "Handle lifetimes" for how long that holds); a second destroy too.
  * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_BUSY.
  */
 AKV_API akv_status akv_engine_destroy(akv_engine *engine);
@@ -380,9 +439,16 @@ AKV_API akv_status akv_engine_quarantine(akv_engine *engine, akv_quarantine_repo
 AKV_API akv_status akv_stream_create(akv_engine *engine, akv_stream *out);
 /**
  * Destroys a stream from akv_stream_create after the work enqueued on it ran
- * (the host backend drains it; this blocks). Allowed also after a transport
- * failure. Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (not
- * a live stream of this engine).
+ * (the host backend drains it and joins its worker; this blocks). A stream
+ * outlives every lease that used it: while an unretired lease of the engine
+ * was given it (akv_lease_wait_ready or akv_lease_attend), destroy returns
+ * AKV_ERR_IN_USE and changes nothing; retire the lease first (a quarantine
+ * that released the lease counts). Every call that takes a stream refuses a
+ * destroyed one with AKV_ERR_INVALID_ARGUMENT on the host backend. (On CUDA,
+ * the same rule is the caller's for a cudaStream_t it destroys itself.)
+ * Allowed also after a transport failure. Returns AKV_OK,
+ * AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (not a live stream of this
+ * engine), AKV_ERR_IN_USE.
  */
 AKV_API akv_status akv_stream_destroy(akv_engine *engine, akv_stream stream);
 /**
@@ -420,12 +486,13 @@ typedef struct akv_context_config {
   { sizeof(akv_context_config), AKV_CONFIG_VERSION, AKV_TARGET_FAIR_SHARE, 0 }
 
 /**
- * Opens a context: takes a host slot and admits its device target.
- * Not allowed inside a step (AKV_ERR_STEP_STATE). `config` may be NULL for
- * defaults. Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT,
- * AKV_ERR_CONFIG, AKV_ERR_REFUSED_QUEUE (no host slot: queue it),
- * AKV_ERR_ADMISSION_REFUSED (device targets do not fit), AKV_ERR_STEP_STATE,
- * AKV_ERR_QUARANTINED.
+ * Opens a context: takes a host slot and admits its device target, and
+ * takes a handle record (reserved at akv_engine_create: nothing is
+ * allocated). Not allowed inside a step (AKV_ERR_STEP_STATE). `config` may
+ * be NULL for defaults. Returns AKV_OK, AKV_ERR_BAD_HANDLE,
+ * AKV_ERR_INVALID_ARGUMENT, AKV_ERR_CONFIG, AKV_ERR_REFUSED_QUEUE (no host
+ * slot: queue it), AKV_ERR_ADMISSION_REFUSED (device targets do not fit),
+ * AKV_ERR_STEP_STATE, AKV_ERR_QUARANTINED.
  */
 AKV_API akv_status akv_context_open(akv_engine *engine, const akv_context_config *config,
                                     akv_context **out);
@@ -434,27 +501,60 @@ AKV_API akv_status akv_context_open(akv_engine *engine, const akv_context_config
  * Closes a context and releases its host slot and device pages. The slot's
  * generation moves only when no ticket holds it. The handle is dead from
  * then on: every call with it returns AKV_ERR_BAD_HANDLE and changes
- * nothing, also after other contexts take its host slot. (Handles are
- * records the engine hands out in turn, 16 per host slot: a closed handle
- * could only come back to life after 16 x effective concurrency - 1 later
- * opens; do not keep one.) Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_IN_USE
- * (part of the open step), AKV_ERR_QUARANTINED.
+ * nothing, also after other contexts take its host slot, for at least
+ * AKV_CONTEXT_HANDLE_REUSE_MIN later opens in the process, whatever else
+ * stays open ("Handle lifetimes"; do not keep one). Returns AKV_OK,
+ * AKV_ERR_BAD_HANDLE, AKV_ERR_IN_USE (part of the open step),
+ * AKV_ERR_QUARANTINED.
  */
 AKV_API akv_status akv_context_close(akv_context *context);
 
 /**
  * Appends `n_tokens` prefilled rows to every dense layer (synchronous host
  * copy into the pinned pool). k_rows[l] and v_rows[l] point to n_tokens rows of
- * layer l (token-major, row_bytes each). Not allowed while the context is part
- * of an open step. Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT,
+ * layer l (token-major, row_bytes each). Each layer's rows go after the rows
+ * that layer holds (the same place on every layer unless akv_context_append_layer
+ * filled them unevenly; capacity is checked against the layer holding the most).
+ * Not allowed while the context is part of an open step. Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT,
  * AKV_ERR_CAPACITY (nothing appended), AKV_ERR_IN_USE, AKV_ERR_QUARANTINED.
  */
 AKV_API akv_status akv_context_append(akv_context *context, uint32_t n_tokens,
                                       const void *const *k_rows, const void *const *v_rows);
 
 /**
- * Copies rows [first, first+n) of one layer out of the authoritative host pool.
- * Allowed while no lease of an open step can write them (outside a step, or
+ * Appends `n_tokens` prefilled rows to ONE dense layer, `layer`, after the
+ * rows that layer already holds (synchronous host copy into the pinned pool;
+ * enqueues nothing, does not block on any queue). For callers that receive a
+ * prompt's K/V one layer at a time (a framework's per-layer cache update).
+ * k_rows and v_rows point to n_tokens rows of that layer (token-major,
+ * row_bytes each); they may be NULL when n_tokens == 0. The caller keeps
+ * ownership of both; they are read during the call only.
+ *
+ * Layers may be filled in any order and by different amounts. The context's
+ * length (akv_context_length) is the MINIMUM over its dense layers of the
+ * rows each holds: it advances by n once every dense layer holds n more
+ * rows. Rows a layer holds beyond that minimum are kept and readable through
+ * akv_context_read on that layer. A context whose layers are uneven cannot
+ * join a step: akv_step_begin refuses it with AKV_ERR_UNEVEN_LAYERS and
+ * changes nothing; once the layers are even again it may. akv_context_append
+ * on an uneven context appends to every layer after that layer's own rows.
+ *
+ * Capacity is per layer: the layer's rows plus n_tokens must not exceed
+ * max_tokens (checked in 64 bits). Not allowed while the context is part of
+ * an open step. A failing call appends nothing on any layer.
+ * Thread safety: as every context call (see the top of this header).
+ * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (layer out of
+ * range, or rows NULL with n_tokens > 0), AKV_ERR_CAPACITY (nothing
+ * appended), AKV_ERR_IN_USE, AKV_ERR_QUARANTINED.
+ */
+AKV_API akv_status akv_context_append_layer(akv_context *context, uint32_t layer,
+                                            uint32_t n_tokens, const void *k_rows,
+                                            const void *v_rows);
+
+/**
+ * Copies rows [first, first+n) of one layer out of the authoritative host pool;
+ * the rows that layer holds bound the range (akv_context_append_layer may have
+ * given it more than akv_context_length reports). Allowed while no lease of an open step can write them (outside a step, or
  * for a context not in the step). Also allowed after a transport failure.
  * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT, AKV_ERR_IN_USE.
  */
@@ -462,7 +562,8 @@ AKV_API akv_status akv_context_read(const akv_context *context, uint32_t layer, 
                                     uint32_t n, void *k_out, void *v_out);
 
 /**
- * Rows held per dense layer (prefill plus one per finished step). Allowed at
+ * Rows held per dense layer (prefill plus one per finished step); after
+ * uneven akv_context_append_layer calls, the minimum over the layers. Allowed at
  * any time, also after a transport failure. Returns AKV_OK,
  * AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (out NULL).
  */
@@ -479,7 +580,8 @@ AKV_API akv_status akv_context_length(const akv_context *context, uint32_t *out)
  * per dense layer in this step. Returns AKV_OK, AKV_ERR_BAD_HANDLE,
  * AKV_ERR_INVALID_ARGUMENT (n == 0, n > concurrency, duplicates),
  * AKV_ERR_STEP_STATE (a step is open), AKV_ERR_CAPACITY (a context is full),
- * AKV_ERR_BACKEND, AKV_ERR_QUARANTINED.
+ * AKV_ERR_UNEVEN_LAYERS (a context's layers hold different row counts; see
+ * akv_context_append_layer), AKV_ERR_BACKEND, AKV_ERR_QUARANTINED.
  */
 AKV_API akv_status akv_step_begin(akv_engine *engine, akv_context *const *contexts, uint32_t n);
 
@@ -503,7 +605,10 @@ AKV_API akv_status akv_step_end(akv_engine *engine);
  * functions of akv_attention.h take as is (row_bytes = row_stride). Rows
  * [0, len[i]) are the staged history; the caller writes the step's new row at
  * index len[i] before attending over len[i]+1 rows. Pointers are device
- * pointers (host memory on the host backend). Valid until the lease retires.
+ * pointers (host memory on the host backend). The memory they point to
+ * (staged rows, len, contexts, page_map) stays valid until the lease
+ * retires; the akv_view struct itself is the caller's (akv_lease_wait_ready)
+ * or, for the attention hook, the engine's and valid only during the hook.
  *
  * Paged route (AKV_ROUTE_PAGED): full pages of history the device pool
  * retains are not staged; page_map says where they are. For context i and
@@ -545,6 +650,10 @@ typedef struct akv_view {
  * Attention hook: enqueue the attention kernel (and the write of each new row
  * at index len[i]) on `stream`; do not block. Return 0 on success; nonzero
  * makes akv_lease_attend return AKV_ERR_BACKEND and marks the transport failed.
+ * `view` points to a struct on akv_lease_attend's stack: it lives only
+ * during the hook. Copy the struct (not the pointer) if work enqueued by the
+ * hook needs it later; the arrays and device memory it points to stay valid
+ * until the lease retires.
  */
 typedef int (*akv_attention_fn)(void *user, const akv_view *view, akv_stream stream);
 
@@ -559,14 +668,18 @@ typedef int (*akv_attention_fn)(void *user, const akv_view *view, akv_stream str
  * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (layer out of
  * range or out of order), AKV_ERR_STEP_STATE (no open step),
  * AKV_ERR_LEASE_ORDER, AKV_ERR_BACKEND, AKV_ERR_QUARANTINED.
+ * *out is a new handle for this begin only: it never names a lease of an
+ * earlier or later step of the layer ("Handle lifetimes").
  */
 AKV_API akv_status akv_lease_begin(akv_engine *engine, uint32_t layer, akv_lease **out);
 
 /**
  * Two-call form, part 1: makes `stream` wait (on the device) for the staged
- * history and fills *view. Returns AKV_OK, AKV_ERR_BAD_HANDLE,
- * AKV_ERR_INVALID_ARGUMENT, AKV_ERR_LEASE_STATE (not just begun),
- * AKV_ERR_BACKEND, AKV_ERR_QUARANTINED.
+ * history and fills *view. From here until the lease retires, `stream`
+ * cannot be destroyed (akv_stream_destroy answers AKV_ERR_IN_USE).
+ * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (view NULL,
+ * or stream not a live stream of this engine), AKV_ERR_LEASE_STATE (not just
+ * begun), AKV_ERR_BACKEND, AKV_ERR_QUARANTINED.
  */
 AKV_API akv_status akv_lease_wait_ready(akv_lease *lease, akv_stream stream, akv_view *view);
 
@@ -617,8 +730,12 @@ typedef struct akv_receipt {
 /**
  * Retires a sealed lease: waits (blocking, error-returning) on every consumer
  * event and every copy ticket, fills *receipt, and only then releases the
- * tickets, their host page leases and the layer. The lease handle is invalid
- * afterwards. Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_LEASE_STATE,
+ * tickets, their host page leases and the layer. The lease handle is dead
+ * afterwards: every call with it, a second retire included, returns
+ * AKV_ERR_BAD_HANDLE and changes nothing, also while a later step's lease of
+ * the same layer is live ("Handle lifetimes"). A successful
+ * akv_engine_quarantine kills the handles of the leases it released the same
+ * way. Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_LEASE_STATE,
  * AKV_ERR_BACKEND (a wait failed: nothing released, transport failed),
  * AKV_ERR_QUARANTINED.
  */

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds everything (CUDA sources included when nvcc is present) and runs the
-# whole CPU test suite, then the same suite under ASan+UBSan and under TSan.
+# whole CPU test suite, the Python package's tests (scripts/test_python.sh),
+# then the C suite under ASan+UBSan and under TSan.
 # GPU tests report themselves skipped on a machine without a GPU.
 #   scripts/test.sh            # everything
 #   scripts/test.sh --quick    # the main build only
@@ -15,6 +16,9 @@ cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 cmake --build build -j "$jobs"
 ctest --test-dir build --output-on-failure -j "$jobs"
 [ "$quick" = 1 ] && exit 0
+
+echo "== Python package: pip install . and pytest =="
+scripts/test_python.sh
 
 echo "== ASan + UBSan build (host backend) =="
 cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DAKV_WITH_CUDA=OFF -DAKV_SANITIZE=address >/dev/null

@@ -111,7 +111,7 @@ static void snapshot(const akv_engine *e, obs *o) {
   uint32_t host_leases = 0;
   o->live_leases = o->live_tickets = o->host_tickets = o->fill_leases = o->unaccounted = 0;
   for (uint32_t l = 0; l < e->cfg.n_dense_layers; l++) {
-    const akv_lease *ls = &e->leases[l];
+    const akv_lease_body *ls = &e->leases[l];
     o->lease_state[l] = ls->state;
     if (ls->state == AKV_LEASE_IDLE || ls->state == AKV_LEASE_RETIRED) continue;
     o->live_leases++;
@@ -120,12 +120,14 @@ static void snapshot(const akv_engine *e, obs *o) {
       o->live_tickets++;
       if (tk->dir == AKV_COPY_D2D) continue;
       o->host_tickets++;
-      if (e->contexts[tk->slot].generation != tk->generation) o->gen_moved++;
+      if (e->slot_owner[tk->slot] == NULL || e->slot_owner[tk->slot]->generation != tk->generation)
+        o->gen_moved++;
     }
   }
   for (uint32_t i = 0; i < e->concurrency; i++) {
-    o->fill_leases += e->contexts[i].fill_leases;
-    host_leases += e->contexts[i].host_leases;
+    if (e->slot_owner[i] == NULL) continue;
+    o->fill_leases += e->slot_owner[i]->fill_leases;
+    host_leases += e->slot_owner[i]->host_leases;
   }
   o->pinned_refs = e->pinned_refs;
   o->step_open = e->step_open;
@@ -164,9 +166,9 @@ static void after_q(akv_engine *e, akv_status st, const akv_quarantine_report *r
     o->retained_mismatch++;
   /* contexts held by tickets stay unreadable and cannot be closed */
   for (uint32_t i = 0; i < e->concurrency; i++) {
-    akv_context *c = &e->contexts[i];
+    akv_context *c = e->slot_owner[i];
     uint8_t buf[64];
-    if (!c->open) continue;
+    if (c == NULL || !c->open) continue;
     if (akv_context_close(c) != AKV_ERR_QUARANTINED) o->retained_mismatch++;
     if ((c->host_leases > 0 || c->in_step) &&
         akv_context_read(c, 0, 0, 0, buf, buf) != AKV_ERR_IN_USE)

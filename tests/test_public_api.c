@@ -142,8 +142,9 @@ static void test_round_trip_host_backend(void **state) {
 }
 
 /* A closed handle stays dead after another context takes its host slot: it
- * never aliases the new context, for as many opens as the engine has handle
- * records per slot (16) times its slots, less the slots themselves. */
+ * never aliases the new context (30 opens here, well within the
+ * AKV_CONTEXT_HANDLE_REUSE_MIN the header promises; the bound itself is
+ * test_closed_handle_reuse_bound_with_others_open and test_handles.c). */
 static void test_closed_handle_never_aliases(void **state) {
   akv_engine *e = NULL;
   akv_context *old = NULL, *c = NULL, *other = NULL;
@@ -156,8 +157,6 @@ static void test_closed_handle_never_aliases(void **state) {
   assert_int_equal(akv_context_open(e, NULL, &old), AKV_OK);
   assert_int_equal(akv_context_id(old, &id_old), AKV_OK);
   assert_int_equal(akv_context_close(old), AKV_OK);
-  /* 16 records per slot x 2 slots, one held by `other`: 30 more opens of
-   * the free slot keep `old` dead */
   for (int round = 0; round < 30; ++round) {
     assert_int_equal(akv_context_open(e, NULL, &c), AKV_OK); /* the slot `old` had */
     assert_ptr_not_equal(c, old);
@@ -181,6 +180,354 @@ static void test_closed_handle_never_aliases(void **state) {
   assert_int_equal(akv_engine_destroy(e), AKV_OK);
 }
 
+static void noop_job(void *arg) { (void)arg; }
+
+/* The hook of the lease tests: enqueues nothing but a host no-op. */
+static int noop_hook(void *user, const akv_view *view, akv_stream stream) {
+  (void)view;
+  return akv_stream_launch_host((akv_engine *)user, stream, noop_job, NULL) == AKV_OK ? 0 : 1;
+}
+
+/* One legal layer of the open step on stream s, up to sealed. */
+static akv_lease *lease_to_sealed(akv_engine *e, uint32_t layer, akv_stream s) {
+  akv_lease *ls = NULL;
+  akv_fence attn, tail;
+  assert_int_equal(akv_lease_begin(e, layer, &ls), AKV_OK);
+  assert_int_equal(akv_lease_attend(ls, s, noop_hook, e, &attn), AKV_OK);
+  assert_int_equal(akv_lease_write_back(ls, NULL, 0, &tail), AKV_OK);
+  assert_int_equal(akv_lease_seal(ls, tail, attn), AKV_OK);
+  return ls;
+}
+
+/* Issue item 1: a stream an unretired lease used cannot be destroyed
+ * (AKV_ERR_IN_USE, nothing changes); the lease goes on with it, and once the
+ * lease retired the stream is destroyed. */
+static void test_stream_destroy_refused_while_a_lease_uses_it(void **state) {
+  akv_engine *e = host_engine(1, 8);
+  akv_context *c = NULL;
+  akv_stream s = NULL, other = NULL;
+  akv_lease *ls = NULL;
+  akv_view view;
+  akv_fence attn, tail;
+  (void)state;
+  assert_int_equal(akv_stream_create(e, &s), AKV_OK);
+  assert_int_equal(akv_stream_create(e, &other), AKV_OK);
+  assert_int_equal(akv_context_open(e, NULL, &c), AKV_OK);
+  assert_int_equal(akv_step_begin(e, &c, 1), AKV_OK);
+  assert_int_equal(akv_lease_begin(e, 0, &ls), AKV_OK);
+  /* begun, not yet on a stream: any stream may go */
+  assert_int_equal(akv_stream_destroy(e, other), AKV_OK);
+  assert_int_equal(akv_lease_wait_ready(ls, s, &view), AKV_OK);
+  assert_int_equal(akv_stream_destroy(e, s), AKV_ERR_IN_USE);
+  assert_int_equal(akv_stream_launch_host(e, s, noop_job, NULL), AKV_OK); /* still live */
+  assert_int_equal(akv_lease_mark_consumed(ls, s, &attn), AKV_OK);
+  assert_int_equal(akv_stream_destroy(e, s), AKV_ERR_IN_USE);
+  assert_int_equal(akv_lease_write_back(ls, NULL, 0, &tail), AKV_OK);
+  assert_int_equal(akv_stream_destroy(e, s), AKV_ERR_IN_USE);
+  assert_int_equal(akv_lease_seal(ls, tail, attn), AKV_OK);
+  assert_int_equal(akv_stream_destroy(e, s), AKV_ERR_IN_USE); /* sealed is not retired */
+  assert_int_equal(akv_lease_retire(ls, NULL), AKV_OK);
+  assert_int_equal(akv_step_end(e), AKV_OK);
+  assert_int_equal(akv_stream_destroy(e, s), AKV_OK);
+  /* a destroyed stream is refused by every call that takes one */
+  assert_int_equal(akv_stream_destroy(e, s), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_stream_synchronize(e, s), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_stream_launch_host(e, s, noop_job, NULL), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_step_begin(e, &c, 1), AKV_OK);
+  assert_int_equal(akv_lease_begin(e, 0, &ls), AKV_OK);
+  assert_int_equal(akv_lease_wait_ready(ls, s, &view), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_lease_attend(ls, s, noop_hook, e, &attn), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_stream_create(e, &s), AKV_OK);
+  assert_int_equal(akv_lease_wait_ready(ls, s, &view), AKV_OK);
+  assert_int_equal(akv_lease_mark_consumed(ls, s, &attn), AKV_OK);
+  assert_int_equal(akv_lease_write_back(ls, NULL, 0, &tail), AKV_OK);
+  assert_int_equal(akv_lease_seal(ls, tail, attn), AKV_OK);
+  assert_int_equal(akv_lease_retire(ls, NULL), AKV_OK);
+  assert_int_equal(akv_step_end(e), AKV_OK);
+  assert_int_equal(akv_stream_destroy(e, s), AKV_OK);
+  assert_int_equal(akv_engine_destroy(e), AKV_OK);
+}
+
+/* Issue item 3: a destroyed engine's handle, and the handles of its
+ * contexts, answer AKV_ERR_BAD_HANDLE (read under ASan: no freed memory is
+ * touched), also after later engines were created, for the
+ * AKV_ENGINE_HANDLE_REUSE_MIN creates the header promises. */
+static void test_destroyed_engine_and_its_contexts_are_bad_handles(void **state) {
+  akv_engine *e = host_engine(1, 8), *later[AKV_ENGINE_HANDLE_REUSE_MIN];
+  akv_context *open_at_destroy = NULL, *closed = NULL, *c2 = NULL;
+  akv_engine_info info;
+  uint32_t len = 77;
+  char buf[64];
+  uint64_t counters[AKV_ADM_RULE_COUNT];
+  size_t n = 0;
+  akv_stream s = NULL;
+  akv_lease *ls = NULL;
+  (void)state;
+  assert_int_equal(akv_context_open(e, NULL, &closed), AKV_OK);
+  assert_int_equal(akv_context_close(closed), AKV_OK);
+  assert_int_equal(akv_context_open(e, NULL, &open_at_destroy), AKV_OK);
+  assert_int_equal(akv_engine_destroy(e), AKV_OK);
+  for (int k = 0; k <= AKV_ENGINE_HANDLE_REUSE_MIN; k++) {
+    assert_int_equal(akv_engine_destroy(e), AKV_ERR_BAD_HANDLE);
+    assert_int_equal(akv_engine_info_get(e, &info), AKV_ERR_BAD_HANDLE);
+    assert_string_equal(akv_engine_last_error(e), "bad engine handle");
+    assert_int_equal(akv_engine_quarantine(e, NULL), AKV_ERR_BAD_HANDLE);
+    assert_int_equal(akv_context_open(e, NULL, &c2), AKV_ERR_BAD_HANDLE);
+    assert_int_equal(akv_step_begin(e, &open_at_destroy, 1), AKV_ERR_BAD_HANDLE);
+    assert_int_equal(akv_step_end(e), AKV_ERR_BAD_HANDLE);
+    assert_int_equal(akv_lease_begin(e, 0, &ls), AKV_ERR_BAD_HANDLE);
+    assert_int_equal(akv_stream_create(e, &s), AKV_ERR_BAD_HANDLE);
+    assert_int_equal(akv_stream_synchronize(e, s), AKV_ERR_BAD_HANDLE);
+    assert_int_equal(akv_admission_counters(e, counters, AKV_ADM_RULE_COUNT), AKV_ERR_BAD_HANDLE);
+    assert_int_equal(akv_admission_log(e, NULL, 0, &n), AKV_ERR_BAD_HANDLE);
+    assert_int_equal(akv_admission_explain(e, NULL, buf, sizeof(buf)), AKV_ERR_BAD_HANDLE);
+    for (int w = 0; w < 2; w++) {
+      akv_context *c = w ? open_at_destroy : closed;
+      assert_int_equal(akv_context_length(c, &len), AKV_ERR_BAD_HANDLE);
+      assert_int_equal(akv_context_id(c, &len), AKV_ERR_BAD_HANDLE);
+      assert_int_equal(akv_context_read(c, 0, 0, 0, NULL, NULL), AKV_ERR_BAD_HANDLE);
+      assert_int_equal(akv_context_append(c, 0, NULL, NULL), AKV_ERR_BAD_HANDLE);
+      assert_int_equal(akv_context_close(c), AKV_ERR_BAD_HANDLE);
+    }
+    assert_int_equal(len, 77);
+    if (k == AKV_ENGINE_HANDLE_REUSE_MIN) break;
+    /* a later engine, with a context: neither may answer for the old ones */
+    later[k] = host_engine(1, 8);
+    assert_ptr_not_equal(later[k], e);
+    assert_int_equal(akv_context_open(later[k], NULL, &c2), AKV_OK);
+    if (k % 2 == 1) assert_int_equal(akv_engine_destroy(later[k]), AKV_OK);
+  }
+  for (int k = 0; k < AKV_ENGINE_HANDLE_REUSE_MIN; k += 2)
+    assert_int_equal(akv_engine_destroy(later[k]), AKV_OK);
+}
+
+/* Issue item 4: a retired lease handle answers AKV_ERR_BAD_HANDLE, also
+ * while the next step's lease of the same layer is live, and never acts on
+ * it; the same for a lease released by quarantine and for every lease
+ * handle of a destroyed engine. */
+static void test_retired_lease_handle_is_dead(void **state) {
+  akv_engine *e = host_engine(2, 16);
+  akv_context *c = NULL;
+  akv_stream s = NULL;
+  akv_lease *old0 = NULL, *old1 = NULL, *now0 = NULL, *now1 = NULL;
+  akv_view view;
+  akv_fence attn, tail;
+  akv_receipt r;
+  (void)state;
+  assert_int_equal(akv_stream_create(e, &s), AKV_OK);
+  assert_int_equal(akv_context_open(e, NULL, &c), AKV_OK);
+  assert_int_equal(akv_step_begin(e, &c, 1), AKV_OK);
+  old0 = lease_to_sealed(e, 0, s);
+  old1 = lease_to_sealed(e, 1, s);
+  assert_int_equal(akv_lease_retire(old0, NULL), AKV_OK);
+  assert_int_equal(akv_lease_retire(old0, &r), AKV_ERR_BAD_HANDLE); /* retired: dead */
+  assert_int_equal(akv_lease_retire(old1, NULL), AKV_OK);
+  assert_int_equal(akv_step_end(e), AKV_OK);
+  /* the next step: layer 0's lease is live and begun */
+  assert_int_equal(akv_step_begin(e, &c, 1), AKV_OK);
+  assert_int_equal(akv_lease_begin(e, 0, &now0), AKV_OK);
+  assert_ptr_not_equal(now0, old0);
+  assert_int_equal(akv_lease_wait_ready(old0, s, &view), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(akv_lease_attend(old0, s, noop_hook, e, &attn), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(akv_lease_attend(now0, s, noop_hook, e, &attn), AKV_OK); /* still begun */
+  assert_int_equal(akv_lease_mark_consumed(old0, s, &attn), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(akv_lease_write_back(old0, NULL, 0, &tail), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(akv_lease_write_back(now0, NULL, 0, &tail), AKV_OK);
+  assert_int_equal(akv_lease_seal(old0, tail, attn), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(akv_lease_retire(old0, &r), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(akv_lease_seal(now0, tail, attn), AKV_OK);
+  assert_int_equal(akv_lease_retire(old0, &r), AKV_ERR_BAD_HANDLE); /* not now0's retire */
+  assert_int_equal(akv_lease_retire(now0, NULL), AKV_OK);
+  assert_int_equal(akv_lease_begin(e, 1, &now1), AKV_OK);
+  /* quarantine releases now1: its handle is dead from then on */
+  assert_int_equal(akv_engine_quarantine(e, NULL), AKV_OK);
+  assert_int_equal(akv_lease_attend(now1, s, noop_hook, e, &attn), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(akv_stream_destroy(e, s), AKV_OK);
+  assert_int_equal(akv_engine_destroy(e), AKV_OK);
+  assert_int_equal(akv_lease_retire(now1, NULL), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(akv_lease_seal(old1, tail, attn), AKV_ERR_BAD_HANDLE);
+}
+
+/* Issue item 5: a closed context handle stays dead for
+ * AKV_CONTEXT_HANDLE_REUSE_MIN later opens, whatever else stays open (here
+ * the engine's other three slots stay open throughout). */
+static void test_closed_handle_reuse_bound_with_others_open(void **state) {
+  akv_engine_config cfg = AKV_ENGINE_CONFIG_INIT;
+  akv_engine *e = NULL;
+  akv_context *keep[3], *old = NULL, *c = NULL;
+  uint32_t len = 5;
+  (void)state;
+  cfg.backend = AKV_BACKEND_HOST;
+  cfg.n_dense_layers = 1;
+  cfg.kv_heads = 2;
+  cfg.head_dim = 4;
+  cfg.max_tokens = 8;
+  cfg.page_tokens = 4;
+  cfg.max_contexts = 4;
+  cfg.host_pool_gib = 1;
+  cfg.log_fn = quiet;
+  assert_int_equal(akv_engine_create(&cfg, &e), AKV_OK);
+  assert_int_equal(akv_context_open(e, NULL, &old), AKV_OK);
+  for (int i = 0; i < 3; i++) assert_int_equal(akv_context_open(e, NULL, &keep[i]), AKV_OK);
+  assert_int_equal(akv_context_close(old), AKV_OK);
+  for (int k = 0; k < AKV_CONTEXT_HANDLE_REUSE_MIN; k++) {
+    assert_int_equal(akv_context_open(e, NULL, &c), AKV_OK);
+    assert_ptr_not_equal(c, old);
+    assert_int_equal(akv_context_length(old, &len), AKV_ERR_BAD_HANDLE);
+    assert_int_equal(akv_context_close(c), AKV_OK);
+  }
+  assert_int_equal(len, 5);
+  for (int i = 0; i < 3; i++) assert_int_equal(akv_context_close(keep[i]), AKV_OK);
+  assert_int_equal(akv_engine_destroy(e), AKV_OK);
+}
+
+/* Runs one whole decode step over `c` alone on the host backend, writing
+ * `fill` into every byte of the new K and V rows of each layer. */
+static void one_step(akv_engine *e, akv_stream q, akv_context *c, uint32_t layers, uint8_t fill) {
+  for (uint32_t l = 0; l < layers; l++) {
+    akv_lease *ls = NULL;
+    akv_view view;
+    akv_fence attn, tail;
+    akv_receipt r;
+    uint8_t *row;
+    assert_int_equal(akv_lease_begin(e, l, &ls), AKV_OK);
+    assert_int_equal(akv_lease_wait_ready(ls, q, &view), AKV_OK);
+    assert_int_equal(akv_stream_synchronize(e, q), AKV_OK); /* the staged rows are readable */
+    row = (uint8_t *)view.base + (uint64_t)view.len[0] * view.row_stride;
+    memset(row, fill, view.v_offset);
+    memset(row + view.v_offset, fill, view.v_offset);
+    assert_int_equal(akv_lease_mark_consumed(ls, q, &attn), AKV_OK);
+    assert_int_equal(akv_lease_write_back(ls, NULL, 0, &tail), AKV_OK);
+    assert_int_equal(akv_lease_seal(ls, tail, attn), AKV_OK);
+    assert_int_equal(akv_lease_retire(ls, &r), AKV_OK);
+  }
+}
+
+/* akv_context_append_layer: rows go after each layer's own rows, layers in
+ * any order; the length is the minimum over the layers; step_begin refuses
+ * an uneven context with AKV_ERR_UNEVEN_LAYERS and changes nothing; every
+ * refused call appends nothing. */
+static void test_append_layer(void **state) {
+  enum { L = 3, ROW = 16, MAXT = 8 };
+  akv_engine *e = NULL;
+  akv_context *c = NULL, *dead = NULL;
+  akv_stream q = NULL;
+  uint8_t rows[L][MAXT * ROW], vrows[L][MAXT * ROW];
+  uint8_t out_k[MAXT * ROW], out_v[MAXT * ROW];
+  const void *kp[L], *vp[L];
+  uint32_t len = 99;
+  (void)state;
+  for (int l = 0; l < L; l++) {
+    for (int j = 0; j < MAXT * ROW; j++) {
+      rows[l][j] = (uint8_t)(l * 50 + j);
+      vrows[l][j] = (uint8_t)(l * 50 + j + 7);
+    }
+    kp[l] = rows[l];
+    vp[l] = vrows[l];
+  }
+  e = host_engine(L, MAXT);
+  assert_int_equal(akv_stream_create(e, &q), AKV_OK);
+  assert_int_equal(akv_context_open(e, NULL, &c), AKV_OK);
+
+  /* layers out of order and uneven: the length is the minimum */
+  assert_int_equal(akv_context_append_layer(c, 2, 2, rows[2], vrows[2]), AKV_OK);
+  assert_int_equal(akv_context_length(c, &len), AKV_OK);
+  assert_int_equal(len, 0);
+  assert_int_equal(akv_context_append_layer(c, 0, 3, rows[0], vrows[0]), AKV_OK);
+  assert_int_equal(akv_context_append_layer(c, 1, 1, rows[1], vrows[1]), AKV_OK);
+  assert_int_equal(akv_context_length(c, &len), AKV_OK);
+  assert_int_equal(len, 1);
+  /* a layer's own rows are readable up to what it holds, not beyond */
+  assert_int_equal(akv_context_read(c, 0, 0, 3, out_k, out_v), AKV_OK);
+  assert_memory_equal(out_k, rows[0], 3 * ROW);
+  assert_memory_equal(out_v, vrows[0], 3 * ROW);
+  assert_int_equal(akv_context_read(c, 1, 0, 2, out_k, out_v), AKV_ERR_INVALID_ARGUMENT);
+
+  /* an uneven context cannot join a step; nothing changes */
+  assert_int_equal(akv_step_begin(e, &c, 1), AKV_ERR_UNEVEN_LAYERS);
+  assert_string_not_equal(akv_engine_last_error(e), "");
+  assert_int_equal(akv_step_end(e), AKV_ERR_STEP_STATE); /* no step was opened */
+  assert_int_equal(akv_context_append_layer(c, 1, 1, rows[1], vrows[1]), AKV_OK); /* not in a step */
+  assert_int_equal(akv_context_length(c, &len), AKV_OK);
+  assert_int_equal(len, 2);
+
+  /* refusals append nothing on any layer */
+  assert_int_equal(akv_context_append_layer(c, L, 1, rows[0], vrows[0]), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_context_append_layer(c, UINT32_MAX, 1, rows[0], vrows[0]),
+                   AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_context_append_layer(c, 1, 1, NULL, vrows[1]), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_context_append_layer(c, 1, 1, rows[1], NULL), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_context_append_layer(c, 0, MAXT - 2, rows[0], vrows[0]), AKV_ERR_CAPACITY);
+  assert_int_equal(akv_context_append_layer(c, 0, UINT32_MAX, rows[0], vrows[0]), AKV_ERR_CAPACITY);
+  /* the all-layer append checks the fullest layer (layer 0, 3 rows) */
+  assert_int_equal(akv_context_append(c, MAXT - 2, kp, vp), AKV_ERR_CAPACITY);
+  assert_int_equal(akv_context_append_layer(c, 1, 0, NULL, NULL), AKV_OK); /* n == 0: no rows */
+  assert_int_equal(akv_context_length(c, &len), AKV_OK);
+  assert_int_equal(len, 2);
+  assert_int_equal(akv_context_read(c, 0, 0, 3, out_k, out_v), AKV_OK);
+  assert_memory_equal(out_k, rows[0], 3 * ROW);
+  assert_int_equal(akv_context_read(c, 0, 0, 4, out_k, out_v), AKV_ERR_INVALID_ARGUMENT);
+
+  /* the all-layer append goes after each layer's own rows */
+  assert_int_equal(akv_context_append(c, 1, kp, vp), AKV_OK); /* layers hold 4, 3, 3 */
+  assert_int_equal(akv_context_length(c, &len), AKV_OK);
+  assert_int_equal(len, 3);
+  assert_int_equal(akv_context_read(c, 0, 3, 1, out_k, out_v), AKV_OK);
+  assert_memory_equal(out_k, rows[0], ROW);
+  assert_int_equal(akv_context_read(c, 1, 0, 3, out_k, out_v), AKV_OK);
+  assert_memory_equal(out_k, rows[1], ROW);          /* first append_layer */
+  assert_memory_equal(out_k + ROW, rows[1], ROW);    /* second append_layer */
+  assert_memory_equal(out_k + 2 * ROW, rows[1], ROW); /* the all-layer append */
+  assert_int_equal(akv_context_append_layer(c, 1, 1, rows[1] + ROW, vrows[1] + ROW), AKV_OK);
+  assert_int_equal(akv_context_append_layer(c, 2, 1, rows[2] + 2 * ROW, vrows[2] + 2 * ROW),
+                   AKV_OK);
+  assert_int_equal(akv_context_length(c, &len), AKV_OK);
+  assert_int_equal(len, 4); /* every layer holds 4 */
+  assert_int_equal(akv_context_read(c, 2, 0, 4, out_k, out_v), AKV_OK);
+  assert_memory_equal(out_k, rows[2], 2 * ROW);
+  assert_memory_equal(out_k + 2 * ROW, rows[2], ROW);
+  assert_memory_equal(out_k + 3 * ROW, rows[2] + 2 * ROW, ROW);
+  assert_memory_equal(out_v + 3 * ROW, vrows[2] + 2 * ROW, ROW);
+
+  /* even again: the step runs and appends one row on every layer */
+  assert_int_equal(akv_step_begin(e, &c, 1), AKV_OK);
+  assert_int_equal(akv_context_append_layer(c, 0, 1, rows[0], vrows[0]), AKV_ERR_IN_USE);
+  one_step(e, q, c, L, 0xA5);
+  assert_int_equal(akv_step_end(e), AKV_OK);
+  assert_int_equal(akv_context_length(c, &len), AKV_OK);
+  assert_int_equal(len, 5);
+  for (uint32_t l = 0; l < L; l++) {
+    uint8_t a5[ROW];
+    memset(a5, 0xA5, sizeof(a5));
+    assert_int_equal(akv_context_read(c, l, 4, 1, out_k, out_v), AKV_OK);
+    assert_memory_equal(out_k, a5, ROW);
+    assert_memory_equal(out_v, a5, ROW);
+  }
+  /* after the step, per-layer appends continue from the step's row */
+  assert_int_equal(akv_context_append_layer(c, 1, 1, rows[1], vrows[1]), AKV_OK);
+  assert_int_equal(akv_context_read(c, 1, 5, 1, out_k, out_v), AKV_OK);
+  assert_memory_equal(out_k, rows[1], ROW);
+  assert_int_equal(akv_context_length(c, &len), AKV_OK);
+  assert_int_equal(len, 5);
+
+  /* a closed handle is refused; a new context on the slot starts even, empty */
+  dead = c;
+  assert_int_equal(akv_context_close(c), AKV_OK);
+  assert_int_equal(akv_context_append_layer(dead, 0, 1, rows[0], vrows[0]), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(akv_context_append_layer(NULL, 0, 1, rows[0], vrows[0]), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(akv_context_open(e, NULL, &c), AKV_OK);
+  assert_int_equal(akv_context_length(c, &len), AKV_OK);
+  assert_int_equal(len, 0);
+  assert_int_equal(akv_context_read(c, 1, 0, 1, out_k, out_v), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_context_append(c, 1, kp, vp), AKV_OK);
+  assert_int_equal(akv_step_begin(e, &c, 1), AKV_OK); /* even: no leftover per-layer rows */
+  one_step(e, q, c, L, 0x11);
+  assert_int_equal(akv_step_end(e), AKV_OK);
+  assert_int_equal(akv_context_close(c), AKV_OK);
+  assert_int_equal(akv_stream_destroy(e, q), AKV_OK);
+  assert_int_equal(akv_engine_destroy(e), AKV_OK);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_versions),
@@ -189,6 +536,11 @@ int main(void) {
       cmocka_unit_test(test_null_and_foreign_handles),
       cmocka_unit_test(test_round_trip_host_backend),
       cmocka_unit_test(test_closed_handle_never_aliases),
+      cmocka_unit_test(test_stream_destroy_refused_while_a_lease_uses_it),
+      cmocka_unit_test(test_destroyed_engine_and_its_contexts_are_bad_handles),
+      cmocka_unit_test(test_retired_lease_handle_is_dead),
+      cmocka_unit_test(test_closed_handle_reuse_bound_with_others_open),
+      cmocka_unit_test(test_append_layer),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -285,8 +285,9 @@ static held held_now(const akv_engine *e) {
     if (h.state[l] != AKV_LEASE_IDLE && h.state[l] != AKV_LEASE_RETIRED) h.tickets += e->leases[l].n_tickets;
   }
   for (uint32_t i = 0; i < e->concurrency; i++) {
-    h.host_leases += e->contexts[i].host_leases;
-    h.fill_leases += e->contexts[i].fill_leases;
+    if (e->slot_owner[i] == NULL) continue;
+    h.host_leases += e->slot_owner[i]->host_leases;
+    h.fill_leases += e->slot_owner[i]->fill_leases;
   }
   return h;
 }
@@ -313,9 +314,12 @@ static void assert_nothing_held(const akv_engine *e) {
 /* ------------------------------------------------ every call, quarantined */
 
 /* Every non-diagnostic call returns AKV_ERR_QUARANTINED and issues no
- * backend operation. */
-static void assert_all_quarantined(fx *f, akv_context **ctx, akv_lease *sealed, akv_lease *begun) {
+ * backend operation; once quarantine released the leases (`released`),
+ * their handles are dead and answer AKV_ERR_BAD_HANDLE instead. */
+static void assert_all_quarantined(fx *f, akv_context **ctx, akv_lease *sealed, akv_lease *begun,
+                                   int released) {
   akv_engine *e = f->e;
+  const akv_status lease_st = released ? AKV_ERR_BAD_HANDLE : AKV_ERR_QUARANTINED;
   uint64_t ops = ops_total(e);
   akv_context *c = NULL;
   akv_lease *ls = NULL;
@@ -337,13 +341,13 @@ static void assert_all_quarantined(fx *f, akv_context **ctx, akv_lease *sealed, 
   assert_int_equal(akv_step_end(e), AKV_ERR_QUARANTINED);
   assert_int_equal(akv_lease_begin(e, 2, &ls), AKV_ERR_QUARANTINED);
   assert_null(ls);
-  assert_int_equal(akv_lease_wait_ready(begun, f->s, &view), AKV_ERR_QUARANTINED);
-  assert_int_equal(akv_lease_mark_consumed(begun, f->s, &fence), AKV_ERR_QUARANTINED);
-  assert_int_equal(akv_lease_attend(begun, f->s, hook, &f->h, &fence), AKV_ERR_QUARANTINED);
-  assert_int_equal(akv_lease_write_back(begun, NULL, 0, &fence2), AKV_ERR_QUARANTINED);
-  assert_int_equal(akv_lease_seal(sealed, fence, fence2), AKV_ERR_QUARANTINED);
-  assert_int_equal(akv_lease_retire(sealed, NULL), AKV_ERR_QUARANTINED);
-  assert_int_equal(akv_lease_retire(begun, NULL), AKV_ERR_QUARANTINED);
+  assert_int_equal(akv_lease_wait_ready(begun, f->s, &view), lease_st);
+  assert_int_equal(akv_lease_mark_consumed(begun, f->s, &fence), lease_st);
+  assert_int_equal(akv_lease_attend(begun, f->s, hook, &f->h, &fence), lease_st);
+  assert_int_equal(akv_lease_write_back(begun, NULL, 0, &fence2), lease_st);
+  assert_int_equal(akv_lease_seal(sealed, fence, fence2), lease_st);
+  assert_int_equal(akv_lease_retire(sealed, NULL), lease_st);
+  assert_int_equal(akv_lease_retire(begun, NULL), lease_st);
   assert_int_equal(ops_total(e), ops);
 }
 
@@ -395,7 +399,7 @@ static void test_quarantined_status_for_every_call_after_a_failure(void **state)
   f.h.fail_layer = 1;
   assert_int_equal(akv_lease_attend(l1, f.s, hook, &f.h, &attn), AKV_ERR_BACKEND);
 
-  assert_all_quarantined(&f, ctx, l0, l1);
+  assert_all_quarantined(&f, ctx, l0, l1, 0);
   assert_diagnostics_work(&f, ctx, 0);
   /* destroy: busy (failed transport, not quarantined), frees nothing */
   assert_int_equal(akv_engine_destroy(f.e), AKV_ERR_BUSY);
@@ -408,8 +412,9 @@ static void test_quarantined_status_for_every_call_after_a_failure(void **state)
   assert_int_equal(q.retained_leases, 0);
   assert_string_equal(q.uncertain, "");
   assert_nothing_held(f.e);
-  /* still only diagnostics, quarantine and destroy */
-  assert_all_quarantined(&f, ctx, l0, l1);
+  /* still only diagnostics, quarantine and destroy; the released leases'
+   * handles are dead */
+  assert_all_quarantined(&f, ctx, l0, l1, 1);
   assert_diagnostics_work(&f, ctx, 1);
   /* a second quarantine is allowed and finds nothing left */
   assert_int_equal(akv_engine_quarantine(f.e, &q), AKV_OK);
@@ -497,7 +502,7 @@ static void test_quarantine_synchronises_then_releases(void **state) {
   f.h.gate_layer[0] = &g;
   assert_int_equal(akv_step_begin(f.e, ctx, 3), AKV_OK);
   l0 = layer_sealed(&f, 0); /* attention and its write-back wait at the gate */
-  assert_int_equal(l0->state, AKV_LEASE_SEALED);
+  assert_int_equal(l0->body->state, AKV_LEASE_SEALED);
   assert_int_equal(akv_lease_begin(f.e, 1, &l1), AKV_OK);
   f.h.fail_layer = 1;
   assert_int_equal(akv_lease_attend(l1, f.s, hook, &f.h, &attn), AKV_ERR_BACKEND);
@@ -751,10 +756,9 @@ static void test_invariant_partial_submissions_quarantine_until_drain(void **sta
   l0 = layer_sealed(&f, 0); /* its attention and write-back wait at the gate */
   assert_int_equal(akv_lease_begin(f.e, 1, &l1), AKV_ERR_BACKEND);
   assert_null(l1);
-  l1 = &f.e->leases[1];
   /* the partial submission stays with its lease: live, tickets held */
-  assert_int_equal(l1->state, AKV_LEASE_BEGUN);
-  assert_int_equal(l1->n_tickets, 3);
+  assert_int_equal(f.e->leases[1].state, AKV_LEASE_BEGUN);
+  assert_int_equal(f.e->leases[1].n_tickets, 3);
   before = held_now(f.e);
   assert_int_equal(before.leases_live, 2);
   assert_int_equal(before.host_leases, 3 * 2 + 3); /* l0 H2D+D2H, l1 H2D */
@@ -815,7 +819,7 @@ static void test_invariant_nothing_recycled_on_uncertain_fence(void **state) {
   assert_int_equal(q.leases_released, 0);
   after = held_now(f.e);
   assert_held_equal(&before, &after);
-  assert_int_equal(l0->state, AKV_LEASE_SEALED);
+  assert_int_equal(l0->body->state, AKV_LEASE_SEALED);
   assert_int_equal(akv_engine_destroy(f.e), AKV_ERR_BUSY);
   {
     uint8_t k[ROW_ELEMS * 2], v[ROW_ELEMS * 2];

@@ -5,7 +5,11 @@
 #include <string.h>
 
 #include "internal.h"
+#include "records.h"
 
+/* A context record is never freed (records.h) and its engine pointer names
+ * an engine record, also never freed: checking a closed handle, or one whose
+ * engine was destroyed, reads only live memory. */
 bool akv_context_ok(const akv_context *c) {
   return c != NULL && c->magic == AKV_MAGIC_CONTEXT && c->magic_end == AKV_MAGIC_CONTEXT &&
          akv_engine_ok(c->engine) && c->open;
@@ -31,6 +35,36 @@ void akv_ticket_release(akv_engine *e, akv_context *c, uint64_t generation) {
             c->slot);
   c->host_leases--;
   e->pinned_refs--;
+}
+
+/* Copies n token-major K and V rows of one layer after the rows that layer
+ * holds and counts them there. The caller checked the capacity. */
+static void akv_context_copy_rows(akv_engine *e, akv_context *c, uint32_t layer, uint32_t n,
+                                  const void *k_rows, const void *v_rows) {
+  uint8_t *dst = akv_host_layer(e, c, layer) + (uint64_t)c->layer_len[layer] * e->pair_bytes;
+  const uint8_t *k = k_rows, *v = v_rows;
+  for (uint32_t t = 0; t < n; t++, dst += e->pair_bytes) {
+    memcpy(dst, k + (uint64_t)t * e->row_bytes, e->row_bytes);
+    memcpy(dst + e->row_bytes, v + (uint64_t)t * e->row_bytes, e->row_bytes);
+  }
+  c->layer_len[layer] += n;
+}
+
+/* The context's length is the minimum over its layers: rows every dense
+ * layer holds. Staging, admission and write-back all read c->len, so rows a
+ * layer holds beyond it are never staged; step_begin refuses the context
+ * while the layers differ (AKV_ERR_UNEVEN_LAYERS). */
+static void akv_context_sync_len(const akv_engine *e, akv_context *c) {
+  uint32_t min = c->layer_len[0];
+  for (uint32_t l = 1; l < e->cfg.n_dense_layers; l++)
+    if (c->layer_len[l] < min) min = c->layer_len[l];
+  c->len = min;
+}
+
+bool akv_context_uneven(const akv_engine *e, const akv_context *c) {
+  for (uint32_t l = 0; l < e->cfg.n_dense_layers; l++)
+    if (c->layer_len[l] != c->len) return true;
+  return false;
 }
 
 static uint32_t akv_default_target(const akv_engine *e) {
@@ -75,14 +109,16 @@ AKV_API akv_status akv_context_open(akv_engine *e, const akv_context_config *con
     akv_adm_explain(e->adm, AKV_ADM_NONE, why, sizeof(why));
     return akv_fail(e, st, "context_open: %s", why);
   }
-  /* The next record not in use, in turn: a handle closed since stays dead
-   * until every other record has been opened (n_records > concurrency, so
-   * one is always free). */
-  for (uint32_t k = 0; k < e->n_records && c == NULL; k++) {
-    akv_context *r = &e->contexts[(e->next_record + k) % e->n_records];
-    if (!r->open) c = r;
+  /* A record of the process-wide pool, in FIFO order: a closed handle
+   * queues behind at least AKV_CONTEXT_HANDLE_REUSE_MIN free records. The
+   * engine reserved its concurrency at create, so this take never
+   * allocates and never fails; the check guards the invariant. */
+  c = akv_rec_take(&akv_context_records);
+  if (c == NULL) {
+    akv_adm_release(e->adm, e->step, slot);
+    return akv_fail(e, AKV_ERR_OUT_OF_MEMORY, "context_open: no context handle record");
   }
-  e->next_record = (uint32_t)(c - e->contexts + 1) % e->n_records;
+  c->engine = e;
   c->slot = slot;
   c->host = e->host_pool + (uint64_t)slot * e->fit.history_bytes;
   c->host_leases = 0;
@@ -91,6 +127,8 @@ AKV_API akv_status akv_context_open(akv_engine *e, const akv_context_config *con
   c->id = e->next_context_id;
   c->open = true;
   c->len = 0;
+  c->layer_len = e->slot_layer_len + (uint64_t)slot * e->cfg.n_dense_layers;
+  memset(c->layer_len, 0, (size_t)e->cfg.n_dense_layers * sizeof(*c->layer_len));
   c->target = cc.target_pages;
   c->burst = cc.burst_pages;
   /* no ticket holds a free slot, so its generation may move */
@@ -115,9 +153,11 @@ AKV_API akv_status akv_context_close(akv_context *c) {
   if (st != AKV_OK) return akv_fail(e, st, "context_close: admission release failed");
   c->open = false;
   c->len = 0;
+  memset(c->layer_len, 0, (size_t)e->cfg.n_dense_layers * sizeof(*c->layer_len));
   c->magic = c->magic_end = AKV_MAGIC_DEAD;
   e->slot_owner[c->slot] = NULL;
   e->open_contexts--;
+  akv_rec_give(&akv_context_records, c); /* dead, at the tail of the FIFO */
   return AKV_OK;
 }
 
@@ -136,20 +176,44 @@ AKV_API akv_status akv_context_append(akv_context *c, uint32_t n_tokens,
   if (c->in_step)
     return akv_fail(e, AKV_ERR_IN_USE, "context_append: context %u is part of the open step",
                     c->id);
-  if ((uint64_t)c->len + n_tokens > e->cfg.max_tokens)
-    return akv_fail(e, AKV_ERR_CAPACITY,
-                    "context_append: %u + %u rows exceed max_tokens=%u; nothing appended", c->len,
-                    n_tokens, e->cfg.max_tokens);
+  /* Capacity against the layer holding the most rows (64-bit sum): checked
+   * for every layer before any row is copied, so a refusal appends nothing. */
+  for (uint32_t l = 0; l < e->cfg.n_dense_layers; l++)
+    if ((uint64_t)c->layer_len[l] + n_tokens > e->cfg.max_tokens)
+      return akv_fail(e, AKV_ERR_CAPACITY,
+                      "context_append: layer %u: %u + %u rows exceed max_tokens=%u; nothing "
+                      "appended", l, c->layer_len[l], n_tokens, e->cfg.max_tokens);
   /* n_tokens == 0 copies nothing: row pointers may then be NULL */
-  for (uint32_t l = 0; n_tokens > 0 && l < e->cfg.n_dense_layers; l++) {
-    uint8_t *dst = akv_host_layer(e, c, l) + (uint64_t)c->len * e->pair_bytes;
-    const uint8_t *k = k_rows[l], *v = v_rows[l];
-    for (uint32_t t = 0; t < n_tokens; t++, dst += e->pair_bytes) {
-      memcpy(dst, k + (uint64_t)t * e->row_bytes, e->row_bytes);
-      memcpy(dst + e->row_bytes, v + (uint64_t)t * e->row_bytes, e->row_bytes);
-    }
-  }
-  c->len += n_tokens;
+  for (uint32_t l = 0; n_tokens > 0 && l < e->cfg.n_dense_layers; l++)
+    akv_context_copy_rows(e, c, l, n_tokens, k_rows[l], v_rows[l]);
+  akv_context_sync_len(e, c);
+  return AKV_OK;
+}
+
+AKV_API akv_status akv_context_append_layer(akv_context *c, uint32_t layer, uint32_t n_tokens,
+                                            const void *k_rows, const void *v_rows) {
+  akv_engine *e;
+  akv_status st;
+  if (!akv_context_ok(c)) return AKV_ERR_BAD_HANDLE;
+  e = c->engine;
+  if ((st = akv_engine_enter(e)) != AKV_OK) return st;
+  if (layer >= e->cfg.n_dense_layers)
+    return akv_fail(e, AKV_ERR_INVALID_ARGUMENT,
+                    "context_append_layer: layer %u out of range (%u dense layers)", layer,
+                    e->cfg.n_dense_layers);
+  if (n_tokens > 0 && (k_rows == NULL || v_rows == NULL))
+    return akv_fail(e, AKV_ERR_INVALID_ARGUMENT, "context_append_layer: layer %u rows are NULL",
+                    layer);
+  if (c->in_step)
+    return akv_fail(e, AKV_ERR_IN_USE,
+                    "context_append_layer: context %u is part of the open step", c->id);
+  /* 64-bit sum: layer_len + n_tokens cannot wrap past max_tokens */
+  if ((uint64_t)c->layer_len[layer] + n_tokens > e->cfg.max_tokens)
+    return akv_fail(e, AKV_ERR_CAPACITY,
+                    "context_append_layer: layer %u: %u + %u rows exceed max_tokens=%u; nothing "
+                    "appended", layer, c->layer_len[layer], n_tokens, e->cfg.max_tokens);
+  if (n_tokens > 0) akv_context_copy_rows(e, c, layer, n_tokens, k_rows, v_rows);
+  akv_context_sync_len(e, c);
   return AKV_OK;
 }
 
@@ -158,11 +222,13 @@ AKV_API akv_status akv_context_read(const akv_context *c, uint32_t layer, uint32
   akv_engine *e;
   if (!akv_context_ok(c)) return AKV_ERR_BAD_HANDLE;
   e = c->engine;
-  if (layer >= e->cfg.n_dense_layers || (uint64_t)first + n > c->len ||
+  if (layer >= e->cfg.n_dense_layers || (uint64_t)first + n > c->layer_len[layer] ||
       (n > 0 && (k_out == NULL || v_out == NULL)))
     return akv_fail(e, AKV_ERR_INVALID_ARGUMENT,
-                    "context_read: layer %u rows [%u, %u) outside the %u layers x %u rows held",
-                    layer, first, first + n, e->cfg.n_dense_layers, c->len);
+                    "context_read: layer %u rows [%u, %llu) outside the %u layers (this "
+                    "layer holds %u rows)",
+                    layer, first, (unsigned long long)first + n, e->cfg.n_dense_layers,
+                    layer < e->cfg.n_dense_layers ? c->layer_len[layer] : 0u);
   if (c->in_step || c->host_leases > 0)
     return akv_fail(e, AKV_ERR_IN_USE, "context_read: context %u is part of the open step",
                     c->id);

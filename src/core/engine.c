@@ -9,6 +9,7 @@
 
 #include "fit.h"
 #include "internal.h"
+#include "records.h"
 
 const char *akv_route_name(akv_route r) {
   switch (r) {
@@ -70,11 +71,31 @@ static const akv_backend_ops *akv_pick_backend(const akv_engine_config *cfg,
   return &akv_backend_host_ops;
 }
 
-static void akv_engine_free_all(akv_engine *e) {
+/* Frees everything the engine allocated and poisons every handle record it
+ * holds: its open contexts, its lease handles and itself. The records go
+ * back to their pools, never to free(): `created` puts the engine record at
+ * the tail of its FIFO (a destroy), otherwise back at the head (a create
+ * that failed, which then does not count against the reuse bound). */
+static void akv_engine_free_all(akv_engine *e, bool created) {
   akv_bk *bk = &e->bk;
+  if (e->slot_owner != NULL)
+    for (uint32_t i = 0; i < e->concurrency; i++) {
+      akv_context *c = e->slot_owner[i];
+      if (c == NULL) continue;
+      c->open = false;
+      c->magic = c->magic_end = AKV_MAGIC_DEAD;
+      akv_rec_give(&akv_context_records, c);
+    }
+  if (e->contexts_reserved) akv_rec_unreserve(&akv_context_records, e->concurrency);
+  if (e->lease_recs != NULL)
+    for (uint32_t i = 0; i < e->n_lease_recs; i++) {
+      if (e->lease_recs[i] == NULL) continue;
+      e->lease_recs[i]->magic = e->lease_recs[i]->magic_end = AKV_MAGIC_DEAD;
+      akv_rec_give(&akv_lease_records, e->lease_recs[i]);
+    }
   if (e->leases != NULL) {
     for (uint32_t l = 0; l < e->cfg.n_dense_layers; l++) {
-      akv_lease *ls = &e->leases[l];
+      akv_lease_body *ls = &e->leases[l];
       akv_bk_event_destroy(bk, ls->ev_h2d);
       akv_bk_event_destroy(bk, ls->ev_d2d);
       akv_bk_event_destroy(bk, ls->ev_attn);
@@ -84,7 +105,6 @@ static void akv_engine_free_all(akv_engine *e) {
       free(ls->generation);
       free(ls->written);
       free(ls->tickets);
-      ls->magic = ls->magic_end = AKV_MAGIC_DEAD;
     }
   }
   akv_bk_event_destroy(bk, e->ev_fill);
@@ -99,14 +119,13 @@ static void akv_engine_free_all(akv_engine *e) {
   akv_bk_host_free(bk, e->page_map_host);
   akv_bk_host_free(bk, e->host_pool);
   akv_bk_shutdown(bk);
-  if (e->contexts != NULL)
-    for (uint32_t i = 0; i < e->n_records; i++)
-      e->contexts[i].magic = e->contexts[i].magic_end = AKV_MAGIC_DEAD;
   akv_adm_destroy(e->adm);
   free(e->leases);
-  free(e->contexts);
+  free(e->lease_recs);
+  free(e->lease_ring);
   free(e->slot_owner);
   free(e->slot_generation);
+  free(e->slot_layer_len);
   free(e->step_ctx);
   free(e->adm_req);
   free(e->sc_dst);
@@ -116,10 +135,13 @@ static void akv_engine_free_all(akv_engine *e) {
   free(e->sc2_src);
   free(e->sc2_bytes);
   e->magic = e->magic_end = AKV_MAGIC_DEAD;
-  free(e);
+  if (created)
+    akv_rec_give(&akv_engine_records, e);
+  else
+    akv_rec_untake(&akv_engine_records, e);
 }
 
-static akv_status akv_alloc_lease_arrays(akv_engine *e, akv_lease *ls, uint32_t layer) {
+static akv_status akv_alloc_lease_arrays(akv_engine *e, akv_lease_body *ls, uint32_t layer) {
   uint32_t n = e->concurrency;
   ls->engine = e;
   ls->layer = layer;
@@ -142,13 +164,15 @@ static akv_status akv_engine_allocate(akv_engine *e) {
   akv_backend_params params = {c->device_ordinal, c->host_delay_seed, c->host_delay_max_us,
                                c->host_fake_free_bytes};
 
-  e->n_records = n * AKV_CONTEXT_RECORDS_PER_SLOT;
-  e->contexts = calloc(e->n_records, sizeof(*e->contexts));
   e->slot_owner = calloc(n, sizeof(*e->slot_owner));
   e->slot_generation = calloc(n, sizeof(*e->slot_generation));
+  e->slot_layer_len = calloc((size_t)n * c->n_dense_layers, sizeof(*e->slot_layer_len));
   e->step_ctx = calloc(n, sizeof(*e->step_ctx));
   e->adm_req = calloc(n, sizeof(*e->adm_req));
   e->leases = calloc(c->n_dense_layers, sizeof(*e->leases));
+  e->n_lease_recs = c->n_dense_layers * AKV_LEASE_HANDLES_PER_LAYER;
+  e->lease_recs = calloc(e->n_lease_recs, sizeof(*e->lease_recs));
+  e->lease_ring = calloc(e->n_lease_recs, sizeof(*e->lease_ring));
   /* Batched copies of one lease: per context at most two H2D runs per K/V
    * around its resident pages plus the tail, and one D2D per resident page. */
   e->scratch_cap = (size_t)n * ((size_t)e->max_logical_pages + 2);
@@ -159,11 +183,28 @@ static akv_status akv_engine_allocate(akv_engine *e) {
   e->sc2_dst = calloc(e->scratch2_cap, sizeof(void *));
   e->sc2_src = calloc(e->scratch2_cap, sizeof(void *));
   e->sc2_bytes = calloc(e->scratch2_cap, sizeof(size_t));
-  if (!e->contexts || !e->slot_owner || !e->slot_generation || !e->step_ctx || !e->adm_req || !e->leases || !e->sc_dst || !e->sc_src || !e->sc_bytes ||
+  if (!e->lease_recs || !e->lease_ring || !e->slot_owner || !e->slot_generation || !e->slot_layer_len || !e->step_ctx || !e->adm_req || !e->leases || !e->sc_dst || !e->sc_src || !e->sc_bytes ||
       !e->sc2_dst || !e->sc2_src || !e->sc2_bytes) {
     st = akv_fail(e, AKV_ERR_OUT_OF_MEMORY, "engine bookkeeping allocation failed");
     goto fail;
   }
+  /* Handle records: every context this engine can hold open at once, and
+   * its lease handles, so that open and begin never allocate. */
+  if ((st = akv_rec_reserve(&akv_context_records, n)) != AKV_OK) {
+    akv_fail(e, st, "context handle records could not be reserved");
+    goto fail;
+  }
+  e->contexts_reserved = true;
+  for (uint32_t i = 0; i < e->n_lease_recs; i++) {
+    e->lease_recs[i] = akv_rec_take(&akv_lease_records);
+    if (e->lease_recs[i] == NULL) {
+      st = akv_fail(e, AKV_ERR_OUT_OF_MEMORY, "lease handle records could not be allocated");
+      goto fail;
+    }
+    e->lease_ring[i] = e->lease_recs[i];
+  }
+  e->lease_head = 0;
+  e->lease_free = e->n_lease_recs;
   for (uint32_t l = 0; l < c->n_dense_layers; l++) {
     st = akv_alloc_lease_arrays(e, &e->leases[l], l);
     if (st != AKV_OK) {
@@ -186,7 +227,7 @@ static akv_status akv_engine_allocate(akv_engine *e) {
     goto fail;
   }
   for (uint32_t l = 0; l < c->n_dense_layers; l++) {
-    akv_lease *ls = &e->leases[l];
+    akv_lease_body *ls = &e->leases[l];
     if ((st = akv_bk_event_create(bk, &ls->ev_h2d)) != AKV_OK ||
         (st = akv_bk_event_create(bk, &ls->ev_d2d)) != AKV_OK ||
         (st = akv_bk_event_create(bk, &ls->ev_attn)) != AKV_OK ||
@@ -265,11 +306,6 @@ static akv_status akv_engine_allocate(akv_engine *e) {
     }
   }
   if ((st = akv_headroom_start(e)) != AKV_OK) goto fail;
-  for (uint32_t i = 0; i < e->n_records; i++) {
-    akv_context *ctx = &e->contexts[i];
-    ctx->engine = e;
-    ctx->slot = UINT32_MAX; /* bound to a host slot at open */
-  }
   return AKV_OK;
 fail:
   return st;
@@ -338,8 +374,11 @@ AKV_API akv_status akv_engine_create(const akv_engine_config *caller, akv_engine
                 config->max_contexts, fit.effective_concurrency);
   }
 
-  e = calloc(1, sizeof(*e));
+  /* The engine is a record of the process-wide pool, never freed: a
+   * destroyed handle reads as dead, never as freed memory. */
+  e = akv_rec_take(&akv_engine_records);
   if (e == NULL) return AKV_ERR_OUT_OF_MEMORY;
+  memset(e, 0, sizeof(*e));
   e->magic = e->magic_end = AKV_MAGIC_ENGINE;
   e->cfg = *config;
   e->cfg.struct_size = sizeof(akv_engine_config);
@@ -387,7 +426,7 @@ AKV_API akv_status akv_engine_create(const akv_engine_config *caller, akv_engine
   *out = e;
   return AKV_OK;
 fail:
-  akv_engine_free_all(e);
+  akv_engine_free_all(e, false);
   return st;
 }
 
@@ -405,7 +444,7 @@ AKV_API akv_status akv_engine_destroy(akv_engine *e) {
   for (size_t i = 0; i < sizeof(e->streams) / sizeof(e->streams[0]); i++)
     if (e->streams[i].live)
       return akv_fail(e, AKV_ERR_BUSY, "destroy refused: a stream from akv_stream_create is live");
-  akv_engine_free_all(e);
+  akv_engine_free_all(e, true);
   return AKV_OK;
 }
 
@@ -464,7 +503,7 @@ AKV_API akv_status akv_engine_quarantine(akv_engine *e, akv_quarantine_report *r
   if (r.h2d_ok && r.d2h_ok && r.d2d_ok && r.device_ok) {
     uint32_t before_tickets = 0;
     for (uint32_t l = 0; l < e->cfg.n_dense_layers; l++) {
-      akv_lease *ls = &e->leases[l];
+      akv_lease_body *ls = &e->leases[l];
       if (ls->state != AKV_LEASE_IDLE && ls->state != AKV_LEASE_RETIRED) {
         r.leases_released++;
         before_tickets += ls->n_tickets;
@@ -486,7 +525,7 @@ AKV_API akv_status akv_engine_quarantine(akv_engine *e, akv_quarantine_report *r
     /* Nothing is recycled on an uncertain fence: every owner, buffer and
      * lease stays retained and destroy will refuse. */
     for (uint32_t l = 0; l < e->cfg.n_dense_layers; l++) {
-      akv_lease *ls = &e->leases[l];
+      akv_lease_body *ls = &e->leases[l];
       if (ls->state != AKV_LEASE_IDLE && ls->state != AKV_LEASE_RETIRED) r.retained_leases++;
     }
     snprintf(r.uncertain, sizeof(r.uncertain), "%s%s%s%s", r.h2d_ok ? "" : "h2d-queue ",

@@ -26,7 +26,6 @@
 #define AKV_GIB ((uint64_t)1 << 30)
 #define AKV_N_BUFFERS 2 /* double-buffered staging */
 #define AKV_MAX_PRIOR 8 /* prior readers a lease can list */
-#define AKV_CONTEXT_RECORDS_PER_SLOT 16 /* context handle records per host slot */
 
 /* A ticket: one submitted copy (or batch) on behalf of one host owner. It
  * holds the pinned pool (the owner of the memory DMA reads or writes) and a
@@ -43,7 +42,7 @@ typedef struct akv_ticket {
 typedef struct akv_reader {
   akv_bevent *event;
   uint32_t buffer;
-  struct akv_lease *lease; /* the lease the event belongs to */
+  struct akv_lease_body *lease; /* the lease the event belongs to */
   uint64_t lease_serial;   /* that lease's serial when the reader was listed */
 } akv_reader;
 
@@ -56,8 +55,21 @@ typedef enum akv_lease_state {
   AKV_LEASE_RETIRED     /* every fence proven; tickets released */
 } akv_lease_state;
 
+/* A lease handle (the public akv_lease): a record from the process-wide
+ * pool (records.h), one per begin. It is live from its begin until its
+ * lease retires (or quarantine releases it); then its magic is poisoned and
+ * it queues behind the engine's other handle records, so a retired handle
+ * answers AKV_ERR_BAD_HANDLE instead of naming a later lease of its layer. */
 struct akv_lease {
   uint32_t magic;
+  struct akv_lease_body *body; /* the layer's lease; read only while magic is live */
+  uint64_t serial;             /* body->serial at begin */
+  uint32_t magic_end;
+};
+
+/* One dense layer's lease: the state machine of DESIGN §5 (lease.c). */
+typedef struct akv_lease_body {
+  struct akv_lease *handle; /* the live handle of the current begin, or NULL */
   struct akv_engine *engine;
   uint32_t layer;
   uint32_t buffer;
@@ -84,16 +96,20 @@ struct akv_lease {
   uint32_t n_tickets;
   uint64_t bytes_h2d, bytes_d2d, bytes_d2h;
   uint64_t bytes_in_place; /* paged route: retained pages attention reads in place */
-  uint32_t magic_end;
-};
+} akv_lease_body;
 
+/* A context handle: a record from the process-wide pool (records.h), taken
+ * at open and given back at close (or at its engine's destroy), poisoned. */
 struct akv_context {
   uint32_t magic;
   struct akv_engine *engine;
   uint32_t slot;
   uint32_t id;
   bool open;
-  uint32_t len;          /* rows per dense layer */
+  uint32_t len;          /* rows of every dense layer: min over layer_len */
+  uint32_t *layer_len;   /* [n_dense_layers]: rows each layer holds (its slot's
+                            row of engine.slot_layer_len); >= len, and == len
+                            on every layer of a context in a step */
   uint32_t target, burst;
   uint64_t generation;   /* host slot generation */
   uint32_t host_leases;  /* tickets holding the slot */
@@ -108,6 +124,9 @@ struct akv_stream_rec {
   bool live;
 };
 
+/* An engine: a record from the process-wide pool (records.h). Destroy frees
+ * everything the engine allocated, poisons the record and gives it back; the
+ * record itself is never freed, so a destroyed handle reads as dead. */
 struct akv_engine {
   uint32_t magic;
   akv_engine_config cfg;
@@ -163,15 +182,13 @@ struct akv_engine {
   uint64_t hr_cap_bytes, hr_reserve_bytes, hr_profile_free;
   uint64_t hr_bytes_released, hr_releases, hr_takes;
 
-  /* Context handles are records, AKV_CONTEXT_RECORDS_PER_SLOT per host slot,
-   * handed out in turn: a closed handle stays dead (AKV_ERR_BAD_HANDLE) until
-   * every other record has been opened since, instead of aliasing the next
-   * context to take its slot. */
-  struct akv_context *contexts;     /* [n_records] */
-  uint32_t n_records;
-  uint32_t next_record;             /* where the search for a free record starts */
+  /* Context handles are records of the process-wide pool (records.h),
+   * taken at open: concurrency of them are reserved at create, so open
+   * never allocates. */
+  bool contexts_reserved;
   struct akv_context **slot_owner;  /* [concurrency]: the open record on a host slot, or NULL */
   uint64_t *slot_generation;        /* [concurrency]: moves at each open of the slot */
+  uint32_t *slot_layer_len;         /* [concurrency][n_dense_layers]: rows per layer */
   uint32_t next_context_id;
   uint32_t open_contexts;
 
@@ -183,8 +200,14 @@ struct akv_engine {
   akv_adm_request *adm_req;      /* [concurrency] */
   uint32_t next_layer;
   uint32_t leases_live;
-  struct akv_lease *leases; /* [n_dense_layers] */
-  struct akv_lease *last_begun;
+  akv_lease_body *leases; /* [n_dense_layers] */
+  akv_lease_body *last_begun;
+  /* Lease handle records, AKV_LEASE_HANDLES_PER_LAYER per dense layer, taken
+   * from the process-wide pool at create and handed out in FIFO order: a
+   * retired handle queues behind every free one. */
+  struct akv_lease **lease_recs;  /* [n_lease_recs]: every record this engine holds */
+  struct akv_lease **lease_ring;  /* [n_lease_recs]: FIFO of the free ones */
+  uint32_t n_lease_recs, lease_head, lease_free;
   uint64_t lease_serial;
   uint64_t fence_serial;
   uint64_t fence_done;      /* every fence <= this is known complete */
@@ -235,6 +258,8 @@ akv_status akv_engine_enter(akv_engine *e);
 
 /* context.c */
 bool akv_context_ok(const akv_context *c);
+/* 1 when some dense layer holds more rows than the context length. */
+bool akv_context_uneven(const akv_engine *e, const akv_context *c);
 /* Row 0 of `layer` of the context's authoritative host history (K at +0,
  * V at +row_bytes, pair_bytes per token). */
 uint8_t *akv_host_layer(const akv_engine *e, const akv_context *c, uint32_t layer);
@@ -258,6 +283,9 @@ void akv_headroom_free_all(akv_engine *e);
 
 /* lease.c */
 void akv_leases_release_all(akv_engine *e); /* quarantine, after completion is proven */
+/* The lease a live handle names, or NULL (NULL, foreign, retired, or of a
+ * destroyed engine). Never reads past the handle record unless it is live. */
+akv_lease_body *akv_lease_resolve(const akv_lease *handle);
 
 #define AKV_CHECK(expr)                \
   do {                                 \

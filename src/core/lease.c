@@ -17,15 +17,51 @@
 
 #include "internal.h"
 
-static bool akv_lease_ok(const akv_lease *ls) {
-  return ls != NULL && ls->magic == AKV_MAGIC_LEASE && ls->magic_end == AKV_MAGIC_LEASE &&
-         akv_engine_ok(ls->engine);
+akv_lease_body *akv_lease_resolve(const akv_lease *h) {
+  const akv_lease_body *ls;
+  /* A handle record is never freed (records.h); its body is read only while
+   * the record is live, and a live record's engine has not been destroyed
+   * (destroy poisons every handle record the engine holds). */
+  if (h == NULL || h->magic != AKV_MAGIC_LEASE || h->magic_end != AKV_MAGIC_LEASE) return NULL;
+  ls = h->body;
+  if (ls->handle != h || ls->serial != h->serial || !akv_engine_ok(ls->engine)) return NULL;
+  return (akv_lease_body *)ls;
 }
 
-/* Common entry: valid lease, engine usable. */
-static akv_status akv_lease_enter(akv_lease *ls) {
-  if (!akv_lease_ok(ls)) return AKV_ERR_BAD_HANDLE;
+/* Common entry: live handle, engine usable. */
+static akv_status akv_lease_enter(const akv_lease *h, akv_lease_body **out) {
+  akv_lease_body *ls = akv_lease_resolve(h);
+  if (ls == NULL) return AKV_ERR_BAD_HANDLE;
+  *out = ls;
   return akv_engine_enter(ls->engine);
+}
+
+/* The next free handle record of the engine, in FIFO order. At most one
+ * lease per layer is unretired, and each holds one record: the ring of
+ * AKV_LEASE_HANDLES_PER_LAYER per layer is never empty. */
+static akv_lease *akv_lease_handle_take(akv_engine *e, akv_lease_body *ls) {
+  akv_lease *h = e->lease_ring[e->lease_head];
+  e->lease_head = (e->lease_head + 1) % e->n_lease_recs;
+  e->lease_free--;
+  h->body = ls;
+  h->serial = ls->serial;
+  h->magic = h->magic_end = AKV_MAGIC_LEASE;
+  ls->handle = h;
+  return h;
+}
+
+/* Kills the lease's handle (retire, quarantine's release): from now on it
+ * answers AKV_ERR_BAD_HANDLE. It queues behind every free record, so it is
+ * handed out again only after at least (AKV_LEASE_HANDLES_PER_LAYER - 1) x
+ * n_dense_layers later begins (the other unretired leases hold at most
+ * n_dense_layers - 1 records). */
+static void akv_lease_handle_give(akv_engine *e, akv_lease_body *ls) {
+  akv_lease *h = ls->handle;
+  if (h == NULL) return;
+  h->magic = h->magic_end = AKV_MAGIC_DEAD;
+  ls->handle = NULL;
+  e->lease_ring[(e->lease_head + e->lease_free) % e->n_lease_recs] = h;
+  e->lease_free++;
 }
 
 static const char *akv_lease_state_name(akv_lease_state s) {
@@ -33,7 +69,7 @@ static const char *akv_lease_state_name(akv_lease_state s) {
   return names[s];
 }
 
-static akv_status akv_lease_wrong_state(akv_lease *ls, const char *call, const char *needs) {
+static akv_status akv_lease_wrong_state(akv_lease_body *ls, const char *call, const char *needs) {
   return akv_fail(ls->engine, AKV_ERR_LEASE_STATE, "%s: lease of layer %u is %s; needs %s", call,
                   ls->layer, akv_lease_state_name(ls->state), needs);
 }
@@ -46,11 +82,11 @@ static bool akv_reader_live(const akv_reader *r) {
 /* The prior readers of a new lease: the previous stage's own readers (its
  * attention-consumed and tail write-back events) plus the readers it carried
  * for the other buffer. Readers already retired were waited on by the host. */
-static void akv_lease_collect_prior(const akv_lease *pred, akv_reader *out, uint32_t *n_out) {
+static void akv_lease_collect_prior(const akv_lease_body *pred, akv_reader *out, uint32_t *n_out) {
   uint32_t n = 0;
   if (pred != NULL && pred->state != AKV_LEASE_RETIRED) {
-    akv_reader own[2] = {{pred->ev_attn, pred->buffer, (akv_lease *)pred, pred->serial},
-                         {pred->ev_tail, pred->buffer, (akv_lease *)pred, pred->serial}};
+    akv_reader own[2] = {{pred->ev_attn, pred->buffer, (akv_lease_body *)pred, pred->serial},
+                         {pred->ev_tail, pred->buffer, (akv_lease_body *)pred, pred->serial}};
     out[n++] = own[0];
     out[n++] = own[1];
   }
@@ -61,7 +97,7 @@ static void akv_lease_collect_prior(const akv_lease *pred, akv_reader *out, uint
   *n_out = n;
 }
 
-static void akv_lease_add_ticket(akv_lease *ls, akv_copy_dir dir, akv_context *c, uint64_t bytes) {
+static void akv_lease_add_ticket(akv_lease_body *ls, akv_copy_dir dir, akv_context *c, uint64_t bytes) {
   akv_ticket *t = &ls->tickets[ls->n_tickets++];
   t->dir = dir;
   t->slot = c->slot;
@@ -70,7 +106,7 @@ static void akv_lease_add_ticket(akv_lease *ls, akv_copy_dir dir, akv_context *c
   if (dir != AKV_COPY_D2D) akv_ticket_take(ls->engine, c);
 }
 
-static void akv_lease_release_tickets(akv_lease *ls) {
+static void akv_lease_release_tickets(akv_lease_body *ls) {
   akv_engine *e = ls->engine;
   for (uint32_t i = 0; i < ls->n_tickets; i++) {
     akv_ticket *t = &ls->tickets[i];
@@ -83,7 +119,7 @@ static void akv_lease_release_tickets(akv_lease *ls) {
  * retained pages device->device (sc2; the paged route reads them in place
  * and copies nothing), everything else host->device (sc) in the longest
  * contiguous runs (K and V of a run are one byte range). */
-static void akv_lease_plan_context(akv_lease *ls, uint32_t i, size_t *n_h2d, size_t *n_d2d) {
+static void akv_lease_plan_context(akv_lease_body *ls, uint32_t i, size_t *n_h2d, size_t *n_d2d) {
   akv_engine *e = ls->engine;
   akv_context *c = ls->contexts[i];
   const uint64_t row = e->pair_bytes;
@@ -132,7 +168,7 @@ static void akv_lease_plan_context(akv_lease *ls, uint32_t i, size_t *n_h2d, siz
 
 AKV_API akv_status akv_lease_begin(akv_engine *e, uint32_t layer, akv_lease **out) {
   akv_status st = akv_engine_enter(e);
-  akv_lease *ls, *pred;
+  akv_lease_body *ls, *pred;
   akv_reader prior[AKV_MAX_PRIOR];
   uint32_t n_prior = 0;
   size_t n_h2d = 0, n_d2d = 0;
@@ -153,8 +189,8 @@ AKV_API akv_status akv_lease_begin(akv_engine *e, uint32_t layer, akv_lease **ou
 
   /* From here on the lease is live: partial submissions stay with it until a
    * retire or a quarantine proves completion. */
-  ls->magic = ls->magic_end = AKV_MAGIC_LEASE;
   ls->serial = ++e->lease_serial;
+  akv_lease_handle_take(e, ls); /* the previous handle of this layer died at its retire */
   ls->step = e->step;
   ls->state = AKV_LEASE_BEGUN;
   ls->stream = NULL;
@@ -224,13 +260,13 @@ AKV_API akv_status akv_lease_begin(akv_engine *e, uint32_t layer, akv_lease **ou
       }
     }
   }
-  *out = ls;
+  *out = ls->handle;
   return AKV_OK;
 fail:
   return akv_transport_failed(e, st, "lease_begin");
 }
 
-static void akv_lease_view(const akv_lease *ls, akv_view *v) {
+static void akv_lease_view(const akv_lease_body *ls, akv_view *v) {
   const akv_engine *e = ls->engine;
   memset(v, 0, sizeof(*v));
   v->step = ls->step;
@@ -255,8 +291,9 @@ static void akv_lease_view(const akv_lease *ls, akv_view *v) {
   }
 }
 
-AKV_API akv_status akv_lease_wait_ready(akv_lease *ls, akv_stream stream, akv_view *view) {
-  akv_status st = akv_lease_enter(ls);
+AKV_API akv_status akv_lease_wait_ready(akv_lease *handle, akv_stream stream, akv_view *view) {
+  akv_lease_body *ls = NULL;
+  akv_status st = akv_lease_enter(handle, &ls);
   akv_engine *e;
   if (st != AKV_OK) return st;
   e = ls->engine;
@@ -275,9 +312,10 @@ fail:
   return akv_transport_failed(e, st, "lease_wait_ready");
 }
 
-AKV_API akv_status akv_lease_mark_consumed(akv_lease *ls, akv_stream stream,
+AKV_API akv_status akv_lease_mark_consumed(akv_lease *handle, akv_stream stream,
                                            akv_fence *attention) {
-  akv_status st = akv_lease_enter(ls);
+  akv_lease_body *ls = NULL;
+  akv_status st = akv_lease_enter(handle, &ls);
   akv_engine *e;
   if (st != AKV_OK) return st;
   e = ls->engine;
@@ -285,7 +323,9 @@ AKV_API akv_status akv_lease_mark_consumed(akv_lease *ls, akv_stream stream,
     return akv_fail(e, AKV_ERR_INVALID_ARGUMENT, "lease_mark_consumed: attention is NULL");
   if (ls->state != AKV_LEASE_READY)
     return akv_lease_wrong_state(ls, "lease_mark_consumed", "ready (after wait_ready)");
-  if (stream != ls->stream)
+  /* ls->stream is live: akv_stream_destroy refuses a stream an unretired
+   * lease used (stream.c). */
+  if (stream != ls->stream || !akv_stream_known(e, stream))
     return akv_fail(e, AKV_ERR_INVALID_ARGUMENT,
                     "lease_mark_consumed: stream differs from the one given to wait_ready");
   AKV_CHECK(akv_bk_record(&e->bk, ls->ev_attn, (akv_bqueue *)stream));
@@ -312,33 +352,35 @@ fail:
   return akv_transport_failed(e, st, "lease_mark_consumed");
 }
 
-AKV_API akv_status akv_lease_attend(akv_lease *ls, akv_stream stream, akv_attention_fn hook,
+AKV_API akv_status akv_lease_attend(akv_lease *handle, akv_stream stream, akv_attention_fn hook,
                                     void *user, akv_fence *attention) {
-  akv_status st = akv_lease_enter(ls);
+  akv_lease_body *ls = NULL;
+  akv_status st = akv_lease_enter(handle, &ls);
   akv_view view;
   if (st != AKV_OK) return st;
   if (hook == NULL || attention == NULL)
     return akv_fail(ls->engine, AKV_ERR_INVALID_ARGUMENT, "lease_attend: hook or attention NULL");
   if (ls->state != AKV_LEASE_BEGUN) return akv_lease_wrong_state(ls, "lease_attend", "begun");
-  if ((st = akv_lease_wait_ready(ls, stream, &view)) != AKV_OK) return st;
+  if ((st = akv_lease_wait_ready(handle, stream, &view)) != AKV_OK) return st;
   if (hook(user, &view, stream) != 0) {
     snprintf(ls->engine->bk.error, sizeof(ls->engine->bk.error),
              "attention hook of layer %u returned nonzero", ls->layer);
     return akv_transport_failed(ls->engine, AKV_ERR_BACKEND, "lease_attend");
   }
-  return akv_lease_mark_consumed(ls, stream, attention);
+  return akv_lease_mark_consumed(handle, stream, attention);
 }
 
 /* Index of `c` among the lease's owners, or -1. */
-static int akv_lease_owner_index(const akv_lease *ls, const akv_context *c) {
+static int akv_lease_owner_index(const akv_lease_body *ls, const akv_context *c) {
   for (uint32_t i = 0; i < ls->n_contexts; i++)
     if (ls->contexts[i] == c && ls->generation[i] == c->generation) return (int)i;
   return -1;
 }
 
-AKV_API akv_status akv_lease_write_back(akv_lease *ls, akv_context *const *owners,
+AKV_API akv_status akv_lease_write_back(akv_lease *handle, akv_context *const *owners,
                                         uint32_t n_owners, akv_fence *tail) {
-  akv_status st = akv_lease_enter(ls);
+  akv_lease_body *ls = NULL;
+  akv_status st = akv_lease_enter(handle, &ls);
   akv_engine *e;
   uint32_t n;
   size_t nb = 0;
@@ -403,8 +445,9 @@ fail:
   return akv_transport_failed(e, st, "lease_write_back");
 }
 
-AKV_API akv_status akv_lease_seal(akv_lease *ls, akv_fence tail, akv_fence attention) {
-  akv_status st = akv_lease_enter(ls);
+AKV_API akv_status akv_lease_seal(akv_lease *handle, akv_fence tail, akv_fence attention) {
+  akv_lease_body *ls = NULL;
+  akv_status st = akv_lease_enter(handle, &ls);
   akv_engine *e;
   if (st != AKV_OK) return st;
   e = ls->engine;
@@ -425,8 +468,9 @@ AKV_API akv_status akv_lease_seal(akv_lease *ls, akv_fence tail, akv_fence atten
   return AKV_OK;
 }
 
-AKV_API akv_status akv_lease_retire(akv_lease *ls, akv_receipt *receipt) {
-  akv_status st = akv_lease_enter(ls);
+AKV_API akv_status akv_lease_retire(akv_lease *handle, akv_receipt *receipt) {
+  akv_lease_body *ls = NULL;
+  akv_status st = akv_lease_enter(handle, &ls);
   akv_engine *e;
   akv_receipt r;
   if (st != AKV_OK) return st;
@@ -451,6 +495,7 @@ AKV_API akv_status akv_lease_retire(akv_lease *ls, akv_receipt *receipt) {
   /* Only now, with every fence proven, are tickets and the layer released. */
   akv_lease_release_tickets(ls);
   ls->state = AKV_LEASE_RETIRED;
+  akv_lease_handle_give(e, ls); /* the handle is dead from here on */
   e->leases_live--;
   e->leases_retired++;
   if (receipt != NULL) *receipt = r;
@@ -461,10 +506,11 @@ fail:
 
 void akv_leases_release_all(akv_engine *e) {
   for (uint32_t l = 0; l < e->cfg.n_dense_layers; l++) {
-    akv_lease *ls = &e->leases[l];
+    akv_lease_body *ls = &e->leases[l];
     if (ls->state == AKV_LEASE_IDLE || ls->state == AKV_LEASE_RETIRED) continue;
     akv_lease_release_tickets(ls);
     ls->state = AKV_LEASE_RETIRED;
+    akv_lease_handle_give(e, ls);
   }
   e->leases_live = 0;
   for (uint32_t i = 0; i < e->concurrency; i++) {

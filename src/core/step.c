@@ -118,6 +118,14 @@ AKV_API akv_status akv_step_begin(akv_engine *e, akv_context *const *ctxs, uint3
       if (ctxs[j] == ctxs[i])
         return akv_fail(e, AKV_ERR_INVALID_ARGUMENT, "step_begin: context %u listed twice",
                         ctxs[i]->id);
+    /* Every layer of a context in a step holds exactly len rows: staging and
+     * write-back address row len on every layer alike. */
+    if (akv_context_uneven(e, ctxs[i]))
+      return akv_fail(e, AKV_ERR_UNEVEN_LAYERS,
+                      "step_begin: context %u has layers holding different row counts (its "
+                      "length is the minimum, %u); append the missing rows with "
+                      "akv_context_append_layer first",
+                      ctxs[i]->id, ctxs[i]->len);
     if ((uint64_t)ctxs[i]->len + 1 > e->cfg.max_tokens)
       return akv_fail(e, AKV_ERR_CAPACITY, "step_begin: context %u holds max_tokens=%u rows",
                       ctxs[i]->id, e->cfg.max_tokens);
@@ -159,6 +167,7 @@ AKV_API akv_status akv_step_end(akv_engine *e) {
   for (uint32_t i = 0; i < e->step_n; i++) {
     akv_context *c = e->step_ctx[i];
     c->len++;
+    for (uint32_t l = 0; l < e->cfg.n_dense_layers; l++) c->layer_len[l]++;
     c->in_step = false;
   }
   /* Fill tickets: proven complete by the retires behind them on the H2D queue. */

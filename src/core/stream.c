@@ -30,10 +30,31 @@ AKV_API akv_status akv_stream_create(akv_engine *e, akv_stream *out) {
                   AKV_N_STREAMS);
 }
 
+/* The layer of an unretired lease whose compute stream is s, or -1. */
+static int akv_stream_user(const akv_engine *e, akv_stream s) {
+  for (uint32_t l = 0; l < e->cfg.n_dense_layers; l++) {
+    const akv_lease_body *ls = &e->leases[l];
+    if (ls->stream == s && (ls->state == AKV_LEASE_READY || ls->state == AKV_LEASE_CONSUMED ||
+                            ls->state == AKV_LEASE_SEALED))
+      return (int)l;
+  }
+  return -1;
+}
+
 AKV_API akv_status akv_stream_destroy(akv_engine *e, akv_stream s) {
+  int user;
   if (!akv_engine_ok(e)) return AKV_ERR_BAD_HANDLE;
   for (size_t i = 0; i < AKV_N_STREAMS; i++) {
     if (e->streams[i].live && (akv_stream)e->streams[i].queue == s) {
+      /* A stream outlives every lease that used it: an unretired lease
+       * records on it (mark_consumed) and retire waits on what it recorded
+       * there, so every call that takes the lease's stream finds it live.
+       * (Quarantine's release counts as a retire.) */
+      if ((user = akv_stream_user(e, s)) >= 0)
+        return akv_fail(e, AKV_ERR_IN_USE,
+                        "stream_destroy: the unretired lease of layer %d used this stream; "
+                        "retire it first",
+                        user);
       akv_bk_queue_destroy(&e->bk, e->streams[i].queue);
       e->streams[i].live = false;
       e->streams[i].queue = NULL;

@@ -1,0 +1,974 @@
+"""The Pythonic layer over akv.h: Engine, Context, Lease, View, Stream.
+
+Threading, ownership and stream rules are akv.h's: an engine and everything
+made from it is used from one thread at a time; fit() is safe from any
+thread. Calls that enqueue return once the work is enqueued; only
+Lease.retire, Engine.quarantine, Stream.synchronize and (host backend)
+Lease.wait_ready block.
+
+Handles are guarded on the Python side as well: once an engine is closed,
+every object made from it raises BadHandle without reaching C (the C
+handles are freed memory then); a closed context, a retired lease and a
+destroyed stream do the same.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import sys
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from . import _lib as L
+from .errors import (
+    ActiveKVError,
+    BadHandle,
+    InvalidArgument,
+    NotSupported,
+    STATUS_VALUES,
+    error_for,
+)
+
+lib = L.lib
+
+# ----------------------------------------------------------------- enums
+
+BACKENDS = {"auto": 0, "host": 1, "cuda": 2}
+ROUTES = {"stage": 0, "arena": 1, "paged": 2}
+DTYPES = {"bf16": 0, "f16": 1, "f32": 2}
+FIT_MODES = {"refuse": 0, "shrink": 1}
+LOG_LEVELS = {"error": 0, "warn": 1, "info": 2, "debug": 3}
+OP_KINDS = {"alloc": 0, "copy": 1, "record": 2, "wait": 3, "query": 4, "sync": 5, "hostfn": 6}
+ADM_RULES = ["own_reuse", "free", "reclaim_borrowed", "reclaim_above_target", "reclaim_idle",
+             "shrink", "refuse", "admit", "release"]
+_ITEMSIZE = {"bf16": 2, "f16": 2, "f32": 4}
+# numpy has no bfloat16: bf16 rows are uint16 bit patterns on numpy
+_NP_DTYPE = {"bf16": np.dtype(np.uint16), "f16": np.dtype(np.float16), "f32": np.dtype(np.float32)}
+_CAI_TYPESTR = {"bf16": "<i2", "f16": "<f2", "f32": "<f4"}
+
+
+def _inv(table: Dict[str, int]) -> Dict[int, str]:
+    return {v: k for k, v in table.items()}
+
+
+def _enum(table: Dict[str, int], what: str, value: Union[str, int]) -> int:
+    if isinstance(value, str):
+        key = value.lower()
+        if key in table:
+            return table[key]
+    raise InvalidArgument.make(f"{what}={value!r}: expected one of {', '.join(table)}")
+
+
+def _check(status: int, engine_handle: Optional[int] = None, what: str = "") -> None:
+    """Raises the status's exception unless it is AKV_OK."""
+    if status == 0:
+        return
+    msg = ""
+    if engine_handle:
+        msg = (lib.akv_engine_last_error(engine_handle) or b"").decode(errors="replace")
+    if not msg:
+        msg = (lib.akv_status_string(status) or b"").decode(errors="replace")
+    raise error_for(status, f"{what}: {msg}" if what else msg)
+
+
+def _torch():
+    try:
+        import torch  # noqa: PLC0415 - optional, imported on first use
+    except ImportError as exc:  # pragma: no cover - depends on the machine
+        raise NotSupported.make("this needs torch, which is not installed") from exc
+    return torch
+
+
+# ----------------------------------------------------------------- config
+
+_CONFIG_FIELDS = (
+    "backend", "device_ordinal", "n_dense_layers", "kv_heads", "head_dim", "dtype",
+    "max_tokens", "page_tokens", "host_pool_gib", "device_pool_gib", "max_contexts",
+    "fit_mode", "route", "log_level", "host_delay_seed", "host_delay_max_us",
+    "fault_fail_nth", "fault_kind", "poison_holes",
+)
+_ENUM_FIELDS = {"backend": BACKENDS, "route": ROUTES, "dtype": DTYPES, "fit_mode": FIT_MODES,
+                "log_level": LOG_LEVELS}
+
+
+def _make_config(cfg: Dict[str, Any]) -> Tuple[L.akv_engine_config, Dict[str, Any]]:
+    """An akv_engine_config from keyword arguments named after its fields.
+    Returns the struct and the config as a dict (enum fields as strings)."""
+    c = L.akv_engine_config()
+    _check(lib.akv_engine_config_init(ctypes.byref(c)))
+    out: Dict[str, Any] = {}
+    for key, value in cfg.items():
+        if key in ("struct_size", "version", "log_fn", "log_user"):
+            raise InvalidArgument.make(
+                f"{key} is set by the package (pass log=callable(level, message) for logging)")
+        if key not in _CONFIG_FIELDS:
+            raise InvalidArgument.make(
+                f"unknown config field {key!r}; the fields are {', '.join(_CONFIG_FIELDS)}")
+        if key in _ENUM_FIELDS:
+            value = _enum(_ENUM_FIELDS[key], key, value)
+        elif key == "fault_kind" and isinstance(value, str):
+            value = _enum(OP_KINDS, key, value)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise InvalidArgument.make(f"{key}={value!r}: expected an integer")
+        try:
+            setattr(c, key, int(value))
+        except (TypeError, OverflowError) as exc:
+            raise InvalidArgument.make(f"{key}={value!r}: {exc}") from exc
+        if getattr(c, key) != int(value):
+            raise InvalidArgument.make(f"{key}={value!r} does not fit its C field")
+    for key in _CONFIG_FIELDS:
+        v = getattr(c, key)
+        out[key] = _inv(_ENUM_FIELDS[key])[v] if key in _ENUM_FIELDS else v
+    return c, out
+
+
+# ----------------------------------------------------------------- fit
+
+
+@dataclasses.dataclass(frozen=True)
+class FitReport:
+    """akv_fit_report: the host-fit arithmetic of DESIGN §3 (``line`` is the
+    formula with every term, as the engine logs it)."""
+
+    row_bytes: int
+    history_bytes: int
+    host_pool_bytes: int
+    fits: int
+    effective_concurrency: int
+    ok: bool
+    host_pool_gib_needed: int
+    page_bytes: int
+    device_pages: int
+    line: str
+
+
+def _struct_dict(s: ctypes.Structure) -> Dict[str, Any]:
+    return {name: getattr(s, name) for name, *_ in s._fields_}
+
+
+def fit(**cfg: Any) -> FitReport:
+    """Host fit for a config (akv_engine_config field names as keywords),
+    without creating anything. Thread-safe. Raises InvalidArgument or Config
+    (bad geometry, overflow); a config that does not fit is a report with
+    ``ok`` False, not an exception."""
+    c, _ = _make_config(cfg)
+    r = L.akv_fit_report()
+    _check(lib.akv_fit(ctypes.byref(c), ctypes.byref(r)), what="fit")
+    d = _struct_dict(r)
+    d["ok"] = bool(d["ok"])
+    d["line"] = r.line.decode(errors="replace")
+    return FitReport(**d)
+
+
+# ----------------------------------------------------------------- records
+
+
+@dataclasses.dataclass(frozen=True)
+class Fence:
+    """akv_fence: names one event the engine recorded."""
+
+    serial: int
+
+    def _c(self) -> L.akv_fence:
+        return L.akv_fence(self.serial)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineInfo:
+    """akv_engine_info: geometry, memory and counters (backend and route as
+    strings, backend_ops keyed by op kind)."""
+
+    backend: str
+    route: str
+    effective_concurrency: int
+    row_bytes: int
+    history_bytes: int
+    page_bytes: int
+    device_pages: int
+    staging_bytes: int
+    device_bytes_allocated: int
+    device_peak_bytes: int
+    bytes_h2d: int
+    bytes_d2h: int
+    bytes_d2d: int
+    copies_h2d: int
+    copies_d2h: int
+    copies_d2d: int
+    steps: int
+    leases_retired: int
+    backend_ops: Dict[str, int]
+    transport_failed: bool
+    quarantined: bool
+    bytes_in_place: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """akv_adm_decision: one admission decision (victim None when none)."""
+
+    step: int
+    context: int
+    rule: str
+    victim: Optional[int]
+    pages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Receipt:
+    """akv_receipt: proof that every ticket and reader of a lease completed."""
+
+    step: int
+    layer: int
+    tickets: int
+    readers: int
+    bytes_h2d: int
+    bytes_d2d: int
+    bytes_d2h: int
+    attention: Fence
+    tail: Fence
+    bytes_in_place: int
+
+
+@dataclasses.dataclass(frozen=True)
+class QuarantineReport:
+    """akv_quarantine_report."""
+
+    h2d_ok: bool
+    d2h_ok: bool
+    d2d_ok: bool
+    device_ok: bool
+    leases_released: int
+    tickets_released: int
+    retained_leases: int
+    uncertain: str
+
+
+def _receipt(r: L.akv_receipt) -> Receipt:
+    return Receipt(r.step, r.layer, r.tickets, r.readers, r.bytes_h2d, r.bytes_d2d, r.bytes_d2h,
+                   Fence(r.attention.serial), Fence(r.tail.serial), r.bytes_in_place)
+
+
+# ----------------------------------------------------------------- arrays
+
+
+def _host_rows(obj: Any, dtype: str, what: str) -> np.ndarray:
+    """A C-contiguous numpy view (no copy) of rows given as numpy, a CPU
+    torch tensor or any buffer, checked against the engine's dtype: raw bit
+    patterns of the same size (int16/uint16 for 2-byte dtypes) or the
+    matching float type. bf16 has no numpy float type; torch.bfloat16 is
+    accepted."""
+    isz = _ITEMSIZE[dtype]
+    mod = type(obj).__module__
+    if mod.startswith("torch"):
+        torch = _torch()
+        if obj.device.type != "cpu":
+            raise InvalidArgument.make(f"{what}: a {obj.device.type} tensor; rows are copied from "
+                                       "host memory (pass a CPU tensor)")
+        if not obj.is_contiguous():
+            raise InvalidArgument.make(f"{what}: tensor is not contiguous")
+        allowed = {"bf16": (torch.bfloat16,), "f16": (torch.float16,), "f32": (torch.float32,)}
+        if obj.is_floating_point() and obj.dtype not in allowed[dtype]:
+            raise InvalidArgument.make(f"{what}: {obj.dtype} rows for a {dtype} engine")
+        if obj.element_size() != isz:
+            raise InvalidArgument.make(f"{what}: {obj.element_size()}-byte elements for a "
+                                       f"{dtype} engine ({isz} bytes)")
+        int_t = {2: torch.int16, 4: torch.int32}[isz]
+        arr = obj.view(int_t).numpy() if obj.is_floating_point() else obj.numpy()
+    else:
+        try:
+            arr = np.asarray(obj)
+        except Exception as exc:  # noqa: BLE001 - any non-array input
+            raise InvalidArgument.make(f"{what}: not an array ({exc})") from exc
+        if arr.dtype.kind == "f" and arr.dtype != _NP_DTYPE[dtype]:
+            raise InvalidArgument.make(f"{what}: {arr.dtype} rows for a {dtype} engine")
+        if arr.dtype.kind not in "fiu" or arr.dtype.itemsize != isz:
+            raise InvalidArgument.make(f"{what}: dtype {arr.dtype} for a {dtype} engine "
+                                       f"({isz}-byte elements)")
+    if not arr.flags.c_contiguous:
+        raise InvalidArgument.make(f"{what}: array is not C-contiguous")
+    return arr
+
+
+class _CudaArray:
+    """A __cuda_array_interface__ (v3) over device memory the engine owns: the
+    consumer (torch.as_tensor) wraps it without a copy. No 'stream' entry: the
+    compute stream already waits for the staged rows on the device."""
+
+    def __init__(self, ptr: int, shape: Tuple[int, ...], strides: Tuple[int, ...], typestr: str,
+                 owner: Any) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": shape, "typestr": typestr, "data": (ptr, False), "strides": strides,
+            "version": 3,
+        }
+        self._owner = owner
+
+
+# ----------------------------------------------------------------- engine
+
+_CUDA_STREAM_LEGACY = 1  # cudaStreamLegacy, ((cudaStream_t)0x1)
+
+
+def _torch_stream_handle(stream: Any) -> int:
+    """A torch.cuda.Stream as the engine's compute stream. torch's default
+    stream is CUDA's legacy default stream, cudaStream_t 0; the engine refuses
+    a NULL stream (NULL is ambiguous under per-thread default streams), so it
+    is named by its explicit handle cudaStreamLegacy, the same stream."""
+    return int(stream.cuda_stream) or _CUDA_STREAM_LEGACY
+
+
+LogFn = Callable[[str, str], None]
+
+
+class Engine:
+    """One engine (akv_engine): pools, queues, admission.
+
+    Keyword arguments are akv_engine_config's field names; enums as strings:
+    backend="auto"|"host"|"cuda", route="stage"|"arena"|"paged",
+    dtype="bf16"|"f16"|"f32", fit_mode="refuse"|"shrink",
+    log_level="error"|"warn"|"info"|"debug"; fault_kind an int or an op kind
+    name. ``log`` is a callable(level, message) receiving every log line
+    (from any thread the library logs on); None (default) keeps the library's
+    default, stderr.
+
+    Allocates everything at creation (akv_engine_create). Not thread-safe:
+    use it and its contexts, leases and streams from one thread at a time.
+    A context manager: leaving the block closes it.
+
+    Raises: InvalidArgument (a field), Config, NoFit (refuse mode; the
+    message names the setting to change), OutOfMemory, NotSupported (CUDA
+    requested but unavailable), Backend.
+    """
+
+    def __init__(self, log: Optional[LogFn] = None, **cfg: Any) -> None:
+        self._handle: Optional[int] = None
+        self._lib = lib
+        self._default_stream: Optional[Stream] = None
+        self._streams: List[Stream] = []
+        self._contexts: "set[Context]" = set()
+        self._create_errors: List[str] = []
+        self._log = log
+        c, self._cfg_dict = _make_config(cfg)
+        self._dtype = self._cfg_dict["dtype"]
+        # The trampoline lives as long as the engine (the C side keeps the
+        # function pointer); it also keeps the error lines of a failed create,
+        # which has no engine to hold its message.
+        self._log_cb = L.LOG_FN(self._on_log)
+        c.log_fn = self._log_cb
+        self._cfg = c
+        h = ctypes.c_void_p()
+        st = lib.akv_engine_create(ctypes.byref(c), ctypes.byref(h))
+        if st != 0:
+            msg = "; ".join(self._create_errors) or lib.akv_status_string(st).decode()
+            raise error_for(st, f"engine create: {msg}")
+        self._handle = h.value
+        info = self.info()
+        self._cfg_dict["backend"] = info.backend
+
+    def _on_log(self, user: Any, level: int, message: bytes) -> None:
+        text = message.decode(errors="replace") if message else ""
+        name = _inv(LOG_LEVELS).get(level, "debug")
+        if level == 0:
+            self._create_errors.append(text)
+            del self._create_errors[:-4]
+        try:
+            if self._log is not None:
+                self._log(name, text)
+            else:
+                sys.stderr.write(f"activekv {name}: {text}\n")
+        except Exception:  # noqa: BLE001 - a callback must not unwind into C
+            pass
+
+    # -- lifetime
+    def _h(self) -> int:
+        if self._handle is None:
+            raise BadHandle.make("the engine is closed")
+        return self._handle
+
+    def close(self) -> None:
+        """Destroys the engine (akv_engine_destroy) after destroying the
+        streams this package made for it. Never waits or drains: with an open
+        step, an unretired lease or an uncertain quarantine it raises Busy and
+        frees nothing (the engine stays usable). Closing twice is a no-op."""
+        if self._handle is None:
+            return
+        for s in list(self._streams):
+            s.destroy()
+        st = lib.akv_engine_destroy(self._handle)
+        if st != 0:
+            _check(st, self._handle, "engine close")
+        self._handle = None
+        for ctx in list(self._contexts):
+            ctx._handle = None
+        self._contexts.clear()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if exc[0] is None:
+            self.close()
+        else:
+            with contextlib.suppress(ActiveKVError):
+                self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_handle", None) is not None:
+            with contextlib.suppress(Exception):
+                self.close()
+
+    # -- diagnostics
+    @property
+    def last_error(self) -> str:
+        """The engine's last error in words ("" before any)."""
+        return lib.akv_engine_last_error(self._h()).decode(errors="replace")
+
+    def info(self) -> EngineInfo:
+        """Geometry, memory and counters (akv_engine_info_get). Enqueues
+        nothing; allowed at any time, also after a transport failure."""
+        i = L.akv_engine_info()
+        _check(lib.akv_engine_info_get(self._h(), ctypes.byref(i)), self._handle, "info")
+        d = _struct_dict(i)
+        d["backend"] = _inv(BACKENDS)[i.backend]
+        d["route"] = _inv(ROUTES)[i.route]
+        d["backend_ops"] = {k: int(i.backend_ops[v]) for k, v in OP_KINDS.items()}
+        d["transport_failed"] = bool(i.transport_failed)
+        d["quarantined"] = bool(i.quarantined)
+        return EngineInfo(**d)
+
+    @property
+    def backend(self) -> str:
+        """The backend in use: "host" or "cuda"."""
+        return self._cfg_dict["backend"]
+
+    @property
+    def dtype(self) -> str:
+        return self._dtype
+
+    @property
+    def config(self) -> Dict[str, Any]:
+        """The effective config as a dict: defaults filled in, enums as
+        strings, backend the one in use."""
+        return dict(self._cfg_dict)
+
+    def admission_counters(self) -> Dict[str, int]:
+        """Per-rule admission counters since create (pages for the fill and
+        reclaim rules, events for refuse/admit/release)."""
+        out = (ctypes.c_uint64 * L.AKV_ADM_RULE_COUNT)()
+        _check(lib.akv_admission_counters(self._h(), out, L.AKV_ADM_RULE_COUNT), self._handle,
+               "admission_counters")
+        return {ADM_RULES[r]: int(out[r]) for r in range(L.AKV_ADM_RULE_COUNT)}
+
+    def admission_log(self) -> List[Decision]:
+        """The newest admission decisions, oldest first (bounded log)."""
+        cap = 256
+        arr = (L.akv_adm_decision * cap)()
+        n = ctypes.c_size_t()
+        _check(lib.akv_admission_log(self._h(), arr, cap, ctypes.byref(n)), self._handle,
+               "admission_log")
+        rules = ADM_RULES
+        return [Decision(d.step, d.context, rules[d.rule] if d.rule < len(rules) else str(d.rule),
+                         None if d.victim == 0xFFFFFFFF else d.victim, d.pages)
+                for d in arr[: n.value]]
+
+    def explain(self, ctx: Optional["Context"] = None) -> str:
+        """A paragraph explaining a context's admission; ctx None explains the
+        last refused open."""
+        buf = ctypes.create_string_buffer(4096)
+        h = None if ctx is None else ctx._h()
+        _check(lib.akv_admission_explain(self._h(), h, buf, len(buf)), self._handle, "explain")
+        return buf.value.decode(errors="replace")
+
+    def quarantine(self) -> QuarantineReport:
+        """Synchronises every engine queue, then the device (blocks). On
+        success leases and tickets are released; raises UncertainFence when
+        completion could not be established (everything stays retained)."""
+        r = L.akv_quarantine_report()
+        st = lib.akv_engine_quarantine(self._h(), ctypes.byref(r))
+        report = QuarantineReport(bool(r.h2d_ok), bool(r.d2h_ok), bool(r.d2d_ok),
+                                  bool(r.device_ok), r.leases_released, r.tickets_released,
+                                  r.retained_leases, r.uncertain.decode(errors="replace"))
+        _check(st, self._handle, "quarantine")
+        return report
+
+    # -- contexts and steps
+    def open_context(self, target_pages: Optional[int] = None, burst_pages: int = 0) -> "Context":
+        """Opens a context (akv_context_open): a host slot and its device
+        target (None: the fair share, pool / concurrency). Not inside a step.
+        Raises RefusedQueue (no host slot: queue it), AdmissionRefused,
+        StepState, Config, InvalidArgument, Quarantined."""
+        cc = L.akv_context_config(ctypes.sizeof(L.akv_context_config), L.AKV_CONFIG_VERSION,
+                                  L.AKV_TARGET_FAIR_SHARE if target_pages is None else target_pages,
+                                  burst_pages)
+        if (target_pages is not None and cc.target_pages != target_pages) or \
+                cc.burst_pages != burst_pages:
+            raise InvalidArgument.make("target_pages/burst_pages out of the uint32 range")
+        h = ctypes.c_void_p()
+        _check(lib.akv_context_open(self._h(), ctypes.byref(cc), ctypes.byref(h)), self._handle,
+               "open_context")
+        ctx = Context(self, h.value)
+        self._contexts.add(ctx)
+        return ctx
+
+    def step_begin(self, contexts: Sequence["Context"]) -> None:
+        """Opens a decode step over `contexts` (the step boundary; residency
+        changes here). Raises InvalidArgument, BadHandle, StepState,
+        Capacity, UnevenLayers, Backend, Quarantined."""
+        hs = [c._h() for c in contexts]
+        arr = (ctypes.c_void_p * max(1, len(hs)))(*hs)
+        _check(lib.akv_step_begin(self._h(), arr, len(hs)), self._handle, "step_begin")
+
+    def step_end(self) -> None:
+        """Closes the step; every layer's lease must be retired. Each
+        context grows by one row. Raises StepState, Quarantined."""
+        _check(lib.akv_step_end(self._h()), self._handle, "step_end")
+
+    @contextlib.contextmanager
+    def step(self, contexts: Sequence["Context"]) -> Iterator["Engine"]:
+        """``with engine.step(ctxs):`` step_begin, then step_end when the
+        block completes. When the block raises, step_end is still tried and
+        its own refusal is dropped, so the original exception propagates."""
+        self.step_begin(contexts)
+        try:
+            yield self
+        except BaseException:
+            with contextlib.suppress(ActiveKVError):
+                self.step_end()
+            raise
+        self.step_end()
+
+    def lease_begin(self, layer: int) -> "Lease":
+        """Begins the lease of dense layer `layer` of the open step (layers in
+        order 0..n_dense_layers-1); enqueues its history copies. Raises
+        InvalidArgument, StepState, LeaseOrder, Backend, Quarantined."""
+        if not 0 <= layer <= 0xFFFFFFFF:
+            raise InvalidArgument.make(f"layer {layer} out of range")
+        h = ctypes.c_void_p()
+        _check(lib.akv_lease_begin(self._h(), layer, ctypes.byref(h)), self._handle,
+               "lease_begin")
+        return Lease(self, h.value, layer)
+
+    # -- streams
+    def stream_create(self) -> "Stream":
+        """A compute queue of the engine's backend (host: a worker thread;
+        CUDA: a non-blocking stream). Destroy it before closing the engine
+        (close does so for streams still live). At most 8 per engine."""
+        h = ctypes.c_void_p()
+        _check(lib.akv_stream_create(self._h(), ctypes.byref(h)), self._handle, "stream_create")
+        s = Stream(self, h.value)
+        self._streams.append(s)
+        return s
+
+    def default_stream(self) -> Union[int, "Stream"]:
+        """The stream used when a call is given stream=None: on CUDA torch's
+        current stream (its cudaStream_t as an int; torch's default stream,
+        0, as cudaStreamLegacy, 1: the same stream); on the host backend one
+        engine-owned Stream, created on first use and destroyed on close."""
+        self._h()
+        if self.backend == "cuda":
+            return _torch_stream_handle(_torch().cuda.current_stream())
+        if self._default_stream is None or self._default_stream._handle is None:
+            self._default_stream = self.stream_create()
+        return self._default_stream
+
+    def _stream_arg(self, stream: Any) -> Tuple[Optional[int], Any]:
+        """(the akv_stream value, the Stream object or None)."""
+        if stream is None:
+            stream = self.default_stream()
+        if isinstance(stream, Stream):
+            if stream._engine is not self:
+                raise InvalidArgument.make("the stream belongs to another engine")
+            return stream._h(), stream
+        if hasattr(stream, "cuda_stream"):  # torch.cuda.Stream
+            return _torch_stream_handle(stream), None
+        if isinstance(stream, (int, np.integer)):
+            return int(stream), None
+        raise InvalidArgument.make(f"stream {stream!r}: expected a Stream, a torch.cuda.Stream, "
+                                   "an int (cudaStream_t) or None")
+
+    def __repr__(self) -> str:
+        if self._handle is None:
+            return "<activekv.Engine closed>"
+        return f"<activekv.Engine {self.backend} {self._cfg_dict['route']} {self._dtype}>"
+
+
+class Stream:
+    """A compute queue from Engine.stream_create (akv_stream). Host backend:
+    a worker thread; CUDA: a cudaStream_t (``.handle``)."""
+
+    def __init__(self, engine: Engine, handle: int) -> None:
+        self._engine = engine
+        self._handle: Optional[int] = handle
+
+    def _h(self) -> int:
+        self._engine._h()
+        if self._handle is None:
+            raise BadHandle.make("the stream is destroyed")
+        return self._handle
+
+    @property
+    def handle(self) -> int:
+        """The raw akv_stream (a cudaStream_t on CUDA)."""
+        return self._h()
+
+    def synchronize(self) -> None:
+        """Blocks until everything enqueued on the stream ran."""
+        _check(lib.akv_stream_synchronize(self._engine._h(), self._h()), self._engine._handle,
+               "stream synchronize")
+
+    def destroy(self) -> None:
+        """Drains (host backend) and destroys the stream. Destroying twice is
+        a no-op."""
+        if self._handle is None or self._engine._handle is None:
+            self._handle = None
+            return
+        _check(lib.akv_stream_destroy(self._engine._handle, self._handle), self._engine._handle,
+               "stream destroy")
+        self._handle = None
+        with contextlib.suppress(ValueError):
+            self._engine._streams.remove(self)
+
+    def __enter__(self) -> "Stream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.destroy()
+
+
+class Context:
+    """One request's history (akv_context). Made by Engine.open_context; a
+    context manager that closes it."""
+
+    def __init__(self, engine: Engine, handle: int) -> None:
+        self._engine = engine
+        self._handle: Optional[int] = handle
+
+    def _h(self) -> int:
+        self._engine._h()
+        if self._handle is None:
+            raise BadHandle.make("the context is closed")
+        return self._handle
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
+    @property
+    def id(self) -> int:
+        """The context's id as admission decisions name it (unique per
+        engine lifetime)."""
+        out = ctypes.c_uint32()
+        _check(lib.akv_context_id(self._h(), ctypes.byref(out)), self._engine._handle, "id")
+        return out.value
+
+    @property
+    def length(self) -> int:
+        """Rows held per dense layer (the minimum over the layers after
+        uneven append_layer calls)."""
+        out = ctypes.c_uint32()
+        _check(lib.akv_context_length(self._h(), ctypes.byref(out)), self._engine._handle,
+               "length")
+        return out.value
+
+    def __len__(self) -> int:
+        return self.length
+
+    def _geometry(self) -> Tuple[int, int, int]:
+        c = self._engine._cfg_dict
+        return c["n_dense_layers"], c["kv_heads"], c["head_dim"]
+
+    def append(self, k: Any, v: Any) -> None:
+        """Appends prefilled rows to every dense layer: k and v of shape
+        [n_dense_layers, n_tokens, kv_heads, head_dim], C-contiguous, of the
+        engine's dtype (numpy, a CPU torch tensor, or any buffer). A
+        synchronous host copy; the arrays are read during the call only.
+        Not while the context is in the open step. Raises InvalidArgument,
+        Capacity (nothing appended), InUse, BadHandle, Quarantined."""
+        h = self._h()
+        dt = self._engine._dtype
+        ka, va = _host_rows(k, dt, "k"), _host_rows(v, dt, "v")
+        nl, kh, hd = self._geometry()
+        if ka.ndim != 4 or ka.shape[0] != nl or ka.shape[2:] != (kh, hd) or va.shape != ka.shape:
+            raise InvalidArgument.make(
+                f"append: k {ka.shape} and v {va.shape}; expected both "
+                f"[{nl}, n_tokens, {kh}, {hd}]")
+        n = ka.shape[1]
+        if n > 0xFFFFFFFF:
+            raise InvalidArgument.make(f"append: {n} tokens")
+        kp = (ctypes.c_void_p * nl)(*[ka.ctypes.data + l * ka.strides[0] for l in range(nl)])
+        vp = (ctypes.c_void_p * nl)(*[va.ctypes.data + l * va.strides[0] for l in range(nl)])
+        _check(lib.akv_context_append(h, n, kp, vp), self._engine._handle, "append")
+
+    def append_layer(self, layer: int, k: Any, v: Any) -> None:
+        """Appends rows to ONE dense layer, after the rows that layer holds:
+        k and v of shape [n_tokens, kv_heads, head_dim]. Layers may be filled
+        in any order; ``length`` is the minimum over the layers, and a step
+        refuses the context (UnevenLayers) until the layers are even. Raises
+        InvalidArgument (layer out of range, shape), Capacity (nothing
+        appended), InUse, BadHandle, Quarantined."""
+        h = self._h()
+        dt = self._engine._dtype
+        ka, va = _host_rows(k, dt, "k"), _host_rows(v, dt, "v")
+        _, kh, hd = self._geometry()
+        if ka.ndim != 3 or ka.shape[1:] != (kh, hd) or va.shape != ka.shape:
+            raise InvalidArgument.make(
+                f"append_layer: k {ka.shape} and v {va.shape}; expected both "
+                f"[n_tokens, {kh}, {hd}]")
+        if not 0 <= layer <= 0xFFFFFFFF:
+            raise InvalidArgument.make(f"append_layer: layer {layer} out of range")
+        _check(lib.akv_context_append_layer(h, layer, ka.shape[0], ka.ctypes.data, va.ctypes.data),
+               self._engine._handle, "append_layer")
+
+    def read(self, layer: int, first: int, n: int) -> Tuple[np.ndarray, np.ndarray]:
+        """Copies rows [first, first+n) of one layer out of the authoritative
+        host pool: (k, v) numpy arrays [n, kv_heads, head_dim] (bf16 as
+        uint16 bit patterns). Not while the context's rows may be written by
+        the open step (InUse). Raises InvalidArgument, InUse, BadHandle."""
+        h = self._h()
+        _, kh, hd = self._geometry()
+        if min(layer, first, n) < 0 or max(layer, first, n) > 0xFFFFFFFF:
+            raise InvalidArgument.make(f"read: layer {layer}, rows [{first}, {first + n})")
+        npdt = _NP_DTYPE[self._engine._dtype]
+        k = np.empty((n, kh, hd), npdt)
+        v = np.empty((n, kh, hd), npdt)
+        _check(lib.akv_context_read(h, layer, first, n, k.ctypes.data, v.ctypes.data),
+               self._engine._handle, "read")
+        return k, v
+
+    def close(self) -> None:
+        """Closes the context and releases its host slot and device pages.
+        Raises InUse (part of the open step). Closing twice is a no-op."""
+        if self._handle is None or self._engine._handle is None:
+            self._handle = None
+            return
+        _check(lib.akv_context_close(self._handle), self._engine._handle, "context close")
+        self._handle = None
+        self._engine._contexts.discard(self)
+
+    def __enter__(self) -> "Context":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if exc[0] is None:
+            self.close()
+        else:
+            with contextlib.suppress(ActiveKVError):
+                self.close()
+
+    def __repr__(self) -> str:
+        if self._handle is None or self._engine._handle is None:
+            return "<activekv.Context closed>"
+        return f"<activekv.Context id={self.id} length={self.length}>"
+
+
+_NOT_READY = STATUS_VALUES.get("AKV_ERR_NOT_READY")
+
+
+class Lease:
+    """One staged layer, begin..retire (akv_lease). Made by
+    Engine.lease_begin. After retire the object is dead (BadHandle)."""
+
+    def __init__(self, engine: Engine, handle: int, layer: int) -> None:
+        self._engine = engine
+        self._handle: Optional[int] = handle
+        self.layer = layer
+        self._stream: Any = None
+
+    def _h(self) -> int:
+        self._engine._h()
+        if self._handle is None:
+            raise BadHandle.make(f"the lease of layer {self.layer} is retired")
+        return self._handle
+
+    def wait_ready(self, stream: Any = None) -> "View":
+        """Makes `stream` wait (on the device) for the staged history and
+        returns the view. stream None: Engine.default_stream(). On the host
+        backend this also synchronizes the stream (blocks) so that Python
+        code can read and write the view's arrays at once. Raises
+        LeaseState, InvalidArgument, Backend, Quarantined."""
+        h = self._h()
+        s, sobj = self._engine._stream_arg(stream)
+        v = L.akv_view()
+        _check(lib.akv_lease_wait_ready(h, s, ctypes.byref(v)), self._engine._handle,
+               "wait_ready")
+        self._stream = stream if stream is not None else (sobj if sobj is not None else s)
+        if self._engine.backend == "host" and sobj is not None:
+            sobj.synchronize()
+        return View(self, v)
+
+    def mark_consumed(self, stream: Any = None) -> Fence:
+        """Records the attention-consumed event on `stream` (None: the stream
+        given to wait_ready) and returns its fence."""
+        h = self._h()
+        s, _ = self._engine._stream_arg(stream if stream is not None else self._stream)
+        f = L.akv_fence()
+        _check(lib.akv_lease_mark_consumed(h, s, ctypes.byref(f)), self._engine._handle,
+               "mark_consumed")
+        return Fence(f.serial)
+
+    def write_back(self, owners: Optional[Sequence[Context]] = None) -> Fence:
+        """Enqueues the copy of each owner's new row to its host rows behind
+        the attention event (owners None: all of the lease's contexts) and
+        returns the tail fence. Raises LeaseState, OwnerMismatch, Backend."""
+        h = self._h()
+        tail = L.akv_fence()
+        if owners is None:
+            st = lib.akv_lease_write_back(h, None, 0, ctypes.byref(tail))
+        else:
+            hs = [c._h() for c in owners]
+            arr = (ctypes.c_void_p * max(1, len(hs)))(*hs)
+            st = lib.akv_lease_write_back(h, arr, len(hs), ctypes.byref(tail))
+        _check(st, self._engine._handle, "write_back")
+        return Fence(tail.serial)
+
+    def seal(self, tail: Fence, attention: Fence) -> None:
+        """Seals the lease with its current tail fence and its attention
+        fence. Raises LeaseState, FenceMismatch."""
+        h = self._h()
+        if not isinstance(tail, Fence) or not isinstance(attention, Fence):
+            raise InvalidArgument.make("seal takes two Fence values")
+        _check(lib.akv_lease_seal(h, tail._c(), attention._c()), self._engine._handle, "seal")
+
+    def retire(self) -> Receipt:
+        """Waits (blocking) on every consumer event and copy ticket, then
+        releases the layer; the lease is dead afterwards. Raises LeaseState,
+        Backend (nothing released), Quarantined."""
+        h = self._h()
+        r = L.akv_receipt()
+        _check(lib.akv_lease_retire(h, ctypes.byref(r)), self._engine._handle, "retire")
+        self._handle = None
+        return _receipt(r)
+
+    def try_retire(self) -> Optional[Receipt]:
+        """Retires without blocking when every fence has passed; None (and
+        nothing changed) when some are pending. Needs a library with
+        akv_lease_try_retire (NotSupported otherwise)."""
+        h = self._h()
+        if not L.has_symbol("akv_lease_try_retire"):
+            raise NotSupported.make("this libactivekv has no akv_lease_try_retire")
+        r = L.akv_receipt()
+        st = lib.akv_lease_try_retire(h, ctypes.byref(r))
+        if _NOT_READY is not None and st == _NOT_READY:
+            return None
+        _check(st, self._engine._handle, "try_retire")
+        self._handle = None
+        return _receipt(r)
+
+
+class View:
+    """What attention sees of one staged layer (akv_view); valid until the
+    lease retires. Row t of context i: K at base + i*context_stride +
+    t*row_stride, V at that address + v_offset. Rows [0, len[i]) are the
+    history; the caller writes the step's new row at index len[i].
+
+    keys(i)/values(i) and kv_tensors() are zero-copy views of the staging
+    buffer: numpy on the host backend, torch on CUDA (bf16 is uint16 on
+    numpy, torch.bfloat16 on torch). Writing through them writes the staged
+    rows. On the paged route, rows of retained pages are not in the staging
+    buffer: those calls raise NotSupported for a context with such pages
+    (read page_map / use the C attention instead)."""
+
+    def __init__(self, lease: Lease, v: L.akv_view) -> None:
+        self._lease = lease
+        self._c = v
+        self.step: int = v.step
+        self.layer: int = v.layer
+        self.n_contexts: int = v.n_contexts
+        self.kv_heads: int = v.kv_heads
+        self.head_dim: int = v.head_dim
+        self.dtype: str = _inv(DTYPES)[v.dtype]
+        self.base: int = v.base or 0
+        self.row_stride: int = v.row_stride
+        self.context_stride: int = v.context_stride
+        self.v_offset: int = v.v_offset
+        self.len: List[int] = [v.len[i] for i in range(v.n_contexts)]
+        self.page_tokens: int = v.page_tokens
+        self.page_map_stride: int = v.page_map_stride
+        self.pages: int = v.pages or 0
+        self.page_stride: int = v.page_stride
+        self.page_map: Optional[np.ndarray] = None
+        if v.page_map_host:
+            n = v.n_contexts * v.page_map_stride
+            self.page_map = np.ctypeslib.as_array(v.page_map_host, shape=(n,)).copy().reshape(
+                v.n_contexts, v.page_map_stride)
+
+    @property
+    def _cuda(self) -> bool:
+        return self._lease._engine.backend == "cuda"
+
+    def _check_live(self, i: Optional[int] = None) -> None:
+        self._lease._h()
+        ctxs = range(self.n_contexts) if i is None else [i]
+        if i is not None and not 0 <= i < self.n_contexts:
+            raise InvalidArgument.make(f"context {i} of a view of {self.n_contexts}")
+        if self.page_map is not None:
+            for c in ctxs:
+                full = (self.len[c] // self.page_tokens) if self.page_tokens else 0
+                row = self.page_map[c, : min(full, self.page_map_stride)]
+                if (row != L.AKV_PAGE_STAGED).any():
+                    raise NotSupported.make(
+                        f"context {c}: retained pages are read in place (paged route); the "
+                        "staging buffer does not hold them")
+
+    def _array(self, offset: int, shape: Tuple[int, ...], strides: Tuple[int, ...]):
+        isz = _ITEMSIZE[self.dtype]
+        span = sum((n - 1) * s for n, s in zip(shape, strides)) + isz
+        ptr = self.base + offset
+        if self._cuda:
+            torch = _torch()
+            cai = _CudaArray(ptr, shape, strides, _CAI_TYPESTR[self.dtype], self)
+            t = torch.as_tensor(cai, device="cuda")
+            return t.view(torch.bfloat16) if self.dtype == "bf16" else t
+        buf = (ctypes.c_uint8 * span).from_address(ptr)
+        flat = np.ctypeslib.as_array(buf).view(_NP_DTYPE[self.dtype])
+        return np.lib.stride_tricks.as_strided(flat, shape=shape, strides=strides)
+
+    def _rows(self, i: int, v: bool):
+        self._check_live(i)
+        isz = _ITEMSIZE[self.dtype]
+        off = i * self.context_stride + (self.v_offset if v else 0)
+        return self._array(off, (self.len[i] + 1, self.kv_heads, self.head_dim),
+                           (self.row_stride, self.head_dim * isz, isz))
+
+    def keys(self, i: int):
+        """Context i's K rows [len[i]+1, kv_heads, head_dim], zero-copy (the
+        last row is the step's new row, for the caller to write)."""
+        return self._rows(i, False)
+
+    def values(self, i: int):
+        """Context i's V rows [len[i]+1, kv_heads, head_dim], zero-copy."""
+        return self._rows(i, True)
+
+    def kv_tensors(self):
+        """(K, V) torch tensors [n_contexts, kv_heads, max_len+1, head_dim]:
+        strided zero-copy views over the staging buffer (CUDA, or CPU torch
+        on the host backend), the layout SDPA takes. Rows past len[i]+1 of a
+        shorter context are stale: mask them."""
+        self._check_live()
+        torch = _torch()
+        isz = _ITEMSIZE[self.dtype]
+        rows = max(self.len) + 1
+        shape = (self.n_contexts, self.kv_heads, rows, self.head_dim)
+        strides = (self.context_stride, self.head_dim * isz, self.row_stride, isz)
+        out = []
+        for off in (0, self.v_offset):
+            a = self._array(off, shape, strides)
+            if not self._cuda:
+                if self.dtype == "bf16":  # uint16 bits -> int16 -> bfloat16, no copy
+                    a = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+                else:
+                    a = torch.from_numpy(a)
+            out.append(a)
+        return out[0], out[1]
+
+
+def version() -> str:
+    """The loaded library's version string."""
+    return lib.akv_version_string().decode()

@@ -1,0 +1,871 @@
+"""A Hugging Face ``transformers`` cache whose full-attention history lives in ActiveKV.
+
+``ActiveKVCache`` is a ``transformers.Cache`` (5.x) whose full-attention layers are
+``ActiveKVLayer`` objects on transformers' own ``CacheLayerMixin`` API. Pass it to an
+unmodified model as its cache (``cache=`` from transformers 5.20 on, ``past_key_values=``
+before) in a manual step loop or in ``model.generate(...)``::
+
+    from activekv.transformers import ActiveKVCache
+    with ActiveKVCache(model, max_cache_len=4096, batch_size=2) as cache:
+        out = model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
+
+What happens, per layer as transformers calls ``cache.update(k, v, layer_idx)``:
+
+- **Prefill** (the layer holds no rows yet): each batch row's K/V, ``[H, T, D]`` on the
+  model's device, is copied to the host as ``[T, H, D]`` contiguous rows and appended to
+  that row's engine context (``Context.append_layer``); the prompt's own K/V is returned
+  for the prompt's attention, as ``DynamicLayer`` does on an empty cache.
+- **Decode** (one new token): at the first full-attention layer of a step the previous
+  step's remaining leases are retired (blocking, the only host wait of the loop) and the
+  engine's step is ended and the next one begun over every row's context. Each
+  full-attention layer then begins a lease, makes torch's current stream wait (on the
+  device) for the staged history, writes the token's K/V into the staging buffer at row
+  ``len`` on torch's stream, and returns zero-copy strided views ``[B, H, len+1, D]`` over
+  the staging buffer, which the model's own attention (SDPA) reads.
+- **After attention**: a forward hook on the layer's attention module records the
+  attention-consumed event on torch's stream, enqueues the write-back of the new rows and
+  seals the lease, all without a host wait; already-complete leases are retired
+  opportunistically (``akv_lease_try_retire`` when the library has it). Without a hook
+  (a cache not bound to a model) the next layer's update seals the pending lease instead.
+- **Sliding-window layers** of hybrid models stay transformers' own layer classes
+  (``DynamicSlidingWindowLayer``, chosen from ``config.layer_types`` as ``DynamicCache``
+  chooses them); only full-attention layers are staged, dense index ``d`` being the d-th
+  full-attention layer.
+
+Routes: "stage" (device pool 0) and "arena" (retained pages copied device-to-device into
+the staging buffer) hand SDPA one contiguous history per row. "paged" is refused:
+it leaves retained pages in the device pool and describes them with a page table
+(``akv_view.page_map``), which only a paged attention kernel can read; SDPA takes one
+dense K/V tensor per row.
+
+Threading: like the engine, a cache is used from one thread at a time. Tensors returned
+by ``update`` alias the engine's staging buffers: they are valid for that layer's attention
+only (the buffer is reused two layers later) and must not be kept.
+
+Lifetime: ``close()`` (or leaving the ``with`` block) ends the open step, closes the
+contexts and the engine and removes the forward hooks. Call ``finish()`` to end the open
+step but keep the history readable (``contexts[i].read(...)``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from typing import Any, Sequence
+
+try:
+    import torch
+    from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
+except ImportError as exc:  # pragma: no cover - exercised only without the optional deps
+    raise ImportError(
+        "activekv.transformers needs torch and transformers>=5 "
+        "(pip install torch transformers): " + str(exc)
+    ) from exc
+
+import activekv as akv
+
+__all__ = ["ActiveKVCache", "ActiveKVLayer", "dense_layer_indices", "engine_config_for"]
+
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+
+# torch's current CUDA stream as a raw cudaStream_t without building a Stream object
+# (a few microseconds a layer); the public call is the fallback.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+
+def _status_name(status: int) -> str:
+    errors = getattr(akv, "errors", None)
+    fn = getattr(errors, "status_name", None)
+    return fn(status) if fn is not None else "AKV_STATUS_%d" % status
+
+
+def _try_retire_pending(status: int) -> bool:
+    """True when a failed akv_lease_try_retire only means "fences still pending" (it then
+    changed nothing): AKV_ERR_NOT_READY, or a status newer than this package knows. Every
+    other status is an error and is raised."""
+    name = _status_name(status)
+    return name == "AKV_ERR_NOT_READY" or name.startswith("AKV_STATUS_")
+
+
+# --------------------------------------------------------------------------- #
+# ctypes mirrors of the lease hot path (akv.h). Kept here, with their own      #
+# prototypes on a private CDLL object, so the per-layer decode path builds no  #
+# Python objects: the structs are allocated once per cache and refilled.       #
+# --------------------------------------------------------------------------- #
+
+
+class _Fence(ctypes.Structure):
+    _fields_ = [("serial", ctypes.c_uint64)]
+
+
+class _View(ctypes.Structure):
+    _fields_ = [
+        ("step", ctypes.c_uint64),
+        ("layer", ctypes.c_uint32),
+        ("n_contexts", ctypes.c_uint32),
+        ("kv_heads", ctypes.c_uint32),
+        ("head_dim", ctypes.c_uint32),
+        ("dtype", ctypes.c_int),
+        ("row_stride", ctypes.c_uint64),
+        ("base", ctypes.c_void_p),
+        ("context_stride", ctypes.c_uint64),
+        ("v_offset", ctypes.c_uint64),
+        ("len", ctypes.POINTER(ctypes.c_uint32)),
+        ("contexts", ctypes.c_void_p),
+        ("page_tokens", ctypes.c_uint32),
+        ("page_map_stride", ctypes.c_uint32),
+        ("page_map", ctypes.c_void_p),
+        ("page_map_host", ctypes.c_void_p),
+        ("pages", ctypes.c_void_p),
+        ("page_stride", ctypes.c_uint64),
+    ]
+
+
+class _Receipt(ctypes.Structure):
+    _fields_ = [
+        ("step", ctypes.c_uint64),
+        ("layer", ctypes.c_uint32),
+        ("tickets", ctypes.c_uint32),
+        ("readers", ctypes.c_uint32),
+        ("bytes_h2d", ctypes.c_uint64),
+        ("bytes_d2d", ctypes.c_uint64),
+        ("bytes_d2h", ctypes.c_uint64),
+        ("attention", _Fence),
+        ("tail", _Fence),
+        ("bytes_in_place", ctypes.c_uint64),
+    ]
+
+
+class _LeaseAPI:
+    """The lease calls of akv.h with prototypes set once on a private CDLL handle."""
+
+    def __init__(self, lib_path: str):
+        lib = ctypes.CDLL(lib_path)
+        vp, u32, st = ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int
+
+        def proto(name, *args):
+            fn = getattr(lib, name)
+            fn.argtypes = list(args)
+            fn.restype = st
+            return fn
+
+        self.begin = proto("akv_lease_begin", vp, u32, ctypes.POINTER(vp))
+        self.wait_ready = proto("akv_lease_wait_ready", vp, vp, ctypes.POINTER(_View))
+        self.mark_consumed = proto("akv_lease_mark_consumed", vp, vp, ctypes.POINTER(_Fence))
+        self.write_back = proto("akv_lease_write_back", vp, vp, u32, ctypes.POINTER(_Fence))
+        self.seal = proto("akv_lease_seal", vp, _Fence, _Fence)
+        self.retire = proto("akv_lease_retire", vp, ctypes.POINTER(_Receipt))
+        self.stream_synchronize = proto("akv_stream_synchronize", vp, vp)
+        self.last_error = lib.akv_engine_last_error
+        self.last_error.argtypes = [vp]
+        self.last_error.restype = ctypes.c_char_p
+        self.status_string = lib.akv_status_string
+        self.status_string.argtypes = [st]
+        self.status_string.restype = ctypes.c_char_p
+        self.try_retire = None
+        if hasattr(lib, "akv_lease_try_retire"):
+            self.try_retire = proto("akv_lease_try_retire", vp, ctypes.POINTER(_Receipt))
+        self._lib = lib  # keeps the handle (and so the library) alive
+
+
+def _lib_path(engine: Any) -> str:
+    lib = getattr(engine, "_lib", None)
+    path = getattr(lib, "_name", None)
+    if not path:
+        raise RuntimeError("activekv.transformers: the engine does not expose its loaded library")
+    return path
+
+
+def _raw(handle: Any) -> int:
+    """The address held by a ctypes pointer / c_void_p / int handle."""
+    if isinstance(handle, int):
+        return handle
+    value = ctypes.cast(handle, ctypes.c_void_p).value
+    if not value:
+        raise RuntimeError("activekv.transformers: a NULL engine handle")
+    return value
+
+
+def _error(status: int, message: str) -> Exception:
+    """The package's exception for a C status (one class per status), with the message."""
+    errors = getattr(akv, "errors", None)
+    make = getattr(errors, "error_for", None)
+    if make is not None:
+        return make(status, message)
+    return akv.ActiveKVError(status, _status_name(status), message)
+
+
+# --------------------------------------------------------------------------- #
+# Geometry                                                                     #
+# --------------------------------------------------------------------------- #
+
+
+def _text_config(config: Any) -> Any:
+    get = getattr(config, "get_text_config", None)
+    if get is None:
+        return config
+    try:
+        return get(decoder=True)
+    except TypeError:
+        return get()
+
+
+def dense_layer_indices(config: Any) -> tuple[list[int], list[Any]]:
+    """(full-attention layer indices, transformers' own layer objects for every layer).
+
+    The layer classes come from ``DynamicCache(config=config)``, so a hybrid model's
+    sliding-window (and any other non-full) layers are exactly the ones ``DynamicCache``
+    would use; a layer whose class is exactly ``DynamicLayer`` is a full-attention layer
+    and is staged through the engine instead.
+    """
+    probe = DynamicCache(config=config)
+    layers = list(probe.layers)
+    n_layers = _text_config(config).num_hidden_layers
+    if not layers:  # a transformers without config-driven layer selection: all full
+        layers = [DynamicLayer() for _ in range(n_layers)]
+    dense = [i for i, layer in enumerate(layers) if type(layer) is DynamicLayer]
+    return dense, layers
+
+
+def engine_config_for(
+    config: Any,
+    *,
+    max_cache_len: int,
+    batch_size: int,
+    dtype: torch.dtype,
+    backend: str,
+    device_ordinal: int = 0,
+    host_pool_gib: int | None = None,
+    device_pool_gib: int = 0,
+    route: str = "stage",
+    page_tokens: int = 256,
+) -> dict:
+    """The akv.Engine keyword arguments for a model config (see ActiveKVCache).
+
+    Raises ValueError for route="paged" (see the module docstring), an unsupported dtype,
+    a model without full-attention layers or non-positive sizes; the fit itself
+    (akv.fit) raises the package's exceptions.
+    """
+    if route == "paged":
+        raise ValueError(
+            "ActiveKVCache: route='paged' is not supported: it leaves retained pages in the "
+            "device pool and describes them with a page table (akv_view.page_map) that only a "
+            "paged attention kernel can read, while transformers' attention (SDPA) takes one "
+            "contiguous K/V tensor per row; use route='stage' or route='arena'"
+        )
+    if route not in ("stage", "arena"):
+        raise ValueError("ActiveKVCache: route must be 'stage' or 'arena', not %r" % (route,))
+    if dtype not in _DTYPES:
+        raise ValueError("ActiveKVCache: K/V dtype %s is not bf16, f16 or f32" % (dtype,))
+    if max_cache_len <= 0 or batch_size <= 0:
+        raise ValueError("ActiveKVCache: max_cache_len and batch_size must be positive")
+    tc = _text_config(config)
+    dense, _ = dense_layer_indices(config)
+    if not dense:
+        raise ValueError("ActiveKVCache: the model has no full-attention layer to stage")
+    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    kv_heads = getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
+    cfg = dict(
+        backend=backend,
+        device_ordinal=device_ordinal,
+        n_dense_layers=len(dense),
+        kv_heads=int(kv_heads),
+        head_dim=int(head_dim),
+        dtype=_DTYPES[dtype],
+        max_tokens=int(max_cache_len),
+        page_tokens=int(min(page_tokens, max_cache_len)),
+        device_pool_gib=int(device_pool_gib),
+        max_contexts=int(batch_size),
+        fit_mode="refuse",
+        route=route,
+    )
+    if host_pool_gib is None:
+        # The smallest whole-GiB pinned pool that holds batch_size histories (DESIGN §3:
+        # an explicit size, computed from the geometry, never from free memory).
+        report = akv.fit(**dict(cfg, host_pool_gib=1))
+        host_pool_gib = int(report.host_pool_gib_needed)
+    cfg["host_pool_gib"] = int(host_pool_gib)
+    return cfg
+
+
+# --------------------------------------------------------------------------- #
+# Staging-buffer tensors                                                       #
+# --------------------------------------------------------------------------- #
+
+
+class _CudaMemory:
+    """__cuda_array_interface__ over engine-owned device bytes (no ownership taken)."""
+
+    def __init__(self, address: int, nbytes: int):
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (address, False),
+            "strides": None,
+            "version": 3,
+            "stream": None,  # no synchronisation: ordering is the engine's events
+        }
+
+
+def _buffer_tensor(address: int, nbytes: int, dtype: torch.dtype, device: torch.device):
+    """A flat tensor of `dtype` aliasing [address, address+nbytes) (zero copy)."""
+    if device.type == "cuda":
+        flat = torch.as_tensor(_CudaMemory(address, nbytes), device=device)
+    else:
+        raw = (ctypes.c_uint8 * nbytes).from_address(address)
+        flat = torch.frombuffer(raw, dtype=torch.uint8)
+    return flat.view(dtype)
+
+
+# --------------------------------------------------------------------------- #
+# The engine driver shared by the layers of one cache                          #
+# --------------------------------------------------------------------------- #
+
+
+class _Driver:
+    """Owns the engine, the contexts, the step and the leases of one ActiveKVCache."""
+
+    def __init__(self, engine_cfg: dict, device: torch.device, dtype: torch.dtype,
+                 n_dense: int, target_pages, burst_pages: int, log, log_level: str):
+        kwargs = dict(engine_cfg, log_level=log_level)
+        if log is not None:
+            kwargs["log"] = log
+        self.engine = akv.Engine(**kwargs)
+        try:
+            self.api = _LeaseAPI(_lib_path(self.engine))
+            self.eng = _raw(self.engine._handle)
+            info = self.engine.info()
+            self.backend = self.engine.backend
+            if (self.backend == "cuda") != (device.type == "cuda"):
+                raise ValueError(
+                    "ActiveKVCache: the engine's backend is %r but the model is on %s"
+                    % (self.backend, device))
+            self.staging_extent = int(info.staging_bytes) // 2  # one of the two buffers
+        except BaseException:
+            self.engine.close()
+            raise
+        self.device = device
+        self.device_index = device.index if device.index is not None else 0
+        self.dtype = dtype
+        self.itemsize = torch.empty((), dtype=dtype).element_size()
+        self.n_dense = n_dense
+        self.max_tokens = int(engine_cfg["max_tokens"])
+        self.max_contexts = int(engine_cfg["max_contexts"])
+        self.target_pages = target_pages
+        self.burst_pages = burst_pages
+        self.contexts: list | None = None
+        self.batch = 0
+        self.layer_len = [0] * n_dense  # rows each dense layer holds, this step's included
+        self.step_open = False
+        self.next_dense = 0  # the dense layer the open step leases next
+        # The one lease begun but not sealed yet: (dense index, handle, stream).
+        self.pending: tuple[int, int, int] | None = None
+        self.sealed: list[int] = []  # sealed, unretired leases, oldest first
+        self.failed: BaseException | None = None
+        self.host_stream = None
+        self.host_stream_raw = 0
+        if self.backend == "host":
+            self.host_stream = self.engine.default_stream()
+            self.host_stream_raw = _raw(getattr(self.host_stream, "_handle", self.host_stream))
+        # Preallocated structs of the hot path.
+        self.view = _View()
+        self.view_ref = ctypes.byref(self.view)
+        self.attn = [_Fence() for _ in range(n_dense)]
+        self.tail = [_Fence() for _ in range(n_dense)]
+        self.receipt = _Receipt()
+        self.receipt_ref = ctypes.byref(self.receipt)
+        self.buffers: dict[int, torch.Tensor] = {}  # staging buffer base -> flat tensor
+        self.try_retire_ok = self.api.try_retire is not None
+        # Counters for the harness and the tests.
+        self.leases = 0
+        self.retired_early = 0  # by try_retire, off the critical path
+        self.retired_blocking = 0
+        self.hook_seals = 0
+        self.fallback_seals = 0
+
+    def torch_stream(self) -> int:
+        """torch's current CUDA stream as an akv_stream. torch's default stream is the legacy
+        default stream, whose cudaStream_t is 0; the engine refuses a NULL stream, so it is
+        named by its other handle, cudaStreamLegacy ((cudaStream_t)0x1), the same stream."""
+        raw = _raw_stream
+        if raw is not None:
+            return raw(self.device_index) or 1  # 1 = cudaStreamLegacy
+        return torch.cuda.current_stream(self.device).cuda_stream or 1
+
+    # -- errors -------------------------------------------------------------
+
+    def check(self, status: int, what: str) -> None:
+        if status != 0:
+            msg = self.api.last_error(self.eng)
+            text = "%s: %s" % (what, msg.decode("utf-8", "replace") if msg else "")
+            err = _error(status, text)
+            if status in (14, 15):  # transport failed / quarantined: the cache is done
+                self.failed = err
+            raise err
+
+    def usable(self) -> None:
+        if self.failed is not None:
+            raise RuntimeError("ActiveKVCache is unusable after an earlier failure") from self.failed
+        if self.engine is None:
+            raise RuntimeError("ActiveKVCache is closed")
+
+    # -- prefill ------------------------------------------------------------
+
+    def open_contexts(self, batch: int) -> None:
+        if batch > self.max_contexts:
+            raise ValueError(
+                "ActiveKVCache: batch of %d rows but the cache was made for batch_size=%d"
+                % (batch, self.max_contexts))
+        ctxs = []
+        try:
+            for _ in range(batch):
+                ctxs.append(self.engine.open_context(target_pages=self.target_pages,
+                                                     burst_pages=self.burst_pages))
+        except BaseException:
+            for c in ctxs:
+                c.close()
+            raise
+        self.contexts = ctxs
+        self.batch = batch
+
+    def append(self, d: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        n = int(key_states.shape[-2])
+        if self.layer_len[d] + n > self.max_tokens:
+            raise ValueError("ActiveKVCache: %d rows exceed max_cache_len=%d"
+                             % (self.layer_len[d] + n, self.max_tokens))
+        # [B, H, T, D] on the model's device -> [B, T, H, D] contiguous there (token-major
+        # rows, the host pool's layout), then one device-to-host transfer each for K and V.
+        k_host = key_states.detach().transpose(1, 2).contiguous().cpu()
+        v_host = value_states.detach().transpose(1, 2).contiguous().cpu()
+        for b, ctx in enumerate(self.contexts):
+            ctx.append_layer(d, k_host[b], v_host[b])
+        self.layer_len[d] += n
+
+    # -- decode -------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """The step boundary: retire what is left of the previous step, end it, begin this one."""
+        if self.step_open:
+            self.end_step()
+        for d in range(self.n_dense):
+            if self.layer_len[d] != self.layer_len[0]:
+                raise RuntimeError(
+                    "ActiveKVCache: full-attention layers hold different lengths (%s); a "
+                    "prefill did not reach every layer" % (self.layer_len,))
+        self.engine.step_begin(self.contexts)
+        self.step_open = True
+        self.next_dense = 0
+
+    def end_step(self) -> None:
+        """Seals the pending lease, retires every lease of the step (blocking), ends the step."""
+        if self.pending is not None:
+            self.seal_pending()
+            self.fallback_seals += 1
+        if self.next_dense != self.n_dense:
+            raise RuntimeError(
+                "ActiveKVCache: the open step updated %d of %d full-attention layers"
+                % (self.next_dense, self.n_dense))
+        self.retire_all()
+        self.engine.step_end()
+        self.step_open = False
+
+    def stage(self, d: int, key_states: torch.Tensor, value_states: torch.Tensor):
+        api = self.api
+        if self.pending is not None:
+            # Fallback when no forward hook sealed the previous layer: its attention was
+            # enqueued on torch's stream before this layer's update, so the event recorded
+            # now follows it.
+            self.seal_pending()
+            self.fallback_seals += 1
+        if d != self.next_dense:
+            raise RuntimeError("ActiveKVCache: full-attention layer %d updated out of order "
+                               "(expected %d)" % (d, self.next_dense))
+        length = self.layer_len[d]
+        if length + 1 > self.max_tokens:
+            raise ValueError("ActiveKVCache: a new row exceeds max_cache_len=%d" % self.max_tokens)
+        stream = self.host_stream_raw if self.host_stream is not None else self.torch_stream()
+        lease = ctypes.c_void_p()
+        self.check(api.begin(self.eng, d, ctypes.byref(lease)), "lease_begin")
+        lease = lease.value
+        self.leases += 1
+        st = api.wait_ready(lease, stream, self.view_ref)
+        if st != 0:
+            self.failed = RuntimeError("lease_wait_ready failed")
+            self.check(st, "lease_wait_ready")
+        self.pending = (d, lease, stream)
+        self.next_dense = d + 1
+        if self.host_stream is not None:
+            # Host backend: Python attention runs on this thread, so the staged history must
+            # be complete before update returns.
+            self.check(api.stream_synchronize(self.eng, stream), "stream_synchronize")
+        view = self.view
+        lens = view.len
+        for i in range(self.batch):
+            if lens[i] != length:
+                self.failed = RuntimeError("staged length mismatch")
+                raise RuntimeError("ActiveKVCache: context %d staged %d rows, expected %d"
+                                   % (i, lens[i], length))
+        base = view.base
+        flat = self.buffers.get(base)
+        if flat is None:
+            flat = _buffer_tensor(base, self.staging_extent, self.dtype, self.device)
+            self.buffers[base] = flat
+        isz = self.itemsize
+        heads, dim = view.kv_heads, view.head_dim
+        cs, rs, vo = view.context_stride // isz, view.row_stride // isz, view.v_offset // isz
+        size = (self.batch, heads, length + 1, dim)
+        strides = (cs, dim, rs, 1)
+        keys = flat.as_strided(size, strides, 0)
+        values = flat.as_strided(size, strides, vo)
+        # The step's new row at index len, written on torch's stream before attention.
+        row = (self.batch, heads, dim)
+        row_strides = (cs, dim, 1)
+        flat.as_strided(row, row_strides, length * rs).copy_(key_states.select(2, 0))
+        flat.as_strided(row, row_strides, length * rs + vo).copy_(value_states.select(2, 0))
+        self.layer_len[d] = length + 1
+        return keys, values
+
+    def seal_pending(self) -> None:
+        """Attention consumed (event on the lease's stream), write-back, seal: no host wait."""
+        d, lease, stream = self.pending
+        api = self.api
+        attn = self.attn[d]
+        tail = self.tail[d]
+        self.pending = None
+        self.check(api.mark_consumed(lease, stream, ctypes.byref(attn)), "lease_mark_consumed")
+        self.check(api.write_back(lease, None, 0, ctypes.byref(tail)), "lease_write_back")
+        self.check(api.seal(lease, tail, attn), "lease_seal")
+        self.sealed.append(lease)
+
+    def after_attention(self, d: int) -> None:
+        """Forward hook of full-attention layer d's attention module."""
+        pending = self.pending
+        if pending is None or pending[0] != d or self.failed is not None:
+            return  # another cache's forward, or already sealed
+        self.seal_pending()
+        self.hook_seals += 1
+        self.try_retire()
+
+    def try_retire(self) -> None:
+        """Retires the oldest sealed leases whose fences have all passed; never waits."""
+        if not self.try_retire_ok:
+            return
+        fn = self.api.try_retire
+        sealed = self.sealed
+        while sealed:
+            st = fn(sealed[0], self.receipt_ref)
+            if st != 0:
+                if not _try_retire_pending(st):
+                    self.check(st, "lease_try_retire")
+                return  # fences pending: nothing changed; retire() at the boundary waits
+            sealed.pop(0)
+            self.retired_early += 1
+
+    def retire_all(self) -> None:
+        sealed = self.sealed
+        while sealed:
+            self.check(self.api.retire(sealed[0], self.receipt_ref), "lease_retire")
+            sealed.pop(0)
+            self.retired_blocking += 1
+
+    # -- teardown -----------------------------------------------------------
+
+    def abandon_step(self) -> None:
+        """Brings an interrupted step to its end so the engine can close.
+
+        Leases the layers the step did not reach with whatever the staging buffer holds at
+        the new row: only for close(), after which the history is discarded.
+        """
+        if self.pending is not None:
+            self.seal_pending()
+        api = self.api
+        stream = self.host_stream_raw if self.host_stream is not None else self.torch_stream()
+        while self.next_dense < self.n_dense:
+            d = self.next_dense
+            lease = ctypes.c_void_p()
+            self.check(api.begin(self.eng, d, ctypes.byref(lease)), "lease_begin")
+            self.check(api.wait_ready(lease.value, stream, self.view_ref), "lease_wait_ready")
+            self.pending = (d, lease.value, stream)
+            self.next_dense = d + 1
+            self.seal_pending()
+        self.retire_all()
+        self.engine.step_end()
+        self.step_open = False
+
+    def close(self) -> None:
+        if self.engine is None:
+            return
+        try:
+            if self.step_open and self.failed is None:
+                self.abandon_step()
+        finally:
+            self.buffers.clear()
+            for ctx in self.contexts or ():
+                try:
+                    ctx.close()
+                except Exception:
+                    if self.failed is None:
+                        raise
+            self.contexts = None
+            engine, self.engine = self.engine, None
+            engine.close()
+
+
+# --------------------------------------------------------------------------- #
+# The transformers objects                                                     #
+# --------------------------------------------------------------------------- #
+
+
+class ActiveKVLayer(CacheLayerMixin):
+    """One full-attention layer of an ActiveKVCache (dense layer ``dense_index``).
+
+    ``update`` appends the prompt's rows (prefill) or stages the layer's history and
+    returns views of it with the new row written (decode); see the module docstring.
+    ``keys``/``values`` stay None: the history lives in the engine, not in tensors.
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, driver: _Driver, dense_index: int, max_cache_len: int):
+        super().__init__()
+        self._driver = driver
+        self.dense_index = dense_index
+        self._max_cache_len = max_cache_len
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        drv = self._driver
+        if key_states.dtype != drv.dtype or key_states.device != drv.device:
+            raise ValueError(
+                "ActiveKVCache was made for %s on %s, got K/V %s on %s"
+                % (drv.dtype, drv.device, key_states.dtype, key_states.device))
+        if drv.contexts is None:
+            drv.open_contexts(int(key_states.shape[0]))
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        drv = self._driver
+        drv.usable()
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if key_states.shape[0] != drv.batch:
+            raise ValueError("ActiveKVCache holds %d rows, got a batch of %d"
+                             % (drv.batch, key_states.shape[0]))
+        d = self.dense_index
+        n_new = key_states.shape[-2]
+        if drv.layer_len[d] == 0:
+            drv.append(d, key_states, value_states)
+            return key_states, value_states
+        if n_new != 1:
+            raise NotImplementedError(
+                "ActiveKVCache: an update of %d tokens after the prompt (chunked prefill, "
+                "assisted or speculative decoding) is not supported; decode one token per "
+                "step" % n_new)
+        if d == 0:
+            drv.begin_step()
+        return drv.stage(d, key_states, value_states)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self._driver.layer_len[self.dense_index]
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def offload(self):
+        pass  # the history is in the engine's pinned host pool already
+
+    def prefetch(self):
+        pass
+
+    def reset(self) -> None:
+        raise NotImplementedError("ActiveKVCache cannot be reset; close it and make a new one")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove != 0:
+            raise NotImplementedError("ActiveKVCache cannot drop rows (crop)")
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise NotImplementedError("ActiveKVCache does not support beam search (reorder_cache)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats != 1:
+            raise NotImplementedError("ActiveKVCache has one context per row; it cannot repeat rows")
+
+    def batch_select_indices(self, indices) -> None:
+        raise NotImplementedError("ActiveKVCache cannot select rows")
+
+
+def _model_device_dtype(model) -> tuple[torch.device, torch.dtype]:
+    param = next(model.parameters())
+    return param.device, param.dtype
+
+
+def _attention_modules(model) -> dict[int, Any]:
+    """layer_idx -> the attention module of that layer (the innermost module carrying it)."""
+    found: dict[int, Any] = {}
+    for module in model.modules():
+        idx = getattr(module, "layer_idx", None)
+        if not isinstance(idx, int):
+            continue
+        prev = found.get(idx)
+        is_attn = "Attention" in type(module).__name__
+        if prev is None or (is_attn and "Attention" not in type(prev).__name__):
+            found[idx] = module
+    return found
+
+
+class ActiveKVCache(Cache):
+    """A transformers Cache whose full-attention layers are staged by an ActiveKV engine.
+
+    Args:
+        model: the model to serve; geometry, device and dtype come from it and its attention
+            modules get the forward hooks (``attach``). Pass ``config=``, ``device=`` and
+            ``dtype=`` instead to build a cache without a model (no hooks: each lease is then
+            sealed at the next layer's update).
+        max_cache_len: rows per context, prompt and generated tokens together (the engine's
+            max_tokens).
+        batch_size: rows of the batch (the engine's max_contexts); one context per row.
+        host_pool_gib: pinned host pool; None = the smallest whole GiB that fits
+            ``batch_size`` histories (akv.fit).
+        device_pool_gib: device page pool, whole GiB; 0 = stage everything.
+        route: "stage" or "arena" ("paged" is refused: SDPA cannot read a page table).
+        backend: "host" or "cuda"; None = the model's device decides.
+        page_tokens: tokens per page.
+        target_pages / burst_pages: admission of each context (None = fair share).
+        log / log_level: the engine's log sink and level.
+
+    Raises ValueError for an unusable configuration and the package's exceptions
+    (akv.ActiveKVError subclasses) for what the engine refuses (NoFit, OutOfMemory, ...).
+    Not thread-safe; see the module docstring for stream behaviour and lifetimes.
+    """
+
+    def __init__(
+        self,
+        model: Any = None,
+        *,
+        max_cache_len: int,
+        batch_size: int = 1,
+        config: Any = None,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+        host_pool_gib: int | None = None,
+        device_pool_gib: int = 0,
+        route: str = "stage",
+        backend: str | None = None,
+        page_tokens: int = 256,
+        target_pages: int | None = None,
+        burst_pages: int = 0,
+        log=None,
+        log_level: str = "warn",
+    ):
+        if model is not None:
+            config = model.config
+            m_device, m_dtype = _model_device_dtype(model)
+            device = m_device if device is None else device
+            dtype = m_dtype if dtype is None else dtype
+        if config is None or device is None or dtype is None:
+            raise ValueError("ActiveKVCache needs a model, or config=, device= and dtype=")
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        want = "cuda" if device.type == "cuda" else "host"
+        if backend is None:
+            backend = want
+        elif backend != want:
+            raise ValueError("ActiveKVCache: backend=%r cannot serve a model on %s" % (backend, device))
+        dense, layers = dense_layer_indices(config)
+        ecfg = engine_config_for(
+            config, max_cache_len=max_cache_len, batch_size=batch_size, dtype=dtype,
+            backend=backend, device_ordinal=device.index or 0, host_pool_gib=host_pool_gib,
+            device_pool_gib=device_pool_gib, route=route, page_tokens=page_tokens)
+        driver = _Driver(ecfg, device, dtype, len(dense), target_pages, burst_pages, log, log_level)
+        for d, layer_idx in enumerate(dense):
+            layers[layer_idx] = ActiveKVLayer(driver, d, max_cache_len)
+        super().__init__(layers=layers)
+        self._driver = driver
+        self.engine_config = ecfg
+        self.dense_layers = dense  # dense index d -> model layer index
+        self._max_cache_len = max_cache_len
+        self._hooks: list = []
+        if model is not None:
+            self.attach(model)
+
+    # -- binding --------------------------------------------------------------
+
+    def attach(self, model) -> "ActiveKVCache":
+        """Registers a forward hook on each full-attention layer's attention module (the
+        module carrying ``layer_idx``): after attention it records the consumed event,
+        enqueues the write-back and seals the lease, without a host wait. Idempotent."""
+        self.detach()
+        modules = _attention_modules(model)
+        ref = weakref.ref(self._driver)
+        for d, layer_idx in enumerate(self.dense_layers):
+            module = modules.get(layer_idx)
+            if module is None:
+                continue  # no hook: the fallback seals at the next update
+
+            def hook(_module, _args, _output, _d=d, _ref=ref):
+                drv = _ref()
+                if drv is not None and drv.engine is not None:
+                    drv.after_attention(_d)
+
+            self._hooks.append(module.register_forward_hook(hook))
+        return self
+
+    def detach(self) -> None:
+        """Removes the forward hooks (leases are then sealed at the next update)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # -- access ---------------------------------------------------------------
+
+    @property
+    def engine(self):
+        """The akv.Engine (owned by the cache; closed by close())."""
+        return self._driver.engine
+
+    @property
+    def contexts(self) -> list:
+        """One akv.Context per batch row, in batch order (empty before the prefill)."""
+        return list(self._driver.contexts or ())
+
+    @property
+    def stats(self) -> dict:
+        """Lease counters: leases, hook/fallback seals, early/blocking retires."""
+        drv = self._driver
+        return dict(leases=drv.leases, hook_seals=drv.hook_seals,
+                    fallback_seals=drv.fallback_seals, retired_early=drv.retired_early,
+                    retired_blocking=drv.retired_blocking, try_retire=drv.try_retire_ok)
+
+    # -- lifetime -------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Ends the open decode step (seal, blocking retire, step_end) so the contexts can be
+        read or appended to; the next decode update begins a new step. Blocks the host."""
+        drv = self._driver
+        drv.usable()
+        if drv.step_open:
+            drv.end_step()
+
+    def close(self) -> None:
+        """Ends the open step, closes contexts and engine, removes the hooks. Idempotent."""
+        self.detach()
+        self._driver.close()
+
+    def __enter__(self) -> "ActiveKVCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- unsupported Cache operations ----------------------------------------
+
+    def reset(self):
+        raise NotImplementedError("ActiveKVCache cannot be reset; close it and make a new one")

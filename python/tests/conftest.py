@@ -1,0 +1,34 @@
+"""Shared fixtures of the package tests (host backend: no GPU needed)."""
+import os
+
+import pytest
+
+import activekv as akv
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+def quiet(level, message):
+    """A log sink that drops everything (tests check messages through exceptions)."""
+
+
+def small(**over):
+    """A small host-backend geometry: 3 dense layers, 2 KV heads x 8 dims, f32."""
+    cfg = dict(backend="host", n_dense_layers=3, kv_heads=2, head_dim=8, dtype="f32",
+               max_tokens=32, page_tokens=4, max_contexts=2, host_pool_gib=1, log=quiet)
+    cfg.update(over)
+    return cfg
+
+
+@pytest.fixture
+def engine():
+    with akv.Engine(**small()) as e:
+        yield e
+
+
+def header_dir():
+    """akv.h: the copy installed with the package, else the checkout's."""
+    d = akv.include_dir()
+    if d is None and os.path.isfile(os.path.join(REPO, "include", "akv.h")):
+        d = os.path.join(REPO, "include")
+    return d

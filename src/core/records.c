@@ -1,0 +1,111 @@
+/*
+ * records.c - process-wide FIFO pools of handle records, never freed
+ * (records.h states the reuse bound they enforce).
+ */
+#include "records.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+akv_recpool akv_engine_records =
+    AKV_RECPOOL_INIT(struct akv_engine, AKV_ENGINE_HANDLE_REUSE_MIN, AKV_ENGINE_HANDLE_REUSE_MIN);
+akv_recpool akv_context_records =
+    AKV_RECPOOL_INIT(struct akv_context, AKV_CONTEXT_HANDLE_REUSE_MIN, 256);
+akv_recpool akv_lease_records =
+    AKV_RECPOOL_INIT(struct akv_lease, AKV_LEASE_HANDLE_REUSE_MIN, 256);
+
+/* Appends a zeroed chunk of records to the tail. Called with p->mu held. */
+static int akv_rec_grow(akv_recpool *p) {
+  /* The ring holds every record there will be (all may be free at once). */
+  size_t need = (p->n_chunks + 1) * p->chunk;
+  unsigned char *chunk;
+  if (p->n_chunks == p->chunks_cap) {
+    size_t n = p->chunks_cap ? 2 * p->chunks_cap : 8;
+    void **c = realloc(p->chunks, n * sizeof(*c));
+    if (c == NULL) return 0;
+    p->chunks = c;
+    p->chunks_cap = n;
+  }
+  if (need > p->cap) {
+    /* Unroll the ring into a larger one (handles never point into it). */
+    size_t n = p->cap ? 2 * p->cap : p->chunk;
+    void **r;
+    while (n < need) n *= 2;
+    r = malloc(n * sizeof(*r));
+    if (r == NULL) return 0;
+    for (size_t i = 0; i < p->count; i++) r[i] = p->ring[(p->head + i) % p->cap];
+    free(p->ring);
+    p->ring = r;
+    p->cap = n;
+    p->head = 0;
+  }
+  chunk = calloc(p->chunk, p->rec_size);
+  if (chunk == NULL) return 0;
+  p->chunks[p->n_chunks++] = chunk;
+  for (size_t i = 0; i < p->chunk; i++)
+    p->ring[(p->head + p->count++) % p->cap] = chunk + i * p->rec_size;
+  return 1;
+}
+
+void *akv_rec_take(akv_recpool *p) {
+  void *rec = NULL;
+  pthread_mutex_lock(&p->mu);
+  /* The reuse bound: at least min_free records stay free after this take,
+   * so a record given back later has at least min_free records ahead. */
+  while (p->count <= p->min_free)
+    if (!akv_rec_grow(p)) goto out;
+  rec = p->ring[p->head];
+  p->head = (p->head + 1) % p->cap;
+  p->count--;
+out:
+  pthread_mutex_unlock(&p->mu);
+  return rec;
+}
+
+void akv_rec_untake(akv_recpool *p, void *rec) {
+  pthread_mutex_lock(&p->mu);
+  /* The slot the take emptied is free: count < cap. */
+  p->head = (p->head + p->cap - 1) % p->cap;
+  p->ring[p->head] = rec;
+  p->count++;
+  pthread_mutex_unlock(&p->mu);
+}
+
+void akv_rec_give(akv_recpool *p, void *rec) {
+  pthread_mutex_lock(&p->mu);
+  /* Every record was in the ring once and cap holds them all: count < cap. */
+  p->ring[(p->head + p->count++) % p->cap] = rec;
+  pthread_mutex_unlock(&p->mu);
+}
+
+akv_status akv_rec_reserve(akv_recpool *p, size_t n) {
+  akv_status st = AKV_OK;
+  pthread_mutex_lock(&p->mu);
+  /* Enough free records that the reserved takes never grow the pool: a
+   * take then always finds more than min_free free records. */
+  p->reserved += n;
+  while (p->count <= p->min_free + p->reserved)
+    if (!akv_rec_grow(p)) {
+      p->reserved -= n;
+      st = AKV_ERR_OUT_OF_MEMORY;
+      break;
+    }
+  pthread_mutex_unlock(&p->mu);
+  return st;
+}
+
+void akv_rec_unreserve(akv_recpool *p, size_t n) {
+  pthread_mutex_lock(&p->mu);
+  p->reserved -= n;
+  pthread_mutex_unlock(&p->mu);
+}
+
+size_t akv_rec_free_count(akv_recpool *p) {
+  size_t n;
+  pthread_mutex_lock(&p->mu);
+  n = p->count;
+  pthread_mutex_unlock(&p->mu);
+  return n;
+}

@@ -1,0 +1,66 @@
+/*
+ * records.h - process-wide pools of handle records (engines, contexts,
+ * lease handles).
+ *
+ * A handle the library gives out is a pointer to a record from one of these
+ * pools. Records are never freed: a chunk of them, once allocated, stays
+ * mapped (and reachable from the pool) for the life of the process, so a
+ * stale handle is always readable memory whose magic says "dead", never
+ * freed memory. Free records wait in a FIFO: a record given back goes to the
+ * tail and is handed out again only after every record ahead of it.
+ *
+ * Reuse bound (the promise akv.h states per handle type): a take never
+ * leaves fewer than `min_free` records free (the pool grows by a chunk
+ * first), so a record given back has at least min_free records ahead of it
+ * and is handed out again by exactly the (ahead + 1)-th later take, never
+ * sooner. akv_rec_untake (a create that failed after its take) puts the
+ * record back at the head, so a failed create does not advance the queue.
+ *
+ * Thread safety: every function locks the pool's mutex; pools are shared by
+ * all engines of the process.
+ */
+#ifndef AKV_RECORDS_H
+#define AKV_RECORDS_H
+
+#include <pthread.h>
+#include <stddef.h>
+
+#include "akv.h"
+
+typedef struct akv_recpool {
+  pthread_mutex_t mu;
+  size_t rec_size;  /* bytes per record */
+  size_t min_free;  /* free records left after every take */
+  size_t chunk;     /* records per chunk */
+  void **ring;      /* [cap] FIFO of free records */
+  size_t cap, head, count;
+  size_t reserved;  /* takes promised to live engines (akv_rec_reserve) */
+  void **chunks;    /* every chunk ever allocated: records are never freed */
+  size_t n_chunks, chunks_cap;
+} akv_recpool;
+
+#define AKV_RECPOOL_INIT(type, min_free, chunk) \
+  { PTHREAD_MUTEX_INITIALIZER, sizeof(type), (min_free), (chunk), NULL, 0, 0, 0, 0, NULL, 0, 0 }
+
+/* The head of the FIFO (zeroed when never used before, else as given back),
+ * or NULL when the pool could not grow (out of memory). */
+void *akv_rec_take(akv_recpool *p);
+/* Back to the head: undoes the last take of this record. */
+void akv_rec_untake(akv_recpool *p, void *rec);
+/* Back to the tail. The caller has poisoned the record's magic first. */
+void akv_rec_give(akv_recpool *p, void *rec);
+/* Grows the pool now so that n more records can be in use at once
+ * without any take allocating (an engine reserves its concurrency at
+ * create, so akv_context_open never allocates). AKV_OK or
+ * AKV_ERR_OUT_OF_MEMORY (nothing reserved). */
+akv_status akv_rec_reserve(akv_recpool *p, size_t n);
+void akv_rec_unreserve(akv_recpool *p, size_t n);
+/* Free records now (for tests of the reuse bound). */
+size_t akv_rec_free_count(akv_recpool *p);
+
+/* The pools (records.c). */
+extern akv_recpool akv_engine_records;
+extern akv_recpool akv_context_records;
+extern akv_recpool akv_lease_records;
+
+#endif
