@@ -5,9 +5,12 @@
  * Decode attention reads every K and V byte of the history once, so its floor
  * is bytes / bandwidth. For the llama-3-8b layer (32 query heads, 8 KV heads,
  * head_dim 128, bf16) one context of 31,744 tokens is 31744*8*128*2*2 bytes
- * = 130 MB, 29.6 us at 4.4 TB/s. The target is >= 60% of that ceiling.
+ * = 130 MB, 29.6 us at 4.4 TB/s; with FP8 E4M3 K/V (one byte per element,
+ * counted as such) 65 MB, 14.8 us. The target is >= 60% of that ceiling for
+ * both dtypes and for 1 and 4 contexts.
  *
- * For 1 and 4 contexts (contiguous and paged) the program times the launcher
+ * For each dtype (bf16, FP8 E4M3 with per-head scales) and 1 and 4 contexts
+ * (contiguous and paged) the program times the launcher
  * with CUDA events: warm-up first, then many launches, each timed alone, over
  * input sets rotated so that the data read is several times the L2; it
  * reports the median. It also measures a plain streaming-read kernel over the
@@ -19,11 +22,13 @@
  *        src/kernels/attention_cuda.cu src/kernels/attention_ref.c -o build/attention_bw
  * The kernel's tuning knobs can be varied at build time with
  * -DAKV_ATTN_WARPS=N -DAKV_ATTN_LOADS=N -DAKV_ATTN_STAGES=N -DAKV_ATTN_PDL=0|1
- * (applied to both files; STAGES 0 is the older register pipeline, PDL 0
- * launches the combine kernel without programmatic dependent launch).
+ * -DAKV_ATTN_PIECE_TOKENS=N (applied to all three files; STAGES 0 is the
+ * register pipeline, PDL 0 launches the combine kernel without programmatic
+ * dependent launch, PIECE_TOKENS 0 keeps every chunk whole in one block).
+ * The defaults below are the library's.
  *
- * Usage: attention_bw [--tokens N] [--chunk N] [--contexts 1,4] [--iters N]
- *                     [--warmup N] [--json FILE] [--label TEXT] [--no-check]
+ * Usage: attention_bw [--tokens N] [--chunk N] [--contexts 1,4] [--dtype bf16,fp8]
+ *                     [--iters N] [--warmup N] [--json FILE] [--label TEXT] [--no-check]
  * Output: a table on stdout and one JSON object per line per configuration
  * (stdout, and appended to FILE with --json).
  */
@@ -47,10 +52,13 @@
 #define AKV_ATTN_LOADS 4
 #endif
 #ifndef AKV_ATTN_STAGES
-#define AKV_ATTN_STAGES 3
+#define AKV_ATTN_STAGES 0
 #endif
 #ifndef AKV_ATTN_PDL
-#define AKV_ATTN_PDL 1
+#define AKV_ATTN_PDL 0
+#endif
+#ifndef AKV_ATTN_PIECE_TOKENS
+#define AKV_ATTN_PIECE_TOKENS 128
 #endif
 
 static const double kCeilingGBps = 4400.0; /* kernel read ceiling, shared/MEASURED.md */
@@ -91,6 +99,16 @@ __global__ void fill_bf16(uint16_t *p, size_t n, uint64_t seed) {
   }
 }
 
+/* Random FP8 E4M3 codes: sign, mantissa, exponent field 1..9 (2^-6 .. 7.5),
+ * never NaN; with the scales below, values of about unit size. */
+__global__ void fill_e4m3(uint8_t *p, size_t n, uint64_t seed) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x) {
+    const uint64_t x = splitmix(i ^ (seed << 40));
+    p[i] = (uint8_t)(((x >> 8) & 0x80u) | ((1u + (uint32_t)((x >> 16) % 9u)) << 3) | (x & 7u));
+  }
+}
+
 /* The ceiling: every thread streams 16-byte loads, 4 in flight. */
 __global__ void read_all(const uint4 *__restrict__ p, size_t n, unsigned *sink) {
   unsigned acc = 0;
@@ -113,6 +131,7 @@ struct Options {
   uint32_t tokens = 31744;
   uint32_t chunk = 256;
   std::vector<uint32_t> contexts{1, 4};
+  std::vector<akv_dtype> dtypes{AKV_DTYPE_BF16, AKV_DTYPE_FP8_E4M3};
   int iters = 200;
   int warmup = 20;
   const char *json = nullptr;
@@ -122,8 +141,8 @@ struct Options {
 
 static void usage(void) {
   fprintf(stderr,
-          "usage: attention_bw [--tokens N] [--chunk N] [--contexts 1,4] [--iters N] "
-          "[--warmup N] [--json FILE] [--label TEXT] [--no-check]\n");
+          "usage: attention_bw [--tokens N] [--chunk N] [--contexts 1,4] [--dtype bf16,fp8] "
+          "[--iters N] [--warmup N] [--json FILE] [--label TEXT] [--no-check]\n");
   exit(2);
 }
 
@@ -139,7 +158,14 @@ static Options parse(int argc, char **argv) {
     else if (!strcmp(a, "--json") && has) o.json = argv[++i];
     else if (!strcmp(a, "--label") && has) o.label = argv[++i];
     else if (!strcmp(a, "--no-check")) o.check = false;
-    else if (!strcmp(a, "--contexts") && has) {
+    else if (!strcmp(a, "--dtype") && has) {
+      o.dtypes.clear();
+      for (char *tok = strtok(argv[++i], ","); tok; tok = strtok(nullptr, ",")) {
+        if (!strcmp(tok, "bf16")) o.dtypes.push_back(AKV_DTYPE_BF16);
+        else if (!strcmp(tok, "fp8")) o.dtypes.push_back(AKV_DTYPE_FP8_E4M3);
+        else usage();
+      }
+    } else if (!strcmp(a, "--contexts") && has) {
       o.contexts.clear();
       for (char *tok = strtok(argv[++i], ","); tok; tok = strtok(nullptr, ","))
         o.contexts.push_back((uint32_t)atoi(tok));
@@ -147,7 +173,9 @@ static Options parse(int argc, char **argv) {
       usage();
     }
   }
-  if (o.tokens == 0 || o.chunk == 0 || o.iters < 1 || o.warmup < 0 || o.contexts.empty()) usage();
+  if (o.tokens == 0 || o.chunk == 0 || o.iters < 1 || o.warmup < 0 || o.contexts.empty() ||
+      o.dtypes.empty())
+    usage();
   return o;
 }
 
@@ -198,19 +226,24 @@ int main(int argc, char **argv) {
   CK(cudaGetDevice(&dev));
   CK(cudaGetDeviceProperties(&prop, dev));
   const uint32_t n_heads = 32, kv_heads = 8, head_dim = 128;
-  const uint64_t row_bytes = (uint64_t)kv_heads * head_dim * 2;
+  /* Per-head scales of the FP8 runs (host arrays, read at each launch). */
+  float k_scale[8], v_scale[8];
+  for (uint32_t h = 0; h < kv_heads; ++h) {
+    k_scale[h] = 0.125f * (1.0f + 0.0625f * (float)h);
+    v_scale[h] = 0.125f * (1.0f + 0.0625f * (float)((h * 3u) % 8u));
+  }
   FILE *jf = o.json ? fopen(o.json, "a") : nullptr;
   if (o.json && !jf) {
     perror(o.json);
     return 1;
   }
-  printf("device %s, %d SMs, L2 %d MiB; kernel knobs warps=%d loads=%d stages=%d pdl=%d; "
-         "label %s\n",
+  printf("device %s, %d SMs, L2 %d MiB; kernel knobs warps=%d loads=%d stages=%d pdl=%d "
+         "piece_tokens=%d; label %s\n",
          prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20, AKV_ATTN_WARPS,
-         AKV_ATTN_LOADS, AKV_ATTN_STAGES, AKV_ATTN_PDL, o.label);
-  printf("%-7s %4s %7s %5s %12s %10s %10s %10s %9s %8s %9s %8s\n", "variant", "ctx", "tokens",
-         "chunk", "bytes", "median_us", "p10_us", "p90_us", "GB/s", "ratio", "read_GB/s",
-         "vs_read");
+         AKV_ATTN_LOADS, AKV_ATTN_STAGES, AKV_ATTN_PDL, AKV_ATTN_PIECE_TOKENS, o.label);
+  printf("%-7s %-5s %4s %7s %5s %12s %10s %10s %10s %9s %8s %9s %8s\n", "variant", "dtype",
+         "ctx", "tokens", "chunk", "bytes", "median_us", "p10_us", "p90_us", "GB/s", "ratio",
+         "read_GB/s", "vs_read");
 
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
@@ -218,7 +251,11 @@ int main(int argc, char **argv) {
   CK(cudaMalloc(&sink, sizeof(unsigned)));
   bool all_ok = true;
 
+  for (akv_dtype dt : o.dtypes)
   for (uint32_t n_ctx : o.contexts) {
+    const bool fp8 = dt != AKV_DTYPE_BF16;
+    const char *dt_name = fp8 ? "fp8" : "bf16";
+    const uint64_t row_bytes = (uint64_t)kv_heads * head_dim * (fp8 ? 1u : 2u);
     const uint64_t seg = (uint64_t)o.tokens * row_bytes; /* one context's K (or V) */
     const uint64_t ctx_stride = 2 * seg;
     const uint64_t kv_bytes = n_ctx * ctx_stride;
@@ -246,7 +283,10 @@ int main(int argc, char **argv) {
       CK(cudaMalloc(&x.indptr, h_indptr.size() * 4));
       CK(cudaMalloc(&x.indices, h_indices.size() * 4));
       CK(cudaMalloc(&x.last, h_last.size() * 4));
-      fill_bf16<<<1024, 256, 0, s>>>((uint16_t *)x.kv, kv_bytes / 2, 17 + si);
+      if (fp8)
+        fill_e4m3<<<1024, 256, 0, s>>>((uint8_t *)x.kv, kv_bytes, 17 + si);
+      else
+        fill_bf16<<<1024, 256, 0, s>>>((uint16_t *)x.kv, kv_bytes / 2, 17 + si);
       fill_bf16<<<64, 256, 0, s>>>(x.q, (size_t)n_ctx * n_heads * head_dim, 1000 + si);
       CK(cudaGetLastError());
       /* The paged pool holds the same rows as kv, pages in a shuffled order. */
@@ -287,7 +327,11 @@ int main(int argc, char **argv) {
     auto contig_args = [&](int si, float *dst) {
       akv_attention_args a;
       memset(&a, 0, sizeof a);
-      a.dtype = AKV_DTYPE_BF16;
+      a.dtype = dt;
+      if (fp8) {
+        a.k_scale = k_scale;
+        a.v_scale = v_scale;
+      }
       a.n_contexts = n_ctx;
       a.n_heads = n_heads;
       a.kv_heads = kv_heads;
@@ -308,7 +352,11 @@ int main(int argc, char **argv) {
     auto paged_call = [&](int si, float *dst) {
       akv_attention_paged_args a;
       memset(&a, 0, sizeof a);
-      a.dtype = AKV_DTYPE_BF16;
+      a.dtype = dt;
+      if (fp8) {
+        a.k_scale = k_scale;
+        a.v_scale = v_scale;
+      }
       a.n_heads = n_heads;
       a.kv_heads = kv_heads;
       a.head_dim = head_dim;
@@ -399,26 +447,30 @@ int main(int argc, char **argv) {
     for (const auto &r : rows) {
       const double gbps = (double)kv_bytes / (r.st.median_us * 1e3);
       const double ratio = gbps / kCeilingGBps;
-      printf("%-7s %4u %7u %5u %12llu %10.1f %10.1f %10.1f %9.0f %7.1f%% %9.0f %7.1f%%\n", r.name,
-             n_ctx, o.tokens, o.chunk, (unsigned long long)kv_bytes, r.st.median_us, r.st.p10_us,
-             r.st.p90_us, gbps, 100.0 * ratio, read_gbps, 100.0 * gbps / read_gbps);
+      printf("%-7s %-5s %4u %7u %5u %12llu %10.1f %10.1f %10.1f %9.0f %7.1f%% %9.0f %7.1f%%\n",
+             r.name, dt_name, n_ctx, o.tokens, o.chunk, (unsigned long long)kv_bytes,
+             r.st.median_us, r.st.p10_us, r.st.p90_us, gbps, 100.0 * ratio, read_gbps,
+             100.0 * gbps / read_gbps);
       char line[1024];
       snprintf(line, sizeof line,
-               "{\"bench\":\"attention_bw\",\"label\":\"%s\",\"variant\":\"%s\",\"device\":\"%s\","
+               "{\"bench\":\"attention_bw\",\"label\":\"%s\",\"variant\":\"%s\",\"dtype\":\"%s\","
+               "\"device\":\"%s\","
                "\"contexts\":%u,\"tokens\":%u,\"chunk\":%u,\"n_heads\":%u,\"kv_heads\":%u,"
-               "\"head_dim\":%u,\"warps\":%d,\"loads\":%d,\"stages\":%d,\"pdl\":%d,\"bytes\":%llu,\"sets\":%d,"
+               "\"head_dim\":%u,\"warps\":%d,\"loads\":%d,\"stages\":%d,\"pdl\":%d,"
+               "\"piece_tokens\":%d,\"bytes\":%llu,\"sets\":%d,"
                "\"iters\":%d,\"median_us\":%.2f,\"p10_us\":%.2f,\"p90_us\":%.2f,\"gbps\":%.1f,"
                "\"ceiling_gbps\":%.0f,\"ratio\":%.4f,\"read_gbps\":%.1f,\"ratio_vs_read\":%.4f,"
                "\"meets_60pct\":%s,\"check\":\"%s\"}",
-               o.label, r.name, prop.name, n_ctx, o.tokens, o.chunk, n_heads, kv_heads, head_dim,
-               AKV_ATTN_WARPS, AKV_ATTN_LOADS, AKV_ATTN_STAGES, AKV_ATTN_PDL,
+               o.label, r.name, dt_name, prop.name, n_ctx, o.tokens, o.chunk, n_heads, kv_heads,
+               head_dim, AKV_ATTN_WARPS, AKV_ATTN_LOADS, AKV_ATTN_STAGES, AKV_ATTN_PDL,
+               AKV_ATTN_PIECE_TOKENS,
                (unsigned long long)kv_bytes, sets, o.iters,
                r.st.median_us, r.st.p10_us, r.st.p90_us, gbps, kCeilingGBps, ratio, read_gbps,
                gbps / read_gbps, ratio >= 0.6 ? "true" : "false", check);
       printf("JSON %s\n", line);
       if (jf) fprintf(jf, "%s\n", line);
     }
-    printf("check %u ctx: %s\n", n_ctx, check);
+    printf("check %s %u ctx: %s\n", dt_name, n_ctx, check);
 
     for (auto &x : set) {
       CK(cudaFree(x.kv));

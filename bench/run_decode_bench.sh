@@ -33,6 +33,7 @@
 #   POOLS_<preset>  the same for one preset, '-' and '.' of its name as '_'
 #              (POOLS_llama3_8b="4 8 12 16"); wins over POOLS
 #   POOL_POINTS  points of the automatic sweep        [8]
+#   KV_DTYPES  K/V dtypes, each a sweep of its own (--kv-dtype)   [bf16]
 #   CHECK      1 = --check every staged run           [1]
 #   HEADROOM_GIB  headroom caps of route "headroom"; empty = the pool sweep
 #   RELEASE_AT    1-based step (warm-up included) of route "release"  [WARMUP + STEPS/2]
@@ -63,6 +64,7 @@ WARMUP=${WARMUP:-2}
 POOLS=${POOLS:-}
 POOL_POINTS=${POOL_POINTS:-8}
 CHECK=${CHECK:-1}
+KV_DTYPES=${KV_DTYPES:-bf16}
 EXTRA=${EXTRA:-}
 HEADROOM_GIB=${HEADROOM_GIB:-}
 RELEASE_AT=${RELEASE_AT:-$((WARMUP + STEPS / 2))}
@@ -90,10 +92,11 @@ run() {
   esac
 }
 
+for kvd in $KV_DTYPES; do
 for preset in $PRESETS; do
   # The whole history of all contexts, from the fit report (bytes -> GiB, rounded up).
   fit=$("$bin" fit --preset "$preset" --contexts "$CONTEXTS" --tokens "$TOKENS" \
-        --steps "$STEPS" --warmup "$WARMUP" --json) || true
+        --steps "$STEPS" --warmup "$WARMUP" --kv-dtype "$kvd" --json) || true
   hist=$(printf '%s' "$fit" | sed -n 's/.*"history_bytes":\([0-9]*\).*/\1/p')
   if [ -z "$hist" ]; then
     echo "run_decode_bench: $preset: activekv fit gave no history size" >&2
@@ -115,11 +118,12 @@ for preset in $PRESETS; do
 
   for route in $ROUTES; do
     case $route in
-      resident) run "$preset resident" --preset "$preset" --route resident ;;
-      stage) run "$preset stage" --preset "$preset" --route stage "${check[@]}" ;;
+      resident) run "$preset $kvd resident" --preset "$preset" --kv-dtype "$kvd" --route resident ;;
+      stage) run "$preset $kvd stage" --preset "$preset" --kv-dtype "$kvd" --route stage "${check[@]}" ;;
       arena | paged)
         for p in $pools; do
-          run "$preset $route ${p} GiB" --preset "$preset" --route "$route" --device-pool-gib "$p" "${check[@]}"
+          run "$preset $kvd $route ${p} GiB" --preset "$preset" --kv-dtype "$kvd" --route "$route" \
+            --device-pool-gib "$p" "${check[@]}"
         done ;;
       headroom)
         for r2 in arena paged; do
@@ -138,6 +142,7 @@ for preset in $PRESETS; do
       *) echo "run_decode_bench: unknown route '$route'" >&2; failed=1 ;;
     esac
   done
+done
 done
 echo "run_decode_bench: results in $jsonl" >&2
 exit $failed

@@ -104,6 +104,9 @@ typedef struct cli_opts {
   uint32_t fail_nth;     /* testing aid: fail the N-th backend operation */
   int check, json, verbose, progress;
   double pcie_gbps;
+  akv_dtype kv_dtype;      /* --kv-dtype: bf16 or FP8 E4M3 rows */
+  const char *logits_out;  /* --logits-out: every step's logits, raw fp32 */
+  const char *logits_ref;  /* --logits-ref: compare with (and follow) such a file */
 } cli_opts;
 
 static const preset *find_preset(const char *name);
@@ -300,6 +303,8 @@ static void usage(FILE *f) {
           "                        headroom has free memory to take   [0: none free]\n"
           "  --page-tokens N       tokens per device page   [256]\n"
           "  --chunk-tokens N      attention chunk   [--page-tokens]\n"
+          "  --kv-dtype T          bf16 | fp8: K/V rows in bf16, or FP8 E4M3 quantized on\n"
+          "                        write with fixed per-head scales (half the bytes)   [bf16]\n"
           "  --target-pages N      device pages each context holds by right   [fair share]\n"
           "  --burst-pages N       pages each context may borrow while free   [0]\n"
           "  --fit-mode M          refuse | shrink   [refuse]\n"
@@ -312,6 +317,11 @@ static void usage(FILE *f) {
           "                        logits of every step bit for bit (exit 4 on a mismatch)\n"
           "  --json                one JSON object on stdout instead of the report\n"
           "  --pcie-gbps F         host-to-device rate of the PCIe bound   [55.4]\n"
+          "  --logits-out FILE     write every step's logits (warm-up included), fp32\n"
+          "                        [steps][contexts][vocab], raw\n"
+          "  --logits-ref FILE     such a file from another run (e.g. --kv-dtype bf16):\n"
+          "                        feed its argmax as the next tokens and report the\n"
+          "                        max |logit difference| and the top-1 agreement\n"
           "  --no-progress         no progress bar (it is drawn only on a terminal anyway)\n"
           "  -v, --verbose         the library's log down to debug\n"
           "  --version             this program's and the loaded library's version\n"
@@ -464,7 +474,7 @@ static int parse_args(int argc, char **argv, int first, cli_opts *o) {
         "--target-pages", "--burst-pages",    "--fit-mode",      "--host-delay-us",
         "--host-delay-seed", "--fail-nth", "--pcie-gbps",   "--layers",        "--heads",         "--kv-heads",
         "--head-dim",     "--hidden",         "--ffn",           "--vocab", "--window",
-        "--dense-every"};
+        "--dense-every",  "--kv-dtype",       "--logits-out",    "--logits-ref"};
     int known = 0;
     for (size_t k = 0; k < sizeof valued / sizeof valued[0]; ++k) known |= !strcmp(name, valued[k]);
     if (!known) {
@@ -519,6 +529,18 @@ static int parse_args(int argc, char **argv, int first, cli_opts *o) {
       rc = parse_u32(name, val, 1, 1000000, &o->steps);
     } else if (strcmp(name, "--warmup") == 0) {
       rc = parse_u32(name, val, 0, 1000000, &o->warmup);
+    } else if (strcmp(name, "--kv-dtype") == 0) {
+      if (strcmp(val, "bf16") == 0) o->kv_dtype = AKV_DTYPE_BF16;
+      else if (strcmp(val, "fp8") == 0 || strcmp(val, "fp8-e4m3") == 0)
+        o->kv_dtype = AKV_DTYPE_FP8_E4M3;
+      else {
+        say_error("--kv-dtype: unknown '%s'; choose bf16 or fp8", val);
+        return EXIT_USAGE;
+      }
+    } else if (strcmp(name, "--logits-out") == 0) {
+      o->logits_out = val;
+    } else if (strcmp(name, "--logits-ref") == 0) {
+      o->logits_ref = val;
     } else if (strcmp(name, "--route") == 0) {
       if (strcmp(val, "resident") == 0) o->route = ROUTE_RESIDENT;
       else if (strcmp(val, "stage") == 0) o->route = ROUTE_STAGE;
@@ -638,7 +660,7 @@ static void engine_config(const cli_opts *o, akv_backend_kind backend, akv_engin
   c->n_dense_layers = model_dense_layers(&o->g); /* sliding-window layers are not staged */
   c->kv_heads = o->g.kv_heads;
   c->head_dim = o->g.head_dim;
-  c->dtype = AKV_DTYPE_BF16;
+  c->dtype = o->kv_dtype; /* the engine moves the bytes; the scales stay in the model */
   c->max_tokens = max_tokens(o);
   c->page_tokens = o->page_tokens;
   c->host_pool_gib = o->host_pool_gib;
@@ -676,7 +698,8 @@ static int fit_config(const cli_opts *o, akv_backend_kind backend, akv_engine_co
               c->page_tokens, c->max_tokens);
     return -1;
   }
-  uint64_t page_bytes = (uint64_t)c->page_tokens * c->n_dense_layers * c->kv_heads * c->head_dim * 4;
+  uint64_t page_bytes = (uint64_t)c->page_tokens * c->n_dense_layers * c->kv_heads * c->head_dim *
+                        2 * model_kv_elem_bytes(o->kv_dtype);
   if (c->device_pool_gib > 0 && page_bytes > (uint64_t)c->device_pool_gib * GIB) {
     say_error("--device-pool-gib %u holds no page of %llu bytes (--page-tokens %u); raise "
               "--device-pool-gib or lower --page-tokens",
@@ -737,6 +760,10 @@ typedef struct run_result {
   int checked;
   uint32_t steps_compared, mismatched_steps, first_mismatch;
   double max_abs_diff;
+  /* --logits-ref: distance from the reference run's logits, every step */
+  int ref_compared;
+  uint32_t ref_steps, ref_top1_agree, ref_top1_total;
+  double ref_max_abs_diff;
   akv_fit_report fit;
   uint32_t host_pool_gib;
   int host_pool_chosen;
@@ -810,7 +837,7 @@ static int attention_hook(void *user, const akv_view *view, akv_stream stream) {
   const model_geometry *g = &r->m->g;
   if (view->layer >= r->n_dense || view->n_contexts != r->n_ctx ||
       view->kv_heads != g->kv_heads || view->head_dim != g->head_dim ||
-      view->dtype != AKV_DTYPE_BF16) {
+      view->dtype != r->o->kv_dtype) {
     run_fail(r, "hook: the view (layer %u, %u contexts, %u x %u) does not match the model",
              view->layer, view->n_contexts, view->kv_heads, view->head_dim);
     return 1;
@@ -965,16 +992,24 @@ static int step_resident(runner *r, const int32_t *tok, float *logits) {
 
 /* The synthetic rows [first, first+n) of context ctx for the model layers
  * layers[0..count): K rows to kp[j], V rows to vp[j], seeded by the model's
- * layer index (the same bytes whichever store they go to). */
+ * layer index (the same bytes whichever store they go to). FP8: the bf16
+ * history quantized with the layer's fixed scales (one bf16 row of scratch
+ * in `tmp`), so the bf16 and FP8 runs of a seed hold the same history. */
 static void history_rows(const cli_opts *o, uint32_t kv_dim, uint32_t ctx, uint32_t first,
                          uint32_t n, const uint32_t *layers, uint32_t count, const void **kp,
-                         const void **vp) {
+                         const void **vp, uint16_t *tmp) {
+  const uint64_t rb = (uint64_t)kv_dim * model_kv_elem_bytes(o->kv_dtype);
   for (uint32_t j = 0; j < count; ++j) {
     for (uint32_t t = 0; t < n; ++t) {
-      model_history_row(o->seed, ctx, layers[j], 0, first + t,
-                        (uint16_t *)kp[j] + (uint64_t)t * kv_dim, kv_dim);
-      model_history_row(o->seed, ctx, layers[j], 1, first + t,
-                        (uint16_t *)vp[j] + (uint64_t)t * kv_dim, kv_dim);
+      for (int kv = 0; kv < 2; ++kv) {
+        uint8_t *dst = (uint8_t *)(kv ? vp[j] : kp[j]) + (uint64_t)t * rb;
+        if (o->kv_dtype == AKV_DTYPE_FP8_E4M3) {
+          model_history_row(o->seed, ctx, layers[j], kv, first + t, tmp, kv_dim);
+          model_quantize_row(&o->g, layers[j], kv, tmp, dst);
+        } else {
+          model_history_row(o->seed, ctx, layers[j], kv, first + t, (uint16_t *)dst, kv_dim);
+        }
+      }
     }
   }
 }
@@ -988,21 +1023,22 @@ static int prefill(runner *r, int to_engine, int to_resident, double *seconds) {
   const model_geometry *g = &r->m->g;
   const uint32_t kv_dim = g->kv_heads * g->head_dim, D = model_dense_layers(g),
                  S = model_window_layers(g), L = D > S ? D : S;
-  const uint64_t row_bytes = (uint64_t)kv_dim * 2;
+  const uint64_t row_bytes = (uint64_t)kv_dim * model_kv_elem_bytes(o->kv_dtype);
   uint64_t chunk = (16u << 20) / (L * row_bytes);
   if (chunk < 1) chunk = 1;
   if (chunk > 4096) chunk = 4096;
-  uint16_t *buf = malloc(2 * L * chunk * row_bytes);
+  uint8_t *buf = malloc(2 * L * chunk * row_bytes);
+  uint16_t *tmp = malloc((uint64_t)kv_dim * sizeof(uint16_t));
   const void **kp = malloc(L * sizeof *kp), **vp = malloc(L * sizeof *vp);
   uint32_t *dense = malloc(L * sizeof *dense), *slide = malloc(L * sizeof *slide);
   int rc = -1;
-  if (buf == NULL || kp == NULL || vp == NULL || dense == NULL || slide == NULL) {
+  if (buf == NULL || tmp == NULL || kp == NULL || vp == NULL || dense == NULL || slide == NULL) {
     run_fail(r, "prefill: out of host memory");
     goto out;
   }
   for (uint32_t l = 0; l < L; ++l) {
-    kp[l] = buf + (uint64_t)(2 * l) * chunk * kv_dim;
-    vp[l] = buf + (uint64_t)(2 * l + 1) * chunk * kv_dim;
+    kp[l] = buf + (uint64_t)(2 * l) * chunk * row_bytes;
+    vp[l] = buf + (uint64_t)(2 * l + 1) * chunk * row_bytes;
   }
   for (uint32_t l = 0, d = 0, w = 0; l < g->n_layers; ++l) {
     if (model_layer_dense(g, l)) dense[d++] = l;
@@ -1026,7 +1062,7 @@ static int prefill(runner *r, int to_engine, int to_resident, double *seconds) {
       const uint32_t len = ctx_tokens(o, i), from = pass == 0 || len < keep ? 0 : len - keep;
       for (uint32_t first = from; first < len;) {
         uint32_t n = len - first < chunk ? len - first : (uint32_t)chunk;
-        history_rows(o, kv_dim, i, first, n, layers, count, kp, vp);
+        history_rows(o, kv_dim, i, first, n, layers, count, kp, vp, tmp);
         if (pass == 0 && to_engine) {
           akv_status st = akv_context_append(r->ctx[i], n, kp, vp);
           if (st != AKV_OK) {
@@ -1059,6 +1095,7 @@ static int prefill(runner *r, int to_engine, int to_resident, double *seconds) {
   rc = 0;
 out:
   free(buf);
+  free(tmp);
   free(kp);
   free(vp);
   free(dense);
@@ -1095,6 +1132,7 @@ static int model_make(const cli_opts *o, akv_backend_kind backend, uint32_t n_ct
   mo.chunk_tokens = chunk_tokens(o);
   mo.max_tokens = max_tokens(o);
   mo.device = o->device;
+  mo.kv_dtype = o->kv_dtype;
   if (backend == AKV_BACKEND_HOST) return model_cpu_create(&o->g, &mo, m, err, cap);
 #ifdef ACTIVEKV_CUDA_MODEL
   return model_cuda_create(&o->g, &mo, m, err, cap);
@@ -1262,6 +1300,60 @@ static void close_all(runner *r) {
   free(r->slot);
 }
 
+/* The header of a --logits-out file; the logits follow, fp32
+ * [steps][contexts][vocab], native byte order. */
+typedef struct logits_header {
+  char magic[8]; /* "AKVLOGT1" */
+  uint32_t vocab, contexts, steps, kv_dtype;
+  uint64_t seed;
+} logits_header;
+
+static void logits_header_fill(const cli_opts *o, uint32_t n_ctx, logits_header *h) {
+  memset(h, 0, sizeof *h);
+  memcpy(h->magic, "AKVLOGT1", 8);
+  h->vocab = o->g.vocab;
+  h->contexts = n_ctx;
+  h->steps = o->warmup + o->steps;
+  h->kv_dtype = (uint32_t)o->kv_dtype;
+  h->seed = o->seed;
+}
+
+/* Opens the --logits-out and --logits-ref files of a run (either may be
+ * unset); a reference must have been written by a run of the same seed,
+ * contexts, vocabulary and step count. 0, or -1 with the message printed. */
+static int logits_files_open(const cli_opts *o, uint32_t n_ctx, FILE **out, FILE **ref) {
+  logits_header h, g;
+  logits_header_fill(o, n_ctx, &h);
+  *out = *ref = NULL;
+  if (o->logits_ref) {
+    *ref = fopen(o->logits_ref, "rb");
+    if (*ref == NULL || fread(&g, sizeof g, 1, *ref) != 1 || memcmp(g.magic, h.magic, 8) != 0) {
+      say_error("--logits-ref %s: not a --logits-out file", o->logits_ref);
+      goto fail;
+    }
+    if (g.vocab != h.vocab || g.contexts != h.contexts || g.steps != h.steps || g.seed != h.seed) {
+      say_error("--logits-ref %s: written for vocab %u, %u contexts, %u steps, seed %llu; this "
+                "run has %u, %u, %u, %llu",
+                o->logits_ref, g.vocab, g.contexts, g.steps, (unsigned long long)g.seed, h.vocab,
+                h.contexts, h.steps, (unsigned long long)h.seed);
+      goto fail;
+    }
+  }
+  if (o->logits_out) {
+    *out = fopen(o->logits_out, "wb");
+    if (*out == NULL || fwrite(&h, sizeof h, 1, *out) != 1) {
+      say_error("--logits-out %s: cannot write", o->logits_out);
+      goto fail;
+    }
+  }
+  return 0;
+fail:
+  if (*ref) fclose(*ref);
+  if (*out) fclose(*out);
+  *out = *ref = NULL;
+  return -1;
+}
+
 /*
  * warmup + steps decode steps of the route (timed), each followed with
  * --check by the same step on the resident store, whose logits must match bit
@@ -1272,11 +1364,12 @@ static int decode_steps(runner *r, int steps_out, run_result *res) {
   const int use_engine = r->engine != NULL;
   const uint32_t total = o->warmup + o->steps, V = o->g.vocab;
   const uint64_t lbytes = (uint64_t)r->n_ctx * V * sizeof(float);
-  float *logits = malloc(lbytes), *ref = malloc(lbytes);
+  float *logits = malloc(lbytes), *ref = malloc(lbytes), *other = NULL;
   double *ms = calloc(total, sizeof *ms), *res_ms = calloc(total, sizeof *res_ms);
   double route_s = 0.0, resident_s = 0.0;
   akv_engine_info info0, info1;
   int32_t tok[MODEL_MAX_BATCH];
+  FILE *lout = NULL, *lref = NULL;
   int rc = -1;
   memset(&info0, 0, sizeof info0);
   memset(&info1, 0, sizeof info1);
@@ -1284,6 +1377,12 @@ static int decode_steps(runner *r, int steps_out, run_result *res) {
     say_error("out of host memory for the logits of %u contexts", r->n_ctx);
     goto out;
   }
+  if (logits_files_open(o, r->n_ctx, &lout, &lref) != 0) goto out;
+  if (lref && (other = malloc(lbytes)) == NULL) {
+    say_error("out of host memory for the reference logits");
+    goto out;
+  }
+  res->ref_compared = lref != NULL;
   for (uint32_t i = 0; i < r->n_ctx; ++i)
     tok[i] = (int32_t)(model_mix64(o->seed ^ (0x746f6b656eull + i)) % V);
   res->checked = use_engine && o->check;
@@ -1341,7 +1440,30 @@ static int decode_steps(runner *r, int steps_out, run_result *res) {
       printf("%s\n", measured ? "" : "  (warm-up)");
       fflush(stdout);
     }
-    for (uint32_t i = 0; i < r->n_ctx; ++i) tok[i] = argmax(logits + (uint64_t)i * V, V);
+    if (lout && fwrite(logits, lbytes, 1, lout) != 1) {
+      say_error("--logits-out %s: write failed", o->logits_out);
+      goto out;
+    }
+    if (lref) {
+      /* Distance from the reference run; both continue with its tokens, so
+       * every step compares logits of the same inputs. */
+      if (fread(other, lbytes, 1, lref) != 1) {
+        say_error("--logits-ref %s: ends before step %u", o->logits_ref, s + 1);
+        goto out;
+      }
+      for (uint64_t k = 0; k < (uint64_t)r->n_ctx * V; ++k) {
+        const double d = fabs((double)logits[k] - (double)other[k]);
+        if (d > res->ref_max_abs_diff || d != d) res->ref_max_abs_diff = d;
+      }
+      for (uint32_t i = 0; i < r->n_ctx; ++i) {
+        tok[i] = argmax(other + (uint64_t)i * V, V);
+        res->ref_top1_agree += argmax(logits + (uint64_t)i * V, V) == tok[i];
+        res->ref_top1_total++;
+      }
+      res->ref_steps++;
+    } else {
+      for (uint32_t i = 0; i < r->n_ctx; ++i) tok[i] = argmax(logits + (uint64_t)i * V, V);
+    }
   }
 
   res->steps = o->steps;
@@ -1369,8 +1491,14 @@ static int decode_steps(runner *r, int steps_out, run_result *res) {
   }
   rc = 0;
 out:
+  if (lout && fclose(lout) != 0 && rc == 0) {
+    say_error("--logits-out %s: write failed", o->logits_out);
+    rc = -1;
+  }
+  if (lref) fclose(lref);
   free(logits);
   free(ref);
+  free(other);
   free(ms);
   free(res_ms);
   return rc;
@@ -1494,6 +1622,8 @@ static void print_summary(const cli_opts *o, const run_result *res) {
   printf("\nsummary (%u measured steps, %u contexts, %s backend)\n", res->steps, res->contexts,
          backend_name(res->backend));
   printf("  %-20s %s\n", "route", route_names[res->route]);
+  printf("  %-20s %s\n", "K/V dtype",
+         o->kv_dtype == AKV_DTYPE_FP8_E4M3 ? "fp8 (E4M3, fixed per-head scales)" : "bf16");
   printf("  %-20s %.2f", "tokens/s", res->tokens_per_s);
   if (res->checked) printf("   (resident %.2f)", res->resident_tokens_per_s);
   printf("\n  %-20s median %.2f, p90 %.2f", "step ms", res->step_ms_median, res->step_ms_p90);
@@ -1558,6 +1688,12 @@ static void print_summary(const cli_opts *o, const run_result *res) {
   } else if (res->route != ROUTE_RESIDENT) {
     printf("  %-20s not checked (pass --check)\n", "bitwise");
   }
+  if (res->ref_compared)
+    printf("  %-20s max |logit diff| %.4g, top-1 agreement %u of %u (%.1f%%) over %u steps "
+           "(inputs: the reference's tokens)\n",
+           "vs --logits-ref", res->ref_max_abs_diff, res->ref_top1_agree, res->ref_top1_total,
+           res->ref_top1_total ? 100.0 * res->ref_top1_agree / res->ref_top1_total : 0.0,
+           res->ref_steps);
   if (res->queued)
     printf("  %-20s %u contexts did not fit the host pool (shrink mode) and were not run\n",
            "queued", res->queued);
@@ -1581,6 +1717,10 @@ static void print_json(const cli_opts *o, const char *cmd, const run_result *res
   print_tokens(stdout, o, res->contexts);
   printf("],\"steps\":%u,\"warmup\":%u,\"page_tokens\":%u,\"chunk_tokens\":%u,", o->steps,
          o->warmup, o->page_tokens, chunk_tokens(o));
+  printf("\"kv_dtype\":\"%s\",", o->kv_dtype == AKV_DTYPE_FP8_E4M3 ? "fp8" : "bf16");
+  if (res->ref_compared)
+    printf("\"vs_ref\":{\"steps\":%u,\"max_abs_diff\":%.6g,\"top1_agree\":%u,\"top1_total\":%u},",
+           res->ref_steps, res->ref_max_abs_diff, res->ref_top1_agree, res->ref_top1_total);
   printf("\"host_pool_gib\":%u,\"device_pool_gib\":%u,\"target_pages\":", res->host_pool_gib,
          route_retains(res->route) ? o->device_pool_gib : 0);
   if (o->target_pages == AKV_TARGET_FAIR_SHARE) printf("\"fair\"");

@@ -18,6 +18,15 @@
  * every reduction has a fixed order, so the same inputs give the same logits
  * bit for bit, run after run. Both draw identical bf16 weights from a seed.
  *
+ * K/V dtype (model_options.kv_dtype): bf16 rows, or FP8 E4M3 rows. With FP8
+ * the model quantizes each new K/V row on write (after RoPE, from its bf16
+ * value) with fixed per-(layer, KV head) scales (model_kv_scale), as a
+ * serving stack with calibrated scales does, and passes the layer's scales
+ * with every attention call; the synthetic prefilled history is the bf16
+ * history quantized the same way (model_quantize_row). Both models quantize
+ * with the same code (model_f32_to_e4m3), so host and device agree bit for
+ * bit.
+ *
  * The model never touches the engine. Attention over a layer's history goes
  * through model_attend(m, layer, view): it writes each context's new K/V row
  * (this step's projection, after RoPE) at row len[i] of the view and attends
@@ -124,7 +133,24 @@ typedef struct model_options {
   uint32_t max_tokens;   /* longest history attended (rows, new one included): sizes the
                             attention workspace */
   int device;            /* CUDA device ordinal (CUDA model only) */
+  akv_dtype kv_dtype;    /* AKV_DTYPE_BF16 (0) or AKV_DTYPE_FP8_E4M3 */
 } model_options;
+
+/* Bytes of one K/V element of a model's rows. */
+static inline uint32_t model_kv_elem_bytes(akv_dtype dt) { return dt == AKV_DTYPE_FP8_E4M3 ? 1u : 2u; }
+/* 0 when the model takes this K/V dtype and geometry, else -1 with err set. */
+static inline int model_kv_dtype_check(akv_dtype dt, uint32_t kv_heads, char *err, size_t cap) {
+  if (dt != AKV_DTYPE_BF16 && dt != AKV_DTYPE_FP8_E4M3) {
+    snprintf(err, cap, "K/V dtype %d: the model stores bf16 or FP8 E4M3 rows", (int)dt);
+    return -1;
+  }
+  if (dt == AKV_DTYPE_FP8_E4M3 && kv_heads > AKV_ATTENTION_MAX_SCALE_HEADS) {
+    snprintf(err, cap, "FP8 K/V takes at most %u kv heads (one scale each), not %u",
+             AKV_ATTENTION_MAX_SCALE_HEADS, kv_heads);
+    return -1;
+  }
+  return 0;
+}
 
 /* Memory the model holds, in bytes. On the CPU model "device" means host. */
 typedef struct model_memory {
@@ -317,12 +343,24 @@ static inline int model_attend_check(model *m, int cur_layer, uint32_t n_ctx, ui
  * len1[i] = v->len[i] + 1 rows (the new row included), the model's query,
  * output and workspace. Both models call the library's kernels with exactly
  * these arguments, so staged and resident attention see the same call. */
-static inline akv_attention_args model_attention_args(const model *m, const model_kv_view *v,
+static inline void model_layer_scales(const model *m, uint32_t layer, float *k_scale,
+                                      float *v_scale);
+/* FP8: the scales of model layer `layer` go to k_scale / v_scale (caller's
+ * arrays of kv_heads, read by the attention call only) and into the
+ * arguments; bf16: no scales. */
+static inline akv_attention_args model_attention_args(const model *m, uint32_t layer,
+                                                      const model_kv_view *v,
                                                       const uint32_t *len1, const void *q,
                                                       float *out, void *workspace,
-                                                      size_t workspace_bytes) {
+                                                      size_t workspace_bytes, float *k_scale,
+                                                      float *v_scale) {
   akv_attention_args a;
   memset(&a, 0, sizeof a);
+  if (m->opt.kv_dtype == AKV_DTYPE_FP8_E4M3) {
+    model_layer_scales(m, layer, k_scale, v_scale);
+    a.k_scale = k_scale;
+    a.v_scale = v_scale;
+  }
   /* The view's layout and, on the paged route, its page map and page size
    * (model_attend_check made sure that equals the model's chunk). */
   a.chunk_tokens = m->opt.chunk_tokens;
@@ -348,7 +386,7 @@ static inline void model_store_view(const model *m, void *base, uint32_t rows,
   out->n_contexts = n_ctx;
   out->kv_heads = m->g.kv_heads;
   out->head_dim = m->g.head_dim;
-  out->dtype = AKV_DTYPE_BF16;
+  out->dtype = m->opt.kv_dtype;
   out->context_stride = 2 * (uint64_t)rows * row_bytes;
   out->v_offset = (uint64_t)rows * row_bytes;
   out->row_stride = row_bytes;
@@ -588,6 +626,72 @@ static inline void model_history_row(uint64_t seed, uint32_t ctx, uint32_t layer
     uint16_t v4[4];
     for (int k = 0; k < 4; ++k) v4[k] = (uint16_t)(lanes >> (16 * k));
     memcpy(out + j, v4, (n - j < 4 ? n - j : 4) * sizeof(uint16_t));
+  }
+}
+
+/* ------------------------------------------------------------------------ */
+/* FP8 K/V: fixed per-head scales and the quantizer                          */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * The fixed scale of K (kv = 0) or V (kv = 1) of KV head `head` in model
+ * layer `layer`: 2^-7 x {1, 1.25, 1.5, 1.75}, varying with the layer and the
+ * head. E4M3 reaches 448 x scale, 3.5 to 6.1: the model's K and V rows (about
+ * unit variance, the prefilled history below 1) fit with room to spare, and
+ * values below 2^-6 x scale fall on the subnormal grid.
+ */
+static inline float model_kv_scale(uint32_t layer, uint32_t head, int kv) {
+  return 0x1p-7f * (1.0f + 0.25f * (float)((layer + 3u * head + (uint32_t)(kv & 1)) % 4u));
+}
+/* The reciprocal the quantizer multiplies by (one fp32 division, on the host). */
+static inline float model_kv_inv_scale(uint32_t layer, uint32_t head, int kv) {
+  return 1.0f / model_kv_scale(layer, head, kv);
+}
+static inline void model_layer_scales(const model *m, uint32_t layer, float *k_scale,
+                                      float *v_scale) {
+  for (uint32_t h = 0; h < m->g.kv_heads; ++h) {
+    k_scale[h] = model_kv_scale(layer, h, 0);
+    v_scale[h] = model_kv_scale(layer, h, 1);
+  }
+}
+
+/*
+ * fp32 -> OCP FP8 E4M3, round to nearest even, saturating to +-448 (NaN stays
+ * NaN: 0x7F with the sign). Integer and exact float steps only, so host and
+ * device give the same code for the same input.
+ */
+MODEL_FN uint8_t model_f32_to_e4m3(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  const uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
+  u &= 0x7fffffffu;
+  if (u > 0x7f800000u) return (uint8_t)(sign | 0x7fu); /* NaN */
+  if (u < 0x3c800000u) {                               /* below 2^-6: multiples of 2^-9 */
+    float a;
+    memcpy(&a, &u, 4);
+    /* a * 512 < 8 is exact; adding and taking away 2^23 rounds it to an
+     * integer, ties to even (an FMA of the two steps gives the same value). */
+    const float r = (a * 512.0f + 8388608.0f) - 8388608.0f;
+    return (uint8_t)(sign | (uint8_t)r); /* 8 is the code of 2^-6 */
+  }
+  u += 0x7ffffu + ((u >> 20) & 1u); /* 3 mantissa bits, ties to even */
+  const uint32_t e = u >> 23;       /* biased fp32 exponent after rounding */
+  if (e > 127u + 8u) return (uint8_t)(sign | 0x7eu); /* 512 and above (inf too) */
+  uint32_t code = ((e - 120u) << 3) | ((u >> 20) & 7u);
+  if (code > 0x7eu) code = 0x7eu; /* 480 saturates to 448 */
+  return (uint8_t)(sign | code);
+}
+
+/* Quantizes one bf16 K (kv 0) or V (kv 1) row of model layer `layer`
+ * (kv_heads x head_dim values) to E4M3 codes with the layer's fixed scales. */
+static inline void model_quantize_row(const model_geometry *g, uint32_t layer, int kv,
+                                      const uint16_t *row, uint8_t *out) {
+  for (uint32_t h = 0; h < g->kv_heads; ++h) {
+    const float inv = model_kv_inv_scale(layer, h, kv);
+    for (uint32_t j = 0; j < g->head_dim; ++j) {
+      const uint32_t e = h * g->head_dim + j;
+      out[e] = model_f32_to_e4m3(model_bf16_to_f32(row[e]) * inv);
+    }
   }
 }
 

@@ -58,6 +58,7 @@ typedef struct cpu_model {
   uint32_t pos[MODEL_MAX_BATCH];
   int32_t layer;   /* layer whose attention is expected, -1 outside a forward */
   int attended;    /* model_attend ran for `layer` */
+  uint32_t cur_l;  /* the layer the forward is in (dense or sliding): its scales */
 
   /* resident K/V store: [dense layer][ctx][K|V][max_tokens][row] */
   uint8_t *resident;
@@ -190,6 +191,7 @@ static int cpu_forward(model *m, uint32_t lane, uint32_t n_ctx, const int32_t *t
     }
 
     cm->attended = 0;
+    cm->cur_l = l;
     if (!model_layer_dense(g, l)) {
       /* sliding-window layer: the model's own rows of this lane */
       uint32_t wrow[MODEL_MAX_BATCH], len1[MODEL_MAX_BATCH];
@@ -243,12 +245,19 @@ static int cpu_attend_rows(cpu_model *cm, const model_kv_view *v, const uint32_t
   model *m = &cm->base;
   for (uint32_t i = 0; i < v->n_contexts; ++i) {
     uint8_t *k = (uint8_t *)v->base + i * v->context_stride + (uint64_t)write_row[i] * v->row_stride;
-    memcpy(k, cm->k_new + (uint64_t)i * cm->kv_dim, cm->row_bytes);
-    memcpy(k + v->v_offset, cm->v_new + (uint64_t)i * cm->kv_dim, cm->row_bytes);
+    if (m->opt.kv_dtype == AKV_DTYPE_FP8_E4M3) { /* quantized on write, after RoPE */
+      model_quantize_row(&m->g, cm->cur_l, 0, cm->k_new + (uint64_t)i * cm->kv_dim, k);
+      model_quantize_row(&m->g, cm->cur_l, 1, cm->v_new + (uint64_t)i * cm->kv_dim,
+                         k + v->v_offset);
+    } else {
+      memcpy(k, cm->k_new + (uint64_t)i * cm->kv_dim, cm->row_bytes);
+      memcpy(k + v->v_offset, cm->v_new + (uint64_t)i * cm->kv_dim, cm->row_bytes);
+    }
   }
 
-  akv_attention_args a =
-      model_attention_args(m, v, len1, cm->q, cm->attn, cm->workspace, cm->workspace_bytes);
+  float ks[AKV_ATTENTION_MAX_SCALE_HEADS], vs[AKV_ATTENTION_MAX_SCALE_HEADS];
+  akv_attention_args a = model_attention_args(m, cm->cur_l, v, len1, cm->q, cm->attn,
+                                              cm->workspace, cm->workspace_bytes, ks, vs);
   akv_status st = akv_attention_ref_bf16(&a);
   if (st != AKV_OK) {
     cpu_say(m, "attend: akv_attention_ref_bf16 failed: %s", akv_status_string(st));
@@ -403,6 +412,7 @@ int model_cpu_create(const model_geometry *g, const model_options *opt, model **
     return -1;
   }
   if (model_hybrid_check(g, err, cap) != 0) return -1;
+  if (model_kv_dtype_check(opt->kv_dtype, g->kv_heads, err, cap) != 0) return -1;
   uint64_t params = model_param_count(g);
   if (params > MODEL_CPU_MAX_PARAMS) {
     /* Decimal millions, as the CLI prints every parameter count. */
@@ -423,7 +433,7 @@ int model_cpu_create(const model_geometry *g, const model_options *opt, model **
   cm->q_dim = g->n_heads * g->head_dim;
   cm->kv_dim = g->kv_heads * g->head_dim;
   cm->qkv_dim = cm->q_dim + 2 * cm->kv_dim;
-  cm->row_bytes = (uint64_t)cm->kv_dim * 2;
+  cm->row_bytes = (uint64_t)cm->kv_dim * model_kv_elem_bytes(opt->kv_dtype);
 
   const uint64_t H = g->hidden, F = g->ffn, B = opt->max_batch;
   uint64_t wb = 0;

@@ -78,6 +78,7 @@ struct cuda_model {
   uint32_t pos[MODEL_MAX_BATCH];
   int32_t layer;
   int attended;
+  uint32_t cur_l; /* the layer the forward is in (dense or sliding): its scales */
 };
 
 #define CM_CHECK(call)                                                                \
@@ -281,6 +282,29 @@ __global__ void k_write_rows(uint8_t *base, cuda_u64x off, uint64_t v_offset,
   }
 }
 
+/* Per-head reciprocals of the scales of one layer, for the FP8 row writer. */
+struct cuda_inv_scales {
+  float k[AKV_ATTENTION_MAX_SCALE_HEADS];
+  float v[AKV_ATTENTION_MAX_SCALE_HEADS];
+};
+
+/* FP8: token b's new K and V rows (bf16, after RoPE) quantized to E4M3 with
+ * the layer's fixed scales (model_quantize_row, the same code on the host)
+ * and written at byte offset off.v[b] of the view. */
+__global__ void k_write_rows_fp8(uint8_t *base, cuda_u64x off, uint64_t v_offset,
+                                 const uint16_t *__restrict__ k_new,
+                                 const uint16_t *__restrict__ v_new, uint32_t kv_dim,
+                                 uint32_t head_dim, const __grid_constant__ cuda_inv_scales inv) {
+  const uint32_t b = blockIdx.x;
+  uint8_t *kd = base + off.v[b];
+  uint8_t *vd = kd + v_offset;
+  for (uint32_t i = threadIdx.x; i < kv_dim; i += blockDim.x) {
+    const uint32_t h = i / head_dim;
+    kd[i] = model_f32_to_e4m3(model_bf16_to_f32(k_new[(uint64_t)b * kv_dim + i]) * inv.k[h]);
+    vd[i] = model_f32_to_e4m3(model_bf16_to_f32(v_new[(uint64_t)b * kv_dim + i]) * inv.v[h]);
+  }
+}
+
 /* ------------------------------------------------------------------------ */
 /* Host side                                                                 */
 /* ------------------------------------------------------------------------ */
@@ -345,6 +369,7 @@ static int cm_forward(model *m, uint32_t lane, uint32_t n_ctx, const int32_t *to
     CM_LAUNCHED();
 
     cm->attended = 0;
+    cm->cur_l = l;
     m->error[0] = '\0';
     if (!model_layer_dense(g, l)) {
       /* sliding-window layer: the model's own rows of this lane */
@@ -399,12 +424,26 @@ static int cm_attend_rows(cuda_model *cm, const model_kv_view *v, const uint32_t
   memset(&off, 0, sizeof off);
   for (uint32_t i = 0; i < v->n_contexts; ++i)
     off.v[i] = i * v->context_stride + (uint64_t)write_row[i] * v->row_stride;
-  k_write_rows<<<v->n_contexts, 128, 0, cm->stream>>>((uint8_t *)v->base, off, v->v_offset, cm->k_new,
-                                                   cm->v_new, (uint32_t)cm->row_bytes);
+  if (m->opt.kv_dtype == AKV_DTYPE_FP8_E4M3) { /* quantized on write, after RoPE */
+    cuda_inv_scales inv;
+    memset(&inv, 0, sizeof inv);
+    for (uint32_t h = 0; h < m->g.kv_heads; ++h) {
+      inv.k[h] = model_kv_inv_scale(cm->cur_l, h, 0);
+      inv.v[h] = model_kv_inv_scale(cm->cur_l, h, 1);
+    }
+    k_write_rows_fp8<<<v->n_contexts, 256, 0, cm->stream>>>(
+        (uint8_t *)v->base, off, v->v_offset, cm->k_new, cm->v_new, (uint32_t)cm->kv_dim,
+        m->g.head_dim, inv);
+  } else {
+    k_write_rows<<<v->n_contexts, 128, 0, cm->stream>>>((uint8_t *)v->base, off, v->v_offset,
+                                                       cm->k_new, cm->v_new,
+                                                       (uint32_t)cm->row_bytes);
+  }
   CM_LAUNCHED();
 
-  akv_attention_args a =
-      model_attention_args(m, v, len1, cm->q, cm->attn, cm->workspace, cm->workspace_bytes);
+  float ks[AKV_ATTENTION_MAX_SCALE_HEADS], vs[AKV_ATTENTION_MAX_SCALE_HEADS];
+  akv_attention_args a = model_attention_args(m, cm->cur_l, v, len1, cm->q, cm->attn,
+                                              cm->workspace, cm->workspace_bytes, ks, vs);
   akv_status st = akv_attention_decode_cuda(&a, cm->stream);
   if (st != AKV_OK) {
     snprintf(m->error, sizeof m->error, "attend: akv_attention_decode_cuda failed: %s",
@@ -730,6 +769,7 @@ extern "C" int model_cuda_create(const model_geometry *g, const model_options *o
     return -1;
   }
   if (model_hybrid_check(g, err, cap) != 0) return -1;
+  if (model_kv_dtype_check(opt->kv_dtype, g->kv_heads, err, cap) != 0) return -1;
   if (g->head_dim != 64 && g->head_dim != 128 && g->head_dim != 256) {
     snprintf(err, cap, "--head-dim %u: the CUDA attention kernels take 64, 128 or 256",
              g->head_dim);
@@ -754,7 +794,7 @@ extern "C" int model_cuda_create(const model_geometry *g, const model_options *o
   cm->widest = g->hidden;
   if (cm->q_dim > cm->widest) cm->widest = cm->q_dim;
   if (g->ffn > cm->widest) cm->widest = g->ffn;
-  cm->row_bytes = (uint64_t)cm->kv_dim * 2;
+  cm->row_bytes = (uint64_t)cm->kv_dim * model_kv_elem_bytes(opt->kv_dtype);
   if (cm_setup(cm) != 0) {
     snprintf(err, cap, "%s", cm->base.error);
     cm_destroy(&cm->base);

@@ -745,7 +745,7 @@ static void op_config(state *s, input *in) {
     case 5: ec.page_tokens = byte(in) & 1 ? 0 : u32(in); break;
     case 6: ec.host_pool_gib = byte(in) % 2; ec.max_contexts = u32(in); break;
     case 7: ec.backend = (akv_backend_kind)(byte(in) % 4); break;
-    case 8: ec.dtype = (akv_dtype)(byte(in) % 5); break;
+    case 8: ec.dtype = (akv_dtype)(byte(in) % 6); break; /* 5: not an akv_dtype */
     case 9: ec.fit_mode = (akv_fit_mode)(byte(in) % 3); ec.host_pool_gib = 0; break;
     case 10: ec.route = (akv_route)(byte(in) % 3); break;
     default: ec.device_pool_gib = byte(in) % 3; ec.page_tokens = 16 + byte(in) % 64; break;

@@ -208,7 +208,21 @@ typedef enum akv_backend_kind {
   AKV_BACKEND_CUDA = 2
 } akv_backend_kind;
 
-typedef enum akv_dtype { AKV_DTYPE_BF16 = 0, AKV_DTYPE_F16 = 1, AKV_DTYPE_F32 = 2 } akv_dtype;
+/**
+ * Element type of the K/V rows. The engine moves bytes and never interprets
+ * them: a row is kv_heads * head_dim elements of this type, so everything
+ * sized in bytes (fit, pages, copies, receipts) follows the element size
+ * (bf16 and f16: 2 bytes, f32: 4, FP8: 1). FP8 rows hold the codes of a
+ * quantised history; their scales belong to the caller's attention
+ * (akv_attention_args.k_scale / v_scale), the engine never sees them.
+ */
+typedef enum akv_dtype {
+  AKV_DTYPE_BF16 = 0,
+  AKV_DTYPE_F16 = 1,
+  AKV_DTYPE_F32 = 2,
+  AKV_DTYPE_FP8_E4M3 = 3, /**< OCP FP8 E4M3 ("fn": no infinity, 0x7F/0xFF NaN, max 448) */
+  AKV_DTYPE_FP8_E5M2 = 4  /**< OCP FP8 E5M2 (the top byte of an IEEE f16) */
+} akv_dtype;
 
 typedef enum akv_fit_mode {
   AKV_FIT_REFUSE = 0, /**< creation fails when max_contexts does not fit */
@@ -279,7 +293,7 @@ typedef struct akv_engine_config {
   uint32_t fault_fail_nth;      /**< fail the N-th (1-based) counted backend op; 0 = never */
   int32_t fault_kind;           /**< count only ops of this akv_op_kind; -1 = all kinds */
   /** Paged route: before each layer's copy, fill the staging rows of every
-   *  page read in place with 0xFF bytes (NaN in bf16, f16 and f32), so that
+   *  page read in place with 0xFF bytes (NaN in every akv_dtype), so that
    *  attention which ignores view.page_map reads NaN instead of stale rows
    *  that may look plausible. Costs a device copy of every retained byte per
    *  layer (not counted in bytes_d2d): for testing a hook, not for serving. */

@@ -6,24 +6,44 @@
  * and on the GPU (akv_cuda.h), so that a CPU engine, a test, or the bundled
  * CLI can check one against the other.
  *
- * Layouts (bf16 everywhere except the output):
- *  - q:   [n_contexts][n_heads][head_dim] bf16, dense.
+ * Layouts:
+ *  - q:   [n_contexts][n_heads][head_dim] bf16, dense (every dtype).
  *  - K/V: token-major rows. Row t of context i holds [kv_heads][head_dim]
- *         bf16 for K at k_base + i*context_stride + t*row_bytes and for V at
- *         v_base + i*context_stride + t*row_bytes. This is akv_view: pass
- *         k_base = view.base and v_base = view.base + view.v_offset.
+ *         elements of `dtype` for K at k_base + i*context_stride + t*row_bytes
+ *         and for V at v_base + i*context_stride + t*row_bytes. This is
+ *         akv_view: pass k_base = view.base and v_base = view.base +
+ *         view.v_offset.
  *  - out: [n_contexts][n_heads][head_dim] fp32, dense.
  * Query head h reads KV head h / (n_heads / kv_heads) (grouped-query attention).
  *
+ * Element types (dtype): AKV_DTYPE_BF16, AKV_DTYPE_FP8_E4M3 and
+ * AKV_DTYPE_FP8_E5M2 (one byte per element). FP8 rows hold codes; the value
+ * of an element of KV head g is its decoded code times k_scale[g] (K) or
+ * v_scale[g] (V): one scale per (layer, KV head) for K and one for V, owned
+ * by the caller and passed with each call (the caller passes the layer's
+ * scales; the engine moves bytes and never sees a scale). Decoding a code is
+ * exact in fp32, so the scales are the only difference between an FP8 call
+ * and a bf16 call over the decoded values. Scales are optional for bf16
+ * (NULL means 1) and required for FP8.
+ *
  * Algorithm (fixed; both implementations follow it):
  *  1. The history of each context is cut into chunks of chunk_tokens rows
- *     (the caller passes its page size). For each (context, query head, chunk)
- *     a partial is computed in fp32: scores s_t = (q . k_t) * scale * log2(e),
- *     m = max_t s_t, l = sum_t 2^(s_t - m), acc = sum_t 2^(s_t - m) * v_t.
+ *     (the caller passes its page size), and each chunk into pieces: P =
+ *     max(1, floor(chunk_tokens / 128)) pieces of ceil(chunk_tokens / P)
+ *     rows (the last piece of a context may be shorter; empty pieces do not
+ *     exist). For each (context, query head, piece) a partial is computed in
+ *     fp32 over the piece's rows k_t, v_t (decoded codes for FP8):
+ *     scores s_t = (q . k_t) * c_g with c_g = (scale * log2(e)) * k_scale[g]
+ *     (scale * log2(e) without K scales), m = max_t s_t,
+ *     l = sum_t 2^(s_t - m), acc = sum_t 2^(s_t - m) * v_t.
  *  2. The partials of a context are combined in a fixed order:
- *     M = max_c m_c, w_c = 2^(m_c - M), out = (sum_c w_c acc_c) / (sum_c w_c l_c).
- *  Reductions have a fixed order and use no atomics: identical inputs give
- *  identical bits on every run. A context of length 0 gets an output of zeros.
+ *     M = max_c m_c, w_c = 2^(m_c - M),
+ *     out = (sum_c w_c acc_c) / (sum_c w_c l_c) * v_scale[g] (no factor
+ *     without V scales).
+ *  The cut depends on chunk_tokens alone, never on lengths, the number of
+ *  contexts, the device or timing. Reductions have a fixed order and use no
+ *  atomics: identical inputs give identical bits on every run. A context of
+ *  length 0 gets an output of zeros.
  *
  * Equality guarantees:
  *  - Contiguous arguments with page overrides (the paged route of an engine,
@@ -35,7 +55,12 @@
  *    the same code).
  *  - CPU and GPU results are not bit-identical (exp2 implementations, FMA
  *    contraction, reduction trees); they agree to a relative L2 error below
- *    1e-5 (tests/gpu/test_gpu_attention.cu states and checks the bound).
+ *    1e-5, for bf16 and FP8 alike (tests/gpu/test_gpu_attention.cu states
+ *    and checks the bound).
+ *  - Against exact arithmetic over the same (decoded, scaled) values, the
+ *    reference's fp32 result is within a relative L2 error of 1e-5
+ *    (tests/test_attention_ref.c checks it against a double-precision
+ *    attention, bf16 and FP8).
  *
  * Workspace: the per-chunk partials live in a caller-owned workspace sized by
  * akv_attention_workspace_bytes (host memory for the reference, device memory
@@ -62,13 +87,17 @@ extern "C" {
 /** Largest head_dim the reference accepts (the CUDA kernels take 64, 128, 256). */
 #define AKV_ATTENTION_MAX_HEAD_DIM 256u
 
+/** Largest kv_heads of a call that passes scales (the CUDA launchers carry
+ *  the scales in the kernel parameters). */
+#define AKV_ATTENTION_MAX_SCALE_HEADS 256u
+
 /**
  * Contiguous decode attention over n_contexts histories (see the layout above).
  * Plain arguments, owning nothing; every pointer is borrowed for the call
  * (CPU) or until the enqueued work has run (CUDA).
  */
 typedef struct akv_attention_args {
-  akv_dtype dtype;        /**< must be AKV_DTYPE_BF16 */
+  akv_dtype dtype;        /**< AKV_DTYPE_BF16, AKV_DTYPE_FP8_E4M3 or AKV_DTYPE_FP8_E5M2 */
   uint32_t n_contexts;    /**< >= 1 */
   uint32_t n_heads;       /**< query heads, a multiple of kv_heads */
   uint32_t kv_heads;      /**< >= 1 */
@@ -79,7 +108,7 @@ typedef struct akv_attention_args {
   const void *k_base;     /**< K row 0 of context 0 */
   const void *v_base;     /**< V row 0 of context 0 */
   uint64_t context_stride; /**< bytes from one context's rows to the next's */
-  uint64_t row_bytes;     /**< bytes between rows; >= kv_heads*head_dim*2 */
+  uint64_t row_bytes;     /**< bytes between rows; >= kv_heads*head_dim*element size */
   const uint32_t *len;    /**< [n_contexts] rows to attend, HOST array (both variants) */
   float *out;             /**< [n_contexts][n_heads][head_dim] fp32 */
   void *workspace;        /**< partials; >= akv_attention_workspace_bytes(...) bytes */
@@ -98,6 +127,15 @@ typedef struct akv_attention_args {
   const void *k_pages;       /**< K row 0 of physical page 0 */
   const void *v_pages;       /**< V row 0 of physical page 0 */
   uint64_t page_stride;      /**< bytes between physical pages */
+  /* Dequantisation scales of this layer (see "Element types"): HOST arrays
+   * of kv_heads finite positive floats, read during the call only (CUDA: their
+   * values travel in the kernel parameters), so the caller may reuse them as
+   * soon as the call returns. Both NULL or both set; required for FP8,
+   * optional for bf16 (NULL: 1). At most AKV_ATTENTION_MAX_SCALE_HEADS
+   * kv_heads when set. Appended after page_stride; zero-initialised
+   * arguments mean "no scales". */
+  const float *k_scale;      /**< [kv_heads] K scales, or NULL */
+  const float *v_scale;      /**< [kv_heads] V scales, or NULL */
 } akv_attention_args;
 
 /**
@@ -105,9 +143,9 @@ typedef struct akv_attention_args {
  * kv_heads, head_dim, k_base, v_base, context_stride, row_bytes and, for a
  * view of the paged route, chunk_tokens (the page size) and the page
  * overrides (cleared otherwise). Leaves n_heads, scale, q, len, out,
- * workspace, workspace_bytes and, off the paged route, chunk_tokens as they
- * are: set those yourself (len usually holds view->len[i] + 1, the new row
- * included). The page map passed on is view->page_map (device memory on
+ * workspace, workspace_bytes, k_scale, v_scale and, off the paged route,
+ * chunk_tokens as they are: set those yourself (len usually holds
+ * view->len[i] + 1, the new row included; FP8: the layer's scales). The page map passed on is view->page_map (device memory on
  * CUDA, host memory on the host backend), so the result suits the CUDA
  * launcher on CUDA and the reference on the host backend. Thread-safe. Returns AKV_OK or AKV_ERR_INVALID_ARGUMENT (NULL).
  */
@@ -119,7 +157,8 @@ AKV_API akv_status akv_attention_args_from_view(const akv_view *view, akv_attent
  * indices[indptr[i] .. indptr[i+1]); all of them hold page_tokens rows except
  * the last, which holds last_page_len[i] rows. Row t of physical page p has
  * its K at k_pages + p*page_stride + t*row_bytes and its V at
- * v_pages + p*page_stride + t*row_bytes, laid out [kv_heads][head_dim] bf16.
+ * v_pages + p*page_stride + t*row_bytes, laid out [kv_heads][head_dim]
+ * elements of the call's dtype.
  * Context i attends over (pages - 1)*page_tokens + last_page_len[i] rows
  * (0 rows when it has no page).
  *
@@ -137,12 +176,12 @@ typedef struct akv_page_table {
   const void *k_pages;          /**< K of physical page 0 */
   const void *v_pages;          /**< V of physical page 0 */
   uint64_t page_stride;         /**< bytes between consecutive physical pages */
-  uint64_t row_bytes;           /**< bytes between rows of a page; >= kv_heads*head_dim*2 */
+  uint64_t row_bytes;           /**< bytes between rows of a page; >= kv_heads*head_dim*element size */
 } akv_page_table;
 
 /** What the paged variant needs besides its page table. */
 typedef struct akv_attention_paged_args {
-  akv_dtype dtype;        /**< must be AKV_DTYPE_BF16 */
+  akv_dtype dtype;        /**< as for akv_attention_args */
   uint32_t n_heads;       /**< query heads, a multiple of kv_heads */
   uint32_t kv_heads;      /**< >= 1 */
   uint32_t head_dim;      /**< as for akv_attention_args */
@@ -152,13 +191,17 @@ typedef struct akv_attention_paged_args {
   void *workspace;        /**< partials; >= akv_attention_workspace_bytes(batch, n_heads,
                                head_dim, max_pages*page_tokens, page_tokens) bytes */
   size_t workspace_bytes; /**< size of workspace */
+  const float *k_scale;   /**< [kv_heads] K scales, or NULL: as for akv_attention_args */
+  const float *v_scale;   /**< [kv_heads] V scales, or NULL: as for akv_attention_args */
 } akv_attention_paged_args;
 
 /**
- * Bytes of workspace one call needs: the per-chunk partials of n_contexts
+ * Bytes of workspace one call needs: the per-piece partials of n_contexts
  * contexts whose longest history has max_tokens rows, cut into chunks of
- * chunk_tokens. The same figure serves the reference and CUDA, contiguous and
- * paged (paged: max_tokens = max_pages * page_tokens). Thread-safe, pure.
+ * chunk_tokens (and those into pieces, see "Algorithm"). The figure is the
+ * same for every dtype and serves the reference and CUDA, contiguous and
+ * paged (paged: max_tokens = max_pages * page_tokens). It never shrinks as
+ * n_contexts or max_tokens grow. Thread-safe, pure.
  * Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT (NULL out, a zero count, head_dim
  * above AKV_ATTENTION_MAX_HEAD_DIM, or a size that overflows size_t).
  */
@@ -167,12 +210,15 @@ AKV_API akv_status akv_attention_workspace_bytes(uint32_t n_contexts, uint32_t n
                                                  uint32_t chunk_tokens, size_t *out);
 
 /**
- * Contiguous decode attention on the CPU (host pointers; the reference). Runs
+ * Contiguous decode attention on the CPU (host pointers; the reference): bf16
+ * queries over bf16 or FP8 K/V (the name predates FP8). Runs
  * synchronously on the calling thread; writes args->out and args->workspace
  * and nothing else; reads everything else. On failure args->out is untouched.
  * Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT (NULL pointer, bad geometry, chunk
- * of 0, row_bytes too small, workspace too small), AKV_ERR_NOT_SUPPORTED
- * (dtype other than bf16).
+ * of 0, row_bytes too small, workspace too small, FP8 without both scales,
+ * only one scale array, a scale that is not finite and positive, scales with
+ * more than AKV_ATTENTION_MAX_SCALE_HEADS kv_heads), AKV_ERR_NOT_SUPPORTED
+ * (dtype other than bf16, FP8 E4M3 and FP8 E5M2).
  */
 AKV_API akv_status akv_attention_ref_bf16(const akv_attention_args *args);
 

@@ -41,9 +41,11 @@ static inline cudaStream_t akv_stream_to_cuda(akv_stream stream) {
 
 /**
  * Enqueues contiguous decode attention on `stream` (akv_attention.h has the
- * layout). q, k_base, v_base, out and workspace are device pointers; len is a
- * HOST array, read during the call only (its values travel in the kernel
- * parameters), so the caller may reuse it as soon as the call returns.
+ * layout). q, k_base, v_base, out and workspace are device pointers; len and
+ * the scales (k_scale, v_scale) are HOST arrays, read during the call only
+ * (their values travel in the kernel parameters), so the caller may reuse
+ * them as soon as the call returns. dtype: bf16, FP8 E4M3 or FP8 E5M2 K/V
+ * (bf16 queries always); FP8 needs both scale arrays (akv_attention.h).
  * head_dim must be 64, 128 or 256. q, k_base, v_base, workspace, row_bytes
  * and context_stride must be multiples of 16 bytes. Page overrides (the
  * paged route; akv_attention_args_from_view fills them from a view): the
@@ -53,12 +55,14 @@ static inline cudaStream_t akv_stream_to_cuda(akv_stream stream) {
  * the enqueued kernels have run.
  * Bits: identical on every run for identical inputs; identical to
  * akv_attention_paged_cuda over the same rows with page_tokens == chunk_tokens;
- * within a relative L2 error of 1e-5 of akv_attention_ref_bf16.
+ * within a relative L2 error of 1e-5 of akv_attention_ref_bf16 (bf16 and FP8).
  * Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT (NULL, bad geometry, misaligned
- * pointer or stride, workspace too small, page overrides incomplete),
- * AKV_ERR_NOT_SUPPORTED (dtype other
- * than bf16, head_dim other than 64/128/256), AKV_ERR_BACKEND (a launch
- * failed; cudaGetLastError() names the cause).
+ * pointer or stride, workspace too small, page overrides incomplete, scales
+ * missing for FP8, only one scale array, a scale not finite and positive,
+ * scales with more than AKV_ATTENTION_MAX_SCALE_HEADS kv_heads),
+ * AKV_ERR_NOT_SUPPORTED (dtype other than bf16, FP8 E4M3 and FP8 E5M2;
+ * head_dim other than 64/128/256), AKV_ERR_BACKEND (a launch failed;
+ * cudaGetLastError() names the cause).
  */
 AKV_API akv_status akv_attention_decode_cuda(const akv_attention_args *args, cudaStream_t stream);
 

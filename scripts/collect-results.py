@@ -4,8 +4,10 @@ each benchmark in bench/results/ (git keeps the history; no pass files):
 
   decode.jsonl      one line per decode run (activekv decode --json), keyed by
                     preset, route, device pool, contexts, tokens, steps, warm-up
+                    and K/V dtype (lines without one are bf16); the FP8
+                    logits-distance run (fp8-distance.json, with "vs_ref") too
   attention_bw.json the attention kernel benchmark, keyed by variant label,
-                    layout, contexts, tokens and chunk
+                    layout, contexts, tokens, chunk and dtype
   host_cost.json    the engine's host cost runs and the cudart call costs;
                     appended (the figure is a median over runs), unless
                     --restart host_cost says the per-layer path changed
@@ -35,8 +37,11 @@ DEFAULT_MACHINE = "NVIDIA H200 (nvidia-h200), driver 580.159.04, CUDA 13.0"
 META = ("date", "machine", "commit", "command", "source")
 
 # The current file of each benchmark and the fields that identify a record.
-DECODE_KEY = ("preset", "route", "device_pool_gib", "contexts", "tokens", "steps", "warmup")
-ATTENTION_KEY = ("label", "variant", "contexts", "tokens", "chunk")
+DECODE_KEY = ("preset", "route", "device_pool_gib", "contexts", "tokens", "steps", "warmup",
+              "kv_dtype")
+ATTENTION_KEY = ("label", "variant", "contexts", "tokens", "chunk", "dtype")
+# Key fields records written before they existed lack, with the value they meant.
+KEY_DEFAULTS = {"kv_dtype": "bf16", "dtype": "bf16"}
 GPU_PASS_KEY = ("check",)
 
 
@@ -149,7 +154,7 @@ def gpu_pass_checks(out):
 
 # ---------------------------------------------------------------- merging
 def key_of(rec, fields):
-    return json.dumps([rec.get(f) for f in fields], sort_keys=True)
+    return json.dumps([rec.get(f, KEY_DEFAULTS.get(f)) for f in fields], sort_keys=True)
 
 
 def merge(old, new, fields):
@@ -261,7 +266,8 @@ def main():
             "source": a.source or a.out}
     wrote = collect(
         a.results, meta,
-        decode=[r for r in jsonl(os.path.join(a.out, "decode.jsonl")) if r.get("cmd") == "decode"],
+        decode=[r for f in ("decode.jsonl", "fp8-distance.json")
+                for r in jsonl(os.path.join(a.out, f)) if r.get("cmd") == "decode"],
         attention=[r for r in jsonl(os.path.join(a.out, "bench.jsonl"))
                    if r.get("bench") == "attention_bw"],
         host=host_cost(a.out), cudart_runs=cudart_cost(a.out), checks=gpu_pass_checks(a.out),

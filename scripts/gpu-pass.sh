@@ -10,15 +10,20 @@
 #   3. runs `ctest -L gpu --output-on-failure`,
 #   4. runs every GPU test binary under compute-sanitizer memcheck, racecheck
 #      and synccheck,
-#   5. runs the benchmarks,
-#   6. prints a short table (also written to $OUT/summary.txt).
+#   5. runs the benchmarks (the attention kernel for bf16 and FP8 K/V, 1 and 4
+#      contexts, and the kernel variants),
+#   6. fp8: the FP8 targets of the decode (llama3-8b, 4 x 31,744): stage and
+#      resident for both dtypes, paged FP8 at two pools, every staged run
+#      --check; then the distance of FP8 logits from bf16 over 64 steps,
+#   7. prints a short table (also written to $OUT/summary.txt).
 # A failing step is recorded and the next one still runs. If the CMake build
 # does not produce the GPU tests (the rest of the project may not build yet),
 # they are built directly with nvcc from their sources.
 #
-# Files written under $OUT (at most 8 come back):
+# Files written under $OUT:
 #   build.log  ctest-gpu.log  sanitizer.log  bench.log  bench.jsonl
-#   decode.log  decode.jsonl  summary.txt
+#   fp8.log  fp8-distance.json  decode.log  decode.jsonl  summary.txt
+#   (and hostcost.log, cli.log, LastTest.log)
 # Back on the CPU machine, merge them into the one current result file of
 # each benchmark (no pass files; git keeps the history):
 #   scripts/collect-results.py "$OUT" "$(git rev-parse --short HEAD)" "<the command>"
@@ -28,7 +33,7 @@
 #
 # Knobs (environment):
 #   AKV_STEPS     steps to run, default "build hostcost ctest sanitizer cli
-#                 bench decode tp" (cli: the CLI's ctest label and a hybrid
+#                 bench fp8 decode tp" (cli: the CLI's ctest label and a hybrid
 #                 decode under memcheck, in cli.log; hostcost: the cudart call costs and the engine's
 #                 host cost, three runs, on the idle machine right after the
 #                 build; written to hostcost.log)
@@ -39,10 +44,14 @@
 #                 (llama3-8b; headroom.log, headroom.jsonl), not in the default
 #                 list: AKV_STEPS="build ctest headroom" measures it alone
 #   AKV_JOBS      parallel build jobs, default 16
-#   AKV_BENCH_VARIANTS  "label:WARPS:LOADS[:STAGES[:PDL]] ...", default
-#                 "w8l4:8:4:3:1 w8l4s0:8:4:0:0 w8l4s2:8:4:2:1 w8l4s4:8:4:4:1
-#                  w8l2s4:8:2:4:1 w8l4nopdl:8:4:3:0" (w8l4 is the library's;
-#                 STAGES 0 with PDL 0 is the previous register-pipeline kernel)
+#   AKV_BENCH_VARIANTS  "label:WARPS:LOADS[:STAGES[:PDL[:PIECE]]] ...", default
+#                 "w8l4:8:4:0:0:128 w8l4p0:8:4:0:0:0 w8l4p64:8:4:0:0:64
+#                  w8l4p256:8:4:0:0:256 w8l4s3:8:4:3:1:128" (w8l4 is the
+#                 library's: register pipeline, no PDL, chunks cut into pieces
+#                 of 128 rows; p0 keeps each chunk whole in one block, the
+#                 kernel before pieces; p64 and p256 other piece sizes)
+#   AKV_FP8_POOLS  device pools (GiB) of the FP8 paged runs, default "4 8"
+#   AKV_FP8_DISTANCE_STEPS  steps of the logits-distance runs, default 64
 #   AKV_BENCH_CHUNKS    chunk sizes for the library variant, default "256 64 1024"
 #   AKV_SAN_TIMEOUT     seconds per sanitizer run, default 300
 #   AKV_CMAKE_ARGS      extra arguments for the configure step
@@ -53,11 +62,13 @@ mkdir -p "$OUT"
 BUILD=/tmp/akv-build
 SOLO=/tmp/akv-standalone
 DEPS=/tmp/deps
-PASS_STEPS=${AKV_STEPS:-"build hostcost ctest sanitizer cli bench decode tp"}
+PASS_STEPS=${AKV_STEPS:-"build hostcost ctest sanitizer cli bench fp8 decode tp"}
 # NVLink SHARP (multicast) stays off in every run that may start NCCL.
 export NCCL_NVLS_ENABLE=0
 JOBS=${AKV_JOBS:-16}
-VARIANTS=${AKV_BENCH_VARIANTS:-"w8l4:8:4:0:0 w8l4s3:8:4:3:1 w8l2:8:2:0:0"}
+VARIANTS=${AKV_BENCH_VARIANTS:-"w8l4:8:4:0:0:128 w8l4p0:8:4:0:0:0 w8l4p64:8:4:0:0:64 w8l4p256:8:4:0:0:256 w8l4s3:8:4:3:1:128"}
+FP8_POOLS=${AKV_FP8_POOLS:-"4 8"}
+FP8_DIST_STEPS=${AKV_FP8_DISTANCE_STEPS:-64}
 CHUNKS=${AKV_BENCH_CHUNKS:-"256 64 1024"}
 SAN_TIMEOUT=${AKV_SAN_TIMEOUT:-300}
 
@@ -101,10 +112,10 @@ else
 fi
 
 # ------------------------------------------------------------------ build
-bench_build() { # label warps loads [stages [pdl]]
+bench_build() { # label warps loads [stages [pdl [piece]]]
   local out=$SOLO/attention_bw_$1
   nvcc -O3 -arch=sm_90 -std=c++17 -Iinclude -DAKV_ATTN_WARPS="$2" -DAKV_ATTN_LOADS="$3" \
-    -DAKV_ATTN_STAGES="${4:-3}" -DAKV_ATTN_PDL="${5:-1}" \
+    -DAKV_ATTN_STAGES="${4:-0}" -DAKV_ATTN_PDL="${5:-0}" -DAKV_ATTN_PIECE_TOKENS="${6:-128}" \
     -Xptxas -v bench/attention_bw.cu src/kernels/attention_cuda.cu src/kernels/attention_ref.c -o "$out" \
     >"$SOLO/bench_$1.log" 2>&1
 }
@@ -115,8 +126,8 @@ if has_step build; then
   bench_pids=""
   if has_step bench && [ -f bench/attention_bw.cu ]; then
     for v in $VARIANTS; do
-      IFS=: read -r label warps loads stages pdl <<<"$v"
-      bench_build "$label" "$warps" "$loads" "$stages" "$pdl" &
+      IFS=: read -r label warps loads stages pdl piece <<<"$v"
+      bench_build "$label" "$warps" "$loads" "$stages" "$pdl" "$piece" &
       bench_pids="$bench_pids $!:$label"
     done
   fi
@@ -164,10 +175,15 @@ if has_step build; then
     wait "$pid"
     rc=$?
     { echo "== nvcc attention_bw_$label (rc=$rc)"; cat "$SOLO/bench_$label.log"; } >>"$BUILD_LOG"
-    # Registers of the llama-geometry kernel (head_dim 128, 4 heads per block).
-    regs=$(awk '/Compiling entry.*chunk_kernelILi128ELi4ENS_9ContigLoc/{f=1}
-      f && /Used [0-9]+ registers/{print "D128/GT4 kernel: " $5 " regs"; exit}' \
-      "$SOLO/bench_$label.log")
+    # Registers of the llama-geometry kernels (head_dim 128, 4 heads per
+    # block; element kind 0 = bf16, 1 = FP8 E4M3).
+    regs=""
+    for ek in 0 1; do
+      r=$(awk -v pat="chunk_kernelILi128ELi4ELi${ek}ENS_9ContigLoc" \
+        '/Compiling entry/ && index($0, pat){f=1}
+        f && /Used [0-9]+ registers/{print $5; exit}' "$SOLO/bench_$label.log")
+      regs="$regs D128/GT4/E$ek: ${r:-?} regs"
+    done
     record "nvcc attention_bw_$label" "$([ $rc = 0 ] && echo ok || echo FAIL)" "rc=$rc ${regs:-}"
   done
 fi
@@ -317,7 +333,7 @@ fi
 if has_step bench; then
   : >"$BENCH_LOG"
   for v in $VARIANTS; do
-    IFS=: read -r label warps loads _ _ <<<"$v"
+    IFS=: read -r label warps loads _ _ _ <<<"$v"
     bin=$SOLO/attention_bw_$label
     [ -x "$bin" ] || continue
     chunks=256
@@ -325,11 +341,13 @@ if has_step bench; then
     for c in $chunks; do
       log "attention_bw $label chunk $c"
       echo "== attention_bw $label chunk $c" >>"$BENCH_LOG"
-      timeout 300 "$bin" --chunk "$c" --label "$label" --json "$BENCH_JSON" >>"$BENCH_LOG" 2>&1
+      # Both dtypes (bf16, FP8 E4M3 counted at one byte per element), 1 and 4 contexts.
+      timeout 300 "$bin" --chunk "$c" --dtype bf16,fp8 --label "$label" --json "$BENCH_JSON" \
+        >>"$BENCH_LOG" 2>&1
       rc=$?
       if [ $rc = 0 ]; then
-        best=$(grep -E '^(contig|paged) ' "$BENCH_LOG" | tail -4 |
-          awk '{printf "%s/%sctx %.0fus %s; ", $1, $2, $6, $10}')
+        best=$(grep -E '^(contig|paged) ' "$BENCH_LOG" | tail -8 |
+          awk '{printf "%s/%s/%sctx %.0fus %s; ", $1, $2, $3, $7, $11}')
       else
         best=$(tail -1 "$BENCH_LOG")
       fi
@@ -354,6 +372,51 @@ if has_step bench; then
     done
     record "bench $(basename "$b")" "$([ $rc = 0 ] && echo ok || echo FAIL)" "rc=$rc"
   done
+fi
+
+# ------------------------------------------------------------------ fp8
+# The FP8 targets (llama3-8b, 4 x 31,744, one process): stage and resident
+# for both dtypes and paged FP8 at $FP8_POOLS GiB, every staged run --check,
+# lines appended to decode.jsonl (the plot draws both dtypes); then the
+# distance of FP8 logits from bf16: a resident bf16 run writes every step's
+# logits, a resident FP8 run follows its tokens and reports the max |logit
+# difference| and the top-1 agreement (fp8-distance.json). Resident is
+# bit-identical to every staged route (--check), so it stands for them.
+if has_step fp8; then
+  cli=$BUILD/examples/activekv
+  if [ -x "$cli" ]; then
+    log "fp8 decode targets"
+    {
+      OUT=$OUT PRESETS=llama3-8b KV_DTYPES="bf16 fp8" ROUTES="resident stage" STEPS=8 WARMUP=2 \
+        timeout 600 bash bench/run_decode_bench.sh "$cli"
+      echo "rc=$?"
+      OUT=$OUT PRESETS=llama3-8b KV_DTYPES=fp8 ROUTES=paged POOLS="$FP8_POOLS" STEPS=8 WARMUP=2 \
+        timeout 600 bash bench/run_decode_bench.sh "$cli"
+      echo "rc=$?"
+    } >"$OUT/fp8.log" 2>&1
+    rc=$(grep -c '^rc=[1-9]' "$OUT/fp8.log")
+    stage_tps() { # dtype -> median tokens/s and bitwise of the stage run
+      grep '"route":"stage"' "$OUT/decode.jsonl" 2>/dev/null | grep "\"kv_dtype\":\"$1\"" |
+        grep '"preset":"llama3-8b"' | tail -1 |
+        sed -n 's/.*"tokens_per_s":\([0-9.e+]*\).*"pcie_ratio":\([0-9.e+]*\).*"bitwise":\([a-z]*\).*/\1 tok\/s, pcie ratio \2, bitwise \3/p'
+    }
+    record "fp8 decode targets" "$([ "$rc" = 0 ] && echo ok || echo FAIL)" \
+      "bf16 stage: $(stage_tps bf16); fp8 stage: $(stage_tps fp8)"
+    log "fp8 logits distance"
+    dist=/tmp/akv-bf16-logits.bin
+    common="--preset llama3-8b --contexts 4 --tokens 31744 --route resident --steps $FP8_DIST_STEPS --warmup 0 --no-progress"
+    # shellcheck disable=SC2086 # $common is a list of flags
+    {
+      timeout 600 "$cli" decode $common --kv-dtype bf16 --logits-out "$dist" >/dev/null &&
+        timeout 600 "$cli" decode $common --kv-dtype fp8 --logits-ref "$dist" --json
+    } >"$OUT/fp8-distance.json" 2>>"$OUT/fp8.log"
+    rc=$?
+    rm -f "$dist"
+    record "fp8 logits distance" "$([ $rc = 0 ] && echo ok || echo FAIL)" \
+      "rc=$rc $(grep -o '"vs_ref":{[^}]*}' "$OUT/fp8-distance.json")"
+  else
+    record "fp8 decode targets" "SKIP" "no CLI binary"
+  fi
 fi
 
 # ------------------------------------------------------------------ decode

@@ -134,6 +134,13 @@ static const row rows[] = {
      32 * TOK, 2048, "set max_contexts=8 (or fewer)"},
     {"f16 like bf16", {{F_DTYPE, AKV_DTYPE_F16}, {F_CTX, 1}}, AKV_OK, 1, 16, 1, 4, 2048, 4 * GIB,
      16 * TOK, 4096, ""},
+    /* FP8: one byte per element halves the row, the history and the page,
+     * so twice the contexts fit the same host pool and twice the pages the
+     * same device pool. */
+    {"fp8 e4m3 halves the row", {{F_DTYPE, AKV_DTYPE_FP8_E4M3}}, AKV_OK, 1, 32, 16, 32, 1024,
+     2 * GIB, 8 * TOK, 8192, ""},
+    {"fp8 e5m2 like e4m3", {{F_DTYPE, AKV_DTYPE_FP8_E5M2}, {F_CTX, 32}}, AKV_OK, 1, 32, 32, 64,
+     1024, 2 * GIB, 8 * TOK, 8192, ""},
     {"no history fits", {{F_HOST, 3}, {F_CTX, 2}}, AKV_OK, 0, 0, 0, 8, 2048, 4 * GIB, 16 * TOK,
      4096, "host_pool_gib=3 holds no history at all; or set max_tokens=12288 (or fewer)"},
     {"shrink mode says what it runs", {{F_HOST, 20}, {F_MODE, AKV_FIT_SHRINK}}, AKV_OK, 0, 5, 5,
@@ -183,8 +190,8 @@ static const row rows[] = {
      "max_contexts=1048577 is out of range"},
     {"page longer than context", {{F_PAGE, 32769}}, AKV_ERR_CONFIG, 0, 0, 0, 0, 0, 0, 0, 0,
      "page_tokens=32769 exceeds max_tokens=32768"},
-    {"unknown dtype", {{F_DTYPE, 3}}, AKV_ERR_CONFIG, 0, 0, 0, 0, 0, 0, 0, 0,
-     "dtype=3 is not an akv_dtype"},
+    {"unknown dtype", {{F_DTYPE, 5}}, AKV_ERR_CONFIG, 0, 0, 0, 0, 0, 0, 0, 0,
+     "dtype=5 is not an akv_dtype"},
     {"negative dtype", {{F_DTYPE, -1}}, AKV_ERR_CONFIG, 0, 0, 0, 0, 0, 0, 0, 0,
      "dtype=-1 is not an akv_dtype"},
     {"unknown fit_mode", {{F_MODE, 2}}, AKV_ERR_CONFIG, 0, 0, 0, 0, 0, 0, 0, 0,
@@ -346,12 +353,28 @@ static void test_fit_arguments(void **state) {
   assert_int_equal(none[0], 'z');
 }
 
+/* The logged formula names the one-byte element, so an operator sees why a
+ * FP8 history is half the size. */
+static void test_fp8_line(void **state) {
+  (void)state;
+  akv_engine_config c = base_config();
+  c.dtype = AKV_DTYPE_FP8_E4M3;
+  akv_fit_report r;
+  assert_int_equal(akv_fit(&c, &r), AKV_OK);
+  assert_non_null(strstr(r.line, "x 1 B fp8-e4m3"));
+  c.dtype = AKV_DTYPE_FP8_E5M2;
+  assert_int_equal(akv_fit(&c, &r), AKV_OK);
+  assert_non_null(strstr(r.line, "x 1 B fp8-e5m2"));
+}
+
 static void test_dtype_size(void **state) {
   (void)state;
   assert_int_equal(akv_fit_dtype_size(AKV_DTYPE_BF16), 2);
   assert_int_equal(akv_fit_dtype_size(AKV_DTYPE_F16), 2);
   assert_int_equal(akv_fit_dtype_size(AKV_DTYPE_F32), 4);
-  assert_int_equal(akv_fit_dtype_size((akv_dtype)3), 0);
+  assert_int_equal(akv_fit_dtype_size(AKV_DTYPE_FP8_E4M3), 1);
+  assert_int_equal(akv_fit_dtype_size(AKV_DTYPE_FP8_E5M2), 1);
+  assert_int_equal(akv_fit_dtype_size((akv_dtype)5), 0);
 }
 
 int main(void) {
@@ -361,6 +384,7 @@ int main(void) {
       cmocka_unit_test(test_fit_refusal_exact),
       cmocka_unit_test(test_fit_arguments),
       cmocka_unit_test(test_dtype_size),
+      cmocka_unit_test(test_fp8_line),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

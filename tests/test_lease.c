@@ -380,9 +380,126 @@ static void test_failed_hook_quarantines(void **state) {
   assert_int_equal(akv_engine_destroy(e), AKV_OK);
 }
 
+/* FP8 rows: one byte per element through the whole lease. The engine never
+ * reads an element, so only sizes change: row_bytes, the staged bytes the
+ * hook sees, the receipts and the host rows read back all follow. */
+typedef struct fp8_job {
+  akv_view view;
+  uint32_t len[2];
+  int ok;
+} fp8_job;
+
+static uint8_t fp8_byte(uint32_t ctx, uint32_t layer, uint32_t t, int kv, uint32_t j) {
+  return (uint8_t)(ctx * 71u + layer * 29u + t * 13u + (uint32_t)kv * 7u + j * 3u);
+}
+
+static void fp8_check_rows(void *arg) { /* runs on the compute queue */
+  fp8_job *j = arg;
+  const akv_view *v = &j->view;
+  j->ok = v->dtype == AKV_DTYPE_FP8_E4M3 && v->v_offset == 16 && v->row_stride == 32;
+  for (uint32_t i = 0; i < v->n_contexts; i++) {
+    const uint32_t ctx = (uint32_t)i;
+    for (uint32_t t = 0; t <= j->len[i]; t++)
+      for (int kv = 0; kv < 2; kv++) {
+        uint8_t *row = (uint8_t *)v->base + i * v->context_stride + (uint64_t)t * v->row_stride +
+                       (kv ? v->v_offset : 0);
+        for (uint32_t e = 0; e < 16; e++) {
+          if (t == j->len[i]) row[e] = fp8_byte(ctx, v->layer, t, kv, e); /* the new row */
+          else if (row[e] != fp8_byte(ctx, v->layer, t, kv, e)) j->ok = 0;
+        }
+      }
+  }
+}
+
+static fp8_job fp8_jobs[3];
+static akv_engine *fp8_engine;
+
+static int fp8_hook(void *user, const akv_view *view, akv_stream stream) {
+  fp8_job *j = &fp8_jobs[view->layer];
+  (void)user;
+  j->view = *view;
+  for (uint32_t i = 0; i < view->n_contexts; i++) j->len[i] = view->len[i];
+  j->view.len = j->len;
+  return akv_stream_launch_host(fp8_engine, stream, fp8_check_rows, j) == AKV_OK ? 0 : 1;
+}
+
+static void test_fp8_rows(void **state) {
+  (void)state;
+  akv_engine_config ec = AKV_ENGINE_CONFIG_INIT;
+  ec.backend = AKV_BACKEND_HOST;
+  ec.n_dense_layers = 3;
+  ec.kv_heads = 2;
+  ec.head_dim = 8;
+  ec.dtype = AKV_DTYPE_FP8_E4M3;
+  ec.max_tokens = 64;
+  ec.page_tokens = 8;
+  ec.max_contexts = 2;
+  ec.host_pool_gib = 1;
+  ec.log_fn = akvt_silent_log;
+  akv_engine *e = NULL;
+  assert_int_equal(akv_engine_create(&ec, &e), AKV_OK);
+  fp8_engine = e;
+  akv_engine_info info;
+  assert_int_equal(akv_engine_info_get(e, &info), AKV_OK);
+  assert_int_equal(info.row_bytes, 16); /* 2 kv heads x 8 dims x 1 byte */
+  akv_stream s;
+  assert_int_equal(akv_stream_create(e, &s), AKV_OK);
+  akv_context *c[2];
+  static uint8_t k[3][6 * 16], v[3][6 * 16];
+  for (uint32_t i = 0; i < 2; i++) {
+    const void *kp[3], *vp[3];
+    const uint32_t n = 5 + i;
+    for (uint32_t l = 0; l < 3; l++) {
+      for (uint32_t t = 0; t < n; t++)
+        for (uint32_t x = 0; x < 16; x++) {
+          k[l][t * 16 + x] = fp8_byte(i, l, t, 0, x);
+          v[l][t * 16 + x] = fp8_byte(i, l, t, 1, x);
+        }
+      kp[l] = k[l];
+      vp[l] = v[l];
+    }
+    assert_int_equal(akv_context_open(e, NULL, &c[i]), AKV_OK);
+    assert_int_equal(akv_context_append(c[i], n, kp, vp), AKV_OK);
+  }
+  assert_int_equal(akv_step_begin(e, c, 2), AKV_OK);
+  for (uint32_t l = 0; l < 3; l++) {
+    akv_lease *ls;
+    akv_fence attn, tail;
+    akv_receipt r;
+    assert_int_equal(akv_lease_begin(e, l, &ls), AKV_OK);
+    assert_int_equal(akv_lease_attend(ls, s, fp8_hook, NULL, &attn), AKV_OK);
+    assert_int_equal(akv_lease_write_back(ls, NULL, 0, &tail), AKV_OK);
+    assert_int_equal(akv_lease_seal(ls, tail, attn), AKV_OK);
+    assert_int_equal(akv_lease_retire(ls, &r), AKV_OK);
+    assert_int_equal(r.bytes_h2d, (5 + 6) * 2 * 16); /* rows x K/V x 16 B */
+    assert_int_equal(r.bytes_d2h, 2 * 2 * 16);
+    assert_true(fp8_jobs[l].ok);
+  }
+  assert_int_equal(akv_step_end(e), AKV_OK);
+  /* The host rows: the prefill and the written-back row, byte for byte. */
+  for (uint32_t i = 0; i < 2; i++) {
+    uint8_t hk[7 * 16], hv[7 * 16];
+    uint32_t n = 0;
+    assert_int_equal(akv_context_length(c[i], &n), AKV_OK);
+    assert_int_equal(n, 6 + i);
+    for (uint32_t l = 0; l < 3; l++) {
+      assert_int_equal(akv_context_read(c[i], l, 0, n, hk, hv), AKV_OK);
+      for (uint32_t t = 0; t < n; t++)
+        for (uint32_t x = 0; x < 16; x++) {
+          assert_int_equal(hk[t * 16 + x], fp8_byte(i, l, t, 0, x));
+          assert_int_equal(hv[t * 16 + x], fp8_byte(i, l, t, 1, x));
+        }
+    }
+    assert_int_equal(akv_context_close(c[i]), AKV_OK);
+  }
+  assert_int_equal(akv_stream_destroy(e, s), AKV_OK);
+  assert_int_equal(akv_engine_destroy(e), AKV_OK);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_legal_sequence_with_receipts, setup, teardown),
+      cmocka_unit_test(test_fp8_rows),
       cmocka_unit_test_setup_teardown(test_two_call_form, setup, teardown),
       cmocka_unit_test_setup_teardown(test_begin_refusals, setup, teardown),
       cmocka_unit_test_setup_teardown(test_prior_readers_listed, setup, teardown),

@@ -27,6 +27,9 @@ uint32_t akv_fit_dtype_size(akv_dtype dtype) {
     return 2;
   case AKV_DTYPE_F32:
     return 4;
+  case AKV_DTYPE_FP8_E4M3:
+  case AKV_DTYPE_FP8_E5M2:
+    return 1;
   }
   return 0;
 }
@@ -39,6 +42,10 @@ static const char *akv_fit_dtype_name(akv_dtype dtype) {
     return "f16";
   case AKV_DTYPE_F32:
     return "f32";
+  case AKV_DTYPE_FP8_E4M3:
+    return "fp8-e4m3";
+  case AKV_DTYPE_FP8_E5M2:
+    return "fp8-e5m2";
   }
   return "?";
 }
@@ -136,7 +143,7 @@ static akv_status akv_fit_validate(const akv_engine_config *cfg, char *why, size
     goto fail;
   }
   if (akv_fit_dtype_size(cfg->dtype) == 0) {
-    akv_fit_say(why, cap, "dtype=%d is not an akv_dtype (bf16 0, f16 1, f32 2)", (int)cfg->dtype);
+    akv_fit_say(why, cap, "dtype=%d is not an akv_dtype (bf16 0, f16 1, f32 2, fp8-e4m3 3, fp8-e5m2 4)", (int)cfg->dtype);
     st = AKV_ERR_CONFIG;
     goto fail;
   }

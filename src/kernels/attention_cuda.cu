@@ -31,10 +31,24 @@
  * give the same bits.
  *
  * Geometry handled here: head_dim 64, 128, 256 (head_dim/8 lanes cover one
- * head row with 16-byte loads); subgroups of GT = 1, 2, 4 or 8 query heads
- * (a group larger than 8 is split into several subgroups, each re-reading the
- * K/V rows; heads past the group's end are computed on a zero query and not
- * stored).
+ * head row, 8 elements per lane: one 16-byte load for bf16, one 8-byte load
+ * for FP8); subgroups of GT = 1, 2, 4 or 8 query heads (a group larger than
+ * 8 is split into several subgroups, each re-reading the K/V rows; heads past
+ * the group's end are computed on a zero query and not stored).
+ *
+ * Element types: the kernels are instantiated per dtype (bf16, FP8 E4M3, FP8
+ * E5M2). FP8 codes are decoded to fp32 by the hardware conversion (exact:
+ * every code is a half, every half a float), so an FP8 call computes what a
+ * bf16 call over the decoded values would, with the K scale folded into the
+ * score factor and the V scale applied once in the combine. An FP8 tile has
+ * twice the rows of a bf16 tile (U doubled), so the bytes in flight per
+ * thread are the same.
+ *
+ * Pieces (attention_pieces.h): one chunk block covers one piece of a chunk,
+ * not the whole chunk, so that one long history spreads over more blocks
+ * (a 31,744-token context at chunk 256 gives twice the blocks it gave whole);
+ * the cut depends on chunk_tokens alone, so every route computes the same
+ * partials.
  */
 #include <cuda_runtime.h>
 
@@ -42,7 +56,11 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
 #include "akv_cuda.h"
+#include "attention_pieces.h"
 
 namespace {
 
@@ -80,11 +98,22 @@ constexpr uint32_t kMaxLaunchContexts = 256;
 constexpr float kLog2e = 1.44269504088896340736f; /* same constant as attention_ref.c */
 constexpr size_t kWsAlign = 256;                   /* same layout as attention_ref.c */
 
-template <int D, int GT>
+/* Element kinds the chunk kernel is instantiated for. */
+enum ElemKind { kBf16 = 0, kE4m3 = 1, kE5m2 = 2 };
+
+/* 8 elements of one lane: the vector loaded per row and slice (16 B of bf16,
+ * 8 B of FP8) and its decoding to fp32. */
+template <int E>
+struct Elem;
+
+template <int D, int GT, int E = kBf16>
 struct Cfg {
-  static constexpr int LANES = D / 8;         /* lanes per head row (16 B each) */
+  static constexpr int LANES = D / 8;         /* lanes per head row (8 elements each) */
   static constexpr int TPW = 32 / LANES;      /* rows per warp per load */
-  static constexpr int U_BASE = GT >= 8 ? (AKV_ATTN_LOADS + 1) / 2 : AKV_ATTN_LOADS;
+  /* FP8 loads are half as wide: twice as many keep the same bytes in flight. */
+  static constexpr int WIDEN = E == kBf16 ? 1 : 2;
+  static constexpr int U_BASE =
+      (GT >= 8 ? (AKV_ATTN_LOADS + 1) / 2 : AKV_ATTN_LOADS) * WIDEN;
   static constexpr int U_MIN = 32 / (kWarps * TPW) > 0 ? 32 / (kWarps * TPW) : 1;
   /* 16-byte loads per thread per tile, for K and for V each. */
   static constexpr int U = U_BASE > U_MIN ? U_BASE : U_MIN;
@@ -110,8 +139,12 @@ struct ChunkParams {
   uint32_t group;         /* query heads per kv head */
   uint32_t n_sub;         /* subgroups per kv head */
   uint32_t kv_slots;      /* kv_heads * n_sub */
-  uint32_t stride_chunks; /* chunk slots per (context, head) in the workspace */
-  float scale_log2;
+  uint32_t stride_chunks; /* piece slots per (context, head) in the workspace */
+  uint32_t pieces;        /* pieces per chunk (attention_pieces.h) */
+  uint32_t piece_rows;    /* rows per piece */
+  float scale_log2;       /* scale * log2(e) */
+  uint32_t has_scales;    /* 1: the score factor of kv head g is scale_log2 * k_scale[g] */
+  float k_scale[AKV_ATTENTION_MAX_SCALE_HEADS];
 };
 
 struct CombineParams {
@@ -119,7 +152,12 @@ struct CombineParams {
   const float *ml;
   float *out;
   uint32_t n_heads;
+  uint32_t group;
   uint32_t stride_chunks;
+  uint32_t pieces;
+  uint32_t piece_rows;
+  uint32_t has_scales; /* 1: the output of query head h is multiplied by v_scale[h / group] */
+  float v_scale[AKV_ATTENTION_MAX_SCALE_HEADS];
 };
 
 /* Locator of the contiguous layout, with the optional page overrides of
@@ -162,6 +200,10 @@ struct ContigLoc {
     bad = false;
     return len[ctx] / chunk_tokens + (len[ctx] % chunk_tokens != 0);
   }
+  /* Rows of the last of nch >= 1 chunks. */
+  __device__ __forceinline__ uint32_t last_rows(uint32_t ctx, uint32_t nch) const {
+    return len[ctx] - (nch - 1u) * chunk_tokens;
+  }
 };
 
 /* Locator of the paged layout (FlashInfer style page table). */
@@ -197,6 +239,12 @@ struct PagedLoc {
     bad = e < b || e - b > max_pages;
     return bad ? 0u : e - b;
   }
+  /* Rows of the last page, clamped as locate() clamps them. */
+  __device__ __forceinline__ uint32_t last_rows(uint32_t ctx, uint32_t nch) const {
+    (void)nch;
+    const uint32_t last = last_page_len[ctx];
+    return last < page_tokens ? last : page_tokens;
+  }
 };
 
 __device__ __forceinline__ void bf16x8_to_f32(const uint4 &r, float (&f)[8]) {
@@ -214,12 +262,71 @@ __device__ __forceinline__ uint4 load16(const char *p) {
   return __ldg(reinterpret_cast<const uint4 *>(p));
 }
 
+/* Two FP8 codes (the lower address in the low byte) to two floats, exactly. */
+__device__ __forceinline__ void fp8x2_to_f32(uint32_t two, __nv_fp8_interpretation_t kind,
+                                             float &a, float &b) {
+  const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(two & 0xFFFFu), kind);
+  const float2 f = __half22float2(__half2(r));
+  a = f.x;
+  b = f.y;
+}
+
+__device__ __forceinline__ void fp8x8_to_f32(const uint2 &r, __nv_fp8_interpretation_t kind,
+                                             float (&f)[8]) {
+  fp8x2_to_f32(r.x, kind, f[0], f[1]);
+  fp8x2_to_f32(r.x >> 16, kind, f[2], f[3]);
+  fp8x2_to_f32(r.y, kind, f[4], f[5]);
+  fp8x2_to_f32(r.y >> 16, kind, f[6], f[7]);
+}
+
+template <>
+struct Elem<kBf16> {
+  using Vec = uint4;
+  static constexpr int BYTES = 2; /* per element */
+  static __device__ __forceinline__ Vec load(const char *p) { return load16(p); }
+  static __device__ __forceinline__ Vec zero() { return make_uint4(0u, 0u, 0u, 0u); }
+  static __device__ __forceinline__ void decode(const Vec &r, float (&f)[8]) { bf16x8_to_f32(r, f); }
+};
+
+template <>
+struct Elem<kE4m3> {
+  using Vec = uint2;
+  static constexpr int BYTES = 1;
+  static __device__ __forceinline__ Vec load(const char *p) {
+    return __ldg(reinterpret_cast<const uint2 *>(p));
+  }
+  static __device__ __forceinline__ Vec zero() { return make_uint2(0u, 0u); }
+  static __device__ __forceinline__ void decode(const Vec &r, float (&f)[8]) {
+    fp8x8_to_f32(r, __NV_E4M3, f);
+  }
+};
+
+template <>
+struct Elem<kE5m2> {
+  using Vec = uint2;
+  static constexpr int BYTES = 1;
+  static __device__ __forceinline__ Vec load(const char *p) {
+    return __ldg(reinterpret_cast<const uint2 *>(p));
+  }
+  static __device__ __forceinline__ Vec zero() { return make_uint2(0u, 0u); }
+  static __device__ __forceinline__ void decode(const Vec &r, float (&f)[8]) {
+    fp8x8_to_f32(r, __NV_E5M2, f);
+  }
+};
+
 /* 16-byte asynchronous copy global -> shared; a row past the chunk copies
  * nothing and fills zeros (src-size 0), like the register path's zero row. */
 __device__ __forceinline__ void cp_async16(uint4 *smem, const char *gmem, bool valid) {
   const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
   const int sz = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(sz)
+               : "memory");
+}
+/* The 8-byte form for FP8 slices (cp.async.cg takes 16 bytes only). */
+__device__ __forceinline__ void cp_async16(uint2 *smem, const char *gmem, bool valid) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  const int sz = valid ? 8 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(s), "l"(gmem), "r"(sz)
                : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() {
@@ -278,23 +385,29 @@ constexpr int min_blocks(int gt) {
 }
 
 /* Dynamic shared memory of the chunk kernel: kStages tiles of K and V. */
-template <int D, int GT>
+template <int D, int GT, int E>
 constexpr size_t stage_bytes() {
-  return (size_t)kStages * 2u * (size_t)Cfg<D, GT>::U * kThreads * sizeof(uint4);
+  return (size_t)kStages * 2u * (size_t)Cfg<D, GT, E>::U * kThreads *
+         sizeof(typename Elem<E>::Vec);
 }
 
-template <int D, int GT, class Loc>
+template <int D, int GT, int E, class Loc>
 __global__ void __launch_bounds__(kThreads, min_blocks(GT))
     akv_attn_chunk_kernel(const __grid_constant__ ChunkParams p, const __grid_constant__ Loc loc) {
-  using C = Cfg<D, GT>;
+  using C = Cfg<D, GT, E>;
+  using EL = Elem<E>;
+  using Vec = typename EL::Vec;
   __shared__ float s_p[GT][C::TILE + C::PAD]; /* scores, then probabilities */
   __shared__ float s_alpha[GT];               /* rescale of the running sums */
   __shared__ __align__(16) float s_red[kWarps][D];
 
-  /* blockIdx.x = chunk * kv_slots + kv head * n_sub + subgroup: the blocks of
-   * all kv heads of one chunk are neighbours, so together they read whole rows. */
-  const uint32_t chunk = blockIdx.x / p.kv_slots;
-  const uint32_t slot = blockIdx.x - chunk * p.kv_slots;
+  /* blockIdx.x = (chunk * pieces + piece) * kv_slots + kv head * n_sub +
+   * subgroup: the blocks of all kv heads of one piece are neighbours, so
+   * together they read whole rows. `pslot` is the piece's partial slot. */
+  const uint32_t pslot = blockIdx.x / p.kv_slots;
+  const uint32_t chunk = pslot / p.pieces;
+  const uint32_t piece = pslot - chunk * p.pieces;
+  const uint32_t slot = blockIdx.x - pslot * p.kv_slots;
   const uint32_t kvh = slot / p.n_sub;
   const uint32_t sub = slot - kvh * p.n_sub;
   const uint32_t ctx = blockIdx.y;
@@ -306,8 +419,18 @@ __global__ void __launch_bounds__(kThreads, min_blocks(GT))
   const char *kp;
   const char *vp;
   uint32_t n = 0;
-  /* Block-uniform: a block past its context's last chunk leaves at once. */
+  /* Block-uniform: a block past its context's last chunk, or past the last
+   * row of its chunk, leaves at once; the combine reads only the partials of
+   * pieces that hold rows (akv_attn_context_slots). */
   if (!loc.locate(ctx, chunk, kp, vp, n)) return;
+  {
+    const uint32_t first = piece * p.piece_rows;
+    if (first >= n) return;
+    const uint32_t rest = n - first;
+    n = rest < p.piece_rows ? rest : p.piece_rows;
+    kp += (uint64_t)first * loc.row_bytes;
+    vp += (uint64_t)first * loc.row_bytes;
+  }
 
   const int warp = (int)(threadIdx.x >> 5);
   const int lane = (int)(threadIdx.x & 31);
@@ -317,7 +440,10 @@ __global__ void __launch_bounds__(kThreads, min_blocks(GT))
   const uint32_t left = p.group - sub * GT;
   const int hvalid = left < (uint32_t)GT ? (int)left : GT;
   const uint64_t rb = loc.row_bytes;
-  const size_t head_off = (size_t)kvh * D * 2u + (size_t)dl * 16u;
+  const size_t head_off = ((size_t)kvh * D + (size_t)dl * 8u) * EL::BYTES;
+  /* The score factor of this kv head: the K scale folded in (one rounding,
+   * as in attention_ref.c). */
+  const float score_f = p.has_scales ? p.scale_log2 * p.k_scale[kvh] : p.scale_log2;
   const char *kd = kp + head_off;
   const char *vd = vp + head_off;
 
@@ -343,24 +469,25 @@ __global__ void __launch_bounds__(kThreads, min_blocks(GT))
 
   /* Row slot `u` of this thread in the tile starting at t0; rows past the
    * chunk read as zero (never from memory). */
-  uint4 kr[C::U];
-  uint4 vr[C::U];
-  auto load_rows = [&](uint4(&r)[C::U], const char *base, uint32_t t0) {
+  Vec kr[C::U];
+  Vec vr[C::U];
+  auto load_rows = [&](Vec(&r)[C::U], const char *base, uint32_t t0) {
 #pragma unroll
     for (int u = 0; u < C::U; ++u) {
       const uint32_t t = t0 + u * (kWarps * C::TPW) + warp * C::TPW + tok;
-      r[u] = t < n ? load16(base + t * rb) : make_uint4(0u, 0u, 0u, 0u);
+      r[u] = t < n ? EL::load(base + t * rb) : EL::zero();
     }
   };
   /* Shared-memory pipeline: slot (stage, K|V, u) of thread x is
    * s_buf[((stage * 2 + kv) * U + u) * kThreads + x] (16 consecutive bytes per
    * thread: conflict-free). Tile i lives in stage i % kStages. */
-  extern __shared__ uint4 s_buf[];
+  extern __shared__ uint4 s_raw[];
+  Vec *s_buf = reinterpret_cast<Vec *>(s_raw);
   auto issue_tile = [&](uint32_t i) {
     const uint32_t t0 = i * C::TILE;
     if (t0 < n) {
-      uint4 *sk = s_buf + (size_t)((i % kRing) * 2 * C::U) * kThreads + threadIdx.x;
-      uint4 *sv = sk + (size_t)C::U * kThreads;
+      Vec *sk = s_buf + (size_t)((i % kRing) * 2 * C::U) * kThreads + threadIdx.x;
+      Vec *sv = sk + (size_t)C::U * kThreads;
 #pragma unroll
       for (int u = 0; u < C::U; ++u) {
         const uint32_t t = t0 + u * (kWarps * C::TPW) + warp * C::TPW + tok;
@@ -391,7 +518,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks(GT))
    * tile i starts (its stage was last read before the previous tile's final
    * barrier), so kStages - 1 tiles stay in flight during the arithmetic. */
   uint32_t tile = 0;
-  const uint4 *s_cur = s_buf; /* this thread's slots of the current tile */
+  const Vec *s_cur = s_buf; /* this thread's slots of the current tile */
   for (uint32_t t0 = 0; t0 < n; t0 += C::TILE, ++tile) {
     const uint32_t t_next = t0 + C::TILE;
     if constexpr (kStages > 0) {
@@ -406,7 +533,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks(GT))
 #pragma unroll
     for (int u = 0; u < C::U; ++u) {
       float kf[8];
-      bf16x8_to_f32(kr[u], kf);
+      EL::decode(kr[u], kf);
       float part[GT];
 #pragma unroll
       for (int h = 0; h < GT; ++h) {
@@ -418,7 +545,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks(GT))
       ReduceScatter<C::LANES / 2, GT>::run(part, lane);
       if ((dl & ((1 << C::HEAD_SHIFT) - 1)) == 0) {
         const int tl = u * (kWarps * C::TPW) + warp * C::TPW + tok;
-        s_p[dl >> C::HEAD_SHIFT][tl] = (t0 + tl < n) ? part[0] * p.scale_log2 : -INFINITY;
+        s_p[dl >> C::HEAD_SHIFT][tl] = (t0 + tl < n) ? part[0] * score_f : -INFINITY;
       }
     }
     if constexpr (kStages == 0)
@@ -464,9 +591,9 @@ __global__ void __launch_bounds__(kThreads, min_blocks(GT))
       const int tl = u * (kWarps * C::TPW) + warp * C::TPW + tok;
       float vf[8];
       if constexpr (kStages > 0)
-        bf16x8_to_f32(s_cur[(C::U + u) * kThreads], vf);
+        EL::decode(s_cur[(C::U + u) * kThreads], vf);
       else
-        bf16x8_to_f32(vr[u], vf);
+        EL::decode(vr[u], vf);
 #pragma unroll
       for (int h = 0; h < GT; ++h) {
         const float pr = s_p[h][tl];
@@ -489,7 +616,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks(GT))
       for (int j = 0; j < 8; ++j) acc[h][j] += __shfl_xor_sync(0xFFFFFFFFu, acc[h][j], off);
 
   /* Then the warps, in warp order, one head at a time. */
-  const size_t slot0 = ((size_t)ctx * p.n_heads + head0) * p.stride_chunks + chunk;
+  const size_t slot0 = ((size_t)ctx * p.n_heads + head0) * p.stride_chunks + pslot;
 #pragma unroll
   for (int h = 0; h < GT; ++h) {
     if (lane < C::LANES) {
@@ -539,7 +666,15 @@ __global__ void __launch_bounds__(kThreads)
   const int warp = (int)(threadIdx.x >> 5);
   const int lane = (int)(threadIdx.x & 31);
   bool bad = false;
-  const uint32_t nch = loc.chunks(ctx, bad);
+  const uint32_t n_chunks = loc.chunks(ctx, bad);
+  /* The partials of pieces that hold rows (attention_pieces.h,
+   * akv_attn_context_slots): every piece of the full chunks, then the
+   * non-empty pieces of the last one; the chunk kernel wrote exactly these. */
+  uint32_t nch = 0;
+  if (n_chunks > 0) {
+    const uint32_t last = loc.last_rows(ctx, n_chunks);
+    nch = (n_chunks - 1u) * p.pieces + last / p.piece_rows + (last % p.piece_rows != 0);
+  }
   const size_t slot0 = ((size_t)ctx * p.n_heads + head) * p.stride_chunks;
 
   /* The context's maximum (exact, so the tree order does not matter). */
@@ -575,6 +710,7 @@ __global__ void __launch_bounds__(kThreads)
       lsum += s_l[w];
     }
     float r = (lsum > 0.0f) ? sum / lsum : 0.0f;
+    if (p.has_scales) r *= p.v_scale[head / p.group];
     if (bad) r = __int_as_float(0x7FC00000);
     p.out[((size_t)ctx * p.n_heads + head) * D + d] = r;
   }
@@ -587,37 +723,47 @@ using ChunkFn = void (*)(ChunkParams, Loc);
 template <class Loc>
 using CombineFn = void (*)(CombineParams, Loc);
 
-template <int D, int GT, class Loc>
+template <int D, int GT, int E, class Loc>
 ChunkFn<Loc> chunk_of(size_t *smem) {
-  static_assert(stage_bytes<D, GT>() + 16u * 1024u <= 227u * 1024u,
+  static_assert(stage_bytes<D, GT, E>() + 16u * 1024u <= 227u * 1024u,
                 "AKV_ATTN_STAGES x AKV_ATTN_LOADS tiles exceed the shared memory of an SM");
-  *smem = stage_bytes<D, GT>();
-  return akv_attn_chunk_kernel<D, GT, Loc>;
+  *smem = stage_bytes<D, GT, E>();
+  return akv_attn_chunk_kernel<D, GT, E, Loc>;
 }
 
-template <int D, class Loc>
+template <int D, int E, class Loc>
 ChunkFn<Loc> pick_chunk_gt(int gt, size_t *smem) {
   switch (gt) {
-    case 1: return chunk_of<D, 1, Loc>(smem);
-    case 2: return chunk_of<D, 2, Loc>(smem);
+    case 1: return chunk_of<D, 1, E, Loc>(smem);
+    case 2: return chunk_of<D, 2, E, Loc>(smem);
     case 4:
-      if constexpr (kWarps >= 4) return chunk_of<D, 4, Loc>(smem);
+      if constexpr (kWarps >= 4) return chunk_of<D, 4, E, Loc>(smem);
       return nullptr;
     case 8:
-      if constexpr (kWarps >= 8) return chunk_of<D, 8, Loc>(smem);
+      if constexpr (kWarps >= 8) return chunk_of<D, 8, E, Loc>(smem);
       return nullptr;
     default: return nullptr;
   }
 }
 
-/* The chunk kernel for (head_dim, gt) and its dynamic shared memory. */
-template <class Loc>
-ChunkFn<Loc> pick_chunk(uint32_t head_dim, int gt, size_t *smem) {
-  *smem = 0;
+template <int E, class Loc>
+ChunkFn<Loc> pick_chunk_dim(uint32_t head_dim, int gt, size_t *smem) {
   switch (head_dim) {
-    case 64: return pick_chunk_gt<64, Loc>(gt, smem);
-    case 128: return pick_chunk_gt<128, Loc>(gt, smem);
-    case 256: return pick_chunk_gt<256, Loc>(gt, smem);
+    case 64: return pick_chunk_gt<64, E, Loc>(gt, smem);
+    case 128: return pick_chunk_gt<128, E, Loc>(gt, smem);
+    case 256: return pick_chunk_gt<256, E, Loc>(gt, smem);
+    default: return nullptr;
+  }
+}
+
+/* The chunk kernel for (dtype, head_dim, gt) and its dynamic shared memory. */
+template <class Loc>
+ChunkFn<Loc> pick_chunk(akv_dtype dtype, uint32_t head_dim, int gt, size_t *smem) {
+  *smem = 0;
+  switch (dtype) {
+    case AKV_DTYPE_BF16: return pick_chunk_dim<kBf16, Loc>(head_dim, gt, smem);
+    case AKV_DTYPE_FP8_E4M3: return pick_chunk_dim<kE4m3, Loc>(head_dim, gt, smem);
+    case AKV_DTYPE_FP8_E5M2: return pick_chunk_dim<kE5m2, Loc>(head_dim, gt, smem);
     default: return nullptr;
   }
 }
@@ -659,25 +805,39 @@ static int pick_gt(uint32_t group) {
   return gt < kWarps ? gt : kWarps;
 }
 
-/* The chunk kernel's grid.x (chunks * kv slots) must fit 2^31 - 1. */
-static bool grid_fits(uint32_t chunks, uint32_t n_heads, uint32_t kv_heads) {
+/* The chunk kernel's grid.x (piece slots * kv slots) must fit 2^31 - 1. */
+static bool grid_fits(uint64_t piece_slots, uint32_t n_heads, uint32_t kv_heads) {
   const uint32_t group = n_heads / kv_heads;
   const uint64_t slots = (uint64_t)kv_heads * div_up(group, (uint32_t)pick_gt(group));
-  return (uint64_t)chunks * slots <= 0x7FFFFFFFull;
+  return piece_slots <= 0x7FFFFFFFull && piece_slots * slots <= 0x7FFFFFFFull;
 }
 
-/* Checks shared by both variants. */
+/* Checks shared by both variants; the order of the reference's geom_check
+ * where the two overlap, so both return the same status for the same call. */
 static akv_status check_common(akv_dtype dtype, uint32_t n_heads, uint32_t kv_heads,
                                uint32_t head_dim, uint64_t row_bytes, const void *q,
-                               const float *out, const void *workspace) {
+                               const float *out, const void *workspace, const float *k_scale,
+                               const float *v_scale) {
   if (q == nullptr || out == nullptr) return AKV_ERR_INVALID_ARGUMENT;
   if (n_heads == 0 || kv_heads == 0 || n_heads % kv_heads != 0) return AKV_ERR_INVALID_ARGUMENT;
   if (head_dim == 0 || head_dim > AKV_ATTENTION_MAX_HEAD_DIM) return AKV_ERR_INVALID_ARGUMENT;
-  if (row_bytes < (uint64_t)kv_heads * head_dim * 2u) return AKV_ERR_INVALID_ARGUMENT;
+  const uint32_t esize = akv_attn_elem_bytes(dtype);
+  if (esize == 0) return AKV_ERR_NOT_SUPPORTED;
+  if (row_bytes < (uint64_t)kv_heads * head_dim * esize) return AKV_ERR_INVALID_ARGUMENT;
+  /* Scales: both or neither, required for FP8, finite and positive, and few
+   * enough to travel in the kernel parameters. Read here, on the host, once. */
+  if ((k_scale == nullptr) != (v_scale == nullptr)) return AKV_ERR_INVALID_ARGUMENT;
+  if (esize == 1 && k_scale == nullptr) return AKV_ERR_INVALID_ARGUMENT;
+  if (k_scale != nullptr) {
+    if (kv_heads > AKV_ATTENTION_MAX_SCALE_HEADS) return AKV_ERR_INVALID_ARGUMENT;
+    for (uint32_t g = 0; g < kv_heads; ++g)
+      if (!(isfinite(k_scale[g]) && k_scale[g] > 0.0f && isfinite(v_scale[g]) &&
+            v_scale[g] > 0.0f))
+        return AKV_ERR_INVALID_ARGUMENT;
+  }
   if (!aligned16(q) || !aligned16(row_bytes) || !aligned16(workspace) ||
       ((uintptr_t)out & 3u) != 0)
     return AKV_ERR_INVALID_ARGUMENT;
-  if (dtype != AKV_DTYPE_BF16) return AKV_ERR_NOT_SUPPORTED;
   if (head_dim != 64 && head_dim != 128 && head_dim != 256) return AKV_ERR_NOT_SUPPORTED;
   const uint32_t group = n_heads / kv_heads;
   const uint32_t n_sub = div_up(group, (uint32_t)pick_gt(group));
@@ -690,7 +850,9 @@ static akv_status check_common(akv_dtype dtype, uint32_t n_heads, uint32_t kv_he
  * the ml region at acc_bytes; stride chunk slots per context and head). */
 static void launch_params(uint32_t n_heads, uint32_t kv_heads, uint32_t head_dim, float scale,
                           const void *q, float *out, void *workspace, size_t acc_bytes,
-                          uint32_t stride, uint32_t c0, ChunkParams *cp, CombineParams *pp) {
+                          uint32_t stride, uint32_t chunk_tokens, const float *k_scale,
+                          const float *v_scale, uint32_t c0, ChunkParams *cp,
+                          CombineParams *pp) {
   const uint32_t group = n_heads / kv_heads;
   const uint32_t n_sub = div_up(group, (uint32_t)pick_gt(group));
   const size_t q_per_ctx = (size_t)n_heads * head_dim; /* elements */
@@ -706,21 +868,34 @@ static void launch_params(uint32_t n_heads, uint32_t kv_heads, uint32_t head_dim
   cp->n_sub = n_sub;
   cp->kv_slots = kv_heads * n_sub;
   cp->stride_chunks = stride;
+  cp->pieces = akv_attn_pieces(chunk_tokens);
+  cp->piece_rows = akv_attn_piece_rows(chunk_tokens);
   cp->scale_log2 = scale * kLog2e;
   *pp = CombineParams{};
   pp->acc = cp->acc;
   pp->ml = cp->ml;
   pp->out = out + (size_t)c0 * q_per_ctx;
   pp->n_heads = n_heads;
+  pp->group = group;
   pp->stride_chunks = stride;
+  pp->pieces = cp->pieces;
+  pp->piece_rows = cp->piece_rows;
+  /* check_common bounded kv_heads by the arrays when scales are given. */
+  if (k_scale != nullptr) {
+    cp->has_scales = pp->has_scales = 1;
+    for (uint32_t g = 0; g < kv_heads; ++g) {
+      cp->k_scale[g] = k_scale[g];
+      pp->v_scale[g] = v_scale[g];
+    }
+  }
 }
 
 template <class Loc>
-akv_status launch_pair(uint32_t head_dim, int gt, dim3 grid_chunk, const ChunkParams &cp,
-                       dim3 grid_combine, const CombineParams &pp, const Loc &loc,
-                       cudaStream_t stream) {
+akv_status launch_pair(akv_dtype dtype, uint32_t head_dim, int gt, dim3 grid_chunk,
+                       const ChunkParams &cp, dim3 grid_combine, const CombineParams &pp,
+                       const Loc &loc, cudaStream_t stream) {
   size_t smem = 0;
-  ChunkFn<Loc> chunk_fn = pick_chunk<Loc>(head_dim, gt, &smem);
+  ChunkFn<Loc> chunk_fn = pick_chunk<Loc>(dtype, head_dim, gt, &smem);
   CombineFn<Loc> combine_fn = pick_combine<Loc>(head_dim);
   if (chunk_fn == nullptr || combine_fn == nullptr) return AKV_ERR_NOT_SUPPORTED;
   cudaLaunchConfig_t cfg = {};
@@ -762,10 +937,11 @@ extern "C" AKV_API akv_status akv_attention_decode_cuda(const akv_attention_args
                                                         cudaStream_t stream) {
   akv_status st = AKV_ERR_INVALID_ARGUMENT;
   uint32_t max_len = 0;
+  uint64_t slots = 0;
   size_t acc_bytes = 0, total = 0;
   if (a == nullptr) goto fail;
   st = check_common(a->dtype, a->n_heads, a->kv_heads, a->head_dim, a->row_bytes, a->q, a->out,
-                    a->workspace);
+                    a->workspace, a->k_scale, a->v_scale);
   if (st != AKV_OK) goto fail;
   st = AKV_ERR_INVALID_ARGUMENT;
   if (a->n_contexts == 0 || a->chunk_tokens == 0 || a->len == nullptr || a->k_base == nullptr ||
@@ -778,15 +954,16 @@ extern "C" AKV_API akv_status akv_attention_decode_cuda(const akv_attention_args
     goto fail;
   for (uint32_t i = 0; i < a->n_contexts; ++i)
     if (a->len[i] > max_len) max_len = a->len[i];
-  if (!ws_layout(a->n_contexts, a->n_heads, a->head_dim, div_up(max_len, a->chunk_tokens),
-                 &acc_bytes, &total))
+  /* Piece slots per (context, head): the stride of the workspace. */
+  slots = (uint64_t)div_up(max_len, a->chunk_tokens) * akv_attn_pieces(a->chunk_tokens);
+  if (!grid_fits(slots, a->n_heads, a->kv_heads)) goto fail;
+  if (!ws_layout(a->n_contexts, a->n_heads, a->head_dim, (uint32_t)slots, &acc_bytes, &total))
     goto fail;
   if (a->workspace_bytes < total || (total != 0 && a->workspace == nullptr)) goto fail;
-  if (!grid_fits(div_up(max_len, a->chunk_tokens), a->n_heads, a->kv_heads)) goto fail;
 
   {
     const int gt = pick_gt(a->n_heads / a->kv_heads);
-    const uint32_t stride = div_up(max_len, a->chunk_tokens);
+    const uint32_t stride = (uint32_t)slots;
 
     for (uint32_t c0 = 0; c0 < a->n_contexts; c0 += kMaxLaunchContexts) {
       const uint32_t nc = a->n_contexts - c0 < kMaxLaunchContexts ? a->n_contexts - c0
@@ -804,17 +981,18 @@ extern "C" AKV_API akv_status akv_attention_decode_cuda(const akv_attention_args
         loc.pv = static_cast<const char *>(a->v_pages);
         loc.page_stride = a->page_stride;
       }
-      uint32_t grid_x = 0;
+      uint32_t grid_x = 0; /* piece slots of the launch's longest context */
       for (uint32_t i = 0; i < nc; ++i) {
         loc.len[i] = a->len[c0 + i];
         const uint32_t ch = div_up(loc.len[i], a->chunk_tokens);
         if (ch > grid_x) grid_x = ch;
       }
+      grid_x *= akv_attn_pieces(a->chunk_tokens); /* <= stride: grid_fits bounds it */
       ChunkParams cp;
       CombineParams pp;
       launch_params(a->n_heads, a->kv_heads, a->head_dim, a->scale, a->q, a->out, a->workspace,
-                    acc_bytes, stride, c0, &cp, &pp);
-      st = launch_pair<ContigLoc>(a->head_dim, gt, dim3(grid_x * cp.kv_slots, nc, 1), cp,
+                    acc_bytes, stride, a->chunk_tokens, a->k_scale, a->v_scale, c0, &cp, &pp);
+      st = launch_pair<ContigLoc>(a->dtype, a->head_dim, gt, dim3(grid_x * cp.kv_slots, nc, 1), cp,
                                   dim3(a->n_heads * (a->head_dim / 32u), nc, 1), pp, loc, stream);
       if (st != AKV_OK) goto fail;
     }
@@ -827,23 +1005,26 @@ fail:
 extern "C" AKV_API akv_status akv_attention_paged_cuda(const akv_attention_paged_args *a,
                                                        akv_page_table t, cudaStream_t stream) {
   akv_status st = AKV_ERR_INVALID_ARGUMENT;
+  uint64_t slots = 0;
   size_t acc_bytes = 0, total = 0;
   if (a == nullptr) goto fail;
   st = check_common(a->dtype, a->n_heads, a->kv_heads, a->head_dim, t.row_bytes, a->q, a->out,
-                    a->workspace);
+                    a->workspace, a->k_scale, a->v_scale);
   if (st != AKV_OK) goto fail;
   st = AKV_ERR_INVALID_ARGUMENT;
   if (t.batch == 0 || t.page_tokens == 0 || t.indptr == nullptr || t.indices == nullptr ||
       t.last_page_len == nullptr || t.k_pages == nullptr || t.v_pages == nullptr)
     goto fail;
   if (!aligned16(t.k_pages) || !aligned16(t.v_pages) || !aligned16(t.page_stride)) goto fail;
-  if (!ws_layout(t.batch, a->n_heads, a->head_dim, t.max_pages, &acc_bytes, &total)) goto fail;
+  slots = (uint64_t)t.max_pages * akv_attn_pieces(t.page_tokens);
+  if (!grid_fits(slots, a->n_heads, a->kv_heads)) goto fail;
+  if (!ws_layout(t.batch, a->n_heads, a->head_dim, (uint32_t)slots, &acc_bytes, &total))
+    goto fail;
   if (a->workspace_bytes < total || (total != 0 && a->workspace == nullptr)) goto fail;
-  if (!grid_fits(t.max_pages, a->n_heads, a->kv_heads)) goto fail;
 
   {
     const int gt = pick_gt(a->n_heads / a->kv_heads);
-    const uint32_t stride = t.max_pages;
+    const uint32_t stride = (uint32_t)slots;
 
     for (uint32_t c0 = 0; c0 < t.batch; c0 += kMaxLaunchContexts) {
       const uint32_t nc = t.batch - c0 < kMaxLaunchContexts ? t.batch - c0 : kMaxLaunchContexts;
@@ -860,8 +1041,8 @@ extern "C" AKV_API akv_status akv_attention_paged_cuda(const akv_attention_paged
       ChunkParams cp;
       CombineParams pp;
       launch_params(a->n_heads, a->kv_heads, a->head_dim, a->scale, a->q, a->out, a->workspace,
-                    acc_bytes, stride, c0, &cp, &pp);
-      st = launch_pair<PagedLoc>(a->head_dim, gt, dim3(t.max_pages * cp.kv_slots, nc, 1), cp,
+                    acc_bytes, stride, t.page_tokens, a->k_scale, a->v_scale, c0, &cp, &pp);
+      st = launch_pair<PagedLoc>(a->dtype, a->head_dim, gt, dim3(stride * cp.kv_slots, nc, 1), cp,
                                  dim3(a->n_heads * (a->head_dim / 32u), nc, 1), pp, loc, stream);
       if (st != AKV_OK) goto fail;
     }

@@ -1,16 +1,20 @@
 /*
  * attention_ref.c - the CPU reference of GQA decode attention (akv_attention.h).
  *
- * The structure is the one the CUDA kernels follow (src/attention_cuda.cu):
+ * The structure is the one the CUDA kernels follow (attention_cuda.cu):
  * stage 1 computes one partial (m, l, acc[head_dim]) per (context, query head,
- * chunk) into the workspace; stage 2 combines a context's partials. Within a
- * chunk the reference works in two passes (exact chunk maximum first, then the
- * exponentials and sums in row order), which the GPU replaces by tiles with a
- * running maximum; the two agree to rounding.
+ * piece of a chunk; attention_pieces.h) into the workspace; stage 2 combines
+ * a context's partials. Within a piece the reference works in two passes
+ * (exact maximum first, then the exponentials and sums in row order), which
+ * the GPU replaces by tiles with a running maximum; the two agree to rounding.
  *
- * Contiguous and paged calls share chunk_partial() and combine(): with
+ * Contiguous and paged calls share chunk_partials() and combine(): with
  * page_tokens == chunk_tokens each chunk sees the same rows in the same order,
  * so the two give the same bits.
+ *
+ * FP8 rows are decoded code by code into fp32 (exact: every E4M3 and E5M2
+ * value is an fp32 value), the K scale is folded into the score factor and
+ * the V scale applied once to the combined output (akv_attention.h).
  *
  * No allocation: per-call scratch lives on the stack (head_dim is bounded by
  * AKV_ATTENTION_MAX_HEAD_DIM), partials in the caller's workspace.
@@ -20,6 +24,7 @@
 #include <string.h>
 
 #include "akv_attention.h"
+#include "attention_pieces.h"
 
 /* log2(e) as a float: scores are kept in the base-2 domain (exp2). */
 #define AKV_LOG2E_F 1.44269504088896340736f
@@ -34,6 +39,56 @@ static float bf16_to_f32(uint16_t h) {
   return f;
 }
 
+/* OCP FP8 E4M3 ("fn" variant): bias 7, no infinity, S.1111.111 is NaN. */
+static float e4m3_to_f32(uint8_t c) {
+  const uint32_t sign = (uint32_t)(c & 0x80u) << 24;
+  const uint32_t e = (c >> 3) & 0xFu, m = c & 7u;
+  float f;
+  if (e == 0) {
+    f = (float)m * 0x1p-9f; /* subnormal: m/8 * 2^-6, exact */
+    return sign ? -f : f;
+  }
+  if (e == 15 && m == 7) return NAN;
+  const uint32_t bits = sign | ((e - 7u + 127u) << 23) | (m << 20);
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+/* OCP FP8 E5M2: the top byte of an IEEE binary16 (bias 15, infinities, NaN). */
+static float e5m2_to_f32(uint8_t c) {
+  const uint32_t sign = (uint32_t)(c & 0x80u) << 24;
+  const uint32_t e = (c >> 2) & 0x1Fu, m = c & 3u;
+  float f;
+  uint32_t bits;
+  if (e == 0) {
+    f = (float)m * 0x1p-16f; /* subnormal: m/4 * 2^-14, exact */
+    return sign ? -f : f;
+  }
+  if (e == 31) bits = sign | 0x7F800000u | (m << 21); /* inf (m 0) or NaN */
+  else bits = sign | ((e - 15u + 127u) << 23) | (m << 21);
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+/* The d elements of one head row at p, decoded to fp32. */
+static void decode_row(akv_dtype dtype, const char *p, float *dst, uint32_t d) {
+  switch (dtype) {
+  case AKV_DTYPE_FP8_E4M3:
+    for (uint32_t j = 0; j < d; ++j) dst[j] = e4m3_to_f32((uint8_t)p[j]);
+    break;
+  case AKV_DTYPE_FP8_E5M2:
+    for (uint32_t j = 0; j < d; ++j) dst[j] = e5m2_to_f32((uint8_t)p[j]);
+    break;
+  default: { /* bf16, the only other dtype geom_check lets through */
+    uint16_t h;
+    for (uint32_t j = 0; j < d; ++j) {
+      memcpy(&h, p + 2u * j, sizeof h);
+      dst[j] = bf16_to_f32(h);
+    }
+  }
+  }
+}
+
 static size_t align_up(size_t x) { return (x + AKV_WS_ALIGN - 1) & ~(AKV_WS_ALIGN - 1); }
 
 /* Multiplies with an overflow check; returns 0 on overflow. */
@@ -43,7 +98,8 @@ static int mul_ok(size_t a, size_t b, size_t *out) {
   return 1;
 }
 
-/* Workspace layout shared by every variant:
+/* Workspace layout shared by every variant (max_chunks counts piece slots:
+ * chunks times akv_attn_pieces):
  *   acc: float [n_contexts][n_heads][max_chunks][head_dim], then aligned,
  *   ml:  float [n_contexts][n_heads][max_chunks][2] (m, l).
  * Returns 0 on overflow. */
@@ -65,16 +121,26 @@ static int ws_layout(uint32_t n_contexts, uint32_t n_heads, uint32_t head_dim,
 
 static uint32_t div_up(uint32_t a, uint32_t b) { return a / b + (a % b != 0); }
 
+/* Piece slots per (context, head) for histories of up to max_tokens rows;
+ * 0 when the count does not fit 32 bits. */
+static int slots_for(uint32_t max_tokens, uint32_t chunk_tokens, uint32_t *out) {
+  const uint64_t s = (uint64_t)div_up(max_tokens, chunk_tokens) * akv_attn_pieces(chunk_tokens);
+  if (s > UINT32_MAX) return 0;
+  *out = (uint32_t)s;
+  return 1;
+}
+
 akv_status akv_attention_workspace_bytes(uint32_t n_contexts, uint32_t n_heads,
                                          uint32_t head_dim, uint32_t max_tokens,
                                          uint32_t chunk_tokens, size_t *out) {
   akv_status st = AKV_ERR_INVALID_ARGUMENT;
   size_t acc_bytes, total;
+  uint32_t slots;
   if (out == NULL || n_contexts == 0 || n_heads == 0 || head_dim == 0 || chunk_tokens == 0 ||
       head_dim > AKV_ATTENTION_MAX_HEAD_DIM)
     goto fail;
-  if (!ws_layout(n_contexts, n_heads, head_dim, div_up(max_tokens, chunk_tokens), &acc_bytes,
-                 &total))
+  if (!slots_for(max_tokens, chunk_tokens, &slots) ||
+      !ws_layout(n_contexts, n_heads, head_dim, slots, &acc_bytes, &total))
     goto fail;
   *out = total;
   return AKV_OK;
@@ -85,23 +151,53 @@ fail:
 /* The geometry both variants share, checked once. */
 typedef struct ref_geom {
   uint32_t n_heads, kv_heads, group, head_dim;
-  float scale_log2;
+  akv_dtype dtype;
+  uint32_t esize;    /* bytes per K/V element */
+  float scale_log2;  /* scale * log2(e) */
+  const float *k_scale, *v_scale; /* [kv_heads] or NULL (1) */
   const uint16_t *q;
   float *out;
   float *acc; /* workspace acc region */
   float *ml;  /* workspace ml region */
-  uint32_t max_chunks;
+  uint32_t max_chunks; /* piece slots per (context, head) */
 } ref_geom;
 
 static akv_status geom_check(akv_dtype dtype, uint32_t n_heads, uint32_t kv_heads,
                              uint32_t head_dim, uint64_t row_bytes, const void *q,
-                             const float *out) {
+                             const float *out, const float *k_scale, const float *v_scale) {
   if (q == NULL || out == NULL) return AKV_ERR_INVALID_ARGUMENT;
   if (n_heads == 0 || kv_heads == 0 || n_heads % kv_heads != 0) return AKV_ERR_INVALID_ARGUMENT;
   if (head_dim == 0 || head_dim > AKV_ATTENTION_MAX_HEAD_DIM) return AKV_ERR_INVALID_ARGUMENT;
-  if (row_bytes < (uint64_t)kv_heads * head_dim * 2u) return AKV_ERR_INVALID_ARGUMENT;
-  if (dtype != AKV_DTYPE_BF16) return AKV_ERR_NOT_SUPPORTED;
+  const uint32_t esize = akv_attn_elem_bytes(dtype);
+  if (esize == 0) return AKV_ERR_NOT_SUPPORTED;
+  if (row_bytes < (uint64_t)kv_heads * head_dim * esize) return AKV_ERR_INVALID_ARGUMENT;
+  /* Scales: both or neither; FP8 codes mean nothing without them. */
+  if ((k_scale == NULL) != (v_scale == NULL)) return AKV_ERR_INVALID_ARGUMENT;
+  if (esize == 1 && k_scale == NULL) return AKV_ERR_INVALID_ARGUMENT;
+  if (k_scale != NULL) {
+    if (kv_heads > AKV_ATTENTION_MAX_SCALE_HEADS) return AKV_ERR_INVALID_ARGUMENT;
+    for (uint32_t g = 0; g < kv_heads; ++g)
+      if (!(isfinite(k_scale[g]) && k_scale[g] > 0.0f && isfinite(v_scale[g]) &&
+            v_scale[g] > 0.0f))
+        return AKV_ERR_INVALID_ARGUMENT;
+  }
   return AKV_OK;
+}
+
+static void geom_fill(ref_geom *g, akv_dtype dtype, uint32_t n_heads, uint32_t kv_heads,
+                      uint32_t head_dim, float scale, const void *q, float *out,
+                      const float *k_scale, const float *v_scale) {
+  g->n_heads = n_heads;
+  g->kv_heads = kv_heads;
+  g->group = n_heads / kv_heads;
+  g->head_dim = head_dim;
+  g->dtype = dtype;
+  g->esize = akv_attn_elem_bytes(dtype);
+  g->scale_log2 = scale * AKV_LOG2E_F;
+  g->k_scale = k_scale;
+  g->v_scale = v_scale;
+  g->q = (const uint16_t *)q;
+  g->out = out;
 }
 
 /* Binds the workspace; fails when it is too small for max_chunks. */
@@ -117,22 +213,25 @@ static akv_status geom_bind(ref_geom *g, uint32_t n_contexts, void *workspace,
   return AKV_OK;
 }
 
-static float dot_row(const float *qf, const uint16_t *k, uint32_t d) {
+static float dot_row(const float *qf, const float *kf, uint32_t d) {
   float s = 0.0f;
-  for (uint32_t j = 0; j < d; ++j) s += qf[j] * bf16_to_f32(k[j]);
+  for (uint32_t j = 0; j < d; ++j) s += qf[j] * kf[j];
   return s;
 }
 
 /*
- * Stage 1 for one (context, kv head, chunk): n rows starting at k_rows/v_rows
+ * Stage 1 for one (context, kv head, piece): n rows starting at k_rows/v_rows
  * (already offset to the kv head), row_bytes apart. Writes the partials of
- * every query head of the group into slot `chunk` of the context.
+ * every query head of the group into piece slot `chunk` of the context.
  */
 static void chunk_partial(const ref_geom *g, uint32_t ctx, uint32_t kvh, uint32_t chunk,
                           const char *k_rows, const char *v_rows, uint64_t row_bytes,
                           uint32_t n) {
   const uint32_t d = g->head_dim;
-  float qf[AKV_ATTENTION_MAX_HEAD_DIM];
+  float qf[AKV_ATTENTION_MAX_HEAD_DIM], kf[AKV_ATTENTION_MAX_HEAD_DIM],
+      vf[AKV_ATTENTION_MAX_HEAD_DIM];
+  /* The K scale folds into the score factor, once per kv head. */
+  const float c = g->k_scale ? g->scale_log2 * g->k_scale[kvh] : g->scale_log2;
   for (uint32_t hg = 0; hg < g->group; ++hg) {
     const uint32_t h = kvh * g->group + hg;
     const uint16_t *qh = g->q + ((size_t)ctx * g->n_heads + h) * d;
@@ -145,24 +244,46 @@ static void chunk_partial(const ref_geom *g, uint32_t ctx, uint32_t kvh, uint32_
     }
     /* Pass 1: the exact maximum of the chunk's scores. */
     for (uint32_t t = 0; t < n; ++t) {
-      const float s = dot_row(qf, (const uint16_t *)(k_rows + t * row_bytes), d) * g->scale_log2;
+      decode_row(g->dtype, k_rows + t * row_bytes, kf, d);
+      const float s = dot_row(qf, kf, d) * c;
       m = fmaxf(m, s);
     }
     /* Pass 2: exponentials, their sum and the weighted V rows, in row order. */
     const float m_use = (m == -INFINITY) ? 0.0f : m;
     for (uint32_t t = 0; t < n; ++t) {
-      const float s = dot_row(qf, (const uint16_t *)(k_rows + t * row_bytes), d) * g->scale_log2;
+      decode_row(g->dtype, k_rows + t * row_bytes, kf, d);
+      const float s = dot_row(qf, kf, d) * c;
       const float p = exp2f(s - m_use);
-      const uint16_t *v = (const uint16_t *)(v_rows + t * row_bytes);
+      decode_row(g->dtype, v_rows + t * row_bytes, vf, d);
       l += p;
-      for (uint32_t j = 0; j < d; ++j) acc[j] += p * bf16_to_f32(v[j]);
+      for (uint32_t j = 0; j < d; ++j) acc[j] += p * vf[j];
     }
     g->ml[slot * 2 + 0] = m;
     g->ml[slot * 2 + 1] = l;
   }
 }
 
-/* Stage 2 for one context: combines chunks [0, n_chunks) in chunk order. */
+/*
+ * Stage 1 for one chunk of n rows (1..chunk_tokens) at k_chunk/v_chunk:
+ * every kv head of every piece, the pieces into slots chunk * pieces + j.
+ */
+static void chunk_partials(const ref_geom *g, uint32_t ctx, uint32_t chunk, uint32_t chunk_tokens,
+                           const char *k_chunk, const char *v_chunk, uint64_t row_bytes,
+                           uint32_t n) {
+  const uint32_t pieces = akv_attn_pieces(chunk_tokens), prow = akv_attn_piece_rows(chunk_tokens);
+  for (uint32_t j = 0; j < pieces && j * prow < n; ++j) {
+    const uint32_t first = j * prow;
+    const uint32_t rows = n - first < prow ? n - first : prow;
+    for (uint32_t kvh = 0; kvh < g->kv_heads; ++kvh) {
+      const size_t off = (size_t)first * row_bytes + (size_t)kvh * g->head_dim * g->esize;
+      chunk_partial(g, ctx, kvh, chunk * pieces + j, k_chunk + off, v_chunk + off, row_bytes,
+                    rows);
+    }
+  }
+}
+
+/* Stage 2 for one context: combines piece slots [0, n_chunks) in order and
+ * applies the V scale. */
 static void combine(const ref_geom *g, uint32_t ctx, uint32_t n_chunks) {
   const uint32_t d = g->head_dim;
   float o[AKV_ATTENTION_MAX_HEAD_DIM];
@@ -179,7 +300,8 @@ static void combine(const ref_geom *g, uint32_t ctx, uint32_t n_chunks) {
       l += w * g->ml[(slot0 + c) * 2 + 1];
       for (uint32_t j = 0; j < d; ++j) o[j] += w * acc[j];
     }
-    for (uint32_t j = 0; j < d; ++j) out[j] = (l > 0.0f) ? o[j] / l : 0.0f;
+    const float vs = g->v_scale ? g->v_scale[h / g->group] : 1.0f;
+    for (uint32_t j = 0; j < d; ++j) out[j] = ((l > 0.0f) ? o[j] / l : 0.0f) * vs;
   }
 }
 
@@ -188,7 +310,8 @@ akv_status akv_attention_ref_bf16(const akv_attention_args *a) {
   ref_geom g;
   uint32_t max_len = 0;
   if (a == NULL) goto fail;
-  st = geom_check(a->dtype, a->n_heads, a->kv_heads, a->head_dim, a->row_bytes, a->q, a->out);
+  st = geom_check(a->dtype, a->n_heads, a->kv_heads, a->head_dim, a->row_bytes, a->q, a->out,
+                  a->k_scale, a->v_scale);
   if (st != AKV_OK) goto fail;
   st = AKV_ERR_INVALID_ARGUMENT;
   if (a->n_contexts == 0 || a->chunk_tokens == 0 || a->len == NULL || a->k_base == NULL ||
@@ -199,14 +322,9 @@ akv_status akv_attention_ref_bf16(const akv_attention_args *a) {
   for (uint32_t i = 0; i < a->n_contexts; ++i)
     if (a->len[i] > max_len) max_len = a->len[i];
 
-  g.n_heads = a->n_heads;
-  g.kv_heads = a->kv_heads;
-  g.group = a->n_heads / a->kv_heads;
-  g.head_dim = a->head_dim;
-  g.scale_log2 = a->scale * AKV_LOG2E_F;
-  g.q = (const uint16_t *)a->q;
-  g.out = a->out;
-  g.max_chunks = div_up(max_len, a->chunk_tokens);
+  geom_fill(&g, a->dtype, a->n_heads, a->kv_heads, a->head_dim, a->scale, a->q, a->out,
+            a->k_scale, a->v_scale);
+  if (!slots_for(max_len, a->chunk_tokens, &g.max_chunks)) goto fail;
   st = geom_bind(&g, a->n_contexts, a->workspace, a->workspace_bytes);
   if (st != AKV_OK) goto fail;
 
@@ -227,12 +345,13 @@ akv_status akv_attention_ref_bf16(const akv_attention_args *a) {
           vp = (const char *)a->v_pages + (size_t)page * a->page_stride;
         }
       }
-      for (uint32_t kvh = 0; kvh < a->kv_heads; ++kvh) {
-        const size_t head_off = (size_t)kvh * a->head_dim * 2u;
-        chunk_partial(&g, i, kvh, c, kp + head_off, vp + head_off, a->row_bytes, n);
-      }
+      chunk_partials(&g, i, c, a->chunk_tokens, kp, vp, a->row_bytes, n);
     }
-    combine(&g, i, n_chunks);
+    combine(&g, i,
+            (uint32_t)akv_attn_context_slots(n_chunks,
+                                             a->len[i] - (n_chunks ? (n_chunks - 1) : 0) *
+                                                             a->chunk_tokens,
+                                             a->chunk_tokens));
   }
   return AKV_OK;
 fail:
@@ -268,7 +387,8 @@ akv_status akv_attention_paged_ref_bf16(const akv_attention_paged_args *a, akv_p
   akv_status st = AKV_ERR_INVALID_ARGUMENT;
   ref_geom g;
   if (a == NULL) goto fail;
-  st = geom_check(a->dtype, a->n_heads, a->kv_heads, a->head_dim, t.row_bytes, a->q, a->out);
+  st = geom_check(a->dtype, a->n_heads, a->kv_heads, a->head_dim, t.row_bytes, a->q, a->out,
+                  a->k_scale, a->v_scale);
   if (st != AKV_OK) goto fail;
   st = AKV_ERR_INVALID_ARGUMENT;
   if (t.batch == 0 || t.page_tokens == 0 || t.indptr == NULL || t.last_page_len == NULL ||
@@ -284,14 +404,13 @@ akv_status akv_attention_paged_ref_bf16(const akv_attention_paged_args *a, akv_p
   }
   if (t.indptr[t.batch] > 0 && t.indices == NULL) goto fail;
 
-  g.n_heads = a->n_heads;
-  g.kv_heads = a->kv_heads;
-  g.group = a->n_heads / a->kv_heads;
-  g.head_dim = a->head_dim;
-  g.scale_log2 = a->scale * AKV_LOG2E_F;
-  g.q = (const uint16_t *)a->q;
-  g.out = a->out;
-  g.max_chunks = t.max_pages;
+  geom_fill(&g, a->dtype, a->n_heads, a->kv_heads, a->head_dim, a->scale, a->q, a->out,
+            a->k_scale, a->v_scale);
+  {
+    const uint64_t slots = (uint64_t)t.max_pages * akv_attn_pieces(t.page_tokens);
+    if (slots > UINT32_MAX) goto fail;
+    g.max_chunks = (uint32_t)slots;
+  }
   st = geom_bind(&g, t.batch, a->workspace, a->workspace_bytes);
   if (st != AKV_OK) goto fail;
 
@@ -301,13 +420,11 @@ akv_status akv_attention_paged_ref_bf16(const akv_attention_paged_args *a, akv_p
       const uint32_t page = t.indices[t.indptr[i] + c];
       const uint32_t n = (c + 1 == np) ? t.last_page_len[i] : t.page_tokens;
       const size_t off = (size_t)page * t.page_stride;
-      for (uint32_t kvh = 0; kvh < a->kv_heads; ++kvh) {
-        const size_t head_off = (size_t)kvh * a->head_dim * 2u;
-        chunk_partial(&g, i, kvh, c, (const char *)t.k_pages + off + head_off,
-                      (const char *)t.v_pages + off + head_off, t.row_bytes, n);
-      }
+      chunk_partials(&g, i, c, t.page_tokens, (const char *)t.k_pages + off,
+                     (const char *)t.v_pages + off, t.row_bytes, n);
     }
-    combine(&g, i, np);
+    combine(&g, i,
+            (uint32_t)akv_attn_context_slots(np, np ? t.last_page_len[i] : 0, t.page_tokens));
   }
   return AKV_OK;
 fail:

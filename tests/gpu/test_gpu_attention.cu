@@ -7,6 +7,10 @@
  * two passes in row order on the CPU) and in exp2 (ex2.approx vs libm), so the
  * error is a few fp32 roundings (about 1e-6), far under the bound, while any
  * indexing mistake gives errors near 1.
+ * FP8 (E4M3, E5M2) with per-head scales: the same bound against the C
+ * reference, and the same bound against a float64 attention over the decoded
+ * and scaled values (attn_naive_f64), so one GPU pass proves the FP8 kernels
+ * without trusting the reference.
  * Also checked, with outputs poisoned (NaN) before every launch:
  *  - every output element is written;
  *  - CUDA paged == CUDA contiguous, bit for bit (page_tokens == chunk_tokens);
@@ -57,6 +61,8 @@ static void *xmalloc(size_t n) {
 
 /* One problem: host history in the akv_view layout, its device copy, q. */
 typedef struct problem {
+  akv_dtype dtype;
+  float k_scale[64], v_scale[64]; /* FP8: per kv head; bf16: not passed */
   uint32_t n_ctx, n_heads, kv_heads, head_dim, chunk;
   uint32_t *len;
   uint32_t cap;
@@ -69,9 +75,16 @@ typedef struct problem {
   uint16_t *d_q;
 } problem;
 
-static void problem_init(problem *p, uint32_t n_ctx, uint32_t n_heads, uint32_t kv_heads,
-                         uint32_t head_dim, uint32_t chunk, const uint32_t *len, float amp) {
+static void problem_init_dt(problem *p, akv_dtype dt, uint32_t n_ctx, uint32_t n_heads,
+                            uint32_t kv_heads, uint32_t head_dim, uint32_t chunk,
+                            const uint32_t *len, float amp) {
   memset(p, 0, sizeof *p);
+  assert_true(kv_heads <= 64);
+  p->dtype = dt;
+  for (uint32_t g = 0; g < kv_heads; ++g) {
+    p->k_scale[g] = 0.11f * (1.0f + 0.37f * (float)(g % 5u));
+    p->v_scale[g] = 0.13f * (1.0f + 0.21f * (float)((g * 5u) % 7u));
+  }
   p->n_ctx = n_ctx;
   p->n_heads = n_heads;
   p->kv_heads = kv_heads;
@@ -83,18 +96,18 @@ static void problem_init(problem *p, uint32_t n_ctx, uint32_t n_heads, uint32_t 
     p->len[i] = len[i];
     if (len[i] + 1 > p->cap) p->cap = len[i] + 1;
   }
-  p->row_bytes = (uint64_t)kv_heads * head_dim * 2u + 32u;
+  p->row_bytes = (uint64_t)kv_heads * head_dim * attn_elem_bytes(dt) + 32u;
   p->v_offset = p->cap * p->row_bytes + 64u;
   p->context_stride = 2u * p->v_offset;
   const size_t bytes = (size_t)n_ctx * p->context_stride;
   p->base = (char *)xmalloc(bytes);
-  fill_nan16(p->base, bytes);
+  fill_nan_dt(p->base, bytes, dt);
   const size_t row_elems = (size_t)kv_heads * head_dim;
   for (uint32_t i = 0; i < n_ctx; ++i)
     for (uint32_t t = 0; t < len[i]; ++t) {
       char *k = p->base + i * p->context_stride + t * p->row_bytes;
-      fill_random16((uint16_t *)k, row_elems, 1.0f);
-      fill_random16((uint16_t *)(k + p->v_offset), row_elems, 1.0f);
+      fill_random_dt(k, row_elems, dt, 1.0f);
+      fill_random_dt(k + p->v_offset, row_elems, dt, 1.0f);
     }
   const size_t q_elems = (size_t)n_ctx * n_heads * head_dim;
   p->q = (uint16_t *)xmalloc(q_elems * 2u);
@@ -104,6 +117,11 @@ static void problem_init(problem *p, uint32_t n_ctx, uint32_t n_heads, uint32_t 
   CUDA_OK(cudaMemcpy(p->d_base, p->base, bytes, cudaMemcpyHostToDevice));
   CUDA_OK(cudaMalloc((void **)&p->d_q, q_elems * 2u));
   CUDA_OK(cudaMemcpy(p->d_q, p->q, q_elems * 2u, cudaMemcpyHostToDevice));
+}
+
+static void problem_init(problem *p, uint32_t n_ctx, uint32_t n_heads, uint32_t kv_heads,
+                         uint32_t head_dim, uint32_t chunk, const uint32_t *len, float amp) {
+  problem_init_dt(p, AKV_DTYPE_BF16, n_ctx, n_heads, kv_heads, head_dim, chunk, len, amp);
 }
 
 static void problem_free(problem *p) {
@@ -128,7 +146,11 @@ static akv_attention_args make_args(const problem *p, bool device, float *out, v
                                     size_t ws_bytes) {
   akv_attention_args a;
   memset(&a, 0, sizeof a);
-  a.dtype = AKV_DTYPE_BF16;
+  a.dtype = p->dtype;
+  if (p->dtype != AKV_DTYPE_BF16) {
+    a.k_scale = p->k_scale;
+    a.v_scale = p->v_scale;
+  }
   a.n_contexts = p->n_ctx;
   a.n_heads = p->n_heads;
   a.kv_heads = p->kv_heads;
@@ -202,8 +224,9 @@ static T *upload(const T *host, size_t bytes) {
 static void dpaged_build(dpaged *pg, const problem *p) {
   memset(pg, 0, sizeof *pg);
   attn_paged h;
-  assert_int_equal(attn_paged_build(&h, p->n_ctx, p->len, p->kv_heads, p->head_dim, p->base,
-                                    p->context_stride, p->row_bytes, p->v_offset, p->chunk, 2),
+  assert_int_equal(attn_paged_build_dt(&h, p->dtype, p->n_ctx, p->len, p->kv_heads, p->head_dim,
+                                       p->base, p->context_stride, p->row_bytes, p->v_offset,
+                                       p->chunk, 2),
                    0);
   pg->d_k = upload(h.k_pool, h.pool_bytes);
   pg->d_v = upload(h.v_pool, h.pool_bytes);
@@ -231,7 +254,11 @@ static akv_attention_paged_args make_paged_args(const problem *p, float *d_out, 
                                                 size_t ws_bytes) {
   akv_attention_paged_args a;
   memset(&a, 0, sizeof a);
-  a.dtype = AKV_DTYPE_BF16;
+  a.dtype = p->dtype;
+  if (p->dtype != AKV_DTYPE_BF16) {
+    a.k_scale = p->k_scale;
+    a.v_scale = p->v_scale;
+  }
   a.n_heads = p->n_heads;
   a.kv_heads = p->kv_heads;
   a.head_dim = p->head_dim;
@@ -270,12 +297,37 @@ static double rel_l2(const float *out, const float *ref, size_t n) {
   return sqrt(num / den);
 }
 
+static double worst_f64 = 0.0; /* FP8: CUDA against float64 */
+
+/* Relative L2 error of one context's CUDA output against float64. */
+static double rel_l2_f64(const problem *p, uint32_t i, const float *got) {
+  const size_t per = (size_t)p->n_heads * p->head_dim;
+  double *ref = (double *)xmalloc(per * sizeof(double));
+  const char *k = p->base + i * p->context_stride;
+  const bool fp8 = p->dtype != AKV_DTYPE_BF16;
+  attn_naive_f64(p->dtype, p->n_heads, p->kv_heads, p->head_dim, (double)p->scale,
+                 p->q + (size_t)i * per, k, k + p->v_offset, p->row_bytes, p->len[i],
+                 fp8 ? p->k_scale : NULL, fp8 ? p->v_scale : NULL, ref);
+  double num = 0.0, den = 0.0;
+  for (size_t e = 0; e < per; ++e) {
+    if (isnan(got[e])) {
+      free(ref);
+      return INFINITY;
+    }
+    num += ((double)got[e] - ref[e]) * ((double)got[e] - ref[e]);
+    den += ref[e] * ref[e];
+  }
+  free(ref);
+  if (den == 0.0) return num == 0.0 ? 0.0 : INFINITY;
+  return sqrt(num / den);
+}
+
 /* The whole check for one geometry. */
-static void check_problem(uint32_t n_ctx, uint32_t n_heads, uint32_t kv_heads, uint32_t head_dim,
-                          uint32_t chunk, const uint32_t *len, float amp) {
+static void check_problem_dt(akv_dtype dt, uint32_t n_ctx, uint32_t n_heads, uint32_t kv_heads,
+                             uint32_t head_dim, uint32_t chunk, const uint32_t *len, float amp) {
   problem p;
   dpaged pg;
-  problem_init(&p, n_ctx, n_heads, kv_heads, head_dim, chunk, len, amp);
+  problem_init_dt(&p, dt, n_ctx, n_heads, kv_heads, head_dim, chunk, len, amp);
   const size_t n = out_elems(&p), per = (size_t)n_heads * head_dim;
   float *ref = (float *)xmalloc(n * sizeof(float));
   float *got = (float *)xmalloc(n * sizeof(float));
@@ -298,10 +350,18 @@ static void check_problem(uint32_t n_ctx, uint32_t n_heads, uint32_t kv_heads, u
     }
     const double err = rel_l2(got + i * per, ref + i * per, per);
     if (!(err <= REL_L2_TOL))
-      print_error("ctx %u len %u heads %u/%u dim %u chunk %u: rel L2 %.3e > %.0e\n", i, p.len[i],
-                  n_heads, kv_heads, head_dim, chunk, err, REL_L2_TOL);
+      print_error("dtype %d ctx %u len %u heads %u/%u dim %u chunk %u: rel L2 %.3e > %.0e\n",
+                  (int)dt, i, p.len[i], n_heads, kv_heads, head_dim, chunk, err, REL_L2_TOL);
     assert_true(err <= REL_L2_TOL);
     if (err > worst_err) worst_err = err;
+    if (dt != AKV_DTYPE_BF16) {
+      const double e64 = rel_l2_f64(&p, i, got + i * per);
+      if (!(e64 <= REL_L2_TOL))
+        print_error("dtype %d ctx %u len %u: CUDA vs float64 rel L2 %.3e > %.0e\n", (int)dt, i,
+                    p.len[i], e64, REL_L2_TOL);
+      assert_true(e64 <= REL_L2_TOL);
+      if (e64 > worst_f64) worst_f64 = e64;
+    }
   }
 
   run_cuda_contig(&p, d_out, d_ws, wsb, again);
@@ -329,6 +389,11 @@ static void check_problem(uint32_t n_ctx, uint32_t n_heads, uint32_t kv_heads, u
   free(again);
   free(paged);
   problem_free(&p);
+}
+
+static void check_problem(uint32_t n_ctx, uint32_t n_heads, uint32_t kv_heads, uint32_t head_dim,
+                          uint32_t chunk, const uint32_t *len, float amp) {
+  check_problem_dt(AKV_DTYPE_BF16, n_ctx, n_heads, kv_heads, head_dim, chunk, len, amp);
 }
 
 /* ------------------------------------------------------------------ tests */
@@ -408,6 +473,90 @@ static void test_long_history(void **state) {
   check_problem(1, 32, 8, 128, 256, len, 1.0f);
   print_message("worst relative L2 error CUDA vs reference: %.3e (bound %.0e)\n", worst_err,
                 REL_L2_TOL);
+}
+
+/* FP8 E4M3 and E5M2 with per-head scales: every geometry the bf16 tests
+ * cover (head_dim 64/128/256, groups 1 to 16, masked heads, chunks of one
+ * row, chunks cut into pieces), against the C reference and float64. */
+static void test_fp8(void **state) {
+  (void)state;
+  const akv_dtype dts[2] = {AKV_DTYPE_FP8_E4M3, AKV_DTYPE_FP8_E5M2};
+  const uint32_t len[4] = {3000, 257, 1, 1024};
+  const uint32_t edge[5] = {1, 63, 64, 65, 64 * 7 + 13};
+  const uint32_t around[7] = {1, 15, 16, 17, 127, 129, 201};
+  for (int k = 0; k < 2; ++k) {
+    const akv_dtype dt = dts[k];
+    check_problem_dt(dt, 4, 32, 8, 128, 256, len, 1.0f); /* llama, two pieces per chunk */
+    check_problem_dt(dt, 4, 32, 8, 128, 256, len, 6.0f); /* sharper softmax */
+    check_problem_dt(dt, 5, 32, 8, 128, 64, edge, 1.0f);
+    check_problem_dt(dt, 7, 8, 8, 64, 16, around, 1.0f);    /* D 64, group 1 */
+    check_problem_dt(dt, 7, 64, 8, 64, 128, around, 1.0f);  /* D 64, group 8 */
+    check_problem_dt(dt, 7, 4, 2, 256, 16, around, 1.0f);   /* D 256, group 2 */
+    check_problem_dt(dt, 7, 16, 2, 256, 256, around, 1.0f); /* D 256, group 8, pieces */
+    check_problem_dt(dt, 7, 12, 4, 128, 32, around, 1.0f);  /* group 3: a masked head */
+    check_problem_dt(dt, 7, 16, 1, 64, 48, around, 1.0f);   /* group 16: two subgroups */
+    check_problem_dt(dt, 7, 64, 8, 128, 1, around, 1.0f);   /* chunk of one row */
+  }
+  const uint32_t one[1] = {31744}; /* the benchmark's history */
+  check_problem_dt(AKV_DTYPE_FP8_E4M3, 1, 32, 8, 128, 256, one, 1.0f);
+  print_message("worst relative L2 error FP8: CUDA vs reference (with bf16) %.3e, CUDA vs "
+                "float64 %.3e (bound %.0e)\n",
+                worst_err, worst_f64, REL_L2_TOL);
+}
+
+/* FP8 argument checks: scales required and sane, one-byte rows; nothing is
+ * enqueued by a refused call. */
+static void test_fp8_invalid_arguments(void **state) {
+  (void)state;
+  const uint32_t len[2] = {40, 17};
+  problem p;
+  problem_init_dt(&p, AKV_DTYPE_FP8_E4M3, 2, 8, 2, 128, 16, len, 1.0f);
+  const size_t n = out_elems(&p);
+  const size_t wsb = ws_bytes_for(&p, 40, 16);
+  float *d_out;
+  char *d_ws;
+  CUDA_OK(cudaMalloc((void **)&d_out, n * sizeof(float)));
+  CUDA_OK(cudaMalloc((void **)&d_ws, wsb + 64));
+  CUDA_OK(cudaMemset(d_out, 0xFF, n * sizeof(float)));
+  const akv_attention_args good = make_args(&p, true, d_out, d_ws, wsb);
+  const float zero[2] = {0.1f, 0.0f}, inf[2] = {INFINITY, 0.1f};
+  akv_attention_args a;
+#define EXPECT_BAD(mutation, status)                            \
+  do {                                                          \
+    a = good;                                                   \
+    mutation;                                                   \
+    assert_int_equal(akv_attention_decode_cuda(&a, 0), status); \
+  } while (0)
+  EXPECT_BAD((a.k_scale = NULL, a.v_scale = NULL), AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_BAD(a.v_scale = NULL, AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_BAD(a.k_scale = zero, AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_BAD(a.v_scale = inf, AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_BAD(a.row_bytes = 2 * 128 - 16, AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_BAD(a.dtype = AKV_DTYPE_F32, AKV_ERR_NOT_SUPPORTED);
+#undef EXPECT_BAD
+  dpaged pg;
+  dpaged_build(&pg, &p);
+  size_t pwsb = 0;
+  assert_int_equal(akv_attention_workspace_bytes(2, 8, 128, pg.t.max_pages * 16, 16, &pwsb),
+                   AKV_OK);
+  akv_attention_paged_args pa = make_paged_args(&p, d_out, d_ws, pwsb);
+  pa.k_scale = NULL;
+  assert_int_equal(akv_attention_paged_cuda(&pa, pg.t, 0), AKV_ERR_INVALID_ARGUMENT);
+  pa.k_scale = zero;
+  assert_int_equal(akv_attention_paged_cuda(&pa, pg.t, 0), AKV_ERR_INVALID_ARGUMENT);
+  CUDA_OK(cudaDeviceSynchronize());
+  unsigned char *h = (unsigned char *)xmalloc(n * sizeof(float));
+  CUDA_OK(cudaMemcpy(h, d_out, n * sizeof(float), cudaMemcpyDeviceToHost));
+  for (size_t i = 0; i < n * sizeof(float); ++i) assert_int_equal(h[i], 0xFF);
+  a = good;
+  assert_int_equal(akv_attention_decode_cuda(&a, 0), AKV_OK);
+  CUDA_OK(cudaDeviceSynchronize());
+  CUDA_OK(cudaGetLastError());
+  free(h);
+  dpaged_free(&pg);
+  CUDA_OK(cudaFree(d_out));
+  CUDA_OK(cudaFree(d_ws));
+  problem_free(&p);
 }
 
 static void test_invalid_arguments(void **state) {
@@ -549,6 +698,8 @@ int main(void) {
       cmocka_unit_test(test_invalid_arguments),
       cmocka_unit_test(test_paged_overflow_marks_context),
       cmocka_unit_test(test_long_history),
+      cmocka_unit_test(test_fp8),
+      cmocka_unit_test(test_fp8_invalid_arguments),
   };
   return cmocka_run_group_tests_name("gpu_attention", tests, NULL, NULL);
 }

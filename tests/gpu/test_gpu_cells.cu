@@ -6,6 +6,9 @@
  * and compares every attention output bit for bit against the same kernel
  * over a fully resident device copy of the history. After the run the host
  * rows (prefill plus every written-back row) are compared byte for byte.
+ * Every route runs its cells twice: bf16 rows, and FP8 E4M3 rows (one byte
+ * per element: half the staged bytes) attended with per-(layer, KV head)
+ * scales.
  *
  * Headroom cells (DESIGN §6): arena and paged with revocable headroom, a
  * 0 GiB pool whose history lives in headroom, and a tight pool plus headroom
@@ -45,7 +48,13 @@ extern "C" {
 
 static const uint32_t LAYERS = 2, KVH = 8, HD = 128, QH = 32, PT = 256, STEPS = 3;
 static const uint32_t ROW_ELEMS = KVH * HD;
-static const uint64_t ROW_BYTES = ROW_ELEMS * 2;
+
+static uint64_t row_bytes_of(akv_dtype dt) { return (uint64_t)ROW_ELEMS * (dt == AKV_DTYPE_BF16 ? 2 : 1); }
+
+/* The K (kv 0) and V (kv 1) scale of KV head h in layer l of the FP8 cells. */
+static float cell_scale(uint32_t l, uint32_t h, uint32_t kv) {
+  return 0.0625f * (1.0f + 0.125f * (float)((l * 3u + h + kv * 5u) % 7u));
+}
 
 /* bf16 bit pattern of element j of (ctx, layer, token, kv): integer-only, so
  * host and device produce the same bits. Magnitudes in [2^-7, 1). */
@@ -63,6 +72,15 @@ __host__ __device__ static inline uint16_t cell_elem(uint32_t salt, uint32_t ctx
   return (uint16_t)((sign << 15) | (expo << 7) | mant);
 }
 
+/* The FP8 E4M3 code of the same element: the bf16 pattern's sign and low
+ * mantissa bits, an exponent field in 1..9 (values 2^-6 .. 7.5), never NaN. */
+__host__ __device__ static inline uint8_t cell_elem8(uint32_t salt, uint32_t ctx, uint32_t layer,
+                                                     uint32_t token, uint32_t kv, uint32_t j) {
+  const uint16_t b = cell_elem(salt, ctx, layer, token, kv, j);
+  const uint32_t e = 1u + (uint32_t)(((b >> 7) ^ (b >> 3)) % 9u);
+  return (uint8_t)(((b >> 8) & 0x80u) | (e << 3) | (b & 7u));
+}
+
 /* Writes the new row (token = len[i]) of each context at row len[i] of the
  * given K/V layout. grid.x = contexts, block covers ROW_ELEMS. */
 struct new_rows_args {
@@ -71,15 +89,21 @@ struct new_rows_args {
   uint32_t len[8];
   uint32_t ctx_id[8];
   uint32_t layer;
+  uint32_t fp8; /* 1: E4M3 codes, 0: bf16 */
 };
 
 __global__ void write_new_rows(new_rows_args a) {
   uint32_t i = blockIdx.x;
-  uint16_t *k = (uint16_t *)(a.k_base + i * a.context_stride + (uint64_t)a.len[i] * a.row_stride);
-  uint16_t *v = (uint16_t *)(a.v_base + i * a.context_stride + (uint64_t)a.len[i] * a.row_stride);
+  uint8_t *k = a.k_base + i * a.context_stride + (uint64_t)a.len[i] * a.row_stride;
+  uint8_t *v = a.v_base + i * a.context_stride + (uint64_t)a.len[i] * a.row_stride;
   for (uint32_t j = threadIdx.x; j < ROW_ELEMS; j += blockDim.x) {
-    k[j] = cell_elem(1, a.ctx_id[i], a.layer, a.len[i], 0, j);
-    v[j] = cell_elem(1, a.ctx_id[i], a.layer, a.len[i], 1, j);
+    if (a.fp8) {
+      k[j] = cell_elem8(1, a.ctx_id[i], a.layer, a.len[i], 0, j);
+      v[j] = cell_elem8(1, a.ctx_id[i], a.layer, a.len[i], 1, j);
+    } else {
+      ((uint16_t *)k)[j] = cell_elem(1, a.ctx_id[i], a.layer, a.len[i], 0, j);
+      ((uint16_t *)v)[j] = cell_elem(1, a.ctx_id[i], a.layer, a.len[i], 1, j);
+    }
   }
 }
 
@@ -90,6 +114,7 @@ __global__ void write_queries(uint16_t *q, uint32_t n_ctx, uint32_t layer, uint3
 }
 
 struct cell {
+  akv_dtype dtype;
   akv_route route;
   uint32_t n_ctx;
   uint32_t len;
@@ -109,6 +134,7 @@ struct run_state {
   uint32_t n_ctx;
   uint32_t step;
   akv_route route;
+  akv_dtype dtype;
 };
 
 static const char *route_name(akv_route r) {
@@ -129,6 +155,7 @@ static akv_status attend(run_state *rs, uint32_t layer, uint8_t *k_base, uint8_t
   nr.context_stride = ctx_stride;
   nr.row_stride = row_stride;
   nr.layer = layer;
+  nr.fp8 = rs->dtype != AKV_DTYPE_BF16;
   uint32_t lens1[8];
   for (uint32_t i = 0; i < rs->n_ctx; i++) {
     nr.len[i] = len[i];
@@ -140,7 +167,16 @@ static akv_status attend(run_state *rs, uint32_t layer, uint8_t *k_base, uint8_t
   if (cudaGetLastError() != cudaSuccess) return AKV_ERR_BACKEND;
   akv_attention_args a;
   memset(&a, 0, sizeof(a));
-  a.dtype = AKV_DTYPE_BF16;
+  a.dtype = rs->dtype;
+  float ks[KVH], vs[KVH]; /* read by the launcher during the call */
+  if (rs->dtype != AKV_DTYPE_BF16) {
+    for (uint32_t h = 0; h < KVH; ++h) {
+      ks[h] = cell_scale(layer, h, 0);
+      vs[h] = cell_scale(layer, h, 1);
+    }
+    a.k_scale = ks;
+    a.v_scale = vs;
+  }
   a.n_contexts = rs->n_ctx;
   a.kv_heads = KVH;
   a.head_dim = HD;
@@ -149,7 +185,8 @@ static akv_status attend(run_state *rs, uint32_t layer, uint8_t *k_base, uint8_t
   a.context_stride = ctx_stride;
   a.row_bytes = row_stride;
   a.chunk_tokens = PT;
-  if (view != NULL && akv_attention_args_from_view(view, &a) != AKV_OK) return AKV_ERR_BACKEND;
+  if (view != NULL && (akv_attention_args_from_view(view, &a) != AKV_OK || a.dtype != rs->dtype))
+    return AKV_ERR_BACKEND;
   if (a.chunk_tokens != PT || (view != NULL && (a.k_base != k_base || a.row_bytes != row_stride)))
     return AKV_ERR_BACKEND;
   a.n_heads = QH;
@@ -180,11 +217,14 @@ static void silent(void *, akv_log_level level, const char *msg) {
 
 static void run_cell(const cell *c, uint64_t *compared) {
   const uint32_t max_tokens = ((c->len + 4 + STEPS + PT - 1) / PT) * PT;
+  const uint64_t ROW_BYTES = row_bytes_of(c->dtype);
+  const bool fp8 = c->dtype != AKV_DTYPE_BF16;
   akv_engine_config ec = AKV_ENGINE_CONFIG_INIT;
   ec.backend = AKV_BACKEND_CUDA;
   ec.n_dense_layers = LAYERS;
   ec.kv_heads = KVH;
   ec.head_dim = HD;
+  ec.dtype = c->dtype;
   ec.max_tokens = max_tokens;
   ec.page_tokens = PT;
   ec.max_contexts = c->n_ctx;
@@ -209,6 +249,7 @@ static void run_cell(const cell *c, uint64_t *compared) {
   memset(&rs, 0, sizeof(rs));
   rs.n_ctx = c->n_ctx;
   rs.route = c->route;
+  rs.dtype = c->dtype;
   CK(cudaStreamCreateWithFlags(&rs.stream, cudaStreamNonBlocking));
   CK(cudaMalloc(&rs.q, (size_t)c->n_ctx * QH * HD * 2));
   size_t out_elems = (size_t)LAYERS * c->n_ctx * QH * HD;
@@ -223,19 +264,25 @@ static void run_cell(const cell *c, uint64_t *compared) {
   uint8_t *resident;
   CK(cudaMalloc(&resident, (size_t)c->n_ctx * LAYERS * 2 * seg));
 
-  std::vector<uint16_t> rows((size_t)LAYERS * 2 * (c->len + 3) * ROW_ELEMS);
+  std::vector<uint8_t> rows((size_t)LAYERS * 2 * (c->len + 3) * ROW_BYTES);
   std::vector<akv_context *> ctx(c->n_ctx);
   std::vector<uint32_t> lens(c->n_ctx);
   for (uint32_t i = 0; i < c->n_ctx; i++) {
     uint32_t n = c->len + (c->n_ctx > 1 ? i : 0);
     const void *kp[LAYERS], *vp[LAYERS];
     for (uint32_t l = 0; l < LAYERS; l++) {
-      uint16_t *kb = rows.data() + (size_t)(l * 2) * n * ROW_ELEMS;
-      uint16_t *vb = kb + (size_t)n * ROW_ELEMS;
+      uint8_t *kb = rows.data() + (size_t)(l * 2) * n * ROW_BYTES;
+      uint8_t *vb = kb + (size_t)n * ROW_BYTES;
       for (uint32_t t = 0; t < n; t++)
         for (uint32_t j = 0; j < ROW_ELEMS; j++) {
-          kb[(size_t)t * ROW_ELEMS + j] = cell_elem(1, i, l, t, 0, j);
-          vb[(size_t)t * ROW_ELEMS + j] = cell_elem(1, i, l, t, 1, j);
+          const size_t e = (size_t)t * ROW_ELEMS + j;
+          if (fp8) {
+            kb[e] = cell_elem8(1, i, l, t, 0, j);
+            vb[e] = cell_elem8(1, i, l, t, 1, j);
+          } else {
+            ((uint16_t *)kb)[e] = cell_elem(1, i, l, t, 0, j);
+            ((uint16_t *)vb)[e] = cell_elem(1, i, l, t, 1, j);
+          }
         }
       kp[l] = kb;
       vp[l] = vb;
@@ -300,8 +347,9 @@ static void run_cell(const cell *c, uint64_t *compared) {
       for (uint32_t i = 0; i < c->n_ctx; i++) {
         size_t off = ((size_t)l * c->n_ctx + i) * QH * HD;
         if (memcmp(a.data() + off, b.data() + off, (size_t)QH * HD * 4) != 0)
-          fail_msg("cell route=%s len=%u ctx=%u pool=%s: step %u layer %u context %u differs",
-                   route_name(c->route), c->len, c->n_ctx, c->pool_name, s, l, i);
+          fail_msg("cell %s route=%s len=%u ctx=%u pool=%s: step %u layer %u context %u differs",
+                   fp8 ? "fp8" : "bf16", route_name(c->route), c->len, c->n_ctx, c->pool_name, s,
+                   l, i);
         (*compared)++;
       }
     for (uint32_t i = 0; i < c->n_ctx; i++) lens[i]++;
@@ -312,7 +360,7 @@ static void run_cell(const cell *c, uint64_t *compared) {
     uint32_t n = 0;
     AK(akv_context_length(ctx[i], &n));
     assert_int_equal(n, lens[i]);
-    std::vector<uint16_t> hk((size_t)n * ROW_ELEMS), hv((size_t)n * ROW_ELEMS), rk(hk.size()), rv(hv.size());
+    std::vector<uint8_t> hk((size_t)n * ROW_BYTES), hv((size_t)n * ROW_BYTES), rk(hk.size()), rv(hv.size());
     for (uint32_t l = 0; l < LAYERS; l++) {
       AK(akv_context_read(ctx[i], l, 0, n, hk.data(), hv.data()));
       uint8_t *r0 = resident + ((uint64_t)i * LAYERS * 2 + l * 2) * seg;
@@ -323,11 +371,11 @@ static void run_cell(const cell *c, uint64_t *compared) {
     }
   }
   AK(akv_engine_info_get(e, &info));
-  printf("  cell %-5s len=%-5u ctx=%u pool=%-5s headroom=%u GiB%s: %u steps bit-identical; H2D "
-         "%.1f MB, D2D %.1f MB, in place %.1f MB\n",
-         route_name(c->route), c->len, c->n_ctx, c->pool_name, c->headroom_gib,
-         c->release_mid ? " (released mid step 2)" : "", STEPS, info.bytes_h2d / 1e6,
-         info.bytes_d2d / 1e6, info.bytes_in_place / 1e6);
+  printf("  cell %-4s %-5s len=%-5u ctx=%u pool=%-5s headroom=%u GiB%s: %u steps bit-identical; "
+         "H2D %.1f MB, D2D %.1f MB, in place %.1f MB\n",
+         fp8 ? "fp8" : "bf16", route_name(c->route), c->len, c->n_ctx, c->pool_name,
+         c->headroom_gib, c->release_mid ? " (released mid step 2)" : "", STEPS,
+         info.bytes_h2d / 1e6, info.bytes_d2d / 1e6, info.bytes_in_place / 1e6);
   if (c->headroom_gib > 0 && !c->release_mid) assert_true(info.headroom_pages > 0);
   if (c->route == AKV_ROUTE_ARENA && c->len >= 2 * PT) assert_true(info.bytes_d2d > 0);
   if (c->route == AKV_ROUTE_PAGED) assert_int_equal(info.bytes_d2d, 0);
@@ -345,7 +393,7 @@ static void run_cell(const cell *c, uint64_t *compared) {
   CK(cudaStreamDestroy(rs.stream));
 }
 
-static void run_route(akv_route route) {
+static void run_route(akv_route route, akv_dtype dtype) {
   const uint32_t lens[] = {1, PT - 1, PT, PT + 1, 1001, 31744};
   bool quick = getenv("AKV_CELLS_QUICK") != NULL;
   uint64_t compared = 0;
@@ -354,6 +402,7 @@ static void run_route(akv_route route) {
     if (quick && k != 0 && k != 1 && k != 3) continue;
     for (int v = 0; v < 2; v++) {
       cell c;
+      c.dtype = dtype;
       c.route = route;
       c.len = lens[k];
       if (route == AKV_ROUTE_STAGE) {
@@ -373,8 +422,9 @@ static void run_route(akv_route route) {
       cells++;
     }
   }
-  printf("route %s: %d cells, %llu layer outputs compared, all bit-identical\n",
-         route_name(route), cells, (unsigned long long)compared);
+  printf("route %s %s: %d cells, %llu layer outputs compared, all bit-identical\n",
+         dtype == AKV_DTYPE_BF16 ? "bf16" : "fp8", route_name(route), cells,
+         (unsigned long long)compared);
   assert_true(cells >= (quick ? 6 : 12));
 }
 
@@ -389,6 +439,7 @@ static void run_headroom(akv_route route) {
     if (quick && k != 0 && k != 2 && k != 4) continue;
     for (int v = 0; v < 2; v++) {
       cell c;
+      c.dtype = AKV_DTYPE_BF16;
       c.route = route;
       c.len = lens[k];
       c.n_ctx = (k + v) % 2 ? 4 : 1;
@@ -406,11 +457,14 @@ static void run_headroom(akv_route route) {
   assert_true(cells >= (quick ? 6 : 12));
 }
 
-static void test_stage_cells(void **) { run_route(AKV_ROUTE_STAGE); }
 static void test_arena_headroom_cells(void **) { run_headroom(AKV_ROUTE_ARENA); }
 static void test_paged_headroom_cells(void **) { run_headroom(AKV_ROUTE_PAGED); }
-static void test_arena_cells(void **) { run_route(AKV_ROUTE_ARENA); }
-static void test_paged_cells(void **) { run_route(AKV_ROUTE_PAGED); }
+static void test_stage_cells(void **) { run_route(AKV_ROUTE_STAGE, AKV_DTYPE_BF16); }
+static void test_arena_cells(void **) { run_route(AKV_ROUTE_ARENA, AKV_DTYPE_BF16); }
+static void test_paged_cells(void **) { run_route(AKV_ROUTE_PAGED, AKV_DTYPE_BF16); }
+static void test_stage_cells_fp8(void **) { run_route(AKV_ROUTE_STAGE, AKV_DTYPE_FP8_E4M3); }
+static void test_arena_cells_fp8(void **) { run_route(AKV_ROUTE_ARENA, AKV_DTYPE_FP8_E4M3); }
+static void test_paged_cells_fp8(void **) { run_route(AKV_ROUTE_PAGED, AKV_DTYPE_FP8_E4M3); }
 
 int main(void) {
   int n = 0;
@@ -422,6 +476,9 @@ int main(void) {
       cmocka_unit_test(test_stage_cells),
       cmocka_unit_test(test_arena_cells),
       cmocka_unit_test(test_paged_cells),
+      cmocka_unit_test(test_stage_cells_fp8),
+      cmocka_unit_test(test_arena_cells_fp8),
+      cmocka_unit_test(test_paged_cells_fp8),
       cmocka_unit_test(test_arena_headroom_cells),
       cmocka_unit_test(test_paged_headroom_cells),
   };

@@ -1,0 +1,68 @@
+/*
+ * attention_pieces.h - how the reference attention cuts a chunk into pieces
+ * and decodes one-byte elements; shared by attention_ref.c and
+ * attention_cuda.cu (host side) so that both lay out the same partials in
+ * the same workspace (akv_attention.h, "Algorithm").
+ *
+ * A piece is the rows one CUDA block streams. Chunk c of a context (the
+ * caller's chunk_tokens rows, its page on the paged routes) is cut into
+ * akv_attn_pieces(chunk_tokens) pieces of akv_attn_piece_rows(chunk_tokens)
+ * rows, the last piece of the last chunk possibly shorter and pieces past
+ * the end of the history absent. The cut depends on chunk_tokens alone:
+ * never on lengths, contexts, the device or timing, so every route and
+ * every run that attends over the same rows with the same chunk computes the
+ * same partials in the same order.
+ *
+ * Internal header (src/kernels/); nothing here is part of the public API.
+ */
+#ifndef AKV_ATTENTION_PIECES_H
+#define AKV_ATTENTION_PIECES_H
+
+#include <stdint.h>
+
+#include "akv_attention.h"
+
+/* Rows per piece the cut aims at: a chunk of chunk_tokens rows is cut into
+ * floor(chunk_tokens / AKV_ATTN_PIECE_TOKENS) pieces (at least one). 0 keeps
+ * every chunk whole. bench/attention_bw.cu builds variants with other values
+ * (-DAKV_ATTN_PIECE_TOKENS=64, =0, ...); they must be applied to both
+ * attention_ref.c and attention_cuda.cu, which share the workspace size. */
+#ifndef AKV_ATTN_PIECE_TOKENS
+#define AKV_ATTN_PIECE_TOKENS 128
+#endif
+
+/* Pieces per chunk, >= 1 (chunk_tokens >= 1). */
+static inline uint32_t akv_attn_pieces(uint32_t chunk_tokens) {
+  const uint32_t s = AKV_ATTN_PIECE_TOKENS > 0 ? chunk_tokens / (uint32_t)AKV_ATTN_PIECE_TOKENS : 1u;
+  return s > 0 ? s : 1u;
+}
+
+/* Rows of every piece but possibly the last of a context: ceil(chunk / pieces). */
+static inline uint32_t akv_attn_piece_rows(uint32_t chunk_tokens) {
+  const uint32_t s = akv_attn_pieces(chunk_tokens);
+  return chunk_tokens / s + (chunk_tokens % s != 0);
+}
+
+/* Partials of a context whose history is n_chunks chunks, the last holding
+ * last_rows rows (1..chunk_tokens): every piece of the full chunks, then the
+ * non-empty pieces of the last one. 0 for an empty history. */
+static inline uint64_t akv_attn_context_slots(uint32_t n_chunks, uint32_t last_rows,
+                                              uint32_t chunk_tokens) {
+  if (n_chunks == 0) return 0;
+  const uint32_t p = akv_attn_piece_rows(chunk_tokens);
+  return (uint64_t)(n_chunks - 1) * akv_attn_pieces(chunk_tokens) + last_rows / p +
+         (last_rows % p != 0);
+}
+
+/* Bytes of one element of a dtype the reference attention reads, 0 for a
+ * dtype it does not take (f16, f32, values outside akv_dtype). */
+static inline uint32_t akv_attn_elem_bytes(akv_dtype dtype) {
+  switch (dtype) {
+  case AKV_DTYPE_BF16: return 2;
+  case AKV_DTYPE_FP8_E4M3:
+  case AKV_DTYPE_FP8_E5M2: return 1;
+  default: return 0;
+  }
+}
+
+#endif /* AKV_ATTENTION_PIECES_H */
