@@ -20,7 +20,9 @@
  *    device->host) and one materialisation queue (device->device). The compute
  *    stream is always the caller's. Ordering between queues is on the device,
  *    through events. Only akv_lease_retire, akv_engine_quarantine and
- *    akv_stream_synchronize block the calling thread.
+ *    akv_stream_synchronize block the calling thread (akv_stream_destroy
+ *    drains its host-backend queue; akv_engine_destroy: see there).
+ *    akv_lease_try_retire is the non-blocking retire.
  *  - ABI: within one major version (AKV_VERSION_MAJOR), functions are only
  *    added, enum values only appended, and config structs only grow at their
  *    end; each config carries its size and version so an older caller keeps
@@ -99,7 +101,9 @@ typedef enum akv_status {
   AKV_ERR_NOT_SUPPORTED = 18,
   /** The object is in use by the current step (close a context mid-step, ...). */
   AKV_ERR_IN_USE = 19,
-  AKV_STATUS_COUNT_ = 20
+  /** Not yet: a fence has not passed (akv_lease_try_retire); nothing changed, try again. */
+  AKV_ERR_NOT_READY = 20,
+  AKV_STATUS_COUNT_ = 21
 } akv_status;
 
 /** A short English description of a status; never NULL, static storage.
@@ -269,8 +273,26 @@ AKV_API akv_status akv_engine_create(const akv_engine_config *config, akv_engine
 
 /**
  * Frees the engine and every context still open. Never waits, submits or
- * drains: with an open step, an unretired lease, or resources retained by an
- * uncertain quarantine, returns AKV_ERR_BUSY and frees nothing.
+ * drains: with an open step, an unretired lease, a failed transport not yet
+ * quarantined, a live stream from akv_stream_create, or resources retained
+ * by an uncertain quarantine, returns AKV_ERR_BUSY and frees nothing.
+ *
+ * Waits on nothing of the caller's: when it frees, every lease is retired
+ * (or a quarantine proved completion), so the engine's queues are idle and
+ * its memory is handed back in the order of its own H2D queue, without
+ * synchronising the device. CUDA: device memory and the pinned host pool go
+ * back with cudaFreeAsync on the engine's stream, streams and events are
+ * destroyed without waiting; it returns while the caller's kernels on the
+ * device still run (never cudaFree / cudaFreeHost, which wait for the whole
+ * device). Its own host cost is the unmapping, about 9 ms per GiB of device
+ * memory (H200). Exception: where host memory pools are not available (CUDA
+ * runtime < 13 or cudaDevAttrHostMemoryPoolsSupported = 0; the engine logs
+ * it at create) the pinned pool comes from cudaHostAlloc and its
+ * cudaFreeHost waits until the device is idle, the caller's work included.
+ * Host backend: it joins the engine's own three queue threads, which are
+ * idle; no caller stream is waited on (docs/api.md gives the measured cost).
+ * Not thread-safe with other calls on the engine. The handle and every
+ * context handle are invalid afterwards.
  * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_BUSY.
  */
 AKV_API akv_status akv_engine_destroy(akv_engine *engine);
@@ -588,6 +610,22 @@ typedef struct akv_receipt {
  * AKV_ERR_QUARANTINED.
  */
 AKV_API akv_status akv_lease_retire(akv_lease *lease, akv_receipt *receipt);
+
+/**
+ * Non-blocking retire: queries (never waits on) every event retire waits on,
+ * the tail write-back first. When all have passed, retires exactly as
+ * akv_lease_retire does (same receipt, tickets and layer released, the handle
+ * invalid afterwards) and returns AKV_OK. When one has not passed yet,
+ * returns AKV_ERR_NOT_READY and changes nothing (the lease stays sealed,
+ * *receipt untouched, the engine's last error untouched, nothing logged):
+ * call it again later, or akv_lease_retire to block. Cost: one event query
+ * while not ready, four when it retires; no allocation, no lock held across
+ * calls. Enqueues nothing. Not thread-safe with other calls on the engine.
+ * Returns AKV_OK, AKV_ERR_NOT_READY, AKV_ERR_BAD_HANDLE, AKV_ERR_LEASE_STATE
+ * (not sealed), AKV_ERR_BACKEND (a query failed: nothing released, transport
+ * failed), AKV_ERR_QUARANTINED.
+ */
+AKV_API akv_status akv_lease_try_retire(akv_lease *lease, akv_receipt *receipt);
 
 /* ------------------------------------------------------------------------ */
 /* Admission diagnostics (DESIGN §4)                                         */

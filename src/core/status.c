@@ -34,6 +34,7 @@ AKV_API const char *akv_status_string(akv_status status) {
     case AKV_ERR_UNCERTAIN_FENCE: return "completion could not be established; resources retained";
     case AKV_ERR_NOT_SUPPORTED: return "not supported by this build or machine";
     case AKV_ERR_IN_USE: return "in use by the open step or a live ticket";
+    case AKV_ERR_NOT_READY: return "not yet: fences pending, nothing changed";
     case AKV_STATUS_COUNT_: break;
   }
   return "unknown status";
