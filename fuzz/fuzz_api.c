@@ -5,9 +5,10 @@
  * layers, concurrency, and sometimes an injected backend fault), the rest is
  * a sequence of API calls with arguments drawn from the input: valid and
  * stale handles, NULLs, pointers to objects of another type, out-of-range
- * layers, fences from other leases or made up, double retires, calls after a
- * forced failure and after quarantine, destroy with live work, and a whole
- * legal step now and then so deep states are reached. One engine lives
+ * layers, fences from other leases or made up, double retires (blocking and
+ * akv_lease_try_retire), calls after a forced failure and after quarantine,
+ * destroy with live work, and a whole legal step now and then so deep states
+ * are reached. One engine lives
  * across the calls of an input; at the end the input's streams are destroyed
  * and the engine is destroyed (quarantined first when destroy says busy).
  *
@@ -501,6 +502,12 @@ static void op_retire(state *s, input *in, int failed) {
   akv_receipt r;
   akv_lease *ls = pick_lease(s, in);
   uint8_t b = byte(in);
+  if (b & 2) {
+    /* The non-blocking form: also "not yet", which changes nothing. */
+    expect_mut(s, failed, "akv_lease_try_retire", akv_lease_try_retire(ls, b & 1 ? NULL : &r),
+               OKS | BH | S(AKV_ERR_LEASE_STATE) | S(AKV_ERR_NOT_READY) | BE | QU);
+    return;
+  }
   expect_mut(s, failed, "akv_lease_retire", akv_lease_retire(ls, b & 1 ? NULL : &r),
              OKS | BH | S(AKV_ERR_LEASE_STATE) | BE | QU);
 }

@@ -56,6 +56,13 @@ typedef struct akvt_cfg {
    * the row check and destroy only if that second drain established
    * completion. */
   int retry_uncertain;
+  /* Retire with akv_lease_try_retire: in the layer loop every lease up to
+   * l-2 whose fences passed (oldest first, stopping at the first not ready),
+   * then after the last layer each lease left, polled until it retires.
+   * Every lease then retires through one successful try_retire (at least
+   * three event queries each), so a run issues at least 3 x layers x steps
+   * queries whatever the timing. */
+  int try_retire;
 } akvt_cfg;
 
 typedef struct akvt_result {
