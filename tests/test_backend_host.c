@@ -1160,7 +1160,7 @@ static void test_free_async_is_stream_ordered(void **state) {
   (void)state;
   void *ctx = ctx_new(0, 0, 3000);
   akv_bqueue *q = queue_new(ctx);
-  gate g;
+  static gate g; /* static: a failed assertion must not leave the worker on a dead frame */
   uint64_t fr, total, peak;
   int *d = NULL;
   uint8_t *h = NULL;
@@ -1171,16 +1171,21 @@ static void test_free_async_is_stream_ordered(void **state) {
   store st = {d, 77, 0};
   assert_int_equal(B->host_fn(ctx, q, gate_fn, &g), AKV_OK);
   assert_int_equal(B->host_fn(ctx, q, store_fn, &st), AKV_OK); /* writes d after the gate */
-  assert_true(gate_wait_entered(&g));
+  int entered = gate_wait_entered(&g);
   double t0 = now_ms();
   B->device_free_async(ctx, d, q);
   B->host_free_async(ctx, h, q);
   B->device_free_async(ctx, NULL, q); /* ignored */
-  assert_true(now_ms() - t0 < 500.0);
+  double dt = now_ms() - t0;
   /* Not freed yet: the queue has not reached the frees. */
-  assert_int_equal(B->mem_info(ctx, &fr, &total, &peak), AKV_OK);
-  assert_true(total == 4096);
+  akv_status mst = B->mem_info(ctx, &fr, &total, &peak);
+  uint64_t held = total;
+  /* Open before asserting, so that a failure leaves no worker at the gate. */
   gate_open(&g);
+  assert_true(entered);
+  assert_true(dt < 500.0);
+  assert_int_equal(mst, AKV_OK);
+  assert_true(held == 4096);
   assert_int_equal(B->queue_synchronize(ctx, q), AKV_OK);
   assert_int_equal(B->mem_info(ctx, &fr, &total, &peak), AKV_OK);
   assert_true(total == 0);

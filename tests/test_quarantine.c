@@ -492,7 +492,7 @@ static void test_destroy_waits_on_no_caller_stream(void **state) {
   fx a, b;
   akv_context *ca[3], *cb[3];
   akv_lease *l0;
-  gate g;
+  static gate g; /* static: a failed assertion must not leave A's job on a dead frame */
   double dt, worst = 0.0, total = 0.0;
   const int rounds = 20;
   (void)state;

@@ -260,7 +260,9 @@ static akv_status akv_engine_allocate(akv_engine *e) {
         st = akv_bk_copy(bk, e->q_h2d, AKV_COPY_H2D, e->poison, fill, e->page_seg_bytes);
         if (st == AKV_OK) st = akv_bk_queue_sync(bk, e->q_h2d);
       }
-      akv_bk_host_free(bk, fill);
+      /* In the H2D queue's order: behind the copy that reads it, also when
+       * the synchronise above failed (no device-wide wait either way). */
+      akv_bk_host_free_async(bk, fill, e->q_h2d);
       if (st != AKV_OK) {
         akv_fail(e, st, "poison page could not be prepared: %s", bk->error);
         goto fail;
