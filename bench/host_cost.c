@@ -1,16 +1,22 @@
 /*
  * host_cost.c - the library's own host cost per layer per step: a null
  * attention hook over a tiny history, in the recommended loop (begin l,
- * retire l-2, attend, write back, seal). Two figures per layer:
+ * retire l-2, attend, write back, seal). Figures per layer:
  *  - enqueue: the calling thread's time in begin + attend + write-back + seal
  *    (the engine's bookkeeping plus the backend's enqueue calls); this is the
  *    library's host cost on the hot path, target < 10 us;
- *  - retire: the time retire blocks waiting for the device to finish the
- *    layer two back (device latency of the copy/attention/write-back chain,
- *    not host work; with real attention it overlaps the next layer's copy).
+ *  - retire: the calling thread's time in the retire calls inside the layer
+ *    loop. Mode `retire`: akv_lease_retire of layer l-2, which blocks until
+ *    the device finished that layer's copy/attention/write-back chain.
+ *    Mode `try` (default): akv_lease_try_retire of every earlier layer up to
+ *    l-2, oldest first, stopping at the first not ready; never blocks. The
+ *    leases it leaves are retired (blocking) after the last layer;
+ *  - host: enqueue + retire, the thread's time per layer in the loop;
+ *  - drain: the blocking retires after the last layer, per layer;
+ *  - wall: the whole step, per layer.
  * Prints a line per figure and one JSON line.
  *
- * usage: akv_host_cost [backend: auto|host|cuda] [steps]
+ * usage: akv_host_cost [backend: auto|host|cuda] [steps] [mode: try|retire]
  */
 #define _POSIX_C_SOURCE 200809L
 #include <stdio.h>
@@ -58,8 +64,12 @@ int main(int argc, char **argv) {
   akv_engine_info info;
   static unsigned char rows[16 * 2048];
   const void *rp[32];
+  const int try_mode = !(argc > 3 && strcmp(argv[3], "retire") == 0);
   double *per_step = calloc(steps, sizeof(double));
   double *enq_step = calloc(steps, sizeof(double));
+  double *ret_step = calloc(steps, sizeof(double));
+  double *host_step = calloc(steps, sizeof(double));
+  double *drain_step = calloc(steps, sizeof(double));
   cfg.backend = AKV_BACKEND_AUTO;
   if (argc > 1 && strcmp(argv[1], "host") == 0) cfg.backend = AKV_BACKEND_HOST;
   if (argc > 1 && strcmp(argv[1], "cuda") == 0) cfg.backend = AKV_BACKEND_CUDA;
@@ -81,45 +91,78 @@ int main(int argc, char **argv) {
   }
   for (uint32_t st = 0; st < steps; st++) {
     akv_lease *lease[32];
-    double t0 = now_s(), enq = 0.0;
+    uint32_t retired = 0; /* leases [0, retired) are retired */
+    double t0 = now_s(), enq = 0.0, ret = 0.0, d0;
     TRY(akv_step_begin(e, ctx, n_ctx));
     for (uint32_t l = 0; l < layers; l++) {
       akv_fence attn, tail;
       double a = now_s(), b;
       TRY(akv_lease_begin(e, l, &lease[l]));
       b = now_s();
-      if (l >= 2) TRY(akv_lease_retire(lease[l - 2], NULL));
+      if (l >= 2 && !try_mode) {
+        TRY(akv_lease_retire(lease[l - 2], NULL));
+        retired = l - 1;
+      }
+      while (try_mode && l >= 2 && retired <= l - 2) {
+        akv_status s_ = akv_lease_try_retire(lease[retired], NULL);
+        if (s_ == AKV_ERR_NOT_READY) break;
+        TRY(s_);
+        retired++;
+      }
+      ret += now_s() - b;
       a += now_s() - b; /* the retire is not enqueue work */
       TRY(akv_lease_attend(lease[l], s, null_hook, NULL, &attn));
       TRY(akv_lease_write_back(lease[l], NULL, 0, &tail));
       TRY(akv_lease_seal(lease[l], tail, attn));
       enq += now_s() - a;
     }
-    TRY(akv_lease_retire(lease[layers - 2], NULL));
-    TRY(akv_lease_retire(lease[layers - 1], NULL));
+    d0 = now_s();
+    for (; retired < layers; retired++) TRY(akv_lease_retire(lease[retired], NULL));
+    drain_step[st] = now_s() - d0;
     TRY(akv_step_end(e));
     per_step[st] = now_s() - t0;
     enq_step[st] = enq;
+    ret_step[st] = ret;
+    host_step[st] = enq + ret;
   }
   qsort(per_step, steps, sizeof(double), cmp_double);
   qsort(enq_step, steps, sizeof(double), cmp_double);
+  qsort(ret_step, steps, sizeof(double), cmp_double);
+  qsort(host_step, steps, sizeof(double), cmp_double);
+  qsort(drain_step, steps, sizeof(double), cmp_double);
   {
     const char *bk = info.backend == AKV_BACKEND_CUDA ? "cuda" : "host";
+    const char *mode = try_mode ? "try" : "retire";
     double med = enq_step[steps / 2] / layers * 1e6, p90 = enq_step[steps * 9 / 10] / layers * 1e6;
+    double rmed = ret_step[steps / 2] / layers * 1e6, rp90 = ret_step[steps * 9 / 10] / layers * 1e6;
+    double hmed = host_step[steps / 2] / layers * 1e6, hp90 = host_step[steps * 9 / 10] / layers * 1e6;
+    double dmed = drain_step[steps / 2] / layers * 1e6;
     double wall = per_step[steps / 2] / layers * 1e6;
     printf("host cost per layer per step (enqueue path): median %.2f us, p90 %.2f us; bound 10 us;"
            " ratio median/bound %.2f (%u steps x %u layers, %u contexts, backend %s)\n",
            med, p90, med / 10.0, steps, layers, n_ctx, bk);
+    printf("retire calls in the layer loop (mode %s): median %.2f us, p90 %.2f us per layer\n",
+           mode, rmed, rp90);
+    printf("host time per layer in the loop (enqueue + retire): median %.2f us, p90 %.2f us\n",
+           hmed, hp90);
+    printf("blocking retires after the last layer: median %.2f us per layer\n", dmed);
     printf("wall per layer including retire waits on the device chain: median %.2f us\n", wall);
-    printf("{\"bench\":\"host_cost\",\"backend\":\"%s\",\"layers\":%u,\"contexts\":%u,\"steps\":%u,"
+    printf("{\"bench\":\"host_cost\",\"backend\":\"%s\",\"mode\":\"%s\",\"layers\":%u,"
+           "\"contexts\":%u,\"steps\":%u,"
            "\"enqueue_us_per_layer_median\":%.3f,\"enqueue_us_per_layer_p90\":%.3f,"
+           "\"retire_us_per_layer_median\":%.3f,\"retire_us_per_layer_p90\":%.3f,"
+           "\"host_us_per_layer_median\":%.3f,\"host_us_per_layer_p90\":%.3f,"
+           "\"drain_us_per_layer_median\":%.3f,"
            "\"wall_us_per_layer_median\":%.3f,\"bound_us\":10}\n",
-           bk, layers, n_ctx, steps, med, p90, wall);
+           bk, mode, layers, n_ctx, steps, med, p90, rmed, rp90, hmed, hp90, dmed, wall);
   }
   for (uint32_t i = 0; i < n_ctx; i++) TRY(akv_context_close(ctx[i]));
   TRY(akv_stream_destroy(e, s));
   TRY(akv_engine_destroy(e));
   free(per_step);
   free(enq_step);
+  free(ret_step);
+  free(host_step);
+  free(drain_step);
   return 0;
 }

@@ -14,9 +14,10 @@
  * page pool are copied device to device, the rest staged), paged (attention
  * reads the retained pages in place through the step's page map). Staged
  * routes run the engine's per-layer lease cycle of akv.h: begin layer l,
- * retire layer l-2, attend through the hook (which writes the step's new K/V
- * row at len[i] and enqueues attention over len[i]+1 rows), write back, seal;
- * after the last layer, retire the rest.
+ * retire without blocking (akv_lease_try_retire) every earlier layer up to
+ * l-2 whose fences have passed, attend through the hook (which writes the
+ * step's new K/V row at len[i] and enqueues attention over len[i]+1 rows),
+ * write back, seal; after the last layer, retire the rest (blocking).
  *
  * Hybrid geometries (--window, --dense-every, preset gemma3-12b): only the
  * dense layers are the engine's (its layer d is the model's d-th dense
@@ -800,6 +801,7 @@ struct runner {
   akv_context *ctx[MODEL_MAX_BATCH];
   uint32_t n_dense;  /* the engine's layers: the model's dense ones */
   akv_lease **lease; /* [n_dense], the open step's leases not yet retired */
+  uint32_t retire_from; /* every lease below this one is retired */
   layer_slot *slot;  /* [n_dense] */
   uint32_t win_lanes; /* hybrid: the model's window lanes (route 0, resident 1 beside it) */
   uint32_t res_lane;  /* the window lane of resident steps */
@@ -881,6 +883,26 @@ static int retire(runner *r, uint32_t layer) {
   return 0;
 }
 
+/* Retires, without blocking, the step's leases [retire_from, upto] whose
+ * fences have passed, oldest first; stops at the first not ready (the rest
+ * are later on the same queues). The host never waits here: the leases left
+ * are retired at the end of the step. */
+static int retire_ready(runner *r, uint32_t upto) {
+  for (; r->retire_from <= upto && r->retire_from < r->n_dense; ++r->retire_from) {
+    const uint32_t j = r->retire_from;
+    if (r->lease[j] == NULL) continue;
+    akv_receipt receipt;
+    const akv_status st = akv_lease_try_retire(r->lease[j], &receipt);
+    if (st == AKV_ERR_NOT_READY) return 0;
+    r->lease[j] = NULL;
+    if (st != AKV_OK) {
+      run_fail_akv(r, "akv_lease_try_retire", st);
+      return -1;
+    }
+  }
+  return 0;
+}
+
 /* model_layer_fn of the staged routes: one lease per dense layer (model
  * layer ml is the engine's layer l). */
 static int layer_engine(void *user, model *m, uint32_t ml) {
@@ -893,7 +915,7 @@ static int layer_engine(void *user, model *m, uint32_t ml) {
     run_fail_akv(r, "akv_lease_begin", st);
     return -1;
   }
-  if (l >= 2 && retire(r, l - 2) != 0) return -1;
+  if (l >= 2 && retire_ready(r, l - 2) != 0) return -1;
   if (r->o->release_headroom_at == r->step_no && l == r->n_dense / 2 && r->res != NULL &&
       r->res->release_step == 0) {
     /* Mid-step, leases in flight: the engine frees at the step's end. */
@@ -962,11 +984,13 @@ static int step_engine(runner *r, const int32_t *tok, float *logits) {
   r->step_open = 1;
   const uint32_t L = r->n_dense;
   for (uint32_t l = 0; l < L; ++l) r->lease[l] = NULL;
+  r->retire_from = 0;
   if (model_forward(r->m, 0, r->n_ctx, tok, pos, layer_engine, r, logits) != 0) {
     run_fail(r, "decode step: %s", model_error(r->m));
     return -1;
   }
-  for (uint32_t l = L >= 2 ? L - 2 : 0; l < L; ++l)
+  /* The leases try_retire left (at least the last two): blocking retire. */
+  for (uint32_t l = r->retire_from; l < L; ++l)
     if (retire(r, l) != 0) return -1;
   if ((st = akv_step_end(r->engine)) != AKV_OK) {
     run_fail_akv(r, "akv_step_end", st);

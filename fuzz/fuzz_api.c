@@ -5,9 +5,10 @@
  * layers, concurrency, and sometimes an injected backend fault), the rest is
  * a sequence of API calls with arguments drawn from the input: valid and
  * stale handles, NULLs, pointers to objects of another type, out-of-range
- * layers, fences from other leases or made up, double retires, calls after a
- * forced failure and after quarantine, destroy with live work, and a whole
- * legal step now and then so deep states are reached. One engine lives
+ * layers, fences from other leases or made up, double retires (blocking and
+ * akv_lease_try_retire), calls after a forced failure and after quarantine,
+ * destroy with live work, and a whole legal step now and then so deep states
+ * are reached. One engine lives
  * across the calls of an input; at the end the input's streams are destroyed
  * and the engine is destroyed (quarantined first when destroy says busy).
  *
@@ -583,6 +584,15 @@ static void op_retire(state *s, input *in, int failed) {
   akv_receipt r;
   akv_lease *ls = pick_lease(s, in);
   uint8_t b = byte(in);
+  if (b & 2) {
+    /* The non-blocking form: also "not yet", which changes nothing. */
+    akv_status ts = akv_lease_try_retire(ls, b & 1 ? NULL : &r);
+    expect_mut(s, failed, "akv_lease_try_retire", ts,
+               OKS | BH | S(AKV_ERR_LEASE_STATE) | S(AKV_ERR_NOT_READY) | BE | QU);
+    expect_dead_lease_refused(s, "akv_lease_try_retire", ls, ts);
+    if (ts == AKV_OK) mark_lease_dead(s, ls);
+    return;
+  }
   akv_status st = akv_lease_retire(ls, b & 1 ? NULL : &r);
   expect_mut(s, failed, "akv_lease_retire", st, OKS | BH | S(AKV_ERR_LEASE_STATE) | BE | QU);
   expect_dead_lease_refused(s, "akv_lease_retire", ls, st);

@@ -30,10 +30,10 @@
  *       worker thread was joined; CUDA, as cudaStreamDestroy;
  *     - akv_engine_create: allocation and queue creation (host backend: one
  *       worker thread per queue; paged route with poison_holes: one H2D copy
- *       waited for); akv_engine_destroy: frees and joins the engine's idle
- *       queue threads (host backend), cudaFree/cudaFreeHost (CUDA, which may
- *       synchronise the device) - it never waits for queued work, it
- *       refuses with AKV_ERR_BUSY instead;
+ *       waited for); akv_engine_destroy: joins the engine's own idle queue
+ *       threads (host backend) and unmaps its memory; it waits on nothing of
+ *       the caller's and never for queued work (AKV_ERR_BUSY instead); see
+ *       akv_engine_destroy for the one exception (no host memory pools);
  *     - every call that enqueues (akv_step_begin, akv_lease_begin,
  *       akv_lease_wait_ready, akv_lease_mark_consumed, akv_lease_attend,
  *       akv_lease_write_back, akv_stream_launch_host): host backend, while
@@ -45,7 +45,7 @@
  *       held for a few instructions (other threads' creates, destroys, opens
  *       and closes);
  *     - any call that logs: for as long as the caller's log callback runs.
- *    No other call blocks.
+ *    No other call blocks. akv_lease_try_retire is the non-blocking retire.
  *  - ABI: within one major version (AKV_VERSION_MAJOR), functions are only
  *    added, enum values only appended, and config structs only grow at their
  *    end; each config carries its size and version so an older caller keeps
@@ -142,7 +142,9 @@ typedef enum akv_status {
   /** Group: ranks gave different inputs at an agreement point (contexts,
    *  lengths, geometry); every rank returns it and nothing changed on any. */
   AKV_ERR_DISAGREE = 23,
-  AKV_STATUS_COUNT_ = 24
+  /** Not yet: a fence has not passed (akv_lease_try_retire); nothing changed, try again. */
+  AKV_ERR_NOT_READY = 24,
+  AKV_STATUS_COUNT_ = 25
 } akv_status;
 
 /** A short English description of a status; never NULL, static storage.
@@ -384,6 +386,22 @@ AKV_API akv_status akv_engine_create(const akv_engine_config *config, akv_engine
  * nothing. Afterwards the engine handle, its contexts' handles and its lease
  * handles are dead: every call with them returns AKV_ERR_BAD_HANDLE (see
  * "Handle lifetimes" for how long that holds); a second destroy too.
+ *
+ * Waits on nothing of the caller's: when it frees, every lease is retired
+ * (or a quarantine proved completion), so the engine's queues are idle and
+ * its memory is handed back in the order of its own H2D queue, without
+ * synchronising the device. CUDA: device memory and the pinned host pool go
+ * back with cudaFreeAsync on the engine's stream, streams and events are
+ * destroyed without waiting; it returns while the caller's kernels on the
+ * device still run (never cudaFree / cudaFreeHost, which wait for the whole
+ * device). Its own host cost is the unmapping, about 9 ms per GiB of device
+ * memory (H200). Exception: where host memory pools are not available (CUDA
+ * runtime < 13 or cudaDevAttrHostMemoryPoolsSupported = 0; the engine logs
+ * it at create) the pinned pool comes from cudaHostAlloc and its
+ * cudaFreeHost waits until the device is idle, the caller's work included.
+ * Host backend: it joins the engine's own three queue threads, which are
+ * idle; no caller stream is waited on (docs/api.md gives the measured cost).
+ * Not thread-safe with other calls on the engine.
  * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_BUSY.
  */
 AKV_API akv_status akv_engine_destroy(akv_engine *engine);
@@ -774,6 +792,22 @@ typedef struct akv_receipt {
  * AKV_ERR_QUARANTINED.
  */
 AKV_API akv_status akv_lease_retire(akv_lease *lease, akv_receipt *receipt);
+
+/**
+ * Non-blocking retire: queries (never waits on) every event retire waits on,
+ * the tail write-back first. When all have passed, retires exactly as
+ * akv_lease_retire does (same receipt, tickets and layer released, the handle
+ * invalid afterwards) and returns AKV_OK. When one has not passed yet,
+ * returns AKV_ERR_NOT_READY and changes nothing (the lease stays sealed,
+ * *receipt untouched, the engine's last error untouched, nothing logged):
+ * call it again later, or akv_lease_retire to block. Cost: one event query
+ * while not ready, four when it retires; no allocation, no lock held across
+ * calls. Enqueues nothing. Not thread-safe with other calls on the engine.
+ * Returns AKV_OK, AKV_ERR_NOT_READY, AKV_ERR_BAD_HANDLE, AKV_ERR_LEASE_STATE
+ * (not sealed), AKV_ERR_BACKEND (a query failed: nothing released, transport
+ * failed), AKV_ERR_QUARANTINED.
+ */
+AKV_API akv_status akv_lease_try_retire(akv_lease *lease, akv_receipt *receipt);
 
 /* ------------------------------------------------------------------------ */
 /* Admission diagnostics (DESIGN §4)                                         */

@@ -1149,6 +1149,63 @@ static void test_memory(void **state) {
   B->shutdown(ctx);
 }
 
+/**
+ * Stream-ordered frees: device_free_async and host_free_async return at once
+ * while the queue is held at a gate, the blocks stay allocated (and usable by
+ * the work enqueued before the free) until the queue reaches the free, and a
+ * queue destroyed right after the call still runs it. Under ASan a free that
+ * ran early is a use-after-free of the store behind the gate.
+ */
+static void test_free_async_is_stream_ordered(void **state) {
+  (void)state;
+  void *ctx = ctx_new(0, 0, 3000);
+  akv_bqueue *q = queue_new(ctx);
+  static gate g; /* static: a failed assertion must not leave the worker on a dead frame */
+  uint64_t fr, total, peak;
+  int *d = NULL;
+  uint8_t *h = NULL;
+  gate_init(&g);
+  assert_int_equal(B->device_alloc(ctx, 4096, (void **)&d), AKV_OK);
+  assert_int_equal(B->host_alloc(ctx, (size_t)2 << 20, (void **)&h), AKV_OK); /* a mapping */
+  h[0] = 1;
+  store st = {d, 77, 0};
+  assert_int_equal(B->host_fn(ctx, q, gate_fn, &g), AKV_OK);
+  assert_int_equal(B->host_fn(ctx, q, store_fn, &st), AKV_OK); /* writes d after the gate */
+  int entered = gate_wait_entered(&g);
+  double t0 = now_ms();
+  B->device_free_async(ctx, d, q);
+  B->host_free_async(ctx, h, q);
+  B->device_free_async(ctx, NULL, q); /* ignored */
+  double dt = now_ms() - t0;
+  /* Not freed yet: the queue has not reached the frees. */
+  akv_status mst = B->mem_info(ctx, &fr, &total, &peak);
+  uint64_t held = total;
+  /* Open before asserting, so that a failure leaves no worker at the gate. */
+  gate_open(&g);
+  assert_true(entered);
+  assert_true(dt < 500.0);
+  assert_int_equal(mst, AKV_OK);
+  assert_true(held == 4096);
+  assert_int_equal(B->queue_synchronize(ctx, q), AKV_OK);
+  assert_int_equal(B->mem_info(ctx, &fr, &total, &peak), AKV_OK);
+  assert_true(total == 0);
+
+  /* Destroying the queue right after the free: the free still runs. */
+  assert_int_equal(B->device_alloc(ctx, 256, (void **)&d), AKV_OK);
+  B->device_free_async(ctx, d, q);
+  B->queue_destroy(ctx, q);
+  assert_int_equal(B->mem_info(ctx, &fr, &total, &peak), AKV_OK);
+  assert_true(total == 0);
+
+  /* Without a queue the free is immediate. */
+  assert_int_equal(B->device_alloc(ctx, 256, (void **)&d), AKV_OK);
+  B->device_free_async(ctx, d, NULL);
+  assert_int_equal(B->mem_info(ctx, &fr, &total, &peak), AKV_OK);
+  assert_true(total == 0);
+  gate_fini(&g);
+  B->shutdown(ctx);
+}
+
 /** Shutdown with objects still alive frees nothing they use; the last one does. */
 static void test_shutdown_with_live_objects(void **state) {
   (void)state;
@@ -1171,6 +1228,7 @@ static void test_shutdown_with_live_objects(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_probe_init_shutdown),
+      cmocka_unit_test(test_free_async_is_stream_ordered),
       cmocka_unit_test(test_bad_arguments),
       cmocka_unit_test(test_order_within_queue),
       cmocka_unit_test(test_enqueue_is_asynchronous),

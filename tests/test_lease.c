@@ -3,9 +3,22 @@
  * and every illegal one returns its specific status and changes nothing
  * (no backend operation is issued, the lease state is unchanged, and the
  * legal sequence still completes afterwards).
+ *
+ * akv_lease_try_retire: before the lease's fences pass (attention held at a
+ * gate on the compute stream, the host backend injecting random delays) it
+ * answers AKV_ERR_NOT_READY and changes nothing; once they pass it retires
+ * with the receipt akv_lease_retire gives for the same lease.
  */
+#if !defined(_GNU_SOURCE) && !defined(_DEFAULT_SOURCE)
+#define _DEFAULT_SOURCE
+#endif
+#ifndef _POSIX_C_SOURCE
+#define _POSIX_C_SOURCE 200809L
+#endif
 #include <setjmp.h>
 #include <stdarg.h>
+#include <time.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -496,6 +509,229 @@ static void test_fp8_rows(void **state) {
   assert_int_equal(akv_engine_destroy(e), AKV_OK);
 }
 
+/* ------------------------------------------------------------ try_retire */
+
+typedef struct tr_gate {
+  akv_engine *e;
+  atomic_int open;
+  atomic_int passed;
+} tr_gate;
+
+static double tr_now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
+}
+
+/* Runs on the compute stream: blocks until the test opens the gate (at most
+ * 10 s, so a broken engine fails the test instead of hanging it). */
+static void tr_gate_fn(void *arg) {
+  tr_gate *g = arg;
+  struct timespec ms = {0, 1000000L};
+  double end = tr_now_ms() + 10000.0;
+  while (!atomic_load(&g->open) && tr_now_ms() < end) nanosleep(&ms, NULL);
+  atomic_store(&g->passed, 1);
+}
+
+/* Attention hook: holds the compute stream at the gate, if any. */
+static int tr_gate_hook(void *user, const akv_view *view, akv_stream stream) {
+  tr_gate *g = user;
+  (void)view;
+  if (g == NULL) return 0;
+  return akv_stream_launch_host(g->e, stream, tr_gate_fn, g) == AKV_OK ? 0 : 1;
+}
+
+/* A host engine of the small geometry, with injected delays on its queues. */
+static akv_engine *tr_engine(void) {
+  akv_engine_config ec = AKV_ENGINE_CONFIG_INIT;
+  akv_engine *e = NULL;
+  ec.backend = AKV_BACKEND_HOST;
+  ec.n_dense_layers = 3;
+  ec.kv_heads = 2;
+  ec.head_dim = 8;
+  ec.max_tokens = 64;
+  ec.page_tokens = 8;
+  ec.max_contexts = 4;
+  ec.host_pool_gib = 1;
+  ec.log_fn = akvt_silent_log;
+  ec.host_delay_seed = 0x5eed;
+  ec.host_delay_max_us = 200;
+  assert_int_equal(akv_engine_create(&ec, &e), AKV_OK);
+  return e;
+}
+
+typedef struct tr_fx {
+  akv_engine *e;
+  akv_stream s;
+  akv_context *c[2];
+} tr_fx;
+
+static void tr_open(tr_fx *f) {
+  static uint16_t rows[64 * 16];
+  const void *rp[3] = {rows, rows, rows};
+  for (uint32_t i = 0; i < 64 * 16; i++) rows[i] = (uint16_t)(i * 7u);
+  f->e = tr_engine();
+  assert_int_equal(akv_stream_create(f->e, &f->s), AKV_OK);
+  for (int i = 0; i < 2; i++) {
+    assert_int_equal(akv_context_open(f->e, NULL, &f->c[i]), AKV_OK);
+    assert_int_equal(akv_context_append(f->c[i], (uint32_t)(9 + i), rp, rp), AKV_OK);
+  }
+  assert_int_equal(akv_step_begin(f->e, f->c, 2), AKV_OK);
+}
+
+static akv_lease *tr_layer(tr_fx *f, uint32_t layer, tr_gate *g) {
+  akv_lease *ls = NULL;
+  akv_fence attn, tail;
+  assert_int_equal(akv_lease_begin(f->e, layer, &ls), AKV_OK);
+  assert_int_equal(akv_lease_attend(ls, f->s, tr_gate_hook, g, &attn), AKV_OK);
+  assert_int_equal(akv_lease_write_back(ls, NULL, 0, &tail), AKV_OK);
+  assert_int_equal(akv_lease_seal(ls, tail, attn), AKV_OK);
+  return ls;
+}
+
+static void tr_close(tr_fx *f) {
+  for (int i = 0; i < 2; i++) assert_int_equal(akv_context_close(f->c[i]), AKV_OK);
+  assert_int_equal(akv_stream_destroy(f->e, f->s), AKV_OK);
+  assert_int_equal(akv_engine_destroy(f->e), AKV_OK);
+}
+
+static void test_try_retire(void **state) {
+  tr_fx f, twin;
+  tr_gate g;
+  akv_lease *ls[3], *tw[3];
+  akv_receipt r, want, poison;
+  akv_engine_info before, after;
+  uint32_t hl0, live0, n_tickets0;
+  char err0[sizeof(((akv_engine *)0)->last_error)];
+  (void)state;
+  memset(&g, 0, sizeof(g));
+  memset(&poison, 0xAB, sizeof(poison));
+
+  /* The twin runs the same step with the blocking retire: the reference
+   * receipts (fence serials included: both engines count alike). */
+  tr_open(&twin);
+  tw[0] = tr_layer(&twin, 0, NULL);
+  tw[1] = tr_layer(&twin, 1, NULL);
+  tw[2] = tr_layer(&twin, 2, NULL);
+
+  tr_open(&f);
+  g.e = f.e;
+  ls[0] = tr_layer(&f, 0, &g); /* attention of layer 0 held at the gate */
+
+  /* Refusals: a bad handle, a lease that is not sealed. */
+  assert_int_equal(akv_lease_try_retire(NULL, &r), AKV_ERR_BAD_HANDLE);
+  {
+    akv_lease *open_ls = NULL;
+    akv_fence attn;
+    assert_int_equal(akv_lease_begin(f.e, 1, &open_ls), AKV_OK);
+    ASSERT_REFUSED(f.e, open_ls, akv_lease_try_retire(open_ls, &r), AKV_ERR_LEASE_STATE);
+    assert_int_equal(akv_lease_attend(open_ls, f.s, tr_gate_hook, NULL, &attn), AKV_OK);
+    ASSERT_REFUSED(f.e, open_ls, akv_lease_try_retire(open_ls, &r), AKV_ERR_LEASE_STATE);
+    {
+      akv_fence tail;
+      assert_int_equal(akv_lease_write_back(open_ls, NULL, 0, &tail), AKV_OK);
+      assert_int_equal(akv_lease_seal(open_ls, tail, attn), AKV_OK);
+    }
+    ls[1] = open_ls;
+  }
+
+  /* Before the fences pass: not ready, and nothing changed. */
+  assert_int_equal(akv_engine_info_get(f.e, &before), AKV_OK);
+  hl0 = f.c[0]->host_leases;
+  live0 = f.e->leases_live;
+  n_tickets0 = ls[0]->body->n_tickets;
+  memcpy(err0, f.e->last_error, sizeof(err0));
+  for (int k = 0; k < 50; k++) {
+    r = poison;
+    assert_int_equal(akv_lease_try_retire(ls[0], &r), AKV_ERR_NOT_READY);
+    assert_memory_equal(&r, &poison, sizeof(r));
+    assert_int_equal(akv_lease_try_retire(ls[1], &r), AKV_ERR_NOT_READY); /* behind ls[0] */
+  }
+  assert_int_equal(atomic_load(&g.passed), 0); /* the gate really was closed */
+  assert_int_equal(ls[0]->body->state, AKV_LEASE_SEALED);
+  assert_int_equal(ls[1]->body->state, AKV_LEASE_SEALED);
+  assert_int_equal(ls[0]->body->n_tickets, n_tickets0);
+  assert_int_equal(f.c[0]->host_leases, hl0);
+  assert_int_equal(f.e->leases_live, live0);
+  assert_memory_equal(f.e->last_error, err0, sizeof(err0));
+  assert_int_equal(akv_engine_info_get(f.e, &after), AKV_OK);
+  assert_int_equal(after.leases_retired, before.leases_retired);
+  assert_int_equal(after.transport_failed, 0);
+  /* Queries only: nothing enqueued, waited on or synchronised. */
+  for (int k = 0; k < AKV_OP_KIND_COUNT; k++)
+    if (k != AKV_OP_QUERY) assert_int_equal(after.backend_ops[k], before.backend_ops[k]);
+  assert_true(after.backend_ops[AKV_OP_QUERY] > before.backend_ops[AKV_OP_QUERY]);
+  assert_true(after.backend_ops[AKV_OP_QUERY] - before.backend_ops[AKV_OP_QUERY] <= 100);
+  /* A live lease: the step cannot end yet, the layer goes on normally. */
+  ASSERT_REFUSED(f.e, ls[0], akv_step_end(f.e), AKV_ERR_STEP_STATE);
+  ls[2] = tr_layer(&f, 2, NULL);
+
+  /* Open the gate: every fence passes; try_retire then retires. */
+  akv_lease_body *body[3] = {ls[0]->body, ls[1]->body, ls[2]->body};
+  atomic_store(&g.open, 1);
+  for (uint32_t l = 0; l < 3; l++) {
+    akv_status st;
+    double end = tr_now_ms() + 10000.0;
+    r = poison;
+    while ((st = akv_lease_try_retire(ls[l], &r)) == AKV_ERR_NOT_READY && tr_now_ms() < end) {
+      struct timespec us = {0, 100000L};
+      assert_memory_equal(&r, &poison, sizeof(r));
+      nanosleep(&us, NULL);
+    }
+    assert_int_equal(st, AKV_OK);
+    assert_int_equal(body[l]->state, AKV_LEASE_RETIRED);
+    assert_int_equal(akv_lease_retire(tw[l], &want), AKV_OK);
+    assert_memory_equal(&r, &want, sizeof(r)); /* the receipt retire gives */
+    /* Retired: the handle is dead, a second try is refused like a double
+     * retire and issues nothing. */
+    ASSERT_REFUSED(f.e, (akv_lease *)NULL, akv_lease_try_retire(ls[l], &r), AKV_ERR_BAD_HANDLE);
+  }
+  assert_int_equal(f.c[0]->host_leases, 0);
+  assert_int_equal(f.e->leases_live, 0);
+  assert_int_equal(akv_step_end(f.e), AKV_OK);
+  assert_int_equal(akv_step_end(twin.e), AKV_OK);
+  {
+    uint8_t k1[64], v1[64], k2[64], v2[64];
+    for (uint32_t l = 0; l < 3; l++) {
+      assert_int_equal(akv_context_read(f.c[1], l, 0, 2, k1, v1), AKV_OK);
+      assert_int_equal(akv_context_read(twin.c[1], l, 0, 2, k2, v2), AKV_OK);
+      assert_memory_equal(k1, k2, sizeof(k1));
+      assert_memory_equal(v1, v2, sizeof(v1));
+    }
+  }
+  tr_close(&f);
+  tr_close(&twin);
+}
+
+/* After a transport failure try_retire answers quarantined, like retire. */
+static void test_try_retire_after_failure(void **state) {
+  akv_engine *e = akvt_small_engine(AKV_ROUTE_STAGE, 0);
+  akv_stream s;
+  akv_context *c;
+  akv_lease *ls;
+  akv_fence attn, tail;
+  akv_quarantine_report q;
+  uint16_t buf[64];
+  const void *rows[3] = {buf, buf, buf};
+  (void)state;
+  memset(buf, 0, sizeof(buf));
+  assert_non_null(e);
+  assert_int_equal(akv_stream_create(e, &s), AKV_OK);
+  assert_int_equal(akv_context_open(e, NULL, &c), AKV_OK);
+  assert_int_equal(akv_context_append(c, 2, rows, rows), AKV_OK);
+  assert_int_equal(akv_step_begin(e, &c, 1), AKV_OK);
+  assert_int_equal(akv_lease_begin(e, 0, &ls), AKV_OK);
+  assert_int_equal(akv_lease_attend(ls, s, noop_hook, NULL, &attn), AKV_OK);
+  assert_int_equal(akv_lease_write_back(ls, NULL, 0, &tail), AKV_OK);
+  assert_int_equal(akv_lease_seal(ls, tail, attn), AKV_OK);
+  assert_int_equal(akv_engine_quarantine(e, &q), AKV_OK);
+  /* quarantine released the lease: its handle is dead, like a retired one */
+  assert_int_equal(akv_lease_try_retire(ls, NULL), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(akv_stream_destroy(e, s), AKV_OK);
+  assert_int_equal(akv_engine_destroy(e), AKV_OK);
+}
+
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_legal_sequence_with_receipts, setup, teardown),
@@ -508,6 +744,8 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_seal_substituted_fences, setup, teardown),
       cmocka_unit_test_setup_teardown(test_context_rules_in_step, setup, teardown),
       cmocka_unit_test(test_failed_hook_quarantines),
+      cmocka_unit_test(test_try_retire),
+      cmocka_unit_test(test_try_retire_after_failure),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

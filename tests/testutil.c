@@ -1,12 +1,16 @@
 /*
  * testutil.c - see testutil.h.
  */
+#ifndef _POSIX_C_SOURCE
+#define _POSIX_C_SOURCE 200809L
+#endif
 #include "testutil.h"
 
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 static uint64_t akvt_mix(uint64_t x) {
   x += 0x9e3779b97f4a7c15ull;
@@ -374,6 +378,7 @@ void akvt_run(const akvt_cfg *c, akvt_result *out) {
                                                  &out->released_now, &out->released_pending);
       AKVT_TRY(out->release_status);
     }
+    uint32_t retired = 0; /* leases [0, retired) of this step are retired */
     AKVT_TRY(akv_step_begin(rs.engine, ctx, c->n_ctx));
     for (uint32_t l = 0; l < c->layers; l++) {
       akv_fence attn, tail;
@@ -389,7 +394,20 @@ void akvt_run(const akvt_cfg *c, akvt_result *out) {
         akv_headroom_get(rs.engine, &mid);
         out->headroom_bytes_after_release_call = mid.bytes;
       }
-      if (l >= 2) AKVT_TRY(akv_lease_retire(leases[l - 2], NULL));
+      if (l >= 2 && !c->try_retire) {
+        AKVT_TRY(akv_lease_retire(leases[l - 2], NULL));
+        retired = l - 1;
+      }
+      while (c->try_retire && l >= 2 && retired <= l - 2) {
+        akv_status ts = akv_lease_try_retire(leases[retired], NULL);
+        if (ts == AKV_ERR_NOT_READY) break;
+        if (ts != AKV_OK) {
+          out->status = ts;
+          out->failed_call = "akv_lease_try_retire(leases[retired], NULL)";
+          goto failed;
+        }
+        retired++;
+      }
       if (c->two_call) {
         akv_view view;
         AKVT_TRY(akv_lease_wait_ready(leases[l], rs.stream, &view));
@@ -405,8 +423,25 @@ void akvt_run(const akvt_cfg *c, akvt_result *out) {
       AKVT_TRY(akv_lease_write_back(leases[l], NULL, 0, &tail));
       AKVT_TRY(akv_lease_seal(leases[l], tail, attn));
     }
-    for (uint32_t l = c->layers >= 2 ? c->layers - 2 : 0; l < c->layers; l++)
-      AKVT_TRY(akv_lease_retire(leases[l], NULL));
+    for (; retired < c->layers; retired++) {
+      if (c->try_retire) {
+        /* polled until it retires: at most 10 s, then the blocking retire */
+        akv_status ts;
+        for (int k = 0; k < 200000; k++) {
+          if ((ts = akv_lease_try_retire(leases[retired], NULL)) != AKV_ERR_NOT_READY) break;
+          struct timespec us50 = {0, 50000L};
+          nanosleep(&us50, NULL);
+        }
+        if (ts == AKV_ERR_NOT_READY) ts = akv_lease_retire(leases[retired], NULL);
+        if (ts != AKV_OK) {
+          out->status = ts;
+          out->failed_call = "akv_lease_try_retire(leases[retired], NULL)";
+          goto failed;
+        }
+      } else {
+        AKVT_TRY(akv_lease_retire(leases[retired], NULL));
+      }
+    }
     AKVT_TRY(akv_step_end(rs.engine));
     for (uint32_t i = 0; i < c->n_ctx; i++) auth_len[i]++;
     akvt_check_step(c, rs.out, lens, out);

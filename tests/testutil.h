@@ -72,6 +72,13 @@ typedef struct akvt_cfg {
   uint32_t release_layer;
   uint64_t release_bytes;
   uint32_t take_step;
+  /* Retire with akv_lease_try_retire: in the layer loop every lease up to
+   * l-2 whose fences passed (oldest first, stopping at the first not ready),
+   * then after the last layer each lease left, polled until it retires.
+   * Every lease then retires through one successful try_retire (at least
+   * three event queries each), so a run issues at least 3 x layers x steps
+   * queries whatever the timing. */
+  int try_retire;
 } akvt_cfg;
 
 typedef struct akvt_result {

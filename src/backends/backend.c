@@ -72,6 +72,22 @@ void akv_bk_device_free(akv_bk *bk, void *ptr) {
   if (ptr != NULL) bk->ops->device_free(bk->ctx, ptr);
 }
 
+void akv_bk_device_free_async(akv_bk *bk, void *ptr, akv_bqueue *q) {
+  if (ptr == NULL) return;
+  if (q != NULL && bk->ops->device_free_async != NULL)
+    bk->ops->device_free_async(bk->ctx, ptr, q);
+  else
+    bk->ops->device_free(bk->ctx, ptr);
+}
+
+void akv_bk_host_free_async(akv_bk *bk, void *ptr, akv_bqueue *q) {
+  if (ptr == NULL) return;
+  if (q != NULL && bk->ops->host_free_async != NULL)
+    bk->ops->host_free_async(bk->ctx, ptr, q);
+  else
+    bk->ops->host_free(bk->ctx, ptr);
+}
+
 akv_status akv_bk_queue_create(akv_bk *bk, akv_bqueue **out) {
   AKV_BK_OP(bk, AKV_OP_ALLOC, "queue create", bk->ops->queue_create(bk->ctx, out));
 }

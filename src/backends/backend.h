@@ -92,6 +92,15 @@ typedef struct akv_backend_ops {
   /* Optional: the backend's own words for its last failure (e.g. cudart's
    * error string), appended to the engine's last error. */
   const char *(*error_detail)(void *ctx);
+
+  /* Optional stream-ordered frees (NULL: the dispatcher frees at once with
+   * device_free / host_free). The memory is released once q reaches this
+   * point; the call itself never blocks and waits on no other queue, so
+   * teardown can hand memory back without synchronising the device (as
+   * cudaFree and cudaFreeHost do). Nothing may use the memory after q
+   * reaches the free; q may be destroyed right after the call. */
+  void (*device_free_async)(void *ctx, void *ptr, akv_bqueue *q);
+  void (*host_free_async)(void *ctx, void *ptr, akv_bqueue *q);
 } akv_backend_ops;
 
 /* The tables. akv_backend_cuda_ops is NULL-equivalent when CUDA is not built. */

@@ -6,8 +6,27 @@
  *             legacy default stream, so the caller's default-stream work does
  *             not serialise with the engine's copies);
  *  - event  = cudaEvent_t created with cudaEventDisableTiming;
- *  - host memory = cudaHostAlloc(cudaHostAllocDefault) (pinned);
+ *  - host memory = pinned memory from a host memory pool of the backend
+ *             (cudaMemPoolCreate, location host, the device granted
+ *             read-write access, so copies run at pinned speed), allocated
+ *             with cudaMallocFromPoolAsync on the backend's own allocation
+ *             stream; where the build (CUDA < 13) or the device
+ *             (cudaDevAttrHostMemoryPoolsSupported) has no host pools,
+ *             cudaHostAlloc(cudaHostAllocDefault);
  *  - device memory = cudaMalloc.
+ *
+ * Teardown never synchronises the device. cudaFree, cudaFreeHost and
+ * cudaHostUnregister wait until the whole device is idle, the caller's
+ * unrelated kernels included (measured on an H200 with a 1 s kernel on a
+ * caller's stream: each returned after the kernel, 1000-1095 ms, also for
+ * 4 KiB). The stream-ordered frees (device_free_async, host_free_async) use
+ * cudaFreeAsync on the engine's own queue instead: it returned in 0.01 ms
+ * for pool memory and 8.9 ms for 1 GiB of cudaMalloc memory (the unmapping,
+ * released in full), the caller's kernel still running. Stream and event
+ * destruction and cudaMemPoolDestroy return at once and release their
+ * resources once outstanding work is done (0.01 / 0.21 ms measured). The one
+ * exception is the cudaHostAlloc fallback: cudaFreeHost synchronises the
+ * device, so there host_free_async waits for the caller's work in flight.
  * Queues and events are the CUDA handles cast to akv_bqueue* / akv_bevent*.
  * CUDA's event semantics are exactly those backend.h asks for (a record
  * replaces the capture; waiting on a never-recorded event is a no-op).
@@ -69,6 +88,8 @@ struct akv_gather_batch {
 struct akv_cuda_ctx {
   uint32_t magic;
   int device;
+  cudaStream_t alloc_stream; /* non-blocking; pinned pool allocations only */
+  cudaMemPool_t host_pool;   /* pinned host pool; nullptr: cudaHostAlloc fallback */
   uint64_t peak_used;
   char last_error[256];
   akv_gather_batch gather; /* kernel parameters of the D2D gather, reused */
@@ -173,6 +194,47 @@ static akv_status cuda_probe(const akv_backend_params *params) {
   return AKV_OK;
 }
 
+/* Creates the pinned host pool where the build and the device support host
+ * memory pools; otherwise leaves host_pool NULL (cudaHostAlloc fallback).
+ * Without device access the device reads pool memory through a slow path
+ * (measured 6.7 GB/s H2D instead of 55), so access is granted or the pool
+ * is not used. A failure here is not an error: the fallback works. */
+static void host_pool_create(akv_cuda_ctx *c) {
+  c->host_pool = nullptr;
+#if CUDART_VERSION >= 13000
+  int supported = 0;
+  if (cudaDeviceGetAttribute(&supported, cudaDevAttrHostMemoryPoolsSupported, c->device) !=
+          cudaSuccess ||
+      supported == 0) {
+    (void)cudaGetLastError();
+    return;
+  }
+  cudaMemPoolProps props;
+  memset(&props, 0, sizeof props);
+  props.allocType = cudaMemAllocationTypePinned;
+  props.location.type = cudaMemLocationTypeHost;
+  props.location.id = 0; /* ignored for the host */
+  cudaMemPool_t pool = nullptr;
+  if (cudaMemPoolCreate(&pool, &props) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return;
+  }
+  cudaMemAccessDesc access;
+  memset(&access, 0, sizeof access);
+  access.location.type = cudaMemLocationTypeDevice;
+  access.location.id = c->device;
+  access.flags = cudaMemAccessFlagsProtReadWrite;
+  if (cudaMemPoolSetAccess(pool, &access, 1) != cudaSuccess) {
+    (void)cudaGetLastError();
+    (void)cudaMemPoolDestroy(pool);
+    return;
+  }
+  c->host_pool = pool;
+#else
+  (void)c;
+#endif
+}
+
 static akv_status cuda_init(const akv_backend_params *params, void **out) {
   akv_status st = AKV_ERR_INVALID_ARGUMENT;
   akv_cuda_ctx *c = nullptr;
@@ -188,17 +250,26 @@ static akv_status cuda_init(const akv_backend_params *params, void **out) {
   AKV_CUDA_TRY(c, cudaSetDevice(c->device), "cudaSetDevice");
   /* Creates the primary context now rather than inside the first copy. */
   AKV_CUDA_TRY(c, cudaFree(nullptr), "cudaFree(NULL) (context creation)");
+  AKV_CUDA_TRY(c, cudaStreamCreateWithFlags(&c->alloc_stream, cudaStreamNonBlocking),
+               "cudaStreamCreateWithFlags(NonBlocking) (allocation stream)");
+  host_pool_create(c);
   sample_usage(c);
   *out = c;
   return AKV_OK;
 fail:
+  if (c != nullptr && c->alloc_stream != nullptr) (void)cudaStreamDestroy(c->alloc_stream);
   free(c);
   return st;
 }
 
+/* Returns at once: the pool and the stream are released by the runtime once
+ * their outstanding frees (stream-ordered, on the engine's queues) ran. */
 static void cuda_shutdown(void *ctx) {
   akv_cuda_ctx *c = as_ctx(ctx);
   if (c == nullptr) return;
+  if (c->host_pool != nullptr) (void)cudaMemPoolDestroy(c->host_pool);
+  if (c->alloc_stream != nullptr) (void)cudaStreamDestroy(c->alloc_stream);
+  (void)cudaGetLastError();
   c->magic = kCtxDead;
   free(c);
 }
@@ -214,8 +285,19 @@ static akv_status cuda_host_alloc(void *ctx, size_t bytes, void **out) {
   AKV_CUDA_REQUIRE(c != nullptr, AKV_ERR_BAD_HANDLE);
   AKV_CUDA_REQUIRE(out != nullptr && bytes != 0, AKV_ERR_INVALID_ARGUMENT);
   AKV_CUDA_TRY(c, device_enter(c, &prev), "cudaSetDevice");
-  snprintf(what, sizeof what, "cudaHostAlloc(%zu B)", bytes);
-  {
+  if (c->host_pool != nullptr) {
+    /* Stream-ordered allocation, made usable on every stream by waiting for
+     * the allocation stream (it holds nothing else; create-time only). */
+    snprintf(what, sizeof what, "cudaMallocFromPoolAsync(host, %zu B)", bytes);
+    cudaError_t err = cudaMallocFromPoolAsync(&p, bytes, c->host_pool, c->alloc_stream);
+    if (err == cudaSuccess) {
+      err = cudaStreamSynchronize(c->alloc_stream);
+      if (err != cudaSuccess) (void)cudaFreeAsync(p, c->alloc_stream);
+    }
+    device_leave(c, prev);
+    AKV_CUDA_TRY(c, err, what);
+  } else {
+    snprintf(what, sizeof what, "cudaHostAlloc(%zu B)", bytes);
     const cudaError_t err = cudaHostAlloc(&p, bytes, cudaHostAllocDefault);
     device_leave(c, prev);
     AKV_CUDA_TRY(c, err, what);
@@ -226,11 +308,33 @@ fail:
   return st;
 }
 
+/* Pool memory goes back on the allocation stream (nothing else is on it:
+ * freed at once, no device synchronisation); the cudaHostAlloc fallback
+ * uses cudaFreeHost, which synchronises the device. */
 static void cuda_host_free(void *ctx, void *ptr) {
   akv_cuda_ctx *c = as_ctx(ctx);
   if (ptr == nullptr) return;
+  if (c != nullptr && c->host_pool != nullptr) {
+    const cudaError_t err = cudaFreeAsync(ptr, c->alloc_stream);
+    if (err != cudaSuccess) note_error(c, "cudaFreeAsync(host pool)", err);
+    return;
+  }
   const cudaError_t err = cudaFreeHost(ptr);
   if (err != cudaSuccess) note_error(c, "cudaFreeHost", err);
+}
+
+/* Stream-ordered: freed when q reaches this point; waits on nothing. The
+ * cudaHostAlloc fallback cannot be freed in stream order: cudaFreeHost, the
+ * documented exception (it waits until the device is idle). */
+static void cuda_host_free_async(void *ctx, void *ptr, akv_bqueue *q) {
+  akv_cuda_ctx *c = as_ctx(ctx);
+  if (ptr == nullptr) return;
+  if (c == nullptr || c->host_pool == nullptr || q == nullptr) {
+    cuda_host_free(ctx, ptr);
+    return;
+  }
+  const cudaError_t err = cudaFreeAsync(ptr, as_stream(q));
+  if (err != cudaSuccess) note_error(c, "cudaFreeAsync(host pool)", err);
 }
 
 static akv_status cuda_device_alloc(void *ctx, size_t bytes, void **out) {
@@ -261,6 +365,20 @@ static void cuda_device_free(void *ctx, void *ptr) {
   /* cudaFree needs no current-device switch: the pointer names its device. */
   const cudaError_t err = cudaFree(ptr);
   if (err != cudaSuccess) note_error(c, "cudaFree", err);
+}
+
+/* cudaFreeAsync accepts cudaMalloc memory: the free runs when q reaches it,
+ * without synchronising the device (the unmapping costs the calling thread
+ * about 9 ms per GiB, measured; it waits for no work). */
+static void cuda_device_free_async(void *ctx, void *ptr, akv_bqueue *q) {
+  akv_cuda_ctx *c = as_ctx(ctx);
+  if (ptr == nullptr) return;
+  if (q == nullptr) {
+    cuda_device_free(ctx, ptr);
+    return;
+  }
+  const cudaError_t err = cudaFreeAsync(ptr, as_stream(q));
+  if (err != cudaSuccess) note_error(c, "cudaFreeAsync", err);
 }
 
 /* ------------------------------------------------------------ queues, events */
@@ -583,6 +701,11 @@ extern "C" const char *akv_cuda_last_error(void *ctx) {
   return c != nullptr ? c->last_error : "no CUDA backend context";
 }
 
+extern "C" int akv_cuda_host_pool_stream_ordered(void *ctx) {
+  akv_cuda_ctx *c = as_ctx(ctx);
+  return c != nullptr && c->host_pool != nullptr ? 1 : 0;
+}
+
 extern "C" const akv_backend_ops akv_backend_cuda_ops = {
     /* name */ "cuda",
     /* kind */ AKV_BACKEND_CUDA,
@@ -608,4 +731,6 @@ extern "C" const akv_backend_ops akv_backend_cuda_ops = {
     cuda_host_fn,
     cuda_mem_info,
     akv_cuda_last_error,
+    cuda_device_free_async,
+    cuda_host_free_async,
 };

@@ -25,6 +25,15 @@ extern "C" {
  */
 const char *akv_cuda_last_error(void *ctx);
 
+/**
+ * 1 when the backend context's pinned host memory comes from a host memory
+ * pool and goes back in stream order (host_free_async never synchronises the
+ * device); 0 for the cudaHostAlloc fallback, whose cudaFreeHost waits until
+ * the device is idle, and for a NULL or dead ctx. Thread-safe (reads a value
+ * fixed at init).
+ */
+int akv_cuda_host_pool_stream_ordered(void *ctx);
+
 #ifdef __cplusplus
 }
 #endif

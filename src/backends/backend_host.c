@@ -68,6 +68,10 @@
  *    whatever their size: they sit close together in the address space, as
  *    cudaMalloc's do (the paged route's page grid relies on it, headroom.c),
  *    and a read after their free faults instead of returning stale rows.
+ *    device_free_async and host_free_async free a block on a
+ *    queue's worker once everything enqueued before them has run, as
+ *    cudaFreeAsync does; the plain frees free at once. Neither waits for
+ *    anything: host memory needs no device synchronisation.
  *
  *  - Sync timeout. 30 s, overridable at init by the environment variable
  *    AKV_HOST_SYNC_TIMEOUT_MS (a positive integer; a testing aid).
@@ -130,7 +134,8 @@ typedef enum akv_host_op_kind {
   AKV_HOST_OP_BATCH = 1,  /**< header: the next `slots - 1` slots are its copies */
   AKV_HOST_OP_RECORD = 2, /**< event marker: nothing to run, completion is the point */
   AKV_HOST_OP_WAIT = 3,   /**< block until wait.queue's head reaches wait.position */
-  AKV_HOST_OP_HOSTFN = 4  /**< call host.fn(host.arg) */
+  AKV_HOST_OP_HOSTFN = 4, /**< call host.fn(host.arg) */
+  AKV_HOST_OP_FREE = 5    /**< stream-ordered free of free.ptr (device_free_async, ...) */
 } akv_host_op_kind;
 
 /** One ring slot. Written by an enqueuer under the queue mutex, read by the worker. */
@@ -151,6 +156,10 @@ typedef struct akv_host_op {
       void (*fn)(void *);
       void *arg;
     } host;
+    struct {
+      void *ptr;  /**< a block of this queue's context */
+      int device; /**< 1 = device_alloc block, 0 = host_alloc block */
+    } free;
   } u;
 } akv_host_op;
 
@@ -352,6 +361,8 @@ static void akv_host_delay(akv_bqueue *q) {
   }
 }
 
+static void akv_host_block_free(void *ctx, void *ptr, int device);
+
 /**
  * Runs one operation whose first slot is at `first`. Slots [first, first +
  * op->slots) stay untouched by enqueuers until head moves past them, so the
@@ -383,6 +394,11 @@ static void akv_host_run(akv_bqueue *q, const akv_host_op *op, uint64_t first) {
     }
     case AKV_HOST_OP_HOSTFN:
       op->u.host.fn(op->u.host.arg);
+      break;
+    case AKV_HOST_OP_FREE:
+      /* Everything enqueued on q before the free has run: nothing of q's
+       * still uses the block. */
+      akv_host_block_free(q->ctx, op->u.free.ptr, op->u.free.device);
       break;
   }
 }
@@ -636,6 +652,37 @@ static akv_status akv_host_device_alloc(void *ctx, size_t bytes, void **out) {
 
 /** device_free: frees a device_alloc block; anything else is ignored. */
 static void akv_host_device_free(void *ctx, void *ptr) { akv_host_block_free(ctx, ptr, 1); }
+
+/**
+ * Stream-ordered free: the worker of q frees the block once everything
+ * enqueued on q before it has run (CUDA's cudaFreeAsync). Never blocks the
+ * caller except on a full ring (then up to the sync timeout); if the free
+ * cannot be enqueued (q being destroyed, ring full too long) the block is
+ * freed at once, which the caller's promise (nothing uses it any more once
+ * q gets there) allows. The queue holds a reference on the context, so the
+ * worker may free after the owner shut the context down.
+ */
+static void akv_host_free_async(void *ctx, void *ptr, akv_bqueue *q, int device) {
+  akv_host_ctx *c = ctx;
+  if (ptr == NULL || !akv_host_ctx_ok(c)) return;
+  if (akv_host_queue_ok(q) && q->ctx == c) {
+    akv_host_op op = {.kind = AKV_HOST_OP_FREE};
+    op.u.free.ptr = ptr;
+    op.u.free.device = device;
+    if (akv_host_enqueue(q, &op, NULL) == AKV_OK) return;
+  }
+  akv_host_block_free(c, ptr, device);
+}
+
+/** device_free_async: a device_alloc block, freed in q's order. */
+static void akv_host_device_free_async(void *ctx, void *ptr, akv_bqueue *q) {
+  akv_host_free_async(ctx, ptr, q, 1);
+}
+
+/** host_free_async: a host_alloc block, freed in q's order. */
+static void akv_host_host_free_async(void *ctx, void *ptr, akv_bqueue *q) {
+  akv_host_free_async(ctx, ptr, q, 0);
+}
 
 /**
  * mem_info: free = 0, total = device bytes allocated now, peak = their peak;
@@ -1095,4 +1142,6 @@ const akv_backend_ops akv_backend_host_ops = {
     .copy_batch = akv_host_copy_batch,
     .host_fn = akv_host_host_fn,
     .mem_info = akv_host_mem_info,
+    .device_free_async = akv_host_device_free_async,
+    .host_free_async = akv_host_host_free_async,
 };

@@ -31,6 +31,10 @@ akv_status akv_bk_host_alloc(akv_bk *bk, size_t bytes, void **out);
 void akv_bk_host_free(akv_bk *bk, void *ptr);
 akv_status akv_bk_device_alloc(akv_bk *bk, size_t bytes, void **out);
 void akv_bk_device_free(akv_bk *bk, void *ptr);
+/* Stream-ordered frees on q (see backend.h); NULL ptr is ignored. Without the
+ * backend slot, or with q NULL, they free at once like the calls above. */
+void akv_bk_device_free_async(akv_bk *bk, void *ptr, akv_bqueue *q);
+void akv_bk_host_free_async(akv_bk *bk, void *ptr, akv_bqueue *q);
 akv_status akv_bk_queue_create(akv_bk *bk, akv_bqueue **out);
 void akv_bk_queue_destroy(akv_bk *bk, akv_bqueue *q);
 akv_status akv_bk_event_create(akv_bk *bk, akv_bevent **out);

@@ -11,6 +11,9 @@
 #include "fit.h"
 #include "internal.h"
 #include "records.h"
+#ifdef AKV_WITH_CUDA
+#include "backend_cuda.h" /* C declarations only, no CUDA header */
+#endif
 
 const char *akv_route_name(akv_route r) {
   switch (r) {
@@ -109,16 +112,31 @@ static void akv_engine_free_all(akv_engine *e, bool created) {
     }
   }
   akv_bk_event_destroy(bk, e->ev_fill);
+  /* Teardown waits on nothing of the caller's (DESIGN §7). Enforced here:
+   * destroy runs only with every lease retired and no step open, or after a
+   * quarantine that established completion, so every reader and writer of
+   * this memory is proven complete and the engine's queues hold no work.
+   * The memory therefore goes back in the order of the engine's own H2D
+   * queue (stream-ordered frees: cudaFreeAsync on CUDA), never through
+   * cudaFree / cudaFreeHost, which would wait until the whole device is
+   * idle, the caller's kernels included. Destroying the queues right after
+   * is allowed: the frees still run. Without the queue (a create that
+   * failed before making it) the frees are immediate. */
+  for (int b = 0; b < AKV_N_BUFFERS; b++) akv_bk_device_free_async(bk, e->staging[b], e->q_h2d);
+  akv_bk_device_free_async(bk, e->dev_pool, e->q_h2d);
+  akv_bk_device_free_async(bk, e->page_map_dev, e->q_h2d);
+  akv_bk_device_free_async(bk, e->poison, e->q_h2d);
+  akv_bk_host_free_async(bk, e->page_map_host, e->q_h2d);
+  akv_bk_host_free_async(bk, e->host_pool, e->q_h2d);
+  akv_headroom_free_all(e); /* its chunks the same way, on the H2D queue */
+  /* Host backend: each queue_destroy joins the queue's worker thread. The
+   * engine's queues are idle (see above), so the join waits for no caller
+   * work, only for the engine's own three workers to run the frees above
+   * and exit: the one documented exception (akv_engine_destroy in akv.h,
+   * measured in docs/api.md). CUDA: cudaStreamDestroy returns at once. */
   akv_bk_queue_destroy(bk, e->q_h2d);
   akv_bk_queue_destroy(bk, e->q_d2h);
   akv_bk_queue_destroy(bk, e->q_d2d);
-  for (int b = 0; b < AKV_N_BUFFERS; b++) akv_bk_device_free(bk, e->staging[b]);
-  akv_bk_device_free(bk, e->dev_pool);
-  akv_headroom_free_all(e);
-  akv_bk_device_free(bk, e->page_map_dev);
-  akv_bk_device_free(bk, e->poison);
-  akv_bk_host_free(bk, e->page_map_host);
-  akv_bk_host_free(bk, e->host_pool);
   akv_bk_shutdown(bk);
   akv_adm_destroy(e->adm);
   free(e->leases);
@@ -295,7 +313,9 @@ static akv_status akv_engine_allocate(akv_engine *e) {
         st = akv_bk_copy(bk, e->q_h2d, AKV_COPY_H2D, e->poison, fill, e->page_seg_bytes);
         if (st == AKV_OK) st = akv_bk_queue_sync(bk, e->q_h2d);
       }
-      akv_bk_host_free(bk, fill);
+      /* In the H2D queue's order: behind the copy that reads it, also when
+       * the synchronise above failed (no device-wide wait either way). */
+      akv_bk_host_free_async(bk, fill, e->q_h2d);
       if (st != AKV_OK) {
         akv_fail(e, st, "poison page could not be prepared: %s", bk->error);
         goto fail;
@@ -400,6 +420,13 @@ AKV_API akv_status akv_engine_create(const akv_engine_config *caller, akv_engine
     akv_log(e, AKV_LOG_ERROR, "engine creation failed: %s", e->last_error);
     goto fail;
   }
+#ifdef AKV_WITH_CUDA
+  if (e->bk.ops == &akv_backend_cuda_ops && !akv_cuda_host_pool_stream_ordered(e->bk.ctx))
+    akv_log(e, AKV_LOG_WARN,
+            "pinned host pool from cudaHostAlloc (no host memory pools in this runtime or on "
+            "this device): akv_engine_destroy will wait in cudaFreeHost until the device is "
+            "idle, the caller's work included");
+#endif
   akv_log(e, AKV_LOG_INFO,
           "engine ready: backend %s, route %s, %u contexts, %u device pages of %llu B, "
           "staging 2 x %llu B",

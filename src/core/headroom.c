@@ -191,8 +191,11 @@ akv_status akv_headroom_start(akv_engine *e) {
 }
 
 void akv_headroom_free_all(akv_engine *e) {
+  /* Destroy only: every lease retired, so the chunks go back in the H2D
+   * queue's order and nothing of the caller's is waited on. */
   if (e->hr_chunk != NULL)
-    for (uint32_t c = 0; c < e->hr_max_chunks; c++) akv_bk_device_free(&e->bk, e->hr_chunk[c]);
+    for (uint32_t c = 0; c < e->hr_max_chunks; c++)
+      akv_bk_device_free_async(&e->bk, e->hr_chunk[c], e->q_h2d);
   free(e->hr_chunk);
   free(e->page_ptr);
   free(e->page_entry);

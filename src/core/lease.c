@@ -5,7 +5,7 @@
  *   IDLE/RETIRED --begin--> BEGUN --wait_ready--> READY --mark_consumed--> CONSUMED
  *        ^                    \______________ attend (hook form) ______________/ |
  *        |                                                             write_back (1..n)
- *        +------------------retire------------------ SEALED <----seal-----------+
+ *        +---------retire / try_retire (all passed)-- SEALED <----seal-----------+
  *
  * Every call checks its state first and returns a specific status without
  * changing anything when the transition is illegal. Backend failures after
@@ -456,19 +456,13 @@ AKV_API akv_status akv_lease_seal(akv_lease *handle, akv_fence tail, akv_fence a
   return AKV_OK;
 }
 
-AKV_API akv_status akv_lease_retire(akv_lease *handle, akv_receipt *receipt) {
-  akv_lease_body *ls = NULL;
-  akv_status st = akv_lease_enter(handle, &ls);
-  akv_engine *e;
+/* The common end of retire and try_retire, once every fence is proven:
+ * fills the receipt and only then releases the tickets and the layer.
+ * Returns false (nothing released) when a ticket's host slot changed
+ * generation under it (akv_lease_release_tickets). */
+static bool akv_lease_finish(akv_lease_body *ls, akv_receipt *receipt) {
+  akv_engine *e = ls->engine;
   akv_receipt r;
-  if (st != AKV_OK) return st;
-  e = ls->engine;
-  if (ls->state != AKV_LEASE_SEALED) return akv_lease_wrong_state(ls, "lease_retire", "sealed");
-  /* Error-returning waits on every copy ticket's event and every consumer. */
-  AKV_CHECK(akv_bk_event_sync(&e->bk, ls->ev_h2d));
-  if (ls->used_d2d) AKV_CHECK(akv_bk_event_sync(&e->bk, ls->ev_d2d));
-  AKV_CHECK(akv_bk_event_sync(&e->bk, ls->ev_attn));
-  AKV_CHECK(akv_bk_event_sync(&e->bk, ls->ev_tail));
   memset(&r, 0, sizeof(r));
   r.step = ls->step;
   r.layer = ls->layer;
@@ -481,18 +475,69 @@ AKV_API akv_status akv_lease_retire(akv_lease *handle, akv_receipt *receipt) {
   r.attention.serial = ls->fence_attn;
   r.tail.serial = ls->fence_tail;
   /* Only now, with every fence proven, are tickets and the layer released. */
-  if (!akv_lease_release_tickets(ls)) {
-    st = AKV_ERR_BACKEND;
-    goto fail;
-  }
+  if (!akv_lease_release_tickets(ls)) return false;
   ls->state = AKV_LEASE_RETIRED;
   akv_lease_handle_give(e, ls); /* the handle is dead from here on */
   e->leases_live--;
   e->leases_retired++;
   if (receipt != NULL) *receipt = r;
+  return true;
+}
+
+AKV_API akv_status akv_lease_retire(akv_lease *handle, akv_receipt *receipt) {
+  akv_lease_body *ls = NULL;
+  akv_status st = akv_lease_enter(handle, &ls);
+  akv_engine *e;
+  if (st != AKV_OK) return st;
+  e = ls->engine;
+  if (ls->state != AKV_LEASE_SEALED) return akv_lease_wrong_state(ls, "lease_retire", "sealed");
+  /* Error-returning waits on every copy ticket's event and every consumer. */
+  AKV_CHECK(akv_bk_event_sync(&e->bk, ls->ev_h2d));
+  if (ls->used_d2d) AKV_CHECK(akv_bk_event_sync(&e->bk, ls->ev_d2d));
+  AKV_CHECK(akv_bk_event_sync(&e->bk, ls->ev_attn));
+  AKV_CHECK(akv_bk_event_sync(&e->bk, ls->ev_tail));
+  if (!akv_lease_finish(ls, receipt)) {
+    st = AKV_ERR_BACKEND;
+    goto fail;
+  }
   return AKV_OK;
 fail:
   return akv_transport_failed(e, st, "lease_retire");
+}
+
+AKV_API akv_status akv_lease_try_retire(akv_lease *handle, akv_receipt *receipt) {
+  akv_lease_body *ls = NULL;
+  akv_status st = akv_lease_enter(handle, &ls);
+  akv_engine *e;
+  bool done = false;
+  if (st != AKV_OK) return st;
+  e = ls->engine;
+  if (ls->state != AKV_LEASE_SEALED)
+    return akv_lease_wrong_state(ls, "lease_try_retire", "sealed");
+  /* Queries only, never a wait. The tail write-back is the last event of
+   * the chain (recorded on D2H behind the attention event, which the
+   * compute stream recorded behind the history-ready events), so it is
+   * asked first: while it has not passed, one query and nothing else.
+   * Nothing is released unless every event retire would wait on is proven
+   * passed by its own query: the same proof as retire, without blocking.
+   * Not ready is no failure: no last error, no log line, nothing changed. */
+  AKV_CHECK(akv_bk_query(&e->bk, ls->ev_tail, &done));
+  if (!done) return AKV_ERR_NOT_READY;
+  AKV_CHECK(akv_bk_query(&e->bk, ls->ev_attn, &done));
+  if (!done) return AKV_ERR_NOT_READY;
+  if (ls->used_d2d) {
+    AKV_CHECK(akv_bk_query(&e->bk, ls->ev_d2d, &done));
+    if (!done) return AKV_ERR_NOT_READY;
+  }
+  AKV_CHECK(akv_bk_query(&e->bk, ls->ev_h2d, &done));
+  if (!done) return AKV_ERR_NOT_READY;
+  if (!akv_lease_finish(ls, receipt)) {
+    st = AKV_ERR_BACKEND;
+    goto fail;
+  }
+  return AKV_OK;
+fail:
+  return akv_transport_failed(e, st, "lease_try_retire");
 }
 
 void akv_leases_release_all(akv_engine *e) {

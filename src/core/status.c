@@ -38,6 +38,7 @@ AKV_API const char *akv_status_string(akv_status status) {
     case AKV_ERR_TIMEOUT: return "a rank did not reach the agreement point in time; communicator aborted";
     case AKV_ERR_COMM: return "the group's communicator failed; communicator aborted";
     case AKV_ERR_DISAGREE: return "ranks gave different inputs; nothing changed on any rank";
+    case AKV_ERR_NOT_READY: return "not yet: fences pending, nothing changed";
     case AKV_STATUS_COUNT_: break;
   }
   return "unknown status";

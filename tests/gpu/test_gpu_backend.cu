@@ -9,6 +9,10 @@
  * A kernel that spins for a fixed time holds one queue busy, so the
  * cross-queue checks do not depend on luck: without the wait, the other
  * queue would read the value before the kernel writes it.
+ * Teardown never synchronises the device: with a kernel spinning on a
+ * caller's stream, the stream-ordered frees, queue and event destruction and
+ * a whole akv_engine_destroy return while that kernel still runs (cudaFree
+ * and cudaFreeHost would wait for it).
  * Exits 77 (ctest: skipped) when no CUDA device is usable.
  */
 #include <setjmp.h>
@@ -25,6 +29,7 @@ extern "C" {
 }
 
 #include <atomic>
+#include <time.h>
 
 #include <cuda_runtime.h>
 
@@ -129,7 +134,8 @@ static void test_alloc(void **state) {
   const akv_status hs = ops->host_alloc(ctx, (size_t)1 << 52, &h);
   assert_true(hs == AKV_ERR_OUT_OF_MEMORY || hs == AKV_ERR_BACKEND);
   print_message("refused host allocation: %s\n", akv_cuda_last_error(ctx));
-  assert_non_null(strstr(akv_cuda_last_error(ctx), "cudaHostAlloc"));
+  assert_true(strstr(akv_cuda_last_error(ctx), "cudaHostAlloc") != NULL ||
+              strstr(akv_cuda_last_error(ctx), "cudaMallocFromPoolAsync") != NULL);
   CUDA_OK(cudaGetLastError());
   /* The backend still works. */
   assert_int_equal(ops->device_alloc(ctx, 4096, &d), AKV_OK);
@@ -423,6 +429,91 @@ static void test_current_device_restored(void **state) {
   CUDA_OK(cudaSetDevice(0));
 }
 
+static double wall_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
+}
+
+/* The backend's teardown calls return while a caller's kernel still runs. */
+static void test_teardown_never_waits(void **state) {
+  void *ctx = *state;
+  akv_bqueue *q = NULL;
+  akv_bevent *e = NULL;
+  void *h = NULL, *d = NULL;
+  int *dval = NULL;
+  cudaStream_t caller;
+  const int pooled = akv_cuda_host_pool_stream_ordered(ctx);
+  print_message("pinned host memory: %s\n",
+                pooled ? "host memory pool (stream-ordered free)" : "cudaHostAlloc fallback");
+  CUDA_OK(cudaStreamCreateWithFlags(&caller, cudaStreamNonBlocking));
+  CUDA_OK(cudaMalloc(&dval, sizeof(int)));
+  assert_int_equal(ops->queue_create(ctx, &q), AKV_OK);
+  assert_int_equal(ops->event_create(ctx, &e), AKV_OK);
+  assert_int_equal(ops->host_alloc(ctx, (size_t)64 << 20, &h), AKV_OK);
+  assert_int_equal(ops->device_alloc(ctx, (size_t)256 << 20, &d), AKV_OK);
+  memset(h, 0x5a, (size_t)64 << 20);
+  assert_int_equal(ops->copy(ctx, q, AKV_COPY_H2D, d, h, (size_t)64 << 20), AKV_OK);
+  assert_int_equal(ops->event_record(ctx, e, q), AKV_OK);
+  assert_int_equal(ops->event_synchronize(ctx, e), AKV_OK);
+  spin_then_write<<<1, 1, 0, caller>>>(dval, 1000ull * 1000 * 1000, 5); /* 1 s */
+  CUDA_OK(cudaGetLastError());
+  const double t0 = wall_ms();
+  ops->device_free_async(ctx, d, q);
+  if (pooled) ops->host_free_async(ctx, h, q);
+  ops->event_destroy(ctx, e);
+  ops->queue_destroy(ctx, q);
+  const double dt = wall_ms() - t0;
+  print_message("teardown calls: %.3f ms with the caller's kernel running\n", dt);
+  assert_int_equal(cudaStreamQuery(caller), cudaErrorNotReady); /* still spinning */
+  (void)cudaGetLastError();
+  assert_true(dt < 500.0);
+  assert_string_equal(akv_cuda_last_error(ctx), "");
+  CUDA_OK(cudaStreamSynchronize(caller));
+  if (!pooled) ops->host_free(ctx, h); /* the fallback's exception: after the kernel */
+  CUDA_OK(cudaFree(dval));
+  CUDA_OK(cudaStreamDestroy(caller));
+}
+
+/* akv_engine_destroy returns while a caller's kernel still runs. */
+static void test_engine_destroy_never_waits(void **state) {
+  (void)state;
+  akv_engine_config cfg = AKV_ENGINE_CONFIG_INIT;
+  akv_engine *eng = NULL;
+  akv_engine_info info;
+  int *dval = NULL;
+  cudaStream_t caller;
+  cfg.backend = AKV_BACKEND_CUDA;
+  cfg.n_dense_layers = 4;
+  cfg.kv_heads = 8;
+  cfg.head_dim = 128;
+  cfg.max_tokens = 4096;
+  cfg.page_tokens = 256;
+  cfg.max_contexts = 2;
+  cfg.host_pool_gib = 1;
+  cfg.device_pool_gib = 1;
+  cfg.route = AKV_ROUTE_ARENA;
+  cfg.log_level = AKV_LOG_WARN;
+  assert_int_equal(akv_engine_create(&cfg, &eng), AKV_OK);
+  assert_int_equal(akv_engine_info_get(eng, &info), AKV_OK);
+  assert_int_equal(info.backend, AKV_BACKEND_CUDA);
+  CUDA_OK(cudaStreamCreateWithFlags(&caller, cudaStreamNonBlocking));
+  CUDA_OK(cudaMalloc(&dval, sizeof(int)));
+  spin_then_write<<<1, 1, 0, caller>>>(dval, 1000ull * 1000 * 1000, 5); /* 1 s */
+  CUDA_OK(cudaGetLastError());
+  const double t0 = wall_ms();
+  assert_int_equal(akv_engine_destroy(eng), AKV_OK);
+  const double dt = wall_ms() - t0;
+  print_message("akv_engine_destroy (1 GiB host pool, 1 GiB device pool): %.3f ms with the "
+                "caller's kernel running\n", dt);
+  assert_int_equal(cudaStreamQuery(caller), cudaErrorNotReady);
+  (void)cudaGetLastError();
+  assert_true(dt < 500.0);
+  CUDA_OK(cudaStreamSynchronize(caller));
+  CUDA_OK(cudaFree(dval));
+  CUDA_OK(cudaStreamDestroy(caller));
+}
+
 int main(void) {
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
@@ -440,6 +531,8 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_host_fn, setup, teardown),
       cmocka_unit_test_setup_teardown(test_mem_info, setup, teardown),
       cmocka_unit_test_setup_teardown(test_current_device_restored, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_teardown_never_waits, setup, teardown),
+      cmocka_unit_test(test_engine_destroy_never_waits),
   };
   return cmocka_run_group_tests_name("gpu_backend", tests, NULL, NULL);
 }
