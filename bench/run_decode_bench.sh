@@ -37,6 +37,7 @@
 #   CHECK      1 = --check every staged run           [1]
 #   HEADROOM_GIB  headroom caps of route "headroom"; empty = the pool sweep
 #   RELEASE_AT    1-based step (warm-up included) of route "release"  [WARMUP + STEPS/2]
+#   HEADROOM_ROUTES, RELEASE_ROUTES  routes of "headroom" and "release"  [arena paged], [paged arena]
 #   EXTRA      more flags for every run               []
 # Exit status: nonzero if any run failed or any --check found a mismatch
 # (the sweep still runs to the end).
@@ -126,7 +127,7 @@ for preset in $PRESETS; do
             --device-pool-gib "$p" "${check[@]}"
         done ;;
       headroom)
-        for r2 in arena paged; do
+        for r2 in ${HEADROOM_ROUTES:-arena paged}; do
           for g in ${HEADROOM_GIB:-$pools}; do
             [ "$g" = 0 ] && continue
             run "$preset $r2 pool 0 + headroom ${g} GiB" --preset "$preset" --route "$r2" \
@@ -134,7 +135,7 @@ for preset in $PRESETS; do
           done
         done ;;
       release)
-        for r2 in paged arena; do
+        for r2 in ${RELEASE_ROUTES:-paged arena}; do
           run "$preset $r2 headroom ${gib} GiB released at step $RELEASE_AT" --preset "$preset" \
             --route "$r2" --device-pool-gib 0 --headroom-gib "$gib" \
             --release-headroom-at "$RELEASE_AT" "${check[@]}"

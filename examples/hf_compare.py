@@ -389,8 +389,13 @@ def targets(rows):
         v = half["tokens_per_s"] / off["tokens_per_s"]
         add("half retained tokens/s vs offloaded", ">= 2", v, v >= 2.0)
     if full and res:
-        v = full["tokens_per_s"] / res["tokens_per_s"]
-        add("all retained tokens/s vs resident", ">= 0.9", v, v >= 0.9)
+        # Resident runs first and again last in the same process: the target
+        # compares with the mean of the two, so a drift of the machine during
+        # the run counts against neither side.
+        refs = [r["tokens_per_s"] for r in (res, by.get("resident2")) if r]
+        v = full["tokens_per_s"] / (sum(refs) / len(refs))
+        add("all retained tokens/s vs resident (mean of %d resident runs)" % len(refs),
+            ">= 0.9", v, v >= 0.9)
     return out
 
 

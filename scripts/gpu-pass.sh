@@ -33,7 +33,7 @@
 #
 # Knobs (environment):
 #   AKV_STEPS     steps to run, default "build hostcost ctest sanitizer cli
-#                 bench fp8 decode tp" (cli: the CLI's ctest label and a hybrid
+#                 bench fp8 decode tp headroom python" (cli: the CLI's ctest label and a hybrid
 #                 decode under memcheck, in cli.log; hostcost: the cudart call costs and the engine's
 #                 host cost, three runs, on the idle machine right after the
 #                 build; written to hostcost.log)
@@ -62,12 +62,12 @@ mkdir -p "$OUT"
 BUILD=/tmp/akv-build
 SOLO=/tmp/akv-standalone
 DEPS=/tmp/deps
-PASS_STEPS=${AKV_STEPS:-"build hostcost ctest sanitizer cli bench fp8 decode tp"}
+PASS_STEPS=${AKV_STEPS:-"build hostcost ctest sanitizer cli bench fp8 decode tp headroom python"}
 # NVLink SHARP (multicast) stays off in every run that may start NCCL.
 export NCCL_NVLS_ENABLE=0
 JOBS=${AKV_JOBS:-16}
 VARIANTS=${AKV_BENCH_VARIANTS:-"w8l4:8:4:0:0:128 w8l4p0:8:4:0:0:0 w8l4p64:8:4:0:0:64 w8l4p256:8:4:0:0:256 w8l4s3:8:4:3:1:128"}
-FP8_POOLS=${AKV_FP8_POOLS:-"4 8"}
+FP8_POOLS=${AKV_FP8_POOLS-"4 8"} # empty: no paged FP8 runs
 FP8_DIST_STEPS=${AKV_FP8_DISTANCE_STEPS:-64}
 CHUNKS=${AKV_BENCH_CHUNKS:-"256 64 1024"}
 SAN_TIMEOUT=${AKV_SAN_TIMEOUT:-300}
@@ -387,12 +387,14 @@ if has_step fp8; then
   if [ -x "$cli" ]; then
     log "fp8 decode targets"
     {
-      OUT=$OUT PRESETS=llama3-8b KV_DTYPES="bf16 fp8" ROUTES="resident stage" STEPS=8 WARMUP=2 \
+      OUT=$OUT PRESETS=llama3-8b KV_DTYPES="bf16 fp8" ROUTES="${AKV_FP8_ROUTES:-resident stage}" STEPS=8 WARMUP=2 \
         timeout 600 bash bench/run_decode_bench.sh "$cli"
       echo "rc=$?"
-      OUT=$OUT PRESETS=llama3-8b KV_DTYPES=fp8 ROUTES=paged POOLS="$FP8_POOLS" STEPS=8 WARMUP=2 \
-        timeout 600 bash bench/run_decode_bench.sh "$cli"
-      echo "rc=$?"
+      if [ -n "$FP8_POOLS" ]; then
+        OUT=$OUT PRESETS=llama3-8b KV_DTYPES=fp8 ROUTES=paged POOLS="$FP8_POOLS" STEPS=8 WARMUP=2 \
+          timeout 600 bash bench/run_decode_bench.sh "$cli"
+        echo "rc=$?"
+      fi
     } >"$OUT/fp8.log" 2>&1
     rc=$(grep -c '^rc=[1-9]' "$OUT/fp8.log")
     stage_tps() { # dtype -> median tokens/s and bitwise of the stage run
@@ -475,6 +477,38 @@ if has_step headroom; then
       "rc=$rc $(grep -c . "$OUT/headroom.jsonl" 2>/dev/null) runs"
   else
     record "headroom bench" "SKIP" "no CLI binary"
+  fi
+fi
+
+# ------------------------------------------------------------------ python
+# Issue 12's proof: the Python package against the library just built
+# (ACTIVEKV_LIBRARY, no second build), its CUDA tests, then
+# examples/hf_compare.py per preset: resident DynamicCache, the offloaded
+# DynamicCache, ActiveKVCache at pool 0 / half / all of the history, resident
+# again; every row's logits compared with resident bit for bit.
+# Results: python.log, hf_<preset>.json, hf_<preset>.log.
+if has_step python; then
+  lib=$BUILD/libactivekv.so
+  if [ -f "$lib" ]; then
+    log "python package tests (CUDA)"
+    (PYTHONPATH=$PWD/python ACTIVEKV_LIBRARY=$lib timeout 300 python3 -m pytest -q -ra \
+      python/tests/test_cuda.py python/tests/test_abi.py) >"$OUT/python.log" 2>&1
+    rc=$?
+    record "pytest (CUDA, ABI)" "$([ $rc = 0 ] && echo ok || echo FAIL)" \
+      "rc=$rc $(grep -E 'passed|failed' "$OUT/python.log" | tail -1)"
+    for preset in ${AKV_HF_PRESETS:-llama3.1-8b llama3.2-1b}; do
+      log "hf_compare $preset"
+      PYTHONPATH=$PWD/python ACTIVEKV_LIBRARY=$lib PYTHONUNBUFFERED=1 \
+        CUBLAS_WORKSPACE_CONFIG=:4096:8 timeout "${AKV_HF_TIMEOUT:-400}" \
+        python3 examples/hf_compare.py --preset "$preset" --steps "${AKV_HF_STEPS:-32}" \
+        --commit "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" \
+        --json "$OUT/hf_$preset.json" >"$OUT/hf_$preset.log" 2>&1
+      rc=$?
+      record "hf_compare $preset" "$([ $rc = 0 ] && echo ok || echo FAIL)" \
+        "rc=$rc $(grep -E 'bit-identical|MISS' "$OUT/hf_$preset.log" | tr '\n' ' ')"
+    done
+  else
+    record "python" "SKIP" "no $lib (build step?)"
   fi
 fi
 
