@@ -8,6 +8,7 @@
 #include "fit.h"
 
 #include "budget.h"
+#include "config.h"
 
 #include <stdarg.h>
 #include <stddef.h>
@@ -377,5 +378,12 @@ fail:
 }
 
 AKV_API akv_status akv_fit(const akv_engine_config *config, akv_fit_report *report) {
-  return akv_fit_compute(config, report, NULL, 0);
+  /* An older caller's smaller struct: its fields, then the defaults, as
+   * akv_engine_create takes it (the arithmetic never reads past its end). */
+  akv_engine_config full = AKV_ENGINE_CONFIG_INIT;
+  char why[256];
+  if (config == NULL || report == NULL) return AKV_ERR_INVALID_ARGUMENT;
+  akv_status st = akv_config_merge(&akv_engine_config_layout, &full, config, why, sizeof why);
+  if (st != AKV_OK) return st;
+  return akv_fit_compute(&full, report, NULL, 0);
 }
