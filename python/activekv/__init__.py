@@ -26,6 +26,7 @@ from ._api import (
     EngineInfo,
     Fence,
     FitReport,
+    Headroom,
     Lease,
     QuarantineReport,
     Receipt,
@@ -41,7 +42,7 @@ from .errors import __all__ as _errors_all
 __version__ = version()
 
 __all__ = [
-    "Context", "Decision", "Engine", "EngineInfo", "Fence", "FitReport", "Lease",
+    "Context", "Decision", "Engine", "EngineInfo", "Fence", "FitReport", "Headroom", "Lease",
     "QuarantineReport", "Receipt", "Stream", "View", "fit", "version", "include_dir",
     "library_path",
 ] + list(_errors_all)

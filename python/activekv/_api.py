@@ -25,6 +25,7 @@ from . import _lib as L
 from .errors import (
     ActiveKVError,
     BadHandle,
+    Busy,
     InvalidArgument,
     NotSupported,
     STATUS_VALUES,
@@ -37,16 +38,24 @@ lib = L.lib
 
 BACKENDS = {"auto": 0, "host": 1, "cuda": 2}
 ROUTES = {"stage": 0, "arena": 1, "paged": 2}
-DTYPES = {"bf16": 0, "f16": 1, "f32": 2}
+DTYPES = {"bf16": 0, "f16": 1, "f32": 2, "fp8_e4m3": 3, "fp8_e5m2": 4}
 FIT_MODES = {"refuse": 0, "shrink": 1}
 LOG_LEVELS = {"error": 0, "warn": 1, "info": 2, "debug": 3}
 OP_KINDS = {"alloc": 0, "copy": 1, "record": 2, "wait": 3, "query": 4, "sync": 5, "hostfn": 6}
+# akv_adm_rule in enum order, as akv_adm_rule_string names them with "_" for "-"
 ADM_RULES = ["own_reuse", "free", "reclaim_borrowed", "reclaim_above_target", "reclaim_idle",
-             "shrink", "refuse", "admit", "release"]
-_ITEMSIZE = {"bf16": 2, "f16": 2, "f32": 4}
-# numpy has no bfloat16: bf16 rows are uint16 bit patterns on numpy
-_NP_DTYPE = {"bf16": np.dtype(np.uint16), "f16": np.dtype(np.float16), "f32": np.dtype(np.float32)}
-_CAI_TYPESTR = {"bf16": "<i2", "f16": "<f2", "f32": "<f4"}
+             "shrink", "refuse", "admit", "release", "reclaim_headroom", "headroom",
+             "headroom_release", "headroom_take"]
+_ITEMSIZE = {"bf16": 2, "f16": 2, "f32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1}
+# numpy has no bfloat16 and no FP8: bf16 rows are uint16 bit patterns on
+# numpy, FP8 rows uint8 codes
+_NP_DTYPE = {"bf16": np.dtype(np.uint16), "f16": np.dtype(np.float16), "f32": np.dtype(np.float32),
+             "fp8_e4m3": np.dtype(np.uint8), "fp8_e5m2": np.dtype(np.uint8)}
+_CAI_TYPESTR = {"bf16": "<i2", "f16": "<f2", "f32": "<f4", "fp8_e4m3": "|u1", "fp8_e5m2": "|u1"}
+# torch's own type of each dtype (by attribute name: the FP8 types need torch
+# >= 2.1); the view types torch cannot express natively come as raw bits
+_TORCH_DTYPE = {"bf16": "bfloat16", "f16": "float16", "f32": "float32",
+                "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
 def _inv(table: Dict[str, int]) -> Dict[int, str]:
@@ -59,6 +68,19 @@ def _enum(table: Dict[str, int], what: str, value: Union[str, int]) -> int:
         if key in table:
             return table[key]
     raise InvalidArgument.make(f"{what}={value!r}: expected one of {', '.join(table)}")
+
+
+_U64_MAX = (1 << 64) - 1
+
+
+def _u64(value: Optional[int], what: str) -> int:
+    """A byte count for a uint64_t argument; None means "all" (UINT64_MAX)."""
+    if value is None:
+        return _U64_MAX
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or \
+            not 0 <= int(value) <= _U64_MAX:
+        raise InvalidArgument.make(f"{what}={value!r}: expected an integer in 0..2**64-1 or None")
+    return int(value)
 
 
 def _check(status: int, engine_handle: Optional[int] = None, what: str = "") -> None:
@@ -81,13 +103,27 @@ def _torch():
     return torch
 
 
+def _torch_dtype(torch: Any, dtype: str) -> Any:
+    """torch's type for an engine dtype, None where this torch has none (FP8
+    before torch 2.1)."""
+    return getattr(torch, _TORCH_DTYPE[dtype], None)
+
+
+def _need(name: str) -> None:
+    """NotSupported unless the loaded library exports `name` (entry points
+    added after 0.2.0; a library from ACTIVEKV_LIBRARY may predate them)."""
+    if not L.has_symbol(name):
+        raise NotSupported.make(f"this libactivekv has no {name}")
+
+
 # ----------------------------------------------------------------- config
 
 _CONFIG_FIELDS = (
     "backend", "device_ordinal", "n_dense_layers", "kv_heads", "head_dim", "dtype",
     "max_tokens", "page_tokens", "host_pool_gib", "device_pool_gib", "max_contexts",
     "fit_mode", "route", "log_level", "host_delay_seed", "host_delay_max_us",
-    "fault_fail_nth", "fault_kind", "poison_holes",
+    "fault_fail_nth", "fault_kind", "poison_holes", "headroom_gib", "headroom_reserve_gib",
+    "host_fake_free_bytes", "headroom_chunk_pages",
 )
 _ENUM_FIELDS = {"backend": BACKENDS, "route": ROUTES, "dtype": DTYPES, "fit_mode": FIT_MODES,
                 "log_level": LOG_LEVELS}
@@ -95,9 +131,19 @@ _ENUM_FIELDS = {"backend": BACKENDS, "route": ROUTES, "dtype": DTYPES, "fit_mode
 
 def _make_config(cfg: Dict[str, Any]) -> Tuple[L.akv_engine_config, Dict[str, Any]]:
     """An akv_engine_config from keyword arguments named after its fields.
-    Returns the struct and the config as a dict (enum fields as strings)."""
-    c = L.akv_engine_config()
-    _check(lib.akv_engine_config_init(ctypes.byref(c)))
+    Returns the struct and the config as a dict (enum fields as strings).
+
+    The defaults come from akv_engine_config_init, which writes the library's
+    own sizeof(akv_engine_config): into spare room when the library is newer
+    than this mirror (struct_size then says the mirror's size, and the
+    library defaults the fields it has beyond it); a library older than the
+    mirror reads only its own struct_size, so a field past it raises
+    NotSupported instead of being ignored."""
+    init = L.out_struct(L.akv_engine_config)
+    _check(lib.akv_engine_config_init(ctypes.byref(init)))
+    lib_size = init.struct_size
+    c = L.akv_engine_config.from_buffer_copy(init)
+    c.struct_size = min(lib_size, ctypes.sizeof(c))
     out: Dict[str, Any] = {}
     for key, value in cfg.items():
         if key in ("struct_size", "version", "log_fn", "log_user"):
@@ -106,6 +152,11 @@ def _make_config(cfg: Dict[str, Any]) -> Tuple[L.akv_engine_config, Dict[str, An
         if key not in _CONFIG_FIELDS:
             raise InvalidArgument.make(
                 f"unknown config field {key!r}; the fields are {', '.join(_CONFIG_FIELDS)}")
+        field = getattr(L.akv_engine_config, key)
+        if field.offset + field.size > c.struct_size:
+            raise NotSupported.make(
+                f"{key}: this libactivekv's akv_engine_config ({c.struct_size} bytes) predates "
+                "the field")
         if key in _ENUM_FIELDS:
             value = _enum(_ENUM_FIELDS[key], key, value)
         elif key == "fault_kind" and isinstance(value, str):
@@ -154,7 +205,7 @@ def fit(**cfg: Any) -> FitReport:
     (bad geometry, overflow); a config that does not fit is a report with
     ``ok`` False, not an exception."""
     c, _ = _make_config(cfg)
-    r = L.akv_fit_report()
+    r = L.out_struct(L.akv_fit_report)
     _check(lib.akv_fit(ctypes.byref(c), ctypes.byref(r)), what="fit")
     d = _struct_dict(r)
     d["ok"] = bool(d["ok"])
@@ -202,14 +253,41 @@ class EngineInfo:
     transport_failed: bool
     quarantined: bool
     bytes_in_place: int
+    headroom_pages: int
+    headroom_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Headroom:
+    """akv_headroom_info: the engine's revocable headroom (DESIGN §6).
+    ``enabled``: the config asked for headroom on a retaining route;
+    ``pages``: present now, of which ``pages_held`` retain history and
+    ``pages_pending`` were asked back during the open step (freed at its
+    end); ``chunk_pages``: the unit of release and take; ``bytes``: device
+    bytes allocated for headroom now."""
+
+    enabled: bool
+    profile_free_bytes: int
+    cap_bytes: int
+    reserve_bytes: int
+    max_pages: int
+    chunk_pages: int
+    pages: int
+    pages_held: int
+    pages_pending: int
+    bytes: int
+    bytes_released: int
+    releases: int
+    takes: int
 
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    """akv_adm_decision: one admission decision (victim None when none)."""
+    """akv_adm_decision: one admission decision (victim None when none;
+    context None for the engine's own headroom rows)."""
 
     step: int
-    context: int
+    context: Optional[int]
     rule: str
     victim: Optional[int]
     pages: int
@@ -256,9 +334,10 @@ def _receipt(r: L.akv_receipt) -> Receipt:
 def _host_rows(obj: Any, dtype: str, what: str) -> np.ndarray:
     """A C-contiguous numpy view (no copy) of rows given as numpy, a CPU
     torch tensor or any buffer, checked against the engine's dtype: raw bit
-    patterns of the same size (int16/uint16 for 2-byte dtypes) or the
-    matching float type. bf16 has no numpy float type; torch.bfloat16 is
-    accepted."""
+    patterns of the same size (int16/uint16 for 2-byte dtypes, uint8/int8
+    codes for FP8) or the matching float type. bf16 and FP8 have no numpy
+    float type; torch.bfloat16, torch.float8_e4m3fn and torch.float8_e5m2
+    are accepted."""
     isz = _ITEMSIZE[dtype]
     mod = type(obj).__module__
     if mod.startswith("torch"):
@@ -268,13 +347,12 @@ def _host_rows(obj: Any, dtype: str, what: str) -> np.ndarray:
                                        "host memory (pass a CPU tensor)")
         if not obj.is_contiguous():
             raise InvalidArgument.make(f"{what}: tensor is not contiguous")
-        allowed = {"bf16": (torch.bfloat16,), "f16": (torch.float16,), "f32": (torch.float32,)}
-        if obj.is_floating_point() and obj.dtype not in allowed[dtype]:
+        if obj.is_floating_point() and obj.dtype != _torch_dtype(torch, dtype):
             raise InvalidArgument.make(f"{what}: {obj.dtype} rows for a {dtype} engine")
-        if obj.element_size() != isz:
-            raise InvalidArgument.make(f"{what}: {obj.element_size()}-byte elements for a "
-                                       f"{dtype} engine ({isz} bytes)")
-        int_t = {2: torch.int16, 4: torch.int32}[isz]
+        if obj.is_complex() or obj.dtype == torch.bool or obj.element_size() != isz:
+            raise InvalidArgument.make(f"{what}: {obj.element_size()}-byte {obj.dtype} elements "
+                                       f"for a {dtype} engine ({isz} bytes)")
+        int_t = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[isz]
         arr = obj.view(int_t).numpy() if obj.is_floating_point() else obj.numpy()
     else:
         try:
@@ -326,11 +404,14 @@ class Engine:
 
     Keyword arguments are akv_engine_config's field names; enums as strings:
     backend="auto"|"host"|"cuda", route="stage"|"arena"|"paged",
-    dtype="bf16"|"f16"|"f32", fit_mode="refuse"|"shrink",
+    dtype="bf16"|"f16"|"f32"|"fp8_e4m3"|"fp8_e5m2", fit_mode="refuse"|"shrink",
     log_level="error"|"warn"|"info"|"debug"; fault_kind an int or an op kind
-    name. ``log`` is a callable(level, message) receiving every log line
-    (from any thread the library logs on); None (default) keeps the library's
-    default, stderr.
+    name. Headroom (arena and paged routes): headroom_gib,
+    headroom_reserve_gib, headroom_chunk_pages, and host_fake_free_bytes
+    (host backend: model a device of that many bytes, for tests). ``log``
+    is a callable(level, message) receiving every log line (from any thread
+    the library logs on); None (default) keeps the library's default,
+    stderr.
 
     Allocates everything at creation (akv_engine_create). Not thread-safe:
     use it and its contexts, leases and streams from one thread at a time.
@@ -348,6 +429,7 @@ class Engine:
         self._streams: List[Stream] = []
         self._contexts: "set[Context]" = set()
         self._create_errors: List[str] = []
+        self._step_open = False  # between a successful step_begin and step_end / quarantine
         self._log = log
         c, self._cfg_dict = _make_config(cfg)
         self._dtype = self._cfg_dict["dtype"]
@@ -393,6 +475,11 @@ class Engine:
         frees nothing (the engine stays usable). Closing twice is a no-op."""
         if self._handle is None:
             return
+        if self._step_open:
+            # Checked before the streams: a stream an unretired lease used
+            # refuses to go (InUse), and the others must stay as they are.
+            raise Busy.make("engine close: destroy refused: a step is open (retire its leases, "
+                            "end it); nothing was freed")
         for s in list(self._streams):
             s.destroy()
         st = lib.akv_engine_destroy(self._handle)
@@ -427,7 +514,7 @@ class Engine:
     def info(self) -> EngineInfo:
         """Geometry, memory and counters (akv_engine_info_get). Enqueues
         nothing; allowed at any time, also after a transport failure."""
-        i = L.akv_engine_info()
+        i = L.out_struct(L.akv_engine_info)
         _check(lib.akv_engine_info_get(self._h(), ctypes.byref(i)), self._handle, "info")
         d = _struct_dict(i)
         d["backend"] = _inv(BACKENDS)[i.backend]
@@ -436,6 +523,49 @@ class Engine:
         d["transport_failed"] = bool(i.transport_failed)
         d["quarantined"] = bool(i.quarantined)
         return EngineInfo(**d)
+
+    # -- revocable headroom (DESIGN §6)
+    def headroom(self) -> Headroom:
+        """The engine's headroom figures (akv_headroom_get). Enqueues
+        nothing, never blocks; allowed at any time, also after a transport
+        failure. An engine without headroom reports ``enabled`` False."""
+        _need("akv_headroom_get")
+        i = L.out_struct(L.akv_headroom_info)
+        _check(lib.akv_headroom_get(self._h(), ctypes.byref(i)), self._handle, "headroom")
+        d = _struct_dict(i)
+        d["enabled"] = bool(d["enabled"])
+        return Headroom(**d)
+
+    def headroom_release(self, nbytes: Optional[int] = None) -> Tuple[int, int]:
+        """Gives at least `nbytes` of headroom back (whole chunks, newest
+        first; None or more than is present: all of it; 0: nothing) and
+        returns ``(freed_now, pending)`` in bytes. Outside a step the memory
+        is freed before the call returns (freed_now); inside one nothing is
+        freed or blocks: the chunks are marked (pending) and step_end frees
+        them once every lease of the step retired. Decode stays
+        bit-identical: the rows come from the host copy again. Raises
+        NotSupported (headroom not enabled), Quarantined, BadHandle."""
+        _need("akv_headroom_release")
+        n = _u64(nbytes, "headroom_release: nbytes")
+        freed, pending = ctypes.c_uint64(), ctypes.c_uint64()
+        _check(lib.akv_headroom_release(self._h(), n, ctypes.byref(freed), ctypes.byref(pending)),
+               self._handle, "headroom_release")
+        return freed.value, pending.value
+
+    def headroom_take(self, nbytes: Optional[int] = None) -> int:
+        """Takes headroom again, up to `nbytes` (whole chunks; None: as much
+        as allowed), never past the pages measured at create nor past
+        free - reserve as the device reports it now; returns the bytes
+        taken (0 when nothing could be). Only outside a step; allocates
+        device memory (blocking, not for the hot path). Raises NotSupported
+        (headroom not enabled), StepState (a step is open or a release is
+        pending), Quarantined, BadHandle."""
+        _need("akv_headroom_take")
+        n = _u64(nbytes, "headroom_take: nbytes")
+        taken = ctypes.c_uint64()
+        _check(lib.akv_headroom_take(self._h(), n, ctypes.byref(taken)), self._handle,
+               "headroom_take")
+        return taken.value
 
     @property
     def backend(self) -> str:
@@ -453,8 +583,10 @@ class Engine:
         return dict(self._cfg_dict)
 
     def admission_counters(self) -> Dict[str, int]:
-        """Per-rule admission counters since create (pages for the fill and
-        reclaim rules, events for refuse/admit/release)."""
+        """Per-rule admission counters since create, keyed by rule name
+        (ADM_RULES: akv_adm_rule_string's names with "_" for "-"): pages for
+        the fill, reclaim and headroom rules, events for
+        refuse/admit/release."""
         out = (ctypes.c_uint64 * L.AKV_ADM_RULE_COUNT)()
         _check(lib.akv_admission_counters(self._h(), out, L.AKV_ADM_RULE_COUNT), self._handle,
                "admission_counters")
@@ -468,8 +600,10 @@ class Engine:
         _check(lib.akv_admission_log(self._h(), arr, cap, ctypes.byref(n)), self._handle,
                "admission_log")
         rules = ADM_RULES
-        return [Decision(d.step, d.context, rules[d.rule] if d.rule < len(rules) else str(d.rule),
-                         None if d.victim == 0xFFFFFFFF else d.victim, d.pages)
+        none = 0xFFFFFFFF  # UINT32_MAX: no victim / the engine's own headroom row
+        return [Decision(d.step, None if d.context == none else d.context,
+                         rules[d.rule] if d.rule < len(rules) else str(d.rule),
+                         None if d.victim == none else d.victim, d.pages)
                 for d in arr[: n.value]]
 
     def explain(self, ctx: Optional["Context"] = None) -> str:
@@ -484,12 +618,13 @@ class Engine:
         """Synchronises every engine queue, then the device (blocks). On
         success leases and tickets are released; raises UncertainFence when
         completion could not be established (everything stays retained)."""
-        r = L.akv_quarantine_report()
+        r = L.out_struct(L.akv_quarantine_report)
         st = lib.akv_engine_quarantine(self._h(), ctypes.byref(r))
         report = QuarantineReport(bool(r.h2d_ok), bool(r.d2h_ok), bool(r.d2d_ok),
                                   bool(r.device_ok), r.leases_released, r.tickets_released,
                                   r.retained_leases, r.uncertain.decode(errors="replace"))
         _check(st, self._handle, "quarantine")
+        self._step_open = False  # completion established: leases released, the step ended
         return report
 
     # -- contexts and steps
@@ -518,11 +653,13 @@ class Engine:
         hs = [c._h() for c in contexts]
         arr = (ctypes.c_void_p * max(1, len(hs)))(*hs)
         _check(lib.akv_step_begin(self._h(), arr, len(hs)), self._handle, "step_begin")
+        self._step_open = True
 
     def step_end(self) -> None:
         """Closes the step; every layer's lease must be retired. Each
         context grows by one row. Raises StepState, Quarantined."""
         _check(lib.akv_step_end(self._h()), self._handle, "step_end")
+        self._step_open = False
 
     @contextlib.contextmanager
     def step(self, contexts: Sequence["Context"]) -> Iterator["Engine"]:
@@ -723,6 +860,7 @@ class Context:
                 f"[n_tokens, {kh}, {hd}]")
         if not 0 <= layer <= 0xFFFFFFFF:
             raise InvalidArgument.make(f"append_layer: layer {layer} out of range")
+        _need("akv_context_append_layer")
         _check(lib.akv_context_append_layer(h, layer, ka.shape[0], ka.ctypes.data, va.ctypes.data),
                self._engine._handle, "append_layer")
 
@@ -768,7 +906,7 @@ class Context:
         return f"<activekv.Context id={self.id} length={self.length}>"
 
 
-_NOT_READY = STATUS_VALUES.get("AKV_ERR_NOT_READY")
+_NOT_READY = STATUS_VALUES["AKV_ERR_NOT_READY"]  # 24: try_retire's "not yet"
 
 
 class Lease:
@@ -847,15 +985,18 @@ class Lease:
         return _receipt(r)
 
     def try_retire(self) -> Optional[Receipt]:
-        """Retires without blocking when every fence has passed; None (and
-        nothing changed) when some are pending. Needs a library with
-        akv_lease_try_retire (NotSupported otherwise)."""
+        """Non-blocking retire (akv_lease_try_retire): when every fence of
+        the sealed lease has passed, retires it exactly as retire() does and
+        returns the Receipt (the lease is dead afterwards); while one is
+        pending returns None and nothing changed (AKV_ERR_NOT_READY is never
+        raised): call it again, or retire() to block. Queries events, never
+        waits. Raises LeaseState (not sealed), Backend (a query failed),
+        Quarantined; NotSupported with a library that lacks the call."""
         h = self._h()
-        if not L.has_symbol("akv_lease_try_retire"):
-            raise NotSupported.make("this libactivekv has no akv_lease_try_retire")
+        _need("akv_lease_try_retire")
         r = L.akv_receipt()
         st = lib.akv_lease_try_retire(h, ctypes.byref(r))
-        if _NOT_READY is not None and st == _NOT_READY:
+        if st == _NOT_READY:
             return None
         _check(st, self._engine._handle, "try_retire")
         self._handle = None
@@ -870,7 +1011,9 @@ class View:
 
     keys(i)/values(i) and kv_tensors() are zero-copy views of the staging
     buffer: numpy on the host backend, torch on CUDA (bf16 is uint16 on
-    numpy, torch.bfloat16 on torch). Writing through them writes the staged
+    numpy, torch.bfloat16 on torch; FP8 is uint8 codes on numpy,
+    torch.float8_e4m3fn / torch.float8_e5m2 on a torch that has them, uint8
+    otherwise). Writing through them writes the staged
     rows. On the paged route, rows of retained pages are not in the staging
     buffer: those calls raise NotSupported for a context with such pages
     (read page_map / use the C attention instead)."""
@@ -924,8 +1067,7 @@ class View:
         if self._cuda:
             torch = _torch()
             cai = _CudaArray(ptr, shape, strides, _CAI_TYPESTR[self.dtype], self)
-            t = torch.as_tensor(cai, device="cuda")
-            return t.view(torch.bfloat16) if self.dtype == "bf16" else t
+            return _as_torch_type(torch, torch.as_tensor(cai, device="cuda"), self.dtype)
         buf = (ctypes.c_uint8 * span).from_address(ptr)
         flat = np.ctypeslib.as_array(buf).view(_NP_DTYPE[self.dtype])
         return np.lib.stride_tricks.as_strided(flat, shape=shape, strides=strides)
@@ -961,12 +1103,21 @@ class View:
         for off in (0, self.v_offset):
             a = self._array(off, shape, strides)
             if not self._cuda:
-                if self.dtype == "bf16":  # uint16 bits -> int16 -> bfloat16, no copy
-                    a = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-                else:
-                    a = torch.from_numpy(a)
+                if self.dtype == "bf16":  # uint16 bits -> int16 (torch has no uint16 view)
+                    a = a.view(np.int16)
+                a = _as_torch_type(torch, torch.from_numpy(a), self.dtype)
             out.append(a)
         return out[0], out[1]
+
+
+def _as_torch_type(torch: Any, t: Any, dtype: str) -> Any:
+    """A raw-bits tensor (int16 for bf16, uint8 for FP8) as torch's own type
+    of the dtype, without a copy; FP8 stays uint8 on a torch without it."""
+    if dtype in ("bf16", "fp8_e4m3", "fp8_e5m2"):
+        want = _torch_dtype(torch, dtype)
+        if want is not None:
+            return t.view(want)
+    return t
 
 
 def version() -> str:

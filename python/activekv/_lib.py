@@ -1,9 +1,11 @@
-"""ctypes mirror of include/akv.h: the structs, the enums and every prototype.
+"""ctypes mirror of include/akv.h and include/akv_attention.h: the structs,
+the enums and every prototype.
 
 The mirrors must match the C layout exactly; python/tests/test_abi.py compiles
-a C program that prints sizeof/offsetof of every public struct and compares
-them with these classes. Change both together, and only as akv.h's ABI promise
-allows (structs grow at their end, enums are appended).
+a C program that prints sizeof/offsetof of every public struct (and the
+constants below) and compares them with these classes. Change both together,
+and only as akv.h's ABI promise allows (structs grow at their end, enums are
+appended).
 
 The shared library is found next to this file (the wheel installs it there),
 or where ACTIVEKV_LIBRARY points (a build tree's libactivekv.so, for
@@ -12,12 +14,15 @@ development).
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
+import sys
 from ctypes import (
     POINTER,
     Structure,
     c_char,
     c_char_p,
+    c_float,
     c_int,
     c_int32,
     c_size_t,
@@ -27,16 +32,31 @@ from ctypes import (
     c_void_p,
 )
 
-__all__ = ["lib", "library_path", "include_dir", "has_symbol", "STRUCTS"]
+__all__ = ["lib", "library_path", "include_dir", "has_symbol", "out_struct", "STRUCTS",
+           "CONSTANTS"]
 
 # enum sizes: every akv enum is a C int
 c_enum = c_int
 
 AKV_OP_KIND_COUNT = 7
-AKV_ADM_RULE_COUNT = 9
+AKV_ADM_RULE_COUNT = 13
 AKV_PAGE_STAGED = 0xFFFFFFFF
 AKV_TARGET_FAIR_SHARE = 0xFFFFFFFF
 AKV_CONFIG_VERSION = 1
+AKV_ATTENTION_MAX_HEAD_DIM = 256
+AKV_ATTENTION_MAX_SCALE_HEADS = 256
+
+# Numeric macros of the headers mirrored here, by C name: the ABI test
+# compares each with the header's value.
+CONSTANTS = {
+    "AKV_OP_KIND_COUNT": AKV_OP_KIND_COUNT,
+    "AKV_ADM_RULE_COUNT": AKV_ADM_RULE_COUNT,
+    "AKV_PAGE_STAGED": AKV_PAGE_STAGED,
+    "AKV_TARGET_FAIR_SHARE": AKV_TARGET_FAIR_SHARE,
+    "AKV_CONFIG_VERSION": AKV_CONFIG_VERSION,
+    "AKV_ATTENTION_MAX_HEAD_DIM": AKV_ATTENTION_MAX_HEAD_DIM,
+    "AKV_ATTENTION_MAX_SCALE_HEADS": AKV_ATTENTION_MAX_SCALE_HEADS,
+}
 
 LOG_FN = ctypes.CFUNCTYPE(None, c_void_p, c_enum, c_char_p)
 HOST_FN = ctypes.CFUNCTYPE(None, c_void_p)
@@ -76,6 +96,10 @@ class akv_engine_config(Structure):
         ("fault_fail_nth", c_uint32),
         ("fault_kind", c_int32),
         ("poison_holes", c_uint32),
+        ("headroom_gib", c_uint32),
+        ("headroom_reserve_gib", c_uint32),
+        ("host_fake_free_bytes", c_uint64),
+        ("headroom_chunk_pages", c_uint32),
     ]
 
 
@@ -118,6 +142,8 @@ class akv_engine_info(Structure):
         ("transport_failed", c_int),
         ("quarantined", c_int),
         ("bytes_in_place", c_uint64),
+        ("headroom_pages", c_uint32),
+        ("headroom_bytes", c_uint64),
     ]
 
 
@@ -191,6 +217,86 @@ class akv_adm_decision(Structure):
     ]
 
 
+class akv_headroom_info(Structure):
+    _fields_ = [
+        ("enabled", c_uint32),
+        ("profile_free_bytes", c_uint64),
+        ("cap_bytes", c_uint64),
+        ("reserve_bytes", c_uint64),
+        ("max_pages", c_uint32),
+        ("chunk_pages", c_uint32),
+        ("pages", c_uint32),
+        ("pages_held", c_uint32),
+        ("pages_pending", c_uint32),
+        ("bytes", c_uint64),
+        ("bytes_released", c_uint64),
+        ("releases", c_uint64),
+        ("takes", c_uint64),
+    ]
+
+
+# ---- akv_attention.h: the reference attention's arguments
+
+
+class akv_attention_args(Structure):
+    _fields_ = [
+        ("dtype", c_enum),
+        ("n_contexts", c_uint32),
+        ("n_heads", c_uint32),
+        ("kv_heads", c_uint32),
+        ("head_dim", c_uint32),
+        ("chunk_tokens", c_uint32),
+        ("scale", c_float),
+        ("q", c_void_p),
+        ("k_base", c_void_p),
+        ("v_base", c_void_p),
+        ("context_stride", c_uint64),
+        ("row_bytes", c_uint64),
+        ("len", POINTER(c_uint32)),
+        ("out", POINTER(c_float)),
+        ("workspace", c_void_p),
+        ("workspace_bytes", c_size_t),
+        ("page_map", POINTER(c_uint32)),
+        ("page_map_stride", c_uint32),
+        ("k_pages", c_void_p),
+        ("v_pages", c_void_p),
+        ("page_stride", c_uint64),
+        ("k_scale", POINTER(c_float)),
+        ("v_scale", POINTER(c_float)),
+    ]
+
+
+class akv_page_table(Structure):
+    _fields_ = [
+        ("batch", c_uint32),
+        ("page_tokens", c_uint32),
+        ("max_pages", c_uint32),
+        ("indptr", POINTER(c_uint32)),
+        ("indices", POINTER(c_uint32)),
+        ("last_page_len", POINTER(c_uint32)),
+        ("k_pages", c_void_p),
+        ("v_pages", c_void_p),
+        ("page_stride", c_uint64),
+        ("row_bytes", c_uint64),
+    ]
+
+
+class akv_attention_paged_args(Structure):
+    _fields_ = [
+        ("dtype", c_enum),
+        ("n_heads", c_uint32),
+        ("kv_heads", c_uint32),
+        ("head_dim", c_uint32),
+        ("scale", c_float),
+        ("q", c_void_p),
+        ("out", POINTER(c_float)),
+        ("workspace", c_void_p),
+        ("workspace_bytes", c_size_t),
+        ("k_scale", POINTER(c_float)),
+        ("v_scale", POINTER(c_float)),
+    ]
+
+
 # akv_attention_fn: int (*)(void *user, const akv_view *view, akv_stream stream)
 ATTENTION_FN = ctypes.CFUNCTYPE(c_int, c_void_p, POINTER(akv_view), c_void_p)
 
@@ -205,6 +311,10 @@ STRUCTS = {
     "akv_view": akv_view,
     "akv_receipt": akv_receipt,
     "akv_adm_decision": akv_adm_decision,
+    "akv_headroom_info": akv_headroom_info,
+    "akv_attention_args": akv_attention_args,
+    "akv_page_table": akv_page_table,
+    "akv_attention_paged_args": akv_attention_paged_args,
 }
 
 P = POINTER
@@ -226,7 +336,6 @@ _PROTOTYPES = {
     "akv_context_open": (c_enum, [akv_engine_p, P(akv_context_config), P(akv_context_p)]),
     "akv_context_close": (c_enum, [akv_context_p]),
     "akv_context_append": (c_enum, [akv_context_p, c_uint32, P(c_void_p), P(c_void_p)]),
-    "akv_context_append_layer": (c_enum, [akv_context_p, c_uint32, c_uint32, c_void_p, c_void_p]),
     "akv_context_read": (c_enum, [akv_context_p, c_uint32, c_uint32, c_uint32, c_void_p, c_void_p]),
     "akv_context_length": (c_enum, [akv_context_p, P(c_uint32)]),
     "akv_context_id": (c_enum, [akv_context_p, P(c_uint32)]),
@@ -243,14 +352,38 @@ _PROTOTYPES = {
     "akv_admission_counters": (c_enum, [akv_engine_p, P(c_uint64), c_size_t]),
     "akv_admission_log": (c_enum, [akv_engine_p, P(akv_adm_decision), c_size_t, P(c_size_t)]),
     "akv_admission_explain": (c_enum, [akv_engine_p, akv_context_p, c_char_p, c_size_t]),
+    # akv_attention.h
+    "akv_attention_args_from_view": (c_enum, [P(akv_view), P(akv_attention_args)]),
+    "akv_attention_workspace_bytes": (
+        c_enum, [c_uint32, c_uint32, c_uint32, c_uint32, c_uint32, P(c_size_t)]),
+    "akv_attention_ref_bf16": (c_enum, [P(akv_attention_args)]),
+    "akv_attention_paged_ref_bf16": (c_enum, [P(akv_attention_paged_args), akv_page_table]),
 }
-# Entry points a library may or may not have (added after 0.2.0); declared
-# when present, has_symbol() says which.
+# Entry points added after 0.2.0, which a library from ACTIVEKV_LIBRARY may
+# lack: declared when present, has_symbol() says which, and the methods that
+# need one raise NotSupported without it. (The library the package is built
+# with has every one; test_abi.py checks that.)
 _OPTIONAL = {
+    "akv_context_append_layer": (c_enum, [akv_context_p, c_uint32, c_uint32, c_void_p, c_void_p]),
     "akv_lease_try_retire": (c_enum, [akv_lease_p, P(akv_receipt)]),
+    "akv_headroom_get": (c_enum, [akv_engine_p, P(akv_headroom_info)]),
+    "akv_headroom_release": (c_enum, [akv_engine_p, c_uint64, P(c_uint64), P(c_uint64)]),
+    "akv_headroom_take": (c_enum, [akv_engine_p, c_uint64, P(c_uint64)]),
 }
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+
+# Spare bytes behind every struct the library fills (out_struct): akv.h lets
+# structs grow at their end, so a library newer than these mirrors writes its
+# new fields there instead of past the Python object.
+_OUT_SLACK = 1024
+
+
+def out_struct(cls: type) -> Structure:
+    """A zeroed instance of `cls` backed by a buffer with room to spare, for
+    the library to fill (info, headroom, fit, quarantine reports, config
+    init)."""
+    return cls.from_buffer(bytearray(ctypes.sizeof(cls) + _OUT_SLACK))
 
 
 def library_path() -> str:
@@ -268,6 +401,39 @@ def include_dir() -> str | None:
     return d if os.path.isfile(os.path.join(d, "akv.h")) else None
 
 
+# Shared libraries a CUDA build of libactivekv links that torch also ships
+# (its nvidia-* wheels), under the same sonames.
+_SHARED_WITH_TORCH = (b"libcudart.so", b"libnccl.so")
+
+
+def _torch_first(path: str) -> None:
+    """Imports torch before libactivekv when the library links a CUDA
+    runtime or NCCL and torch is installed but not imported yet.
+
+    The dynamic loader binds a soname once per process: whichever of
+    libactivekv and torch loads first decides which libcudart.so.13 /
+    libnccl.so.2 both use. torch needs its own (often newer) copies and
+    fails to import after an older one (``undefined symbol:
+    ncclCommResume``); the library works with newer ones (both keep their
+    ABI within a major version). A host-only build links neither and leaves
+    torch alone."""
+    if "torch" in sys.modules:
+        return
+    try:
+        with open(path, "rb") as f:
+            image = f.read()
+    except OSError:
+        return
+    if not any(name in image for name in _SHARED_WITH_TORCH):
+        return
+    if importlib.util.find_spec("torch") is None:
+        return
+    try:
+        import torch  # noqa: F401,PLC0415 - for the load order only
+    except Exception:  # noqa: BLE001 - a torch that cannot import is not ours to report
+        pass
+
+
 def _load() -> ctypes.CDLL:
     path = library_path()
     if not os.path.exists(path):
@@ -275,6 +441,7 @@ def _load() -> ctypes.CDLL:
             f"activekv: {path} not found; install the package with `pip install .` from the "
             "checkout (it builds the library), or point ACTIVEKV_LIBRARY at a libactivekv.so"
         )
+    _torch_first(path)
     dll = ctypes.CDLL(path)
     for name, (res, args) in _PROTOTYPES.items():
         fn = getattr(dll, name)

@@ -10,13 +10,16 @@ raise the class of the status the C call would have returned
       UsageError      the call is not allowed now or with these arguments
         InvalidArgument (also a ValueError), BadHandle, StepState, LeaseOrder,
         LeaseState, OwnerMismatch, FenceMismatch, InUse, Busy, UnevenLayers,
-        NotReady
+        Disagree, NotReady
       ConfigError     the configuration or this build/machine
         Config, NoFit, NotSupported
       CapacityError   refused for room: queue, retry, or resize
         RefusedQueue, AdmissionRefused, OutOfMemory, Capacity
       TransportError  the transport failed: quarantine and destroy
-        Backend, Quarantined, UncertainFence
+        Backend, Quarantined, UncertainFence, Timeout, Comm
+
+NotReady is not a failure: Lease.try_retire returns None for it and never
+raises it; the class exists so that every status has one.
 
 A status this package does not know (a newer library) raises ActiveKVError
 itself, named ``AKV_STATUS_<n>``.
@@ -51,6 +54,9 @@ __all__ = [
     "NotSupported",
     "InUse",
     "UnevenLayers",
+    "Timeout",
+    "Comm",
+    "Disagree",
     "NotReady",
     "STATUS_NAMES",
     "status_name",
@@ -81,6 +87,10 @@ STATUS_NAMES: Dict[int, str] = {
     18: "AKV_ERR_NOT_SUPPORTED",
     19: "AKV_ERR_IN_USE",
     20: "AKV_ERR_UNEVEN_LAYERS",
+    21: "AKV_ERR_TIMEOUT",
+    22: "AKV_ERR_COMM",
+    23: "AKV_ERR_DISAGREE",
+    24: "AKV_ERR_NOT_READY",
 }
 STATUS_VALUES: Dict[str, int] = {v: k for k, v in STATUS_NAMES.items()}
 
@@ -175,15 +185,25 @@ NotSupported = _cls("NotSupported", ConfigError, "AKV_ERR_NOT_SUPPORTED",
 InUse = _cls("InUse", UsageError, "AKV_ERR_IN_USE", "In use by the open step.")
 UnevenLayers = _cls("UnevenLayers", UsageError, "AKV_ERR_UNEVEN_LAYERS",
                     "A context's dense layers hold different row counts.")
+Timeout = _cls("Timeout", TransportError, "AKV_ERR_TIMEOUT",
+               "Group: a rank did not reach an agreement point in time; the communicator "
+               "was aborted and this rank's engine quarantined.")
+Comm = _cls("Comm", TransportError, "AKV_ERR_COMM",
+            "Group: the communicator failed; it was aborted and this rank's engine "
+            "quarantined.")
+Disagree = _cls("Disagree", UsageError, "AKV_ERR_DISAGREE",
+                "Group: ranks gave different inputs at an agreement point; nothing changed "
+                "on any rank.")
 NotReady = _cls("NotReady", UsageError, "AKV_ERR_NOT_READY",
-                "Fences still pending (akv_lease_try_retire); nothing changed.")
+                "Fences still pending (akv_lease_try_retire); nothing changed. "
+                "Lease.try_retire returns None instead of raising it.")
 
 _BY_NAME: Dict[str, Type[ActiveKVError]] = {
     c.c_name: c
     for c in (InvalidArgument, BadHandle, Config, NoFit, RefusedQueue, AdmissionRefused,
               OutOfMemory, Capacity, StepState, LeaseOrder, LeaseState, OwnerMismatch,
               FenceMismatch, Backend, Quarantined, Busy, UncertainFence, NotSupported, InUse,
-              UnevenLayers, NotReady)
+              UnevenLayers, Timeout, Comm, Disagree, NotReady)
 }
 
 

@@ -24,9 +24,11 @@ What happens, per layer as transformers calls ``cache.update(k, v, layer_idx)``:
   the staging buffer, which the model's own attention (SDPA) reads.
 - **After attention**: a forward hook on the layer's attention module records the
   attention-consumed event on torch's stream, enqueues the write-back of the new rows and
-  seals the lease, all without a host wait; already-complete leases are retired
-  opportunistically (``akv_lease_try_retire`` when the library has it). Without a hook
-  (a cache not bound to a model) the next layer's update seals the pending lease instead.
+  seals the lease, all without a host wait; leases whose fences have all passed are then
+  retired with ``akv_lease_try_retire``, which queries events and never waits (it answers
+  ``AKV_ERR_NOT_READY`` while one is pending, and the lease waits for the step boundary).
+  Without a hook (a cache not bound to a model) the next layer's update seals the pending
+  lease instead.
 - **Sliding-window layers** of hybrid models stay transformers' own layer classes
   (``DynamicSlidingWindowLayer``, chosen from ``config.layer_types`` as ``DynamicCache``
   chooses them); only full-attention layers are staged, dense index ``d`` being the d-th
@@ -63,6 +65,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the opti
     ) from exc
 
 import activekv as akv
+from activekv import _lib
+from activekv.errors import STATUS_VALUES, TransportError, error_for
 
 __all__ = ["ActiveKVCache", "ActiveKVLayer", "dense_layer_indices", "engine_config_for"]
 
@@ -73,68 +77,27 @@ _DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-
-def _status_name(status: int) -> str:
-    errors = getattr(akv, "errors", None)
-    fn = getattr(errors, "status_name", None)
-    return fn(status) if fn is not None else "AKV_STATUS_%d" % status
+# akv_lease_try_retire's "not yet" (AKV_ERR_NOT_READY, 24): fences pending, nothing changed.
+_NOT_READY = STATUS_VALUES["AKV_ERR_NOT_READY"]
 
 
 def _try_retire_pending(status: int) -> bool:
     """True when a failed akv_lease_try_retire only means "fences still pending" (it then
-    changed nothing): AKV_ERR_NOT_READY, or a status newer than this package knows. Every
-    other status is an error and is raised."""
-    name = _status_name(status)
-    return name == "AKV_ERR_NOT_READY" or name.startswith("AKV_STATUS_")
+    changed nothing): AKV_ERR_NOT_READY, matched by value. Every other status, one newer
+    than this package knows included, is an error and is raised."""
+    return status == _NOT_READY
 
 
 # --------------------------------------------------------------------------- #
-# ctypes mirrors of the lease hot path (akv.h). Kept here, with their own      #
-# prototypes on a private CDLL object, so the per-layer decode path builds no  #
-# Python objects: the structs are allocated once per cache and refilled.       #
+# The lease hot path. The structs are the package's one mirror of akv.h        #
+# (activekv._lib), allocated once per cache and refilled; the calls have their #
+# prototypes set once on a private CDLL object, so the per-layer decode path   #
+# builds no Python objects.                                                    #
 # --------------------------------------------------------------------------- #
 
-
-class _Fence(ctypes.Structure):
-    _fields_ = [("serial", ctypes.c_uint64)]
-
-
-class _View(ctypes.Structure):
-    _fields_ = [
-        ("step", ctypes.c_uint64),
-        ("layer", ctypes.c_uint32),
-        ("n_contexts", ctypes.c_uint32),
-        ("kv_heads", ctypes.c_uint32),
-        ("head_dim", ctypes.c_uint32),
-        ("dtype", ctypes.c_int),
-        ("row_stride", ctypes.c_uint64),
-        ("base", ctypes.c_void_p),
-        ("context_stride", ctypes.c_uint64),
-        ("v_offset", ctypes.c_uint64),
-        ("len", ctypes.POINTER(ctypes.c_uint32)),
-        ("contexts", ctypes.c_void_p),
-        ("page_tokens", ctypes.c_uint32),
-        ("page_map_stride", ctypes.c_uint32),
-        ("page_map", ctypes.c_void_p),
-        ("page_map_host", ctypes.c_void_p),
-        ("pages", ctypes.c_void_p),
-        ("page_stride", ctypes.c_uint64),
-    ]
-
-
-class _Receipt(ctypes.Structure):
-    _fields_ = [
-        ("step", ctypes.c_uint64),
-        ("layer", ctypes.c_uint32),
-        ("tickets", ctypes.c_uint32),
-        ("readers", ctypes.c_uint32),
-        ("bytes_h2d", ctypes.c_uint64),
-        ("bytes_d2d", ctypes.c_uint64),
-        ("bytes_d2h", ctypes.c_uint64),
-        ("attention", _Fence),
-        ("tail", _Fence),
-        ("bytes_in_place", ctypes.c_uint64),
-    ]
+_Fence = _lib.akv_fence
+_View = _lib.akv_view
+_Receipt = _lib.akv_receipt
 
 
 class _LeaseAPI:
@@ -189,11 +152,7 @@ def _raw(handle: Any) -> int:
 
 def _error(status: int, message: str) -> Exception:
     """The package's exception for a C status (one class per status), with the message."""
-    errors = getattr(akv, "errors", None)
-    make = getattr(errors, "error_for", None)
-    if make is not None:
-        return make(status, message)
-    return akv.ActiveKVError(status, _status_name(status), message)
+    return error_for(status, message)
 
 
 # --------------------------------------------------------------------------- #
@@ -400,7 +359,7 @@ class _Driver:
             msg = self.api.last_error(self.eng)
             text = "%s: %s" % (what, msg.decode("utf-8", "replace") if msg else "")
             err = _error(status, text)
-            if status in (14, 15):  # transport failed / quarantined: the cache is done
+            if isinstance(err, TransportError):  # transport failed / quarantined: done
                 self.failed = err
             raise err
 
@@ -556,7 +515,7 @@ class _Driver:
         while sealed:
             st = fn(sealed[0], self.receipt_ref)
             if st != 0:
-                if not _try_retire_pending(st):
+                if st != _NOT_READY:
                     self.check(st, "lease_try_retire")
                 return  # fences pending: nothing changed; retire() at the boundary waits
             sealed.pop(0)

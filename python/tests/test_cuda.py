@@ -95,3 +95,31 @@ def test_cuda_views_zero_copy_and_decode_matches_reference(route, pool):
                                       .view(np.uint16))
                 assert np.array_equal(v, ref[i][layer][1].cpu().view(torch.int16).numpy()
                                       .view(np.uint16))
+
+
+@pytest.mark.parametrize("dtype,tname", [("fp8_e4m3", "float8_e4m3fn"),
+                                         ("fp8_e5m2", "float8_e5m2")])
+def test_cuda_fp8_views_are_torch_float8(dtype, tname):
+    tdt = getattr(torch, tname, None)
+    if tdt is None:
+        pytest.skip("this torch has no %s" % tname)
+    g = torch.Generator().manual_seed(1)
+    with akv.Engine(**small(backend="cuda", head_dim=D, dtype=dtype)) as eng, \
+            eng.open_context() as ctx:
+        k = torch.randn(L, 4, H, D, generator=g).to(tdt)
+        ctx.append(k, k)
+        with eng.step([ctx]):
+            for layer in range(L):
+                lease = eng.lease_begin(layer)
+                view = lease.wait_ready()
+                K, V = view.kv_tensors()
+                keys = view.keys(0)
+                assert K.is_cuda and K.dtype == tdt and keys.dtype == tdt
+                assert K.data_ptr() == view.base and keys.data_ptr() == view.base
+                assert torch.equal(keys[:4].view(torch.uint8).cpu(), k[layer].view(torch.uint8))
+                keys[4].view(torch.uint8).fill_(0x38)  # 1.0 in E4M3, 0.5 in E5M2
+                attn = lease.mark_consumed()
+                lease.seal(lease.write_back(), attn)
+                lease.retire()
+        k_row, _ = ctx.read(2, 4, 1)
+        assert k_row.dtype == np.uint8 and (k_row == 0x38).all()

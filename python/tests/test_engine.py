@@ -1,6 +1,9 @@
 """The Python API on the host backend: lifecycle, every error path as an
 exception, zero-copy views, per-layer prefill, and a small decode that is
 bit-identical to a numpy reference attention over the resident history."""
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -221,6 +224,51 @@ def test_owner_mismatch_from_c(engine):
     for layer in range(1, L):
         run_layer(engine, layer)
     engine.step_end()
+
+
+def test_try_retire_none_while_pending_then_the_receipt(engine):
+    """The attention fence is recorded behind a host function that waits on a gate:
+    try_retire answers None (AKV_ERR_NOT_READY is not raised) and changes nothing
+    until the gate opens, then retires with the receipt retire() would give."""
+    rng = np.random.default_rng(10)
+    ctx = engine.open_context()
+    ctx.append(rows(rng, L, 3), rows(rng, L, 3))
+    gate = threading.Event()
+    hook = _lib.HOST_FN(lambda _arg: gate.wait(30))
+    engine.step_begin([ctx])
+    try:
+        lease = engine.lease_begin(0)
+        with pytest.raises(akv.LeaseState):
+            lease.try_retire()  # not sealed
+        s = engine.default_stream()
+        lease.wait_ready(s)
+        assert _lib.lib.akv_stream_launch_host(engine._handle, s.handle, hook, None) == 0
+        attn = lease.mark_consumed()  # behind the gate
+        lease.seal(lease.write_back(), attn)
+        error_before = engine.last_error
+        for _ in range(3):
+            assert lease.try_retire() is None
+        assert engine.last_error == error_before  # nothing changed, nothing recorded
+        assert engine.info().leases_retired == 0
+    finally:
+        gate.set()
+    s.synchronize()
+    receipt = None
+    for _ in range(2000):  # the tail write-back follows the attention event
+        receipt = lease.try_retire()
+        if receipt is not None:
+            break
+        time.sleep(0.001)
+    assert isinstance(receipt, akv.Receipt)
+    assert receipt.layer == 0 and receipt.step == 1 and receipt.attention == attn
+    assert receipt.bytes_h2d > 0 and receipt.bytes_d2h > 0
+    assert engine.info().leases_retired == 1
+    with pytest.raises(akv.BadHandle):
+        lease.try_retire()  # dead after retiring
+    for layer in range(1, L):
+        run_layer(engine, layer)
+    engine.step_end()
+    assert ctx.length == 4
 
 
 def test_config_errors():

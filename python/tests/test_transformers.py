@@ -103,12 +103,19 @@ def test_manual_loop_bitwise(route, pool, batch):
         got = decode(model, cache, prompt, steps=12)
         assert cache.engine.info().route == route
         stats = cache.stats
+        unretired = len(cache._driver.sealed)
         info = cache.engine.info()
     assert_bitwise(ref, got)
     # Every full-attention layer of every step was staged, and the forward hooks sealed
     # every lease (none waited for the next layer's update).
     assert stats["leases"] == 12 * 3
     assert stats["hook_seals"] == 12 * 3 and stats["fallback_seals"] == 0
+    # every lease is retired once: early (try_retire, off the critical path, when its
+    # fences have passed) or at the next step boundary; the last step's that are still
+    # sealed, at close
+    assert stats["try_retire"] is True
+    assert stats["retired_early"] + stats["retired_blocking"] + unretired == stats["leases"]
+    assert unretired <= 3
     assert info.bytes_h2d + info.bytes_d2d > 0
     if route == "arena":
         assert info.bytes_d2d > 0, "arena route retained nothing"
@@ -258,3 +265,53 @@ def test_close_mid_step_and_twice():
     cache.close()
     assert drv.engine is None and not drv.step_open
     cache.close()
+
+
+def test_try_retire_not_ready_is_matched_by_value_and_other_statuses_raise():
+    """The adapter's opportunistic retire: AKV_ERR_NOT_READY (24) leaves the lease for the
+    step boundary; any other failure, a status newer than the package included, raises
+    (a transport failure also marks the cache failed)."""
+    from activekv import transformers as T
+
+    assert T._NOT_READY == 24 and akv.errors.STATUS_NAMES[24] == "AKV_ERR_NOT_READY"
+    assert T._try_retire_pending(24)
+    assert not any(T._try_retire_pending(st) for st in (0, 11, 14, 23, 25, 99))
+    model = tiny_llama(layers=1)
+    with ActiveKVCache(model, max_cache_len=16) as cache:
+        drv = cache._driver
+        assert drv.try_retire_ok and drv.api.try_retire is not None
+        real = drv.api.try_retire
+        calls = []
+
+        def fake(status):
+            def fn(lease, receipt):
+                calls.append(lease)
+                return status
+            return fn
+
+        try:
+            drv.sealed = [0xDEAD]
+            drv.api.try_retire = fake(24)
+            drv.try_retire()  # pending: nothing changed, nothing raised
+            assert drv.sealed == [0xDEAD] and calls == [0xDEAD] and drv.failed is None
+            drv.api.try_retire = fake(99)
+            with pytest.raises(akv.ActiveKVError) as ei:
+                drv.try_retire()
+            assert ei.value.name == "AKV_STATUS_99" and drv.failed is None
+            drv.api.try_retire = fake(14)
+            with pytest.raises(akv.Backend):
+                drv.try_retire()
+            assert isinstance(drv.failed, akv.TransportError)
+        finally:
+            drv.sealed = []
+            drv.failed = None
+            drv.api.try_retire = real
+
+
+def test_the_adapter_uses_the_package_mirrors():
+    """One definition of each struct: the adapter's hot-path structs are activekv._lib's."""
+    from activekv import _lib
+    from activekv import transformers as T
+
+    assert T._View is _lib.akv_view and T._Fence is _lib.akv_fence
+    assert T._Receipt is _lib.akv_receipt
