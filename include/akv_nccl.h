@@ -47,11 +47,16 @@ extern "C" {
  * Ownership: on AKV_OK the group is the caller's; free it with
  * akv_group_destroy. After AKV_ERR_TIMEOUT or AKV_ERR_COMM (here or from any
  * group call) comm was aborted: do not use or destroy it again.
+ * NCCL: libactivekv does not link NCCL; the first call resolves NCCL's
+ * entry points from the libnccl.so.2 the process already loaded (the one
+ * that made comm: a framework's bundled copy or the toolkit's), else loads
+ * libnccl.so.2 from the library path.
  * Returns, on every rank alike: AKV_OK, AKV_ERR_INVALID_ARGUMENT (NULL),
  * AKV_ERR_CONFIG (rank or size differ from comm's, bad struct sizes),
  * AKV_ERR_DISAGREE (geometry differs), AKV_ERR_NOT_SUPPORTED (headroom_gib
  * set on any rank: headroom is not agreed yet), the statuses of akv_engine_create
- * (the largest over ranks), AKV_ERR_TIMEOUT, AKV_ERR_COMM; AKV_ERR_BACKEND (this rank only: the
+ * (the largest over ranks), AKV_ERR_TIMEOUT, AKV_ERR_COMM; AKV_ERR_NOT_SUPPORTED
+ * (this rank only: no libnccl.so.2 could be loaded); AKV_ERR_BACKEND (this rank only: the
  * group's stream or buffers could not be made; the others time out).
  */
 AKV_API akv_status akv_nccl_group_create(const akv_engine_config *shard,

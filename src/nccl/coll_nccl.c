@@ -8,10 +8,20 @@
  * asynchronous error and the deadline. A timeout or an error aborts the
  * communicator (ncclCommAbort), which ends the collective on every rank, so
  * no rank hangs on one that never arrives.
+ *
+ * NCCL is loaded at run time, never linked: the communicator belongs to the
+ * caller's NCCL (a framework's own copy, such as the one a torch wheel
+ * bundles, or the toolkit's), so the calls must reach that very library.
+ * dlopen("libnccl.so.2") with RTLD_NOLOAD returns the copy the process
+ * already loaded under that soname; only when none is loaded yet is one
+ * loaded here. libactivekv.so therefore carries no NCCL dependency, and
+ * importing it before or after a framework changes nothing.
  */
 #define _POSIX_C_SOURCE 200809L
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 #include <nccl.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,6 +30,39 @@
 #include "akv_nccl.h"
 #include "collective.h"
 #include "group.h"
+
+
+/* The NCCL entry points used here, resolved once from the caller's NCCL. */
+typedef struct akv_nccl_api {
+  ncclResult_t (*all_reduce)(const void *, void *, size_t, ncclDataType_t, ncclRedOp_t,
+                             ncclComm_t, cudaStream_t);
+  ncclResult_t (*comm_abort)(ncclComm_t);
+  ncclResult_t (*comm_count)(const ncclComm_t, int *);
+  ncclResult_t (*comm_user_rank)(const ncclComm_t, int *);
+  ncclResult_t (*get_async_error)(ncclComm_t, ncclResult_t *);
+  const char *(*error_string)(ncclResult_t);
+} akv_nccl_api;
+
+static akv_nccl_api akv_nccl;
+static int akv_nccl_loaded; /* 1: every entry point resolved */
+static pthread_once_t akv_nccl_once = PTHREAD_ONCE_INIT;
+
+static void akv_nccl_load(void) {
+  static const char *const names[] = {"libnccl.so.2", "libnccl.so"};
+  void *h = NULL;
+  for (size_t i = 0; h == NULL && i < 2; i++) h = dlopen(names[i], RTLD_NOW | RTLD_NOLOAD);
+  for (size_t i = 0; h == NULL && i < 2; i++) h = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
+  if (h == NULL) return;
+  /* POSIX: a data pointer from dlsym converts to a function pointer. */
+  *(void **)&akv_nccl.all_reduce = dlsym(h, "ncclAllReduce");
+  *(void **)&akv_nccl.comm_abort = dlsym(h, "ncclCommAbort");
+  *(void **)&akv_nccl.comm_count = dlsym(h, "ncclCommCount");
+  *(void **)&akv_nccl.comm_user_rank = dlsym(h, "ncclCommUserRank");
+  *(void **)&akv_nccl.get_async_error = dlsym(h, "ncclCommGetAsyncError");
+  *(void **)&akv_nccl.error_string = dlsym(h, "ncclGetErrorString");
+  akv_nccl_loaded = akv_nccl.all_reduce && akv_nccl.comm_abort && akv_nccl.comm_count &&
+                    akv_nccl.comm_user_rank && akv_nccl.get_async_error && akv_nccl.error_string;
+}
 
 typedef struct akv_nccl_coll {
   akv_coll base; /* first: an akv_coll * is an akv_nccl_coll * */
@@ -47,7 +90,7 @@ static void akv_nccl_sleep_us(long us) {
 static akv_status akv_nccl_abort(akv_nccl_coll *nc, akv_status st, const char *why) {
   if (!nc->base.aborted) {
     nc->base.aborted = 1;
-    ncclCommAbort(nc->comm);
+    akv_nccl.comm_abort(nc->comm);
   }
   snprintf(nc->base.error, sizeof(nc->base.error), "%s; communicator aborted", why);
   return st;
@@ -58,7 +101,7 @@ static ncclResult_t akv_nccl_settle(akv_nccl_coll *nc, ncclResult_t r, uint64_t 
   while (r == ncclInProgress) {
     if (akv_now_us() > deadline_us) return ncclInProgress;
     akv_nccl_sleep_us(20);
-    if (ncclCommGetAsyncError(nc->comm, &r) != ncclSuccess) return ncclInternalError;
+    if (akv_nccl.get_async_error(nc->comm, &r) != ncclSuccess) return ncclInternalError;
   }
   return r;
 }
@@ -76,7 +119,7 @@ static akv_status akv_nccl_allreduce(akv_coll *c, uint64_t *v, size_t n, uint32_
   if (cudaMemcpyAsync(nc->dev, nc->host, n * sizeof(uint64_t), cudaMemcpyHostToDevice,
                       nc->stream) != cudaSuccess)
     return akv_nccl_abort(nc, AKV_ERR_COMM, "copy of the agreement vector failed");
-  r = ncclAllReduce(nc->dev, nc->dev, n, ncclUint64, ncclMin, nc->comm, nc->stream);
+  r = akv_nccl.all_reduce(nc->dev, nc->dev, n, ncclUint64, ncclMin, nc->comm, nc->stream);
   r = akv_nccl_settle(nc, r, deadline);
   if (r == ncclInProgress) {
     snprintf(why, sizeof(why), "rank %u: ncclAllReduce not enqueued after %u ms", c->rank,
@@ -84,7 +127,7 @@ static akv_status akv_nccl_allreduce(akv_coll *c, uint64_t *v, size_t n, uint32_
     return akv_nccl_abort(nc, AKV_ERR_TIMEOUT, why);
   }
   if (r != ncclSuccess) {
-    snprintf(why, sizeof(why), "ncclAllReduce: %s", ncclGetErrorString(r));
+    snprintf(why, sizeof(why), "ncclAllReduce: %s", akv_nccl.error_string(r));
     return akv_nccl_abort(nc, AKV_ERR_COMM, why);
   }
   if (cudaMemcpyAsync(nc->host, nc->dev, n * sizeof(uint64_t), cudaMemcpyDeviceToHost,
@@ -100,9 +143,9 @@ static akv_status akv_nccl_allreduce(akv_coll *c, uint64_t *v, size_t n, uint32_
     }
     /* An NCCL asynchronous error is handled with an abort of the
      * communicator, never by waiting on. */
-    if (ncclCommGetAsyncError(nc->comm, &async) != ncclSuccess ||
+    if (akv_nccl.get_async_error(nc->comm, &async) != ncclSuccess ||
         (async != ncclSuccess && async != ncclInProgress)) {
-      snprintf(why, sizeof(why), "NCCL asynchronous error: %s", ncclGetErrorString(async));
+      snprintf(why, sizeof(why), "NCCL asynchronous error: %s", akv_nccl.error_string(async));
       return akv_nccl_abort(nc, AKV_ERR_COMM, why);
     }
     /* A rank that never arrives: abort after the timeout. */
@@ -139,7 +182,10 @@ AKV_API akv_status akv_nccl_group_create(const akv_engine_config *shard,
   akv_status st;
   if (shard == NULL || config == NULL || comm == NULL || out == NULL)
     return AKV_ERR_INVALID_ARGUMENT;
-  if (ncclCommCount(comm, &count) != ncclSuccess || ncclCommUserRank(comm, &rank) != ncclSuccess)
+  pthread_once(&akv_nccl_once, akv_nccl_load);
+  if (!akv_nccl_loaded) return AKV_ERR_NOT_SUPPORTED; /* no libnccl.so.2 in this process */
+  if (akv_nccl.comm_count(comm, &count) != ncclSuccess ||
+      akv_nccl.comm_user_rank(comm, &rank) != ncclSuccess)
     return AKV_ERR_COMM;
   nc = calloc(1, sizeof(*nc));
   if (nc == NULL) return AKV_ERR_OUT_OF_MEMORY;
