@@ -83,7 +83,9 @@ static void *rank_main(void *arg) {
   akv_engine *e = NULL;
   akv_context *ctx[3];
   cudaStream_t stream;
-  static const uint16_t zeros[1024 * KV_HEADS_TOTAL * HEAD_DIM];
+  /* The longest append below (1200 rows) of the widest shard (one rank: every
+   * KV head), read as one block per layer. */
+  static const uint16_t zeros[1200 * KV_HEADS_TOTAL * HEAD_DIM];
   const void *rows[LAYERS];
 
   cudaSetDevice(r->rank);
@@ -118,7 +120,14 @@ static void *rank_main(void *arg) {
     if (r->opens[i] != AKV_OK) goto out;
   }
   for (int l = 0; l < LAYERS; l++) rows[l] = zeros;
-  for (int i = 0; i < 3; i++) akv_context_append(ctx[i], 600 + 300 * (uint32_t)i, rows, rows);
+  for (int i = 0; i < 3; i++) {
+    akv_status ap = akv_context_append(ctx[i], 600 + 300 * (uint32_t)i, rows, rows);
+    if (ap != AKV_OK) {
+      snprintf(r->error, sizeof(r->error), "append: %s", akv_status_string(ap));
+      r->last = ap;
+      goto out;
+    }
+  }
   for (int s = 0; s < STEPS; s++) {
     double t0;
     if (r->missing && s == 1) break; /* never arrives at the second boundary */
