@@ -1944,7 +1944,7 @@ static void print_summary(const cli_opts *o, const run_result *res) {
   if (res->have_engine) {
     printf("  %-20s %s pinned, %s of history per context\n", "host pool",
            fmt_mem(a, sizeof a, res->host_pool_bytes), fmt_mem(b, sizeof b, res->history_bytes));
-    printf("  %-20s H2D %s, D2D %s, D2H %s", "bytes per step", fmt_xfer(a, sizeof a, res->bytes_h2d),
+    printf("  %-20s H2D %s, D2D %s, D2H %s", res->tp > 0 ? "bytes per step, r0" : "bytes per step", fmt_xfer(a, sizeof a, res->bytes_h2d),
            fmt_xfer(b, sizeof b, res->bytes_d2d), fmt_xfer(c, sizeof c, res->bytes_d2h));
     if (res->route == ROUTE_PAGED)
       printf("; read in place %s", fmt_xfer(a, sizeof a, res->bytes_in_place));
