@@ -30,6 +30,7 @@
 #define _POSIX_C_SOURCE 200809L
 
 #include <errno.h>
+#include <pthread.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -39,12 +40,14 @@
 #include <unistd.h>
 
 #include "akv.h"
+#include "akv_group.h"
 #include "model.h"
 
 enum { EXIT_RUN_ERROR = 1, EXIT_USAGE = 2, EXIT_NO_FIT = 3, EXIT_MISMATCH = 4 };
 
 #define GIB ((uint64_t)1 << 30)
 #define MAX_LIST 16
+#define TP_MAX 16 /* most ranks of --tp */
 
 /* ------------------------------------------------------------------------ */
 /* Options                                                                   */
@@ -108,6 +111,11 @@ typedef struct cli_opts {
   akv_dtype kv_dtype;      /* --kv-dtype: bf16 or FP8 E4M3 rows */
   const char *logits_out;  /* --logits-out: every step's logits, raw fp32 */
   const char *logits_ref;  /* --logits-ref: compare with (and follow) such a file */
+  uint32_t tp;             /* --tp N: ranks (0: not given, a plain run) */
+  /* Set on a rank's copy of the options in a --tp run: g is the rank's
+   * shard (heads, kv heads, ffn divided by tp), full_g the whole model. */
+  uint32_t tp_rank;
+  model_geometry full_g;
 } cli_opts;
 
 static const preset *find_preset(const char *name);
@@ -166,14 +174,17 @@ static void say_error(const char *fmt, ...) {
   va_end(ap);
 }
 
+static pthread_mutex_t lib_log_mu = PTHREAD_MUTEX_INITIALIZER; /* --tp: ranks log at once */
 static void lib_log(void *user, akv_log_level level, const char *message) {
   (void)user;
+  pthread_mutex_lock(&lib_log_mu);
   if (level <= AKV_LOG_WARN) snprintf(lib_last, sizeof lib_last, "%s", message);
   if (level <= AKV_LOG_WARN || lib_verbose) {
     static const char *const names[] = {"error", "warn", "info", "debug"};
     fprintf(stderr, "activekv: libactivekv %s: %s\n", names[level <= AKV_LOG_DEBUG ? level : 3],
             message);
   }
+  pthread_mutex_unlock(&lib_log_mu);
 }
 
 static double now_s(void) {
@@ -313,6 +324,10 @@ static void usage(FILE *f) {
           "                        queue operation (schedule perturbation)   [0]\n"
           "  --host-delay-seed N   seed of those delays   [1]\n"
           "  --fail-nth N          test aid: the engine fails its N-th backend operation\n"
+          "tensor parallel (decode):\n"
+          "  --tp N                shard the model Megatron-style over N ranks, one thread\n"
+          "                        and one engine each, bound into one group (host backend:\n"
+          "                        in-process agreement); kv heads and heads must divide by N\n"
           "output:\n"
           "  --check               also decode resident in this process and compare the\n"
           "                        logits of every step bit for bit (exit 4 on a mismatch)\n"
@@ -475,7 +490,7 @@ static int parse_args(int argc, char **argv, int first, cli_opts *o) {
         "--target-pages", "--burst-pages",    "--fit-mode",      "--host-delay-us",
         "--host-delay-seed", "--fail-nth", "--pcie-gbps",   "--layers",        "--heads",         "--kv-heads",
         "--head-dim",     "--hidden",         "--ffn",           "--vocab", "--window",
-        "--dense-every",  "--kv-dtype",       "--logits-out",    "--logits-ref"};
+        "--dense-every",  "--kv-dtype",       "--logits-out",    "--logits-ref",    "--tp"};
     int known = 0;
     for (size_t k = 0; k < sizeof valued / sizeof valued[0]; ++k) known |= !strcmp(name, valued[k]);
     if (!known) {
@@ -594,6 +609,8 @@ static int parse_args(int argc, char **argv, int first, cli_opts *o) {
       rc = parse_u32(name, val, 0, 1000000, &o->delay_max_us);
     } else if (strcmp(name, "--host-delay-seed") == 0) {
       rc = parse_u64(name, val, 1, UINT64_MAX, &o->delay_seed);
+    } else if (strcmp(name, "--tp") == 0) {
+      rc = parse_u32(name, val, 1, TP_MAX, &o->tp);
     } else if (strcmp(name, "--fail-nth") == 0) {
       rc = parse_u32(name, val, 0, UINT32_MAX, &o->fail_nth);
     } else if (strcmp(name, "--pcie-gbps") == 0) {
@@ -645,6 +662,20 @@ static int parse_args(int argc, char **argv, int first, cli_opts *o) {
   if ((uint64_t)max_history(o) + o->warmup + o->steps > UINT32_MAX / 2) {
     say_error("--tokens plus --warmup plus --steps is too large");
     return EXIT_USAGE;
+  }
+  if (o->tp > 0) {
+    if (g->kv_heads % o->tp != 0 || g->n_heads % o->tp != 0 || g->ffn % o->tp != 0 ||
+        (g->ffn / o->tp) % 8 != 0) {
+      say_error("--tp %u: the %u kv heads, %u heads and ffn %u must each divide by %u (and "
+                "ffn / %u stay a multiple of 8); choose another --tp",
+                o->tp, g->kv_heads, g->n_heads, g->ffn, o->tp, o->tp);
+      return EXIT_USAGE;
+    }
+    if (o->tp > 1 && o->kv_dtype != AKV_DTYPE_BF16) {
+      say_error("--tp %u: FP8 K/V is not sharded yet (its per-head scales); use --kv-dtype bf16",
+                o->tp);
+      return EXIT_USAGE;
+    }
   }
   lib_verbose = o->verbose;
   return 0;
@@ -777,7 +808,80 @@ typedef struct run_result {
   double release_reusable_ms;   /* request to memory freed (the step's end) */
   double *step_ms;              /* [steps incl. warmup] when a release was asked for */
   uint32_t n_step_ms;
+  /* --tp: ranks, and each rank's bytes per measured step (own link each) */
+  uint32_t tp;
+  uint64_t rank_h2d[TP_MAX], rank_d2d[TP_MAX], rank_d2h[TP_MAX];
 } run_result;
+
+/*
+ * --tp: the ranks of one process. Each rank is a thread with its own engine
+ * (bound into one akv_group on the in-process world) and its own model
+ * shard. The model's all-reduce is this: every rank posts its partial
+ * vector, then every rank sums the posted vectors in rank order 0..N-1 (the
+ * same fp32 additions on every rank, so the same bits everywhere, run after
+ * run), then the ranks wait for each other before the vectors are reused.
+ */
+typedef struct tp_world {
+  uint32_t n;
+  akv_group_world *gw;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  uint32_t arrived;
+  uint64_t generation;
+  int aborted;
+  float *posted[TP_MAX];
+} tp_world;
+
+typedef struct tp_rank {
+  tp_world *w;
+  uint32_t rank;
+  float *sum; /* [cap] */
+  uint64_t cap;
+} tp_rank;
+
+/* Every rank arrives, or -1 once a rank aborted the world. */
+static int tp_barrier(tp_world *w) {
+  int rc;
+  pthread_mutex_lock(&w->mu);
+  const uint64_t gen = w->generation;
+  if (!w->aborted && ++w->arrived == w->n) {
+    w->arrived = 0;
+    w->generation++;
+    pthread_cond_broadcast(&w->cv);
+  } else {
+    while (!w->aborted && w->generation == gen) pthread_cond_wait(&w->cv, &w->mu);
+  }
+  rc = w->aborted ? -1 : 0;
+  pthread_mutex_unlock(&w->mu);
+  return rc;
+}
+
+/* A rank failed: the others stop at their next all-reduce or agreement. */
+static void tp_abort(tp_world *w) {
+  pthread_mutex_lock(&w->mu);
+  w->aborted = 1;
+  pthread_cond_broadcast(&w->cv);
+  pthread_mutex_unlock(&w->mu);
+  if (w->gw) akv_group_world_abort(w->gw);
+}
+
+/* model_options.allreduce: v[0..n) becomes the sum over ranks, rank order. */
+static int tp_allreduce(void *user, float *v, uint64_t n) {
+  tp_rank *t = user;
+  tp_world *w = t->w;
+  if (w->n == 1) return 0; /* one rank: the sum is v itself */
+  if (n > t->cap) return -1;
+  w->posted[t->rank] = v;
+  if (tp_barrier(w) != 0) return -1;
+  for (uint64_t i = 0; i < n; ++i) {
+    float acc = w->posted[0][i];
+    for (uint32_t r = 1; r < w->n; ++r) acc += w->posted[r][i];
+    t->sum[i] = acc;
+  }
+  if (tp_barrier(w) != 0) return -1; /* every rank has read every v */
+  memcpy(v, t->sum, n * sizeof(float));
+  return 0;
+}
 
 typedef struct runner runner;
 
@@ -793,7 +897,9 @@ typedef struct layer_slot {
 struct runner {
   const cli_opts *o;
   model *m;
-  akv_engine *engine;
+  akv_engine *engine; /* --tp: the group's engine */
+  akv_group *group;   /* --tp: this rank's group (NULL otherwise) */
+  tp_rank *tp;        /* --tp: this rank */
   akv_backend_kind backend;
   akv_stream stream;
   int own_stream;
@@ -977,8 +1083,14 @@ static int step_engine(runner *r, const int32_t *tok, float *logits) {
       return -1;
     }
   }
-  if ((st = akv_step_begin(r->engine, r->ctx, r->n_ctx)) != AKV_OK) {
-    run_fail_akv(r, "akv_step_begin", st);
+  st = r->group ? akv_group_step_begin(r->group, r->ctx, r->n_ctx)
+               : akv_step_begin(r->engine, r->ctx, r->n_ctx);
+  if (st != AKV_OK) {
+    if (r->group)
+      run_fail(r, "akv_group_step_begin: %s (%s)", akv_status_string(st),
+               akv_group_last_error(r->group));
+    else
+      run_fail_akv(r, "akv_step_begin", st);
     return -1;
   }
   r->step_open = 1;
@@ -1023,11 +1135,15 @@ static void history_rows(const cli_opts *o, uint32_t kv_dim, uint32_t ctx, uint3
                          uint32_t n, const uint32_t *layers, uint32_t count, const void **kp,
                          const void **vp, uint16_t *tmp) {
   const uint64_t rb = (uint64_t)kv_dim * model_kv_elem_bytes(o->kv_dtype);
+  const uint32_t full_dim = o->full_g.kv_heads * o->full_g.head_dim;
   for (uint32_t j = 0; j < count; ++j) {
     for (uint32_t t = 0; t < n; ++t) {
       for (int kv = 0; kv < 2; ++kv) {
         uint8_t *dst = (uint8_t *)(kv ? vp[j] : kp[j]) + (uint64_t)t * rb;
-        if (o->kv_dtype == AKV_DTYPE_FP8_E4M3) {
+        if (o->tp > 1) { /* the rank's KV heads of the whole model's row (bf16) */
+          model_history_row(o->seed, ctx, layers[j], kv, first + t, tmp, full_dim);
+          memcpy(dst, tmp + (uint64_t)o->tp_rank * kv_dim, rb);
+        } else if (o->kv_dtype == AKV_DTYPE_FP8_E4M3) {
           model_history_row(o->seed, ctx, layers[j], kv, first + t, tmp, kv_dim);
           model_quantize_row(&o->g, layers[j], kv, tmp, dst);
         } else {
@@ -1052,7 +1168,8 @@ static int prefill(runner *r, int to_engine, int to_resident, double *seconds) {
   if (chunk < 1) chunk = 1;
   if (chunk > 4096) chunk = 4096;
   uint8_t *buf = malloc(2 * L * chunk * row_bytes);
-  uint16_t *tmp = malloc((uint64_t)kv_dim * sizeof(uint16_t));
+  const uint32_t tmp_dim = o->tp > 1 ? o->full_g.kv_heads * o->full_g.head_dim : kv_dim;
+  uint16_t *tmp = malloc((uint64_t)tmp_dim * sizeof(uint16_t));
   const void **kp = malloc(L * sizeof *kp), **vp = malloc(L * sizeof *vp);
   uint32_t *dense = malloc(L * sizeof *dense), *slide = malloc(L * sizeof *slide);
   int rc = -1;
@@ -1147,10 +1264,16 @@ static int32_t argmax(const float *v, uint32_t n) {
   return (int32_t)best;
 }
 
-static int model_make(const cli_opts *o, akv_backend_kind backend, uint32_t n_ctx, model **m,
-                      char *err, size_t cap) {
+static int model_make(const cli_opts *o, akv_backend_kind backend, uint32_t n_ctx,
+                      tp_rank *tp, model **m, char *err, size_t cap) {
   model_options mo;
   memset(&mo, 0, sizeof mo);
+  if (tp != NULL) {
+    mo.tp_rank = tp->rank;
+    mo.tp_size = tp->w->n;
+    mo.allreduce = tp_allreduce;
+    mo.allreduce_user = tp;
+  }
   mo.seed = o->seed;
   mo.max_batch = n_ctx;
   mo.chunk_tokens = chunk_tokens(o);
@@ -1192,9 +1315,22 @@ static void print_counters(const uint64_t *adm) {
 static int open_engine(runner *r, const akv_engine_config *cfg, run_result *res) {
   const cli_opts *o = r->o;
   akv_engine_info info;
-  akv_status st = akv_engine_create(cfg, &r->engine);
+  akv_status st;
+  if (r->tp != NULL) {
+    /* One rank of the group: its engine created from the agreed config. */
+    akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+    gc.rank = r->tp->rank;
+    gc.size = r->tp->w->n;
+    gc.timeout_ms = 120000;
+    st = akv_group_create_inproc(cfg, &gc, r->tp->w->gw, &r->group);
+    if (st == AKV_OK) st = akv_group_engine(r->group, &r->engine);
+  } else {
+    st = akv_engine_create(cfg, &r->engine);
+  }
   if (st != AKV_OK) {
     r->engine = NULL;
+    if (r->group) akv_group_destroy(r->group);
+    r->group = NULL;
     if (st == AKV_ERR_NO_FIT)
       say_no_fit(o, &res->fit);
     else if (st == AKV_ERR_OUT_OF_MEMORY)
@@ -1226,7 +1362,8 @@ static int open_engine(runner *r, const akv_engine_config *cfg, run_result *res)
   cc.target_pages = o->target_pages;
   cc.burst_pages = o->burst_pages;
   for (uint32_t i = 0; i < o->contexts; ++i) {
-    st = akv_context_open(r->engine, &cc, &r->ctx[i]);
+    st = r->group ? akv_group_context_open(r->group, &cc, &r->ctx[i])
+                  : akv_context_open(r->engine, &cc, &r->ctx[i]);
     if (st == AKV_ERR_REFUSED_QUEUE) { /* shrink mode: the rest would queue */
       res->queued = o->contexts - i;
       break;
@@ -1260,7 +1397,7 @@ static int open_engine(runner *r, const akv_engine_config *cfg, run_result *res)
 static int open_model(runner *r, int use_engine, int use_resident) {
   const cli_opts *o = r->o;
   char err[512] = "";
-  if (model_make(o, r->backend, r->n_ctx, &r->m, err, sizeof err) != 0) {
+  if (model_make(o, r->backend, r->n_ctx, r->tp, &r->m, err, sizeof err) != 0) {
     say_error("model: %s", err);
     return -1;
   }
@@ -1314,9 +1451,16 @@ static void close_all(runner *r) {
       akv_engine_quarantine(r->engine, &qr);
     }
     if (r->own_stream) akv_stream_destroy(r->engine, r->stream);
-    if (!dirty)
-      for (uint32_t i = 0; i < r->n_ctx; ++i) akv_context_close(r->ctx[i]);
-    akv_status st = akv_engine_destroy(r->engine);
+    for (uint32_t i = 0; !dirty && i < r->n_ctx; ++i) {
+      if (r->group == NULL) akv_context_close(r->ctx[i]);
+      else if (akv_group_context_close(r->group, r->ctx[i]) != AKV_OK) {
+        /* the group stopped (a peer failed): quarantine drains, then destroy */
+        akv_quarantine_report qr;
+        akv_engine_quarantine(r->engine, &qr);
+        dirty = 1;
+      }
+    }
+    akv_status st = r->group ? akv_group_destroy(r->group) : akv_engine_destroy(r->engine);
     if (st != AKV_OK) say_error("akv_engine_destroy: %s (%s)", akv_status_string(st), lib_last);
   }
   model_destroy(r->m);
@@ -1534,7 +1678,7 @@ out:
  * counters and a line per step (human decode). Returns 0 or EXIT_RUN_ERROR
  * (the message printed).
  */
-static int run(const cli_opts *o, int steps_out, run_result *res) {
+static int run_rank(const cli_opts *o, int steps_out, run_result *res, tp_rank *tp) {
   runner rr, *r = &rr;
   akv_engine_config cfg;
   const int use_engine = o->route != ROUTE_RESIDENT;
@@ -1543,6 +1687,7 @@ static int run(const cli_opts *o, int steps_out, run_result *res) {
   memset(r, 0, sizeof *r);
   memset(res, 0, sizeof *res);
   r->o = o;
+  r->tp = tp;
   r->backend = resolve_backend(o);
   r->n_ctx = o->contexts;
   res->backend = r->backend;
@@ -1569,7 +1714,117 @@ static int run(const cli_opts *o, int steps_out, run_result *res) {
   if (res->mem.device_used > res->device_peak_bytes) res->device_peak_bytes = res->mem.device_used;
   rc = 0;
 out:
+  if (rc != 0 && tp != NULL) tp_abort(tp->w); /* the other ranks stop instead of waiting */
   close_all(r);
+  return rc;
+}
+
+static int run(const cli_opts *o, int steps_out, run_result *res) {
+  return run_rank(o, steps_out, res, NULL);
+}
+
+/* --tp: one rank's thread. */
+typedef struct tp_job {
+  cli_opts o; /* the rank's copy: its shard geometry */
+  tp_rank t;
+  int steps_out;
+  run_result res;
+  int rc;
+} tp_job;
+
+static void *tp_thread(void *arg) {
+  tp_job *j = arg;
+  j->rc = run_rank(&j->o, j->steps_out, &j->res, &j->t);
+  return NULL;
+}
+
+/* The rank's options: the shard of o's model that rank `rank` of o->tp holds. */
+static void tp_rank_opts(const cli_opts *o, uint32_t rank, cli_opts *out) {
+  *out = *o;
+  out->full_g = o->g;
+  out->tp_rank = rank;
+  out->g.n_heads = o->g.n_heads / o->tp;
+  out->g.kv_heads = o->g.kv_heads / o->tp;
+  out->g.ffn = o->g.ffn / o->tp;
+  if (rank > 0) { /* rank 0 reports; the others stay quiet */
+    out->progress = 0;
+    out->logits_out = NULL;
+    out->logits_ref = NULL;
+  }
+}
+
+/*
+ * --tp N: N ranks in this process, one thread each (one process drives
+ * every rank so that --check compares against the TP=N resident run in the
+ * same process). Rank 0's result is the report's, with every rank's bytes.
+ */
+static int run_tp(const cli_opts *o, int steps_out, run_result *res) {
+  const uint32_t n = o->tp;
+  tp_world w;
+  tp_job *jobs = calloc(n, sizeof *jobs);
+  pthread_t th[TP_MAX];
+  uint32_t started = 0;
+  int rc = EXIT_RUN_ERROR;
+  memset(res, 0, sizeof *res);
+  memset(&w, 0, sizeof w);
+  w.n = n;
+  pthread_mutex_init(&w.mu, NULL);
+  pthread_cond_init(&w.cv, NULL);
+  if (jobs == NULL) {
+    say_error("out of host memory");
+    goto out;
+  }
+  akv_status st = akv_group_world_create(n, o->contexts, &w.gw);
+  if (st != AKV_OK) {
+    say_error("akv_group_world_create: %s", akv_status_string(st));
+    goto out;
+  }
+  for (uint32_t k = 0; k < n; ++k) {
+    tp_job *j = &jobs[k];
+    tp_rank_opts(o, k, &j->o);
+    j->t.w = &w;
+    j->t.rank = k;
+    j->t.cap = (uint64_t)o->contexts * o->g.hidden;
+    j->t.sum = malloc(j->t.cap * sizeof(float));
+    j->steps_out = k == 0 ? steps_out : 0;
+    if (j->t.sum == NULL) {
+      say_error("out of host memory");
+      goto out;
+    }
+  }
+  for (; started < n; ++started) {
+    if (pthread_create(&th[started], NULL, tp_thread, &jobs[started]) != 0) {
+      say_error("--tp %u: could not start rank %u's thread", n, started);
+      tp_abort(&w);
+      break;
+    }
+  }
+  int failed = started < n;
+  for (uint32_t k = 0; k < started; ++k) {
+    pthread_join(th[k], NULL);
+    failed |= jobs[k].rc != 0;
+  }
+  if (failed) goto out;
+  *res = jobs[0].res;
+  res->tp = n;
+  for (uint32_t k = 0; k < n; ++k) {
+    const run_result *x = &jobs[k].res;
+    res->rank_h2d[k] = x->bytes_h2d;
+    res->rank_d2d[k] = x->bytes_d2d;
+    res->rank_d2h[k] = x->bytes_d2h;
+    if (x->mismatched_steps > res->mismatched_steps) {
+      res->mismatched_steps = x->mismatched_steps;
+      res->first_mismatch = x->first_mismatch;
+    }
+    if (x->max_abs_diff > res->max_abs_diff) res->max_abs_diff = x->max_abs_diff;
+  }
+  rc = 0;
+out:
+  for (uint32_t k = 0; jobs && k < n; ++k) free(jobs[k].t.sum);
+  free(jobs);
+  if (w.gw) akv_group_world_destroy(w.gw);
+  pthread_cond_destroy(&w.cv);
+  pthread_mutex_destroy(&w.mu);
   return rc;
 }
 
@@ -1635,7 +1890,12 @@ static void print_fit(const cli_opts *o, const run_result *res) {
 
 /* PCIe bound of the staged bytes: ms per step and tokens/s. */
 static void pcie_bound(const cli_opts *o, const run_result *res, double *ms, double *tps) {
-  *ms = res->bytes_h2d / (o->pcie_gbps * 1e9) * 1e3;
+  uint64_t bytes = res->bytes_h2d;
+  /* --tp: every rank stages its shard over its own link at once; the step
+   * waits for the rank with the most bytes. */
+  for (uint32_t k = 0; k < res->tp; ++k)
+    if (res->rank_h2d[k] > bytes) bytes = res->rank_h2d[k];
+  *ms = bytes / (o->pcie_gbps * 1e9) * 1e3;
   *tps = *ms > 0 ? res->contexts / (*ms / 1e3) : 0.0;
 }
 
@@ -1646,6 +1906,13 @@ static void print_summary(const cli_opts *o, const run_result *res) {
   printf("\nsummary (%u measured steps, %u contexts, %s backend)\n", res->steps, res->contexts,
          backend_name(res->backend));
   printf("  %-20s %s\n", "route", route_names[res->route]);
+  if (res->tp > 0) {
+    printf("  %-20s %u ranks, in-process group; H2D per rank per step:", "tensor parallel",
+           res->tp);
+    for (uint32_t k = 0; k < res->tp; ++k)
+      printf("%s %s", k ? "," : "", fmt_xfer(a, sizeof a, res->rank_h2d[k]));
+    printf(" (each over its own link; the bound below is per rank)\n");
+  }
   printf("  %-20s %s\n", "K/V dtype",
          o->kv_dtype == AKV_DTYPE_FP8_E4M3 ? "fp8 (E4M3, fixed per-head scales)" : "bf16");
   printf("  %-20s %.2f", "tokens/s", res->tokens_per_s);
@@ -1677,7 +1944,7 @@ static void print_summary(const cli_opts *o, const run_result *res) {
   if (res->have_engine) {
     printf("  %-20s %s pinned, %s of history per context\n", "host pool",
            fmt_mem(a, sizeof a, res->host_pool_bytes), fmt_mem(b, sizeof b, res->history_bytes));
-    printf("  %-20s H2D %s, D2D %s, D2H %s", "bytes per step", fmt_xfer(a, sizeof a, res->bytes_h2d),
+    printf("  %-20s H2D %s, D2D %s, D2H %s", res->tp > 0 ? "bytes per step, r0" : "bytes per step", fmt_xfer(a, sizeof a, res->bytes_h2d),
            fmt_xfer(b, sizeof b, res->bytes_d2d), fmt_xfer(c, sizeof c, res->bytes_d2h));
     if (res->route == ROUTE_PAGED)
       printf("; read in place %s", fmt_xfer(a, sizeof a, res->bytes_in_place));
@@ -1742,6 +2009,18 @@ static void print_json(const cli_opts *o, const char *cmd, const run_result *res
   printf("],\"steps\":%u,\"warmup\":%u,\"page_tokens\":%u,\"chunk_tokens\":%u,", o->steps,
          o->warmup, o->page_tokens, chunk_tokens(o));
   printf("\"kv_dtype\":\"%s\",", o->kv_dtype == AKV_DTYPE_FP8_E4M3 ? "fp8" : "bf16");
+  printf("\"tp\":%u,", res->tp > 0 ? res->tp : 1);
+  if (res->tp > 0) {
+    const char *const keys[3] = {"rank_bytes_h2d_per_step", "rank_bytes_d2d_per_step",
+                                 "rank_bytes_d2h_per_step"};
+    const uint64_t *vals[3] = {res->rank_h2d, res->rank_d2d, res->rank_d2h};
+    for (int q = 0; q < 3; ++q) {
+      printf("\"%s\":[", keys[q]);
+      for (uint32_t k = 0; k < res->tp; ++k)
+        printf("%s%llu", k ? "," : "", (unsigned long long)vals[q][k]);
+      printf("],");
+    }
+  }
   if (res->ref_compared)
     printf("\"vs_ref\":{\"steps\":%u,\"max_abs_diff\":%.6g,\"top1_agree\":%u,\"top1_total\":%u},",
            res->ref_steps, res->ref_max_abs_diff, res->ref_top1_agree, res->ref_top1_total);
@@ -1890,12 +2169,30 @@ static int check_model(const cli_opts *o, akv_backend_kind backend) {
 
 static int cmd_decode(const cli_opts *o) {
   run_result res;
+  cli_opts rank0; /* --tp: rank 0's shard, for the fit line */
   if (o->route == ROUTE_RESIDENT && o->check) {
     say_error("--check compares a staged route with resident; pass --route stage, arena or paged");
     return EXIT_USAGE;
   }
   int rc = check_model(o, resolve_backend(o));
   if (rc != 0) return rc;
+  if (o->tp > 0 && o->route == ROUTE_RESIDENT) {
+    say_error("--tp %u: pass a staged route (--route stage, arena or paged); --check adds the "
+              "TP=%u resident run",
+              o->tp, o->tp);
+    return EXIT_USAGE;
+  }
+  if (o->tp > 0 && resolve_backend(o) != AKV_BACKEND_HOST) {
+    /* The CUDA model is not sharded yet (its weights, all-reduce on NCCL). */
+    say_error("--tp %u: the CUDA backend's tensor parallel run is not built yet; use --backend "
+              "host",
+              o->tp);
+    return EXIT_USAGE;
+  }
+  if (o->tp > 0) {
+    tp_rank_opts(o, 0, &rank0);
+  }
+  const cli_opts *fo = o->tp > 0 ? &rank0 : o;
   if (!o->json) {
     print_geometry(o);
     printf("run: route %s, %u contexts x ", route_names[o->route], o->contexts);
@@ -1907,16 +2204,22 @@ static int cmd_decode(const cli_opts *o) {
     akv_engine_config cfg;
     run_result pre;
     memset(&pre, 0, sizeof pre);
-    if (fit_config(o, resolve_backend(o), &cfg, &pre.fit, &pre.host_pool_chosen) != 0)
+    if (fit_config(fo, resolve_backend(o), &cfg, &pre.fit, &pre.host_pool_chosen) != 0)
       return EXIT_USAGE;
     pre.host_pool_gib = cfg.host_pool_gib;
+    if (o->tp > 0)
+      printf("tp: %u ranks (one thread and one engine each, one group), each %u of %u kv heads, "
+             "%u of %u heads, ffn %u of %u; fit per rank:\n",
+             o->tp, fo->g.kv_heads, o->g.kv_heads, fo->g.n_heads, o->g.n_heads, fo->g.ffn,
+             o->g.ffn);
     if (o->route == ROUTE_RESIDENT)
       printf("fit: resident route, no engine: every row stays on the device\n");
     else
-      print_fit(o, &pre);
+      print_fit(fo, &pre);
     fflush(stdout);
   }
-  if (run(o, !o->json, &res) != 0) return EXIT_RUN_ERROR;
+  if ((o->tp > 0 ? run_tp(o, !o->json, &res) : run(o, !o->json, &res)) != 0)
+    return EXIT_RUN_ERROR;
   if (o->json) print_json(o, "decode", &res);
   else print_summary(o, &res);
   return res.checked && res.mismatched_steps ? EXIT_MISMATCH : 0;

@@ -134,6 +134,21 @@ typedef struct model_options {
                             attention workspace */
   int device;            /* CUDA device ordinal (CUDA model only) */
   akv_dtype kv_dtype;    /* AKV_DTYPE_BF16 (0) or AKV_DTYPE_FP8_E4M3 */
+  /*
+   * Tensor parallel (Megatron-style), CPU model only: with tp_size >= 2 the
+   * geometry given to the creator is rank tp_rank's shard (n_heads, kv_heads
+   * and ffn already divided by tp_size); the rank draws the full model's
+   * weights at its shard's indices (its Q/K/V heads and their Wo columns,
+   * its gate/up rows and their Wdown columns; norms, embedding and LM head
+   * whole) and calls allreduce(allreduce_user, v, n) on its partial outputs
+   * after the attention output projection and after the MLP: v[0..n) must
+   * come back as the sum over ranks in a fixed rank order, the same on every
+   * rank (0, or nonzero to fail the forward). tp_size 0 or 1: unsharded, no
+   * reduction (allreduce may still be set: it is called, with one rank).
+   */
+  uint32_t tp_rank, tp_size;
+  int (*allreduce)(void *user, float *v, uint64_t n);
+  void *allreduce_user;
 } model_options;
 
 /* Bytes of one K/V element of a model's rows. */

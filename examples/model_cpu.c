@@ -45,6 +45,7 @@ typedef struct cpu_model {
   float *xin;       /* bf16-exact matmul input [max(hidden, q_dim, ffn)] */
   float *qkv;       /* [qkv_dim] */
   float *gateup;    /* [2 ffn] */
+  float *part;      /* [max_batch][hidden]: a projection's output before the all-reduce */
   uint16_t *q;      /* [n_heads][head_dim] bf16, after RoPE */
   uint16_t *k_new;  /* [kv_heads][head_dim] bf16, after RoPE */
   uint16_t *v_new;  /* [kv_heads][head_dim] bf16 */
@@ -81,6 +82,43 @@ static void cpu_fill(float *dst, uint64_t count, const model_geometry *g, uint64
   float unit = model_tensor_unit(tensor, g), offset = model_tensor_offset(tensor);
   for (uint64_t i = 0; i < count; ++i)
     dst[i] = model_bf16_to_f32(model_weight_bf16(key, i, unit, offset));
+}
+
+/*
+ * Tensor parallel: rank `r` of `n` draws a `rows` x `cols` shard of a full
+ * tensor of full_cols columns: shard row j is full row row_map(j), shard
+ * column k is full column col0 + k. The unit comes from the full geometry
+ * `fg` (fan-ins are the full model's), so every rank draws the full model's
+ * weights and n = 1 draws exactly what cpu_fill does.
+ */
+typedef uint64_t (*cpu_row_map)(const model_geometry *g, uint32_t r, uint64_t j);
+static void cpu_fill_shard(float *dst, uint64_t rows, uint64_t cols, uint64_t full_cols,
+                           uint64_t col0, const model_geometry *g, const model_geometry *fg,
+                           uint32_t r, cpu_row_map row_map, uint64_t seed, uint32_t tensor,
+                           uint32_t layer) {
+  uint64_t key = model_tensor_key(seed, tensor, layer);
+  float unit = model_tensor_unit(tensor, fg), offset = model_tensor_offset(tensor);
+  for (uint64_t j = 0; j < rows; ++j) {
+    const uint64_t fr = row_map ? row_map(g, r, j) : j;
+    for (uint64_t k = 0; k < cols; ++k)
+      dst[j * cols + k] =
+          model_bf16_to_f32(model_weight_bf16(key, fr * full_cols + col0 + k, unit, offset));
+  }
+}
+/* Wqkv: the shard's Q rows, then its K rows, then its V rows. */
+static uint64_t cpu_qkv_row(const model_geometry *g, uint32_t r, uint64_t j) {
+  const uint64_t q = (uint64_t)g->n_heads * g->head_dim, kv = (uint64_t)g->kv_heads * g->head_dim;
+  /* full sizes are the shard's times the rank count, which the caller folds
+   * into `r` below: r carries rank | size << 16 */
+  const uint64_t rank = r & 0xffffu, size = r >> 16;
+  if (j < q) return rank * q + j;
+  if (j < q + kv) return size * q + rank * kv + (j - q);
+  return size * q + size * kv + rank * kv + (j - q - kv);
+}
+/* Wgate|up: the shard's gate rows, then its up rows. */
+static uint64_t cpu_gateup_row(const model_geometry *g, uint32_t r, uint64_t j) {
+  const uint64_t rank = r & 0xffffu, size = r >> 16, f = g->ffn;
+  return j < f ? rank * f + j : size * f + rank * f + (j - f);
 }
 
 static float cpu_round_bf16(float v) { return model_bf16_to_f32(model_f32_to_bf16(v)); }
@@ -139,6 +177,7 @@ static void cpu_destroy(model *m) {
   free(cm->xin);
   free(cm->qkv);
   free(cm->gateup);
+  free(cm->part);
   free(cm->q);
   free(cm->k_new);
   free(cm->v_new);
@@ -151,6 +190,19 @@ static void cpu_destroy(model *m) {
 
 static int cpu_attend_rows(cpu_model *cm, const model_kv_view *v, const uint32_t *write_row,
                            const uint32_t *len1);
+
+/* Tensor parallel: part[n_ctx][hidden] summed over ranks (the caller's
+ * all-reduce), then added to the residual stream. */
+static int cpu_reduce_add(cpu_model *cm, uint32_t n_ctx) {
+  model *m = &cm->base;
+  const uint64_t n = (uint64_t)n_ctx * m->g.hidden;
+  if (m->opt.allreduce(m->opt.allreduce_user, cm->part, n) != 0) {
+    snprintf(m->error, sizeof m->error, "the tensor parallel all-reduce failed (a peer stopped)");
+    return -1;
+  }
+  for (uint64_t i = 0; i < n; ++i) cm->x[i] = cm->x[i] + cm->part[i];
+  return 0;
+}
 
 static int cpu_forward(model *m, uint32_t lane, uint32_t n_ctx, const int32_t *tokens,
                        const uint32_t *pos, model_layer_fn fn, void *user, float *logits) {
@@ -215,20 +267,42 @@ static int cpu_forward(model *m, uint32_t lane, uint32_t n_ctx, const int32_t *t
       return -1;
     }
 
+    if (m->opt.allreduce == NULL) {
+      for (uint32_t b = 0; b < n_ctx; ++b) {
+        float *x = cm->x + (uint64_t)b * H;
+        const float *attn = cm->attn + (uint64_t)b * cm->q_dim;
+        for (uint32_t i = 0; i < cm->q_dim; ++i) cm->xin[i] = cpu_round_bf16(attn[i]);
+        cpu_matvec(L->wo, cm->xin, x, H, cm->q_dim, 1);
+
+        cpu_rmsnorm(x, L->mlp_norm, cm->xin, H, g->norm_eps);
+        cpu_matvec(L->wgateup, cm->xin, cm->gateup, 2 * F, H, 0);
+        for (uint32_t i = 0; i < F; ++i) {
+          float gt = cm->gateup[i], up = cm->gateup[F + i];
+          cm->xin[i] = cpu_round_bf16(gt / (1.0f + expf(-gt)) * up);
+        }
+        cpu_matvec(L->wdown, cm->xin, x, H, F, 1);
+      }
+      continue;
+    }
+    /* Tensor parallel: each rank's partial projection, summed over ranks,
+     * then added to the residual (with one rank: x + acc, as above). */
     for (uint32_t b = 0; b < n_ctx; ++b) {
-      float *x = cm->x + (uint64_t)b * H;
       const float *attn = cm->attn + (uint64_t)b * cm->q_dim;
       for (uint32_t i = 0; i < cm->q_dim; ++i) cm->xin[i] = cpu_round_bf16(attn[i]);
-      cpu_matvec(L->wo, cm->xin, x, H, cm->q_dim, 1);
-
+      cpu_matvec(L->wo, cm->xin, cm->part + (uint64_t)b * H, H, cm->q_dim, 0);
+    }
+    if (cpu_reduce_add(cm, n_ctx) != 0) return -1;
+    for (uint32_t b = 0; b < n_ctx; ++b) {
+      const float *x = cm->x + (uint64_t)b * H;
       cpu_rmsnorm(x, L->mlp_norm, cm->xin, H, g->norm_eps);
       cpu_matvec(L->wgateup, cm->xin, cm->gateup, 2 * F, H, 0);
       for (uint32_t i = 0; i < F; ++i) {
         float gt = cm->gateup[i], up = cm->gateup[F + i];
         cm->xin[i] = cpu_round_bf16(gt / (1.0f + expf(-gt)) * up);
       }
-      cpu_matvec(L->wdown, cm->xin, x, H, F, 1);
+      cpu_matvec(L->wdown, cm->xin, cm->part + (uint64_t)b * H, H, F, 0);
     }
+    if (cpu_reduce_add(cm, n_ctx) != 0) return -1;
   }
 
   for (uint32_t b = 0; b < n_ctx; ++b) {
@@ -412,6 +486,16 @@ int model_cpu_create(const model_geometry *g, const model_options *opt, model **
     return -1;
   }
   if (model_hybrid_check(g, err, cap) != 0) return -1;
+  const uint32_t tp = opt->tp_size > 1 ? opt->tp_size : 1;
+  if (opt->tp_rank >= tp || tp > 0xffffu ||
+      (tp > 1 && opt->kv_dtype != AKV_DTYPE_BF16)) {
+    snprintf(err, cap, "tensor parallel: rank %u of %u (bf16 K/V only)", opt->tp_rank, tp);
+    return -1;
+  }
+  model_geometry fg = *g; /* the full model's geometry: its fan-ins scale the weights */
+  fg.n_heads *= tp;
+  fg.kv_heads *= tp;
+  fg.ffn *= tp;
   if (model_kv_dtype_check(opt->kv_dtype, g->kv_heads, err, cap) != 0) return -1;
   uint64_t params = model_param_count(g);
   if (params > MODEL_CPU_MAX_PARAMS) {
@@ -456,11 +540,24 @@ int model_cpu_create(const model_geometry *g, const model_options *opt, model **
     if (!L->attn_norm || !L->wqkv || !L->wo || !L->mlp_norm || !L->wgateup || !L->wdown)
       goto oom_free;
     cpu_fill(L->attn_norm, H, g, opt->seed, MODEL_T_ATTN_NORM, l);
-    cpu_fill(L->wqkv, (uint64_t)cm->qkv_dim * H, g, opt->seed, MODEL_T_WQKV, l);
-    cpu_fill(L->wo, H * cm->q_dim, g, opt->seed, MODEL_T_WO, l);
     cpu_fill(L->mlp_norm, H, g, opt->seed, MODEL_T_MLP_NORM, l);
-    cpu_fill(L->wgateup, 2 * F * H, g, opt->seed, MODEL_T_WGATEUP, l);
-    cpu_fill(L->wdown, H * F, g, opt->seed, MODEL_T_WDOWN, l);
+    if (tp == 1) {
+      cpu_fill(L->wqkv, (uint64_t)cm->qkv_dim * H, g, opt->seed, MODEL_T_WQKV, l);
+      cpu_fill(L->wo, H * cm->q_dim, g, opt->seed, MODEL_T_WO, l);
+      cpu_fill(L->wgateup, 2 * F * H, g, opt->seed, MODEL_T_WGATEUP, l);
+      cpu_fill(L->wdown, H * F, g, opt->seed, MODEL_T_WDOWN, l);
+    } else {
+      const uint32_t rs = opt->tp_rank | tp << 16; /* rank and size for the row maps */
+      cpu_fill_shard(L->wqkv, cm->qkv_dim, H, H, 0, g, &fg, rs, cpu_qkv_row, opt->seed,
+                     MODEL_T_WQKV, l);
+      cpu_fill_shard(L->wo, H, cm->q_dim, (uint64_t)cm->q_dim * tp,
+                     (uint64_t)opt->tp_rank * cm->q_dim, g, &fg, rs, NULL, opt->seed, MODEL_T_WO,
+                     l);
+      cpu_fill_shard(L->wgateup, 2 * F, H, H, 0, g, &fg, rs, cpu_gateup_row, opt->seed,
+                     MODEL_T_WGATEUP, l);
+      cpu_fill_shard(L->wdown, H, F, F * tp, (uint64_t)opt->tp_rank * F, g, &fg, rs, NULL,
+                     opt->seed, MODEL_T_WDOWN, l);
+    }
   }
   cm->weight_bytes = wb;
 
@@ -476,12 +573,13 @@ int model_cpu_create(const model_geometry *g, const model_options *opt, model **
   cm->xin = cpu_alloc(widest, &sb);
   cm->qkv = cpu_alloc(B * cm->qkv_dim, &sb);
   cm->gateup = cpu_alloc(2 * F, &sb);
+  cm->part = cpu_alloc(B * H, &sb);
   cm->attn = cpu_alloc(B * cm->q_dim, &sb);
   cm->q = malloc(B * cm->q_dim * sizeof(uint16_t));
   cm->k_new = malloc(B * cm->kv_dim * sizeof(uint16_t));
   cm->v_new = malloc(B * cm->kv_dim * sizeof(uint16_t));
   sb += B * (cm->q_dim + 2 * cm->kv_dim) * sizeof(uint16_t);
-  if (!cm->x || !cm->xin || !cm->qkv || !cm->gateup || !cm->attn || !cm->q || !cm->k_new ||
+  if (!cm->x || !cm->xin || !cm->qkv || !cm->gateup || !cm->part || !cm->attn || !cm->q || !cm->k_new ||
       !cm->v_new)
     goto oom_free;
   if (akv_attention_workspace_bytes(opt->max_batch, g->n_heads, g->head_dim, opt->max_tokens,

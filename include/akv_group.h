@@ -14,7 +14,8 @@
  * is deterministic, so agreed inputs give identical plans.
  *
  * Groups are made by akv_nccl_group_create (akv_nccl.h), on the caller's
- * NCCL communicator, when the library is built with NCCL.
+ * NCCL communicator, when the library is built with NCCL, or by
+ * akv_group_create_inproc below, with threads of one process as the ranks.
  *
  * What every rank sees (the same status on every rank unless stated):
  *  - Agreed inputs differ (contexts, lengths): AKV_ERR_DISAGREE; nothing
@@ -97,6 +98,47 @@ typedef struct akv_group_info {
   uint32_t host_pool_gib, device_pool_gib, max_contexts;
   uint32_t local_host_pool_gib, local_device_pool_gib, local_max_contexts; /**< as configured here */
 } akv_group_info;
+
+/**
+ * In-process groups: the ranks are threads of one process (one engine per
+ * thread), agreeing through a world they share instead of a communicator.
+ * Used by callers that drive every rank from one process without NCCL (the
+ * activekv CLI's --tp on the host backend, tests). Everything after creation
+ * is as for NCCL groups.
+ */
+typedef struct akv_group_world akv_group_world;
+
+/**
+ * A world of `size` ranks whose engines have at most max_contexts contexts
+ * each. Thread-safe once made. Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT
+ * (NULL, size or max_contexts 0), AKV_ERR_OUT_OF_MEMORY.
+ */
+AKV_API akv_status akv_group_world_create(uint32_t size, uint32_t max_contexts,
+                                          akv_group_world **out);
+
+/**
+ * Creates rank config->rank's group in `world` (config->size must be the
+ * world's size, shard->max_contexts at most the world's). Otherwise as
+ * akv_nccl_group_create (a collective: every rank calls it from its own
+ * thread; the same statuses on every rank), with AKV_ERR_CONFIG (this rank
+ * only) for a rank, size or max_contexts the world does not take.
+ */
+AKV_API akv_status akv_group_create_inproc(const akv_engine_config *shard,
+                                           const akv_group_config *config,
+                                           akv_group_world *world, akv_group **out);
+
+/**
+ * Aborts the world as a failed communicator: ranks waiting at an agreement
+ * point return AKV_ERR_COMM at once (their groups stop), and so does every
+ * later agreement. For a caller whose rank failed outside the group, so that
+ * the others need not wait for their timeout. Thread-safe. Returns AKV_OK,
+ * AKV_ERR_INVALID_ARGUMENT.
+ */
+AKV_API akv_status akv_group_world_abort(akv_group_world *world);
+
+/** Frees the world, after every rank's group was destroyed. Returns AKV_OK,
+ *  AKV_ERR_INVALID_ARGUMENT. */
+AKV_API akv_status akv_group_world_destroy(akv_group_world *world);
 
 /**
  * This rank's engine, for everything that is not an agreement point (leases,

@@ -38,8 +38,9 @@
 #                 host cost, three runs, on the idle machine right after the
 #                 build; written to hostcost.log)
 #                 tp: tensor parallel groups through NCCL on every visible
-#                 GPU (tests/gpu/test_gpu_nccl.c), in tp.log; scripts/tp-pass.sh
-#                 runs build and tp only)
+#                 GPU (tests/gpu/test_gpu_nccl.c), in tp.log, then the CLI's
+#                 --tp 2 --check against --tp 1 (llama3-8b, 4 x 31744, stage),
+#                 in tp-cli.log; scripts/tp-pass.sh runs build and tp only)
 #                 headroom: issue 13's headroom sweep and mid-run release
 #                 (llama3-8b; headroom.log, headroom.jsonl), not in the default
 #                 list: AKV_STEPS="build ctest headroom" measures it alone
@@ -454,6 +455,32 @@ if has_step tp; then
       "rc=$rc $(grep -E 'rank\(s\) through NCCL|SKIPPED' "$OUT/tp.log" | tr '\n' ' ' | sed 's/^ *//')"
   else
     record "tp groups (NCCL)" "SKIP" "no test_gpu_nccl (NCCL not found at configure? see build.log)"
+  fi
+  # The CLI's --tp: llama3-8b, 4 x 31,744, stage, TP=2 checked bit for bit
+  # against the TP=2 resident run, then the TP=1 run; TP=1 against TP=2
+  # tokens/s. Needs two visible GPUs (the CLI refuses --tp 2 with fewer,
+  # exit 2, and says so in tp-cli.log).
+  cli=$BUILD/examples/activekv
+  if [ -x "$cli" ]; then
+    log "CLI --tp 2 against --tp 1 (llama3-8b, 4 x 31744, stage)"
+    tpargs="decode --preset llama3-8b --contexts 4 --tokens 31744 --route stage --no-progress --json"
+    # shellcheck disable=SC2086 # $tpargs is a list of flags
+    {
+      timeout 900 "$cli" $tpargs --tp 2 --check
+      echo "rc=$?"
+      timeout 900 "$cli" $tpargs
+      echo "rc=$?"
+    } >"$OUT/tp-cli.log" 2>&1
+    tps() { grep "\"tp\":$1," "$OUT/tp-cli.log" | tail -1 | sed -n 's/.*"tokens_per_s":\([0-9.e+]*\).*/\1/p'; }
+    t1=$(tps 1) t2=$(tps 2)
+    bw=$(grep '"tp":2,' "$OUT/tp-cli.log" | tail -1 | sed -n 's/.*"bitwise":\([a-z]*\).*/\1/p')
+    ratio=$(awk -v a="${t2:-0}" -v b="${t1:-0}" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "n/a" }')
+    rc=$(grep -c '^rc=[1-9]' "$OUT/tp-cli.log")
+    record "tp CLI (TP=2 vs TP=1)" "$([ "$rc" = 0 ] && [ "$bw" = true ] && echo ok || echo FAIL)" \
+      "TP=1 ${t1:-none} tok/s, TP=2 ${t2:-none} tok/s (x$ratio), TP=2 bitwise ${bw:-none}; see tp-cli.log"
+    echo "TP=1 ${t1:-none} tokens/s, TP=2 ${t2:-none} tokens/s (TP=2 / TP=1 = $ratio), TP=2 bitwise vs TP=2 resident: ${bw:-none}"
+  else
+    record "tp CLI (TP=2 vs TP=1)" "SKIP" "no CLI binary"
   fi
 fi
 
