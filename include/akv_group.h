@@ -121,7 +121,10 @@ AKV_API akv_status akv_group_world_create(uint32_t size, uint32_t max_contexts,
  * world's size, shard->max_contexts at most the world's). Otherwise as
  * akv_nccl_group_create (a collective: every rank calls it from its own
  * thread; the same statuses on every rank), with AKV_ERR_CONFIG (this rank
- * only) for a rank, size or max_contexts the world does not take.
+ * only, without entering the agreement) for a rank, size or max_contexts the
+ * world does not take, or a rank that already has a live group in this world
+ * (a rank is taken from the create until its group's akv_group_destroy), and
+ * AKV_ERR_INVALID_ARGUMENT for a NULL argument or a destroyed world.
  */
 AKV_API akv_status akv_group_create_inproc(const akv_engine_config *shard,
                                            const akv_group_config *config,
@@ -132,12 +135,15 @@ AKV_API akv_status akv_group_create_inproc(const akv_engine_config *shard,
  * point return AKV_ERR_COMM at once (their groups stop), and so does every
  * later agreement. For a caller whose rank failed outside the group, so that
  * the others need not wait for their timeout. Thread-safe. Returns AKV_OK,
- * AKV_ERR_INVALID_ARGUMENT.
+ * AKV_ERR_INVALID_ARGUMENT (NULL or a destroyed world).
  */
 AKV_API akv_status akv_group_world_abort(akv_group_world *world);
 
 /** Frees the world, after every rank's group was destroyed. Returns AKV_OK,
- *  AKV_ERR_INVALID_ARGUMENT. */
+ *  AKV_ERR_INVALID_ARGUMENT (NULL or a destroyed world), AKV_ERR_BUSY (a
+ *  group of this world still lives; nothing freed). Worlds, like groups, are
+ *  records never freed (akv.h "Handle lifetimes"): a destroyed world is
+ *  refused by every world call, never read after free. */
 AKV_API akv_status akv_group_world_destroy(akv_group_world *world);
 
 /**
@@ -206,7 +212,9 @@ AKV_API const char *akv_group_last_error(const akv_group *group);
  * a collective: it never waits on peers. The caller's communicator is not
  * destroyed (after AKV_ERR_TIMEOUT or AKV_ERR_COMM it was aborted, which
  * freed it: do not use it again). Returns AKV_OK, AKV_ERR_BAD_HANDLE,
- * AKV_ERR_BUSY.
+ * AKV_ERR_BUSY. A group handle is a record never freed (akv.h "Handle
+ * lifetimes"): once destroyed, every group call answers AKV_ERR_BAD_HANDLE
+ * until at least 32 later group creates in the process.
  */
 AKV_API akv_status akv_group_destroy(akv_group *group);
 

@@ -548,6 +548,103 @@ static void test_illegal_calls(void **state) {
   akv_inproc_world_destroy(world);
 }
 
+/* ------------------------------------------------ the public world API */
+
+typedef struct dup_rank {
+  akv_group_world *world;
+  akv_group *g;
+  akv_status st;
+} dup_rank;
+
+static void *dup_rank_main(void *arg) {
+  dup_rank *d = arg;
+  akv_engine_config ec = shard_config(1, 1, 4);
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  gc.rank = 0; /* both threads claim rank 0 of a two-rank world */
+  gc.size = 2;
+  gc.timeout_ms = 300;
+  d->g = NULL;
+  d->st = akv_group_create_inproc(&ec, &gc, d->world, &d->g);
+  return NULL;
+}
+
+/* Two threads claiming the same rank: the second claim is refused at once
+ * (AKV_ERR_CONFIG, this rank only) and the first times out waiting for
+ * rank 1, instead of the two completing a "two-rank" agreement as rank 0. */
+static void test_world_duplicate_rank(void **state) {
+  (void)state;
+  akv_group_world *world;
+  dup_rank d[2];
+  pthread_t th[2];
+  assert_int_equal(akv_group_world_create(2, 4, &world), AKV_OK);
+  for (int i = 0; i < 2; i++) {
+    d[i].world = world;
+    assert_int_equal(pthread_create(&th[i], NULL, dup_rank_main, &d[i]), 0);
+  }
+  for (int i = 0; i < 2; i++) pthread_join(th[i], NULL);
+  assert_true((d[0].st == AKV_ERR_CONFIG && d[1].st == AKV_ERR_TIMEOUT) ||
+              (d[0].st == AKV_ERR_TIMEOUT && d[1].st == AKV_ERR_CONFIG));
+  for (int i = 0; i < 2; i++) assert_null(d[i].g);
+  assert_int_equal(akv_group_world_destroy(world), AKV_OK);
+}
+
+/* Destroyed, double-destroyed and busy worlds and groups: a status, never a
+ * read of freed memory. */
+static void test_world_and_group_lifetime(void **state) {
+  (void)state;
+  akv_group_world *world, *w2;
+  akv_group *g = NULL, *g2 = NULL;
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  akv_engine_config ec = shard_config(1, 1, 4);
+  akv_group_info info;
+  akv_engine *e;
+  assert_int_equal(akv_group_world_create(0, 4, &world), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_group_world_create(1, 0, &world), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_group_world_create(1, 4, NULL), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_group_world_abort(NULL), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_group_world_destroy(NULL), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_group_world_create(1, 4, &world), AKV_OK);
+  gc.timeout_ms = UINT32_MAX; /* the largest wait: a deadline, not an overflow */
+  ec.max_contexts = 5;        /* more than the world takes */
+  assert_int_equal(akv_group_create_inproc(&ec, &gc, world, &g), AKV_ERR_CONFIG);
+  ec.max_contexts = 4;
+  gc.rank = 1;
+  assert_int_equal(akv_group_create_inproc(&ec, &gc, world, &g), AKV_ERR_CONFIG);
+  gc.rank = 0;
+  assert_int_equal(akv_group_create_inproc(&ec, &gc, world, &g), AKV_OK);
+  assert_int_equal(akv_group_check(g), AKV_OK);
+  /* The rank is taken while its group lives. */
+  assert_int_equal(akv_group_create_inproc(&ec, &gc, world, &g2), AKV_ERR_CONFIG);
+  assert_null(g2);
+  /* A world with a live group is busy: nothing freed, the group goes on. */
+  assert_int_equal(akv_group_world_destroy(world), AKV_ERR_BUSY);
+  assert_int_equal(akv_group_check(g), AKV_OK);
+  assert_int_equal(akv_group_destroy(g), AKV_OK);
+  /* A destroyed group: every call refuses it, destroy included. */
+  assert_int_equal(akv_group_destroy(g), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(akv_group_check(g), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(akv_group_info_get(g, &info), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(akv_group_engine(g, &e), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(akv_group_step_begin(g, NULL, 0), AKV_ERR_BAD_HANDLE);
+  assert_string_equal(akv_group_last_error(g), "bad group handle");
+  /* The rank is free again once its group is gone. */
+  assert_int_equal(akv_group_create_inproc(&ec, &gc, world, &g2), AKV_OK);
+  assert_int_equal(akv_group_destroy(g2), AKV_OK);
+  assert_int_equal(akv_group_world_destroy(world), AKV_OK);
+  /* A destroyed world: refused, never read. */
+  assert_int_equal(akv_group_world_destroy(world), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_group_world_abort(world), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_group_create_inproc(&ec, &gc, world, &g), AKV_ERR_INVALID_ARGUMENT);
+  /* An aborted world refuses every later agreement. */
+  assert_int_equal(akv_group_world_create(1, 4, &w2), AKV_OK);
+  assert_int_equal(akv_group_create_inproc(&ec, &gc, w2, &g), AKV_OK);
+  assert_int_equal(akv_group_world_abort(w2), AKV_OK);
+  assert_int_equal(akv_group_check(g), AKV_ERR_COMM);
+  assert_int_equal(akv_group_check(g), AKV_ERR_QUARANTINED);
+  assert_int_equal(akv_group_destroy(g), AKV_OK);
+  assert_int_equal(akv_group_world_destroy(w2), AKV_OK);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_pressure_identical_plans),
@@ -559,6 +656,8 @@ int main(void) {
       cmocka_unit_test(test_disagreement_changes_nothing),
       cmocka_unit_test(test_geometry_disagrees),
       cmocka_unit_test(test_illegal_calls),
+      cmocka_unit_test(test_world_duplicate_rank),
+      cmocka_unit_test(test_world_and_group_lifetime),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

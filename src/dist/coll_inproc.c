@@ -23,6 +23,8 @@ struct akv_inproc_world {
   size_t round_n;        /* the current round's vector length */
   uint64_t *accum;       /* [max_n]: MIN of the current round so far */
   uint64_t *result;      /* [max_n]: the last completed round */
+  uint8_t *taken;        /* [size]: 1 while rank r's akv_coll lives */
+  uint32_t live;         /* akv_colls alive on this world */
   int aborted;
   akv_status abort_status; /* what every later call returns */
   char why[200];
@@ -41,9 +43,11 @@ akv_status akv_inproc_world_create(uint32_t size, size_t max_n, akv_inproc_world
   if (w == NULL) return AKV_ERR_OUT_OF_MEMORY;
   w->accum = calloc(max_n, sizeof(uint64_t));
   w->result = calloc(max_n, sizeof(uint64_t));
-  if (w->accum == NULL || w->result == NULL) {
+  w->taken = calloc(size, 1);
+  if (w->accum == NULL || w->result == NULL || w->taken == NULL) {
     free(w->accum);
     free(w->result);
+    free(w->taken);
     free(w);
     return AKV_ERR_OUT_OF_MEMORY;
   }
@@ -58,13 +62,20 @@ akv_status akv_inproc_world_create(uint32_t size, size_t max_n, akv_inproc_world
   return AKV_OK;
 }
 
-void akv_inproc_world_destroy(akv_inproc_world *w) {
-  if (w == NULL) return;
+akv_status akv_inproc_world_destroy(akv_inproc_world *w) {
+  uint32_t live;
+  if (w == NULL) return AKV_ERR_INVALID_ARGUMENT;
+  pthread_mutex_lock(&w->mu);
+  live = w->live;
+  pthread_mutex_unlock(&w->mu);
+  if (live != 0) return AKV_ERR_BUSY; /* a rank's collective still uses it */
   pthread_cond_destroy(&w->cv);
   pthread_mutex_destroy(&w->mu);
   free(w->accum);
   free(w->result);
+  free(w->taken);
   free(w);
+  return AKV_OK;
 }
 
 /* Caller holds w->mu. The first abort wins: its status and reason stay. */
@@ -149,7 +160,14 @@ aborted:
   return st;
 }
 
-static void akv_inproc_destroy(akv_coll *c) { free(c); }
+static void akv_inproc_destroy(akv_coll *c) {
+  akv_inproc_coll *ic = (akv_inproc_coll *)c;
+  pthread_mutex_lock(&ic->w->mu);
+  ic->w->taken[c->rank] = 0;
+  ic->w->live--;
+  pthread_mutex_unlock(&ic->w->mu);
+  free(c);
+}
 
 static const akv_coll_ops akv_inproc_ops = {"in-process", akv_inproc_allreduce, akv_inproc_destroy};
 
@@ -163,6 +181,17 @@ akv_status akv_inproc_coll_create(akv_inproc_world *w, uint32_t rank, akv_coll *
   ic->base.size = w->size;
   ic->base.max_n = w->max_n;
   ic->w = w;
+  pthread_mutex_lock(&w->mu);
+  if (w->taken[rank]) {
+    /* Two live collectives of one rank would complete a round between them
+     * as if they were two ranks. */
+    pthread_mutex_unlock(&w->mu);
+    free(ic);
+    return AKV_ERR_IN_USE;
+  }
+  w->taken[rank] = 1;
+  w->live++;
+  pthread_mutex_unlock(&w->mu);
   *out = &ic->base;
   return AKV_OK;
 }

@@ -18,9 +18,11 @@ typedef struct akv_inproc_world akv_inproc_world;
 /* A world of `size` ranks whose vectors hold at most max_n values.
  * Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT, AKV_ERR_OUT_OF_MEMORY. */
 akv_status akv_inproc_world_create(uint32_t size, size_t max_n, akv_inproc_world **out);
-/* Frees the world; call after every rank's akv_coll was destroyed. */
-void akv_inproc_world_destroy(akv_inproc_world *w);
+/* Frees the world. Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT (NULL),
+ * AKV_ERR_BUSY (a rank's akv_coll still lives; nothing freed). */
+akv_status akv_inproc_world_destroy(akv_inproc_world *w);
 /* Rank `rank`'s collective. Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT,
+ * AKV_ERR_IN_USE (rank `rank` already has a live collective on this world),
  * AKV_ERR_OUT_OF_MEMORY. The world must outlive it. */
 akv_status akv_inproc_coll_create(akv_inproc_world *w, uint32_t rank, akv_coll **out);
 /* Aborts the world as an asynchronous communicator error would: ranks

@@ -28,6 +28,7 @@
 
 #include "group.h"
 #include "plan.h"
+#include "records.h"
 
 #define AKV_MAGIC_GROUP 0x474b5641u /* "AVKG" */
 #define AKV_MAGIC_GROUP_DEAD 0xdeadbeefu
@@ -64,6 +65,10 @@ struct akv_group {
   char last_error[512];
   uint32_t magic_end;
 };
+
+/* Groups are records never freed (records.h): a destroyed group stays
+ * readable and answers AKV_ERR_BAD_HANDLE instead of being read after free. */
+static akv_recpool akv_group_records = AKV_RECPOOL_INIT(struct akv_group, 32, 32);
 
 static int akv_group_ok(const akv_group *g) {
   return g != NULL && g->magic == AKV_MAGIC_GROUP && g->magic_end == AKV_MAGIC_GROUP;
@@ -239,11 +244,12 @@ akv_status akv_group_create_with(const akv_engine_config *shard, const akv_group
   if (coll == NULL || coll->ops == NULL || out == NULL || config == NULL || shard == NULL)
     return AKV_ERR_INVALID_ARGUMENT;
   if (coll->max_n < AKV_GROUP_FIXED_LEN) return AKV_ERR_INVALID_ARGUMENT;
-  g = calloc(1, sizeof(*g));
+  g = akv_rec_take(&akv_group_records);
   if (g == NULL) return AKV_ERR_OUT_OF_MEMORY;
+  memset(g, 0, sizeof(*g));
   g->vec = calloc(coll->max_n, sizeof(uint64_t));
   if (g->vec == NULL) {
-    free(g);
+    akv_rec_untake(&akv_group_records, g);
     return AKV_ERR_OUT_OF_MEMORY;
   }
   g->coll = coll;
@@ -360,7 +366,8 @@ fail:
     }
   }
   free(g->vec);
-  free(g);
+  g->magic = g->magic_end = AKV_MAGIC_GROUP_DEAD;
+  akv_rec_untake(&akv_group_records, g);
   return st;
 }
 
@@ -510,7 +517,10 @@ AKV_API akv_status akv_group_destroy(akv_group *g) {
   if (st != AKV_OK) return akv_group_fail(g, st, "destroy: the engine is busy; nothing freed");
   g->coll->ops->destroy(g->coll);
   free(g->vec);
+  g->vec = NULL;
+  g->engine = NULL;
+  g->coll = NULL;
   g->magic = g->magic_end = AKV_MAGIC_GROUP_DEAD;
-  free(g);
+  akv_rec_give(&akv_group_records, g);
   return AKV_OK;
 }

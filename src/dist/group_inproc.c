@@ -4,25 +4,42 @@
  * akv_group_create_inproc (akv_group.h).
  */
 #include <stdlib.h>
+#include <string.h>
 
 #include "coll_inproc.h"
 #include "group.h"
+#include "records.h"
+
+#define AKV_MAGIC_WORLD 0x57564b41u /* "AKVW" */
+#define AKV_MAGIC_WORLD_DEAD 0xdeadbeefu
 
 struct akv_group_world {
+  uint32_t magic;
   akv_inproc_world *w;
   uint32_t size;
   uint32_t max_contexts;
 };
 
+/* Worlds are records never freed (records.h), so a destroyed world stays
+ * readable and is refused rather than read after free. */
+static akv_recpool akv_world_records = AKV_RECPOOL_INIT(struct akv_group_world, 32, 32);
+
+static int akv_world_ok(const akv_group_world *gw) {
+  return gw != NULL && gw->magic == AKV_MAGIC_WORLD;
+}
+
 akv_status akv_group_world_create(uint32_t size, uint32_t max_contexts, akv_group_world **out) {
   if (out == NULL || size == 0 || max_contexts == 0) return AKV_ERR_INVALID_ARGUMENT;
-  akv_group_world *gw = calloc(1, sizeof *gw);
+  akv_group_world *gw = akv_rec_take(&akv_world_records);
   if (gw == NULL) return AKV_ERR_OUT_OF_MEMORY;
+  memset(gw, 0, sizeof *gw);
   akv_status st = akv_inproc_world_create(size, akv_group_vector_len(max_contexts), &gw->w);
   if (st != AKV_OK) {
-    free(gw);
+    gw->magic = AKV_MAGIC_WORLD_DEAD;
+    akv_rec_untake(&akv_world_records, gw);
     return st;
   }
+  gw->magic = AKV_MAGIC_WORLD;
   gw->size = size;
   gw->max_contexts = max_contexts;
   *out = gw;
@@ -30,27 +47,32 @@ akv_status akv_group_world_create(uint32_t size, uint32_t max_contexts, akv_grou
 }
 
 akv_status akv_group_world_abort(akv_group_world *world) {
-  if (world == NULL) return AKV_ERR_INVALID_ARGUMENT;
+  if (!akv_world_ok(world)) return AKV_ERR_INVALID_ARGUMENT;
   akv_inproc_world_abort(world->w, "the caller aborted the world");
   return AKV_OK;
 }
 
 akv_status akv_group_world_destroy(akv_group_world *world) {
-  if (world == NULL) return AKV_ERR_INVALID_ARGUMENT;
-  akv_inproc_world_destroy(world->w);
-  free(world);
+  if (!akv_world_ok(world)) return AKV_ERR_INVALID_ARGUMENT;
+  /* AKV_ERR_BUSY while a rank's group (its collective) still uses it. */
+  akv_status st = akv_inproc_world_destroy(world->w);
+  if (st != AKV_OK) return st;
+  world->w = NULL;
+  world->magic = AKV_MAGIC_WORLD_DEAD;
+  akv_rec_give(&akv_world_records, world);
   return AKV_OK;
 }
 
 akv_status akv_group_create_inproc(const akv_engine_config *shard, const akv_group_config *config,
                                    akv_group_world *world, akv_group **out) {
-  if (shard == NULL || config == NULL || world == NULL || out == NULL)
+  if (shard == NULL || config == NULL || !akv_world_ok(world) || out == NULL)
     return AKV_ERR_INVALID_ARGUMENT;
   if (config->size != world->size || config->rank >= world->size ||
       shard->max_contexts > world->max_contexts)
     return AKV_ERR_CONFIG;
   akv_coll *coll = NULL;
   akv_status st = akv_inproc_coll_create(world->w, config->rank, &coll);
+  if (st == AKV_ERR_IN_USE) return AKV_ERR_CONFIG; /* the rank is taken: a rank the world does not take */
   if (st != AKV_OK) return st;
   st = akv_group_create_with(shard, config, coll, out);
   if (st != AKV_OK) coll->ops->destroy(coll); /* on failure the caller keeps it */
