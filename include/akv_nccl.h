@@ -52,7 +52,10 @@ extern "C" {
  * that made comm: a framework's bundled copy or the toolkit's), else loads
  * libnccl.so.2 from the library path.
  * Returns, on every rank alike: AKV_OK, AKV_ERR_INVALID_ARGUMENT (NULL),
- * AKV_ERR_CONFIG (rank or size differ from comm's, bad struct sizes),
+ * AKV_ERR_CONFIG (rank or size differ from comm's, bad struct sizes: a
+ * group config shorter than akv_group_config, a shard engine config below
+ * its oldest layout; an older engine config is taken as akv_engine_create
+ * takes it),
  * AKV_ERR_DISAGREE (geometry differs), AKV_ERR_NOT_SUPPORTED (headroom_gib
  * set on any rank: headroom is not agreed yet), the statuses of akv_engine_create
  * (the largest over ranks), AKV_ERR_TIMEOUT, AKV_ERR_COMM; AKV_ERR_NOT_SUPPORTED

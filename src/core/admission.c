@@ -204,16 +204,20 @@ int akv_adm_bytes(const akv_adm_config *config, uint64_t *out) {
       config->max_contexts > UINT64_MAX / config->max_logical_pages)
     return 0;
   n_map = (uint64_t)config->max_contexts * config->max_logical_pages;
+  /* Every per-page array covers the physical pages, the pool's and the
+   * headroom's (akv_adm_create: n_phys). */
+  const uint64_t n_phys = (uint64_t)config->n_pages + config->n_headroom_pages;
   /* The arrays akv_adm_create allocates, in its order. */
   if (!akv_adm_array_bytes(config->max_contexts, sizeof *adm->slots, &acc) ||
       !akv_adm_array_bytes(n_map, sizeof *adm->map, &acc) ||
-      !akv_adm_array_bytes(config->n_pages, sizeof *adm->page_slot, &acc) ||
-      !akv_adm_array_bytes(config->n_pages, sizeof *adm->page_logical, &acc) ||
-      !akv_adm_array_bytes(config->n_pages, sizeof *adm->free_ring, &acc) ||
-      !akv_adm_array_bytes(config->n_pages, sizeof *adm->fills, &acc) ||
-      !akv_adm_array_bytes(config->n_pages, sizeof *adm->fill_at, &acc) ||
+      !akv_adm_array_bytes(n_phys, sizeof *adm->page_slot, &acc) ||
+      !akv_adm_array_bytes(n_phys, sizeof *adm->page_logical, &acc) ||
+      !akv_adm_array_bytes(n_phys, sizeof *adm->free_ring, &acc) ||
+      !akv_adm_array_bytes(n_phys, sizeof *adm->fills, &acc) ||
+      !akv_adm_array_bytes(n_phys, sizeof *adm->fill_at, &acc) ||
       !akv_adm_array_bytes(config->max_contexts, sizeof *adm->order, &acc) ||
       !akv_adm_array_bytes(config->max_contexts, sizeof *adm->cand, &acc) ||
+      !akv_adm_array_bytes(config->max_contexts, sizeof *adm->cursor, &acc) ||
       !akv_adm_array_bytes(config->max_contexts, sizeof *adm->mark, &acc) ||
       !akv_adm_array_bytes(config->log_capacity, sizeof *adm->log, &acc))
     return 0;

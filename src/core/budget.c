@@ -125,13 +125,21 @@ akv_status akv_budget_compute(const akv_engine_config *cfg, uint32_t concurrency
     /* Headroom pages: at most headroom_gib of them (the profile at create
      * can only take fewer). */
     uint64_t hr_pages = headroom ? ((uint64_t)cfg->headroom_gib << 30) / page_bytes : 0;
-    if (hr_pages > UINT32_MAX - r.n_pages) hr_pages = UINT32_MAX - r.n_pages;
+    /* The cap akv_headroom_setup applies: n_pages + headroom < UINT32_MAX / 2. */
+    const uint64_t hr_room = r.n_pages < UINT32_MAX / 2 ? UINT32_MAX / 2 - r.n_pages : 0;
+    if (hr_pages > hr_room) hr_pages = hr_room;
+    r.hr_pages = (uint32_t)hr_pages;
     akv_adm_config ac = {r.n_pages, concurrency, r.tracked_pages, AKV_ADM_LOG_ENTRIES,
                          (uint32_t)hr_pages};
     akv_adm_config no_pages = {0, concurrency, r.tracked_pages, AKV_ADM_LOG_ENTRIES, 0};
     uint64_t without = 0;
     if (!akv_adm_bytes(&ac, &r.adm_bytes) || !akv_adm_bytes(&no_pages, &without)) goto overflow;
     r.adm_page_bytes = r.adm_bytes - without;
+    /* Page address tables (akv_headroom_start): page_ptr and page_entry per
+     * physical page, the pool's and the headroom's. */
+    if (!akv_budget_mul((uint64_t)r.n_pages + hr_pages, sizeof(uint8_t *) + sizeof(uint32_t),
+                        &r.page_table_bytes))
+      goto overflow;
   }
   /* Context handle records (concurrency of them reserved in the
    * process-wide pool, records.h), lease handle records
@@ -174,7 +182,8 @@ akv_status akv_budget_compute(const akv_engine_config *cfg, uint32_t concurrency
       goto overflow;
   }
   r.total_bytes = r.adm_bytes;
-  if (!akv_budget_add(&r.total_bytes, r.records_bytes) ||
+  if (!akv_budget_add(&r.total_bytes, r.page_table_bytes) ||
+      !akv_budget_add(&r.total_bytes, r.records_bytes) ||
       !akv_budget_add(&r.total_bytes, r.lease_bytes) ||
       !akv_budget_add(&r.total_bytes, r.page_map_bytes) ||
       !akv_budget_add(&r.total_bytes, r.page_map_bytes) ||
@@ -182,11 +191,13 @@ akv_status akv_budget_compute(const akv_engine_config *cfg, uint32_t concurrency
     goto overflow;
   r.limit_bytes = ((uint64_t)cfg->host_pool_gib << 30) / AKV_BOOKKEEPING_SHARE;
   if (r.n_pages > 0) r.limit_bytes += ((uint64_t)cfg->device_pool_gib << 30) / AKV_PAGE_BOOKKEEPING_SHARE;
-  if (headroom) r.limit_bytes += ((uint64_t)cfg->headroom_gib << 30) / AKV_PAGE_BOOKKEEPING_SHARE;
+  /* Headroom: the pages it can hold (r.hr_pages, capped), not headroom_gib
+   * itself, which may ask for more than the page numbers allow. */
+  if (headroom) r.limit_bytes += (uint64_t)r.hr_pages * page_bytes / AKV_PAGE_BOOKKEEPING_SHARE;
 
   if (r.total_bytes > r.limit_bytes) {
     if (why != NULL && why_cap > 0) {
-      char total[32], limit[32], adm[32], map[32], leases[32], recs[32], scratch[32];
+      char total[32], limit[32], adm[32], map[32], leases[32], recs[32], scratch[32], tables[32];
       char fix[200];
       uint32_t pt_fit = akv_budget_page_tokens_that_fit(cfg, concurrency);
       akv_fit_format_bytes(r.total_bytes, total, sizeof total);
@@ -196,6 +207,7 @@ akv_status akv_budget_compute(const akv_engine_config *cfg, uint32_t concurrency
       akv_fit_format_bytes(r.lease_bytes, leases, sizeof leases);
       akv_fit_format_bytes(r.records_bytes, recs, sizeof recs);
       akv_fit_format_bytes(r.scratch_bytes, scratch, sizeof scratch);
+      akv_fit_format_bytes(r.page_table_bytes, tables, sizeof tables);
       if (pt_fit != 0)
         snprintf(fix, sizeof fix, "raise page_tokens to %u (or more)", (unsigned)pt_fit);
       else
@@ -204,14 +216,14 @@ akv_status akv_budget_compute(const akv_engine_config *cfg, uint32_t concurrency
                  "host_pool_gib");
       akv_budget_say(why, why_cap,
                      "engine bookkeeping of %s exceeds 1/%u of the %u GiB host pool plus 1/%u of the "
-                     "device pool in use (%s): "
-                     "admission %s (%u contexts x %u logical pages of page_tokens=%u, %u device pages), page map %s, lease records %s (%u layers x %u contexts), context "
+                     "device pool and headroom in use (%s): "
+                     "admission %s (%u contexts x %u logical pages of page_tokens=%u, %u device pages, %u headroom pages), page tables %s, page map %s, lease records %s (%u layers x %u contexts), context "
                      "records %s, scratch %s; %s",
                      total, (unsigned)AKV_BOOKKEEPING_SHARE, (unsigned)cfg->host_pool_gib,
                      (unsigned)AKV_PAGE_BOOKKEEPING_SHARE, limit,
                      adm, (unsigned)concurrency, (unsigned)r.tracked_pages, (unsigned)page_tokens,
-                     (unsigned)r.n_pages, map, leases, (unsigned)layers, (unsigned)concurrency,
-                     recs, scratch, fix);
+                     (unsigned)r.n_pages, (unsigned)r.hr_pages, tables, map, leases,
+                     (unsigned)layers, (unsigned)concurrency, recs, scratch, fix);
     }
     return AKV_ERR_CONFIG;
   }

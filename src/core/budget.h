@@ -56,13 +56,17 @@ typedef struct akv_budget {
   uint64_t sc_stage, sc_mat, sc_wb, sc_fill;
   /* Bytes, by owner. */
   uint64_t adm_bytes;      /* admission allocator (akv_adm_bytes) */
-  uint64_t adm_page_bytes; /* of which per device page */
+  uint64_t adm_page_bytes; /* of which per physical page (device pool and headroom) */
+  uint32_t hr_pages;       /* headroom pages at most (headroom_gib of them, capped as
+                              akv_headroom_setup caps them) */
+  uint64_t page_table_bytes; /* page_ptr and page_entry per physical page */
   uint64_t records_bytes;  /* context records and per-slot arrays */
   uint64_t lease_bytes;    /* per-layer lease records and their per-context arrays */
   uint64_t page_map_bytes; /* paged route: one copy of the page map (pinned and device each) */
   uint64_t scratch_bytes;
   uint64_t total_bytes;    /* all of the above, the page map twice; at most limit_bytes */
-  uint64_t limit_bytes;    /* host pool / AKV_BOOKKEEPING_SHARE + device pool / AKV_PAGE_BOOKKEEPING_SHARE */
+  uint64_t limit_bytes;    /* host pool / AKV_BOOKKEEPING_SHARE + (device pool + headroom_gib)
+                              / AKV_PAGE_BOOKKEEPING_SHARE */
 } akv_budget;
 
 /*

@@ -146,7 +146,8 @@ akv_status akv_headroom_setup(akv_engine *e) {
   const uint64_t fit_pages = want / e->page_bytes > slack ? want / e->page_bytes - slack : 0;
   if (chunk > fit_pages) chunk = fit_pages;
   uint64_t n_chunks = chunk ? want / ((chunk + slack) * e->page_bytes) : 0;
-  const uint64_t page_room = (uint64_t)(UINT32_MAX / 2) - e->n_pages;
+  const uint64_t page_room =
+      e->n_pages < UINT32_MAX / 2 ? (uint64_t)(UINT32_MAX / 2) - e->n_pages : 0;
   if (n_chunks * chunk > page_room) n_chunks = chunk ? page_room / chunk : 0;
   e->hr_chunk_pages = (uint32_t)chunk;
   e->hr_max_chunks = (uint32_t)n_chunks;

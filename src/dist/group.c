@@ -26,6 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "config.h"
 #include "group.h"
 #include "plan.h"
 #include "records.h"
@@ -244,6 +245,20 @@ akv_status akv_group_create_with(const akv_engine_config *shard, const akv_group
   if (coll == NULL || coll->ops == NULL || out == NULL || config == NULL || shard == NULL)
     return AKV_ERR_INVALID_ARGUMENT;
   if (coll->max_n < AKV_GROUP_FIXED_LEN) return AKV_ERR_INVALID_ARGUMENT;
+  /* The caller's structs are read only up to their struct_size: an older,
+   * smaller engine config gives its fields and the rest keep their
+   * defaults (akv.h, ABI); a group config smaller than this library's (it
+   * has not grown since it was introduced) or an engine config below its
+   * oldest layout is refused with AKV_ERR_CONFIG, after meeting the other
+   * ranks with the defaults in their place. */
+  akv_engine_config sh = AKV_ENGINE_CONFIG_INIT;
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  const int sizes_ok =
+      config->struct_size >= sizeof(akv_group_config) &&
+      akv_config_merge(&akv_engine_config_layout, &sh, shard, NULL, 0) == AKV_OK;
+  if (config->struct_size >= sizeof(akv_group_config)) gc = *config;
+  shard = &sh;
+  config = &gc;
   g = akv_rec_take(&akv_group_records);
   if (g == NULL) return AKV_ERR_OUT_OF_MEMORY;
   memset(g, 0, sizeof(*g));
@@ -259,8 +274,7 @@ akv_status akv_group_create_with(const akv_engine_config *shard, const akv_group
   g->vec_len = AKV_GROUP_FIXED_LEN;
   /* Local checks travel as the header's status: a rank that refuses its own
    * arguments still meets the others, so none of them waits for it. */
-  if (config->struct_size < sizeof(akv_group_config) || config->version != AKV_CONFIG_VERSION ||
-      shard->struct_size < sizeof(akv_engine_config) || shard->version != AKV_CONFIG_VERSION)
+  if (!sizes_ok || config->version != AKV_CONFIG_VERSION || shard->version != AKV_CONFIG_VERSION)
     local = AKV_ERR_CONFIG;
   else if (config->size != coll->size || config->rank != coll->rank || config->timeout_ms == 0)
     local = AKV_ERR_CONFIG;
@@ -381,12 +395,15 @@ AKV_API akv_status akv_group_context_open(akv_group *g, const akv_context_config
   if (st != AKV_OK) return st;
   if (out == NULL)
     local = AKV_ERR_INVALID_ARGUMENT;
-  else if (config != NULL && (config->struct_size < sizeof(akv_context_config) ||
-                              config->version != AKV_CONFIG_VERSION))
+  /* An older, smaller struct gives its fields, the rest keep
+   * AKV_CONTEXT_CONFIG_INIT's (as akv_context_open); nothing is read past
+   * its struct_size. */
+  else if (config != NULL &&
+           (akv_config_merge(&akv_context_config_layout, &cc, config, NULL, 0) != AKV_OK ||
+            cc.version == 0 || cc.version > AKV_CONFIG_VERSION))
     local = AKV_ERR_CONFIG;
   else if (akv_engine_step_open(g->engine))
     local = AKV_ERR_STEP_STATE;
-  if (local == AKV_OK && config != NULL) cc = *config;
   akv_group_put_header(g, AKV_POINT_OPEN, local);
   /* Target and burst: the MIN over ranks (AKV_TARGET_FAIR_SHARE is the
    * largest value, so an explicit target on any rank wins). */

@@ -3,6 +3,7 @@
  * in-process collective (coll_inproc.c): akv_group_world_* and
  * akv_group_create_inproc (akv_group.h).
  */
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -67,8 +68,12 @@ akv_status akv_group_create_inproc(const akv_engine_config *shard, const akv_gro
                                    akv_group_world *world, akv_group **out) {
   if (shard == NULL || config == NULL || !akv_world_ok(world) || out == NULL)
     return AKV_ERR_INVALID_ARGUMENT;
-  if (config->size != world->size || config->rank >= world->size ||
-      shard->max_contexts > world->max_contexts)
+  /* Fields read only where the caller's structs hold them (struct_size);
+   * akv_group_create_with refuses sizes it does not take on every rank. */
+  if (config->struct_size < offsetof(akv_group_config, size) + sizeof(config->size) ||
+      config->size != world->size || config->rank >= world->size ||
+      (shard->struct_size >= offsetof(akv_engine_config, max_contexts) + sizeof(uint32_t) &&
+       shard->max_contexts > world->max_contexts))
     return AKV_ERR_CONFIG;
   akv_coll *coll = NULL;
   akv_status st = akv_inproc_coll_create(world->w, config->rank, &coll);
