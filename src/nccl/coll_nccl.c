@@ -29,6 +29,7 @@
 
 #include "akv_nccl.h"
 #include "collective.h"
+#include "config.h"
 #include "group.h"
 
 
@@ -180,8 +181,14 @@ AKV_API akv_status akv_nccl_group_create(const akv_engine_config *shard,
   akv_nccl_coll *nc;
   int count = 0, rank = -1;
   akv_status st;
+  akv_engine_config sh = AKV_ENGINE_CONFIG_INIT;
   if (shard == NULL || config == NULL || comm == NULL || out == NULL)
     return AKV_ERR_INVALID_ARGUMENT;
+  /* The caller's config is read only up to its struct_size (an older,
+   * smaller struct keeps the defaults for the rest); one below its oldest
+   * layout leaves the defaults, and akv_group_create_with refuses it with
+   * AKV_ERR_CONFIG after meeting the other ranks. */
+  (void)akv_config_merge(&akv_engine_config_layout, &sh, shard, NULL, 0);
   pthread_once(&akv_nccl_once, akv_nccl_load);
   if (!akv_nccl_loaded) return AKV_ERR_NOT_SUPPORTED; /* no libnccl.so.2 in this process */
   if (akv_nccl.comm_count(comm, &count) != ncclSuccess ||
@@ -192,9 +199,9 @@ AKV_API akv_status akv_nccl_group_create(const akv_engine_config *shard,
   nc->base.ops = &akv_nccl_ops;
   nc->base.rank = (uint32_t)rank;
   nc->base.size = (uint32_t)count;
-  nc->base.max_n = akv_group_vector_len(shard->max_contexts);
+  nc->base.max_n = akv_group_vector_len(sh.max_contexts);
   nc->comm = comm;
-  nc->device = shard->device_ordinal;
+  nc->device = sh.device_ordinal;
   if (cudaSetDevice(nc->device) != cudaSuccess ||
       cudaStreamCreateWithFlags(&nc->stream, cudaStreamNonBlocking) != cudaSuccess ||
       cudaEventCreateWithFlags(&nc->done, cudaEventDisableTiming) != cudaSuccess ||
