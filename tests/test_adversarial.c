@@ -77,16 +77,7 @@ static void fill(akv_context *c, uint32_t layers, uint32_t n, uint32_t row_bytes
 static void run_step(akv_engine *e, akv_stream s, akv_context *const *c, uint32_t n,
                      uint32_t layers) {
   assert_int_equal(akv_step_begin(e, c, n), AKV_OK);
-  for (uint32_t l = 0; l < layers; l++) {
-    akv_lease *ls = NULL;
-    akv_fence attn, tail;
-    assert_int_equal(akv_lease_begin(e, l, &ls), AKV_OK);
-    assert_int_equal(akv_lease_attend(ls, s, noop_hook, NULL, &attn), AKV_OK);
-    assert_int_equal(akv_lease_write_back(ls, NULL, 0, &tail), AKV_OK);
-    assert_int_equal(akv_lease_seal(ls, tail, attn), AKV_OK);
-    assert_int_equal(akv_lease_retire(ls, NULL), AKV_OK);
-  }
-  assert_int_equal(akv_step_end(e), AKV_OK);
+  assert_int_equal(akvt_null_layers(e, s, layers), AKV_OK);
 }
 
 /** Release twice, take beyond the profile, take after release, bytes 0 / 1 / UINT64_MAX. */

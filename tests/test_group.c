@@ -29,6 +29,7 @@
 
 #include "akv.h"
 #include "akv_group.h"
+#include "testutil.h"
 #include "coll_inproc.h"
 #include "group.h"
 #include "plan.h"
@@ -121,27 +122,10 @@ static double now_s(void) {
   return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-static int noop_hook(void *user, const akv_view *view, akv_stream stream) {
-  (void)user;
-  (void)view;
-  (void)stream;
-  return 0;
-}
-
 /* One decode step's leases on this rank's engine (after the group's
  * step_begin). Returns the first failing status. */
 static akv_status run_layers(akv_engine *e, akv_stream s) {
-  akv_status st;
-  for (uint32_t l = 0; l < LAYERS; l++) {
-    akv_lease *ls;
-    akv_fence attn, tail;
-    if ((st = akv_lease_begin(e, l, &ls)) != AKV_OK) return st;
-    if ((st = akv_lease_attend(ls, s, noop_hook, NULL, &attn)) != AKV_OK) return st;
-    if ((st = akv_lease_write_back(ls, NULL, 0, &tail)) != AKV_OK) return st;
-    if ((st = akv_lease_seal(ls, tail, attn)) != AKV_OK) return st;
-    if ((st = akv_lease_retire(ls, NULL)) != AKV_OK) return st;
-  }
-  return akv_step_end(e);
+  return akvt_null_layers(e, s, LAYERS);
 }
 
 /* Prefill `n` rows of zeros into every layer. */

@@ -473,3 +473,24 @@ done:
   free(rs.jobs);
   free(rs.out);
 }
+
+static int akvt_null_hook(void *user, const akv_view *view, akv_stream stream) {
+  (void)user;
+  (void)view;
+  (void)stream;
+  return 0;
+}
+
+akv_status akvt_null_layers(akv_engine *e, akv_stream s, uint32_t layers) {
+  akv_status st;
+  for (uint32_t l = 0; l < layers; l++) {
+    akv_lease *ls = NULL;
+    akv_fence attn, tail;
+    if ((st = akv_lease_begin(e, l, &ls)) != AKV_OK) return st;
+    if ((st = akv_lease_attend(ls, s, akvt_null_hook, NULL, &attn)) != AKV_OK) return st;
+    if ((st = akv_lease_write_back(ls, NULL, 0, &tail)) != AKV_OK) return st;
+    if ((st = akv_lease_seal(ls, tail, attn)) != AKV_OK) return st;
+    if ((st = akv_lease_retire(ls, NULL)) != AKV_OK) return st;
+  }
+  return akv_step_end(e);
+}

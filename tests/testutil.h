@@ -134,5 +134,9 @@ void akvt_run(const akvt_cfg *cfg, akvt_result *out);
 /* Creates a host engine with a small geometry (for state-machine tests). */
 akv_engine *akvt_small_engine(akv_route route, uint32_t device_pool_gib);
 void akvt_silent_log(void *user, akv_log_level level, const char *message);
+/* The rest of an open step with an attention hook that enqueues nothing:
+ * every layer begun, attended, written back, sealed and retired in order,
+ * then akv_step_end. Returns AKV_OK or the first failing status. */
+akv_status akvt_null_layers(akv_engine *e, akv_stream s, uint32_t layers);
 
 #endif
