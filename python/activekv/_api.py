@@ -399,7 +399,23 @@ def _torch_stream_handle(stream: Any) -> int:
 LogFn = Callable[[str, str], None]
 
 
-class Engine:
+class _ClosedOnExit:
+    """A context manager that closes its object on exit. When the block is
+    left by an exception, a failure of close itself is suppressed so that
+    the original exception is the one the caller sees."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if exc[0] is None:
+            self.close()
+        else:
+            with contextlib.suppress(ActiveKVError):
+                self.close()
+
+
+class Engine(_ClosedOnExit):
     """One engine (akv_engine): pools, queues, admission.
 
     Keyword arguments are akv_engine_config's field names; enums as strings:
@@ -489,16 +505,6 @@ class Engine:
         for ctx in list(self._contexts):
             ctx._handle = None
         self._contexts.clear()
-
-    def __enter__(self) -> "Engine":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if exc[0] is None:
-            self.close()
-        else:
-            with contextlib.suppress(ActiveKVError):
-                self.close()
 
     def __del__(self) -> None:
         if getattr(self, "_handle", None) is not None:
@@ -773,7 +779,7 @@ class Stream:
         self.destroy()
 
 
-class Context:
+class Context(_ClosedOnExit):
     """One request's history (akv_context). Made by Engine.open_context; a
     context manager that closes it."""
 
@@ -889,16 +895,6 @@ class Context:
         _check(lib.akv_context_close(self._handle), self._engine._handle, "context close")
         self._handle = None
         self._engine._contexts.discard(self)
-
-    def __enter__(self) -> "Context":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if exc[0] is None:
-            self.close()
-        else:
-            with contextlib.suppress(ActiveKVError):
-                self.close()
 
     def __repr__(self) -> str:
         if self._handle is None or self._engine._handle is None:
