@@ -97,6 +97,12 @@ def parse_args(argv):
                    help="tiny geometry, few tokens, CPU host backend (checks the harness)")
     p.add_argument("--device", default=None, help="torch device (default cuda, or cpu)")
     p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    p.add_argument("--layers", type=int, default=None,
+                   help="override the preset's layer count (profiling runs: a shorter prefill)")
+    p.add_argument("--profile", metavar="DIR",
+                   help="diagnosis, not a benchmark: profile steps warmup..warmup+2 of every "
+                        "row with torch.profiler (tables and a trace under DIR) and time the "
+                        "cache's per-layer calls on the host")
     a = p.parse_args(argv)
     if a.smoke:
         a.preset = "smoke"
@@ -137,7 +143,9 @@ def cache_kw(model):
 
 
 def build_model(args, dev):
-    geo = PRESETS[args.preset]
+    geo = dict(PRESETS[args.preset])
+    if args.layers:
+        geo["num_hidden_layers"] = args.layers
     cfg = LlamaConfig(max_position_embeddings=max(131072, args.tokens + args.steps + 8),
                       rms_norm_eps=1e-5, rope_theta=500000.0, **geo)
     cfg._attn_implementation = "sdpa"
@@ -191,7 +199,75 @@ def fill_history(model, cache, args, dev):
         del k, v
 
 
-def decode(model, cache, args, dev, ref_logits=None):
+class HostTimer:
+    """--profile: wall time of named calls on the host (count, seconds), per row."""
+
+    def __init__(self):
+        self.acc = {}
+        self.on = False
+
+    def wrap(self, owner, name, label=None):
+        fn = getattr(owner, name)
+        key = label or name
+        acc = self.acc
+
+        def timed(*a, **k):
+            if not self.on:
+                return fn(*a, **k)
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                rec = acc.setdefault(key, [0, 0.0])
+                rec[0] += 1
+                rec[1] += time.perf_counter() - t0
+
+        setattr(owner, name, timed)
+
+    def report(self, steps):
+        out = {}
+        for key, (n, sec) in sorted(self.acc.items(), key=lambda kv: -kv[1][1]):
+            out[key] = dict(calls=n, us_per_call=sec / n * 1e6 if n else 0.0,
+                            ms_per_step=sec / steps * 1e3)
+        return out
+
+
+def instrument(cache, timer):
+    """--profile: time the cache's host-side calls (ActiveKV: driver and C calls)."""
+    drv = getattr(cache, "_driver", None)
+    if drv is not None:
+        for name in ("stage", "seal_pending", "try_retire", "begin_step", "end_step",
+                     "after_attention"):
+            timer.wrap(drv, name, "driver." + name)
+        for name in ("begin", "wait_ready", "mark_consumed", "write_back", "seal", "retire",
+                     "try_retire"):
+            if getattr(drv.api, name, None) is not None:
+                timer.wrap(drv.api, name, "akv_lease_" + name)
+    for layer in getattr(cache, "layers", ()):
+        timer.wrap(layer, "update", "layer.update")
+
+
+def profile_tables(prof, path_base, steps):
+    """Writes the profiler's tables (by device time, by host time) and a gzipped trace."""
+    ka = prof.key_averages()
+    with open(path_base + ".txt", "w") as f:
+        f.write("steps profiled: %d\n\n== by self device time\n" % steps)
+        f.write(ka.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70))
+        f.write("\n\n== by self host time\n")
+        f.write(ka.table(sort_by="self_cpu_time_total", row_limit=45, max_name_column_width=70))
+    try:
+        import gzip
+        import shutil
+        prof.export_chrome_trace(path_base + ".trace.json")
+        with open(path_base + ".trace.json", "rb") as src, \
+                gzip.open(path_base + ".trace.json.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.remove(path_base + ".trace.json")
+    except Exception as exc:  # the tables are what matters
+        print("profile trace not written: %s" % exc, file=sys.stderr)
+
+
+def decode(model, cache, args, dev, ref_logits=None, row="row", timer=None):
     """Greedy decode of args.steps tokens from the same first token; times every step
     (synchronize + perf_counter around it) and the host time until the forward returned
     (host-enqueue: close to the step time when the step is bound by the host, not the GPU)."""
@@ -199,8 +275,17 @@ def decode(model, cache, args, dev, ref_logits=None):
     token = torch.full((args.contexts, 1), 1, dtype=torch.long, device=dev)
     times, enqueued, logits_host, equal = [], [], [], []
     first_mismatch, max_diff = None, 0.0
+    prof, n_prof = None, 3
     with torch.no_grad():
         for s in range(args.steps):
+            if args.profile and s == args.warmup:
+                acts = [torch.profiler.ProfilerActivity.CPU]
+                if cuda(dev):
+                    acts.append(torch.profiler.ProfilerActivity.CUDA)
+                prof = torch.profiler.profile(activities=acts)
+                prof.__enter__()
+                if timer is not None:
+                    timer.on = True
             sync(dev)
             t0 = time.perf_counter()
             out = model(input_ids=token, use_cache=True, **{kw: cache})
@@ -209,6 +294,13 @@ def decode(model, cache, args, dev, ref_logits=None):
             enqueued.append(time.perf_counter() - t0)
             sync(dev)
             times.append(time.perf_counter() - t0)
+            if prof is not None and s == args.warmup + n_prof - 1:
+                if timer is not None:
+                    timer.on = False
+                prof.__exit__(None, None, None)
+                os.makedirs(args.profile, exist_ok=True)
+                profile_tables(prof, os.path.join(args.profile, row), n_prof)
+                prof = None
             host = logits.to("cpu")
             del out, logits
             if ref_logits is None:
@@ -274,6 +366,10 @@ def make_cache(row, model, args, dev):
     return cache, dict(device_pool_gib=pool)
 
 
+def rec_times(times, args):
+    return [round(t * 1e3, 3) for t in times[args.warmup:args.warmup + 3]]
+
+
 class SkipRow(Exception):
     pass
 
@@ -297,8 +393,17 @@ def run_row(row, model, args, dev, bw, ref, weights_bytes):
         info0 = engine.info() if engine is not None else None
         if cuda(dev):
             torch.cuda.reset_peak_memory_stats(dev)
+        timer = None
+        if args.profile:
+            timer = HostTimer()
+            instrument(cache, timer)
         times, enqueued, logits, equal, mismatch, max_diff = decode(
-            model, cache, args, dev, None if row == "resident" else ref["logits"])
+            model, cache, args, dev, None if row == "resident" else ref["logits"], row, timer)
+        if timer is not None:
+            rec["host_calls"] = timer.report(3)
+            with open(os.path.join(args.profile, row + ".calls.json"), "w") as f:
+                json.dump(dict(row=row, steps=3, step_ms=rec_times(times, args), calls=rec["host_calls"]),
+                          f, indent=1)
         timed = times[args.warmup:]
         rec["step_ms_median"] = statistics.median(timed) * 1e3
         rec["step_ms_p90"] = sorted(timed)[min(len(timed) - 1, int(math.ceil(0.9 * len(timed))) - 1)] * 1e3
@@ -453,7 +558,8 @@ def main(argv=None):
         deterministic=dict(use_deterministic_algorithms=torch.are_deterministic_algorithms_enabled(),
                            CUBLAS_WORKSPACE_CONFIG=os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
                            sdpa_backend=args.sdpa_backend),
-        geometry=dict(preset=args.preset, **PRESETS[args.preset]),
+        geometry=dict(preset=args.preset, **dict(PRESETS[args.preset], **(
+            {"num_hidden_layers": args.layers} if args.layers else {}))),
         contexts=args.contexts, tokens=args.tokens, steps=args.steps, warmup=args.warmup,
         history=args.history, page_tokens=args.page_tokens, device=str(dev),
     )

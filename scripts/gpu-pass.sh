@@ -44,6 +44,9 @@
 #                 headroom: issue 13's headroom sweep and mid-run release
 #                 (llama3-8b; headroom.log, headroom.jsonl), not in the default
 #                 list: AKV_STEPS="build ctest headroom" measures it alone
+#   AKV_HF_ARGS   extra arguments of examples/hf_compare.py (e.g. "--layers 8
+#                 --rows resident,all,resident2 --profile $OUT/prof": a profile,
+#                 not the benchmark)
 #   AKV_JOBS      parallel build jobs, default 16
 #   AKV_BENCH_VARIANTS  "label:WARPS:LOADS[:STAGES[:PDL[:PIECE]]] ...", default
 #                 "w8l4:8:4:0:0:128 w8l4p0:8:4:0:0:0 w8l4p64:8:4:0:0:64
@@ -529,7 +532,7 @@ if has_step python; then
         CUBLAS_WORKSPACE_CONFIG=:4096:8 timeout "${AKV_HF_TIMEOUT:-400}" \
         python3 examples/hf_compare.py --preset "$preset" --steps "${AKV_HF_STEPS:-32}" \
         --commit "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" \
-        --json "$OUT/hf_$preset.json" >"$OUT/hf_$preset.log" 2>&1
+        ${AKV_HF_ARGS:-} --json "$OUT/hf_$preset.json" >"$OUT/hf_$preset.log" 2>&1
       rc=$?
       record "hf_compare $preset" "$([ $rc = 0 ] && echo ok || echo FAIL)" \
         "rc=$rc $(grep -E 'bit-identical|MISS' "$OUT/hf_$preset.log" | tr '\n' ' ')"
