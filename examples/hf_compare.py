@@ -278,14 +278,16 @@ def decode(model, cache, args, dev, ref_logits=None, row="row", timer=None):
     prof, n_prof = None, 3
     with torch.no_grad():
         for s in range(args.steps):
-            if args.profile and s == args.warmup:
+            if timer is not None and s == args.warmup:
+                timer.on = True  # host call times: steps warmup.., without the profiler
+            if timer is not None and s == args.warmup + n_prof:
+                timer.on = False
+            if args.profile and s == args.warmup + n_prof:
                 acts = [torch.profiler.ProfilerActivity.CPU]
                 if cuda(dev):
                     acts.append(torch.profiler.ProfilerActivity.CUDA)
                 prof = torch.profiler.profile(activities=acts)
                 prof.__enter__()
-                if timer is not None:
-                    timer.on = True
             sync(dev)
             t0 = time.perf_counter()
             out = model(input_ids=token, use_cache=True, **{kw: cache})
@@ -294,9 +296,7 @@ def decode(model, cache, args, dev, ref_logits=None, row="row", timer=None):
             enqueued.append(time.perf_counter() - t0)
             sync(dev)
             times.append(time.perf_counter() - t0)
-            if prof is not None and s == args.warmup + n_prof - 1:
-                if timer is not None:
-                    timer.on = False
+            if prof is not None and s == args.warmup + 2 * n_prof - 1:
                 prof.__exit__(None, None, None)
                 os.makedirs(args.profile, exist_ok=True)
                 profile_tables(prof, os.path.join(args.profile, row), n_prof)
@@ -367,7 +367,7 @@ def make_cache(row, model, args, dev):
 
 
 def rec_times(times, args):
-    return [round(t * 1e3, 3) for t in times[args.warmup:args.warmup + 3]]
+    return [round(t * 1e3, 3) for t in times[args.warmup:args.warmup + 6]]
 
 
 class SkipRow(Exception):
