@@ -2302,7 +2302,10 @@ static int check_model(const cli_opts *o, akv_backend_kind backend) {
  * build time. 0, or EXIT_USAGE with the message printed.
  */
 static int check_tp_cuda(const cli_opts *o) {
-#ifndef ACTIVEKV_NCCL
+#if !defined(ACTIVEKV_CUDA_MODEL)
+  say_error("--tp %u: this activekv was built without CUDA; use --backend host", o->tp);
+  return EXIT_USAGE;
+#elif !defined(ACTIVEKV_NCCL)
   say_error("--tp %u on the CUDA backend needs NCCL, which was not found when this activekv "
             "was built (CMake looks for nccl.h and libnccl next to the CUDA toolkit; see "
             "AKV_WITH_NCCL); use --backend host",
