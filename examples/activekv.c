@@ -42,12 +42,19 @@
 #include "akv.h"
 #include "akv_group.h"
 #include "model.h"
+#ifdef ACTIVEKV_NCCL
+#include "tp_nccl.h"
+#endif
 
 enum { EXIT_RUN_ERROR = 1, EXIT_USAGE = 2, EXIT_NO_FIT = 3, EXIT_MISMATCH = 4 };
 
 #define GIB ((uint64_t)1 << 30)
 #define MAX_LIST 16
 #define TP_MAX 16 /* most ranks of --tp */
+/* --tp: the group's agreement timeout; a CUDA run that lost a rank gives
+ * the others this long and a margin to end (run_tp) */
+#define TP_GROUP_TIMEOUT_MS 120000u
+#define TP_GRACE_S (TP_GROUP_TIMEOUT_MS / 1000u + 30u)
 
 /* ------------------------------------------------------------------------ */
 /* Options                                                                   */
@@ -327,7 +334,9 @@ static void usage(FILE *f) {
           "tensor parallel (decode):\n"
           "  --tp N                shard the model Megatron-style over N ranks, one thread\n"
           "                        and one engine each, bound into one group (host backend:\n"
-          "                        in-process agreement); kv heads and heads must divide by N\n"
+          "                        in-process agreement; CUDA: rank r on GPU r, agreement\n"
+          "                        and all-reduce through NCCL); kv heads and heads must\n"
+          "                        divide by N\n"
           "output:\n"
           "  --check               also decode resident in this process and compare the\n"
           "                        logits of every step bit for bit (exit 4 on a mismatch)\n"
@@ -810,25 +819,36 @@ typedef struct run_result {
   uint32_t n_step_ms;
   /* --tp: ranks, and each rank's bytes per measured step (own link each) */
   uint32_t tp;
+  int tp_nccl; /* the ranks are GPUs agreeing through NCCL (else in-process, host) */
   uint64_t rank_h2d[TP_MAX], rank_d2d[TP_MAX], rank_d2h[TP_MAX];
 } run_result;
 
 /*
  * --tp: the ranks of one process. Each rank is a thread with its own engine
- * (bound into one akv_group on the in-process world) and its own model
- * shard. The model's all-reduce is this: every rank posts its partial
- * vector, then every rank sums the posted vectors in rank order 0..N-1 (the
- * same fp32 additions on every rank, so the same bits everywhere, run after
- * run), then the ranks wait for each other before the vectors are reused.
+ * and its own model shard, the engines bound into one akv_group.
+ *
+ * Host backend: the group is on the in-process world, and the model's
+ * all-reduce is this: every rank posts its partial vector, then every rank
+ * sums the posted vectors in rank order 0..N-1 (the same fp32 additions on
+ * every rank, so the same bits everywhere, run after run), then the ranks
+ * wait for each other before the vectors are reused.
+ *
+ * CUDA backend (built with NCCL): rank r runs on GPU r; the group is on the
+ * rank's NCCL communicator and the model's all-reduce is ncclAllReduce on
+ * the model's stream over a second communicator (tp_nccl.h). The mutex and
+ * condition below still serve the host-side barrier before the first step
+ * and the end of the ranks.
  */
 typedef struct tp_world {
   uint32_t n;
-  akv_group_world *gw;
+  akv_group_world *gw;  /* host backend (NULL on CUDA) */
+  struct tp_nccl *nccl; /* CUDA backend: the communicators (NULL on host) */
   pthread_mutex_t mu;
   pthread_cond_t cv;
   uint32_t arrived;
   uint64_t generation;
   int aborted;
+  uint32_t finished; /* rank threads that returned */
   float *posted[TP_MAX];
 } tp_world;
 
@@ -854,6 +874,14 @@ static int tp_barrier(tp_world *w) {
   rc = w->aborted ? -1 : 0;
   pthread_mutex_unlock(&w->mu);
   return rc;
+}
+
+/* 1 once a rank aborted the world. */
+static int tp_aborted(tp_world *w) {
+  pthread_mutex_lock(&w->mu);
+  const int a = w->aborted;
+  pthread_mutex_unlock(&w->mu);
+  return a;
 }
 
 /* A rank failed: the others stop at their next all-reduce or agreement. */
@@ -1077,6 +1105,11 @@ static int layer_resident(void *user, model *m, uint32_t l) {
 static int step_engine(runner *r, const int32_t *tok, float *logits) {
   uint32_t pos[MODEL_MAX_BATCH];
   akv_status st;
+  if (r->tp != NULL && r->tp->w->nccl != NULL && tp_aborted(r->tp->w)) {
+    /* CUDA: not into another agreement or all-reduce a failed rank will miss */
+    run_fail(r, "rank %u stops: another rank failed", r->tp->rank);
+    return -1;
+  }
   for (uint32_t i = 0; i < r->n_ctx; ++i) {
     if ((st = akv_context_length(r->ctx[i], &pos[i])) != AKV_OK) {
       run_fail_akv(r, "akv_context_length", st);
@@ -1271,8 +1304,15 @@ static int model_make(const cli_opts *o, akv_backend_kind backend, uint32_t n_ct
   if (tp != NULL) {
     mo.tp_rank = tp->rank;
     mo.tp_size = tp->w->n;
-    mo.allreduce = tp_allreduce;
-    mo.allreduce_user = tp;
+    if (tp->w->nccl == NULL) {
+      mo.allreduce = tp_allreduce;
+      mo.allreduce_user = tp;
+    } else {
+#ifdef ACTIVEKV_NCCL
+      mo.allreduce_dev = tp_nccl_allreduce; /* on the model's stream */
+      mo.allreduce_user = tp_nccl_user(tp->w->nccl, tp->rank);
+#endif
+    }
   }
   mo.seed = o->seed;
   mo.max_batch = n_ctx;
@@ -1310,6 +1350,15 @@ static void print_counters(const uint64_t *adm) {
   printf("\n");
 }
 
+/* Destroys the rank's group (CUDA: recording whether it aborted its
+ * communicator). */
+static akv_status group_destroy(runner *r) {
+#ifdef ACTIVEKV_NCCL
+  if (r->tp->w->nccl != NULL) return tp_nccl_group_destroy(r->tp->w->nccl, r->tp->rank, r->group);
+#endif
+  return akv_group_destroy(r->group);
+}
+
 /* Creates the engine and opens the contexts (shrink mode may open fewer).
  * Returns 0, or -1 with the message printed. */
 static int open_engine(runner *r, const akv_engine_config *cfg, run_result *res) {
@@ -1321,15 +1370,20 @@ static int open_engine(runner *r, const akv_engine_config *cfg, run_result *res)
     akv_group_config gc = AKV_GROUP_CONFIG_INIT;
     gc.rank = r->tp->rank;
     gc.size = r->tp->w->n;
-    gc.timeout_ms = 120000;
-    st = akv_group_create_inproc(cfg, &gc, r->tp->w->gw, &r->group);
+    gc.timeout_ms = TP_GROUP_TIMEOUT_MS;
+#ifdef ACTIVEKV_NCCL
+    if (r->tp->w->nccl != NULL) /* CUDA: rank r's engine on GPU r, agreeing through NCCL */
+      st = tp_nccl_group_create(r->tp->w->nccl, r->tp->rank, cfg, &gc, &r->group);
+    else
+#endif
+      st = akv_group_create_inproc(cfg, &gc, r->tp->w->gw, &r->group);
     if (st == AKV_OK) st = akv_group_engine(r->group, &r->engine);
   } else {
     st = akv_engine_create(cfg, &r->engine);
   }
   if (st != AKV_OK) {
     r->engine = NULL;
-    if (r->group) akv_group_destroy(r->group);
+    if (r->group) group_destroy(r);
     r->group = NULL;
     if (st == AKV_ERR_NO_FIT)
       say_no_fit(o, &res->fit);
@@ -1446,6 +1500,9 @@ static void close_all(runner *r) {
     akv_engine_info info;
     int dirty = r->step_open;
     if (akv_engine_info_get(r->engine, &info) == AKV_OK && info.transport_failed) dirty = 1;
+    /* CUDA --tp after a rank failed: no closing agreement (nothing aborts
+     * an NCCL group's wait from outside, so it would last the timeout) */
+    if (r->tp != NULL && r->tp->w->nccl != NULL && tp_aborted(r->tp->w)) dirty = 1;
     if (dirty) {
       akv_quarantine_report qr;
       akv_engine_quarantine(r->engine, &qr);
@@ -1460,7 +1517,7 @@ static void close_all(runner *r) {
         dirty = 1;
       }
     }
-    akv_status st = r->group ? akv_group_destroy(r->group) : akv_engine_destroy(r->engine);
+    akv_status st = r->group ? group_destroy(r) : akv_engine_destroy(r->engine);
     if (st != AKV_OK) say_error("akv_engine_destroy: %s (%s)", akv_status_string(st), lib_last);
   }
   model_destroy(r->m);
@@ -1704,6 +1761,12 @@ static int run_rank(const cli_opts *o, int steps_out, run_result *res, tp_rank *
     goto out;
   }
   for (uint32_t i = 0; i < r->n_ctx; ++i) r->res_len[i] = ctx_tokens(o, i);
+  if (tp != NULL && tp->w->nccl != NULL && tp_barrier(tp->w) != 0) {
+    /* CUDA: every rank is set up before the first all-reduce, so a rank
+     * that failed in its setup stops the others here, not on the GPU */
+    say_error("rank %u stops: another rank failed before the first step", tp->rank);
+    goto out;
+  }
   if (use_engine) akv_admission_counters(r->engine, res->adm, AKV_ADM_RULE_COUNT);
   if (steps_out && use_engine) {
     print_counters(res->adm);
@@ -1735,7 +1798,38 @@ typedef struct tp_job {
 static void *tp_thread(void *arg) {
   tp_job *j = arg;
   j->rc = run_rank(&j->o, j->steps_out, &j->res, &j->t);
+  tp_world *w = j->t.w;
+  pthread_mutex_lock(&w->mu);
+  w->finished++;
+  pthread_cond_broadcast(&w->cv);
+  pthread_mutex_unlock(&w->mu);
   return NULL;
+}
+
+/*
+ * Waits for the `started` rank threads to return. Once a rank failed
+ * (the world aborted), the others get TP_GRACE_S to end: a rank waiting at
+ * an agreement point ends by the group's timeout, but on the CUDA backend a
+ * rank whose stream is inside the model's all-reduce waits on the GPU for
+ * the failed rank, and nothing on the host can end that wait. Returns 1
+ * when every thread returned, 0 when some did not within the grace.
+ */
+static int tp_wait(tp_world *w, uint32_t started) {
+  struct timespec dl;
+  int have_dl = 0, all;
+  pthread_mutex_lock(&w->mu);
+  while (w->finished < started) {
+    if (w->aborted && !have_dl) {
+      clock_gettime(CLOCK_REALTIME, &dl);
+      dl.tv_sec += TP_GRACE_S;
+      have_dl = 1;
+    }
+    if (!have_dl) pthread_cond_wait(&w->cv, &w->mu);
+    else if (pthread_cond_timedwait(&w->cv, &w->mu, &dl) == ETIMEDOUT) break;
+  }
+  all = w->finished >= started;
+  pthread_mutex_unlock(&w->mu);
+  return all;
 }
 
 /* The rank's options: the shard of o's model that rank `rank` of o->tp holds. */
@@ -1746,6 +1840,8 @@ static void tp_rank_opts(const cli_opts *o, uint32_t rank, cli_opts *out) {
   out->g.n_heads = o->g.n_heads / o->tp;
   out->g.kv_heads = o->g.kv_heads / o->tp;
   out->g.ffn = o->g.ffn / o->tp;
+  /* CUDA: rank r on GPU r (its engine's device_ordinal, its model's device) */
+  if (resolve_backend(o) == AKV_BACKEND_CUDA) out->device = (int)rank;
   if (rank > 0) { /* rank 0 reports; the others stay quiet */
     out->progress = 0;
     out->logits_out = NULL;
@@ -1756,7 +1852,10 @@ static void tp_rank_opts(const cli_opts *o, uint32_t rank, cli_opts *out) {
 /*
  * --tp N: N ranks in this process, one thread each (one process drives
  * every rank so that --check compares against the TP=N resident run in the
- * same process). Rank 0's result is the report's, with every rank's bytes.
+ * same process). Host backend: the ranks' groups on one in-process world.
+ * CUDA backend: rank r on GPU r, the groups and the model's all-reduce on
+ * NCCL communicators made here by ncclCommInitAll (tp_nccl.h). Rank 0's
+ * result is the report's, with every rank's bytes.
  */
 static int run_tp(const cli_opts *o, int steps_out, run_result *res) {
   const uint32_t n = o->tp;
@@ -1774,19 +1873,34 @@ static int run_tp(const cli_opts *o, int steps_out, run_result *res) {
     say_error("out of host memory");
     goto out;
   }
-  akv_status st = akv_group_world_create(n, o->contexts, &w.gw);
-  if (st != AKV_OK) {
-    say_error("akv_group_world_create: %s", akv_status_string(st));
+  const int cuda = resolve_backend(o) == AKV_BACKEND_CUDA;
+  if (cuda) {
+#ifdef ACTIVEKV_NCCL
+    char err[512];
+    if (tp_nccl_create(n, &w.nccl, err, sizeof err) != 0) {
+      say_error("--tp %u: %s", n, err);
+      goto out;
+    }
+#else
+    say_error("--tp %u: this activekv was built without NCCL", n); /* cmd_decode refused it */
     goto out;
+#endif
+  } else {
+    akv_status st = akv_group_world_create(n, o->contexts, &w.gw);
+    if (st != AKV_OK) {
+      say_error("akv_group_world_create: %s", akv_status_string(st));
+      goto out;
+    }
   }
   for (uint32_t k = 0; k < n; ++k) {
     tp_job *j = &jobs[k];
     tp_rank_opts(o, k, &j->o);
     j->t.w = &w;
     j->t.rank = k;
+    j->steps_out = k == 0 ? steps_out : 0;
+    if (cuda) continue; /* the all-reduce is NCCL's, on the device */
     j->t.cap = (uint64_t)o->contexts * o->g.hidden;
     j->t.sum = malloc(j->t.cap * sizeof(float));
-    j->steps_out = k == 0 ? steps_out : 0;
     if (j->t.sum == NULL) {
       say_error("out of host memory");
       goto out;
@@ -1800,6 +1914,17 @@ static int run_tp(const cli_opts *o, int steps_out, run_result *res) {
     }
   }
   int failed = started < n;
+  if (cuda && !tp_wait(&w, started)) {
+    /* A rank failed and another is still blocked, its stream inside the
+     * model's all-reduce waiting for the failed rank: nothing on the host
+     * ends that wait, so the process ends (the driver frees the GPUs). */
+    say_error("--tp %u: a rank failed and another is still blocked %u s later (its GPU waits "
+              "in the model's NCCL all-reduce for the failed rank); exiting without cleanup",
+              n, TP_GRACE_S);
+    fflush(stdout);
+    fflush(stderr);
+    _exit(EXIT_RUN_ERROR);
+  }
   for (uint32_t k = 0; k < started; ++k) {
     pthread_join(th[k], NULL);
     failed |= jobs[k].rc != 0;
@@ -1807,6 +1932,7 @@ static int run_tp(const cli_opts *o, int steps_out, run_result *res) {
   if (failed) goto out;
   *res = jobs[0].res;
   res->tp = n;
+  res->tp_nccl = cuda;
   for (uint32_t k = 0; k < n; ++k) {
     const run_result *x = &jobs[k].res;
     res->rank_h2d[k] = x->bytes_h2d;
@@ -1823,6 +1949,9 @@ out:
   for (uint32_t k = 0; jobs && k < n; ++k) free(jobs[k].t.sum);
   free(jobs);
   if (w.gw) akv_group_world_destroy(w.gw);
+#ifdef ACTIVEKV_NCCL
+  tp_nccl_destroy(w.nccl, rc == 0);
+#endif
   pthread_cond_destroy(&w.cv);
   pthread_mutex_destroy(&w.mu);
   return rc;
@@ -1907,8 +2036,8 @@ static void print_summary(const cli_opts *o, const run_result *res) {
          backend_name(res->backend));
   printf("  %-20s %s\n", "route", route_names[res->route]);
   if (res->tp > 0) {
-    printf("  %-20s %u ranks, in-process group; H2D per rank per step:", "tensor parallel",
-           res->tp);
+    printf("  %-20s %u ranks, %s; H2D per rank per step:", "tensor parallel", res->tp,
+           res->tp_nccl ? "one GPU each, NCCL group" : "in-process group");
     for (uint32_t k = 0; k < res->tp; ++k)
       printf("%s %s", k ? "," : "", fmt_xfer(a, sizeof a, res->rank_h2d[k]));
     printf(" (each over its own link; the bound below is per rank)\n");
@@ -2167,6 +2296,46 @@ static int check_model(const cli_opts *o, akv_backend_kind backend) {
   return 0;
 }
 
+/*
+ * --tp N on the CUDA backend: one process, rank r on GPU r, so N GPUs must
+ * be visible; the groups and the model's all-reduce need NCCL, found at
+ * build time. 0, or EXIT_USAGE with the message printed.
+ */
+static int check_tp_cuda(const cli_opts *o) {
+#if !defined(ACTIVEKV_CUDA_MODEL)
+  say_error("--tp %u: this activekv was built without CUDA; use --backend host", o->tp);
+  return EXIT_USAGE;
+#elif !defined(ACTIVEKV_NCCL)
+  say_error("--tp %u on the CUDA backend needs NCCL, which was not found when this activekv "
+            "was built (CMake looks for nccl.h and libnccl next to the CUDA toolkit; see "
+            "AKV_WITH_NCCL); use --backend host",
+            o->tp);
+  return EXIT_USAGE;
+#else
+  char why[256] = "";
+  const int visible = model_cuda_device_count(why, sizeof why);
+  if (visible == 0) {
+    say_error("--tp %u: the CUDA backend runs one rank per GPU (rank r on GPU r) and 0 GPUs are "
+              "visible%s%s%s; use --backend host",
+              o->tp, why[0] ? " (" : "", why, why[0] ? ")" : "");
+    return EXIT_USAGE;
+  }
+  if ((int)o->tp > visible) {
+    say_error("--tp %u: the CUDA backend runs one rank per GPU (rank r on GPU r) and %d GPU%s "
+              "visible; lower --tp to %d or less, or use --backend host",
+              o->tp, visible, visible == 1 ? " is" : "s are", visible);
+    return EXIT_USAGE;
+  }
+  if (o->device != 0) {
+    say_error("--device %d with --tp %u: rank r runs on GPU r (0..%u); choose the GPUs with "
+              "CUDA_VISIBLE_DEVICES instead",
+              o->device, o->tp, o->tp - 1);
+    return EXIT_USAGE;
+  }
+  return 0;
+#endif
+}
+
 static int cmd_decode(const cli_opts *o) {
   run_result res;
   cli_opts rank0; /* --tp: rank 0's shard, for the fit line */
@@ -2183,11 +2352,8 @@ static int cmd_decode(const cli_opts *o) {
     return EXIT_USAGE;
   }
   if (o->tp > 0 && resolve_backend(o) != AKV_BACKEND_HOST) {
-    /* The CUDA model is not sharded yet (its weights, all-reduce on NCCL). */
-    say_error("--tp %u: the CUDA backend's tensor parallel run is not built yet; use --backend "
-              "host",
-              o->tp);
-    return EXIT_USAGE;
+    rc = check_tp_cuda(o);
+    if (rc != 0) return rc;
   }
   if (o->tp > 0) {
     tp_rank_opts(o, 0, &rank0);
@@ -2208,10 +2374,13 @@ static int cmd_decode(const cli_opts *o) {
       return EXIT_USAGE;
     pre.host_pool_gib = cfg.host_pool_gib;
     if (o->tp > 0)
-      printf("tp: %u ranks (one thread and one engine each, one group), each %u of %u kv heads, "
-             "%u of %u heads, ffn %u of %u; fit per rank:\n",
-             o->tp, fo->g.kv_heads, o->g.kv_heads, fo->g.n_heads, o->g.n_heads, fo->g.ffn,
-             o->g.ffn);
+      printf("tp: %u ranks (one thread and one engine each, one group%s), each %u of %u kv "
+             "heads, %u of %u heads, ffn %u of %u; fit per rank:\n",
+             o->tp,
+             resolve_backend(o) == AKV_BACKEND_CUDA ? "; rank r on GPU r, agreement and "
+                                                      "all-reduce through NCCL"
+                                                    : "",
+             fo->g.kv_heads, o->g.kv_heads, fo->g.n_heads, o->g.n_heads, fo->g.ffn, o->g.ffn);
     if (o->route == ROUTE_RESIDENT)
       printf("fit: resident route, no engine: every row stays on the device\n");
     else

@@ -135,19 +135,29 @@ typedef struct model_options {
   int device;            /* CUDA device ordinal (CUDA model only) */
   akv_dtype kv_dtype;    /* AKV_DTYPE_BF16 (0) or AKV_DTYPE_FP8_E4M3 */
   /*
-   * Tensor parallel (Megatron-style), CPU model only: with tp_size >= 2 the
-   * geometry given to the creator is rank tp_rank's shard (n_heads, kv_heads
-   * and ffn already divided by tp_size); the rank draws the full model's
-   * weights at its shard's indices (its Q/K/V heads and their Wo columns,
-   * its gate/up rows and their Wdown columns; norms, embedding and LM head
-   * whole) and calls allreduce(allreduce_user, v, n) on its partial outputs
-   * after the attention output projection and after the MLP: v[0..n) must
-   * come back as the sum over ranks in a fixed rank order, the same on every
-   * rank (0, or nonzero to fail the forward). tp_size 0 or 1: unsharded, no
-   * reduction (allreduce may still be set: it is called, with one rank).
+   * Tensor parallel (Megatron-style): with tp_size >= 2 the geometry given
+   * to the creator is rank tp_rank's shard (n_heads, kv_heads and ffn
+   * already divided by tp_size); the rank draws the full model's weights at
+   * its shard's indices (its Q/K/V heads and their Wo columns, its gate/up
+   * rows and their Wdown columns; norms, embedding and LM head whole) and
+   * sums its partial outputs over the ranks after the attention output
+   * projection and after the MLP, through the all-reduce of its kind:
+   *  - CPU model: allreduce(allreduce_user, v, n), v a host array;
+   *  - CUDA model: allreduce_dev(allreduce_user, v, n, stream), v a device
+   *    array of the model's device and `stream` the model's cudaStream_t:
+   *    the sum is enqueued on `stream` (in place) and the model reads v
+   *    after it on that stream; the call returns once it is enqueued.
+   * v[0..n) must come back as the sum over ranks, the same bits on every
+   * rank and in the same order for every call of a run (the staged and the
+   * resident forwards of a --check compare bit for bit). The callback
+   * returns 0, or nonzero to fail the forward. tp_size 0 or 1: unsharded, no
+   * reduction needed (the callback may still be set: it is called, with one
+   * rank, and a sum over one rank leaves v as it is, so the logits are those
+   * of an unsharded model).
    */
   uint32_t tp_rank, tp_size;
   int (*allreduce)(void *user, float *v, uint64_t n);
+  int (*allreduce_dev)(void *user, float *v, uint64_t n, void *stream);
   void *allreduce_user;
 } model_options;
 
@@ -235,6 +245,10 @@ int model_cuda_create(const model_geometry *g, const model_options *opt, model *
                       size_t cap);
 /* 1 when a CUDA device can be used, else 0 (CUDA builds only). */
 int model_cuda_available(void);
+/* CUDA devices visible to this process (0 when none or no driver); with
+ * why != NULL, the runtime's reason when it could not count them ("" else).
+ * CUDA builds only. */
+int model_cuda_device_count(char *why, size_t cap);
 
 static inline void model_destroy(model *m) {
   if (m) m->ops->destroy(m);

@@ -18,6 +18,14 @@
  * the view model_attend is given (the engine's staged layer or the model's
  * resident store) and, at sliding-window layers, over the model's own window
  * rows, with the model's chunk size.
+ *
+ * Tensor parallel (model_options.tp_size, allreduce_dev): the model is rank
+ * tp_rank's shard, drawn at the full model's indices as model_cpu.c draws it
+ * (k_fill_shard), and the partial outputs of the attention output projection
+ * and of the MLP are summed over the ranks by the caller's allreduce_dev on
+ * the model's stream, then added to the residual stream. This file knows no
+ * NCCL: the caller's callback does the collective (the CLI's is
+ * ncclAllReduce, examples/tp_nccl.c).
  */
 #include <cuda_runtime.h>
 #include <stdio.h>
@@ -43,6 +51,8 @@ struct cuda_layer {
 
 struct cuda_model {
   model base;
+  model_geometry full_g; /* the whole model (tensor parallel: base.g is the shard) */
+  uint32_t tp;           /* ranks, >= 1 */
   cudaStream_t stream;
   uint32_t q_dim, kv_dim, qkv_dim, widest;
   uint64_t row_bytes;
@@ -64,6 +74,8 @@ struct cuda_model {
   uint16_t *v_new;  /* [B][kv_dim] */
   float *attn;      /* [B][n_heads][head_dim] */
   float *logits_d;  /* [B][vocab] */
+  float *part;      /* [B][hidden] a projection's output before the all-reduce (with
+                       allreduce_dev only, else NULL) */
   float *logits_h;  /* pinned host [B][vocab] */
   void *workspace;
   size_t workspace_bytes; /* sized for opt.max_tokens rows per context */
@@ -102,6 +114,34 @@ __global__ void k_fill_weights(uint16_t *dst, uint64_t n, uint64_t key, float un
   for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n;
        i += (uint64_t)gridDim.x * blockDim.x)
     dst[i] = model_weight_bf16(key, i, unit, offset);
+}
+
+/*
+ * Tensor parallel: which full-model row each row of a shard is. Shard rows
+ * [start[s], start[s+1]) are full rows full0[s] + (j - start[s]); start[n]
+ * is the shard's row count. One segment with full0 0 is the identity.
+ */
+struct cuda_row_map {
+  uint64_t start[4];
+  uint64_t full0[3];
+  uint32_t n;
+};
+
+/* A rows x cols shard of a tensor of full_cols columns: shard element (j, k)
+ * is the full tensor's element (row map(j), col0 + k), drawn as
+ * k_fill_weights draws it, so a shard holds exactly the full model's bits. */
+__global__ void k_fill_shard(uint16_t *dst, uint64_t rows, uint64_t cols, uint64_t full_cols,
+                             uint64_t col0, cuda_row_map map, uint64_t key, float unit,
+                             float offset) {
+  const uint64_t n = rows * cols;
+  for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n;
+       i += (uint64_t)gridDim.x * blockDim.x) {
+    const uint64_t j = i / cols, k = i % cols;
+    uint32_t s = 0;
+    while (s + 1 < map.n && j >= map.start[s + 1]) ++s;
+    const uint64_t fr = map.full0[s] + (j - map.start[s]);
+    dst[i] = model_weight_bf16(key, fr * full_cols + col0 + k, unit, offset);
+  }
 }
 
 __device__ __forceinline__ float bf(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
@@ -254,6 +294,15 @@ __global__ void k_to_bf16(const float *__restrict__ in, uint16_t *__restrict__ o
     out[i] = to_bf(in[i]);
 }
 
+/* x[i] = x[i] + part[i]: the all-reduced partial added to the residual
+ * stream, the one rounded add k_gemv's `add` makes (so one rank gives the
+ * bits of an unsharded model). */
+__global__ void k_add(float *__restrict__ x, const float *__restrict__ part, uint64_t n) {
+  for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n;
+       i += (uint64_t)gridDim.x * blockDim.x)
+    x[i] = __fadd_rn(x[i], part[i]);
+}
+
 /* h = silu(gate) * up, as bf16 rows of ffn. */
 __global__ void k_swiglu(const float *__restrict__ gateup, uint16_t *__restrict__ out,
                          uint32_t ffn) {
@@ -327,6 +376,22 @@ static int cm_gemv(cuda_model *cm, const uint16_t *W, uint32_t N, uint32_t K, co
 static int cm_attend_rows(cuda_model *cm, const model_kv_view *v, const uint32_t *write_row,
                           const uint32_t *len1);
 
+/* Tensor parallel: part[n_ctx][hidden] summed over the ranks by the caller's
+ * all-reduce, enqueued on the model's stream, then added to the residual. */
+static int cm_reduce_add(cuda_model *cm, uint32_t n_ctx) {
+  model *m = &cm->base;
+  const uint64_t n = (uint64_t)n_ctx * m->g.hidden;
+  if (m->opt.allreduce_dev(m->opt.allreduce_user, cm->part, n, cm->stream) != 0) {
+    snprintf(m->error, sizeof m->error,
+             "the tensor parallel all-reduce could not be enqueued (a peer or the "
+             "communicator stopped)");
+    return -1;
+  }
+  k_add<<<(unsigned)((n + 255) / 256), 256, 0, cm->stream>>>(cm->x, cm->part, n);
+  CM_LAUNCHED();
+  return 0;
+}
+
 static int cm_forward(model *m, uint32_t lane, uint32_t n_ctx, const int32_t *tokens,
                       const uint32_t *pos, model_layer_fn fn, void *user, float *logits) {
   cuda_model *cm = cm_of(m);
@@ -394,16 +459,25 @@ static int cm_forward(model *m, uint32_t lane, uint32_t n_ctx, const int32_t *to
       return -1;
     }
 
+    /* Without an all-reduce the projections add into the residual stream
+     * directly; with one (tensor parallel) each rank's partial goes to
+     * `part`, is summed over the ranks, then added: with one rank the same
+     * single rounded add, so the same bits. */
+    const int reduce = m->opt.allreduce_dev != NULL;
     uint64_t n_attn = (uint64_t)n_ctx * cm->q_dim;
     k_to_bf16<<<(unsigned)((n_attn + 255) / 256), 256, 0, s>>>(cm->attn, cm->xin, n_attn);
     CM_LAUNCHED();
-    if (cm_gemv(cm, L->wo, H, cm->q_dim, cm->xin, cm->x, H, n_ctx, 1)) return -1;
+    if (cm_gemv(cm, L->wo, H, cm->q_dim, cm->xin, reduce ? cm->part : cm->x, H, n_ctx, !reduce))
+      return -1;
+    if (reduce && cm_reduce_add(cm, n_ctx) != 0) return -1;
     k_rmsnorm<<<n_ctx, 256, 0, s>>>(cm->x, L->mlp_norm, cm->xin, H, g->norm_eps);
     CM_LAUNCHED();
     if (cm_gemv(cm, L->wgateup, 2 * F, H, cm->xin, cm->gateup, 2 * F, n_ctx, 0)) return -1;
     k_swiglu<<<dim3((F + 255) / 256, n_ctx), 256, 0, s>>>(cm->gateup, cm->xin, F);
     CM_LAUNCHED();
-    if (cm_gemv(cm, L->wdown, H, F, cm->xin, cm->x, H, n_ctx, 1)) return -1;
+    if (cm_gemv(cm, L->wdown, H, F, cm->xin, reduce ? cm->part : cm->x, H, n_ctx, !reduce))
+      return -1;
+    if (reduce && cm_reduce_add(cm, n_ctx) != 0) return -1;
   }
   k_rmsnorm<<<n_ctx, 256, 0, s>>>(cm->x, cm->final_norm, cm->xin, H, g->norm_eps);
   CM_LAUNCHED();
@@ -657,6 +731,7 @@ static uint64_t cm_layout_scratch(cuda_model *cm, uint8_t *base) {
   cm->v_new = c.take<uint16_t>(B * cm->kv_dim);
   cm->attn = c.take<float>(B * cm->q_dim);
   cm->logits_d = c.take<float>(B * g->vocab);
+  cm->part = cm->base.opt.allreduce_dev ? c.take<float>(B * g->hidden) : nullptr;
   return c.used;
 }
 
@@ -671,6 +746,59 @@ static int cm_fill(cuda_model *cm, uint16_t *dst, uint64_t count, uint32_t tenso
                                                            model_tensor_offset(tensor));
   CM_LAUNCHED();
   return 0;
+}
+
+/*
+ * Tensor parallel: a rows x cols shard of `tensor` (the full tensor has
+ * full_cols columns; shard column k is full column col0 + k, shard rows map
+ * through `map`), drawn with the full model's unit, so that every rank holds
+ * the full model's bits at its shard's indices (model_cpu.c's
+ * cpu_fill_shard, the same map).
+ */
+static int cm_fill_shard(cuda_model *cm, uint16_t *dst, uint64_t rows, uint64_t cols,
+                         uint64_t full_cols, uint64_t col0, const cuda_row_map &map,
+                         uint32_t tensor, uint32_t layer) {
+  uint64_t key = model_tensor_key(cm->base.opt.seed, tensor, layer);
+  uint64_t blocks = (rows * cols + 255) / 256;
+  if (blocks > 65535u * 16u) blocks = 65535u * 16u;
+  k_fill_shard<<<(unsigned)blocks, 256, 0, cm->stream>>>(
+      dst, rows, cols, full_cols, col0, map, key, model_tensor_unit(tensor, &cm->full_g),
+      model_tensor_offset(tensor));
+  CM_LAUNCHED();
+  return 0;
+}
+
+/* The shard's projections of layer l: its Q rows, then its K rows, then its
+ * V rows of Wqkv; its Wo columns; its gate rows, then its up rows; its
+ * Wdown columns. */
+static int cm_fill_layer_shard(cuda_model *cm, const cuda_layer *L, uint32_t l) {
+  const model_geometry *g = &cm->base.g;
+  const uint64_t H = g->hidden, F = g->ffn, tp = cm->tp, r = cm->base.opt.tp_rank;
+  const uint64_t q = cm->q_dim, kv = cm->kv_dim;
+  cuda_row_map qkv, ident, gateup;
+  memset(&qkv, 0, sizeof qkv);
+  memset(&ident, 0, sizeof ident);
+  memset(&gateup, 0, sizeof gateup);
+  /* full Wqkv rows: tp*q Q rows, then tp*kv K rows, then tp*kv V rows */
+  qkv.n = 3;
+  qkv.start[1] = q;
+  qkv.start[2] = q + kv;
+  qkv.start[3] = q + 2 * kv;
+  qkv.full0[0] = r * q;
+  qkv.full0[1] = tp * q + r * kv;
+  qkv.full0[2] = tp * q + tp * kv + r * kv;
+  ident.n = 1;
+  ident.start[1] = H;
+  /* full Wgate|up rows: tp*F gate rows, then tp*F up rows */
+  gateup.n = 2;
+  gateup.start[1] = F;
+  gateup.start[2] = 2 * F;
+  gateup.full0[0] = r * F;
+  gateup.full0[1] = tp * F + r * F;
+  return cm_fill_shard(cm, L->wqkv, cm->qkv_dim, H, H, 0, qkv, MODEL_T_WQKV, l) ||
+         cm_fill_shard(cm, L->wo, H, q, q * tp, r * q, ident, MODEL_T_WO, l) ||
+         cm_fill_shard(cm, L->wgateup, 2 * F, H, H, 0, gateup, MODEL_T_WGATEUP, l) ||
+         cm_fill_shard(cm, L->wdown, H, F, F * tp, r * F, ident, MODEL_T_WDOWN, l);
 }
 
 static int cm_setup(cuda_model *cm) {
@@ -697,6 +825,12 @@ static int cm_setup(cuda_model *cm) {
   if (cm_fill(cm, cm->final_norm, H, MODEL_T_FINAL_NORM, 0)) return -1;
   for (uint32_t l = 0; l < g->n_layers; ++l) {
     cuda_layer *L = &cm->layers[l];
+    if (cm->tp > 1) {
+      if (cm_fill(cm, L->attn_norm, H, MODEL_T_ATTN_NORM, l) ||
+          cm_fill(cm, L->mlp_norm, H, MODEL_T_MLP_NORM, l) || cm_fill_layer_shard(cm, L, l))
+        return -1;
+      continue;
+    }
     if (cm_fill(cm, L->attn_norm, H, MODEL_T_ATTN_NORM, l) ||
         cm_fill(cm, L->wqkv, (uint64_t)cm->qkv_dim * H, MODEL_T_WQKV, l) ||
         cm_fill(cm, L->wo, H * cm->q_dim, MODEL_T_WO, l) ||
@@ -752,6 +886,14 @@ extern "C" int model_cuda_available(void) {
   return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
 }
 
+extern "C" int model_cuda_device_count(char *why, size_t cap) {
+  int n = 0;
+  cudaError_t e = cudaGetDeviceCount(&n);
+  if (why != NULL && cap > 0)
+    snprintf(why, cap, "%s", e == cudaSuccess ? "" : cudaGetErrorString(e));
+  return e == cudaSuccess ? n : 0;
+}
+
 extern "C" int model_cuda_create(const model_geometry *g, const model_options *opt, model **out,
                                  char *err, size_t cap) {
   if (g == NULL || opt == NULL || out == NULL) {
@@ -775,6 +917,13 @@ extern "C" int model_cuda_create(const model_geometry *g, const model_options *o
              g->head_dim);
     return -1;
   }
+  const uint32_t tp = opt->tp_size > 1 ? opt->tp_size : 1;
+  if (opt->tp_rank >= tp || (tp > 1 && (opt->kv_dtype != AKV_DTYPE_BF16 ||
+                                        opt->allreduce_dev == NULL))) {
+    snprintf(err, cap, "tensor parallel: rank %u of %u (bf16 K/V only, with allreduce_dev)",
+             opt->tp_rank, tp);
+    return -1;
+  }
   cuda_model *cm = (cuda_model *)calloc(1, sizeof *cm);
   cuda_layer *layers = (cuda_layer *)calloc(g->n_layers, sizeof *layers);
   if (cm == NULL || layers == NULL) {
@@ -786,6 +935,11 @@ extern "C" int model_cuda_create(const model_geometry *g, const model_options *o
   cm->base.ops = &cm_ops;
   cm->base.g = *g;
   cm->base.opt = *opt;
+  cm->full_g = *g; /* the full model's geometry: its fan-ins scale the weights */
+  cm->full_g.n_heads *= tp;
+  cm->full_g.kv_heads *= tp;
+  cm->full_g.ffn *= tp;
+  cm->tp = tp;
   cm->layers = layers;
   cm->layer = -1;
   cm->q_dim = g->n_heads * g->head_dim;

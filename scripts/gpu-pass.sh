@@ -39,8 +39,10 @@
 #                 build; written to hostcost.log)
 #                 tp: tensor parallel groups through NCCL on every visible
 #                 GPU (tests/gpu/test_gpu_nccl.c), in tp.log, then the CLI's
-#                 --tp 2 --check against --tp 1 (llama3-8b, 4 x 31744, stage),
-#                 in tp-cli.log; scripts/tp-pass.sh runs build and tp only)
+#                 --tp 2 --check against the plain run (llama3-8b, 4 x 31744,
+#                 stage) with two GPUs or more, --tp 1 --check (one rank
+#                 through NCCL) against the plain run with one, in
+#                 tp-cli.log; scripts/tp-pass.sh runs build and tp only)
 #                 headroom: issue 13's headroom sweep and mid-run release
 #                 (llama3-8b; headroom.log, headroom.jsonl), not in the default
 #                 list: AKV_STEPS="build ctest headroom" measures it alone
@@ -459,31 +461,57 @@ if has_step tp; then
   else
     record "tp groups (NCCL)" "SKIP" "no test_gpu_nccl (NCCL not found at configure? see build.log)"
   fi
-  # The CLI's --tp: llama3-8b, 4 x 31,744, stage, TP=2 checked bit for bit
-  # against the TP=2 resident run, then the TP=1 run; TP=1 against TP=2
-  # tokens/s. Needs two visible GPUs (the CLI refuses --tp 2 with fewer,
-  # exit 2, and says so in tp-cli.log).
+  # The CLI's --tp on the CUDA backend (one process, rank r on GPU r, NCCL):
+  # llama3-8b, 4 x 31,744, stage. Two GPUs or more: TP=2 checked bit for bit
+  # against the TP=2 resident run, then the plain TP=1 run; TP=1 against TP=2
+  # tokens/s. One GPU: TP=1 through NCCL (a group of one, the model's
+  # all-reduce over one rank) checked bit for bit against its resident run,
+  # then the plain run, which it should match in tokens/s. Each run's output
+  # goes to tp-cli.log after a "== " line naming it.
   cli=$BUILD/examples/activekv
-  if [ -x "$cli" ]; then
-    log "CLI --tp 2 against --tp 1 (llama3-8b, 4 x 31744, stage)"
+  ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+  if [ -n "${CUDA_VISIBLE_DEVICES+x}" ]; then # the GPUs this process sees
+    ngpu=$(printf '%s' "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .)
+  fi
+  if [ -x "$cli" ] && [ "$ngpu" -ge 1 ]; then
     tpargs="decode --preset llama3-8b --contexts 4 --tokens 31744 --route stage --no-progress --json"
+    if [ "$ngpu" -ge 2 ]; then ntp=2; else ntp=1; fi
+    log "CLI --tp $ntp --check against the plain run (llama3-8b, 4 x 31744, stage; $ngpu GPU(s))"
+    : >"$OUT/tp-cli.log"
+    tp_cli() { # label args...: one run, its JSON line to /tmp/akv-tp-<label>.json
+      local label=$1
+      shift
+      echo "== $label: activekv $*" >>"$OUT/tp-cli.log"
+      timeout 900 "$cli" "$@" >/tmp/akv-tp-"$label".out 2>&1
+      local rc=$?
+      cat /tmp/akv-tp-"$label".out >>"$OUT/tp-cli.log"
+      echo "rc=$rc" >>"$OUT/tp-cli.log"
+      grep '^{' /tmp/akv-tp-"$label".out | tail -1 >/tmp/akv-tp-"$label".json
+      return $rc
+    }
+    field() { sed -n "s/.*\"$2\":\([0-9.e+a-z]*\).*/\1/p" /tmp/akv-tp-"$1".json; }
     # shellcheck disable=SC2086 # $tpargs is a list of flags
-    {
-      timeout 900 "$cli" $tpargs --tp 2 --check
-      echo "rc=$?"
-      timeout 900 "$cli" $tpargs
-      echo "rc=$?"
-    } >"$OUT/tp-cli.log" 2>&1
-    tps() { grep "\"tp\":$1," "$OUT/tp-cli.log" | tail -1 | sed -n 's/.*"tokens_per_s":\([0-9.e+]*\).*/\1/p'; }
-    t1=$(tps 1) t2=$(tps 2)
-    bw=$(grep '"tp":2,' "$OUT/tp-cli.log" | tail -1 | sed -n 's/.*"bitwise":\([a-z]*\).*/\1/p')
-    ratio=$(awk -v a="${t2:-0}" -v b="${t1:-0}" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "n/a" }')
-    rc=$(grep -c '^rc=[1-9]' "$OUT/tp-cli.log")
-    record "tp CLI (TP=2 vs TP=1)" "$([ "$rc" = 0 ] && [ "$bw" = true ] && echo ok || echo FAIL)" \
-      "TP=1 ${t1:-none} tok/s, TP=2 ${t2:-none} tok/s (x$ratio), TP=2 bitwise ${bw:-none}; see tp-cli.log"
-    echo "TP=1 ${t1:-none} tokens/s, TP=2 ${t2:-none} tokens/s (TP=2 / TP=1 = $ratio), TP=2 bitwise vs TP=2 resident: ${bw:-none}"
+    tp_cli tpn $tpargs --tp $ntp --check
+    rc_n=$?
+    # shellcheck disable=SC2086
+    tp_cli plain $tpargs
+    rc_p=$?
+    tn=$(field tpn tokens_per_s) tp1=$(field plain tokens_per_s) bw=$(field tpn bitwise)
+    ratio=$(awk -v a="${tn:-0}" -v b="${tp1:-0}" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "n/a" }')
+    ok=$([ "$rc_n" = 0 ] && [ "$rc_p" = 0 ] && [ "$bw" = true ] && echo ok || echo FAIL)
+    if [ "$ntp" = 2 ]; then
+      record "tp CLI (TP=2 vs TP=1)" "$ok" \
+        "TP=1 ${tp1:-none} tok/s, TP=2 ${tn:-none} tok/s (x$ratio), TP=2 bitwise ${bw:-none}; see tp-cli.log"
+      echo "TP=1 ${tp1:-none} tokens/s, TP=2 ${tn:-none} tokens/s (TP=2 / TP=1 = $ratio), TP=2 bitwise vs TP=2 resident: ${bw:-none}"
+    else
+      record "tp CLI (TP=1 NCCL, 1 GPU)" "$ok" \
+        "one GPU: --tp 1 through NCCL ${tn:-none} tok/s (bitwise ${bw:-none}) vs plain ${tp1:-none} tok/s (x$ratio); TP=2 needs two GPUs; see tp-cli.log"
+      echo "one GPU: --tp 1 through NCCL ${tn:-none} tokens/s, bitwise vs its resident run: ${bw:-none}; plain run ${tp1:-none} tokens/s (x$ratio)"
+    fi
+  elif [ -x "$cli" ]; then
+    record "tp CLI" "SKIP" "no GPU visible (nvidia-smi -L)"
   else
-    record "tp CLI (TP=2 vs TP=1)" "SKIP" "no CLI binary"
+    record "tp CLI" "SKIP" "no CLI binary"
   fi
 fi
 
