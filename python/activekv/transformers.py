@@ -81,6 +81,13 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _NOT_READY = STATUS_VALUES["AKV_ERR_NOT_READY"]
 
 
+# Sealed leases gathered before akv_lease_try_retire is tried: each try queries the
+# oldest lease's events (four cudaEventQuery), so trying after every layer costs more host
+# time than it saves; a lease left sealed only holds its staging buffer's reuse, which the
+# engine orders on the device anyway.
+_RETIRE_BATCH = 4
+
+
 def _try_retire_pending(status: int) -> bool:
     """True when a failed akv_lease_try_retire only means "fences still pending" (it then
     changed nothing): AKV_ERR_NOT_READY, matched by value. Every other status, one newer
@@ -542,7 +549,8 @@ class _Driver:
             return  # another cache's forward, or already sealed
         self.seal_pending()
         self.hook_seals += 1
-        self.try_retire()
+        if len(self.sealed) >= _RETIRE_BATCH:
+            self.try_retire()
 
     def try_retire(self) -> None:
         """Retires the oldest sealed leases whose fences have all passed; never waits."""
@@ -737,6 +745,10 @@ class ActiveKVCache(Cache):
         page_tokens: tokens per page.
         target_pages / burst_pages: admission of each context (None = fair share).
         log / log_level: the engine's log sink and level.
+        hooks: register the forward hooks that seal each lease right after its attention
+            (``attach``). False seals each lease at the next layer's update instead (and the
+            last at the step boundary): no host wait either way, one module hook fewer per
+            layer on the host, and the staging buffer is reused one layer's compute later.
 
     Raises ValueError for an unusable configuration and the package's exceptions
     (akv.ActiveKVError subclasses) for what the engine refuses (NoFit, OutOfMemory, ...).
@@ -761,6 +773,7 @@ class ActiveKVCache(Cache):
         burst_pages: int = 0,
         log=None,
         log_level: str = "warn",
+        hooks: bool = True,
     ):
         if model is not None:
             config = model.config
@@ -791,7 +804,7 @@ class ActiveKVCache(Cache):
         self.dense_layers = dense  # dense index d -> model layer index
         self._max_cache_len = max_cache_len
         self._hooks: list = []
-        if model is not None:
+        if model is not None and hooks:
             self.attach(model)
 
     # -- binding --------------------------------------------------------------
