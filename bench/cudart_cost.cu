@@ -52,6 +52,20 @@ __global__ void rows_kernel(const __grid_constant__ Rows8 r) {
 
 __global__ void empty_kernel() {}
 
+/* Parameter blocks of the engine's device->device gather (backend_cuda.cu:
+ * 20 bytes per descriptor, up to 1024 per launch): what a launch costs the
+ * host as its parameters grow. */
+template <int N>
+struct GatherParams {
+  const uint4 *src[N];
+  uint4 *dst[N];
+  uint32_t words[N];
+};
+template <int N>
+__global__ void gather_params_kernel(const __grid_constant__ GatherParams<N> b) {
+  if (threadIdx.x == 0 && b.words[blockIdx.x] == 0xffffffffu) b.dst[0][0] = b.src[0][0];
+}
+
 template <class F>
 static void measure(const char *name, int reps, cudaStream_t drain, F &&f) {
   std::vector<double> t;
@@ -156,6 +170,23 @@ int main(int argc, char **argv) {
     empty_kernel<<<1, 32, 0, s1>>>();
     CK(cudaGetLastError());
   });
+  {
+    static GatherParams<64> g64;
+    static GatherParams<256> g256;
+    static GatherParams<1024> g1024;
+    measure("kernel launch, 1.3 KB params (64 descriptors)", reps, s1, [&] {
+      gather_params_kernel<64><<<64, 32, 0, s1>>>(g64);
+      CK(cudaGetLastError());
+    });
+    measure("kernel launch, 5 KB params (256 descriptors)", reps, s1, [&] {
+      gather_params_kernel<256><<<256, 32, 0, s1>>>(g256);
+      CK(cudaGetLastError());
+    });
+    measure("kernel launch, 20 KB params (1024 descriptors)", reps, s1, [&] {
+      gather_params_kernel<1024><<<512, 32, 0, s1>>>(g1024);
+      CK(cudaGetLastError());
+    });
+  }
   Rows8 r;
   for (int i = 0; i < 8; ++i) {
     r.src[i] = (const uint4 *)(dev + (size_t)i * (1 << 20));

@@ -22,13 +22,15 @@ What happens, per layer as transformers calls ``cache.update(k, v, layer_idx)``:
   device) for the staged history, writes the token's K/V into the staging buffer at row
   ``len`` on torch's stream, and returns zero-copy strided views ``[B, H, len+1, D]`` over
   the staging buffer, which the model's own attention (SDPA) reads.
-- **After attention**: a forward hook on the layer's attention module records the
-  attention-consumed event on torch's stream, enqueues the write-back of the new rows and
-  seals the lease, all without a host wait; leases whose fences have all passed are then
-  retired with ``akv_lease_try_retire``, which queries events and never waits (it answers
+- **After attention**: the lease is sealed at the next layer's update (the last one at the
+  step boundary): the attention-consumed event is recorded on torch's stream, which by then
+  holds the layer's attention, the write-back of the new rows is enqueued and the lease
+  sealed, all without a host wait; leases whose fences have all passed are then retired
+  with ``akv_lease_try_retire``, which queries events and never waits (it answers
   ``AKV_ERR_NOT_READY`` while one is pending, and the lease waits for the step boundary).
-  Without a hook (a cache not bound to a model) the next layer's update seals the pending
-  lease instead.
+  With ``hooks=True`` a forward hook on each attention module seals the lease right after
+  its attention instead (the staging buffer is free a layer's compute sooner, at the cost of
+  a module hook per layer on the host).
 - **Sliding-window layers** of hybrid models stay transformers' own layer classes
   (``DynamicSlidingWindowLayer``, chosen from ``config.layer_types`` as ``DynamicCache``
   chooses them); only full-attention layers are staged, dense index ``d`` being the d-th
@@ -455,6 +457,8 @@ class _Driver:
             # now follows it.
             self.seal_pending()
             self.fallback_seals += 1
+            if len(self.sealed) >= _RETIRE_BATCH:
+                self.try_retire()
         if d != self.next_dense:
             raise RuntimeError("ActiveKVCache: full-attention layer %d updated out of order "
                                "(expected %d)" % (d, self.next_dense))
@@ -745,10 +749,12 @@ class ActiveKVCache(Cache):
         page_tokens: tokens per page.
         target_pages / burst_pages: admission of each context (None = fair share).
         log / log_level: the engine's log sink and level.
-        hooks: register the forward hooks that seal each lease right after its attention
-            (``attach``). False seals each lease at the next layer's update instead (and the
-            last at the step boundary): no host wait either way, one module hook fewer per
-            layer on the host, and the staging buffer is reused one layer's compute later.
+        hooks: False (the default) seals each lease at the next layer's update (the last
+            one at the step boundary); True registers forward hooks (``attach``) that seal it
+            right after its attention. Neither waits on the host. Measured on the H200
+            (docs/benchmarks.md), the module hooks cost more host time than they save in a
+            decode bound by the host; with them the staging buffer is free for reuse one
+            layer's compute sooner, which matters only when staging is not the bottleneck.
 
     Raises ValueError for an unusable configuration and the package's exceptions
     (akv.ActiveKVError subclasses) for what the engine refuses (NoFit, OutOfMemory, ...).
@@ -773,7 +779,7 @@ class ActiveKVCache(Cache):
         burst_pages: int = 0,
         log=None,
         log_level: str = "warn",
-        hooks: bool = True,
+        hooks: bool = False,
     ):
         if model is not None:
             config = model.config

@@ -99,7 +99,7 @@ def test_manual_loop_bitwise(route, pool, batch):
     prompt = prompt_ids(batch, 21)
     ref = decode(model, DynamicCache(config=model.config), prompt, steps=12)
     with ActiveKVCache(model, max_cache_len=64, batch_size=batch, route=route,
-                       device_pool_gib=pool, page_tokens=8) as cache:
+                       device_pool_gib=pool, page_tokens=8, hooks=True) as cache:
         got = decode(model, cache, prompt, steps=12)
         assert cache.engine.info().route == route
         stats = cache.stats
