@@ -27,7 +27,8 @@
  * combine kernel without programmatic dependent launch, PIECE_TOKENS 0 keeps
  * every chunk whole in one block, KERNEL 2 is the warp-streaming chunk kernel
  * (WARPS warps per block, LOADS row slots per warp and batch, doubled for
- * FP8; STAGES unused), MINB its resident blocks per SM asked of the compiler,
+ * FP8; STAGES 0 its register pipeline, >= 2 a per-thread cp.async ring of
+ * that many batches), MINB its resident blocks per SM asked of the compiler,
  * 0 = 16 warps per SM).
  * The defaults below are the library's.
  *

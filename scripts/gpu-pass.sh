@@ -51,13 +51,15 @@
 #   AKV_BENCH_VARIANTS  "label:WARPS:LOADS[:STAGES[:PDL[:PIECE[:KERNEL[:MINB]]]]] ...",
 #                 default "w8l4:8:4:0:0:128 w8l4p0:8:4:0:0:0 w8l4p64:8:4:0:0:64
 #                  w8l4p256:8:4:0:0:256 w8l4s3:8:4:3:1:128 k2w8l2:8:2:0:0:128:2
-#                  k2w8l2p0:8:2:0:0:0:2 k2w4l4:4:4:0:0:128:2:3 k2w4l2:4:2:0:0:128:2"
+#                  k2w8l2p0:8:2:0:0:0:2 k2w4l4:4:4:0:0:128:2:3
+#                  k2w8l4s3:8:4:3:0:128:2 k2w8l2s4:8:2:4:0:128:2"
 #                 (w8l4 is the library's: register pipeline, no PDL, chunks
 #                 cut into pieces of 128 rows; p0 keeps each chunk whole in one
 #                 block, the kernel before pieces; p64 and p256 other piece
 #                 sizes; KERNEL 2 (default 1) is the warp-streaming chunk
-#                 kernel, MINB (default 0: 16 warps per SM) its resident blocks
-#                 per SM asked of the compiler)
+#                 kernel (STAGES 0: register pipeline, >= 2: cp.async ring),
+#                 MINB (default 0: 16 warps per SM) its resident blocks per SM
+#                 asked of the compiler)
 #   AKV_FP8_POOLS  device pools (GiB) of the FP8 paged runs, default "4 8"
 #   AKV_FP8_DISTANCE_STEPS  steps of the logits-distance runs, default 64
 #   AKV_BENCH_CHUNKS    chunk sizes for the library variant, default "256 64 1024"
@@ -74,7 +76,7 @@ PASS_STEPS=${AKV_STEPS:-"build hostcost ctest sanitizer cli bench fp8 decode tp 
 # NVLink SHARP (multicast) stays off in every run that may start NCCL.
 export NCCL_NVLS_ENABLE=0
 JOBS=${AKV_JOBS:-16}
-VARIANTS=${AKV_BENCH_VARIANTS:-"w8l4:8:4:0:0:128 w8l4p0:8:4:0:0:0 w8l4p64:8:4:0:0:64 w8l4p256:8:4:0:0:256 w8l4s3:8:4:3:1:128 k2w8l2:8:2:0:0:128:2 k2w8l2p0:8:2:0:0:0:2 k2w4l4:4:4:0:0:128:2:3 k2w4l2:4:2:0:0:128:2"}
+VARIANTS=${AKV_BENCH_VARIANTS:-"w8l4:8:4:0:0:128 w8l4p0:8:4:0:0:0 w8l4p64:8:4:0:0:64 w8l4p256:8:4:0:0:256 w8l4s3:8:4:3:1:128 k2w8l2:8:2:0:0:128:2 k2w8l2p0:8:2:0:0:0:2 k2w4l4:4:4:0:0:128:2:3 k2w8l4s3:8:4:3:0:128:2 k2w8l2s4:8:2:4:0:128:2"}
 FP8_POOLS=${AKV_FP8_POOLS-"4 8"} # empty: no paged FP8 runs
 FP8_DIST_STEPS=${AKV_FP8_DISTANCE_STEPS:-64}
 CHUNKS=${AKV_BENCH_CHUNKS:-"256 64 1024"}

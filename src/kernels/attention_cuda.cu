@@ -48,8 +48,10 @@
  * the default): the same blocks and partials, but the block's warps stream
  * their own rows of the piece independently, each with its own running
  * maximum, sum and accumulators for every head of the subgroup and its K/V
- * registers reloaded one batch ahead, with no block barrier until the warps'
- * partials are merged in warp order at the end (see akv_attn_chunk_kernel2).
+ * registers reloaded one batch ahead (AKV_ATTN_STAGES=0) or a per-thread
+ * cp.async ring of AKV_ATTN_STAGES batches in shared memory, with no block
+ * barrier until the warps' partials are merged in warp order at the end (see
+ * akv_attn_chunk_kernel2). The pipeline changes no bit of the result.
  *
  * Pieces (attention_pieces.h): one chunk block covers one piece of a chunk,
  * not the whole chunk, so that one long history spreads over more blocks
@@ -684,7 +686,9 @@ __global__ void __launch_bounds__(kThreads, min_blocks(GT))
  * broadcast from the lanes that hold them. Each K (V) register is reloaded
  * with the next batch's row as soon as its scores (its V product) are taken,
  * so two batches' worth of 16-byte loads (K and V) stay in flight per warp
- * while it waits. At the end the warps' partials are merged in warp order
+ * while it waits; with AKV_ATTN_STAGES >= 2 the slots come instead from a
+ * per-thread cp.async ring in shared memory that runs STAGES - 1 batches
+ * ahead (no registers held by loads in flight). At the end the warps' partials are merged in warp order
  * through shared memory: M = max_w m_w, l = sum_w 2^(m_w - M) l_w,
  * acc = sum_w 2^(m_w - M) acc_w (fused multiply-adds in warp order).
  * Every value is produced by a fixed thread from fixed inputs in a fixed
@@ -718,6 +722,13 @@ struct Cfg2 {
 constexpr int min_blocks2(int gt) {
   return AKV_ATTN_MINB > 0 ? (gt >= 8 ? (AKV_ATTN_MINB + 1) / 2 : AKV_ATTN_MINB)
                            : ((gt >= 8 ? 8 : 16) / kWarps > 0 ? (gt >= 8 ? 8 : 16) / kWarps : 1);
+}
+
+/* Dynamic shared memory of chunk kernel 2: kStages batches of K and V. */
+template <int D, int GT, int E>
+constexpr size_t stage_bytes2() {
+  return (size_t)kStages * 2u * (size_t)Cfg2<D, GT, E>::U * kThreads *
+         sizeof(typename Elem<E>::Vec);
 }
 
 /* The V slice of a lane from its K slice (integer arithmetic: the two may
@@ -804,23 +815,72 @@ __global__ void __launch_bounds__(kThreads, min_blocks2(GT))
   float l_run = 0.0f;
 
   /* Row slot u of the batch at t0 is row t0 + u * STEP + row0; rows past the
-   * piece read as zero (never from memory). */
+   * piece read as zero (never from memory). rem: rows of the piece from this
+   * lane's row slot 0 of the current batch on (row slot u is a row of the
+   * piece when rem > u * STEP). */
+  uint32_t rem = n > row0 ? n - row0 : 0u;
+  /* Register pipeline (kStages == 0): the batch's K and V slots. */
   Vec kr[C::U];
   Vec vr[C::U];
-  /* rem: rows of the piece from this lane's row slot 0 of the current
-   * batch on (row slot u is a row of the piece when rem > u * STEP). */
-  uint32_t rem = n > row0 ? n - row0 : 0u;
+  /* Shared-memory pipeline (kStages >= 2): a ring of kStages batches per
+   * thread, filled by cp.async; slot (stage, K|V, u) of this thread is
+   * ring[((stage * 2 + kv) * U + u) * kThreads] (consecutive threads,
+   * consecutive slots: conflict-free). Each thread reads back only what it
+   * copied, after its own wait, and refills a stage only after it used the
+   * stage's values (one batch earlier), so no barrier guards the ring.
+   * The issue side runs kStages - 1 batches ahead. */
+  extern __shared__ uint4 s_raw[];
+  Vec *const ring = reinterpret_cast<Vec *>(s_raw) + threadIdx.x;
+  const char *k_iss = kd;       /* slot-0 K slice of the next batch to request */
+  uint32_t r_iss = rem;         /* its rem */
+  uint32_t t_iss = 0;           /* its first row */
+  const char *const k_any = kp + head_off; /* row 0: a valid address for empty copies */
+  auto issue = [&](int stage) {
+    if (t_iss + wrow0 < n) { /* warp-uniform: the warp still has rows there */
+      Vec *sk = ring + (size_t)(stage * 2 * C::U) * kThreads;
 #pragma unroll
-  for (int u = 0; u < C::U; ++u) {
-    const bool ok = rem > (uint32_t)(u * C::STEP);
-    kr[u] = ok ? EL::load(kd + (uint64_t)u * step_bytes) : EL::zero();
-    vr[u] = ok ? EL::load(vslice(kd, kv_delta) + (uint64_t)u * step_bytes) : EL::zero();
+      for (int u = 0; u < C::U; ++u) {
+        const bool ok = r_iss > (uint32_t)(u * C::STEP);
+        cp_async16(sk + u * kThreads, ok ? k_iss + (uint64_t)u * step_bytes : k_any, ok);
+      }
+#pragma unroll
+      for (int u = 0; u < C::U; ++u) {
+        const bool ok = r_iss > (uint32_t)(u * C::STEP);
+        cp_async16(sk + (C::U + u) * kThreads,
+                   ok ? vslice(k_iss, kv_delta) + (uint64_t)u * step_bytes
+                      : vslice(k_any, kv_delta),
+                   ok);
+      }
+    }
+    cp_async_commit(); /* one group per batch, empty past the warp's rows */
+    k_iss += tile_bytes;
+    r_iss = r_iss > (uint32_t)C::TILE ? r_iss - (uint32_t)C::TILE : 0u;
+    t_iss += C::TILE;
+  };
+  int stage = 0; /* the ring stage of the current batch */
+  if constexpr (kStages > 0) {
+#pragma unroll
+    for (int i = 0; i < kStages - 1; ++i) issue(i);
+  } else {
+#pragma unroll
+    for (int u = 0; u < C::U; ++u) {
+      const bool ok = rem > (uint32_t)(u * C::STEP);
+      kr[u] = ok ? EL::load(kd + (uint64_t)u * step_bytes) : EL::zero();
+      vr[u] = ok ? EL::load(vslice(kd, kv_delta) + (uint64_t)u * step_bytes) : EL::zero();
+    }
   }
+  (void)k_any;
 
   /* The loop bound is warp-uniform: a warp stops after its last row. */
   for (uint32_t t0 = 0; t0 + wrow0 < n; t0 += C::TILE) {
     kd += tile_bytes; /* the next batch's row slot 0 */
     const uint32_t rn = rem > (uint32_t)C::TILE ? rem - (uint32_t)C::TILE : 0u; /* next batch's */
+    const Vec *cur = ring + (size_t)(stage * 2 * C::U) * kThreads;
+    if constexpr (kStages > 0) {
+      /* The stage of batch b - 1 (used up) takes batch b + kStages - 1. */
+      issue(stage == 0 ? kStages - 1 : stage - 1);
+      cp_async_wait<(kStages > 0 ? kStages - 1 : 0)>(); /* this batch's copies landed */
+    }
 
     /* Scores of the batch, scaled into the base-2 domain; K slot u is
      * reloaded with the next batch's row once its score is taken. */
@@ -828,7 +888,10 @@ __global__ void __launch_bounds__(kThreads, min_blocks2(GT))
 #pragma unroll
     for (int u = 0; u < C::U; ++u) {
       float kf[8];
-      EL::decode(kr[u], kf);
+      if constexpr (kStages > 0)
+        EL::decode(cur[u * kThreads], kf);
+      else
+        EL::decode(kr[u], kf);
       float part[GT];
 #pragma unroll
       for (int h = 0; h < GT; ++h) {
@@ -839,7 +902,9 @@ __global__ void __launch_bounds__(kThreads, min_blocks2(GT))
       }
       ReduceScatter<C::LANES / 2, GT>::run(part, lane);
       s[u] = rem > (uint32_t)(u * C::STEP) ? part[0] * score_f : -INFINITY;
-      kr[u] = rn > (uint32_t)(u * C::STEP) ? EL::load(kd + (uint64_t)u * step_bytes) : EL::zero();
+      if constexpr (kStages == 0)
+        kr[u] = rn > (uint32_t)(u * C::STEP) ? EL::load(kd + (uint64_t)u * step_bytes)
+                                             : EL::zero();
     }
 
     /* Fold the batch into the running maximum and sum of head hs. */
@@ -878,16 +943,23 @@ __global__ void __launch_bounds__(kThreads, min_blocks2(GT))
 #pragma unroll
     for (int u = 0; u < C::U; ++u) {
       float vf[8];
-      EL::decode(vr[u], vf);
+      if constexpr (kStages > 0)
+        EL::decode(cur[(C::U + u) * kThreads], vf);
+      else
+        EL::decode(vr[u], vf);
 #pragma unroll
       for (int h = 0; h < GT; ++h) {
         const float pr = __shfl_sync(0xFFFFFFFFu, s[u], tok * C::LANES + (h << C::HEAD_SHIFT));
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[h][j] = fmaf(pr, vf[j], acc[h][j]);
       }
-      vr[u] = rn > (uint32_t)(u * C::STEP) ? EL::load(vslice(kd, kv_delta) + (uint64_t)u * step_bytes) : EL::zero();
+      if constexpr (kStages == 0)
+        vr[u] = rn > (uint32_t)(u * C::STEP)
+                    ? EL::load(vslice(kd, kv_delta) + (uint64_t)u * step_bytes)
+                    : EL::zero();
     }
     rem = rn;
+    stage = stage + 1 == kRing ? 0 : stage + 1;
   }
 
   /* Sum the warp's rows per lane slice (lanes dl, dl + LANES, ...). */
@@ -1028,7 +1100,9 @@ using CombineFn = void (*)(CombineParams, Loc);
 template <int D, int GT, int E, class Loc>
 ChunkFn<Loc> chunk_of(size_t *smem) {
 #if AKV_ATTN_KERNEL == 2
-  *smem = 0; /* static shared memory only */
+  static_assert(stage_bytes2<D, GT, E>() + 20u * 1024u <= 227u * 1024u,
+                "AKV_ATTN_STAGES x AKV_ATTN_LOADS batches exceed the shared memory of an SM");
+  *smem = stage_bytes2<D, GT, E>(); /* the cp.async ring; 0 for the register pipeline */
   return akv_attn_chunk_kernel2<D, GT, E, Loc>;
 #else
   static_assert(stage_bytes<D, GT, E>() + 16u * 1024u <= 227u * 1024u,
