@@ -22,9 +22,14 @@
  *        src/kernels/attention_cuda.cu src/kernels/attention_ref.c -o build/attention_bw
  * The kernel's tuning knobs can be varied at build time with
  * -DAKV_ATTN_WARPS=N -DAKV_ATTN_LOADS=N -DAKV_ATTN_STAGES=N -DAKV_ATTN_PDL=0|1
- * -DAKV_ATTN_PIECE_TOKENS=N (applied to all three files; STAGES 0 is the
- * register pipeline, PDL 0 launches the combine kernel without programmatic
- * dependent launch, PIECE_TOKENS 0 keeps every chunk whole in one block).
+ * -DAKV_ATTN_PIECE_TOKENS=N -DAKV_ATTN_KERNEL=1|2 -DAKV_ATTN_MINB=N (applied
+ * to all three files; STAGES 0 is the register pipeline, PDL 0 launches the
+ * combine kernel without programmatic dependent launch, PIECE_TOKENS 0 keeps
+ * every chunk whole in one block, KERNEL 2 is the warp-streaming chunk kernel
+ * (WARPS warps per block, LOADS row slots per warp and batch, doubled for
+ * FP8; STAGES 0 its register pipeline, >= 2 a per-thread cp.async ring of
+ * that many batches), MINB its resident blocks per SM asked of the compiler,
+ * 0 = 16 warps per SM).
  * The defaults below are the library's.
  *
  * Usage: attention_bw [--tokens N] [--chunk N] [--contexts 1,4] [--dtype bf16,fp8]
@@ -59,6 +64,12 @@
 #endif
 #ifndef AKV_ATTN_PIECE_TOKENS
 #define AKV_ATTN_PIECE_TOKENS 128
+#endif
+#ifndef AKV_ATTN_KERNEL
+#define AKV_ATTN_KERNEL 1
+#endif
+#ifndef AKV_ATTN_MINB
+#define AKV_ATTN_MINB 0
 #endif
 
 static const double kCeilingGBps = 4400.0; /* kernel read ceiling, shared/MEASURED.md */
@@ -237,10 +248,11 @@ int main(int argc, char **argv) {
     perror(o.json);
     return 1;
   }
-  printf("device %s, %d SMs, L2 %d MiB; kernel knobs warps=%d loads=%d stages=%d pdl=%d "
-         "piece_tokens=%d; label %s\n",
-         prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20, AKV_ATTN_WARPS,
-         AKV_ATTN_LOADS, AKV_ATTN_STAGES, AKV_ATTN_PDL, AKV_ATTN_PIECE_TOKENS, o.label);
+  printf("device %s, %d SMs, L2 %d MiB; kernel knobs kernel=%d warps=%d loads=%d stages=%d "
+         "pdl=%d piece_tokens=%d minb=%d; label %s\n",
+         prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20, AKV_ATTN_KERNEL,
+         AKV_ATTN_WARPS, AKV_ATTN_LOADS, AKV_ATTN_STAGES, AKV_ATTN_PDL, AKV_ATTN_PIECE_TOKENS,
+         AKV_ATTN_MINB, o.label);
   printf("%-7s %-5s %4s %7s %5s %12s %10s %10s %10s %9s %8s %9s %8s\n", "variant", "dtype",
          "ctx", "tokens", "chunk", "bytes", "median_us", "p10_us", "p90_us", "GB/s", "ratio",
          "read_GB/s", "vs_read");
@@ -451,19 +463,19 @@ int main(int argc, char **argv) {
              r.name, dt_name, n_ctx, o.tokens, o.chunk, (unsigned long long)kv_bytes,
              r.st.median_us, r.st.p10_us, r.st.p90_us, gbps, 100.0 * ratio, read_gbps,
              100.0 * gbps / read_gbps);
-      char line[1024];
+      char line[2048];
       snprintf(line, sizeof line,
                "{\"bench\":\"attention_bw\",\"label\":\"%s\",\"variant\":\"%s\",\"dtype\":\"%s\","
                "\"device\":\"%s\","
                "\"contexts\":%u,\"tokens\":%u,\"chunk\":%u,\"n_heads\":%u,\"kv_heads\":%u,"
                "\"head_dim\":%u,\"warps\":%d,\"loads\":%d,\"stages\":%d,\"pdl\":%d,"
-               "\"piece_tokens\":%d,\"bytes\":%llu,\"sets\":%d,"
+               "\"piece_tokens\":%d,\"kernel\":%d,\"minb\":%d,\"bytes\":%llu,\"sets\":%d,"
                "\"iters\":%d,\"median_us\":%.2f,\"p10_us\":%.2f,\"p90_us\":%.2f,\"gbps\":%.1f,"
                "\"ceiling_gbps\":%.0f,\"ratio\":%.4f,\"read_gbps\":%.1f,\"ratio_vs_read\":%.4f,"
                "\"meets_60pct\":%s,\"check\":\"%s\"}",
                o.label, r.name, dt_name, prop.name, n_ctx, o.tokens, o.chunk, n_heads, kv_heads,
                head_dim, AKV_ATTN_WARPS, AKV_ATTN_LOADS, AKV_ATTN_STAGES, AKV_ATTN_PDL,
-               AKV_ATTN_PIECE_TOKENS,
+               AKV_ATTN_PIECE_TOKENS, AKV_ATTN_KERNEL, AKV_ATTN_MINB,
                (unsigned long long)kv_bytes, sets, o.iters,
                r.st.median_us, r.st.p10_us, r.st.p90_us, gbps, kCeilingGBps, ratio, read_gbps,
                gbps / read_gbps, ratio >= 0.6 ? "true" : "false", check);

@@ -50,12 +50,18 @@
 #                 --rows resident,all,resident2 --profile $OUT/prof": a profile,
 #                 not the benchmark)
 #   AKV_JOBS      parallel build jobs, default 16
-#   AKV_BENCH_VARIANTS  "label:WARPS:LOADS[:STAGES[:PDL[:PIECE]]] ...", default
-#                 "w8l4:8:4:0:0:128 w8l4p0:8:4:0:0:0 w8l4p64:8:4:0:0:64
-#                  w8l4p256:8:4:0:0:256 w8l4s3:8:4:3:1:128" (w8l4 is the
-#                 library's: register pipeline, no PDL, chunks cut into pieces
-#                 of 128 rows; p0 keeps each chunk whole in one block, the
-#                 kernel before pieces; p64 and p256 other piece sizes)
+#   AKV_BENCH_VARIANTS  "label:WARPS:LOADS[:STAGES[:PDL[:PIECE[:KERNEL[:MINB]]]]] ...",
+#                 default "w8l4:8:4:0:0:128 w8l4p0:8:4:0:0:0 w8l4p64:8:4:0:0:64
+#                  w8l4p256:8:4:0:0:256 w8l4s3:8:4:3:1:128 k2w8l2:8:2:0:0:128:2
+#                  k2w8l2p0:8:2:0:0:0:2 k2w4l4:4:4:0:0:128:2:3
+#                  k2w8l4s3:8:4:3:0:128:2 k2w8l2s4:8:2:4:0:128:2"
+#                 (w8l4 is the library's: register pipeline, no PDL, chunks
+#                 cut into pieces of 128 rows; p0 keeps each chunk whole in one
+#                 block, the kernel before pieces; p64 and p256 other piece
+#                 sizes; KERNEL 2 (default 1) is the warp-streaming chunk
+#                 kernel (STAGES 0: register pipeline, >= 2: cp.async ring),
+#                 MINB (default 0: 16 warps per SM) its resident blocks per SM
+#                 asked of the compiler)
 #   AKV_FP8_POOLS  device pools (GiB) of the FP8 paged runs, default "4 8"
 #   AKV_FP8_DISTANCE_STEPS  steps of the logits-distance runs, default 64
 #   AKV_BENCH_CHUNKS    chunk sizes for the library variant, default "256 64 1024"
@@ -72,7 +78,7 @@ PASS_STEPS=${AKV_STEPS:-"build hostcost ctest sanitizer cli bench fp8 decode tp 
 # NVLink SHARP (multicast) stays off in every run that may start NCCL.
 export NCCL_NVLS_ENABLE=0
 JOBS=${AKV_JOBS:-16}
-VARIANTS=${AKV_BENCH_VARIANTS:-"w8l4:8:4:0:0:128 w8l4p0:8:4:0:0:0 w8l4p64:8:4:0:0:64 w8l4p256:8:4:0:0:256 w8l4s3:8:4:3:1:128"}
+VARIANTS=${AKV_BENCH_VARIANTS:-"w8l4:8:4:0:0:128 w8l4p0:8:4:0:0:0 w8l4p64:8:4:0:0:64 w8l4p256:8:4:0:0:256 w8l4s3:8:4:3:1:128 k2w8l2:8:2:0:0:128:2 k2w8l2p0:8:2:0:0:0:2 k2w4l4:4:4:0:0:128:2:3 k2w8l4s3:8:4:3:0:128:2 k2w8l2s4:8:2:4:0:128:2"}
 FP8_POOLS=${AKV_FP8_POOLS-"4 8"} # empty: no paged FP8 runs
 FP8_DIST_STEPS=${AKV_FP8_DISTANCE_STEPS:-64}
 CHUNKS=${AKV_BENCH_CHUNKS:-"256 64 1024"}
@@ -118,10 +124,11 @@ else
 fi
 
 # ------------------------------------------------------------------ build
-bench_build() { # label warps loads [stages [pdl [piece]]]
+bench_build() { # label warps loads [stages [pdl [piece [kernel [minb]]]]]
   local out=$SOLO/attention_bw_$1
   nvcc -O3 -arch=sm_90 -std=c++17 -Iinclude -DAKV_ATTN_WARPS="$2" -DAKV_ATTN_LOADS="$3" \
     -DAKV_ATTN_STAGES="${4:-0}" -DAKV_ATTN_PDL="${5:-0}" -DAKV_ATTN_PIECE_TOKENS="${6:-128}" \
+    -DAKV_ATTN_KERNEL="${7:-1}" -DAKV_ATTN_MINB="${8:-0}" \
     -Xptxas -v bench/attention_bw.cu src/kernels/attention_cuda.cu src/kernels/attention_ref.c -o "$out" \
     >"$SOLO/bench_$1.log" 2>&1
 }
@@ -132,8 +139,8 @@ if has_step build; then
   bench_pids=""
   if has_step bench && [ -f bench/attention_bw.cu ]; then
     for v in $VARIANTS; do
-      IFS=: read -r label warps loads stages pdl piece <<<"$v"
-      bench_build "$label" "$warps" "$loads" "$stages" "$pdl" "$piece" &
+      IFS=: read -r label warps loads stages pdl piece kernel minb <<<"$v"
+      bench_build "$label" "$warps" "$loads" "$stages" "$pdl" "$piece" "$kernel" "$minb" &
       bench_pids="$bench_pids $!:$label"
     done
   fi
@@ -181,14 +188,17 @@ if has_step build; then
     wait "$pid"
     rc=$?
     { echo "== nvcc attention_bw_$label (rc=$rc)"; cat "$SOLO/bench_$label.log"; } >>"$BUILD_LOG"
-    # Registers of the llama-geometry kernels (head_dim 128, 4 heads per
-    # block; element kind 0 = bf16, 1 = FP8 E4M3).
+    # Registers (and spilled bytes) of the llama-geometry kernels (head_dim
+    # 128, 4 heads per block; element kind 0 = bf16, 1 = FP8 E4M3; chunk
+    # kernel 1 or 2).
     regs=""
     for ek in 0 1; do
-      r=$(awk -v pat="chunk_kernelILi128ELi4ELi${ek}ENS_9ContigLoc" \
-        '/Compiling entry/ && index($0, pat){f=1}
-        f && /Used [0-9]+ registers/{print $5; exit}' "$SOLO/bench_$label.log")
-      regs="$regs D128/GT4/E$ek: ${r:-?} regs"
+      r=$(awk -v pat="chunk_kernel2?ILi128ELi4ELi${ek}ENS_9ContigLoc" \
+        '/Compiling entry/ {f = match($0, pat) > 0}
+        f && /spill stores/{sp=$5}
+        f && /Used [0-9]+ registers/{print $5 "/" (sp == "" ? "?" : sp) "B"; exit}' \
+        "$SOLO/bench_$label.log")
+      regs="$regs D128/GT4/E$ek: ${r:-?} regs/spill"
     done
     record "nvcc attention_bw_$label" "$([ $rc = 0 ] && echo ok || echo FAIL)" "rc=$rc ${regs:-}"
   done
