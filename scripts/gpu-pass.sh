@@ -49,6 +49,8 @@
 #   AKV_HF_ARGS   extra arguments of examples/hf_compare.py (e.g. "--layers 8
 #                 --rows resident,all,resident2 --profile $OUT/prof": a profile,
 #                 not the benchmark)
+#   AKV_BENCH_PROGRAMS  which of the build's bench programs the bench step runs
+#                 (e.g. "akv_cudart_cost"); unset: all of them
 #   AKV_JOBS      parallel build jobs, default 16
 #   AKV_BENCH_VARIANTS  "label:WARPS:LOADS[:STAGES[:PDL[:PIECE[:KERNEL[:MINB]]]]] ...",
 #                 default "w8l4:8:4:0:0:128 w8l4p0:8:4:0:0:0 w8l4p64:8:4:0:0:64
@@ -376,6 +378,9 @@ if has_step bench; then
     case $(basename "$b") in
       akv_host_cost | akv_cudart_cost) has_step hostcost && continue ;;
     esac
+    if [ -n "${AKV_BENCH_PROGRAMS+x}" ]; then # only these (names, space separated)
+      case " $AKV_BENCH_PROGRAMS " in *" $(basename "$b") "*) ;; *) continue ;; esac
+    fi
     log "bench $(basename "$b")"
     echo "== $b" >>"$BENCH_LOG"
     # The host cost depends on the machine's cudart call costs (akv_cudart_cost
