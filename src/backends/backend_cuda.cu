@@ -93,7 +93,18 @@ struct akv_cuda_ctx {
   uint64_t peak_used;
   char last_error[256];
   akv_gather_batch gather; /* kernel parameters of the D2D gather, reused */
+  /* Pinned allocations the host pool refused and cudaHostAlloc made instead
+   * (cuda_host_alloc): freed with cudaFreeHost, never through the pool. */
+  void *host_fallback[8];
+  uint32_t n_host_fallback;
 };
+
+/* Index of ptr among the ctx's cudaHostAlloc fallbacks, or -1. */
+static int host_fallback_find(const akv_cuda_ctx *c, const void *ptr) {
+  for (uint32_t i = 0; i < c->n_host_fallback; ++i)
+    if (c->host_fallback[i] == ptr) return (int)i;
+  return -1;
+}
 
 static akv_cuda_ctx *as_ctx(void *ctx) {
   akv_cuda_ctx *c = static_cast<akv_cuda_ctx *>(ctx);
@@ -294,6 +305,18 @@ static akv_status cuda_host_alloc(void *ctx, size_t bytes, void **out) {
       err = cudaStreamSynchronize(c->alloc_stream);
       if (err != cudaSuccess) (void)cudaFreeAsync(p, c->alloc_stream);
     }
+    if (err == cudaErrorMemoryAllocation &&
+        c->n_host_fallback < sizeof c->host_fallback / sizeof c->host_fallback[0]) {
+      /* The pool can refuse a large block that cudaHostAlloc still pins
+       * (seen on the H200 machines for a 16 GiB pool); that block is then
+       * freed with cudaFreeHost, which waits for the device (the documented
+       * exception of the fallback, cuda_host_free). */
+      (void)cudaGetLastError();
+      snprintf(what, sizeof what, "cudaHostAlloc(%zu B) after the host pool refused it", bytes);
+      p = nullptr;
+      err = cudaHostAlloc(&p, bytes, cudaHostAllocDefault);
+      if (err == cudaSuccess) c->host_fallback[c->n_host_fallback++] = p;
+    }
     device_leave(c, prev);
     AKV_CUDA_TRY(c, err, what);
   } else {
@@ -314,7 +337,9 @@ fail:
 static void cuda_host_free(void *ctx, void *ptr) {
   akv_cuda_ctx *c = as_ctx(ctx);
   if (ptr == nullptr) return;
-  if (c != nullptr && c->host_pool != nullptr) {
+  const int fb = c != nullptr ? host_fallback_find(c, ptr) : -1;
+  if (fb >= 0) c->host_fallback[fb] = c->host_fallback[--c->n_host_fallback];
+  if (c != nullptr && c->host_pool != nullptr && fb < 0) {
     const cudaError_t err = cudaFreeAsync(ptr, c->alloc_stream);
     if (err != cudaSuccess) note_error(c, "cudaFreeAsync(host pool)", err);
     return;
@@ -329,7 +354,7 @@ static void cuda_host_free(void *ctx, void *ptr) {
 static void cuda_host_free_async(void *ctx, void *ptr, akv_bqueue *q) {
   akv_cuda_ctx *c = as_ctx(ctx);
   if (ptr == nullptr) return;
-  if (c == nullptr || c->host_pool == nullptr || q == nullptr) {
+  if (c == nullptr || c->host_pool == nullptr || q == nullptr || host_fallback_find(c, ptr) >= 0) {
     cuda_host_free(ctx, ptr);
     return;
   }
