@@ -63,7 +63,7 @@
 #define AKV_ATTN_PDL 0
 #endif
 #ifndef AKV_ATTN_PIECE_TOKENS
-#define AKV_ATTN_PIECE_TOKENS 128
+#define AKV_ATTN_PIECE_TOKENS 0 /* the library's (attention_pieces.h) */
 #endif
 #ifndef AKV_ATTN_KERNEL
 #define AKV_ATTN_KERNEL 1

@@ -29,9 +29,11 @@
  * Algorithm (fixed; both implementations follow it):
  *  1. The history of each context is cut into chunks of chunk_tokens rows
  *     (the caller passes its page size), and each chunk into pieces: P =
- *     max(1, floor(chunk_tokens / 128)) pieces of ceil(chunk_tokens / P)
- *     rows (the last piece of a context may be shorter; empty pieces do not
- *     exist). For each (context, query head, piece) a partial is computed in
+ *     max(1, floor(chunk_tokens / T)) pieces of ceil(chunk_tokens / P) rows,
+ *     T being a build constant (AKV_ATTN_PIECE_TOKENS; the library is built
+ *     with T = 0, one piece per chunk). The last piece of a context may be
+ *     shorter; empty pieces do not exist. For each (context, query head,
+ *     piece) a partial is computed in
  *     fp32 over the piece's rows k_t, v_t (decoded codes for FP8):
  *     scores s_t = (q . k_t) * c_g with c_g = (scale * log2(e)) * k_scale[g]
  *     (scale * log2(e) without K scales), m = max_t s_t,

@@ -53,14 +53,12 @@
 #                 (e.g. "akv_cudart_cost"); unset: all of them
 #   AKV_JOBS      parallel build jobs, default 16
 #   AKV_BENCH_VARIANTS  "label:WARPS:LOADS[:STAGES[:PDL[:PIECE[:KERNEL[:MINB]]]]] ...",
-#                 default "w8l4:8:4:0:0:128 w8l4p0:8:4:0:0:0 w8l4p64:8:4:0:0:64
-#                  w8l4p256:8:4:0:0:256 w8l4s3:8:4:3:1:128 k2w8l2:8:2:0:0:128:2
-#                  k2w8l2p0:8:2:0:0:0:2 k2w4l4:4:4:0:0:128:2:3
-#                  k2w8l4s3:8:4:3:0:128:2 k2w8l2s4:8:2:4:0:128:2"
-#                 (w8l4 is the library's: register pipeline, no PDL, chunks
-#                 cut into pieces of 128 rows; p0 keeps each chunk whole in one
-#                 block, the kernel before pieces; p64 and p256 other piece
-#                 sizes; KERNEL 2 (default 1) is the warp-streaming chunk
+#                 default "w8l4:8:4:0:0:0 w8l4p128:8:4:0:0:128
+#                  k2w8l2p0:8:2:0:0:0:2 k2w8l4s3:8:4:3:0:128:2"
+#                 (w8l4 is the library's: register pipeline, no PDL, each
+#                 chunk whole in one block; p128 cuts chunks into pieces of
+#                 128 rows (measured slower in every cell, docs/benchmarks.md);
+#                 KERNEL 2 (default 1) is the warp-streaming chunk
 #                 kernel (STAGES 0: register pipeline, >= 2: cp.async ring),
 #                 MINB (default 0: 16 warps per SM) its resident blocks per SM
 #                 asked of the compiler)
@@ -80,7 +78,7 @@ PASS_STEPS=${AKV_STEPS:-"build hostcost ctest sanitizer cli bench fp8 decode tp 
 # NVLink SHARP (multicast) stays off in every run that may start NCCL.
 export NCCL_NVLS_ENABLE=0
 JOBS=${AKV_JOBS:-16}
-VARIANTS=${AKV_BENCH_VARIANTS:-"w8l4:8:4:0:0:128 w8l4p0:8:4:0:0:0 w8l4p64:8:4:0:0:64 w8l4p256:8:4:0:0:256 w8l4s3:8:4:3:1:128 k2w8l2:8:2:0:0:128:2 k2w8l2p0:8:2:0:0:0:2 k2w4l4:4:4:0:0:128:2:3 k2w8l4s3:8:4:3:0:128:2 k2w8l2s4:8:2:4:0:128:2"}
+VARIANTS=${AKV_BENCH_VARIANTS:-"w8l4:8:4:0:0:0 w8l4p128:8:4:0:0:128 k2w8l2p0:8:2:0:0:0:2 k2w8l4s3:8:4:3:0:128:2"}
 FP8_POOLS=${AKV_FP8_POOLS-"4 8"} # empty: no paged FP8 runs
 FP8_DIST_STEPS=${AKV_FP8_DISTANCE_STEPS:-64}
 CHUNKS=${AKV_BENCH_CHUNKS:-"256 64 1024"}
@@ -129,7 +127,7 @@ fi
 bench_build() { # label warps loads [stages [pdl [piece [kernel [minb]]]]]
   local out=$SOLO/attention_bw_$1
   nvcc -O3 -arch=sm_90 -std=c++17 -Iinclude -DAKV_ATTN_WARPS="$2" -DAKV_ATTN_LOADS="$3" \
-    -DAKV_ATTN_STAGES="${4:-0}" -DAKV_ATTN_PDL="${5:-0}" -DAKV_ATTN_PIECE_TOKENS="${6:-128}" \
+    -DAKV_ATTN_STAGES="${4:-0}" -DAKV_ATTN_PDL="${5:-0}" -DAKV_ATTN_PIECE_TOKENS="${6:-0}" \
     -DAKV_ATTN_KERNEL="${7:-1}" -DAKV_ATTN_MINB="${8:-0}" \
     -Xptxas -v bench/attention_bw.cu src/kernels/attention_cuda.cu src/kernels/attention_ref.c -o "$out" \
     >"$SOLO/bench_$1.log" 2>&1

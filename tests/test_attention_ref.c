@@ -30,6 +30,7 @@
 #include <cmocka.h>
 
 #include "akv_attention.h"
+#include "attention_pieces.h"
 #include "attn_testdata.h"
 
 #define REL_L2_TOL 1e-5
@@ -294,15 +295,21 @@ static void check_problem(uint32_t n_ctx, uint32_t n_heads, uint32_t kv_heads, u
 static void test_workspace_bytes(void **state) {
   (void)state;
   size_t b = 0;
+  /* pieces per chunk of 256 rows in this build: 1 (the library's), or 2 with
+   * -DAKV_ATTN_PIECE_TOKENS=128 */
+  const size_t p256 = akv_attn_pieces(256);
+  assert_true(p256 == (AKV_ATTN_PIECE_TOKENS > 0 ? 256u / AKV_ATTN_PIECE_TOKENS : 1u) ||
+              (p256 == 1 && AKV_ATTN_PIECE_TOKENS > 256));
   assert_int_equal(akv_attention_workspace_bytes(1, 1, 128, 256, 256, &b), AKV_OK);
-  /* one chunk of 256 rows = two pieces of 128: acc 2 x 128 floats (1 KiB),
-   * ml 2 x 2 floats rounded up to 256 B */
-  assert_int_equal(b, 1024u + 256u);
-  /* a chunk of up to 255 rows is one piece */
-  assert_int_equal(akv_attention_workspace_bytes(1, 1, 128, 255, 255, &b), AKV_OK);
-  assert_int_equal(b, 512u + 256u);
+  /* one chunk of 256 rows = p256 pieces: acc p256 x 128 floats, ml p256 x 2
+   * floats rounded up to 256 B */
+  assert_int_equal(b, p256 * 512u + 256u);
+  /* a chunk of up to 255 rows is one piece whatever the build */
+  assert_int_equal(akv_attention_workspace_bytes(1, 1, 128, 255, 255, &b),
+                   AKV_OK);
+  assert_int_equal(b, akv_attn_pieces(255) * 512u + 256u);
   assert_int_equal(akv_attention_workspace_bytes(4, 32, 128, 31744, 256, &b), AKV_OK);
-  assert_int_equal(b, (size_t)4 * 32 * 248 * 128 * 4 + (size_t)4 * 32 * 248 * 2 * 4);
+  assert_int_equal(b, (size_t)4 * 32 * 124 * p256 * 128 * 4 + (size_t)4 * 32 * 124 * p256 * 2 * 4);
   assert_int_equal(akv_attention_workspace_bytes(2, 8, 64, 0, 16, &b), AKV_OK);
   assert_int_equal(b, 0u);
   assert_int_equal(akv_attention_workspace_bytes(1, 1, 128, 256, 0, &b), AKV_ERR_INVALID_ARGUMENT);
@@ -701,10 +708,11 @@ static void test_invalid_arguments(void **state) {
   problem_free(&p);
 }
 
-/* Chunks of 256 rows are cut into two pieces of 128 (attention_pieces.h),
- * chunks of 384 into three, chunks of 300 into two of 150: lengths on
- * either side of every piece boundary still match float64, and paged ==
- * contiguous bit for bit. */
+/* With pieces (a build with -DAKV_ATTN_PIECE_TOKENS=128) chunks of 256 rows
+ * are cut into two pieces of 128 (attention_pieces.h), chunks of 384 into
+ * three, chunks of 300 into two of 150; the library's build keeps each chunk
+ * whole. Either way lengths on either side of every chunk and piece boundary
+ * match float64, and paged == contiguous bit for bit. */
 static void test_pieces(void **state) {
   (void)state;
   const uint32_t len[9] = {127, 128, 129, 255, 256, 257, 383, 385, 700};

@@ -24,11 +24,15 @@
 
 /* Rows per piece the cut aims at: a chunk of chunk_tokens rows is cut into
  * floor(chunk_tokens / AKV_ATTN_PIECE_TOKENS) pieces (at least one). 0 keeps
- * every chunk whole. bench/attention_bw.cu builds variants with other values
- * (-DAKV_ATTN_PIECE_TOKENS=64, =0, ...); they must be applied to both
+ * every chunk whole: the library's build. Measured on the H200
+ * (docs/benchmarks.md, attention kernel): pieces of 128 rows were slower in
+ * every cell (one context 71 us against 60 us, four contexts 219 us against
+ * 191 us, bf16; FP8 alike), more blocks costing more than they spread.
+ * bench/attention_bw.cu builds variants with other values
+ * (-DAKV_ATTN_PIECE_TOKENS=128, =64, ...); they must be applied to both
  * attention_ref.c and attention_cuda.cu, which share the workspace size. */
 #ifndef AKV_ATTN_PIECE_TOKENS
-#define AKV_ATTN_PIECE_TOKENS 128
+#define AKV_ATTN_PIECE_TOKENS 0
 #endif
 
 /* Pieces per chunk, >= 1 (chunk_tokens >= 1). */
