@@ -396,9 +396,11 @@ AKV_API akv_status akv_engine_create(const akv_engine_config *config, akv_engine
  * device still run (never cudaFree / cudaFreeHost, which wait for the whole
  * device). Its own host cost is the unmapping, about 9 ms per GiB of device
  * memory (H200). Exception: where host memory pools are not available (CUDA
- * runtime < 13 or cudaDevAttrHostMemoryPoolsSupported = 0; the engine logs
- * it at create) the pinned pool comes from cudaHostAlloc and its
- * cudaFreeHost waits until the device is idle, the caller's work included.
+ * runtime < 13 or cudaDevAttrHostMemoryPoolsSupported = 0), or the host pool
+ * refused the block (out of memory there; the engine then tries
+ * cudaHostAlloc), the pinned pool comes from cudaHostAlloc and its
+ * cudaFreeHost waits until the device is idle, the caller's work included;
+ * the engine logs it (warn) at create.
  * Host backend: it joins the engine's own three queue threads, which are
  * idle; no caller stream is waited on (docs/api.md gives the measured cost).
  * Not thread-safe with other calls on the engine.

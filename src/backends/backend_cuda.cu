@@ -728,7 +728,7 @@ extern "C" const char *akv_cuda_last_error(void *ctx) {
 
 extern "C" int akv_cuda_host_pool_stream_ordered(void *ctx) {
   akv_cuda_ctx *c = as_ctx(ctx);
-  return c != nullptr && c->host_pool != nullptr ? 1 : 0;
+  return c != nullptr && c->host_pool != nullptr && c->n_host_fallback == 0 ? 1 : 0;
 }
 
 extern "C" const akv_backend_ops akv_backend_cuda_ops = {

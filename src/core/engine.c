@@ -423,9 +423,9 @@ AKV_API akv_status akv_engine_create(const akv_engine_config *caller, akv_engine
 #ifdef AKV_WITH_CUDA
   if (e->bk.ops == &akv_backend_cuda_ops && !akv_cuda_host_pool_stream_ordered(e->bk.ctx))
     akv_log(e, AKV_LOG_WARN,
-            "pinned host pool from cudaHostAlloc (no host memory pools in this runtime or on "
-            "this device): akv_engine_destroy will wait in cudaFreeHost until the device is "
-            "idle, the caller's work included");
+            "pinned host memory from cudaHostAlloc (no host memory pools in this runtime or on "
+            "this device, or the host pool refused a block): akv_engine_destroy will wait in "
+            "cudaFreeHost until the device is idle, the caller's work included");
 #endif
   akv_log(e, AKV_LOG_INFO,
           "engine ready: backend %s, route %s, %u contexts, %u device pages of %llu B, "
