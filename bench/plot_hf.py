@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Plots bench/results/hf_compare.json: tokens/s of every cache row of
 examples/hf_compare.py, one panel per geometry, with the PCIe bound of the
-bytes the pool-0 row stages and the resident rows marked.
+bytes the pool-0 row stages and the resident rows marked; the last two bars
+(hatched) are the interleaved phase, where the all-retained target is read.
 
     python3 bench/plot_hf.py [bench/results/hf_compare.json] [docs/hf_compare.png]
 """
@@ -20,25 +21,55 @@ LABELS = {
     "half": "ActiveKV\nhalf retained",
     "all": "ActiveKV\nall retained",
     "resident2": "DynamicCache\nresident (again)",
+    "i_resident": "interleaved:\nresident",
+    "i_all": "interleaved:\nActiveKV all",
 }
 COLORS = {"resident": "#777777", "resident2": "#999999", "offloaded": "#d95f02",
-          "stage": "#1b9e77", "half": "#1b9e77", "all": "#1b9e77"}
+          "stage": "#1b9e77", "half": "#1b9e77", "all": "#1b9e77",
+          "i_resident": "#777777", "i_all": "#1b9e77"}
+
+
+def interleaved_rows(run):
+    """The interleaved phase (resident and all retained decoded step by step in rotation,
+    both caches alive) as two more bars, when the report has it."""
+    p = run.get("paired")
+    if not p or not p.get("ok"):
+        return []
+    default, _ = paired_members(p)
+    return [dict(row="i_resident", tokens_per_s=p["resident"]["tokens_per_s"], bitwise=True,
+                 hatch=True),
+            dict(row="i_all", tokens_per_s=default["tokens_per_s"], bitwise=p["bitwise"],
+                 hatch=True, ratio=default["ratio_tokens_per_s"])]
+
+
+def paired_members(p):
+    """(the adapter's default all-retained member, the member with forward hooks). Reports
+    written while hooks were the default name them "all" (hooks) and "all_nohooks"; later
+    ones "all" (default, no hooks) and "all_hooks"."""
+    if "all_nohooks" in p:
+        return p["all_nohooks"], p["all"]
+    return p["all"], p.get("all_hooks")
 
 
 def main():
     src = sys.argv[1] if len(sys.argv) > 1 else "bench/results/hf_compare.json"
     dst = sys.argv[2] if len(sys.argv) > 2 else "docs/hf_compare.png"
     runs = json.load(open(src))["runs"]
-    fig, axes = plt.subplots(1, len(runs), figsize=(6.5 * len(runs), 4.6))
+    fig, axes = plt.subplots(1, len(runs), figsize=(8 * len(runs), 4.8))
     if len(runs) == 1:
         axes = [axes]
     for ax, run in zip(axes, runs):
-        rows = [r for r in run["rows"] if r.get("ok")]
+        rows = [r for r in run["rows"] if r.get("ok")] + interleaved_rows(run)
         x = range(len(rows))
         tps = [r["tokens_per_s"] for r in rows]
-        ax.bar(x, tps, color=[COLORS.get(r["row"], "#1b9e77") for r in rows])
+        bars = ax.bar(x, tps, color=[COLORS.get(r["row"], "#1b9e77") for r in rows])
+        for b, r in zip(bars, rows):
+            if r.get("hatch"):
+                b.set_hatch("//")
         for i, r in enumerate(rows):
             tag = "bit-identical" if r.get("bitwise") else "DIFFERS"
+            if "ratio" in r:
+                tag += "\n%.3fx resident" % r["ratio"]
             ax.text(i, tps[i], "%.1f\n%s" % (tps[i], tag), ha="center", va="bottom", fontsize=7)
         stage = next((r for r in rows if r["row"] == "stage"), None)
         if stage and stage.get("pcie_bound_ms"):
