@@ -9,14 +9,20 @@ Lease.wait_ready block.
 Handles are guarded on the Python side as well: once an engine is closed,
 every object made from it raises BadHandle without reaching C (the C
 handles are freed memory then); a closed context, a retired lease and a
-destroyed stream do the same.
+destroyed stream do the same. "One thread at a time" is enforced: a call
+from a second thread while one is in flight raises Busy (Engine._enter).
+Zero-copy arrays keep the engine's memory alive (_Export): close() defers
+freeing it until the last one is gone.
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import sys
+import threading
+import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -80,6 +86,20 @@ def _u64(value: Optional[int], what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or \
             not 0 <= int(value) <= _U64_MAX:
         raise InvalidArgument.make(f"{what}={value!r}: expected an integer in 0..2**64-1 or None")
+    return int(value)
+
+
+_U32_MAX = 0xFFFFFFFF
+
+
+def _uint(value: Any, what: str, hi: int = _U32_MAX) -> int:
+    """An integer argument in 0..hi: Python or numpy ints only (not bool,
+    float, str or None), refused with InvalidArgument before reaching C, so
+    ctypes never truncates or wraps it."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise InvalidArgument.make(f"{what}={value!r}: expected an integer")
+    if not 0 <= int(value) <= hi:
+        raise InvalidArgument.make(f"{what}={value!r}: out of range 0..{hi}")
     return int(value)
 
 
@@ -223,7 +243,8 @@ class Fence:
     serial: int
 
     def _c(self) -> L.akv_fence:
-        return L.akv_fence(self.serial)
+        return L.akv_fence(_u64(self.serial if self.serial is not None else -1,
+                                "Fence.serial"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,6 +363,10 @@ def _host_rows(obj: Any, dtype: str, what: str) -> np.ndarray:
     mod = type(obj).__module__
     if mod.startswith("torch"):
         torch = _torch()
+        if not isinstance(obj, torch.Tensor):
+            raise InvalidArgument.make(f"{what}: a {type(obj).__name__}, not rows")
+        if obj.layout != torch.strided:
+            raise InvalidArgument.make(f"{what}: a {obj.layout} tensor; rows are dense")
         if obj.device.type != "cpu":
             raise InvalidArgument.make(f"{what}: a {obj.device.type} tensor; rows are copied from "
                                        "host memory (pass a CPU tensor)")
@@ -352,6 +377,8 @@ def _host_rows(obj: Any, dtype: str, what: str) -> np.ndarray:
         if obj.is_complex() or obj.dtype == torch.bool or obj.element_size() != isz:
             raise InvalidArgument.make(f"{what}: {obj.element_size()}-byte {obj.dtype} elements "
                                        f"for a {dtype} engine ({isz} bytes)")
+        # rows are only read: no autograd, and conj/neg bits made real
+        obj = obj.detach().resolve_conj().resolve_neg()
         int_t = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[isz]
         arr = obj.view(int_t).numpy() if obj.is_floating_point() else obj.numpy()
     else:
@@ -369,18 +396,43 @@ def _host_rows(obj: Any, dtype: str, what: str) -> np.ndarray:
     return arr
 
 
-class _CudaArray:
-    """A __cuda_array_interface__ (v3) over device memory the engine owns: the
-    consumer (torch.as_tensor) wraps it without a copy. No 'stream' entry: the
-    compute stream already waits for the staged rows on the device."""
+class _Export:
+    """One zero-copy array over memory the engine owns (its staging buffers):
+    the object numpy (``__array_interface__``) or torch
+    (``__cuda_array_interface__``, v3) wraps without a copy, and which the
+    array keeps alive as its base. While any export lives, the engine's
+    memory stays allocated: Engine.close() then closes the engine for every
+    call but defers freeing it (akv_engine_destroy) until the last export is
+    gone, so an array kept too long can hold stale rows but never points at
+    freed memory. No 'stream' entry on CUDA: the compute stream already
+    waits for the staged rows on the device."""
 
-    def __init__(self, ptr: int, shape: Tuple[int, ...], strides: Tuple[int, ...], typestr: str,
-                 owner: Any) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": shape, "typestr": typestr, "data": (ptr, False), "strides": strides,
-            "version": 3,
-        }
-        self._owner = owner
+    def __init__(self, engine: "Engine", ptr: int, shape: Tuple[int, ...],
+                 strides: Optional[Tuple[int, ...]], typestr: str, cuda: bool) -> None:
+        iface = {"shape": tuple(shape), "typestr": typestr, "data": (ptr, False),
+                 "strides": strides, "version": 3}
+        if cuda:
+            self.__cuda_array_interface__ = iface
+        else:
+            self.__array_interface__ = iface
+        self._engine = engine
+        engine._export_add()
+
+    def __del__(self) -> None:
+        eng = self.__dict__.get("_engine")
+        if eng is not None:
+            eng._export_drop()
+
+
+def _export_array(engine: "Engine", ptr: int, shape: Tuple[int, ...], strides: Tuple[int, ...],
+                  dtype: str, cuda: bool) -> Any:
+    """A numpy array (host) or torch tensor (CUDA) over engine memory, whose
+    base is an _Export (see there)."""
+    if cuda:
+        torch = _torch()
+        exp = _Export(engine, ptr, shape, strides, _CAI_TYPESTR[dtype], True)
+        return _as_torch_type(torch, torch.as_tensor(exp, device="cuda"), dtype)
+    return np.asarray(_Export(engine, ptr, shape, strides, _NP_DTYPE[dtype].str, False))
 
 
 # ----------------------------------------------------------------- engine
@@ -397,6 +449,28 @@ def _torch_stream_handle(stream: Any) -> int:
 
 
 LogFn = Callable[[str, str], None]
+
+
+# Set while this thread runs a log callback (see Engine._enter).
+_TLS = threading.local()
+
+
+def _guarded(fn: Callable) -> Callable:
+    """Runs a method of an Engine, or of an object made from one, as the one
+    call in flight on that engine (Engine._enter): a second thread is refused
+    with Busy instead of racing the first inside the library."""
+
+    @functools.wraps(fn)
+    def call(self, *args, **kwargs):
+        eng = self if isinstance(self, Engine) else self._engine
+        held = eng._enter(fn.__name__)
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            if held:
+                eng._leave()
+
+    return call
 
 
 class _ClosedOnExit:
@@ -438,8 +512,19 @@ class Engine(_ClosedOnExit):
     requested but unavailable), Backend.
     """
 
-    def __init__(self, log: Optional[LogFn] = None, **cfg: Any) -> None:
+    def __init__(self, *, log: Optional[LogFn] = None, **cfg: Any) -> None:
         self._handle: Optional[int] = None
+        # one call at a time (_enter): the lock and the thread holding it
+        self._lock = threading.Lock()
+        self._owner: Optional[int] = None
+        # live zero-copy arrays (_Export; list ops are atomic under the GIL)
+        # and the C handle whose destroy waits for the last of them
+        self._exports: List[None] = []
+        self._pending_destroy: Dict[str, int] = {}
+        self._leases: "weakref.WeakSet[Lease]" = weakref.WeakSet()
+        self._retained = False  # an uncertain quarantine retains everything
+        if log is not None and not callable(log):
+            raise TypeError(f"Engine: log={log!r} is not callable (level, message)")
         self._lib = lib
         self._default_stream: Optional[Stream] = None
         self._streams: List[Stream] = []
@@ -470,13 +555,64 @@ class Engine(_ClosedOnExit):
         if level == 0:
             self._create_errors.append(text)
             del self._create_errors[:-4]
+        outer = getattr(_TLS, "in_log", False)
+        _TLS.in_log = True
         try:
             if self._log is not None:
                 self._log(name, text)
             else:
                 sys.stderr.write(f"activekv {name}: {text}\n")
-        except Exception:  # noqa: BLE001 - a callback must not unwind into C
+        except BaseException:  # noqa: BLE001 - a callback must not unwind into C
             pass
+        finally:
+            _TLS.in_log = outer
+
+    # -- one call at a time
+    def _enter(self, what: str) -> bool:
+        """Makes this thread the one in a call on the engine. Returns True
+        when it took the engine (the caller then calls _leave), False for a
+        call nested in one this thread already makes. Raises Busy when
+        another thread is in a call (akv.h: one thread at a time; detected
+        here instead of racing inside the library), or when called from a
+        log callback (the library is inside one of its own calls then)."""
+        if getattr(_TLS, "in_log", False):
+            raise Busy.make(f"{what}: called from a log callback; the callback runs inside the "
+                            "library's own calls and must not call the engine")
+        me = threading.get_ident()
+        if self._owner == me:
+            return False
+        if not self._lock.acquire(blocking=False):
+            raise Busy.make(f"{what}: the engine is in a call on another thread; an engine and "
+                            "everything made from it are used from one thread at a time")
+        self._owner = me
+        return True
+
+    def _leave(self) -> None:
+        self._owner = None
+        self._lock.release()
+
+    # -- zero-copy exports (see _Export)
+    def _export_add(self) -> None:
+        self._exports.append(None)
+
+    def _export_drop(self) -> None:
+        self._exports.pop()
+        if not self._exports:
+            self._destroy_pending()
+
+    def _destroy_pending(self) -> None:
+        h = self._pending_destroy.pop("h", None)
+        if h is not None:
+            with contextlib.suppress(Exception):  # at interpreter exit lib may be gone
+                lib.akv_engine_destroy(h)
+
+    @property
+    def live_arrays(self) -> int:
+        """Zero-copy arrays over the engine's memory (View.keys/values/
+        kv_tensors and what was derived from them) still alive. While there
+        are any, close() closes the engine but frees its memory only when the
+        last one is gone."""
+        return len(self._exports)
 
     # -- lifetime
     def _h(self) -> int:
@@ -484,11 +620,25 @@ class Engine(_ClosedOnExit):
             raise BadHandle.make("the engine is closed")
         return self._handle
 
+    def _ctx_handle(self, ctx: Any, what: str) -> int:
+        """The C handle of one of this engine's live contexts."""
+        if not isinstance(ctx, Context):
+            raise InvalidArgument.make(f"{what}: {ctx!r} is not a Context")
+        if ctx._engine is not self:
+            raise InvalidArgument.make(f"{what}: the context belongs to another engine")
+        return ctx._h()
+
+    @_guarded
     def close(self) -> None:
         """Destroys the engine (akv_engine_destroy) after destroying the
         streams this package made for it. Never waits or drains: with an open
         step, an unretired lease or an uncertain quarantine it raises Busy and
-        frees nothing (the engine stays usable). Closing twice is a no-op."""
+        frees nothing (the engine stays usable). Closing twice is a no-op.
+
+        While zero-copy arrays over the engine's memory are alive
+        (``live_arrays``), the engine is closed for every call (BadHandle)
+        at once, but its memory is freed only when the last of them is
+        gone, so an array kept past close never reads freed memory."""
         if self._handle is None:
             return
         if self._step_open:
@@ -496,15 +646,26 @@ class Engine(_ClosedOnExit):
             # refuses to go (InUse), and the others must stay as they are.
             raise Busy.make("engine close: destroy refused: a step is open (retire its leases, "
                             "end it); nothing was freed")
+        if self._retained:
+            raise Busy.make("engine close: destroy refused: quarantine could not establish "
+                            "completion, everything stays retained; nothing was freed")
         for s in list(self._streams):
             s.destroy()
-        st = lib.akv_engine_destroy(self._handle)
-        if st != 0:
-            _check(st, self._handle, "engine close")
+        h = self._handle
+        if self._exports:
+            self._pending_destroy["h"] = h
+            if not self._exports:  # the last one went meanwhile
+                self._destroy_pending()
+        else:
+            st = lib.akv_engine_destroy(h)
+            if st != 0:
+                _check(st, h, "engine close")
         self._handle = None
         for ctx in list(self._contexts):
             ctx._handle = None
         self._contexts.clear()
+        for lease in list(self._leases):
+            lease._handle = None
 
     def __del__(self) -> None:
         if getattr(self, "_handle", None) is not None:
@@ -513,10 +674,12 @@ class Engine(_ClosedOnExit):
 
     # -- diagnostics
     @property
+    @_guarded
     def last_error(self) -> str:
         """The engine's last error in words ("" before any)."""
         return lib.akv_engine_last_error(self._h()).decode(errors="replace")
 
+    @_guarded
     def info(self) -> EngineInfo:
         """Geometry, memory and counters (akv_engine_info_get). Enqueues
         nothing; allowed at any time, also after a transport failure."""
@@ -531,6 +694,7 @@ class Engine(_ClosedOnExit):
         return EngineInfo(**d)
 
     # -- revocable headroom (DESIGN §6)
+    @_guarded
     def headroom(self) -> Headroom:
         """The engine's headroom figures (akv_headroom_get). Enqueues
         nothing, never blocks; allowed at any time, also after a transport
@@ -542,6 +706,7 @@ class Engine(_ClosedOnExit):
         d["enabled"] = bool(d["enabled"])
         return Headroom(**d)
 
+    @_guarded
     def headroom_release(self, nbytes: Optional[int] = None) -> Tuple[int, int]:
         """Gives at least `nbytes` of headroom back (whole chunks, newest
         first; None or more than is present: all of it; 0: nothing) and
@@ -558,6 +723,7 @@ class Engine(_ClosedOnExit):
                self._handle, "headroom_release")
         return freed.value, pending.value
 
+    @_guarded
     def headroom_take(self, nbytes: Optional[int] = None) -> int:
         """Takes headroom again, up to `nbytes` (whole chunks; None: as much
         as allowed), never past the pages measured at create nor past
@@ -588,6 +754,7 @@ class Engine(_ClosedOnExit):
         strings, backend the one in use."""
         return dict(self._cfg_dict)
 
+    @_guarded
     def admission_counters(self) -> Dict[str, int]:
         """Per-rule admission counters since create, keyed by rule name
         (ADM_RULES: akv_adm_rule_string's names with "_" for "-"): pages for
@@ -598,6 +765,7 @@ class Engine(_ClosedOnExit):
                "admission_counters")
         return {ADM_RULES[r]: int(out[r]) for r in range(L.AKV_ADM_RULE_COUNT)}
 
+    @_guarded
     def admission_log(self) -> List[Decision]:
         """The newest admission decisions, oldest first (bounded log)."""
         cap = 256
@@ -612,39 +780,44 @@ class Engine(_ClosedOnExit):
                          None if d.victim == none else d.victim, d.pages)
                 for d in arr[: n.value]]
 
+    @_guarded
     def explain(self, ctx: Optional["Context"] = None) -> str:
         """A paragraph explaining a context's admission; ctx None explains the
         last refused open."""
         buf = ctypes.create_string_buffer(4096)
-        h = None if ctx is None else ctx._h()
+        h = None if ctx is None else self._ctx_handle(ctx, "explain")
         _check(lib.akv_admission_explain(self._h(), h, buf, len(buf)), self._handle, "explain")
         return buf.value.decode(errors="replace")
 
+    @_guarded
     def quarantine(self) -> QuarantineReport:
         """Synchronises every engine queue, then the device (blocks). On
         success leases and tickets are released; raises UncertainFence when
         completion could not be established (everything stays retained)."""
         r = L.out_struct(L.akv_quarantine_report)
         st = lib.akv_engine_quarantine(self._h(), ctypes.byref(r))
+        self._retained = st == STATUS_VALUES["AKV_ERR_UNCERTAIN_FENCE"]
         report = QuarantineReport(bool(r.h2d_ok), bool(r.d2h_ok), bool(r.d2d_ok),
                                   bool(r.device_ok), r.leases_released, r.tickets_released,
                                   r.retained_leases, r.uncertain.decode(errors="replace"))
         _check(st, self._handle, "quarantine")
         self._step_open = False  # completion established: leases released, the step ended
+        for lease in list(self._leases):  # released: their handles are dead
+            lease._handle = None
         return report
 
     # -- contexts and steps
+    @_guarded
     def open_context(self, target_pages: Optional[int] = None, burst_pages: int = 0) -> "Context":
         """Opens a context (akv_context_open): a host slot and its device
         target (None: the fair share, pool / concurrency). Not inside a step.
         Raises RefusedQueue (no host slot: queue it), AdmissionRefused,
         StepState, Config, InvalidArgument, Quarantined."""
+        target = (L.AKV_TARGET_FAIR_SHARE if target_pages is None
+                  else _uint(target_pages, "open_context: target_pages"))
+        burst = _uint(burst_pages, "open_context: burst_pages")
         cc = L.akv_context_config(ctypes.sizeof(L.akv_context_config), L.AKV_CONFIG_VERSION,
-                                  L.AKV_TARGET_FAIR_SHARE if target_pages is None else target_pages,
-                                  burst_pages)
-        if (target_pages is not None and cc.target_pages != target_pages) or \
-                cc.burst_pages != burst_pages:
-            raise InvalidArgument.make("target_pages/burst_pages out of the uint32 range")
+                                  target, burst)
         h = ctypes.c_void_p()
         _check(lib.akv_context_open(self._h(), ctypes.byref(cc), ctypes.byref(h)), self._handle,
                "open_context")
@@ -652,15 +825,20 @@ class Engine(_ClosedOnExit):
         self._contexts.add(ctx)
         return ctx
 
+    @_guarded
     def step_begin(self, contexts: Sequence["Context"]) -> None:
         """Opens a decode step over `contexts` (the step boundary; residency
         changes here). Raises InvalidArgument, BadHandle, StepState,
         Capacity, UnevenLayers, Backend, Quarantined."""
-        hs = [c._h() for c in contexts]
+        self._h()
+        if isinstance(contexts, (Context, str, bytes)) or not hasattr(contexts, "__iter__"):
+            raise InvalidArgument.make(f"step_begin: {contexts!r}: expected a sequence of Contexts")
+        hs = [self._ctx_handle(c, "step_begin") for c in contexts]
         arr = (ctypes.c_void_p * max(1, len(hs)))(*hs)
         _check(lib.akv_step_begin(self._h(), arr, len(hs)), self._handle, "step_begin")
         self._step_open = True
 
+    @_guarded
     def step_end(self) -> None:
         """Closes the step; every layer's lease must be retired. Each
         context grows by one row. Raises StepState, Quarantined."""
@@ -681,18 +859,21 @@ class Engine(_ClosedOnExit):
             raise
         self.step_end()
 
+    @_guarded
     def lease_begin(self, layer: int) -> "Lease":
         """Begins the lease of dense layer `layer` of the open step (layers in
         order 0..n_dense_layers-1); enqueues its history copies. Raises
         InvalidArgument, StepState, LeaseOrder, Backend, Quarantined."""
-        if not 0 <= layer <= 0xFFFFFFFF:
-            raise InvalidArgument.make(f"layer {layer} out of range")
+        layer = _uint(layer, "lease_begin: layer")
         h = ctypes.c_void_p()
         _check(lib.akv_lease_begin(self._h(), layer, ctypes.byref(h)), self._handle,
                "lease_begin")
-        return Lease(self, h.value, layer)
+        lease = Lease(self, h.value, layer)
+        self._leases.add(lease)
+        return lease
 
     # -- streams
+    @_guarded
     def stream_create(self) -> "Stream":
         """A compute queue of the engine's backend (host: a worker thread;
         CUDA: a non-blocking stream). Destroy it before closing the engine
@@ -703,6 +884,7 @@ class Engine(_ClosedOnExit):
         self._streams.append(s)
         return s
 
+    @_guarded
     def default_stream(self) -> Union[int, "Stream"]:
         """The stream used when a call is given stream=None: on CUDA torch's
         current stream (its cudaStream_t as an int; torch's default stream,
@@ -755,11 +937,13 @@ class Stream:
         """The raw akv_stream (a cudaStream_t on CUDA)."""
         return self._h()
 
+    @_guarded
     def synchronize(self) -> None:
         """Blocks until everything enqueued on the stream ran."""
         _check(lib.akv_stream_synchronize(self._engine._h(), self._h()), self._engine._handle,
                "stream synchronize")
 
+    @_guarded
     def destroy(self) -> None:
         """Drains (host backend) and destroys the stream. Destroying twice is
         a no-op."""
@@ -804,6 +988,7 @@ class Context(_ClosedOnExit):
         return self._engine
 
     @property
+    @_guarded
     def id(self) -> int:
         """The context's id as admission decisions name it (unique per
         engine lifetime)."""
@@ -812,6 +997,7 @@ class Context(_ClosedOnExit):
         return out.value
 
     @property
+    @_guarded
     def length(self) -> int:
         """Rows held per dense layer (the minimum over the layers after
         uneven append_layer calls)."""
@@ -827,6 +1013,7 @@ class Context(_ClosedOnExit):
         c = self._engine._cfg_dict
         return c["n_dense_layers"], c["kv_heads"], c["head_dim"]
 
+    @_guarded
     def append(self, k: Any, v: Any) -> None:
         """Appends prefilled rows to every dense layer: k and v of shape
         [n_dense_layers, n_tokens, kv_heads, head_dim], C-contiguous, of the
@@ -849,6 +1036,7 @@ class Context(_ClosedOnExit):
         vp = (ctypes.c_void_p * nl)(*[va.ctypes.data + l * va.strides[0] for l in range(nl)])
         _check(lib.akv_context_append(h, n, kp, vp), self._engine._handle, "append")
 
+    @_guarded
     def append_layer(self, layer: int, k: Any, v: Any) -> None:
         """Appends rows to ONE dense layer, after the rows that layer holds:
         k and v of shape [n_tokens, kv_heads, head_dim]. Layers may be filled
@@ -864,12 +1052,12 @@ class Context(_ClosedOnExit):
             raise InvalidArgument.make(
                 f"append_layer: k {ka.shape} and v {va.shape}; expected both "
                 f"[n_tokens, {kh}, {hd}]")
-        if not 0 <= layer <= 0xFFFFFFFF:
-            raise InvalidArgument.make(f"append_layer: layer {layer} out of range")
+        layer = _uint(layer, "append_layer: layer")
         _need("akv_context_append_layer")
         _check(lib.akv_context_append_layer(h, layer, ka.shape[0], ka.ctypes.data, va.ctypes.data),
                self._engine._handle, "append_layer")
 
+    @_guarded
     def read(self, layer: int, first: int, n: int) -> Tuple[np.ndarray, np.ndarray]:
         """Copies rows [first, first+n) of one layer out of the authoritative
         host pool: (k, v) numpy arrays [n, kv_heads, head_dim] (bf16 as
@@ -877,8 +1065,13 @@ class Context(_ClosedOnExit):
         the open step (InUse). Raises InvalidArgument, InUse, BadHandle."""
         h = self._h()
         _, kh, hd = self._geometry()
-        if min(layer, first, n) < 0 or max(layer, first, n) > 0xFFFFFFFF:
-            raise InvalidArgument.make(f"read: layer {layer}, rows [{first}, {first + n})")
+        layer = _uint(layer, "read: layer")
+        first = _uint(first, "read: first")
+        n = _uint(n, "read: n")
+        max_tokens = self._engine._cfg_dict["max_tokens"]
+        if first + n > max_tokens:  # refused before allocating the result
+            raise InvalidArgument.make(f"read: rows [{first}, {first + n}) past max_tokens "
+                                       f"{max_tokens}")
         npdt = _NP_DTYPE[self._engine._dtype]
         k = np.empty((n, kh, hd), npdt)
         v = np.empty((n, kh, hd), npdt)
@@ -886,6 +1079,7 @@ class Context(_ClosedOnExit):
                self._engine._handle, "read")
         return k, v
 
+    @_guarded
     def close(self) -> None:
         """Closes the context and releases its host slot and device pages.
         Raises InUse (part of the open step). Closing twice is a no-op."""
@@ -899,7 +1093,10 @@ class Context(_ClosedOnExit):
     def __repr__(self) -> str:
         if self._handle is None or self._engine._handle is None:
             return "<activekv.Context closed>"
-        return f"<activekv.Context id={self.id} length={self.length}>"
+        try:
+            return f"<activekv.Context id={self.id} length={self.length}>"
+        except ActiveKVError:
+            return "<activekv.Context>"
 
 
 _NOT_READY = STATUS_VALUES["AKV_ERR_NOT_READY"]  # 24: try_retire's "not yet"
@@ -921,6 +1118,7 @@ class Lease:
             raise BadHandle.make(f"the lease of layer {self.layer} is retired")
         return self._handle
 
+    @_guarded
     def wait_ready(self, stream: Any = None) -> "View":
         """Makes `stream` wait (on the device) for the staged history and
         returns the view. stream None: Engine.default_stream(). On the host
@@ -937,6 +1135,7 @@ class Lease:
             sobj.synchronize()
         return View(self, v)
 
+    @_guarded
     def mark_consumed(self, stream: Any = None) -> Fence:
         """Records the attention-consumed event on `stream` (None: the stream
         given to wait_ready) and returns its fence."""
@@ -947,6 +1146,7 @@ class Lease:
                "mark_consumed")
         return Fence(f.serial)
 
+    @_guarded
     def write_back(self, owners: Optional[Sequence[Context]] = None) -> Fence:
         """Enqueues the copy of each owner's new row to its host rows behind
         the attention event (owners None: all of the lease's contexts) and
@@ -956,12 +1156,16 @@ class Lease:
         if owners is None:
             st = lib.akv_lease_write_back(h, None, 0, ctypes.byref(tail))
         else:
-            hs = [c._h() for c in owners]
+            if isinstance(owners, (Context, str, bytes)) or not hasattr(owners, "__iter__"):
+                raise InvalidArgument.make(f"write_back: owners={owners!r}: expected a sequence "
+                                           "of Contexts or None")
+            hs = [self._engine._ctx_handle(c, "write_back") for c in owners]
             arr = (ctypes.c_void_p * max(1, len(hs)))(*hs)
             st = lib.akv_lease_write_back(h, arr, len(hs), ctypes.byref(tail))
         _check(st, self._engine._handle, "write_back")
         return Fence(tail.serial)
 
+    @_guarded
     def seal(self, tail: Fence, attention: Fence) -> None:
         """Seals the lease with its current tail fence and its attention
         fence. Raises LeaseState, FenceMismatch."""
@@ -970,6 +1174,7 @@ class Lease:
             raise InvalidArgument.make("seal takes two Fence values")
         _check(lib.akv_lease_seal(h, tail._c(), attention._c()), self._engine._handle, "seal")
 
+    @_guarded
     def retire(self) -> Receipt:
         """Waits (blocking) on every consumer event and copy ticket, then
         releases the layer; the lease is dead afterwards. Raises LeaseState,
@@ -980,6 +1185,7 @@ class Lease:
         self._handle = None
         return _receipt(r)
 
+    @_guarded
     def try_retire(self) -> Optional[Receipt]:
         """Non-blocking retire (akv_lease_try_retire): when every fence of
         the sealed lease has passed, retires it exactly as retire() does and
@@ -1045,8 +1251,9 @@ class View:
     def _check_live(self, i: Optional[int] = None) -> None:
         self._lease._h()
         ctxs = range(self.n_contexts) if i is None else [i]
-        if i is not None and not 0 <= i < self.n_contexts:
-            raise InvalidArgument.make(f"context {i} of a view of {self.n_contexts}")
+        if i is not None and (isinstance(i, bool) or not isinstance(i, (int, np.integer))
+                              or not 0 <= i < self.n_contexts):
+            raise InvalidArgument.make(f"context {i!r} of a view of {self.n_contexts}")
         if self.page_map is not None:
             for c in ctxs:
                 full = (self.len[c] // self.page_tokens) if self.page_tokens else 0
@@ -1057,19 +1264,12 @@ class View:
                         "staging buffer does not hold them")
 
     def _array(self, offset: int, shape: Tuple[int, ...], strides: Tuple[int, ...]):
-        isz = _ITEMSIZE[self.dtype]
-        span = sum((n - 1) * s for n, s in zip(shape, strides)) + isz
-        ptr = self.base + offset
-        if self._cuda:
-            torch = _torch()
-            cai = _CudaArray(ptr, shape, strides, _CAI_TYPESTR[self.dtype], self)
-            return _as_torch_type(torch, torch.as_tensor(cai, device="cuda"), self.dtype)
-        buf = (ctypes.c_uint8 * span).from_address(ptr)
-        flat = np.ctypeslib.as_array(buf).view(_NP_DTYPE[self.dtype])
-        return np.lib.stride_tricks.as_strided(flat, shape=shape, strides=strides)
+        return _export_array(self._lease._engine, self.base + offset, shape, strides,
+                             self.dtype, self._cuda)
 
     def _rows(self, i: int, v: bool):
         self._check_live(i)
+        i = int(i)
         isz = _ITEMSIZE[self.dtype]
         off = i * self.context_stride + (self.v_offset if v else 0)
         return self._array(off, (self.len[i] + 1, self.kv_heads, self.head_dim),

@@ -42,9 +42,11 @@ it leaves retained pages in the device pool and describes them with a page table
 (``akv_view.page_map``), which only a paged attention kernel can read; SDPA takes one
 dense K/V tensor per row.
 
-Threading: like the engine, a cache is used from one thread at a time. Tensors returned
-by ``update`` alias the engine's staging buffers: they are valid for that layer's attention
-only (the buffer is reused two layers later) and must not be kept.
+Threading: like the engine, a cache is used from one thread at a time (an update from a
+second thread while one is in flight raises Busy). Tensors returned by ``update`` alias
+the engine's staging buffers: they are valid for that layer's attention only (the buffer
+is reused two layers later) and must not be kept; one kept anyway keeps the engine's
+memory alive (stale rows, never freed memory).
 
 Lifetime: ``close()`` (or leaving the ``with`` block) ends the open step, closes the
 contexts and the engine and removes the forward hooks. Call ``finish()`` to end the open
@@ -53,6 +55,7 @@ step but keep the history readable (``contexts[i].read(...)``).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import weakref
 from typing import Any, Sequence
@@ -68,7 +71,18 @@ except ImportError as exc:  # pragma: no cover - exercised only without the opti
 
 import activekv as akv
 from activekv import _lib
-from activekv.errors import STATUS_VALUES, TransportError, error_for
+from activekv._api import _Export
+from activekv.errors import (
+    STATUS_VALUES,
+    ActiveKVError,
+    BadHandle,
+    LeaseOrder,
+    Quarantined,
+    StepState,
+    TransportError,
+    UnevenLayers,
+    error_for,
+)
 
 __all__ = ["ActiveKVCache", "ActiveKVLayer", "dense_layer_indices", "engine_config_for"]
 
@@ -226,6 +240,10 @@ def engine_config_for(
         raise ValueError("ActiveKVCache: route must be 'stage' or 'arena', not %r" % (route,))
     if dtype not in _DTYPES:
         raise ValueError("ActiveKVCache: K/V dtype %s is not bf16, f16 or f32" % (dtype,))
+    for name, value in (("max_cache_len", max_cache_len), ("batch_size", batch_size),
+                        ("page_tokens", page_tokens), ("device_pool_gib", device_pool_gib)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError("ActiveKVCache: %s=%r is not an int" % (name, value))
     if max_cache_len <= 0 or batch_size <= 0:
         raise ValueError("ActiveKVCache: max_cache_len and batch_size must be positive")
     tc = _text_config(config)
@@ -262,27 +280,21 @@ def engine_config_for(
 # --------------------------------------------------------------------------- #
 
 
-class _CudaMemory:
-    """__cuda_array_interface__ over engine-owned device bytes (no ownership taken)."""
-
-    def __init__(self, address: int, nbytes: int):
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "data": (address, False),
-            "strides": None,
-            "version": 3,
-            "stream": None,  # no synchronisation: ordering is the engine's events
-        }
-
-
-def _buffer_tensor(address: int, nbytes: int, dtype: torch.dtype, device: torch.device):
-    """A flat tensor of `dtype` aliasing [address, address+nbytes) (zero copy)."""
+def _buffer_tensor(engine: Any, address: int, nbytes: int, dtype: torch.dtype,
+                   device: torch.device):
+    """A flat tensor of `dtype` aliasing [address, address+nbytes) of the engine's memory
+    (zero copy). Its base is an akv export: while it, or any tensor derived from it (those
+    update returns), is alive, the engine's memory is not freed (Engine.close defers it),
+    so a tensor kept past close() holds stale rows but never freed memory. No stream
+    entry: ordering is the engine's events."""
     if device.type == "cuda":
-        flat = torch.as_tensor(_CudaMemory(address, nbytes), device=device)
+        exp = _Export(engine, address, (nbytes,), None, "|u1", True)
+        flat = torch.as_tensor(exp, device=device)
     else:
-        raw = (ctypes.c_uint8 * nbytes).from_address(address)
-        flat = torch.frombuffer(raw, dtype=torch.uint8)
+        import numpy as np  # noqa: PLC0415 - numpy is a dependency of activekv
+
+        flat = torch.from_numpy(np.asarray(_Export(engine, address, (nbytes,), None, "|u1",
+                                                   False)))
     return flat.view(dtype)
 
 
@@ -319,6 +331,8 @@ class _Driver:
         self.itemsize = torch.empty((), dtype=dtype).element_size()
         self.n_dense = n_dense
         self.max_tokens = int(engine_cfg["max_tokens"])
+        self.kv_heads = int(engine_cfg["kv_heads"])
+        self.head_dim = int(engine_cfg["head_dim"])
         self.max_contexts = int(engine_cfg["max_contexts"])
         self.target_pages = target_pages
         self.burst_pages = burst_pages
@@ -379,10 +393,13 @@ class _Driver:
             raise err
 
     def usable(self) -> None:
-        if self.failed is not None:
-            raise RuntimeError("ActiveKVCache is unusable after an earlier failure") from self.failed
         if self.engine is None:
-            raise RuntimeError("ActiveKVCache is closed")
+            raise BadHandle.make("ActiveKVCache is closed")
+        if self.failed is not None:
+            raise Quarantined.make("ActiveKVCache is unusable after an earlier failure (%s); "
+                                   "close it" % (self.failed,)) from self.failed
+        if self.engine._handle is None:
+            raise BadHandle.make("ActiveKVCache: its engine was closed")
 
     # -- prefill ------------------------------------------------------------
 
@@ -403,7 +420,29 @@ class _Driver:
         self.contexts = ctxs
         self.batch = batch
 
+    def check_states(self, key_states: Any, value_states: Any, tokens: int | None) -> None:
+        """ValueError/TypeError unless K and V are [batch, kv_heads, tokens, head_dim] tensors
+        of the cache's dtype on its device (tokens None: any). Checked before anything
+        changes: torch's copy_ would broadcast a wrong shape and convert a wrong dtype."""
+        for name, t in (("key_states", key_states), ("value_states", value_states)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError("ActiveKVCache: %s is a %s, not a tensor" % (name, type(t).__name__))
+            shape = tuple(t.shape)
+            if (len(shape) != 4 or shape[0] != self.batch or shape[1] != self.kv_heads
+                    or shape[3] != self.head_dim or (tokens is not None and shape[2] != tokens)):
+                raise ValueError(
+                    "ActiveKVCache: %s of shape %s; expected [%d, %d, %s, %d] (batch, kv_heads, "
+                    "tokens, head_dim)" % (name, list(shape), self.batch, self.kv_heads,
+                                           "T" if tokens is None else tokens, self.head_dim))
+            if t.dtype != self.dtype or t.device != self.device:
+                raise ValueError("ActiveKVCache was made for %s on %s, got %s %s on %s"
+                                 % (self.dtype, self.device, name, t.dtype, t.device))
+        if key_states.shape != value_states.shape:
+            raise ValueError("ActiveKVCache: key_states %s and value_states %s differ"
+                             % (list(key_states.shape), list(value_states.shape)))
+
     def append(self, d: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.check_states(key_states, value_states, None)
         n = int(key_states.shape[-2])
         if self.layer_len[d] + n > self.max_tokens:
             raise ValueError("ActiveKVCache: %d rows exceed max_cache_len=%d"
@@ -424,7 +463,7 @@ class _Driver:
             self.end_step()
         for d in range(self.n_dense):
             if self.layer_len[d] != self.layer_len[0]:
-                raise RuntimeError(
+                raise UnevenLayers.make(
                     "ActiveKVCache: full-attention layers hold different lengths (%s); a "
                     "prefill did not reach every layer" % (self.layer_len,))
         self.engine.step_begin(self.contexts)
@@ -437,7 +476,7 @@ class _Driver:
             self.seal_pending()
             self.fallback_seals += 1
         if self.next_dense != self.n_dense:
-            raise RuntimeError(
+            raise StepState.make(
                 "ActiveKVCache: the open step updated %d of %d full-attention layers"
                 % (self.next_dense, self.n_dense))
         self.retire_all()
@@ -460,8 +499,8 @@ class _Driver:
             if len(self.sealed) >= _RETIRE_BATCH:
                 self.try_retire()
         if d != self.next_dense:
-            raise RuntimeError("ActiveKVCache: full-attention layer %d updated out of order "
-                               "(expected %d)" % (d, self.next_dense))
+            raise LeaseOrder.make("ActiveKVCache: full-attention layer %d updated out of order "
+                                  "(expected %d)" % (d, self.next_dense))
         length = self.layer_len[d]
         if length + 1 > self.max_tokens:
             raise ValueError("ActiveKVCache: a new row exceeds max_cache_len=%d" % self.max_tokens)
@@ -474,7 +513,7 @@ class _Driver:
         self.leases += 1
         st = api.wait_ready(lease, stream, self.view_ref)
         if st != 0:
-            self.failed = RuntimeError("lease_wait_ready failed")
+            self.failed = error_for(st, "lease_wait_ready failed")
             self.check(st, "lease_wait_ready")
         self.pending = (d, lease, stream)
         self.next_dense = d + 1
@@ -486,9 +525,11 @@ class _Driver:
         lens = view.len
         for i in range(self.batch):
             if lens[i] != length:
-                self.failed = RuntimeError("staged length mismatch")
-                raise RuntimeError("ActiveKVCache: context %d staged %d rows, expected %d"
-                                   % (i, lens[i], length))
+                err = UnevenLayers.make(
+                    "ActiveKVCache: context %d staged %d rows, expected %d (were rows "
+                    "appended to cache.contexts directly?)" % (i, lens[i], length))
+                self.failed = err
+                raise err
         views = self.views.get(view.base)
         key = (length, view.context_stride, view.row_stride, view.v_offset)
         if views is None or views[0] != key:
@@ -511,7 +552,8 @@ class _Driver:
         base = view.base
         flat = self.buffers.get(base)
         if flat is None:
-            flat = _buffer_tensor(base, self.staging_extent, self.dtype, self.device)
+            flat = _buffer_tensor(self.engine, base, self.staging_extent, self.dtype,
+                                  self.device)
             self.buffers[base] = flat
         isz = self.itemsize
         heads, dim = view.kv_heads, view.head_dim
@@ -603,23 +645,37 @@ class _Driver:
         self.step_open = False
 
     def close(self) -> None:
+        """Brings an open step to its end (abandon_step; after a failure, or when that
+        fails, quarantine, which establishes completion and releases the leases), then
+        closes the contexts and the engine. Raises only when the engine could not be freed
+        (Busy: quarantine could not establish completion) or for an interrupt."""
         if self.engine is None:
             return
-        try:
-            if self.step_open and self.failed is None:
-                self.abandon_step()
-        finally:
-            self.views.clear()
-            self.buffers.clear()
-            for ctx in self.contexts or ():
+        interrupt = None
+        if self.step_open:
+            if self.failed is None:
                 try:
-                    ctx.close()
-                except Exception:
-                    if self.failed is None:
-                        raise
-            self.contexts = None
-            engine, self.engine = self.engine, None
-            engine.close()
+                    self.abandon_step()
+                except Exception:  # noqa: BLE001 - quarantine below ends the step instead
+                    pass
+                except BaseException as exc:  # KeyboardInterrupt: finish closing, re-raise
+                    interrupt = exc
+            if self.step_open:
+                with contextlib.suppress(ActiveKVError):
+                    self.engine.quarantine()
+                self.step_open = False
+                self.pending = None
+                self.sealed.clear()
+        self.views.clear()
+        self.buffers.clear()
+        for ctx in self.contexts or ():
+            with contextlib.suppress(ActiveKVError):
+                ctx.close()
+        self.contexts = None
+        engine, self.engine = self.engine, None
+        engine.close()
+        if interrupt is not None:
+            raise interrupt
 
 
 # --------------------------------------------------------------------------- #
@@ -647,6 +703,9 @@ class ActiveKVLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         drv = self._driver
+        if key_states.dim() != 4 or key_states.shape[0] < 1:
+            raise ValueError("ActiveKVCache: K of shape %s; expected [batch, kv_heads, tokens, "
+                             "head_dim] with batch >= 1" % (list(key_states.shape),))
         if key_states.dtype != drv.dtype or key_states.device != drv.device:
             raise ValueError(
                 "ActiveKVCache was made for %s on %s, got K/V %s on %s"
@@ -659,11 +718,23 @@ class ActiveKVLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         drv = self._driver
         drv.usable()
+        # One thread at a time, as for the engine: a second thread is refused (Busy).
+        held = drv.engine._enter("ActiveKVCache.update")
+        try:
+            return self._update(drv, key_states, value_states)
+        finally:
+            if held:
+                drv.engine._leave()
+
+    def _update(self, drv: _Driver, key_states: torch.Tensor, value_states: torch.Tensor):
+        if not isinstance(key_states, torch.Tensor) or not isinstance(value_states, torch.Tensor):
+            raise TypeError("ActiveKVCache.update takes K and V tensors, got %s and %s"
+                            % (type(key_states).__name__, type(value_states).__name__))
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if key_states.shape[0] != drv.batch:
-            raise ValueError("ActiveKVCache holds %d rows, got a batch of %d"
-                             % (drv.batch, key_states.shape[0]))
+        if key_states.dim() != 4 or key_states.shape[0] != drv.batch:
+            raise ValueError("ActiveKVCache holds %d rows, got K of shape %s"
+                             % (drv.batch, list(key_states.shape)))
         d = self.dense_index
         n_new = key_states.shape[-2]
         if drv.layer_len[d] == 0:
@@ -674,6 +745,11 @@ class ActiveKVLayer(CacheLayerMixin):
                 "ActiveKVCache: an update of %d tokens after the prompt (chunked prefill, "
                 "assisted or speculative decoding) is not supported; decode one token per "
                 "step" % n_new)
+        # Everything is checked before the step boundary moves: a refused update changes
+        # nothing, and the same update with the right tensors may follow.
+        drv.check_states(key_states, value_states, 1)
+        if drv.layer_len[d] + 1 > drv.max_tokens:
+            raise ValueError("ActiveKVCache: a new row exceeds max_cache_len=%d" % drv.max_tokens)
         if d == 0:
             drv.begin_step()
         return drv.stage(d, key_states, value_states)
