@@ -419,11 +419,19 @@ class _Driver:
             raise
         self.contexts = ctxs
         self.batch = batch
+        # The shape of one decode step's K and V (check_states' fast path).
+        self.decode_shape = torch.Size((batch, self.kv_heads, 1, self.head_dim))
 
     def check_states(self, key_states: Any, value_states: Any, tokens: int | None) -> None:
         """ValueError/TypeError unless K and V are [batch, kv_heads, tokens, head_dim] tensors
         of the cache's dtype on its device (tokens None: any). Checked before anything
         changes: torch's copy_ would broadcast a wrong shape and convert a wrong dtype."""
+        if tokens == 1:  # the decode step's fast path: one comparison each, no message
+            shape, dtype, device = self.decode_shape, self.dtype, self.device
+            if (key_states.shape == shape and value_states.shape == shape
+                    and key_states.dtype is dtype and value_states.dtype is dtype
+                    and key_states.device == device and value_states.device == device):
+                return
         for name, t in (("key_states", key_states), ("value_states", value_states)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError("ActiveKVCache: %s is a %s, not a tensor" % (name, type(t).__name__))
