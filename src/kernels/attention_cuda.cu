@@ -453,6 +453,24 @@ __device__ __forceinline__ bool block_rows(const ChunkParams &p, const Loc &loc,
   return true;
 }
 
+/* This lane's 8 query elements (dims [dl*8, dl*8+8)) of each head of the
+ * subgroup starting at head0, zero for heads past the group's end (h >=
+ * hvalid). */
+template <int D, int GT>
+__device__ __forceinline__ void load_queries(const ChunkParams &p, uint32_t ctx, uint32_t head0,
+                                             int hvalid, int dl, float (&q)[GT][8]) {
+#pragma unroll
+  for (int h = 0; h < GT; ++h) {
+    if (h < hvalid) {
+      const uint16_t *qh = p.q + ((size_t)ctx * p.n_heads + head0 + h) * D + dl * 8;
+      bf16x8_to_f32(load16(reinterpret_cast<const char *>(qh)), q[h]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) q[h][j] = 0.0f;
+    }
+  }
+}
+
 template <int D, int GT, int E, class Loc>
 __global__ void __launch_bounds__(kThreads, min_blocks(GT))
     akv_attn_chunk_kernel(const __grid_constant__ ChunkParams p, const __grid_constant__ Loc loc) {
@@ -491,16 +509,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks(GT))
   const char *vd = vp + head_off;
 
   float q[GT][8];
-#pragma unroll
-  for (int h = 0; h < GT; ++h) {
-    if (h < hvalid) {
-      const uint16_t *qh = p.q + ((size_t)ctx * p.n_heads + head0 + h) * D + dl * 8;
-      bf16x8_to_f32(load16(reinterpret_cast<const char *>(qh)), q[h]);
-    } else {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) q[h][j] = 0.0f;
-    }
-  }
+  load_queries<D, GT>(p, ctx, head0, hvalid, dl, q);
 
   float acc[GT][8];
 #pragma unroll
@@ -795,16 +804,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks2(GT))
   const uint64_t tile_bytes = (uint64_t)C::TILE * rb;
 
   float q[GT][8];
-#pragma unroll
-  for (int h = 0; h < GT; ++h) {
-    if (h < hvalid) {
-      const uint16_t *qh = p.q + ((size_t)ctx * p.n_heads + head0 + h) * D + dl * 8;
-      bf16x8_to_f32(load16(reinterpret_cast<const char *>(qh)), q[h]);
-    } else {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) q[h][j] = 0.0f;
-    }
-  }
+  load_queries<D, GT>(p, ctx, head0, hvalid, dl, q);
   float acc[GT][8];
 #pragma unroll
   for (int h = 0; h < GT; ++h)
