@@ -420,57 +420,6 @@ constexpr size_t stage_bytes() {
          sizeof(typename Elem<E>::Vec);
 }
 
-/* The rows of one chunk-kernel block. blockIdx.x = (chunk * pieces + piece)
- * * kv_slots + kv head * n_sub + subgroup: the blocks of all kv heads of one
- * piece are neighbours, so together they read whole rows; blockIdx.y is the
- * context. `pslot` is the piece's partial slot. False (block-uniform) for a
- * block past its context's last chunk or past the last row of its chunk: it
- * leaves at once, and the combine reads only the partials of pieces that
- * hold rows (akv_attn_context_slots). */
-struct BlockRows {
-  uint32_t pslot, kvh, sub, ctx, n;
-  const char *kp;
-  const char *vp;
-};
-
-template <class Loc>
-__device__ __forceinline__ bool block_rows(const ChunkParams &p, const Loc &loc, BlockRows &b) {
-  b.pslot = blockIdx.x / p.kv_slots;
-  const uint32_t chunk = b.pslot / p.pieces;
-  const uint32_t piece = b.pslot - chunk * p.pieces;
-  const uint32_t slot = blockIdx.x - b.pslot * p.kv_slots;
-  b.kvh = slot / p.n_sub;
-  b.sub = slot - b.kvh * p.n_sub;
-  b.ctx = blockIdx.y;
-  b.n = 0;
-  if (!loc.locate(b.ctx, chunk, b.kp, b.vp, b.n)) return false;
-  const uint32_t first = piece * p.piece_rows;
-  if (first >= b.n) return false;
-  const uint32_t rest = b.n - first;
-  b.n = rest < p.piece_rows ? rest : p.piece_rows;
-  b.kp += (uint64_t)first * loc.row_bytes;
-  b.vp += (uint64_t)first * loc.row_bytes;
-  return true;
-}
-
-/* This lane's 8 query elements (dims [dl*8, dl*8+8)) of each head of the
- * subgroup starting at head0, zero for heads past the group's end (h >=
- * hvalid). */
-template <int D, int GT>
-__device__ __forceinline__ void load_queries(const ChunkParams &p, uint32_t ctx, uint32_t head0,
-                                             int hvalid, int dl, float (&q)[GT][8]) {
-#pragma unroll
-  for (int h = 0; h < GT; ++h) {
-    if (h < hvalid) {
-      const uint16_t *qh = p.q + ((size_t)ctx * p.n_heads + head0 + h) * D + dl * 8;
-      bf16x8_to_f32(load16(reinterpret_cast<const char *>(qh)), q[h]);
-    } else {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) q[h][j] = 0.0f;
-    }
-  }
-}
-
 template <int D, int GT, int E, class Loc>
 __global__ void __launch_bounds__(kThreads, min_blocks(GT))
     akv_attn_chunk_kernel(const __grid_constant__ ChunkParams p, const __grid_constant__ Loc loc) {
@@ -481,17 +430,36 @@ __global__ void __launch_bounds__(kThreads, min_blocks(GT))
   __shared__ float s_alpha[GT];               /* rescale of the running sums */
   __shared__ __align__(16) float s_red[kWarps][D];
 
+  /* blockIdx.x = (chunk * pieces + piece) * kv_slots + kv head * n_sub +
+   * subgroup: the blocks of all kv heads of one piece are neighbours, so
+   * together they read whole rows. `pslot` is the piece's partial slot. */
+  const uint32_t pslot = blockIdx.x / p.kv_slots;
+  const uint32_t chunk = pslot / p.pieces;
+  const uint32_t piece = pslot - chunk * p.pieces;
+  const uint32_t slot = blockIdx.x - pslot * p.kv_slots;
+  const uint32_t kvh = slot / p.n_sub;
+  const uint32_t sub = slot - kvh * p.n_sub;
+  const uint32_t ctx = blockIdx.y;
 #if AKV_ATTN_PDL
   /* Lets the combine grid be scheduled once every chunk block has started;
    * it still waits for this grid's completion before reading partials. */
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
-  BlockRows br;
-  if (!block_rows(p, loc, br)) return;
-  const uint32_t pslot = br.pslot, kvh = br.kvh, sub = br.sub, ctx = br.ctx;
-  const char *kp = br.kp;
-  const char *vp = br.vp;
-  uint32_t n = br.n;
+  const char *kp;
+  const char *vp;
+  uint32_t n = 0;
+  /* Block-uniform: a block past its context's last chunk, or past the last
+   * row of its chunk, leaves at once; the combine reads only the partials of
+   * pieces that hold rows (akv_attn_context_slots). */
+  if (!loc.locate(ctx, chunk, kp, vp, n)) return;
+  {
+    const uint32_t first = piece * p.piece_rows;
+    if (first >= n) return;
+    const uint32_t rest = n - first;
+    n = rest < p.piece_rows ? rest : p.piece_rows;
+    kp += (uint64_t)first * loc.row_bytes;
+    vp += (uint64_t)first * loc.row_bytes;
+  }
 
   const int warp = (int)(threadIdx.x >> 5);
   const int lane = (int)(threadIdx.x & 31);
@@ -509,7 +477,16 @@ __global__ void __launch_bounds__(kThreads, min_blocks(GT))
   const char *vd = vp + head_off;
 
   float q[GT][8];
-  load_queries<D, GT>(p, ctx, head0, hvalid, dl, q);
+#pragma unroll
+  for (int h = 0; h < GT; ++h) {
+    if (h < hvalid) {
+      const uint16_t *qh = p.q + ((size_t)ctx * p.n_heads + head0 + h) * D + dl * 8;
+      bf16x8_to_f32(load16(reinterpret_cast<const char *>(qh)), q[h]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) q[h][j] = 0.0f;
+    }
+  }
 
   float acc[GT][8];
 #pragma unroll
@@ -771,16 +748,29 @@ __global__ void __launch_bounds__(kThreads, min_blocks2(GT))
   __shared__ float s_l[kWarps][GT];
   __shared__ __align__(16) float s_red[kWarps][C::HB][D];
 
+  /* The block's piece, as in kernel 1. */
+  const uint32_t pslot = blockIdx.x / p.kv_slots;
+  const uint32_t chunk = pslot / p.pieces;
+  const uint32_t piece = pslot - chunk * p.pieces;
+  const uint32_t slot = blockIdx.x - pslot * p.kv_slots;
+  const uint32_t kvh = slot / p.n_sub;
+  const uint32_t sub = slot - kvh * p.n_sub;
+  const uint32_t ctx = blockIdx.y;
 #if AKV_ATTN_PDL
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
-  /* The block's piece, as in kernel 1. */
-  BlockRows br;
-  if (!block_rows(p, loc, br)) return;
-  const uint32_t pslot = br.pslot, kvh = br.kvh, sub = br.sub, ctx = br.ctx;
-  const char *kp = br.kp;
-  const char *vp = br.vp;
-  const uint32_t n = br.n;
+  const char *kp;
+  const char *vp;
+  uint32_t n = 0;
+  if (!loc.locate(ctx, chunk, kp, vp, n)) return;
+  {
+    const uint32_t first = piece * p.piece_rows;
+    if (first >= n) return;
+    const uint32_t rest = n - first;
+    n = rest < p.piece_rows ? rest : p.piece_rows;
+    kp += (uint64_t)first * loc.row_bytes;
+    vp += (uint64_t)first * loc.row_bytes;
+  }
 
   const int warp = (int)(threadIdx.x >> 5);
   const int lane = (int)(threadIdx.x & 31);
@@ -804,7 +794,16 @@ __global__ void __launch_bounds__(kThreads, min_blocks2(GT))
   const uint64_t tile_bytes = (uint64_t)C::TILE * rb;
 
   float q[GT][8];
-  load_queries<D, GT>(p, ctx, head0, hvalid, dl, q);
+#pragma unroll
+  for (int h = 0; h < GT; ++h) {
+    if (h < hvalid) {
+      const uint16_t *qh = p.q + ((size_t)ctx * p.n_heads + head0 + h) * D + dl * 8;
+      bf16x8_to_f32(load16(reinterpret_cast<const char *>(qh)), q[h]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) q[h][j] = 0.0f;
+    }
+  }
   float acc[GT][8];
 #pragma unroll
   for (int h = 0; h < GT; ++h)
