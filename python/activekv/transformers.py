@@ -509,9 +509,7 @@ class _Driver:
         if d != self.next_dense:
             raise LeaseOrder.make("ActiveKVCache: full-attention layer %d updated out of order "
                                   "(expected %d)" % (d, self.next_dense))
-        length = self.layer_len[d]
-        if length + 1 > self.max_tokens:
-            raise ValueError("ActiveKVCache: a new row exceeds max_cache_len=%d" % self.max_tokens)
+        length = self.layer_len[d]  # the row fits: ActiveKVLayer.update checked it
         stream = self.host_stream_raw if self.host_stream is not None else self.torch_stream()
         lease_box = self.lease_box
         st = api.begin(self.eng, d, self.lease_ref)

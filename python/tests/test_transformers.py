@@ -240,6 +240,13 @@ def test_refusals_change_nothing():
     with ActiveKVCache(model, max_cache_len=12, batch_size=1) as cache:
         with pytest.raises(ValueError, match="max_cache_len"):
             model(input_ids=prompt_ids(1, 13), use_cache=True, **{kw: cache})
+    # A decode row past max_cache_len is refused before the step boundary moves.
+    with ActiveKVCache(model, max_cache_len=5, batch_size=1) as cache, torch.no_grad():
+        model(input_ids=prompt_ids(1, 4), use_cache=True, **{kw: cache})
+        model(input_ids=prompt_ids(1, 1), use_cache=True, **{kw: cache})
+        with pytest.raises(ValueError, match="exceeds max_cache_len=5"):
+            model(input_ids=prompt_ids(1, 1), use_cache=True, **{kw: cache})
+        assert cache.get_seq_length() == 5
 
 
 def test_close_mid_step_and_twice():
