@@ -291,6 +291,20 @@ def decode(model, cache, args, dev, ref_logits=None, row="row", timer=None):
         gc.unfreeze()
 
 
+def timed_step(model, kw, cache, token, dev):
+    """One greedy step timed alone (synchronize + perf_counter around it): (next token, the
+    step's last-position logits on the device, seconds until the forward and argmax were
+    enqueued, seconds until the device finished)."""
+    sync(dev)
+    t0 = time.perf_counter()
+    out = model(input_ids=token, use_cache=True, **{kw: cache})
+    logits = out.logits[:, -1]
+    token = logits.argmax(-1, keepdim=True)
+    enqueued = time.perf_counter() - t0
+    sync(dev)
+    return token, logits, enqueued, time.perf_counter() - t0
+
+
 def _decode_steps(model, cache, args, dev, ref_logits, row, timer, kw, token):
     times, enqueued, logits_host, equal = [], [], [], []
     first_mismatch, max_diff = None, 0.0
@@ -307,21 +321,16 @@ def _decode_steps(model, cache, args, dev, ref_logits, row, timer, kw, token):
                     acts.append(torch.profiler.ProfilerActivity.CUDA)
                 prof = torch.profiler.profile(activities=acts)
                 prof.__enter__()
-            sync(dev)
-            t0 = time.perf_counter()
-            out = model(input_ids=token, use_cache=True, **{kw: cache})
-            logits = out.logits[:, -1]
-            token = logits.argmax(-1, keepdim=True)
-            enqueued.append(time.perf_counter() - t0)
-            sync(dev)
-            times.append(time.perf_counter() - t0)
+            token, logits, enq, step = timed_step(model, kw, cache, token, dev)
+            enqueued.append(enq)
+            times.append(step)
             if prof is not None and s == args.warmup + 2 * n_prof - 1:
                 prof.__exit__(None, None, None)
                 os.makedirs(args.profile, exist_ok=True)
                 profile_tables(prof, os.path.join(args.profile, row), n_prof)
                 prof = None
             host = logits.to("cpu")
-            del out, logits
+            del logits
             if ref_logits is None:
                 logits_host.append(host)
             else:
@@ -523,15 +532,10 @@ def run_paired(model, args, dev, bw):
                 host = {}
                 k = s % len(names)
                 for n in names[k:] + names[:k]:
-                    sync(dev)
-                    t0 = time.perf_counter()
-                    out = model(input_ids=token[n], use_cache=True, **{kw: caches[n]})
-                    logits = out.logits[:, -1]
-                    token[n] = logits.argmax(-1, keepdim=True)
-                    sync(dev)
-                    times[n].append(time.perf_counter() - t0)
+                    token[n], logits, _, step = timed_step(model, kw, caches[n], token[n], dev)
+                    times[n].append(step)
                     host[n] = logits.to("cpu")
-                    del out, logits
+                    del logits
                 equal.append(all(torch.equal(host["resident"], host[n]) for n in names[1:]))
         gc.unfreeze()
         w = args.warmup
