@@ -14,6 +14,9 @@ each benchmark in bench/results/ (git keeps the history; no pass files):
   gpu_pass.json     the last result of each check: bitwise cells, the gpu and
                     cli labels, sanitizers, the demo, the summary table, keyed
                     by check
+  hf_compare.json   examples/hf_compare.py reports (hf_<preset>.json), one
+                    current run per geometry; each report keeps its own date,
+                    commit and command
 
 Every record carries the date, machine, commit and command of the pass that
 produced it (and `source`, where it came from), so a file can hold records
@@ -26,6 +29,7 @@ usage: scripts/collect-results.py OUT_DIR COMMIT "COMMAND" [--machine TEXT]
 """
 import argparse
 import datetime
+import glob
 import json
 import os
 import re
@@ -211,7 +215,7 @@ ABOUT = {
 
 
 def collect(results, meta, decode=(), attention=(), host=(), cudart_runs=(), checks=(),
-            restart=()):
+            restart=(), hf=()):
     """Merges one pass into the current files under `results`; returns the
     paths it wrote."""
     os.makedirs(results, exist_ok=True)
@@ -246,6 +250,19 @@ def collect(results, meta, decode=(), attention=(), host=(), cudart_runs=(), che
         doc["records"] = merge(old, stamp(checks, meta), GPU_PASS_KEY)
         write_doc(p, doc)
         wrote.append(p)
+    if hf:
+        # hf_compare.py reports carry their own date, commit and command; one current run
+        # per geometry, the 8B first.
+        p = os.path.join(results, "hf_compare.json")
+        with open(p) as f:
+            doc = json.load(f)
+        runs = {r["geometry"]["preset"]: r for r in doc["runs"]}
+        runs.update((r["geometry"]["preset"], r) for r in hf)
+        doc["runs"] = [runs[k] for k in sorted(runs, key=lambda k: k != "llama3.1-8b")]
+        with open(p, "w") as f:
+            json.dump(doc, f, indent=1)
+            f.write("\n")
+        wrote.append(p)
     return wrote
 
 
@@ -271,6 +288,7 @@ def main():
         attention=[r for r in jsonl(os.path.join(a.out, "bench.jsonl"))
                    if r.get("bench") == "attention_bw"],
         host=host_cost(a.out), cudart_runs=cudart_cost(a.out), checks=gpu_pass_checks(a.out),
+        hf=[json.load(open(f)) for f in sorted(glob.glob(os.path.join(a.out, "hf_*.json")))],
         restart=a.restart)
     if not wrote:
         print("collect-results: nothing to merge under " + a.out, file=sys.stderr)
