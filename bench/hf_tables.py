@@ -19,6 +19,15 @@ NAMES = {
 }
 
 
+def paired_members(p):
+    """(the adapter's default all-retained member, the member with forward hooks or None) of
+    an interleaved phase. Reports written while hooks were the default name them "all"
+    (hooks) and "all_nohooks"; later ones "all" (default, no hooks) and "all_hooks"."""
+    if "all_nohooks" in p:
+        return p["all_nohooks"], p["all"]
+    return p["all"], p.get("all_hooks")
+
+
 def gib(n):
     return "%.2f GiB" % (n / GiB) if n else "0"
 
@@ -43,12 +52,7 @@ def table(run):
             r.get("vs_resident", 1.0), bits))
     p = run.get("paired")
     if p and p.get("ok"):
-        # Reports written while hooks were the default call the members "all" (hooks) and
-        # "all_nohooks"; later ones "all" (the default, no hooks) and "all_hooks".
-        if "all_nohooks" in p:
-            default, hooks = p["all_nohooks"], p["all"]
-        else:
-            default, hooks = p["all"], p.get("all_hooks")
+        default, hooks = paired_members(p)
         out.append("")
         out.append("Interleaved (resident, all retained without hooks, the adapter's default, "
                    "and with hooks, decoded step by step in rotation, all caches alive): step "

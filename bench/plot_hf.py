@@ -11,6 +11,8 @@ import sys
 
 import matplotlib
 
+from hf_tables import paired_members
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
@@ -40,15 +42,6 @@ def interleaved_rows(run):
                  hatch=True),
             dict(row="i_all", tokens_per_s=default["tokens_per_s"], bitwise=p["bitwise"],
                  hatch=True, ratio=default["ratio_tokens_per_s"])]
-
-
-def paired_members(p):
-    """(the adapter's default all-retained member, the member with forward hooks). Reports
-    written while hooks were the default name them "all" (hooks) and "all_nohooks"; later
-    ones "all" (default, no hooks) and "all_hooks"."""
-    if "all_nohooks" in p:
-        return p["all_nohooks"], p["all"]
-    return p["all"], p.get("all_hooks")
 
 
 def main():
