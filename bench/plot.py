@@ -26,7 +26,7 @@ import json
 import os
 import statistics
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 
 def load(paths):
@@ -61,7 +61,11 @@ def plot_preset(plt, preset, recs, out_dir):
     """One figure per preset; with runs of both K/V dtypes, the bf16 curves
     solid and the FP8 ones dashed with hollow markers (their own PCIe bound,
     half the bytes)."""
-    fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=130)
+    # One geometry per figure: the runs of the preset's most common contexts
+    # x tokens (a short --tp run of the same preset is not a point here).
+    shape = Counter((r["contexts"], tuple(r["tokens"])) for r in recs).most_common(1)[0][0]
+    recs = [r for r in recs if (r["contexts"], tuple(r["tokens"])) == shape]
+    fig, ax = plt.subplots(figsize=(10.5, 4.8), dpi=130)
     dtypes = sorted({kv_dtype(r) for r in recs})
     for dt in dtypes:
         plot_dtype(ax, [r for r in recs if kv_dtype(r) == dt], dt, len(dtypes) > 1)
@@ -75,13 +79,13 @@ def plot_preset(plt, preset, recs, out_dir):
     ax.axvline(history_gib, color="tab:green", linestyle=":", linewidth=1)
     ax.text(history_gib, ax.get_ylim()[0], " whole history", color="tab:green", fontsize=8,
             va="bottom", rotation=90)
-    ax.set_xlabel("device pool (GiB)")
+    ax.set_xlabel("device pool, or headroom over a pool of 0 (GiB)")
     ax.set_ylabel("tokens/s (all contexts)")
     ax.set_title(f"activekv decode, {preset}: {contexts} contexts x {tok} tokens, "
                  f"{first.get('backend', '?')}" + (", bf16 and fp8 K/V" if len(dtypes) > 1 else ""),
                  fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7 if len(dtypes) > 1 else 8, loc="center left")
+    ax.legend(fontsize=7 if len(dtypes) > 1 else 8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     path = os.path.join(out_dir, f"decode_{preset}.png")
     fig.savefig(path)

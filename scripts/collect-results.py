@@ -3,9 +3,11 @@
 each benchmark in bench/results/ (git keeps the history; no pass files):
 
   decode.jsonl      one line per decode run (activekv decode --json), keyed by
-                    preset, route, device pool, contexts, tokens, steps, warm-up
-                    and K/V dtype (lines without one are bf16); the FP8
-                    logits-distance run (fp8-distance.json, with "vs_ref") too
+                    preset, route, device pool, contexts, tokens, steps, warm-up,
+                    K/V dtype (lines without one are bf16), headroom cap and
+                    headroom release step; the FP8 logits-distance run
+                    (fp8-distance.json, with "vs_ref") and the headroom sweep
+                    (headroom.jsonl) too
   attention_bw.json the attention kernel benchmark, keyed by variant label,
                     layout, contexts, tokens, chunk and dtype
   host_cost.json    the engine's host cost runs and the cudart call costs;
@@ -42,10 +44,10 @@ META = ("date", "machine", "commit", "command", "source")
 
 # The current file of each benchmark and the fields that identify a record.
 DECODE_KEY = ("preset", "route", "device_pool_gib", "contexts", "tokens", "steps", "warmup",
-              "kv_dtype")
+              "kv_dtype", "headroom_gib", "release_step")
 ATTENTION_KEY = ("label", "variant", "contexts", "tokens", "chunk", "dtype")
 # Key fields records written before they existed lack, with the value they meant.
-KEY_DEFAULTS = {"kv_dtype": "bf16", "dtype": "bf16"}
+KEY_DEFAULTS = {"kv_dtype": "bf16", "dtype": "bf16", "headroom_gib": 0, "release_step": None}
 GPU_PASS_KEY = ("check",)
 
 
@@ -158,6 +160,10 @@ def gpu_pass_checks(out):
 
 # ---------------------------------------------------------------- merging
 def key_of(rec, fields):
+    # release_step: the step of a mid-run headroom release (a run of its own,
+    # not the same run as the one that kept its headroom).
+    rel = rec.get("headroom_release")
+    rec = {**rec, "release_step": rel.get("step") if isinstance(rel, dict) else None}
     return json.dumps([rec.get(f, KEY_DEFAULTS.get(f)) for f in fields], sort_keys=True)
 
 
@@ -283,7 +289,7 @@ def main():
             "source": a.source or a.out}
     wrote = collect(
         a.results, meta,
-        decode=[r for f in ("decode.jsonl", "fp8-distance.json")
+        decode=[r for f in ("decode.jsonl", "fp8-distance.json", "headroom.jsonl")
                 for r in jsonl(os.path.join(a.out, f)) if r.get("cmd") == "decode"],
         attention=[r for r in jsonl(os.path.join(a.out, "bench.jsonl"))
                    if r.get("bench") == "attention_bw"],
