@@ -22,7 +22,8 @@
  *        src/kernels/attention_cuda.cu src/kernels/attention_ref.c -o build/attention_bw
  * The kernel's tuning knobs can be varied at build time with
  * -DAKV_ATTN_WARPS=N -DAKV_ATTN_LOADS=N -DAKV_ATTN_STAGES=N -DAKV_ATTN_PDL=0|1
- * -DAKV_ATTN_PIECE_TOKENS=N -DAKV_ATTN_KERNEL=1|2 -DAKV_ATTN_MINB=N (applied
+ * -DAKV_ATTN_PIECE_TOKENS=N -DAKV_ATTN_KERNEL=1|2|3 -DAKV_ATTN_MINB=N
+ * -DAKV_ATTN_COMBINE_WARPS=N (applied
  * to all three files; STAGES 0 is the register pipeline, PDL 0 launches the
  * combine kernel without programmatic dependent launch, PIECE_TOKENS 0 keeps
  * every chunk whole in one block, KERNEL 2 is the warp-streaming chunk kernel
@@ -50,11 +51,15 @@
 #include "akv_attention.h"
 #include "akv_cuda.h"
 
+/* The library's knobs (src/kernels/attention_cuda.cu), for the report. */
+#ifndef AKV_ATTN_KERNEL
+#define AKV_ATTN_KERNEL 3
+#endif
 #ifndef AKV_ATTN_WARPS
-#define AKV_ATTN_WARPS 8
+#define AKV_ATTN_WARPS (AKV_ATTN_KERNEL == 3 ? 1 : 8)
 #endif
 #ifndef AKV_ATTN_LOADS
-#define AKV_ATTN_LOADS 4
+#define AKV_ATTN_LOADS (AKV_ATTN_KERNEL == 3 ? 8 : 4)
 #endif
 #ifndef AKV_ATTN_STAGES
 #define AKV_ATTN_STAGES 0
@@ -65,11 +70,14 @@
 #ifndef AKV_ATTN_PIECE_TOKENS
 #define AKV_ATTN_PIECE_TOKENS 0 /* the library's (attention_pieces.h) */
 #endif
-#ifndef AKV_ATTN_KERNEL
-#define AKV_ATTN_KERNEL 1
+#ifndef AKV_ATTN_COMBINE_WARPS
+#define AKV_ATTN_COMBINE_WARPS 16
 #endif
 #ifndef AKV_ATTN_MINB
-#define AKV_ATTN_MINB 0
+#define AKV_ATTN_MINB (AKV_ATTN_KERNEL == 3 ? 8 : 0)
+#endif
+#ifndef AKV_ATTN_K3_FP8_F16
+#define AKV_ATTN_K3_FP8_F16 1
 #endif
 
 static const double kCeilingGBps = 4400.0; /* kernel read ceiling, shared/MEASURED.md */
@@ -249,10 +257,10 @@ int main(int argc, char **argv) {
     return 1;
   }
   printf("device %s, %d SMs, L2 %d MiB; kernel knobs kernel=%d warps=%d loads=%d stages=%d "
-         "pdl=%d piece_tokens=%d minb=%d; label %s\n",
+         "pdl=%d piece_tokens=%d minb=%d combine_warps=%d; label %s\n",
          prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20, AKV_ATTN_KERNEL,
          AKV_ATTN_WARPS, AKV_ATTN_LOADS, AKV_ATTN_STAGES, AKV_ATTN_PDL, AKV_ATTN_PIECE_TOKENS,
-         AKV_ATTN_MINB, o.label);
+         AKV_ATTN_MINB, AKV_ATTN_COMBINE_WARPS, o.label);
   printf("%-7s %-5s %4s %7s %5s %12s %10s %10s %10s %9s %8s %9s %8s\n", "variant", "dtype",
          "ctx", "tokens", "chunk", "bytes", "median_us", "p10_us", "p90_us", "GB/s", "ratio",
          "read_GB/s", "vs_read");
@@ -469,13 +477,14 @@ int main(int argc, char **argv) {
                "\"device\":\"%s\","
                "\"contexts\":%u,\"tokens\":%u,\"chunk\":%u,\"n_heads\":%u,\"kv_heads\":%u,"
                "\"head_dim\":%u,\"warps\":%d,\"loads\":%d,\"stages\":%d,\"pdl\":%d,"
-               "\"piece_tokens\":%d,\"kernel\":%d,\"minb\":%d,\"bytes\":%llu,\"sets\":%d,"
+               "\"piece_tokens\":%d,\"kernel\":%d,\"minb\":%d,\"combine_warps\":%d,\"bytes\":%llu,"
+               "\"sets\":%d,"
                "\"iters\":%d,\"median_us\":%.2f,\"p10_us\":%.2f,\"p90_us\":%.2f,\"gbps\":%.1f,"
                "\"ceiling_gbps\":%.0f,\"ratio\":%.4f,\"read_gbps\":%.1f,\"ratio_vs_read\":%.4f,"
                "\"meets_60pct\":%s,\"check\":\"%s\"}",
                o.label, r.name, dt_name, prop.name, n_ctx, o.tokens, o.chunk, n_heads, kv_heads,
                head_dim, AKV_ATTN_WARPS, AKV_ATTN_LOADS, AKV_ATTN_STAGES, AKV_ATTN_PDL,
-               AKV_ATTN_PIECE_TOKENS, AKV_ATTN_KERNEL, AKV_ATTN_MINB,
+               AKV_ATTN_PIECE_TOKENS, AKV_ATTN_KERNEL, AKV_ATTN_MINB, AKV_ATTN_COMBINE_WARPS,
                (unsigned long long)kv_bytes, sets, o.iters,
                r.st.median_us, r.st.p10_us, r.st.p90_us, gbps, kCeilingGBps, ratio, read_gbps,
                gbps / read_gbps, ratio >= 0.6 ? "true" : "false", check);

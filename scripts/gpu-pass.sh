@@ -52,20 +52,25 @@
 #   AKV_BENCH_PROGRAMS  which of the build's bench programs the bench step runs
 #                 (e.g. "akv_cudart_cost"); unset: all of them
 #   AKV_JOBS      parallel build jobs, default 16
-#   AKV_BENCH_VARIANTS  "label:WARPS:LOADS[:STAGES[:PDL[:PIECE[:KERNEL[:MINB]]]]] ...",
-#                 default "w8l4:8:4:0:0:0 w8l4p128:8:4:0:0:128
-#                  k2w8l2p0:8:2:0:0:0:2 k2w8l4s3:8:4:3:0:128:2"
-#                 (w8l4 is the library's: register pipeline, no PDL, each
-#                 chunk whole in one block; p128 cuts chunks into pieces of
-#                 128 rows (measured slower in every cell, docs/benchmarks.md);
-#                 KERNEL 2 (default 1) is the warp-streaming chunk
-#                 kernel (STAGES 0: register pipeline, >= 2: cp.async ring),
-#                 MINB (default 0: 16 warps per SM) its resident blocks per SM
-#                 asked of the compiler)
+#   AKV_BENCH_VARIANTS  "label:WARPS:LOADS[:STAGES[:PDL[:PIECE[:KERNEL[:MINB[:COMBINE]]]]]] ...",
+#                 default "k3w1l8:1:8:0:0:0:3:8:16 k3w4:4:4:0:0:0:3:0:16
+#                  w8l4:8:4:0:0:0:1:0:16"
+#                 (k3w1l8 is the library's: KERNEL 3, the tensor-core chunk
+#                 kernel, one warp per block, LOADS 8 (two 16-row blocks of
+#                 bf16 or four of FP8 in flight per warp), MINB 8 blocks per
+#                 SM; k3w4 the same kernel with four warps per block; w8l4
+#                 KERNEL 1, the tiled CUDA-core kernel the library used
+#                 before; KERNEL 2 is the warp-streaming CUDA-core kernel;
+#                 STAGES 0: register pipeline, >= 2: cp.async ring (kernels 1
+#                 and 2); PIECE cuts chunks into pieces of that many rows;
+#                 COMBINE the combine kernel's warps, 0 = the older two-pass
+#                 combine)
 #   AKV_FP8_POOLS  device pools (GiB) of the FP8 paged runs, default "4 8"
 #   AKV_FP8_DISTANCE_STEPS  steps of the logits-distance runs, default 64
 #   AKV_BENCH_CHUNKS    chunk sizes for the library variant, default "256 64 1024"
 #   AKV_SAN_TIMEOUT     seconds per sanitizer run, default 300
+#   AKV_SAN_BINS        which GPU test binaries the sanitizers run (names,
+#                       e.g. "test_gpu_attention"); unset: all of them
 #   AKV_CMAKE_ARGS      extra arguments for the configure step
 set -u
 
@@ -78,7 +83,8 @@ PASS_STEPS=${AKV_STEPS:-"build hostcost ctest sanitizer cli bench fp8 decode tp 
 # NVLink SHARP (multicast) stays off in every run that may start NCCL.
 export NCCL_NVLS_ENABLE=0
 JOBS=${AKV_JOBS:-16}
-VARIANTS=${AKV_BENCH_VARIANTS:-"w8l4:8:4:0:0:0 w8l4p128:8:4:0:0:128 k2w8l2p0:8:2:0:0:0:2 k2w8l4s3:8:4:3:0:128:2"}
+VARIANTS=${AKV_BENCH_VARIANTS:-"k3w1l8:1:8:0:0:0:3:8:16 k3w4:4:4:0:0:0:3:0:16 w8l4:8:4:0:0:0:1:0:16"}
+LIB_LABEL=k3w1l8 # the variant built with the library's knobs
 FP8_POOLS=${AKV_FP8_POOLS-"4 8"} # empty: no paged FP8 runs
 FP8_DIST_STEPS=${AKV_FP8_DISTANCE_STEPS:-64}
 CHUNKS=${AKV_BENCH_CHUNKS:-"256 64 1024"}
@@ -124,11 +130,11 @@ else
 fi
 
 # ------------------------------------------------------------------ build
-bench_build() { # label warps loads [stages [pdl [piece [kernel [minb]]]]]
+bench_build() { # label warps loads [stages [pdl [piece [kernel [minb [combine]]]]]]
   local out=$SOLO/attention_bw_$1
   nvcc -O3 -arch=sm_90 -std=c++17 -Iinclude -DAKV_ATTN_WARPS="$2" -DAKV_ATTN_LOADS="$3" \
     -DAKV_ATTN_STAGES="${4:-0}" -DAKV_ATTN_PDL="${5:-0}" -DAKV_ATTN_PIECE_TOKENS="${6:-0}" \
-    -DAKV_ATTN_KERNEL="${7:-1}" -DAKV_ATTN_MINB="${8:-0}" \
+    -DAKV_ATTN_KERNEL="${7:-1}" -DAKV_ATTN_MINB="${8:-0}" -DAKV_ATTN_COMBINE_WARPS="${9:-16}" \
     -Xptxas -v bench/attention_bw.cu src/kernels/attention_cuda.cu src/kernels/attention_ref.c -o "$out" \
     >"$SOLO/bench_$1.log" 2>&1
 }
@@ -139,8 +145,8 @@ if has_step build; then
   bench_pids=""
   if has_step bench && [ -f bench/attention_bw.cu ]; then
     for v in $VARIANTS; do
-      IFS=: read -r label warps loads stages pdl piece kernel minb <<<"$v"
-      bench_build "$label" "$warps" "$loads" "$stages" "$pdl" "$piece" "$kernel" "$minb" &
+      IFS=: read -r label warps loads stages pdl piece kernel minb comb <<<"$v"
+      bench_build "$label" "$warps" "$loads" "$stages" "$pdl" "$piece" "$kernel" "$minb" "$comb" &
       bench_pids="$bench_pids $!:$label"
     done
   fi
@@ -292,6 +298,9 @@ if has_step sanitizer; then
     for tool in memcheck racecheck synccheck; do
       slog=$OUT/sanitizer.log
       for b in $gpu_bins; do
+        if [ -n "${AKV_SAN_BINS:-}" ]; then # only these test binaries (names)
+          case " $AKV_SAN_BINS " in *" $(basename "$b") "*) ;; *) continue ;; esac
+        fi
         log "compute-sanitizer --tool $tool $(basename "$b")"
         echo "== compute-sanitizer --tool $tool $b" >>"$slog"
         # Intentional API failures (a refused 4 PiB allocation, a not-ready
@@ -353,7 +362,7 @@ if has_step bench; then
     bin=$SOLO/attention_bw_$label
     [ -x "$bin" ] || continue
     chunks=256
-    [ "$label" = w8l4 ] && chunks=$CHUNKS
+    [ "$label" = "$LIB_LABEL" ] && chunks=$CHUNKS
     for c in $chunks; do
       log "attention_bw $label chunk $c"
       echo "== attention_bw $label chunk $c" >>"$BENCH_LOG"

@@ -74,12 +74,27 @@
 namespace {
 
 /* Tuning knobs, fixed for the library; bench/attention_bw.cu builds variants
- * with other values (-DAKV_ATTN_WARPS=4, -DAKV_ATTN_LOADS=2, ...). */
-#ifndef AKV_ATTN_WARPS
-#define AKV_ATTN_WARPS 8
+ * with other values (-DAKV_ATTN_KERNEL=1 -DAKV_ATTN_WARPS=8, ...).
+ * Which chunk kernel is built: 3 = the tensor-core kernel (the library's),
+ * 1 = the tiled kernel (all warps load a tile, scores through shared
+ * memory, block barriers per tile), 2 = the warp-streaming kernel (every
+ * warp streams its own rows with its own running maximum, sum and
+ * accumulator on the CUDA cores). All write the same partials in the same
+ * workspace; the combine kernel is shared. Measured on the H200
+ * (docs/benchmarks.md, attention kernel). */
+#ifndef AKV_ATTN_KERNEL
+#define AKV_ATTN_KERNEL 3
 #endif
+/* Warps per chunk block: kernel 3 runs one warp per block (a chunk's 256
+ * rows are one warp's stream, so a one-context grid of 992 blocks is
+ * resident at once on 132 SMs and has no tail wave). */
+#ifndef AKV_ATTN_WARPS
+#define AKV_ATTN_WARPS (AKV_ATTN_KERNEL == 3 ? 1 : 8)
+#endif
+/* Kernels 1 and 2: 16-byte loads per thread and tile; kernel 3: in flight
+ * per warp, LOADS / 4 blocks of 16 rows for bf16, LOADS / 2 for FP8. */
 #ifndef AKV_ATTN_LOADS
-#define AKV_ATTN_LOADS 4
+#define AKV_ATTN_LOADS (AKV_ATTN_KERNEL == 3 ? 8 : 4)
 #endif
 /* Tiles of K/V kept in flight per block through cp.async into shared memory
  * (each thread copies and later reads only its own 16-byte slices, so no
@@ -97,26 +112,23 @@ namespace {
 #ifndef AKV_ATTN_PDL
 #define AKV_ATTN_PDL 0 /* measured no faster (docs/benchmarks.md) */
 #endif
-/* Which chunk kernel is built: 1 = the tiled kernel (all warps load a tile,
- * scores through shared memory, block barriers per tile), 2 = the
- * warp-streaming kernel (every warp streams its own rows of the piece with
- * its own running maximum, sum and accumulator, no block barrier until the
- * warps merge in warp order at the end). Both write the same partials in the
- * same workspace; the combine kernel is shared. */
-#ifndef AKV_ATTN_KERNEL
-#define AKV_ATTN_KERNEL 1
-#endif
-static_assert(AKV_ATTN_KERNEL == 1 || AKV_ATTN_KERNEL == 2, "AKV_ATTN_KERNEL is 1 or 2");
-/* Kernel 2: the least number of resident blocks per SM asked of the compiler
- * (__launch_bounds__) for subgroups of up to 4 heads; 0 = enough blocks for
- * 16 warps per SM (128 registers per thread). Subgroups of 8 heads ask for
- * half as many. */
+static_assert(AKV_ATTN_KERNEL >= 1 && AKV_ATTN_KERNEL <= 3, "AKV_ATTN_KERNEL is 1, 2 or 3");
+/* Kernels 2 and 3: the least number of resident blocks per SM asked of the
+ * compiler (__launch_bounds__). Kernel 2, for subgroups of up to 4 heads
+ * (8 heads ask for half as many); 0 = enough blocks for 16 warps per SM (128
+ * registers per thread). Kernel 3: 0 = 12 warps per SM (168 registers). */
 #ifndef AKV_ATTN_MINB
-#define AKV_ATTN_MINB 0
+#define AKV_ATTN_MINB (AKV_ATTN_KERNEL == 3 ? 8 : 0) /* kernel 3: 8 one-warp blocks, 255 registers */
 #endif
-#if AKV_ATTN_KERNEL == 2
+#if AKV_ATTN_KERNEL != 1
 #pragma nv_diag_suppress 177 /* kernel 1's helpers are left unreferenced */
 #endif
+/* Warps of the combine kernel: > 0 the one-pass combine with that many
+ * warps per block, 0 the two-pass combine with AKV_ATTN_WARPS warps. */
+#ifndef AKV_ATTN_COMBINE_WARPS
+#define AKV_ATTN_COMBINE_WARPS 16
+#endif
+constexpr int kCombWarps = AKV_ATTN_COMBINE_WARPS > 0 ? AKV_ATTN_COMBINE_WARPS : AKV_ATTN_WARPS;
 constexpr int kStages = AKV_ATTN_STAGES;
 static_assert(kStages == 0 || kStages >= 2, "AKV_ATTN_STAGES is 0 or >= 2");
 constexpr int kRing = kStages > 0 ? kStages : 1; /* ring slots; the ring is unused at 0 */
@@ -1016,6 +1028,555 @@ __global__ void __launch_bounds__(kThreads, min_blocks2(GT))
 }
 #endif /* AKV_ATTN_KERNEL == 2 */
 
+#if AKV_ATTN_KERNEL == 3
+/*
+ * Kernel 3, the tensor-core chunk kernel. One block per (context, kv head,
+ * subgroup, piece) writing the same partials as kernels 1 and 2; the block's
+ * warps stream groups of 16 rows of the piece (warp w takes groups w,
+ * w + warps, ...) with warp-private softmax state, merged in warp order at
+ * the end. Per group, with g = lane / 4 and c = lane % 4 (the fragment
+ * coordinates of mma.sync):
+ *  - scores S[16 rows][8 heads] = K Q^T on the tensor cores: bf16 K with
+ *    mma.m16n8k16 (bf16 in, fp32 accumulate), FP8 K decoded exactly to fp32
+ *    with mma.m16n8k8.tf32 (every FP8 and bf16 value is a tf32 value). Lane
+ *    (g, c) loads rows g and g + 8 of the group, 16-byte chunks c, c + 4, ...
+ *    of the head's row; the dot product's k index is a permutation of the
+ *    head dimension chosen so that those registers are the A fragments as
+ *    loaded, and the query's B fragments follow the same permutation. The
+ *    subgroup's heads are the 8 columns (fewer heads: zero queries);
+ *  - online softmax per head (maximum over the group by a butterfly over
+ *    the 8 lanes that share c; the running sum kept per lane and summed at
+ *    the end), rescaling skipped when every factor is exactly 1 (x * 1 = x,
+ *    so no bit changes);
+ *  - O^T[dims][heads] += V^T P^T on the tensor cores with mma.m16n8k8.tf32:
+ *    V decoded exactly to fp32 (A fragments: lane (g, c) loads rows c, c + 4,
+ *    c + 8, c + 12 of the group), P passed through shared memory to the B
+ *    layout and split into two tf32 terms (P = hi + lo, 22 significant bits;
+ *    two mmas), so the product keeps fp32-level precision.
+ * Rows past the piece are never read (zero registers, score -inf). The next
+ * group's K is loaded as soon as the scores are taken and its V as soon as
+ * the products are done, so one group's K and V are in flight per warp.
+ * Every value comes from a fixed lane, a fixed instruction sequence and a
+ * fixed order (mma.sync, butterflies, warp order): deterministic, and the
+ * same for every locator.
+ */
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint32_t a1,
+                                               uint32_t a2, uint32_t a3, uint32_t b0,
+                                               uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mma_tf32_1688(float (&d)[4], uint32_t a0, uint32_t a1,
+                                              uint32_t a2, uint32_t a3, uint32_t b0,
+                                              uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mma_f16_16816(float (&d)[4], uint32_t a0, uint32_t a1,
+                                              uint32_t a2, uint32_t a3, uint32_t b0,
+                                              uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+/* Two FP8 codes (low 16 bits, lower element in the low byte) to f16x2,
+ * exactly (every E4M3 and E5M2 value is an f16 value). */
+template <int E>
+__device__ __forceinline__ uint32_t fp8x2_to_h2(uint32_t two) {
+  const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(two & 0xFFFFu),
+                                                   E == kE4m3 ? __NV_E4M3 : __NV_E5M2);
+  return (uint32_t)r.x | ((uint32_t)r.y << 16);
+}
+
+/* Two floats to f16x2, round to nearest (x in the low half). */
+__device__ __forceinline__ uint32_t f32x2_to_h2(float x, float y) {
+  const __half2 h = __floats2half2_rn(x, y);
+  return *reinterpret_cast<const uint32_t *>(&h);
+}
+
+/* fp32 rounded to tf32 (to nearest, ties away), as a 32-bit pattern. */
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+}
+
+/* Elements 2j and 2j + 1 of a loaded slice (words w) as fp32 bit patterns,
+ * exactly: bf16 pair j is word j; an FP8 pair j is half-word j. */
+template <int E>
+__device__ __forceinline__ void pair_f32(const uint32_t *w, int j, uint32_t &x, uint32_t &y) {
+  if constexpr (E == kBf16) {
+    x = w[j] << 16;
+    y = w[j] & 0xFFFF0000u;
+  } else {
+    float a, b;
+    fp8x2_to_f32(w[j >> 1] >> (16 * (j & 1)), E == kE4m3 ? __NV_E4M3 : __NV_E5M2, a, b);
+    x = __float_as_uint(a);
+    y = __float_as_uint(b);
+  }
+}
+
+template <int N>
+struct Words; /* N 32-bit words loaded at once (16 or 8 bytes) */
+template <>
+struct Words<4> {
+  static __device__ __forceinline__ void load(uint32_t *w, const char *p) {
+    const uint4 r = __ldg(reinterpret_cast<const uint4 *>(p));
+    w[0] = r.x, w[1] = r.y, w[2] = r.z, w[3] = r.w;
+  }
+};
+template <>
+struct Words<2> {
+  static __device__ __forceinline__ void load(uint32_t *w, const char *p) {
+    const uint2 r = __ldg(reinterpret_cast<const uint2 *>(p));
+    w[0] = r.x, w[1] = r.y;
+  }
+};
+
+#ifndef AKV_ATTN_K3_FP8_F16
+#define AKV_ATTN_K3_FP8_F16 1
+#endif
+template <int D, int E>
+struct Cfg3 {
+  static constexpr int BYTES = E == kBf16 ? 2 : 1;
+  /* K: 16-byte chunks per row and lane (bf16: 8 dims each, FP8: 16). */
+  static constexpr int KCH = E == kBf16 ? D / 32 : D / 64;
+  /* Query fragment registers: bf16 pairs, or one fp32 per dim for tf32. */
+  /* FP8 on f16 mmas (AKV_ATTN_K3_FP8_F16, the default): every FP8 code is
+   * an f16 value, so K and V enter the mmas as decoded by one conversion per
+   * pair; otherwise FP8 goes through tf32 as bf16 V does. */
+  static constexpr bool F16 = E != kBf16 && AKV_ATTN_K3_FP8_F16 != 0;
+  static constexpr int QR = E == kBf16 ? 4 * KCH : F16 ? 8 * KCH : 16 * KCH;
+  /* V: elements per row and lane, per load, loads per row, words per load. */
+  static constexpr int EV = D / 8;
+  static constexpr int VEC = 16 / BYTES < EV ? 16 / BYTES : EV;
+  static constexpr int NV = EV / VEC;
+  static constexpr int VW = VEC * BYTES / 4;
+  /* PV mmas per 8 rows (two dims of a lane each) and accumulators per lane. */
+  static constexpr int PVM = EV / 2;
+  static constexpr int ACC = 4 * PVM;
+  /* 16-row blocks per group (one group's K and V in flight per warp):
+   * AKV_ATTN_LOADS / 4 for bf16, AKV_ATTN_LOADS / 2 for FP8 (rows half as
+   * wide, twice as many for the same bytes). */
+  static constexpr int RG = E == kBf16 ? (AKV_ATTN_LOADS / 4 > 0 ? AKV_ATTN_LOADS / 4 : 1)
+                                       : (AKV_ATTN_LOADS / 2 > 0 ? AKV_ATTN_LOADS / 2 : 1);
+  /* Score accumulators: mma k-steps per 16 rows / 4 (a power of two). */
+  static constexpr int KSTEPS = E == kBf16 ? 2 * KCH : F16 ? 4 * KCH : 8 * KCH;
+  static constexpr int SA = KSTEPS >= 16 ? 4 : KSTEPS >= 8 ? 2 : 1;
+  static_assert(KCH >= 1 && NV >= 1 && (VW == 4 || VW == 2), "head_dim 64, 128 or 256");
+};
+
+constexpr int min_blocks3() {
+  return AKV_ATTN_MINB > 0 ? AKV_ATTN_MINB : (12 / kWarps > 0 ? 12 / kWarps : 1);
+}
+
+/* Dynamic shared memory of kernel 3: every warp's accumulators for the
+ * merge, laid out [warp][register][lane]. */
+template <int D, int E>
+constexpr size_t merge_bytes3() {
+  return (size_t)kWarps * Cfg3<D, E>::ACC * 32u * sizeof(float);
+}
+
+template <int D, int GT, int E, class Loc>
+__global__ void __launch_bounds__(kThreads, min_blocks3())
+    akv_attn_chunk_kernel3(const __grid_constant__ ChunkParams p,
+                           const __grid_constant__ Loc loc) {
+  using C = Cfg3<D, E>;
+  constexpr int RG = C::RG;
+  __shared__ __align__(16) float s_pt[kWarps][16 * RG][8]; /* P of a group, [row][head] */
+  __shared__ float s_m[kWarps][8];
+  __shared__ float s_l[kWarps][8];
+  __shared__ float s_w[kWarps][8]; /* merge weight of each warp and head */
+  extern __shared__ float s_acc[];  /* [warp][ACC][32] */
+
+  /* The block's piece, as in kernel 1. */
+  const uint32_t pslot = blockIdx.x / p.kv_slots;
+  const uint32_t chunk = pslot / p.pieces;
+  const uint32_t piece = pslot - chunk * p.pieces;
+  const uint32_t slot = blockIdx.x - pslot * p.kv_slots;
+  const uint32_t kvh = slot / p.n_sub;
+  const uint32_t sub = slot - kvh * p.n_sub;
+  const uint32_t ctx = blockIdx.y;
+#if AKV_ATTN_PDL
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+  const char *kp;
+  const char *vp;
+  uint32_t n = 0;
+  if (!loc.locate(ctx, chunk, kp, vp, n)) return;
+  {
+    const uint32_t first = piece * p.piece_rows;
+    if (first >= n) return;
+    const uint32_t rest = n - first;
+    n = rest < p.piece_rows ? rest : p.piece_rows;
+    kp += (uint64_t)first * loc.row_bytes;
+    vp += (uint64_t)first * loc.row_bytes;
+  }
+
+  const int warp = (int)(threadIdx.x >> 5);
+  const int lane = (int)(threadIdx.x & 31);
+  const int g = lane >> 2; /* fragment row group: K rows g, g + 8; head g of Q */
+  const int c = lane & 3;  /* thread in group: V rows c + 4i; heads 2c, 2c + 1 of S */
+  const uint32_t head0 = kvh * p.group + sub * GT;
+  const uint32_t left = p.group - sub * GT;
+  const int hvalid = left < (uint32_t)GT ? (int)left : GT;
+  const uint64_t rb = loc.row_bytes;
+  const size_t head_off = (size_t)kvh * D * C::BYTES;
+  const float score_f = p.has_scales ? p.scale_log2 * p.k_scale[kvh] : p.scale_log2;
+  const char *kd = kp + head_off + (size_t)c * 16u;
+  const char *vd = vp + head_off + (size_t)g * C::VEC * C::BYTES;
+
+  /* B fragments of the query of head g (zero past the subgroup's heads). */
+  uint32_t qf[C::QR];
+#pragma unroll
+  for (int i = 0; i < C::QR; ++i) qf[i] = 0u;
+  /* FP8 on f16 mmas: the query of head g is scaled by 2^qe (qe from its
+   * largest magnitude, so that it lies in [2^14, 2^15)) and rounded to f16;
+   * every component within 2^31 of the largest keeps its bf16 value
+   * exactly, and the score factor of the head takes 2^-qe back (powers of
+   * two: exact). */
+  float sfh[2] = {score_f, score_f}; /* score factor of heads 2c, 2c + 1 */
+  if constexpr (C::F16) {
+    float qv[C::KCH][16];
+    float mq = 0.0f;
+#pragma unroll
+    for (int i = 0; i < C::KCH; ++i) {
+      uint32_t w[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
+      if (g < hvalid) {
+        const char *qh =
+            reinterpret_cast<const char *>(p.q + ((size_t)ctx * p.n_heads + head0 + g) * D);
+        Words<4>::load(w, qh + (size_t)(c + 4 * i) * 32u);
+        Words<4>::load(w + 4, qh + (size_t)(c + 4 * i) * 32u + 16u);
+      }
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        qv[i][2 * e] = __uint_as_float(w[e] << 16);
+        qv[i][2 * e + 1] = __uint_as_float(w[e] & 0xFFFF0000u);
+        mq = fmaxf(mq, fmaxf(fabsf(qv[i][2 * e]), fabsf(qv[i][2 * e + 1])));
+      }
+    }
+    mq = fmaxf(mq, __shfl_xor_sync(0xFFFFFFFFu, mq, 1));
+    mq = fmaxf(mq, __shfl_xor_sync(0xFFFFFFFFu, mq, 2));
+    int qe = 0;
+    if (mq > 0.0f && mq <= 3.402823466e38f) {
+      int ex;
+      (void)frexpf(mq, &ex);
+      qe = 15 - ex < 100 ? 15 - ex : 100; /* >= -113: 2^-qe stays a normal float */
+    }
+    const float up = __int_as_float((127 + qe) << 23);
+#pragma unroll
+    for (int i = 0; i < C::KCH; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        qf[8 * i + 2 * j] = f32x2_to_h2(qv[i][4 * j] * up, qv[i][4 * j + 1] * up);
+        qf[8 * i + 2 * j + 1] = f32x2_to_h2(qv[i][4 * j + 2] * up, qv[i][4 * j + 3] * up);
+      }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int eh = __shfl_sync(0xFFFFFFFFu, qe, 4 * (2 * c + h)); /* lane of head 2c + h */
+      sfh[h] = score_f * __int_as_float((127 - eh) << 23);
+    }
+  } else if (g < hvalid) {
+    const char *qh = reinterpret_cast<const char *>(p.q + ((size_t)ctx * p.n_heads + head0 + g) * D);
+#pragma unroll
+    for (int i = 0; i < C::KCH; ++i) {
+      if constexpr (E == kBf16) {
+        Words<4>::load(qf + 4 * i, qh + (size_t)(c + 4 * i) * 16u);
+      } else {
+        uint32_t w[8];
+        Words<4>::load(w, qh + (size_t)(c + 4 * i) * 32u);
+        Words<4>::load(w + 4, qh + (size_t)(c + 4 * i) * 32u + 16u);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          qf[16 * i + 2 * e] = w[e] << 16;
+          qf[16 * i + 2 * e + 1] = w[e] & 0xFFFF0000u;
+        }
+      }
+    }
+  }
+
+  float acc[C::PVM][4];
+#pragma unroll
+  for (int j = 0; j < C::PVM; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+  float m_run[2] = {-INFINITY, -INFINITY}; /* heads 2c, 2c + 1; the same on the 8 lanes of c */
+  float l_run[2] = {0.0f, 0.0f};           /* this lane's rows only, summed at the end */
+
+  /* A group is RG blocks of 16 rows; block sg holds rows 16 sg + (g, g + 8)
+   * of K and 16 sg + (c, c + 4, c + 8, c + 12) of V for this lane. */
+  uint32_t kr[RG][2][C::KCH][4];
+  uint32_t vr[RG][4][C::NV][C::VW];
+  auto load_k = [&](uint32_t t0) {
+#pragma unroll
+    for (int sg = 0; sg < RG; ++sg)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const uint32_t t = t0 + 16u * sg + g + 8 * r;
+#pragma unroll
+        for (int i = 0; i < C::KCH; ++i) {
+          if (t < n) {
+            Words<4>::load(kr[sg][r][i], kd + t * rb + (size_t)i * 64u);
+          } else {
+            kr[sg][r][i][0] = kr[sg][r][i][1] = kr[sg][r][i][2] = kr[sg][r][i][3] = 0u;
+          }
+        }
+      }
+  };
+  auto load_v = [&](uint32_t t0) {
+#pragma unroll
+    for (int sg = 0; sg < RG; ++sg)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const uint32_t t = t0 + 16u * sg + c + 4 * r;
+#pragma unroll
+        for (int q = 0; q < C::NV; ++q) {
+          if (t < n) {
+            Words<C::VW>::load(vr[sg][r][q], vd + t * rb + (size_t)q * 8u * C::VEC * C::BYTES);
+          } else {
+#pragma unroll
+            for (int w = 0; w < C::VW; ++w) vr[sg][r][q][w] = 0u;
+          }
+        }
+      }
+  };
+
+  const uint32_t groups = (n + 16u * RG - 1u) / (16u * RG);
+  uint32_t grp = (uint32_t)warp;
+  if (grp < groups) {
+    load_k(grp * 16u * RG);
+    load_v(grp * 16u * RG);
+  }
+  for (; grp < groups; grp += kWarps) {
+    const uint32_t t0 = grp * 16u * RG;
+    const uint32_t nxt = grp + kWarps;
+
+    /* Scores: lane (g, c) gets rows 16 sg + (g, g + 8) x heads 2c, 2c + 1. */
+    /* The dot products run in SA independent accumulators (mma k-step k
+     * into accumulator k % SA), summed pairwise at the end: chains of 4
+     * dependent mmas instead of one chain over the whole head dimension. */
+    float sc[RG][4];
+#pragma unroll
+    for (int sg = 0; sg < RG; ++sg) {
+      float part[C::SA][4];
+#pragma unroll
+      for (int a = 0; a < C::SA; ++a) part[a][0] = part[a][1] = part[a][2] = part[a][3] = 0.0f;
+#pragma unroll
+      for (int i = 0; i < C::KCH; ++i) {
+        if constexpr (C::F16) {
+          /* Word j of the chunk: dims 4j, 4j + 1 (low half) and 4j + 2, 4j + 3. */
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+            mma_f16_16816(part[(4 * i + j) % C::SA], fp8x2_to_h2<E>(kr[sg][0][i][j]),
+                          fp8x2_to_h2<E>(kr[sg][1][i][j]), fp8x2_to_h2<E>(kr[sg][0][i][j] >> 16),
+                          fp8x2_to_h2<E>(kr[sg][1][i][j] >> 16), qf[8 * i + 2 * j],
+                          qf[8 * i + 2 * j + 1]);
+        } else if constexpr (E == kBf16) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            mma_bf16_16816(part[(2 * i + h) % C::SA], kr[sg][0][i][2 * h], kr[sg][1][i][2 * h],
+                           kr[sg][0][i][2 * h + 1], kr[sg][1][i][2 * h + 1], qf[4 * i + 2 * h],
+                           qf[4 * i + 2 * h + 1]);
+        } else {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            uint32_t x0, x1, y0, y1;
+            pair_f32<E>(kr[sg][0][i], j, x0, x1); /* row g: dims 2j, 2j + 1 of the chunk */
+            pair_f32<E>(kr[sg][1][i], j, y0, y1); /* row g + 8 */
+            mma_tf32_1688(part[(8 * i + j) % C::SA], x0, y0, x1, y1, qf[16 * i + 2 * j],
+                          qf[16 * i + 2 * j + 1]);
+          }
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float t[C::SA];
+#pragma unroll
+        for (int a = 0; a < C::SA; ++a) t[a] = part[a][e];
+#pragma unroll
+        for (int w = C::SA / 2; w >= 1; w /= 2)
+#pragma unroll
+          for (int a = 0; a < w; ++a) t[a] += t[a + w];
+        sc[sg][e] = t[0];
+      }
+    }
+    if (nxt < groups) load_k(nxt * 16u * RG);
+
+    /* Online softmax over the group, per head, in the base-2 domain. */
+    float s[RG][4];
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int sg = 0; sg < RG; ++sg) {
+      const bool lo_ok = t0 + 16u * sg + g < n, hi_ok = t0 + 16u * sg + g + 8 < n;
+      s[sg][0] = lo_ok ? sc[sg][0] * sfh[0] : -INFINITY;
+      s[sg][1] = lo_ok ? sc[sg][1] * sfh[1] : -INFINITY;
+      s[sg][2] = hi_ok ? sc[sg][2] * sfh[0] : -INFINITY;
+      s[sg][3] = hi_ok ? sc[sg][3] * sfh[1] : -INFINITY;
+      mx[0] = fmaxf(mx[0], fmaxf(s[sg][0], s[sg][2]));
+      mx[1] = fmaxf(mx[1], fmaxf(s[sg][1], s[sg][3]));
+    }
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) {
+      mx[0] = fmaxf(mx[0], __shfl_xor_sync(0xFFFFFFFFu, mx[0], off));
+      mx[1] = fmaxf(mx[1], __shfl_xor_sync(0xFFFFFFFFu, mx[1], off));
+    }
+    float alpha[2], pr[RG][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float m_new = fmaxf(m_run[h], mx[h]);
+      const float m_use = (m_new == -INFINITY) ? 0.0f : m_new;
+      alpha[h] = exp2f(m_run[h] - m_use);
+      float sum = 0.0f;
+#pragma unroll
+      for (int sg = 0; sg < RG; ++sg) {
+        pr[sg][h] = exp2f(s[sg][h] - m_use);
+        pr[sg][h + 2] = exp2f(s[sg][h + 2] - m_use);
+        sum += pr[sg][h] + pr[sg][h + 2];
+      }
+      l_run[h] = l_run[h] * alpha[h] + sum;
+      m_run[h] = m_new;
+    }
+    if (__any_sync(0xFFFFFFFFu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+#pragma unroll
+      for (int j = 0; j < C::PVM; ++j) {
+        acc[j][0] *= alpha[0];
+        acc[j][1] *= alpha[1];
+        acc[j][2] *= alpha[0];
+        acc[j][3] *= alpha[1];
+      }
+    }
+
+    /* P to the B layout of the PV product: lane (g, c) needs
+     * P[row 16 sg + 8 half + c (+ 4)][head g]. */
+#pragma unroll
+    for (int sg = 0; sg < RG; ++sg) {
+      *reinterpret_cast<float2 *>(&s_pt[warp][16 * sg + g][2 * c]) =
+          make_float2(pr[sg][0], pr[sg][1]);
+      *reinterpret_cast<float2 *>(&s_pt[warp][16 * sg + g + 8][2 * c]) =
+          make_float2(pr[sg][2], pr[sg][3]);
+    }
+    __syncwarp();
+    if constexpr (C::F16) {
+      /* One k16 mma per 16 rows: k slots 2c, 2c + 1, 2c + 8, 2c + 9 are rows
+       * c, c + 4, c + 8, c + 12. P is scaled by 2^14 (exact; undone at the
+       * end) so that every probability down to 2^-28 is a normal f16, and
+       * split into two f16 terms (22 significant bits). */
+#pragma unroll
+      for (int sg = 0; sg < RG; ++sg) {
+        float b[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) b[r] = s_pt[warp][16 * sg + c + 4 * r][g] * 16384.0f;
+        const __half2 h01 = __floats2half2_rn(b[0], b[1]), h23 = __floats2half2_rn(b[2], b[3]);
+        const float2 f01 = __half22float2(h01), f23 = __half22float2(h23);
+        const uint32_t hi01 = *reinterpret_cast<const uint32_t *>(&h01);
+        const uint32_t hi23 = *reinterpret_cast<const uint32_t *>(&h23);
+        const uint32_t lo01 = f32x2_to_h2(b[0] - f01.x, b[1] - f01.y);
+        const uint32_t lo23 = f32x2_to_h2(b[2] - f23.x, b[3] - f23.y);
+#pragma unroll
+        for (int q = 0; q < C::NV; ++q) {
+#pragma unroll
+          for (int j = 0; j < C::VEC / 2; ++j) {
+            uint32_t h[4]; /* rows c, c + 4, c + 8, c + 12: dims d, d + 1 */
+#pragma unroll
+            for (int r = 0; r < 4; ++r) h[r] = fp8x2_to_h2<E>(vr[sg][r][q][j >> 1] >> (16 * (j & 1)));
+            const uint32_t a0 = __byte_perm(h[0], h[1], 0x5410), a1 = __byte_perm(h[0], h[1], 0x7632);
+            const uint32_t a2 = __byte_perm(h[2], h[3], 0x5410), a3 = __byte_perm(h[2], h[3], 0x7632);
+            float(&a)[4] = acc[q * (C::VEC / 2) + j];
+            mma_f16_16816(a, a0, a1, a2, a3, lo01, lo23);
+            mma_f16_16816(a, a0, a1, a2, a3, hi01, hi23);
+          }
+        }
+      }
+    } else {
+#pragma unroll
+    for (int sg = 0; sg < RG; ++sg) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float b0 = s_pt[warp][16 * sg + 8 * half + c][g];
+        const float b1 = s_pt[warp][16 * sg + 8 * half + c + 4][g];
+        const uint32_t h0 = to_tf32(b0), h1 = to_tf32(b1);
+        const uint32_t l0 = to_tf32(b0 - __uint_as_float(h0));
+        const uint32_t l1 = to_tf32(b1 - __uint_as_float(h1));
+#pragma unroll
+        for (int q = 0; q < C::NV; ++q) {
+#pragma unroll
+          for (int j = 0; j < C::VEC / 2; ++j) {
+            uint32_t x0, x1, y0, y1;
+            pair_f32<E>(vr[sg][2 * half][q], j, x0, x1);     /* row c: dims d, d + 1 */
+            pair_f32<E>(vr[sg][2 * half + 1][q], j, y0, y1); /* row c + 4 */
+            float(&a)[4] = acc[q * (C::VEC / 2) + j];
+            mma_tf32_1688(a, x0, x1, y0, y1, l0, l1);
+            mma_tf32_1688(a, x0, x1, y0, y1, h0, h1);
+          }
+        }
+      }
+    }
+    }
+    if (nxt < groups) load_v(nxt * 16u * RG);
+    __syncwarp(); /* s_pt is rewritten by the next group */
+  }
+  /* The running sums over the 8 lanes of each c. */
+#pragma unroll
+  for (int off = 4; off < 32; off <<= 1) {
+    l_run[0] += __shfl_xor_sync(0xFFFFFFFFu, l_run[0], off);
+    l_run[1] += __shfl_xor_sync(0xFFFFFFFFu, l_run[1], off);
+  }
+  if (g == 0) {
+    s_m[warp][2 * c] = m_run[0];
+    s_m[warp][2 * c + 1] = m_run[1];
+    s_l[warp][2 * c] = l_run[0];
+    s_l[warp][2 * c + 1] = l_run[1];
+  }
+  float *my = s_acc + (size_t)warp * C::ACC * 32u + lane;
+  constexpr float unscale = C::F16 ? 1.0f / 16384.0f : 1.0f; /* the P scale, exactly */
+#pragma unroll
+  for (int j = 0; j < C::PVM; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) my[(j * 4 + e) * 32] = acc[j][e] * unscale;
+  __syncthreads();
+
+  /* Merge in warp order: M = max_w m_w, weights 2^(m_w - M). */
+  const size_t slot0 = ((size_t)ctx * p.n_heads + head0) * p.stride_chunks + pslot;
+  if (threadIdx.x < (unsigned)hvalid) {
+    const int h = (int)threadIdx.x;
+    float big = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) big = fmaxf(big, s_m[w][h]);
+    const float big_use = (big == -INFINITY) ? 0.0f : big;
+    float l = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float wgt = exp2f(s_m[w][h] - big_use);
+      s_w[w][h] = wgt;
+      l = fmaf(wgt, s_l[w][h], l);
+    }
+    float *ml = p.ml + (slot0 + (size_t)h * p.stride_chunks) * 2;
+    ml[0] = big;
+    ml[1] = l;
+  }
+  __syncthreads();
+  for (int k = (int)threadIdx.x; k < C::ACC * 32; k += kThreads) {
+    const int r = k >> 5, ln = k & 31;
+    const int j = r >> 2, e = r & 3;
+    const int h = 2 * (ln & 3) + (e & 1);
+    if (h >= hvalid) continue;
+    const int q = j / (C::VEC / 2), jj = j - q * (C::VEC / 2);
+    const int d = q * 8 * C::VEC + (ln >> 2) * C::VEC + 2 * jj + (e >> 1);
+    float a = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) a = fmaf(s_w[w][h], s_acc[((size_t)w * C::ACC + r) * 32 + ln], a);
+    p.acc[(slot0 + (size_t)h * p.stride_chunks) * D + d] = a;
+  }
+}
+#endif /* AKV_ATTN_KERNEL == 3 */
+
+#if AKV_ATTN_COMBINE_WARPS == 0
 /* One block per (context, query head, 32-dim slice): lane `lane` of every
  * warp owns dim slice * 32 + lane. Per dim the arithmetic and its order are
  * those of one block per head (warp w folds chunks w, w + kWarps, ... in
@@ -1089,6 +1650,81 @@ __global__ void __launch_bounds__(kThreads)
     p.out[((size_t)ctx * p.n_heads + head) * D + d] = r;
   }
 }
+#endif /* AKV_ATTN_COMBINE_WARPS == 0 */
+
+#if AKV_ATTN_COMBINE_WARPS > 0
+/* The one-pass combine: one block of kCombWarps warps per (context, query
+ * head, 32-dim slice); lane `lane` owns dim slice * 32 + lane. Warp w folds
+ * the partials w, w + kCombWarps, ... in order into its own running maximum,
+ * sum and accumulator (each partial's loads are independent of the fold, so
+ * a warp has all of its few partials in flight at once); the warps are then
+ * merged in warp order. One read of each partial, no second pass over the
+ * maxima: the order depends on the number of partials alone. */
+template <int D, class Loc>
+__global__ void __launch_bounds__(kCombWarps * 32)
+    akv_attn_combine_kernel(const __grid_constant__ CombineParams p,
+                            const __grid_constant__ Loc loc) {
+  constexpr uint32_t NDS = D / 32;
+  __shared__ float s_m[kCombWarps];
+  __shared__ float s_l[kCombWarps];
+  __shared__ float s_o[kCombWarps][32];
+
+#if AKV_ATTN_PDL
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+  const uint32_t head = blockIdx.x / NDS;
+  const uint32_t d = (blockIdx.x - head * NDS) * 32u + (threadIdx.x & 31u);
+  const uint32_t ctx = blockIdx.y;
+  const int warp = (int)(threadIdx.x >> 5);
+  const int lane = (int)(threadIdx.x & 31);
+  bool bad = false;
+  const uint32_t n_chunks = loc.chunks(ctx, bad);
+  uint32_t nch = 0;
+  if (n_chunks > 0) {
+    const uint32_t last = loc.last_rows(ctx, n_chunks);
+    nch = (n_chunks - 1u) * p.pieces + last / p.piece_rows + (last % p.piece_rows != 0);
+  }
+  const size_t slot0 = ((size_t)ctx * p.n_heads + head) * p.stride_chunks;
+
+  float m = -INFINITY, l = 0.0f, o = 0.0f;
+#pragma unroll 8
+  for (uint32_t c = warp; c < nch; c += kCombWarps) {
+    const float mc = p.ml[(slot0 + c) * 2];
+    const float lc = p.ml[(slot0 + c) * 2 + 1];
+    const float ac = p.acc[(slot0 + c) * D + d];
+    const float mn = fmaxf(m, mc);
+    const float mu = (mn == -INFINITY) ? 0.0f : mn;
+    const float sa = exp2f(m - mu), sc = exp2f(mc - mu);
+    l = fmaf(lc, sc, l * sa);
+    o = fmaf(ac, sc, o * sa);
+    m = mn;
+  }
+  s_o[warp][lane] = o;
+  if (lane == 0) {
+    s_m[warp] = m;
+    s_l[warp] = l;
+  }
+  __syncthreads();
+
+  if (warp == 0) {
+    float big = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kCombWarps; ++w) big = fmaxf(big, s_m[w]);
+    const float big_use = (big == -INFINITY) ? 0.0f : big;
+    float sum = 0.0f, lsum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kCombWarps; ++w) {
+      const float wgt = exp2f(s_m[w] - big_use);
+      sum = fmaf(wgt, s_o[w][lane], sum);
+      lsum = fmaf(wgt, s_l[w], lsum);
+    }
+    float r = (lsum > 0.0f) ? sum / lsum : 0.0f;
+    if (p.has_scales) r *= p.v_scale[head / p.group];
+    if (bad) r = __int_as_float(0x7FC00000);
+    p.out[((size_t)ctx * p.n_heads + head) * D + d] = r;
+  }
+}
+#endif /* AKV_ATTN_COMBINE_WARPS > 0 */
 
 /* ------------------------------------------------------------------ host */
 
@@ -1099,7 +1735,12 @@ using CombineFn = void (*)(CombineParams, Loc);
 
 template <int D, int GT, int E, class Loc>
 ChunkFn<Loc> chunk_of(size_t *smem) {
-#if AKV_ATTN_KERNEL == 2
+#if AKV_ATTN_KERNEL == 3
+  static_assert(merge_bytes3<D, E>() + 8u * 1024u <= 227u * 1024u,
+                "AKV_ATTN_WARPS x head_dim accumulators exceed the shared memory of an SM");
+  *smem = merge_bytes3<D, E>();
+  return akv_attn_chunk_kernel3<D, GT, E, Loc>;
+#elif AKV_ATTN_KERNEL == 2
   static_assert(stage_bytes2<D, GT, E>() + 20u * 1024u <= 227u * 1024u,
                 "AKV_ATTN_STAGES x AKV_ATTN_LOADS batches exceed the shared memory of an SM");
   *smem = stage_bytes2<D, GT, E>(); /* the cp.async ring; 0 for the register pipeline */
@@ -1118,10 +1759,10 @@ ChunkFn<Loc> pick_chunk_gt(int gt, size_t *smem) {
     case 1: return chunk_of<D, 1, E, Loc>(smem);
     case 2: return chunk_of<D, 2, E, Loc>(smem);
     case 4:
-      if constexpr (kWarps >= 4 || AKV_ATTN_KERNEL == 2) return chunk_of<D, 4, E, Loc>(smem);
+      if constexpr (kWarps >= 4 || AKV_ATTN_KERNEL != 1) return chunk_of<D, 4, E, Loc>(smem);
       return nullptr;
     case 8:
-      if constexpr (kWarps >= 8 || AKV_ATTN_KERNEL == 2) return chunk_of<D, 8, E, Loc>(smem);
+      if constexpr (kWarps >= 8 || AKV_ATTN_KERNEL != 1) return chunk_of<D, 8, E, Loc>(smem);
       return nullptr;
     default: return nullptr;
   }
@@ -1183,7 +1824,7 @@ static bool ws_layout(uint32_t n_contexts, uint32_t n_heads, uint32_t head_dim,
 static int pick_gt(uint32_t group) {
   const uint32_t g = group < 8 ? group : 8;
   const int gt = g <= 1 ? 1 : g <= 2 ? 2 : g <= 4 ? 4 : 8;
-  return (AKV_ATTN_KERNEL == 2 || gt < kWarps) ? gt : kWarps;
+  return (AKV_ATTN_KERNEL != 1 || gt < kWarps) ? gt : kWarps;
 }
 
 /* The chunk kernel's grid.x (piece slots * kv slots) must fit 2^31 - 1. */
@@ -1298,6 +1939,7 @@ akv_status launch_pair(akv_dtype dtype, uint32_t head_dim, int gt, dim3 grid_chu
     if (cudaLaunchKernelEx(&cfg, chunk_fn, cp, loc) != cudaSuccess) return AKV_ERR_BACKEND;
   }
   cfg.gridDim = grid_combine;
+  cfg.blockDim = dim3(kCombWarps * 32, 1, 1);
   cfg.dynamicSmemBytes = 0;
 #if AKV_ATTN_PDL
   cudaLaunchAttribute attr[1];
