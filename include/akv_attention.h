@@ -22,8 +22,11 @@
  * v_scale[g] (V): one scale per (layer, KV head) for K and one for V, owned
  * by the caller and passed with each call (the caller passes the layer's
  * scales; the engine moves bytes and never sees a scale). Decoding a code is
- * exact in fp32, so the scales are the only difference between an FP8 call
- * and a bf16 call over the decoded values. Scales are optional for bf16
+ * exact in fp32, so in the reference the scales are the only difference
+ * between an FP8 call and a bf16 call over the decoded values (the CUDA
+ * kernels take FP8 through f16 tensor-core products and bf16 through bf16
+ * ones, so there the two agree within the bound below, not bit for bit).
+ * Scales are optional for bf16
  * (NULL means 1) and required for FP8.
  *
  * Algorithm (fixed; both implementations follow it):
@@ -56,9 +59,14 @@
  *    (chunk boundaries fall on page boundaries, and each chunk is computed by
  *    the same code).
  *  - CPU and GPU results are not bit-identical (exp2 implementations, FMA
- *    contraction, reduction trees); they agree to a relative L2 error below
- *    1e-5, for bf16 and FP8 alike (tests/gpu/test_gpu_attention.cu states
- *    and checks the bound).
+ *    contraction, reduction trees, tensor-core accumulation); they agree to
+ *    a relative L2 error below 1e-5, for bf16 and FP8 alike
+ *    (tests/gpu/test_gpu_attention.cu states and checks the bound). The GPU
+ *    kernel forms q . k and the products with v on tensor cores: bf16 and
+ *    f16 products are exact and accumulate in fp32, the probabilities enter
+ *    the v products as two terms (22 significant bits); for FP8 the query of
+ *    each head is scaled by a power of two and rounded to f16, which keeps
+ *    every component within a factor 2^31 of the head's largest exactly.
  *  - Against exact arithmetic over the same (decoded, scaled) values, the
  *    reference's fp32 result is within a relative L2 error of 1e-5
  *    (tests/test_attention_ref.c checks it against a double-precision

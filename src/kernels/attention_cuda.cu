@@ -2,62 +2,61 @@
  * attention_cuda.cu - the CUDA decode attention kernels (akv_cuda.h).
  *
  * Two kernels per call, both on the caller's stream:
- *  1. chunk kernel: one block per (context, kv head, head subgroup, chunk).
- *     The block streams the chunk's K and V rows once with 16-byte loads and
- *     computes, for every query head of the subgroup (all share the K/V
- *     reads), the partial (m, l, acc[head_dim]) of akv_attention.h into the
- *     workspace. Within the chunk it walks tiles of TILE rows: each thread
- *     owns U 16-byte K slices and U V slices of the tile; the scores go to
- *     shared memory, one warp per head folds the tile into a running maximum
- *     and sum, then every thread accumulates its V slices. The K/V slices
- *     arrive by cp.async in a ring of AKV_ATTN_STAGES tiles in shared memory
- *     (3 by default: two tiles, 64 KiB per block, 128 KiB per SM, stay in
- *     flight during the arithmetic, which a decode read needs to approach the
- *     bandwidth with only two blocks per SM); each thread reads back only the
- *     slices it copied, so the ring needs no barrier of its own. With
- *     AKV_ATTN_STAGES=0 the older register pipeline (one tile ahead) is built.
- *     The arithmetic, and so every bit, is the same either way.
- *  2. combine kernel: one block per (context, query head, 32-dim slice);
- *     merges the context's chunk partials. On sm_90 it is launched with
- *     programmatic dependent launch (AKV_ATTN_PDL), so its launch overlaps
- *     the chunk kernel's tail; it waits for the chunk grid's completion
- *     (griddepcontrol.wait) before it reads a partial.
+ *  1. chunk kernel: one block per (context, kv head, head subgroup, piece)
+ *     writes, for every query head of the subgroup, the piece's partial
+ *     (m, l, acc[head_dim]) of akv_attention.h into the workspace. The
+ *     library builds chunk kernel 3 (akv_attn_chunk_kernel3): one warp per
+ *     block streams the piece in groups of 16-row blocks, scores and V
+ *     products on the tensor cores (mma.sync), its own running maximum and
+ *     sum, the next group's K and V loaded while the current one is used.
+ *     Kernels 1 (tiled, CUDA cores) and 2 (warp-streaming, CUDA cores) stay
+ *     buildable for the benchmark (AKV_ATTN_KERNEL; docs/benchmarks.md has
+ *     the measurements that chose kernel 3).
+ *  2. combine kernel: one block per (context, query head, 32-dim slice)
+ *     merges the context's partials in one pass: each warp folds a fixed
+ *     subset of the partials in order into its own running maximum, then the
+ *     warps are merged in warp order (AKV_ATTN_COMBINE_WARPS; 0 builds the
+ *     older two-pass combine). With AKV_ATTN_PDL (sm_90) it is launched with
+ *     programmatic dependent launch and waits in griddepcontrol.wait for the
+ *     chunk grid before it reads a partial.
  *
  * Determinism: every value is produced by a fixed thread from a fixed set of
- * inputs in a fixed order (shuffle butterflies, shared-memory sums in warp
+ * inputs in a fixed order (mma.sync, shuffle butterflies, sums in warp
  * order); there are no atomics and no dependence on scheduling. The paged
  * and contiguous variants instantiate the same kernels and differ only in
  * how a chunk's first row is found (the "locator"), so over the same rows they
  * give the same bits.
  *
- * Geometry handled here: head_dim 64, 128, 256 (head_dim/8 lanes cover one
- * head row, 8 elements per lane: one 16-byte load for bf16, one 8-byte load
- * for FP8); subgroups of GT = 1, 2, 4 or 8 query heads (a group larger than
- * 8 is split into several subgroups, each re-reading the K/V rows; heads past
- * the group's end are computed on a zero query and not stored).
+ * Geometry handled here: head_dim 64, 128, 256; subgroups of GT = 1, 2, 4 or
+ * 8 query heads (a group larger than 8 is split into several subgroups, each
+ * re-reading the K/V rows; heads past the group's end are computed on a zero
+ * query and not stored).
  *
  * Element types: the kernels are instantiated per dtype (bf16, FP8 E4M3, FP8
- * E5M2). FP8 codes are decoded to fp32 by the hardware conversion (exact:
- * every code is a half, every half a float), so an FP8 call computes what a
- * bf16 call over the decoded values would, with the K scale folded into the
- * score factor and the V scale applied once in the combine. An FP8 tile has
+ * E5M2). FP8 codes are decoded exactly (every code is an f16 value); the K
+ * scale is folded into the score factor and the V scale applied once in the
+ * combine. Kernel 3's numerics are described where it is defined.
+ *
+ * Kernel 1 (-DAKV_ATTN_KERNEL=1): the block streams the piece's K and V rows
+ * with 16-byte loads; within the piece it walks tiles of TILE rows: each
+ * thread owns U 16-byte K slices and U V slices of the tile; the scores go
+ * to shared memory, one warp per head folds the tile into a running maximum
+ * and sum, then every thread accumulates its V slices. The K/V slices arrive
+ * by registers one tile ahead (AKV_ATTN_STAGES=0) or by cp.async in a ring of
+ * AKV_ATTN_STAGES tiles in shared memory; each thread reads back only the
+ * slices it copied, so the ring needs no barrier of its own. An FP8 tile has
  * twice the rows of a bf16 tile (U doubled), so the bytes in flight per
  * thread are the same.
  *
- * Chunk kernel 2 (built with -DAKV_ATTN_KERNEL=2; 1, the kernel above, is
- * the default): the same blocks and partials, but the block's warps stream
- * their own rows of the piece independently, each with its own running
- * maximum, sum and accumulators for every head of the subgroup and its K/V
- * registers reloaded one batch ahead (AKV_ATTN_STAGES=0) or a per-thread
- * cp.async ring of AKV_ATTN_STAGES batches in shared memory, with no block
- * barrier until the warps' partials are merged in warp order at the end (see
- * akv_attn_chunk_kernel2). The pipeline changes no bit of the result.
+ * Kernel 2 (-DAKV_ATTN_KERNEL=2): the same blocks and partials, but the
+ * block's warps stream their own rows of the piece independently, each with
+ * its own running maximum, sum and accumulators for every head of the
+ * subgroup, with no block barrier until the warps' partials are merged in
+ * warp order at the end (see akv_attn_chunk_kernel2).
  *
- * Pieces (attention_pieces.h): one chunk block covers one piece of a chunk,
- * not the whole chunk, so that one long history spreads over more blocks
- * (a 31,744-token context at chunk 256 gives twice the blocks it gave whole);
+ * Pieces (attention_pieces.h): one chunk block covers one piece of a chunk;
  * the cut depends on chunk_tokens alone, so every route computes the same
- * partials.
+ * partials. The library keeps each chunk whole (one piece).
  */
 #include <cuda_runtime.h>
 
