@@ -21,16 +21,18 @@
  *   nvcc -O3 -arch=sm_90 -std=c++17 -Iinclude bench/attention_bw.cu \
  *        src/kernels/attention_cuda.cu src/kernels/attention_ref.c -o build/attention_bw
  * The kernel's tuning knobs can be varied at build time with
- * -DAKV_ATTN_WARPS=N -DAKV_ATTN_LOADS=N -DAKV_ATTN_STAGES=N -DAKV_ATTN_PDL=0|1
- * -DAKV_ATTN_PIECE_TOKENS=N -DAKV_ATTN_KERNEL=1|2|3 -DAKV_ATTN_MINB=N
- * -DAKV_ATTN_COMBINE_WARPS=N (applied
- * to all three files; STAGES 0 is the register pipeline, PDL 0 launches the
- * combine kernel without programmatic dependent launch, PIECE_TOKENS 0 keeps
- * every chunk whole in one block, KERNEL 2 is the warp-streaming chunk kernel
- * (WARPS warps per block, LOADS row slots per warp and batch, doubled for
- * FP8; STAGES 0 its register pipeline, >= 2 a per-thread cp.async ring of
- * that many batches), MINB its resident blocks per SM asked of the compiler,
- * 0 = 16 warps per SM).
+ * -DAKV_ATTN_KERNEL=1|2|3 -DAKV_ATTN_WARPS=N -DAKV_ATTN_LOADS=N
+ * -DAKV_ATTN_STAGES=N -DAKV_ATTN_PDL=0|1 -DAKV_ATTN_PIECE_TOKENS=N
+ * -DAKV_ATTN_MINB=N -DAKV_ATTN_COMBINE_WARPS=N -DAKV_ATTN_K3_FP8_F16=0|1
+ * (applied to all three files). KERNEL 3 is the library's tensor-core chunk
+ * kernel (WARPS warps per block, LOADS / 4 bf16 or LOADS / 2 FP8 blocks of
+ * 16 rows in flight per warp, MINB its resident blocks per SM asked of the
+ * compiler, K3_FP8_F16 0 takes FP8 through tf32 instead of f16); KERNEL 1 is
+ * the tiled CUDA-core kernel (LOADS row slots per thread and tile, doubled
+ * for FP8; STAGES 0 its register pipeline, >= 2 a cp.async ring), KERNEL 2
+ * the warp-streaming CUDA-core kernel. PDL 1 launches the combine kernel
+ * with programmatic dependent launch, PIECE_TOKENS cuts chunks into pieces
+ * of that many rows (0: whole), COMBINE_WARPS 0 builds the two-pass combine.
  * The defaults below are the library's.
  *
  * Usage: attention_bw [--tokens N] [--chunk N] [--contexts 1,4] [--dtype bf16,fp8]
@@ -477,7 +479,8 @@ int main(int argc, char **argv) {
                "\"device\":\"%s\","
                "\"contexts\":%u,\"tokens\":%u,\"chunk\":%u,\"n_heads\":%u,\"kv_heads\":%u,"
                "\"head_dim\":%u,\"warps\":%d,\"loads\":%d,\"stages\":%d,\"pdl\":%d,"
-               "\"piece_tokens\":%d,\"kernel\":%d,\"minb\":%d,\"combine_warps\":%d,\"bytes\":%llu,"
+               "\"piece_tokens\":%d,\"kernel\":%d,\"minb\":%d,\"combine_warps\":%d,"
+               "\"k3_fp8_f16\":%d,\"bytes\":%llu,"
                "\"sets\":%d,"
                "\"iters\":%d,\"median_us\":%.2f,\"p10_us\":%.2f,\"p90_us\":%.2f,\"gbps\":%.1f,"
                "\"ceiling_gbps\":%.0f,\"ratio\":%.4f,\"read_gbps\":%.1f,\"ratio_vs_read\":%.4f,"
@@ -485,7 +488,7 @@ int main(int argc, char **argv) {
                o.label, r.name, dt_name, prop.name, n_ctx, o.tokens, o.chunk, n_heads, kv_heads,
                head_dim, AKV_ATTN_WARPS, AKV_ATTN_LOADS, AKV_ATTN_STAGES, AKV_ATTN_PDL,
                AKV_ATTN_PIECE_TOKENS, AKV_ATTN_KERNEL, AKV_ATTN_MINB, AKV_ATTN_COMBINE_WARPS,
-               (unsigned long long)kv_bytes, sets, o.iters,
+               AKV_ATTN_K3_FP8_F16, (unsigned long long)kv_bytes, sets, o.iters,
                r.st.median_us, r.st.p10_us, r.st.p90_us, gbps, kCeilingGBps, ratio, read_gbps,
                gbps / read_gbps, ratio >= 0.6 ? "true" : "false", check);
       printf("JSON %s\n", line);
