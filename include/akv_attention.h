@@ -49,6 +49,10 @@
  *  contexts, the device or timing. Reductions have a fixed order and use no
  *  atomics: identical inputs give identical bits on every run. A context of
  *  length 0 gets an output of zeros.
+ *  Values are not checked: a NaN or infinite q, K or V element, an FP8 NaN
+ *  code, or a score s_t that overflows fp32 makes that context's output
+ *  meaningless (in the reference: NaN, or zeros where every score is -inf),
+ *  with status AKV_OK. The scale arguments are checked (see the fields).
  *
  * Equality guarantees:
  *  - Contiguous arguments with page overrides (the paged route of an engine,
@@ -75,6 +79,21 @@
  * Workspace: the per-chunk partials live in a caller-owned workspace sized by
  * akv_attention_workspace_bytes (host memory for the reference, device memory
  * for CUDA). The functions here never allocate.
+ *
+ * Addressing: every row a call reads lies at a byte offset from its base
+ * pointer (i*context_stride + t*row_bytes from k_base/v_base for rows 0..len-1
+ * of context i, overridden or not; entry*page_stride + r*row_bytes from
+ * k_pages/v_pages for a page). Such an offset plus the row's
+ * kv_heads*head_dim elements must fit ptrdiff_t and the address must not wrap;
+ * a call that would form another offset is refused with
+ * AKV_ERR_INVALID_ARGUMENT before anything is written. The reference checks
+ * every row it reads; CUDA checks the contiguous rows only (page maps and
+ * page tables are device memory there). Whether the memory behind a valid
+ * offset belongs to the caller's buffers is the caller's business.
+ *
+ * Alignment (reference): q is 2-byte aligned, out and workspace 4-byte
+ * aligned; K/V rows, strides and pages take any alignment. CUDA asks for more
+ * (akv_cuda.h).
  *
  * Thread safety: every function is reentrant; concurrent calls are safe as
  * long as they do not share an output or a workspace.
@@ -113,7 +132,8 @@ typedef struct akv_attention_args {
   uint32_t kv_heads;      /**< >= 1 */
   uint32_t head_dim;      /**< 1..AKV_ATTENTION_MAX_HEAD_DIM (CUDA: 64, 128 or 256) */
   uint32_t chunk_tokens;  /**< rows per chunk, >= 1: pass the page size */
-  float scale;            /**< softmax scale, usually 1/sqrt(head_dim) */
+  float scale;            /**< softmax scale, usually 1/sqrt(head_dim); finite (0 and
+                               negative values are taken) */
   const void *q;          /**< [n_contexts][n_heads][head_dim] bf16 */
   const void *k_base;     /**< K row 0 of context 0 */
   const void *v_base;     /**< V row 0 of context 0 */
@@ -157,7 +177,11 @@ typedef struct akv_attention_args {
  * chunk_tokens as they are: set those yourself (len usually holds
  * view->len[i] + 1, the new row included; FP8: the layer's scales). The page map passed on is view->page_map (device memory on
  * CUDA, host memory on the host backend), so the result suits the CUDA
- * launcher on CUDA and the reference on the host backend. Thread-safe. Returns AKV_OK or AKV_ERR_INVALID_ARGUMENT (NULL).
+ * launcher on CUDA and the reference on the host backend. Thread-safe.
+ * Returns AKV_OK or AKV_ERR_INVALID_ARGUMENT (NULL view or args, or a view no
+ * engine makes: base NULL; page_map set without pages, page_tokens or
+ * page_map_stride; v_offset moving base or pages past the end of the address
+ * space). On failure *args is untouched.
  */
 AKV_API akv_status akv_attention_args_from_view(const akv_view *view, akv_attention_args *args);
 
@@ -195,7 +219,7 @@ typedef struct akv_attention_paged_args {
   uint32_t n_heads;       /**< query heads, a multiple of kv_heads */
   uint32_t kv_heads;      /**< >= 1 */
   uint32_t head_dim;      /**< as for akv_attention_args */
-  float scale;            /**< softmax scale */
+  float scale;            /**< softmax scale, finite: as for akv_attention_args */
   const void *q;          /**< [batch][n_heads][head_dim] bf16 */
   float *out;             /**< [batch][n_heads][head_dim] fp32 */
   void *workspace;        /**< partials; >= akv_attention_workspace_bytes(batch, n_heads,
@@ -211,9 +235,13 @@ typedef struct akv_attention_paged_args {
  * chunk_tokens (and those into pieces, see "Algorithm"). The figure is the
  * same for every dtype and serves the reference and CUDA, contiguous and
  * paged (paged: max_tokens = max_pages * page_tokens). It never shrinks as
- * n_contexts or max_tokens grow. Thread-safe, pure.
- * Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT (NULL out, a zero count, head_dim
- * above AKV_ATTENTION_MAX_HEAD_DIM, or a size that overflows size_t).
+ * n_contexts or max_tokens grow. max_tokens 0 is valid (0 bytes: a workspace
+ * of 0 bytes, NULL included, serves calls whose lengths are all 0). A paged
+ * caller whose max_pages * page_tokens does not fit 32 bits cannot size its
+ * workspace here. Thread-safe, pure.
+ * Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT (NULL out, n_contexts, n_heads,
+ * head_dim or chunk_tokens of 0, head_dim above AKV_ATTENTION_MAX_HEAD_DIM,
+ * or a size that overflows size_t; *out is untouched then).
  */
 AKV_API akv_status akv_attention_workspace_bytes(uint32_t n_contexts, uint32_t n_heads,
                                                  uint32_t head_dim, uint32_t max_tokens,
@@ -226,9 +254,11 @@ AKV_API akv_status akv_attention_workspace_bytes(uint32_t n_contexts, uint32_t n
  * and nothing else; reads everything else. On failure args->out is untouched.
  * Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT (NULL pointer, bad geometry, chunk
  * of 0, row_bytes too small, workspace too small, FP8 without both scales,
- * only one scale array, a scale that is not finite and positive, scales with
- * more than AKV_ATTENTION_MAX_SCALE_HEADS kv_heads), AKV_ERR_NOT_SUPPORTED
- * (dtype other than bf16, FP8 E4M3 and FP8 E5M2).
+ * only one scale array, a scale that is not finite and positive (subnormal
+ * scales are taken), scales with more than AKV_ATTENTION_MAX_SCALE_HEADS
+ * kv_heads, a softmax scale that is not finite, q, out or workspace
+ * misaligned, a row offset outside ptrdiff_t (see "Addressing")),
+ * AKV_ERR_NOT_SUPPORTED (dtype other than bf16, FP8 E4M3 and FP8 E5M2).
  */
 AKV_API akv_status akv_attention_ref_bf16(const akv_attention_args *args);
 
@@ -237,7 +267,8 @@ AKV_API akv_status akv_attention_ref_bf16(const akv_attention_args *args);
  * additionally checks the page table: AKV_ERR_INVALID_ARGUMENT when indptr is
  * not non-decreasing from 0, a context has more than max_pages pages, or a
  * last_page_len is outside 1..page_tokens. Page ids are not range-checked
- * (the table does not know the pool's size).
+ * (the table does not know the pool's size), but the byte offsets of their
+ * rows must fit ptrdiff_t (see "Addressing").
  */
 AKV_API akv_status akv_attention_paged_ref_bf16(const akv_attention_paged_args *args,
                                                 akv_page_table table);

@@ -59,7 +59,9 @@ static inline cudaStream_t akv_stream_to_cuda(akv_stream stream) {
  * Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT (NULL, bad geometry, misaligned
  * pointer or stride, workspace too small, page overrides incomplete, scales
  * missing for FP8, only one scale array, a scale not finite and positive,
- * scales with more than AKV_ATTENTION_MAX_SCALE_HEADS kv_heads),
+ * scales with more than AKV_ATTENTION_MAX_SCALE_HEADS kv_heads, a softmax
+ * scale that is not finite, a contiguous row offset outside ptrdiff_t:
+ * akv_attention.h, "Addressing"),
  * AKV_ERR_NOT_SUPPORTED (dtype other than bf16, FP8 E4M3 and FP8 E5M2;
  * head_dim other than 64/128/256), AKV_ERR_BACKEND (a launch failed;
  * cudaGetLastError() names the cause).

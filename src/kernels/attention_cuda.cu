@@ -1836,7 +1836,7 @@ static bool grid_fits(uint64_t piece_slots, uint32_t n_heads, uint32_t kv_heads)
 /* Checks shared by both variants; the order of the reference's geom_check
  * where the two overlap, so both return the same status for the same call. */
 static akv_status check_common(akv_dtype dtype, uint32_t n_heads, uint32_t kv_heads,
-                               uint32_t head_dim, uint64_t row_bytes, const void *q,
+                               uint32_t head_dim, uint64_t row_bytes, float scale, const void *q,
                                const float *out, const void *workspace, const float *k_scale,
                                const float *v_scale) {
   if (q == nullptr || out == nullptr) return AKV_ERR_INVALID_ARGUMENT;
@@ -1856,6 +1856,8 @@ static akv_status check_common(akv_dtype dtype, uint32_t n_heads, uint32_t kv_he
             v_scale[g] > 0.0f))
         return AKV_ERR_INVALID_ARGUMENT;
   }
+  /* A non-finite softmax scale makes every score infinite or NaN. */
+  if (!isfinite(scale)) return AKV_ERR_INVALID_ARGUMENT;
   if (!aligned16(q) || !aligned16(row_bytes) || !aligned16(workspace) ||
       ((uintptr_t)out & 3u) != 0)
     return AKV_ERR_INVALID_ARGUMENT;
@@ -1962,8 +1964,8 @@ extern "C" AKV_API akv_status akv_attention_decode_cuda(const akv_attention_args
   uint64_t slots = 0;
   size_t acc_bytes = 0, total = 0;
   if (a == nullptr) goto fail;
-  st = check_common(a->dtype, a->n_heads, a->kv_heads, a->head_dim, a->row_bytes, a->q, a->out,
-                    a->workspace, a->k_scale, a->v_scale);
+  st = check_common(a->dtype, a->n_heads, a->kv_heads, a->head_dim, a->row_bytes, a->scale, a->q,
+                    a->out, a->workspace, a->k_scale, a->v_scale);
   if (st != AKV_OK) goto fail;
   st = AKV_ERR_INVALID_ARGUMENT;
   if (a->n_contexts == 0 || a->chunk_tokens == 0 || a->len == nullptr || a->k_base == nullptr ||
@@ -1974,8 +1976,22 @@ extern "C" AKV_API akv_status akv_attention_decode_cuda(const akv_attention_args
       (a->page_map_stride == 0 || a->k_pages == nullptr || a->v_pages == nullptr ||
        !aligned16(a->k_pages) || !aligned16(a->v_pages) || !aligned16(a->page_stride)))
     goto fail;
-  for (uint32_t i = 0; i < a->n_contexts; ++i)
-    if (a->len[i] > max_len) max_len = a->len[i];
+  {
+    /* Rows 0..len-1 of every context at k_base/v_base have offsets that fit
+     * ptrdiff_t (akv_attn_rows_addressable). The page map is device memory:
+     * its entries are not read here. */
+    const uint64_t extent = (uint64_t)a->kv_heads * a->head_dim * akv_attn_elem_bytes(a->dtype);
+    for (uint32_t i = 0; i < a->n_contexts; ++i) {
+      const uint32_t len = a->len[i];
+      if (len > max_len) max_len = len;
+      if (len != 0 &&
+          (!akv_attn_rows_addressable(a->k_base, i, a->context_stride, len - 1u, a->row_bytes,
+                                      extent) ||
+           !akv_attn_rows_addressable(a->v_base, i, a->context_stride, len - 1u, a->row_bytes,
+                                      extent)))
+        goto fail;
+    }
+  }
   /* Piece slots per (context, head): the stride of the workspace. */
   slots = (uint64_t)div_up(max_len, a->chunk_tokens) * akv_attn_pieces(a->chunk_tokens);
   if (!grid_fits(slots, a->n_heads, a->kv_heads)) goto fail;
@@ -2030,8 +2046,8 @@ extern "C" AKV_API akv_status akv_attention_paged_cuda(const akv_attention_paged
   uint64_t slots = 0;
   size_t acc_bytes = 0, total = 0;
   if (a == nullptr) goto fail;
-  st = check_common(a->dtype, a->n_heads, a->kv_heads, a->head_dim, t.row_bytes, a->q, a->out,
-                    a->workspace, a->k_scale, a->v_scale);
+  st = check_common(a->dtype, a->n_heads, a->kv_heads, a->head_dim, t.row_bytes, a->scale, a->q,
+                    a->out, a->workspace, a->k_scale, a->v_scale);
   if (st != AKV_OK) goto fail;
   st = AKV_ERR_INVALID_ARGUMENT;
   if (t.batch == 0 || t.page_tokens == 0 || t.indptr == nullptr || t.indices == nullptr ||

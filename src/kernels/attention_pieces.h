@@ -58,6 +58,23 @@ static inline uint64_t akv_attn_context_slots(uint32_t n_chunks, uint32_t last_r
          (last_rows % p != 0);
 }
 
+/* Whether rows 0..last_row of slot `index` at base + index*stride +
+ * r*row_bytes, each `extent` bytes, are addressable: every byte offset from
+ * base fits ptrdiff_t (no 64-bit product or sum wraps) and the address of the
+ * last byte does not wrap the address space. The calls check it for every
+ * row they read before anything is written, so hostile strides, lengths or
+ * page ids are refused instead of landing, wrapped, on other rows. */
+static inline int akv_attn_rows_addressable(const void *base, uint64_t index, uint64_t stride,
+                                            uint64_t last_row, uint64_t row_bytes,
+                                            uint64_t extent) {
+  const uint64_t lim = (uint64_t)PTRDIFF_MAX;
+  if (stride != 0 && index > lim / stride) return 0;
+  if (row_bytes != 0 && last_row > lim / row_bytes) return 0;
+  const uint64_t a = index * stride, b = last_row * row_bytes;
+  if (a > lim - b || extent > lim - (a + b)) return 0;
+  return a + b + extent <= (uint64_t)(UINTPTR_MAX - (uintptr_t)base);
+}
+
 /* Bytes of one element of a dtype the reference attention reads, 0 for a
  * dtype it does not take (f16, f32, values outside akv_dtype). */
 static inline uint32_t akv_attn_elem_bytes(akv_dtype dtype) {

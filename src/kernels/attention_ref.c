@@ -163,8 +163,9 @@ typedef struct ref_geom {
 } ref_geom;
 
 static akv_status geom_check(akv_dtype dtype, uint32_t n_heads, uint32_t kv_heads,
-                             uint32_t head_dim, uint64_t row_bytes, const void *q,
-                             const float *out, const float *k_scale, const float *v_scale) {
+                             uint32_t head_dim, uint64_t row_bytes, float scale, const void *q,
+                             const float *out, const void *workspace, const float *k_scale,
+                             const float *v_scale) {
   if (q == NULL || out == NULL) return AKV_ERR_INVALID_ARGUMENT;
   if (n_heads == 0 || kv_heads == 0 || n_heads % kv_heads != 0) return AKV_ERR_INVALID_ARGUMENT;
   if (head_dim == 0 || head_dim > AKV_ATTENTION_MAX_HEAD_DIM) return AKV_ERR_INVALID_ARGUMENT;
@@ -181,6 +182,13 @@ static akv_status geom_check(akv_dtype dtype, uint32_t n_heads, uint32_t kv_head
             v_scale[g] > 0.0f))
         return AKV_ERR_INVALID_ARGUMENT;
   }
+  /* A non-finite softmax scale makes every score infinite or NaN: NaN
+   * outputs, or zeros over a non-empty history. */
+  if (!isfinite(scale)) return AKV_ERR_INVALID_ARGUMENT;
+  /* q is read as bf16, out and the workspace are written as fp32. */
+  if ((uintptr_t)q % _Alignof(uint16_t) != 0 || (uintptr_t)out % _Alignof(float) != 0 ||
+      (uintptr_t)workspace % _Alignof(float) != 0)
+    return AKV_ERR_INVALID_ARGUMENT;
   return AKV_OK;
 }
 
@@ -310,8 +318,8 @@ akv_status akv_attention_ref_bf16(const akv_attention_args *a) {
   ref_geom g;
   uint32_t max_len = 0;
   if (a == NULL) goto fail;
-  st = geom_check(a->dtype, a->n_heads, a->kv_heads, a->head_dim, a->row_bytes, a->q, a->out,
-                  a->k_scale, a->v_scale);
+  st = geom_check(a->dtype, a->n_heads, a->kv_heads, a->head_dim, a->row_bytes, a->scale, a->q,
+                  a->out, a->workspace, a->k_scale, a->v_scale);
   if (st != AKV_OK) goto fail;
   st = AKV_ERR_INVALID_ARGUMENT;
   if (a->n_contexts == 0 || a->chunk_tokens == 0 || a->len == NULL || a->k_base == NULL ||
@@ -319,8 +327,35 @@ akv_status akv_attention_ref_bf16(const akv_attention_args *a) {
     goto fail;
   if (a->page_map != NULL && (a->page_map_stride == 0 || a->k_pages == NULL || a->v_pages == NULL))
     goto fail;
-  for (uint32_t i = 0; i < a->n_contexts; ++i)
-    if (a->len[i] > max_len) max_len = a->len[i];
+  {
+    /* Every row offset the call forms fits ptrdiff_t: rows 0..len-1 of every
+     * context at k_base/v_base (also those a page override redirects), and
+     * the rows of every overriding page. */
+    const uint64_t extent = (uint64_t)a->kv_heads * a->head_dim * akv_attn_elem_bytes(a->dtype);
+    for (uint32_t i = 0; i < a->n_contexts; ++i) {
+      const uint32_t len = a->len[i];
+      if (len > max_len) max_len = len;
+      if (len == 0) continue;
+      if (!akv_attn_rows_addressable(a->k_base, i, a->context_stride, len - 1u, a->row_bytes,
+                                     extent) ||
+          !akv_attn_rows_addressable(a->v_base, i, a->context_stride, len - 1u, a->row_bytes,
+                                     extent))
+        goto fail;
+      if (a->page_map == NULL) continue;
+      const uint32_t n_chunks = div_up(len, a->chunk_tokens);
+      for (uint32_t c = 0; c < n_chunks && c < a->page_map_stride; ++c) {
+        const uint32_t page = a->page_map[(size_t)i * a->page_map_stride + c];
+        const uint32_t rem = len - c * a->chunk_tokens;
+        const uint32_t n = rem < a->chunk_tokens ? rem : a->chunk_tokens;
+        if (page != AKV_PAGE_STAGED &&
+            (!akv_attn_rows_addressable(a->k_pages, page, a->page_stride, n - 1u, a->row_bytes,
+                                        extent) ||
+             !akv_attn_rows_addressable(a->v_pages, page, a->page_stride, n - 1u, a->row_bytes,
+                                        extent)))
+          goto fail;
+      }
+    }
+  }
 
   geom_fill(&g, a->dtype, a->n_heads, a->kv_heads, a->head_dim, a->scale, a->q, a->out,
             a->k_scale, a->v_scale);
@@ -330,21 +365,22 @@ akv_status akv_attention_ref_bf16(const akv_attention_args *a) {
 
   for (uint32_t i = 0; i < a->n_contexts; ++i) {
     const uint32_t n_chunks = div_up(a->len[i], a->chunk_tokens);
-    const char *kc = (const char *)a->k_base + (size_t)i * a->context_stride;
-    const char *vc = (const char *)a->v_base + (size_t)i * a->context_stride;
     for (uint32_t c = 0; c < n_chunks; ++c) {
       const uint32_t first = c * a->chunk_tokens;
       const uint32_t rem = a->len[i] - first;
       const uint32_t n = rem < a->chunk_tokens ? rem : a->chunk_tokens;
-      const char *kp = kc + (size_t)first * a->row_bytes;
-      const char *vp = vc + (size_t)first * a->row_bytes;
+      /* Offsets checked above: they fit ptrdiff_t. */
+      size_t off = (size_t)i * a->context_stride + (size_t)first * a->row_bytes;
+      const char *kb = (const char *)a->k_base, *vb = (const char *)a->v_base;
       if (a->page_map != NULL && c < a->page_map_stride) {
         const uint32_t page = a->page_map[(size_t)i * a->page_map_stride + c];
         if (page != AKV_PAGE_STAGED) {
-          kp = (const char *)a->k_pages + (size_t)page * a->page_stride;
-          vp = (const char *)a->v_pages + (size_t)page * a->page_stride;
+          off = (size_t)page * a->page_stride;
+          kb = (const char *)a->k_pages;
+          vb = (const char *)a->v_pages;
         }
       }
+      const char *kp = kb + off, *vp = vb + off;
       chunk_partials(&g, i, c, a->chunk_tokens, kp, vp, a->row_bytes, n);
     }
     combine(&g, i,
@@ -360,6 +396,15 @@ fail:
 
 akv_status akv_attention_args_from_view(const akv_view *v, akv_attention_args *a) {
   if (v == NULL || a == NULL) return AKV_ERR_INVALID_ARGUMENT;
+  /* A view an engine made has its rows, and on the paged route its pages
+   * and page size; V sits v_offset past each without wrapping. Anything
+   * else is refused before *a is written. */
+  if (v->base == NULL || v->v_offset > UINTPTR_MAX - (uintptr_t)v->base)
+    return AKV_ERR_INVALID_ARGUMENT;
+  if (v->page_map != NULL &&
+      (v->pages == NULL || v->page_tokens == 0 || v->page_map_stride == 0 ||
+       v->v_offset > UINTPTR_MAX - (uintptr_t)v->pages))
+    return AKV_ERR_INVALID_ARGUMENT;
   a->dtype = v->dtype;
   a->n_contexts = v->n_contexts;
   a->kv_heads = v->kv_heads;
@@ -387,8 +432,8 @@ akv_status akv_attention_paged_ref_bf16(const akv_attention_paged_args *a, akv_p
   akv_status st = AKV_ERR_INVALID_ARGUMENT;
   ref_geom g;
   if (a == NULL) goto fail;
-  st = geom_check(a->dtype, a->n_heads, a->kv_heads, a->head_dim, t.row_bytes, a->q, a->out,
-                  a->k_scale, a->v_scale);
+  st = geom_check(a->dtype, a->n_heads, a->kv_heads, a->head_dim, t.row_bytes, a->scale, a->q,
+                  a->out, a->workspace, a->k_scale, a->v_scale);
   if (st != AKV_OK) goto fail;
   st = AKV_ERR_INVALID_ARGUMENT;
   if (t.batch == 0 || t.page_tokens == 0 || t.indptr == NULL || t.last_page_len == NULL ||
@@ -403,6 +448,20 @@ akv_status akv_attention_paged_ref_bf16(const akv_attention_paged_args *a, akv_p
     if (np > 0 && (t.last_page_len[i] == 0 || t.last_page_len[i] > t.page_tokens)) goto fail;
   }
   if (t.indptr[t.batch] > 0 && t.indices == NULL) goto fail;
+  {
+    /* Page ids are not range-checked (the table does not know the pool),
+     * but every row offset the call forms fits ptrdiff_t. */
+    const uint64_t extent = (uint64_t)a->kv_heads * a->head_dim * akv_attn_elem_bytes(a->dtype);
+    for (uint32_t i = 0; i < t.batch; ++i)
+      for (uint32_t p = t.indptr[i]; p < t.indptr[i + 1]; ++p) {
+        const uint32_t n = (p + 1 == t.indptr[i + 1]) ? t.last_page_len[i] : t.page_tokens;
+        if (!akv_attn_rows_addressable(t.k_pages, t.indices[p], t.page_stride, n - 1u,
+                                       t.row_bytes, extent) ||
+            !akv_attn_rows_addressable(t.v_pages, t.indices[p], t.page_stride, n - 1u,
+                                       t.row_bytes, extent))
+          goto fail;
+      }
+  }
 
   geom_fill(&g, a->dtype, a->n_heads, a->kv_heads, a->head_dim, a->scale, a->q, a->out,
             a->k_scale, a->v_scale);

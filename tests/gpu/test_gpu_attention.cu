@@ -593,6 +593,10 @@ static void test_invalid_arguments(void **state) {
   EXPECT_BAD(a.out = NULL, AKV_ERR_INVALID_ARGUMENT);
   EXPECT_BAD(a.dtype = AKV_DTYPE_F16, AKV_ERR_NOT_SUPPORTED);
   EXPECT_BAD((a.head_dim = 96, a.row_bytes = 2 * 96 * 2), AKV_ERR_NOT_SUPPORTED);
+  EXPECT_BAD(a.scale = INFINITY, AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_BAD(a.scale = NAN, AKV_ERR_INVALID_ARGUMENT);
+  /* Context 1 at 2^63 bytes: its row offsets do not fit ptrdiff_t. */
+  EXPECT_BAD(a.context_stride = UINT64_C(1) << 63, AKV_ERR_INVALID_ARGUMENT);
   /* Page overrides: incomplete or misaligned. */
   EXPECT_BAD((a.page_map = (const uint32_t *)d_ws, a.page_map_stride = 0, a.k_pages = p.d_base,
               a.v_pages = p.d_base),
