@@ -157,6 +157,40 @@ static void test_adm_remove_and_add(void **state) {
   akv_adm_destroy(adm);
 }
 
+/** A release logs one row per context that lost pages and one summary row,
+ *  however the round-robin extension interleaved the pages' owners. */
+static void test_adm_remove_logs_one_row_per_context(void **state) {
+  (void)state;
+  akv_adm *adm = mk(2, 8, 2, 16);
+  assert_int_equal(akv_adm_headroom_add(adm, 0, 8), AKV_OK);
+  assert_int_equal(akv_adm_admit(adm, 0, 0, 1, 1, 0), AKV_OK);
+  assert_int_equal(akv_adm_admit(adm, 0, 1, 2, 1, 0), AKV_OK);
+  akv_adm_request rq[2] = {{0, 8}, {1, 8}};
+  assert_int_equal(akv_adm_step(adm, 1, rq, 2), AKV_OK);
+  /* Pass 3 handed the headroom out one page per context per round. */
+  for (uint32_t p = 2; p < 10; p++) assert_int_equal(akv_adm_page_owner(adm, p), (p - 2) % 2);
+  akv_adm_decision before[256], rows[256];
+  const size_t n0 = akv_adm_log_read(adm, before, 256);
+  assert_int_equal(akv_adm_headroom_remove(adm, 2, 8), AKV_OK);
+  const size_t n = akv_adm_log_read(adm, rows, 256);
+  assert_int_equal(n, n0 + 3);
+  const akv_adm_decision *r = &rows[n0];
+  for (int i = 0; i < 3; i++) {
+    assert_int_equal(r[i].step, 2);
+    assert_int_equal(r[i].context, UINT32_MAX);
+    assert_int_equal(r[i].rule, AKV_ADM_HEADROOM_RELEASE);
+  }
+  assert_int_equal(r[0].victim, 1); /* context ids, in the order of their first loss */
+  assert_int_equal(r[0].pages, 4);
+  assert_int_equal(r[1].victim, 2);
+  assert_int_equal(r[1].pages, 4);
+  assert_int_equal(r[2].victim, UINT32_MAX);
+  assert_int_equal(r[2].pages, 8);
+  /* The rows before the release are all still there. */
+  assert_memory_equal(rows, before, n0 * sizeof *rows);
+  akv_adm_destroy(adm);
+}
+
 /* ---------------------------------------------------------------- engine */
 
 typedef struct logcap {
@@ -481,6 +515,7 @@ int main(void) {
       cmocka_unit_test(test_adm_extension_round_robin),
       cmocka_unit_test(test_adm_reclaim_headroom_first),
       cmocka_unit_test(test_adm_remove_and_add),
+      cmocka_unit_test(test_adm_remove_logs_one_row_per_context),
       cmocka_unit_test(test_create_logs_every_term),
       cmocka_unit_test(test_cells_bit_identical),
       cmocka_unit_test(test_whole_history_resident),
