@@ -909,8 +909,10 @@ AKV_API akv_status akv_headroom_get(const akv_engine *engine, akv_headroom_info 
 
 /**
  * Gives at least `bytes` of headroom back to the caller's allocator (whole
- * chunks, newest first; all of it when bytes exceeds what is present;
- * bytes == 0 gives nothing back). Residency changes at step boundaries only:
+ * chunks, newest first: the fewest whose allocations cover `bytes`, each
+ * chunk_pages pages plus, on the paged route, one page of slack; all of it
+ * when bytes exceeds what is present; bytes == 0 gives nothing back).
+ * Residency changes at step boundaries only:
  *  - Outside a step: the chunks leave admission and their device memory is
  *    freed before the call returns; *freed_now says how many bytes. Every
  *    lease of the last step has retired, so nothing can still read them. On

@@ -241,9 +241,12 @@ AKV_API akv_status akv_headroom_release(akv_engine *e, uint64_t bytes, uint64_t 
     return akv_fail(e, AKV_ERR_NOT_SUPPORTED,
                     "headroom_release: headroom is not enabled (headroom_gib on the arena or "
                     "paged route)");
-  const uint64_t chunk_bytes = (uint64_t)e->hr_chunk_pages * e->page_bytes;
+  /* A chunk gives back its whole allocation (on the paged route its pages
+   * and one page of slack): the fewest whole chunks whose allocations cover
+   * `bytes`, as *freed_now / *pending report them (no overflow for bytes
+   * near UINT64_MAX). */
+  const uint64_t chunk_bytes = e->hr_alloc_bytes;
   const uint32_t avail = e->hr_chunks - e->hr_pending_chunks;
-  /* Whole chunks covering `bytes` (no overflow for bytes near UINT64_MAX). */
   uint64_t n64 = chunk_bytes ? bytes / chunk_bytes + (bytes % chunk_bytes != 0) : 0;
   const uint32_t n = n64 > avail ? avail : (uint32_t)n64;
   if (freed_now) *freed_now = 0;
