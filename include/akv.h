@@ -637,7 +637,11 @@ AKV_API akv_status akv_step_begin(akv_engine *engine, akv_context *const *contex
 /**
  * Closes the step: requires every dense layer's lease retired (the next
  * boundary may then reuse any device page); each context's length grows by
- * one and the page fills' host page leases are released. Returns AKV_OK,
+ * one and the page fills' host page leases are released. Headroom asked back
+ * during the step (akv_headroom_release) is then taken out of admission and
+ * freed here; on CUDA that free is cudaFree, which may wait for the device to
+ * go idle (the runtime's rule), so a step end with a release pending can
+ * block where one without does not. Returns AKV_OK,
  * AKV_ERR_BAD_HANDLE, AKV_ERR_STEP_STATE (a layer not leased or a lease not
  * retired; nothing changes), AKV_ERR_BACKEND (a page fill's host slot changed
  * generation under it: nothing released or published, transport marked
@@ -909,18 +913,21 @@ AKV_API akv_status akv_headroom_get(const akv_engine *engine, akv_headroom_info 
 
 /**
  * Gives at least `bytes` of headroom back to the caller's allocator (whole
- * chunks, newest first; all of it when bytes exceeds what is present;
- * bytes == 0 gives nothing back). Residency changes at step boundaries only:
+ * chunks, newest first: the fewest whose allocations cover `bytes`, each
+ * chunk_pages pages plus, on the paged route, one page of slack; all of it
+ * when bytes exceeds what is present; bytes == 0 gives nothing back).
+ * Residency changes at step boundaries only:
  *  - Outside a step: the chunks leave admission and their device memory is
  *    freed before the call returns; *freed_now says how many bytes. Every
  *    lease of the last step has retired, so nothing can still read them. On
  *    CUDA the free is cudaFree, which may wait for the device to go idle
  *    (the runtime's rule): call it where that is acceptable.
- *  - Inside a step: nothing is freed and nothing blocks; the chunks are
- *    marked and *pending says how many bytes. akv_step_end, after every lease
- *    of the step has retired (so no copy or attention in flight still reads
- *    them), takes them out of admission and frees them; a quarantine that
- *    establishes completion frees them too; an uncertain one keeps them.
+ *  - Inside a step: nothing is freed and this call does not block; the
+ *    chunks are marked and *pending says how many bytes. No fence is
+ *    returned: akv_step_end, after every lease of the step has retired (so
+ *    no copy or attention in flight still reads them), takes them out of
+ *    admission and frees them; a quarantine that establishes completion
+ *    frees them too; an uncertain one keeps them.
  * When the call (or the step end) has freed the memory, a device allocation of
  * that size by the caller can succeed. Decode goes on bit-identically: the
  * rows come from the authoritative host copy again. Counted in the admission

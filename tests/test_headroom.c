@@ -31,6 +31,7 @@
 #include <cmocka.h>
 
 #include "admission.h"
+#include "akv_attention.h"
 #include "internal.h"
 #include "testutil.h"
 
@@ -154,6 +155,40 @@ static void test_adm_remove_and_add(void **state) {
   assert_int_equal(akv_adm_step(adm, 5, &a, 1), AKV_OK);
   assert_int_equal(akv_adm_pages_held(adm, 0), 3);
   assert_int_equal(resident_count(adm, 0, 4), 3);
+  akv_adm_destroy(adm);
+}
+
+/** A release logs one row per context that lost pages and one summary row,
+ *  however the round-robin extension interleaved the pages' owners. */
+static void test_adm_remove_logs_one_row_per_context(void **state) {
+  (void)state;
+  akv_adm *adm = mk(2, 8, 2, 16);
+  assert_int_equal(akv_adm_headroom_add(adm, 0, 8), AKV_OK);
+  assert_int_equal(akv_adm_admit(adm, 0, 0, 1, 1, 0), AKV_OK);
+  assert_int_equal(akv_adm_admit(adm, 0, 1, 2, 1, 0), AKV_OK);
+  akv_adm_request rq[2] = {{0, 8}, {1, 8}};
+  assert_int_equal(akv_adm_step(adm, 1, rq, 2), AKV_OK);
+  /* Pass 3 handed the headroom out one page per context per round. */
+  for (uint32_t p = 2; p < 10; p++) assert_int_equal(akv_adm_page_owner(adm, p), (p - 2) % 2);
+  akv_adm_decision before[256], rows[256];
+  const size_t n0 = akv_adm_log_read(adm, before, 256);
+  assert_int_equal(akv_adm_headroom_remove(adm, 2, 8), AKV_OK);
+  const size_t n = akv_adm_log_read(adm, rows, 256);
+  assert_int_equal(n, n0 + 3);
+  const akv_adm_decision *r = &rows[n0];
+  for (int i = 0; i < 3; i++) {
+    assert_int_equal(r[i].step, 2);
+    assert_int_equal(r[i].context, UINT32_MAX);
+    assert_int_equal(r[i].rule, AKV_ADM_HEADROOM_RELEASE);
+  }
+  assert_int_equal(r[0].victim, 1); /* context ids, in the order of their first loss */
+  assert_int_equal(r[0].pages, 4);
+  assert_int_equal(r[1].victim, 2);
+  assert_int_equal(r[1].pages, 4);
+  assert_int_equal(r[2].victim, UINT32_MAX);
+  assert_int_equal(r[2].pages, 8);
+  /* The rows before the release are all still there. */
+  assert_memory_equal(rows, before, n0 * sizeof *rows);
   akv_adm_destroy(adm);
 }
 
@@ -348,6 +383,186 @@ static void test_release_makes_memory_reusable(void **state) {
   assert_int_equal(akv_engine_destroy(e), AKV_OK);
 }
 
+/** Paged route: a chunk's allocation carries a page of slack; asking for one
+ *  allocation's bytes gives back that one chunk, not two, in and out of a
+ *  step. */
+static void test_release_paged_counts_allocations(void **state) {
+  (void)state;
+  uint64_t cap = 0, freed = 0, pending = 0;
+  akv_engine *e = hr_engine(AKV_ROUTE_PAGED, 16, &cap);
+  akv_headroom_info hi;
+  void *p = NULL;
+  assert_int_equal(akv_headroom_get(e, &hi), AKV_OK);
+  assert_int_equal(hi.pages, 16);
+  assert_int_equal(hi.chunk_pages, 8);
+  const uint64_t one = hi.bytes / 2; /* one allocation: 8 pages and the slack page */
+  assert_int_equal(one, 9 * e->page_bytes);
+  assert_int_equal(akv_headroom_release(e, one, &freed, &pending), AKV_OK);
+  assert_int_equal(freed, one);
+  assert_int_equal(pending, 0);
+  assert_int_equal(akv_headroom_get(e, &hi), AKV_OK);
+  assert_int_equal(hi.pages, 8);
+  assert_int_equal(hi.bytes, one);
+  assert_int_equal(hi.bytes_released, one);
+  assert_int_equal(akv_bk_device_alloc(&e->bk, one, &p), AKV_OK);
+  akv_bk_device_free(&e->bk, p);
+  uint64_t taken = 0;
+  assert_int_equal(akv_headroom_take(e, UINT64_MAX, &taken), AKV_OK);
+  assert_int_equal(taken, one);
+  /* Inside a step the same request marks one chunk. */
+  akv_context *ctx = NULL;
+  akv_stream s = NULL;
+  assert_int_equal(akv_context_open(e, NULL, &ctx), AKV_OK);
+  assert_int_equal(akv_stream_create(e, &s), AKV_OK);
+  assert_int_equal(akv_step_begin(e, &ctx, 1), AKV_OK);
+  assert_int_equal(akv_headroom_release(e, one, &freed, &pending), AKV_OK);
+  assert_int_equal(freed, 0);
+  assert_int_equal(pending, one);
+  assert_int_equal(akv_headroom_get(e, &hi), AKV_OK);
+  assert_int_equal(hi.pages_pending, 8);
+  assert_int_equal(akvt_null_layers(e, s, 3), AKV_OK);
+  assert_int_equal(akv_headroom_get(e, &hi), AKV_OK);
+  assert_int_equal(hi.pages, 8);
+  assert_int_equal(hi.pages_pending, 0);
+  assert_int_equal(akv_stream_destroy(e, s), AKV_OK);
+  assert_int_equal(akv_context_close(ctx), AKV_OK);
+  assert_int_equal(akv_engine_destroy(e), AKV_OK);
+}
+
+typedef struct ref_job {
+  akv_view view;
+  uint32_t len1[2];
+  uint16_t q[2 * 4 * 8];
+  float out[2 * 4 * 8], flat[2 * 4 * 8];
+  void *ws;
+  size_t ws_bytes;
+  akv_status st, st_flat;
+  int pages_null;
+  uint32_t named; /* page map entries naming a page (no page exists: must be 0) */
+} ref_job;
+
+/* On the compute queue: the new rows, then the reference attention over the
+ * view as given (page map included) and over the staged rows alone. */
+static void ref_job_run(void *arg) {
+  ref_job *j = arg;
+  const akv_view *v = &j->view;
+  akv_attention_args a;
+  for (uint32_t i = 0; i < v->n_contexts; i++) {
+    uint8_t *k = (uint8_t *)v->base + i * v->context_stride + (uint64_t)v->len[i] * v->row_stride;
+    memset(k, 0x3c, v->row_stride);
+    j->len1[i] = v->len[i] + 1;
+  }
+  memset(&a, 0, sizeof a);
+  j->pages_null = v->pages == NULL;
+  j->named = 0;
+  for (uint32_t e = 0; v->page_map != NULL && e < v->n_contexts * v->page_map_stride; e++)
+    j->named += v->page_map[e] != AKV_PAGE_STAGED;
+  if (v->page_map == NULL || j->named > 0) {
+    j->st = j->st_flat = AKV_ERR_INVALID_ARGUMENT; /* reading those would fault */
+    return;
+  }
+  j->st = akv_attention_args_from_view(v, &a);
+  a.n_heads = 4;
+  a.scale = 0.35f;
+  a.q = j->q;
+  a.len = j->len1;
+  a.workspace = j->ws;
+  a.workspace_bytes = j->ws_bytes;
+  a.out = j->out;
+  if (j->st == AKV_OK) j->st = akv_attention_ref_bf16(&a);
+  a.page_map = NULL; /* every entry is staged: the same bits from base */
+  a.k_pages = a.v_pages = NULL;
+  a.out = j->flat;
+  j->st_flat = akv_attention_ref_bf16(&a);
+}
+
+static int ref_hook(void *user, const akv_view *view, akv_stream stream) {
+  ref_job *jobs = user;
+  ref_job *j = &jobs[view->layer];
+  j->view = *view;
+  return akv_stream_launch_host(view->contexts[0]->engine, stream, ref_job_run, j) == AKV_OK ? 0
+                                                                                             : 1;
+}
+
+/** Paged route, no pool, headroom enabled but nothing measured free above the
+ *  reserve: no page exists to read in place, and a view handed to the
+ *  reference attention still attends (every page staged), on every layer. */
+static void test_paged_without_headroom_pages_attends(void **state) {
+  (void)state;
+  akv_engine_config ec = AKV_ENGINE_CONFIG_INIT;
+  akv_engine *e = NULL;
+  akv_engine_info info;
+  akv_headroom_info hi;
+  ec.backend = AKV_BACKEND_HOST;
+  ec.n_dense_layers = 3;
+  ec.kv_heads = 2;
+  ec.head_dim = 8;
+  ec.max_tokens = 96;
+  ec.page_tokens = 8;
+  ec.max_contexts = 2;
+  ec.host_pool_gib = 1;
+  ec.route = AKV_ROUTE_PAGED;
+  ec.log_fn = akvt_silent_log;
+  ec.headroom_gib = 1;
+  ec.headroom_reserve_gib = 1; /* more than the modelled device has free */
+  assert_int_equal(akv_engine_create(&ec, &e), AKV_OK);
+  assert_int_equal(akv_engine_info_get(e, &info), AKV_OK);
+  assert_int_equal(akv_engine_destroy(e), AKV_OK);
+  ec.host_fake_free_bytes = info.device_bytes_allocated + 64 * info.page_bytes;
+  assert_int_equal(akv_engine_create(&ec, &e), AKV_OK);
+  assert_int_equal(akv_headroom_get(e, &hi), AKV_OK);
+  assert_int_equal(hi.enabled, 1);
+  assert_int_equal(hi.pages, 0);
+
+  akv_context *c[2];
+  static uint16_t rows[40 * 16 * 2];
+  for (uint32_t i = 0; i < 40 * 16 * 2; i++) rows[i] = (uint16_t)(0x3c00 + (i * 37u) % 512u);
+  const void *kr[3] = {rows, rows, rows}, *vr[3] = {rows + 40 * 16, rows + 40 * 16, rows + 40 * 16};
+  for (int i = 0; i < 2; i++) {
+    assert_int_equal(akv_context_open(e, NULL, &c[i]), AKV_OK);
+    assert_int_equal(akv_context_append(c[i], 40 - (uint32_t)i * 9, kr, vr), AKV_OK);
+  }
+  static ref_job jobs[3];
+  size_t ws = 0;
+  assert_int_equal(akv_attention_workspace_bytes(2, 4, 8, 96, 8, &ws), AKV_OK);
+  for (int l = 0; l < 3; l++) {
+    memset(&jobs[l], 0, sizeof jobs[l]);
+    for (int k = 0; k < 2 * 4 * 8; k++) jobs[l].q[k] = (uint16_t)(0x3c00 + k * 3 + l);
+    jobs[l].ws = malloc(ws);
+    jobs[l].ws_bytes = ws;
+    jobs[l].st = jobs[l].st_flat = AKV_ERR_BACKEND;
+  }
+  akv_stream s = NULL;
+  assert_int_equal(akv_stream_create(e, &s), AKV_OK);
+  for (uint32_t step = 0; step < 2; step++) {
+    assert_int_equal(akv_step_begin(e, c, 2), AKV_OK);
+    for (uint32_t l = 0; l < 3; l++) {
+      akv_lease *ls = NULL;
+      akv_fence attn, tail;
+      assert_int_equal(akv_lease_begin(e, l, &ls), AKV_OK);
+      assert_int_equal(akv_lease_attend(ls, s, ref_hook, jobs, &attn), AKV_OK);
+      assert_int_equal(akv_lease_write_back(ls, NULL, 0, &tail), AKV_OK);
+      assert_int_equal(akv_lease_seal(ls, tail, attn), AKV_OK);
+      assert_int_equal(akv_lease_retire(ls, NULL), AKV_OK);
+      /* Retired: the job ran. */
+      if (jobs[l].named > 0)
+        fail_msg("step %u layer %u: the page map names %u pages, but none exists", step, l,
+                 jobs[l].named);
+      if (jobs[l].st != AKV_OK)
+        fail_msg("step %u layer %u: reference attention over the paged view returned %s "
+                 "(view.pages %s)",
+                 step, l, akv_status_string(jobs[l].st), jobs[l].pages_null ? "NULL" : "set");
+      assert_int_equal(jobs[l].st_flat, AKV_OK);
+      assert_memory_equal(jobs[l].out, jobs[l].flat, sizeof jobs[l].out);
+    }
+    assert_int_equal(akv_step_end(e), AKV_OK);
+  }
+  assert_int_equal(akv_stream_destroy(e, s), AKV_OK);
+  for (int l = 0; l < 3; l++) free(jobs[l].ws);
+  for (int i = 0; i < 2; i++) assert_int_equal(akv_context_close(c[i]), AKV_OK);
+  assert_int_equal(akv_engine_destroy(e), AKV_OK);
+}
+
 /** Illegal calls return their status and change nothing. */
 static void test_illegal_calls(void **state) {
   (void)state;
@@ -481,10 +696,13 @@ int main(void) {
       cmocka_unit_test(test_adm_extension_round_robin),
       cmocka_unit_test(test_adm_reclaim_headroom_first),
       cmocka_unit_test(test_adm_remove_and_add),
+      cmocka_unit_test(test_adm_remove_logs_one_row_per_context),
       cmocka_unit_test(test_create_logs_every_term),
       cmocka_unit_test(test_cells_bit_identical),
       cmocka_unit_test(test_whole_history_resident),
       cmocka_unit_test(test_release_makes_memory_reusable),
+      cmocka_unit_test(test_release_paged_counts_allocations),
+      cmocka_unit_test(test_paged_without_headroom_pages_attends),
       cmocka_unit_test(test_illegal_calls),
       cmocka_unit_test(test_perturbed_releases),
       cmocka_unit_test(test_faults_during_release),

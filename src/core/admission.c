@@ -863,11 +863,20 @@ akv_status akv_adm_headroom_remove(akv_adm *adm, uint64_t step, uint32_t count) 
   akv_adm_clear_fills(adm);
   const uint32_t first = adm->cfg.n_pages + adm->hr_live - count;
   /* Mapped pages leave their slots (the host stays authoritative: the rows
-   * are staged again from it); the log names each slot that lost pages. */
+   * are staged again from it). The log gets one row per slot that lost
+   * pages, whatever the interleaving of owners (pass 3 hands headroom out
+   * round-robin, so neighbouring pages usually belong to different slots),
+   * then one summary row: a release of any size costs the bounded log at
+   * most max_contexts + 1 rows. Scratch: cursor[slot] counts the pages a
+   * slot lost here, cand lists those slots in the order of their first loss
+   * (both are rewritten by every step before use). */
+  uint32_t n_victims = 0;
+  for (uint32_t s = 0; s < adm->cfg.max_contexts; s++) adm->cursor[s] = 0;
   for (uint32_t p = first; p < first + count; p++) {
     const uint32_t from = adm->page_slot[p];
     if (from == AKV_ADM_NONE) continue;
     akv_adm_slot *v = &adm->slots[from];
+    if (adm->cursor[from]++ == 0) adm->cand[n_victims++] = from;
     *akv_adm_map_at(adm, from, adm->page_logical[p]) = AKV_ADM_NONE;
     v->held--;
     if (v->lost_any && v->lost_step == step && v->lost_to == AKV_ADM_NONE &&
@@ -880,10 +889,12 @@ akv_status akv_adm_headroom_remove(akv_adm *adm, uint64_t step, uint32_t count) 
       v->lost_rule = AKV_ADM_HEADROOM_RELEASE;
       v->lost_pages = 1;
     }
-    akv_adm_log(adm, step, AKV_ADM_NONE, AKV_ADM_HEADROOM_RELEASE, v->id, 1, 1);
     adm->page_slot[p] = AKV_ADM_NONE;
     adm->page_logical[p] = AKV_ADM_NONE;
   }
+  for (uint32_t i = 0; i < n_victims; i++)
+    akv_adm_log(adm, step, AKV_ADM_NONE, AKV_ADM_HEADROOM_RELEASE, adm->slots[adm->cand[i]].id,
+                adm->cursor[adm->cand[i]], 0);
   /* Free pages among them leave the free list (kept in its FIFO order). */
   uint32_t kept = 0;
   for (uint32_t k = 0; k < adm->n_free; k++) {

@@ -15,11 +15,14 @@
  * pool or headroom. On the paged route attention reads a page at
  * page_base + entry * page_bytes (akv_view.pages, page_map entries), so pages
  * of separate allocations must sit on one grid: page_base lies k whole pages
- * below the first page allocation, and each headroom chunk is allocated with
- * one page of slack so that its first page can start on that grid. A chunk
- * whose entries would not fit the grid (below page_base, or past
- * AKV_PAGE_STAGED) is freed at once and not used. Without headroom k = 0 and
- * page_base is the pool itself, as before.
+ * below the pool (without a pool, below the first staging buffer), and each
+ * headroom chunk is allocated with one page of slack so that its first page
+ * can start on that grid. A chunk whose entries would not fit the grid (below
+ * page_base, or past AKV_PAGE_STAGED) is freed at once and not used. Without
+ * headroom k = 0 and page_base is the pool itself, as before. Either way
+ * page_base is set at create whenever the paged route has a page map, even
+ * before any page exists: a view's pages is then a usable origin (the
+ * attention's page arguments are never NULL) that no entry names.
  *
  * Release. Invariant (DESIGN §7: logical cancellation revokes publication,
  * physical reuse waits for every fence): a chunk leaves admission and its
@@ -86,8 +89,6 @@ static uint32_t akv_hr_alloc_chunks(akv_engine *e, uint32_t want, const char *wh
               why, c, (unsigned long long)e->hr_alloc_bytes, e->bk.error);
       break;
     }
-    if (e->cfg.route == AKV_ROUTE_PAGED && e->page_base == NULL)
-      akv_hr_anchor(e, p); /* no pool: the first chunk anchors the grid */
     e->hr_chunk[c] = p;
     if (!akv_hr_place(e, c)) {
       akv_log(e, AKV_LOG_WARN,
@@ -133,7 +134,9 @@ akv_status akv_headroom_setup(akv_engine *e) {
     return AKV_OK;
   }
   e->hr_enabled = true;
-  if (c->route == AKV_ROUTE_PAGED && e->n_pages > 0) akv_hr_anchor(e, e->dev_pool);
+  /* The grid is anchored now, before any chunk exists (see the top). */
+  if (c->route == AKV_ROUTE_PAGED)
+    akv_hr_anchor(e, e->n_pages > 0 ? (void *)e->dev_pool : e->staging[0]);
   if (akv_bk_mem_info(&e->bk, &free_b, &total, &peak) != AKV_OK) free_b = 0;
   e->hr_profile_free = free_b;
   const uint64_t avail = free_b > e->hr_reserve_bytes ? free_b - e->hr_reserve_bytes : 0;
@@ -241,9 +244,12 @@ AKV_API akv_status akv_headroom_release(akv_engine *e, uint64_t bytes, uint64_t 
     return akv_fail(e, AKV_ERR_NOT_SUPPORTED,
                     "headroom_release: headroom is not enabled (headroom_gib on the arena or "
                     "paged route)");
-  const uint64_t chunk_bytes = (uint64_t)e->hr_chunk_pages * e->page_bytes;
+  /* A chunk gives back its whole allocation (on the paged route its pages
+   * and one page of slack): the fewest whole chunks whose allocations cover
+   * `bytes`, as *freed_now / *pending report them (no overflow for bytes
+   * near UINT64_MAX). */
+  const uint64_t chunk_bytes = e->hr_alloc_bytes;
   const uint32_t avail = e->hr_chunks - e->hr_pending_chunks;
-  /* Whole chunks covering `bytes` (no overflow for bytes near UINT64_MAX). */
   uint64_t n64 = chunk_bytes ? bytes / chunk_bytes + (bytes % chunk_bytes != 0) : 0;
   const uint32_t n = n64 > avail ? avail : (uint32_t)n64;
   if (freed_now) *freed_now = 0;

@@ -141,8 +141,12 @@ AKV_API akv_status akv_step_begin(akv_engine *e, akv_context *const *ctxs, uint3
     if (st != AKV_OK) return akv_fail(e, st, "step_begin: admission step failed");
     st = akv_step_fill_pages(e);
     if (st != AKV_OK) return st;
-    if (e->page_map_dev != NULL && (st = akv_step_publish_map(e, ctxs, n)) != AKV_OK) return st;
   }
+  /* Every paged view carries the page map, so it is published at every
+   * boundary, also when no page exists (headroom enabled but none measured
+   * free: every entry AKV_PAGE_STAGED); otherwise attention would read a map
+   * nothing ever wrote. */
+  if (e->page_map_dev != NULL && (st = akv_step_publish_map(e, ctxs, n)) != AKV_OK) return st;
   for (uint32_t i = 0; i < n; i++) {
     e->step_ctx[i] = ctxs[i];
     ctxs[i]->in_step = true;
