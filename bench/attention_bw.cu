@@ -32,7 +32,7 @@
  * for FP8; STAGES 0 its register pipeline, >= 2 a cp.async ring), KERNEL 2
  * the warp-streaming CUDA-core kernel. PDL 1 launches the combine kernel
  * with programmatic dependent launch, PIECE_TOKENS cuts chunks into pieces
- * of that many rows (0: whole), COMBINE_WARPS 0 builds the two-pass combine.
+ * of that many rows (0: whole), COMBINE_WARPS the combine kernel's warps.
  * The defaults below are the library's.
  *
  * Usage: attention_bw [--tokens N] [--chunk N] [--contexts 1,4] [--dtype bf16,fp8]

@@ -63,8 +63,7 @@
 #                 before; KERNEL 2 is the warp-streaming CUDA-core kernel;
 #                 STAGES 0: register pipeline, >= 2: cp.async ring (kernels 1
 #                 and 2); PIECE cuts chunks into pieces of that many rows;
-#                 COMBINE the combine kernel's warps, 0 = the older two-pass
-#                 combine)
+#                 COMBINE the combine kernel's warps, default 16)
 #   AKV_FP8_POOLS  device pools (GiB) of the FP8 paged runs, default "4 8"
 #   AKV_FP8_DISTANCE_STEPS  steps of the logits-distance runs, default 64
 #   AKV_BENCH_CHUNKS    chunk sizes for the library variant, default "256 64 1024"

@@ -16,8 +16,8 @@
  *  2. combine kernel: one block per (context, query head, 32-dim slice)
  *     merges the context's partials in one pass: each warp folds a fixed
  *     subset of the partials in order into its own running maximum, then the
- *     warps are merged in warp order (AKV_ATTN_COMBINE_WARPS; 0 builds the
- *     older two-pass combine). With AKV_ATTN_PDL (sm_90) it is launched with
+ *     warps are merged in warp order (AKV_ATTN_COMBINE_WARPS warps). With
+ *     AKV_ATTN_PDL (sm_90) it is launched with
  *     programmatic dependent launch and waits in griddepcontrol.wait for the
  *     chunk grid before it reads a partial.
  *
@@ -123,12 +123,15 @@ static_assert(AKV_ATTN_KERNEL >= 1 && AKV_ATTN_KERNEL <= 3, "AKV_ATTN_KERNEL is 
 #if AKV_ATTN_KERNEL != 1
 #pragma nv_diag_suppress 177 /* kernel 1's helpers are left unreferenced */
 #endif
-/* Warps of the combine kernel: > 0 the one-pass combine with that many
- * warps per block, 0 the two-pass combine with AKV_ATTN_WARPS warps. */
+/* Warps per block of the combine kernel (1 to 32). The two-pass combine it
+ * replaced (AKV_ATTN_WARPS warps, a pass over the maxima, then the sums) was
+ * measured slower in every cell (docs/benchmarks.md) and removed. */
 #ifndef AKV_ATTN_COMBINE_WARPS
 #define AKV_ATTN_COMBINE_WARPS 16
 #endif
-constexpr int kCombWarps = AKV_ATTN_COMBINE_WARPS > 0 ? AKV_ATTN_COMBINE_WARPS : AKV_ATTN_WARPS;
+static_assert(AKV_ATTN_COMBINE_WARPS >= 1 && AKV_ATTN_COMBINE_WARPS <= 32,
+              "AKV_ATTN_COMBINE_WARPS is 1 to 32");
+constexpr int kCombWarps = AKV_ATTN_COMBINE_WARPS;
 constexpr int kStages = AKV_ATTN_STAGES;
 static_assert(kStages == 0 || kStages >= 2, "AKV_ATTN_STAGES is 0 or >= 2");
 constexpr int kRing = kStages > 0 ? kStages : 1; /* ring slots; the ring is unused at 0 */
@@ -919,83 +922,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks3())
 }
 #endif /* AKV_ATTN_KERNEL == 3 */
 
-#if AKV_ATTN_COMBINE_WARPS == 0
-/* One block per (context, query head, 32-dim slice): lane `lane` of every
- * warp owns dim slice * 32 + lane. Per dim the arithmetic and its order are
- * those of one block per head (warp w folds chunks w, w + kWarps, ... in
- * order; the warps are summed in warp order), only spread over D/32 blocks. */
-template <int D, class Loc>
-__global__ void __launch_bounds__(kThreads)
-    akv_attn_combine_kernel(const __grid_constant__ CombineParams p,
-                            const __grid_constant__ Loc loc) {
-  constexpr uint32_t NDS = D / 32;
-  __shared__ float s_m[kWarps];
-  __shared__ float s_l[kWarps];
-  __shared__ float s_o[kWarps][32];
 
-#if AKV_ATTN_PDL
-  /* The chunk grid (launched just before on this stream) is complete and its
-   * partials visible after this; a no-op without programmatic launch. */
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-  const uint32_t head = blockIdx.x / NDS;
-  const uint32_t d = (blockIdx.x - head * NDS) * 32u + (threadIdx.x & 31u);
-  const uint32_t ctx = blockIdx.y;
-  const int warp = (int)(threadIdx.x >> 5);
-  const int lane = (int)(threadIdx.x & 31);
-  bool bad = false;
-  const uint32_t n_chunks = loc.chunks(ctx, bad);
-  /* The partials of pieces that hold rows (attention_pieces.h,
-   * akv_attn_context_slots): every piece of the full chunks, then the
-   * non-empty pieces of the last one; the chunk kernel wrote exactly these. */
-  uint32_t nch = 0;
-  if (n_chunks > 0) {
-    const uint32_t last = loc.last_rows(ctx, n_chunks);
-    nch = (n_chunks - 1u) * p.pieces + last / p.piece_rows + (last % p.piece_rows != 0);
-  }
-  const size_t slot0 = ((size_t)ctx * p.n_heads + head) * p.stride_chunks;
-
-  /* The context's maximum (exact, so the tree order does not matter). */
-  float mx = -INFINITY;
-  for (uint32_t c = threadIdx.x; c < nch; c += kThreads) mx = fmaxf(mx, p.ml[(slot0 + c) * 2]);
-  mx = warp_max(mx);
-  if (lane == 0) s_m[warp] = mx;
-  __syncthreads();
-  float big = -INFINITY;
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) big = fmaxf(big, s_m[w]);
-  const float big_use = (big == -INFINITY) ? 0.0f : big;
-
-  /* Warp w takes chunks w, w+kWarps, ... in order. */
-  float o = 0.0f;
-  float l = 0.0f;
-#pragma unroll 8
-  for (uint32_t c = warp; c < nch; c += kWarps) {
-    const float *ml = p.ml + (slot0 + c) * 2;
-    const float w = exp2f(ml[0] - big_use);
-    l += w * ml[1];
-    o = fmaf(w, p.acc[(slot0 + c) * D + d], o);
-  }
-  s_o[warp][lane] = o;
-  if (lane == 0) s_l[warp] = l;
-  __syncthreads();
-
-  if (warp == 0) {
-    float sum = 0.0f, lsum = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      sum += s_o[w][lane];
-      lsum += s_l[w];
-    }
-    float r = (lsum > 0.0f) ? sum / lsum : 0.0f;
-    if (p.has_scales) r *= p.v_scale[head / p.group];
-    if (bad) r = __int_as_float(0x7FC00000);
-    p.out[((size_t)ctx * p.n_heads + head) * D + d] = r;
-  }
-}
-#endif /* AKV_ATTN_COMBINE_WARPS == 0 */
-
-#if AKV_ATTN_COMBINE_WARPS > 0
 /* The one-pass combine: one block of kCombWarps warps per (context, query
  * head, 32-dim slice); lane `lane` owns dim slice * 32 + lane. Warp w folds
  * the partials w, w + kCombWarps, ... in order into its own running maximum,
@@ -1067,7 +994,6 @@ __global__ void __launch_bounds__(kCombWarps * 32)
     p.out[((size_t)ctx * p.n_heads + head) * D + d] = r;
   }
 }
-#endif /* AKV_ATTN_COMBINE_WARPS > 0 */
 
 /* ------------------------------------------------------------------ host */
 
