@@ -126,7 +126,8 @@ typedef enum akv_status {
   AKV_ERR_UNCERTAIN_FENCE = 17,
   /** The feature or backend is not available in this build or on this machine. */
   AKV_ERR_NOT_SUPPORTED = 18,
-  /** The object is in use by the current step (close a context mid-step, ...). */
+  /** The object is in use by the current step (close a context mid-step, ...),
+   *  or the call came from the engine's own log callback (see akv_log_fn). */
   AKV_ERR_IN_USE = 19,
   /** step_begin: a context's dense layers hold different row counts (filled
    *  unevenly through akv_context_append_layer); nothing changed. */
@@ -245,7 +246,13 @@ typedef enum akv_log_level {
   AKV_LOG_DEBUG = 3
 } akv_log_level;
 
-/** Log sink. `message` is one line without newline, valid during the call. */
+/** Log sink. `message` is one line without newline, valid during the call.
+ *  The callback may call the library back on the engine that is logging, but
+ *  only for diagnostics (akv_engine_last_error, akv_engine_info_get, the
+ *  akv_admission_* calls, akv_headroom_get, akv_context_length / _id /
+ *  _read): every call that changes the engine (destroy, quarantine, opens,
+ *  closes, appends, steps, leases, streams, headroom) returns AKV_ERR_IN_USE
+ *  there and changes nothing, logging nothing. */
 typedef void (*akv_log_fn)(void *user, akv_log_level level, const char *message);
 
 /** Backend operation kinds, for fault injection and counters. */

@@ -589,6 +589,89 @@ static void test_group_older_structs(void **state) {
   assert_int_equal(akv_group_world_destroy(w), AKV_OK);
 }
 
+/* A log callback that calls the library back on the engine that is logging.
+ * The logging call is midway through its own change (context_open has
+ * picked a slot, a failing call is recording its error): calls that change
+ * the engine refuse with AKV_ERR_IN_USE and change nothing; diagnostics
+ * answer. */
+typedef struct reent_state {
+  akv_engine *e;
+  akv_context *c0;
+  akv_stream s;
+  int armed; /* 1: nested open and close; 2: destroy, quarantine, stream, step */
+  akv_status open_st, close_st, destroy_st, quarantine_st, stream_st, step_st, info_st;
+  akv_context *nested;
+} reent_state;
+
+static void reent_log(void *user, akv_log_level level, const char *message) {
+  reent_state *r = user;
+  akv_engine_info info;
+  (void)level;
+  (void)message;
+  if (r->armed == 1) {
+    r->armed = 0;
+    r->open_st = akv_context_open(r->e, NULL, &r->nested);
+    r->close_st = akv_context_close(r->c0);
+  } else if (r->armed == 2) {
+    r->armed = 0;
+    r->destroy_st = akv_engine_destroy(r->e);
+    r->quarantine_st = akv_engine_quarantine(r->e, NULL);
+    r->stream_st = akv_stream_destroy(r->e, r->s);
+    r->step_st = akv_step_begin(r->e, &r->c0, 1);
+    r->info_st = akv_engine_info_get(r->e, &info);
+  }
+}
+
+static void test_log_callback_reentry(void **state) {
+  (void)state;
+  akv_engine_config ec = base_cfg(AKV_ROUTE_ARENA, AKV_DTYPE_BF16);
+  akv_context_config cc = AKV_CONTEXT_CONFIG_INIT;
+  reent_state r;
+  akv_context *c1 = NULL;
+  uint32_t len = 0;
+  memset(&r, 0, sizeof r);
+  ec.device_pool_gib = 1;
+  ec.log_fn = reent_log;
+  ec.log_user = &r;
+  ec.log_level = AKV_LOG_DEBUG;
+  assert_int_equal(akv_engine_create(&ec, &r.e), AKV_OK);
+  assert_int_equal(akv_context_open(r.e, NULL, &r.c0), AKV_OK);
+  assert_int_equal(akv_stream_create(r.e, &r.s), AKV_OK);
+
+  /* Target 1 is raised to the floor, logged at INFO after the slot is
+   * chosen and before it is admitted. */
+  cc.target_pages = 1;
+  r.armed = 1;
+  assert_int_equal(akv_context_open(r.e, &cc, &c1), AKV_OK);
+  assert_int_equal(r.armed, 0);
+  assert_int_equal(r.open_st, AKV_ERR_IN_USE);
+  assert_null(r.nested);
+  assert_int_equal(r.close_st, AKV_ERR_IN_USE);
+  assert_int_equal(akv_context_length(r.c0, &len), AKV_OK); /* still open */
+  assert_ptr_not_equal(c1, r.c0);
+  assert_ptr_equal(r.e->slot_owner[0], r.c0);
+  assert_ptr_equal(r.e->slot_owner[1], c1);
+
+  /* A failing call logs its error at DEBUG. */
+  r.armed = 2;
+  assert_int_equal(akv_step_end(r.e), AKV_ERR_STEP_STATE);
+  assert_int_equal(r.armed, 0);
+  assert_int_equal(r.destroy_st, AKV_ERR_IN_USE);
+  assert_int_equal(r.quarantine_st, AKV_ERR_IN_USE);
+  assert_int_equal(r.stream_st, AKV_ERR_IN_USE);
+  assert_int_equal(r.step_st, AKV_ERR_IN_USE);
+  assert_int_equal(r.info_st, AKV_OK);
+
+  /* Nothing changed: the engine works on. */
+  run_step(r.e, r.s, (akv_context *const[]){r.c0, c1}, 2, ec.n_dense_layers);
+  assert_int_equal(akv_context_length(c1, &len), AKV_OK);
+  assert_int_equal(len, 1);
+  assert_int_equal(akv_context_close(r.c0), AKV_OK);
+  assert_int_equal(akv_context_close(c1), AKV_OK);
+  assert_int_equal(akv_stream_destroy(r.e, r.s), AKV_OK);
+  assert_int_equal(akv_engine_destroy(r.e), AKV_OK);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_headroom_release_take_repeated),
@@ -600,6 +683,7 @@ int main(void) {
       cmocka_unit_test(test_fit_hostile),
       cmocka_unit_test(test_fit_headroom_bookkeeping),
       cmocka_unit_test(test_group_older_structs),
+      cmocka_unit_test(test_log_callback_reentry),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -240,6 +240,11 @@ struct akv_engine {
   bool transport_failed;
   bool quarantined;
   bool retained; /* quarantine could not establish completion */
+  /* Calls of the caller's log callback now running on this engine (akv_log).
+   * While nonzero, every call that changes the engine refuses with
+   * AKV_ERR_IN_USE (akv_engine_reentered): the logging call is midway
+   * through its own change and continues after the callback returns. */
+  uint32_t log_depth;
   char last_error[1024];
 
   /* statistics */
@@ -266,6 +271,9 @@ const char *akv_route_name(akv_route r);
 akv_status akv_transport_failed(akv_engine *e, akv_status st, const char *where);
 /* Common entry check: valid handle, not failed. */
 akv_status akv_engine_enter(akv_engine *e);
+/* AKV_ERR_IN_USE (last error set, nothing logged) when called from the
+ * engine's own log callback, else AKV_OK; the engine handle is live. */
+akv_status akv_engine_reentered(akv_engine *e, const char *call);
 
 /* context.c */
 bool akv_context_ok(const akv_context *c);

@@ -28,10 +28,17 @@ void akv_log_cfg(const akv_engine_config *cfg, akv_log_level level, const char *
   va_end(ap);
 }
 
+/* The callback may call the library back: log_depth counts the callbacks
+ * running on this engine so that calls changing it refuse meanwhile
+ * (akv_engine_reentered). Engines are never const objects; only this
+ * counter is written through the const handle. */
 void akv_log(const akv_engine *e, akv_log_level level, const char *fmt, ...) {
   va_list ap;
+  akv_engine *m = (akv_engine *)e;
   va_start(ap, fmt);
+  if (m != NULL) m->log_depth++;
   akv_log_emit(e != NULL ? &e->cfg : NULL, level, fmt, ap);
+  if (m != NULL) m->log_depth--;
   va_end(ap);
 }
 
