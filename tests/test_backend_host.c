@@ -8,9 +8,9 @@
  * wait out lets work race ahead (observably, without a data race: the racing
  * side blocks on a gate the test opens only after it has looked).
  *
- * Every blocking call runs under a synchronize timeout (3 s; 30 s for the
- * 3,000-operation ordering test; set through AKV_HOST_SYNC_TIMEOUT_MS before
- * each init), so a broken backend fails a test instead of hanging it.
+ * Every blocking call runs under a synchronize timeout (kHangMs, set through
+ * AKV_HOST_SYNC_TIMEOUT_MS before each init), so a broken backend fails a
+ * test instead of hanging it; test_sync_timeout sets its own short one.
  */
 #if !defined(_GNU_SOURCE) && !defined(_DEFAULT_SOURCE)
 #define _DEFAULT_SOURCE
@@ -56,6 +56,11 @@ static void sleep_ms(unsigned ms) {
   struct timespec ts = {(time_t)(ms / 1000u), (long)(ms % 1000u) * 1000000L};
   nanosleep(&ts, NULL);
 }
+
+/* The synchronize timeout of every test but test_sync_timeout: only a hang
+ * detector, so long enough for a loaded machine (sanitizers, parallel ctest:
+ * 3 s was seen to expire there on correct runs). */
+enum { kHangMs = 30000 };
 
 /** A backend context with the given delays and a synchronize timeout in ms. */
 static void *ctx_new(uint64_t seed, uint32_t max_us, unsigned timeout_ms) {
@@ -122,9 +127,9 @@ static void gate_open(gate *g) {
   pthread_mutex_unlock(&g->mu);
 }
 
-/** Waits (up to 3 s) until a worker is blocked inside gate_fn; returns 1 if so. */
+/** Waits (up to kHangMs) until a worker is blocked inside gate_fn; returns 1 if so. */
 static int gate_wait_entered(gate *g) {
-  double end = now_ms() + 3000.0;
+  double end = now_ms() + (double)kHangMs;
   pthread_mutex_lock(&g->mu);
   while (!g->entered && now_ms() < end) {
     pthread_mutex_unlock(&g->mu);
@@ -191,7 +196,7 @@ static void test_probe_init_shutdown(void **state) {
 
 static void test_bad_arguments(void **state) {
   (void)state;
-  void *ctx = ctx_new(0, 0, 3000);
+  void *ctx = ctx_new(0, 0, kHangMs);
   akv_bqueue *q = queue_new(ctx);
   akv_bevent *e = event_new(ctx);
   int a = 1, b = 0;
@@ -227,7 +232,7 @@ static void test_bad_arguments(void **state) {
   assert_null(p);
 
   /* A handle of another context is refused. */
-  void *ctx2 = ctx_new(0, 0, 3000);
+  void *ctx2 = ctx_new(0, 0, kHangMs);
   akv_bqueue *q2 = queue_new(ctx2);
   assert_int_equal(B->copy(ctx, q2, AKV_COPY_H2D, &b, &a, sizeof(a)), AKV_ERR_BAD_HANDLE);
   assert_int_equal(B->event_record(ctx, e, q2), AKV_ERR_BAD_HANDLE);
@@ -273,10 +278,7 @@ static void order_fn(void *arg) {
 /** Operations of one queue run in enqueue order, on another thread, later. */
 static void test_order_within_queue(void **state) {
   (void)state;
-  /* 3,000 operations with random delays: a loaded machine (sanitizers,
-   * parallel ctest) can take longer than 3 s to drain them; 30 s still
-   * catches a hang. */
-  void *ctx = ctx_new(0x5eed, 30, 30000);
+  void *ctx = ctx_new(0x5eed, 30, kHangMs);
   akv_bqueue *q = queue_new(ctx);
   static order_log log;
   static order_item items[1000];
@@ -305,7 +307,7 @@ static void test_order_within_queue(void **state) {
 /** Enqueue returns before the operation runs: a gated queue accepts work. */
 static void test_enqueue_is_asynchronous(void **state) {
   (void)state;
-  void *ctx = ctx_new(0, 0, 3000);
+  void *ctx = ctx_new(0, 0, kHangMs);
   akv_bqueue *q = queue_new(ctx);
   gate g;
   gate_init(&g);
@@ -335,7 +337,7 @@ static void test_enqueue_is_asynchronous(void **state) {
 /** A: sleep 20 ms, write X; record e; B: wait e, copy X. B must see the write. */
 static void test_cross_queue_wait_waits(void **state) {
   (void)state;
-  void *ctx = ctx_new(0, 0, 3000);
+  void *ctx = ctx_new(0, 0, kHangMs);
   akv_bqueue *a = queue_new(ctx), *b = queue_new(ctx);
   akv_bevent *e = event_new(ctx);
   int x = 0, y = -1;
@@ -360,7 +362,7 @@ static void test_cross_queue_wait_waits(void **state) {
  */
 static void test_missing_wait_races_ahead(void **state) {
   (void)state;
-  void *ctx = ctx_new(0, 0, 3000);
+  void *ctx = ctx_new(0, 0, kHangMs);
   akv_bqueue *a = queue_new(ctx), *b = queue_new(ctx);
   akv_bevent *ea = event_new(ctx), *eb = event_new(ctx);
   gate g;
@@ -416,7 +418,7 @@ static void test_missing_wait_races_ahead(void **state) {
  */
 static void test_wait_captures_record_at_call_time(void **state) {
   (void)state;
-  void *ctx = ctx_new(0, 0, 3000);
+  void *ctx = ctx_new(0, 0, kHangMs);
   akv_bqueue *a = queue_new(ctx), *b = queue_new(ctx), *c = queue_new(ctx), *d = queue_new(ctx);
   akv_bevent *e = event_new(ctx), *eb = event_new(ctx), *ec = event_new(ctx), *ed = event_new(ctx);
   gate g1, g2, g3;
@@ -477,7 +479,7 @@ static void test_wait_captures_record_at_call_time(void **state) {
 /** Query and synchronize, including never-recorded events and empty queues. */
 static void test_query_and_synchronize(void **state) {
   (void)state;
-  void *ctx = ctx_new(0, 0, 3000);
+  void *ctx = ctx_new(0, 0, kHangMs);
   akv_bqueue *a = queue_new(ctx), *b = queue_new(ctx);
   akv_bevent *never = event_new(ctx), *e = event_new(ctx);
   gate g;
@@ -515,7 +517,7 @@ static void test_query_and_synchronize(void **state) {
 /** device_synchronize waits for every live queue. */
 static void test_device_synchronize_all_queues(void **state) {
   (void)state;
-  void *ctx = ctx_new(0, 0, 3000);
+  void *ctx = ctx_new(0, 0, kHangMs);
   akv_bqueue *q[4];
   int done[4] = {0, 0, 0, 0};
   store s[4];
@@ -628,7 +630,7 @@ static void batch_check_fn(void *arg) {
 
 static void test_copy_batch(void **state) {
   (void)state;
-  void *ctx = ctx_new(0x1234, 20, 3000);
+  void *ctx = ctx_new(0x1234, 20, kHangMs);
   akv_bqueue *q = queue_new(ctx);
   gate g;
   gate_init(&g);
@@ -737,7 +739,7 @@ static void pipe_consume_fn(void *arg) {
 
 /** Runs the pipeline; returns the number of wrong out[] entries. */
 static int pipe_run(uint64_t seed, uint32_t max_us, bool prior_reader_wait) {
-  void *ctx = ctx_new(seed, max_us, 3000);
+  void *ctx = ctx_new(seed, max_us, kHangMs);
   akv_bqueue *prod = queue_new(ctx), *cons = queue_new(ctx);
   akv_bevent *ready[PIPE_SLOTS], *consumed[PIPE_SLOTS];
   for (int k = 0; k < PIPE_SLOTS; k++) {
@@ -805,7 +807,7 @@ static void interleave_fn(void *arg) {
 
 /** FNV-1a of the order two independent queues ran in, under one seed. */
 static uint64_t interleaving(uint64_t seed) {
-  void *ctx = ctx_new(seed, 50, 3000);
+  void *ctx = ctx_new(seed, 50, kHangMs);
   akv_bqueue *a = queue_new(ctx), *b = queue_new(ctx);
   static interleave log;
   memset(&log, 0, sizeof(log));
@@ -854,7 +856,7 @@ static void test_delays_vary_interleavings(void **state) {
 /** Delays are really applied: 300 ops with up to 4 ms delays take measurable time. */
 static void test_delays_are_applied(void **state) {
   (void)state;
-  void *ctx = ctx_new(77, 4000, 3000);
+  void *ctx = ctx_new(77, 4000, kHangMs);
   akv_bqueue *q = queue_new(ctx);
   int n = 0;
   double t0 = now_ms();
@@ -875,7 +877,7 @@ static void test_delays_are_applied(void **state) {
 /** queue_destroy lets everything already enqueued run first. */
 static void test_queue_destroy_drains(void **state) {
   (void)state;
-  void *ctx = ctx_new(0xd7a1, 20, 3000);
+  void *ctx = ctx_new(0xd7a1, 20, kHangMs);
   akv_bqueue *q = queue_new(ctx);
   int n = 0, x = 0, y = 99;
   for (int i = 0; i < 200; i++) assert_int_equal(B->host_fn(ctx, q, slow_incr_fn, &n), AKV_OK);
@@ -889,7 +891,7 @@ static void test_queue_destroy_drains(void **state) {
 /** Destroying an event with waits pending on it is safe; the waits still hold. */
 static void test_event_destroy_with_pending_wait(void **state) {
   (void)state;
-  void *ctx = ctx_new(0, 0, 3000);
+  void *ctx = ctx_new(0, 0, kHangMs);
   akv_bqueue *a = queue_new(ctx), *b = queue_new(ctx);
   akv_bevent *e = event_new(ctx), *eb = event_new(ctx);
   gate g;
@@ -919,7 +921,7 @@ static void test_event_destroy_with_pending_wait(void **state) {
 /** A queue destroyed while another queue's pending wait names it. */
 static void test_queue_destroy_with_waiter(void **state) {
   (void)state;
-  void *ctx = ctx_new(0, 0, 3000);
+  void *ctx = ctx_new(0, 0, kHangMs);
   akv_bqueue *a = queue_new(ctx), *b = queue_new(ctx);
   akv_bevent *e = event_new(ctx);
   gate g;
@@ -962,7 +964,7 @@ static void *producer_main(void *arg) {
 /** More operations than slots: the enqueuer blocks until the worker frees space. */
 static void test_ring_backpressure(void **state) {
   (void)state;
-  void *ctx = ctx_new(0, 0, 3000);
+  void *ctx = ctx_new(0, 0, kHangMs);
   akv_bqueue *q = queue_new(ctx);
   gate g;
   gate_init(&g);
@@ -972,7 +974,7 @@ static void test_ring_backpressure(void **state) {
   assert_true(gate_wait_entered(&g));
   pthread_t t;
   assert_int_equal(pthread_create(&t, NULL, producer_main, &p), 0);
-  double end = now_ms() + 3000.0;
+  double end = now_ms() + (double)kHangMs;
   while (atomic_load(&p.enqueued) < (int)RING - 1 && now_ms() < end) sleep_ms(1);
   sleep_ms(30);
   /* the gate holds one slot: at most RING - 1 host functions fit */
@@ -991,7 +993,7 @@ static void test_ring_backpressure(void **state) {
 static void test_many_queues_and_events(void **state) {
   (void)state;
   enum { NQ = 24, ROUNDS = 20, NE = 64 };
-  void *ctx = ctx_new(0xfeed, 30, 3000);
+  void *ctx = ctx_new(0xfeed, 30, kHangMs);
   akv_bqueue *q[NQ];
   akv_bevent *ev[NE];
   for (int i = 0; i < NQ; i++) q[i] = queue_new(ctx);
@@ -1043,7 +1045,7 @@ static void relay_fn(void *arg) {
 /** Enqueueing from a worker thread works, onto its own queue too. */
 static void test_enqueue_from_worker(void **state) {
   (void)state;
-  void *ctx = ctx_new(0xabc, 20, 3000);
+  void *ctx = ctx_new(0xabc, 20, kHangMs);
   akv_bqueue *a = queue_new(ctx), *b = queue_new(ctx);
   int x = 31, y = 0, z = 0;
   relay_from_worker r = {ctx, a, b, &x, &y, &z, AKV_ERR_CONFIG, AKV_ERR_CONFIG};
@@ -1083,7 +1085,7 @@ static void *concurrent_main(void *arg) {
 /** Many threads enqueue on one queue at once; nothing is lost. */
 static void test_concurrent_enqueuers(void **state) {
   (void)state;
-  void *ctx = ctx_new(0x77, 5, 3000);
+  void *ctx = ctx_new(0x77, 5, kHangMs);
   akv_bqueue *q = queue_new(ctx);
   atomic_int counter = 0;
   concurrent_arg arg = {ctx, q, &counter, 0};
@@ -1104,7 +1106,7 @@ static void test_concurrent_enqueuers(void **state) {
 
 static void test_memory(void **state) {
   (void)state;
-  void *ctx = ctx_new(0, 0, 3000);
+  void *ctx = ctx_new(0, 0, kHangMs);
   uint64_t fr = 1, total = 1, peak = 1;
   assert_int_equal(B->mem_info(ctx, &fr, &total, &peak), AKV_OK);
   assert_true(fr == 0 && total == 0 && peak == 0);
@@ -1161,7 +1163,7 @@ static void test_memory(void **state) {
  */
 static void test_free_async_is_stream_ordered(void **state) {
   (void)state;
-  void *ctx = ctx_new(0, 0, 3000);
+  void *ctx = ctx_new(0, 0, kHangMs);
   akv_bqueue *q = queue_new(ctx);
   static gate g; /* static: a failed assertion must not leave the worker on a dead frame */
   uint64_t fr, total, peak;
@@ -1212,7 +1214,7 @@ static void test_free_async_is_stream_ordered(void **state) {
 /** Shutdown with objects still alive frees nothing they use; the last one does. */
 static void test_shutdown_with_live_objects(void **state) {
   (void)state;
-  void *ctx = ctx_new(0, 0, 3000);
+  void *ctx = ctx_new(0, 0, kHangMs);
   akv_bqueue *q = queue_new(ctx);
   akv_bevent *e = event_new(ctx);
   void *p = NULL;
