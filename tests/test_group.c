@@ -16,6 +16,7 @@
  */
 #define _POSIX_C_SOURCE 200809L
 #include <pthread.h>
+#include <sched.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -629,6 +630,65 @@ static void test_world_and_group_lifetime(void **state) {
   assert_int_equal(akv_group_world_destroy(w2), AKV_OK);
 }
 
+/* World calls racing akv_group_world_destroy: abort and create_inproc from
+ * other threads while the world is destroyed. Each call either finds the
+ * world alive (and is done with it before the destroy frees anything) or
+ * dead (AKV_ERR_INVALID_ARGUMENT); a collective made between destroy's busy
+ * check and its free would run on freed memory. ASan or TSan builds catch
+ * the unguarded interleavings. */
+typedef struct world_racer {
+  akv_group_world *world;
+  int creates;           /* 1: create_inproc and destroy groups; 0: abort */
+  akv_status bad;        /* the first status outside the allowed set */
+} world_racer;
+
+static void *world_racer_main(void *arg) {
+  world_racer *r = arg;
+  akv_engine_config ec = shard_config(1, 1, 4);
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  gc.timeout_ms = 60000; /* a hang detector only: one rank never waits */
+  r->bad = AKV_OK;
+  for (;;) {
+    akv_status st;
+    if (r->creates) {
+      akv_group *g = NULL;
+      st = akv_group_create_inproc(&ec, &gc, r->world, &g);
+      if (st == AKV_OK) {
+        if (akv_group_destroy(g) != AKV_OK) r->bad = AKV_ERR_BUSY;
+      } else if (st != AKV_ERR_COMM && st != AKV_ERR_INVALID_ARGUMENT && st != AKV_ERR_CONFIG) {
+        r->bad = st; /* COMM: aborted first; CONFIG: never (one creating thread) */
+      }
+    } else {
+      st = akv_group_world_abort(r->world);
+      if (st != AKV_OK && st != AKV_ERR_INVALID_ARGUMENT) r->bad = st;
+    }
+    if (st == AKV_ERR_INVALID_ARGUMENT || r->bad != AKV_OK) return NULL;
+  }
+}
+
+static void test_world_destroy_races_calls(void **state) {
+  (void)state;
+  for (int it = 0; it < 64; it++) {
+    akv_group_world *world;
+    world_racer r[2];
+    pthread_t th[2];
+    akv_status st;
+    assert_int_equal(akv_group_world_create(1, 4, &world), AKV_OK);
+    for (int i = 0; i < 2; i++) {
+      r[i].world = world;
+      r[i].creates = i;
+      assert_int_equal(pthread_create(&th[i], NULL, world_racer_main, &r[i]), 0);
+    }
+    /* BUSY while the creating thread's group lives; it is destroyed by
+     * that thread, so the loop ends. */
+    while ((st = akv_group_world_destroy(world)) == AKV_ERR_BUSY) sched_yield();
+    assert_int_equal(st, AKV_OK);
+    for (int i = 0; i < 2; i++) pthread_join(th[i], NULL);
+    for (int i = 0; i < 2; i++) assert_int_equal(r[i].bad, AKV_OK);
+    assert_int_equal(akv_group_world_abort(world), AKV_ERR_INVALID_ARGUMENT);
+  }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_pressure_identical_plans),
@@ -642,6 +702,7 @@ int main(void) {
       cmocka_unit_test(test_illegal_calls),
       cmocka_unit_test(test_world_duplicate_rank),
       cmocka_unit_test(test_world_and_group_lifetime),
+      cmocka_unit_test(test_world_destroy_races_calls),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
