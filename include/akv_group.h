@@ -151,8 +151,12 @@ AKV_API akv_status akv_group_world_destroy(akv_group_world *world);
  * step_end, appends, reads, diagnostics). Do not call akv_context_open,
  * akv_context_close or akv_step_begin on it directly: the plan would diverge
  * from the other ranks' (digest checking catches it at the next agreement
- * point and quarantines every rank). The group owns the engine.
- * Allowed at any time. Returns AKV_OK, AKV_ERR_BAD_HANDLE,
+ * point and quarantines every rank). The group owns the engine: destroy it
+ * with akv_group_destroy. An engine destroyed directly stops the group at
+ * its next agreement point (AKV_ERR_QUARANTINED, reason PEER_FAILED), and
+ * akv_group_destroy then frees the rest of the group (call it before
+ * AKV_ENGINE_HANDLE_REUSE_MIN later engine creates, after which the dead
+ * engine handle may name a newer engine). Allowed at any time. Returns AKV_OK, AKV_ERR_BAD_HANDLE,
  * AKV_ERR_INVALID_ARGUMENT (out NULL).
  */
 AKV_API akv_status akv_group_engine(const akv_group *group, akv_engine **out);

@@ -689,6 +689,35 @@ static void test_world_destroy_races_calls(void **state) {
   }
 }
 
+/* An engine destroyed behind the group's back (akv_engine_destroy on
+ * akv_group_engine's engine, which the group owns): agreement calls stop the
+ * group, and akv_group_destroy still frees the group and gives its rank back,
+ * so the world can be destroyed. Before, the group answered every destroy
+ * with AKV_ERR_BAD_HANDLE and kept the world busy forever. */
+static void test_engine_destroyed_behind_group(void **state) {
+  (void)state;
+  akv_group_world *world;
+  akv_group *g = NULL, *g2 = NULL;
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  akv_engine_config ec = shard_config(1, 1, 4);
+  akv_group_info info;
+  akv_engine *e;
+  assert_int_equal(akv_group_world_create(1, 4, &world), AKV_OK);
+  assert_int_equal(akv_group_create_inproc(&ec, &gc, world, &g), AKV_OK);
+  assert_int_equal(akv_group_engine(g, &e), AKV_OK);
+  assert_int_equal(akv_engine_destroy(e), AKV_OK);
+  assert_int_equal(akv_group_check(g), AKV_ERR_QUARANTINED);
+  assert_int_equal(akv_group_info_get(g, &info), AKV_OK);
+  assert_true(info.stopped);
+  assert_int_equal(info.reason, AKV_GROUP_PEER_FAILED);
+  assert_int_equal(akv_group_destroy(g), AKV_OK);
+  assert_int_equal(akv_group_destroy(g), AKV_ERR_BAD_HANDLE);
+  /* The rank was given back: a new group takes it, and the world frees. */
+  assert_int_equal(akv_group_create_inproc(&ec, &gc, world, &g2), AKV_OK);
+  assert_int_equal(akv_group_destroy(g2), AKV_OK);
+  assert_int_equal(akv_group_world_destroy(world), AKV_OK);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_pressure_identical_plans),
@@ -703,6 +732,7 @@ int main(void) {
       cmocka_unit_test(test_world_duplicate_rank),
       cmocka_unit_test(test_world_and_group_lifetime),
       cmocka_unit_test(test_world_destroy_races_calls),
+      cmocka_unit_test(test_engine_destroyed_behind_group),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

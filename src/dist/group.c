@@ -529,9 +529,13 @@ AKV_API akv_status akv_group_destroy(akv_group *g) {
   akv_status st;
   if (!akv_group_ok(g)) return AKV_ERR_BAD_HANDLE;
   /* The engine's destroy never waits; with live work it frees nothing and
-   * neither does the group. */
+   * neither does the group. An engine the caller already destroyed (it is
+   * the group's, but akv_group_engine hands it out) answers
+   * AKV_ERR_BAD_HANDLE: the rest of the group is freed all the same, so its
+   * rank and collective are given back. */
   st = akv_engine_destroy(g->engine);
-  if (st != AKV_OK) return akv_group_fail(g, st, "destroy: the engine is busy; nothing freed");
+  if (st != AKV_OK && st != AKV_ERR_BAD_HANDLE)
+    return akv_group_fail(g, st, "destroy: the engine is busy; nothing freed");
   g->coll->ops->destroy(g->coll);
   free(g->vec);
   g->vec = NULL;
