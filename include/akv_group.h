@@ -188,8 +188,9 @@ AKV_API akv_status akv_group_context_close(akv_group *group, akv_context *contex
  * akv_step_begin; the outcomes and plan digests are compared.
  * Returns, on every rank: AKV_OK, AKV_ERR_INVALID_ARGUMENT, AKV_ERR_BAD_HANDLE
  * (a context not open here), AKV_ERR_STEP_STATE, AKV_ERR_CAPACITY (as
- * akv_step_begin), AKV_ERR_DISAGREE, AKV_ERR_QUARANTINED, AKV_ERR_TIMEOUT,
- * AKV_ERR_COMM.
+ * akv_step_begin), AKV_ERR_UNEVEN_LAYERS (a context's layers hold different
+ * row counts on any rank; nothing changed on any rank), AKV_ERR_DISAGREE,
+ * AKV_ERR_QUARANTINED, AKV_ERR_TIMEOUT, AKV_ERR_COMM.
  */
 AKV_API akv_status akv_group_step_begin(akv_group *group, akv_context *const *contexts,
                                         uint32_t n);

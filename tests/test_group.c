@@ -718,6 +718,112 @@ static void test_engine_destroyed_behind_group(void **state) {
   assert_int_equal(akv_group_world_destroy(world), AKV_OK);
 }
 
+/* ---------------------------------------- ranks of a public-API world */
+
+/* Runs `fn` as every rank of a fresh `size`-rank world (max_contexts 4),
+ * each on its own thread with its own group, then destroys the groups and
+ * the world. fn returns its statuses through `out` (indexed by rank). */
+typedef struct api_rank {
+  akv_group_world *world;
+  uint32_t rank, size;
+  void (*fn)(struct api_rank *r, akv_group *g);
+  akv_status create, destroy;
+  akv_status out[8];
+  uint64_t digest;
+  akv_group_info info;
+} api_rank;
+
+static void *api_rank_main(void *arg) {
+  api_rank *r = arg;
+  akv_engine_config ec = shard_config(1, 1, 4);
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  akv_group *g = NULL;
+  gc.rank = r->rank;
+  gc.size = r->size;
+  gc.timeout_ms = 60000; /* a hang detector only */
+  gc.digest = AKV_GROUP_DIGEST_ON;
+  r->create = akv_group_create_inproc(&ec, &gc, r->world, &g);
+  if (r->create != AKV_OK) return NULL;
+  r->fn(r, g);
+  akv_group_info_get(g, &r->info);
+  r->destroy = akv_group_destroy(g);
+  return NULL;
+}
+
+static void run_api_ranks(api_rank *ranks, uint32_t size, void (*fn)(api_rank *, akv_group *)) {
+  akv_group_world *world;
+  pthread_t th[MAX_RANKS];
+  assert_true(size <= MAX_RANKS);
+  assert_int_equal(akv_group_world_create(size, 4, &world), AKV_OK);
+  for (uint32_t r = 0; r < size; r++) {
+    memset(&ranks[r], 0, sizeof(ranks[r]));
+    ranks[r].world = world;
+    ranks[r].rank = r;
+    ranks[r].size = size;
+    ranks[r].fn = fn;
+    assert_int_equal(pthread_create(&th[r], NULL, api_rank_main, &ranks[r]), 0);
+  }
+  for (uint32_t r = 0; r < size; r++) pthread_join(th[r], NULL);
+  for (uint32_t r = 0; r < size; r++) {
+    assert_int_equal(ranks[r].create, AKV_OK);
+    assert_int_equal(ranks[r].destroy, AKV_OK);
+  }
+  assert_int_equal(akv_group_world_destroy(world), AKV_OK);
+}
+
+/* Rank 1 fills one layer of the context further than the others (its
+ * akv_step_begin alone would refuse the context with UNEVEN_LAYERS); the
+ * lengths the ranks agree on (the minimum over layers) are equal. A local
+ * state error: every rank returns AKV_ERR_UNEVEN_LAYERS, nothing changes,
+ * and the group goes on once rank 1 evens its layers out. Before, rank 0
+ * began its step, the outcomes differed, and every rank was quarantined. */
+static void uneven_rank_fn(api_rank *r, akv_group *g) {
+  static const uint8_t row[2 * KV_HEADS * HEAD_DIM];
+  akv_context *c = NULL;
+  akv_engine *e;
+  const void *rows[LAYERS];
+  uint64_t before;
+  for (uint32_t l = 0; l < LAYERS; l++) rows[l] = row;
+  akv_group_engine(g, &e);
+  r->out[0] = akv_group_context_open(g, NULL, &c);
+  if (r->out[0] != AKV_OK) return;
+  r->out[1] = akv_context_append(c, 1, rows, rows);
+  if (r->rank == 1) r->out[1] |= akv_context_append_layer(c, 0, 1, row, row);
+  before = akv_engine_plan_digest(e);
+  r->out[2] = akv_group_step_begin(g, &c, 1);
+  r->out[3] = akv_engine_plan_digest(e) == before ? AKV_OK : AKV_ERR_DISAGREE;
+  /* The other layers catch up on rank 1; the others append the same row. */
+  for (uint32_t l = r->rank == 1 ? 1 : 0; l < LAYERS; l++)
+    r->out[4] |= akv_context_append_layer(c, l, 1, row, row);
+  r->out[5] = akv_group_step_begin(g, &c, 1);
+  if (r->out[5] == AKV_OK) {
+    akv_stream s;
+    akv_stream_create(e, &s);
+    r->out[6] = run_layers(e, s);
+    akv_stream_destroy(e, s);
+  }
+  r->digest = akv_engine_plan_digest(e);
+  r->out[7] = akv_group_context_close(g, c);
+}
+
+static void test_uneven_layers_on_one_rank(void **state) {
+  (void)state;
+  api_rank ranks[2];
+  run_api_ranks(ranks, 2, uneven_rank_fn);
+  for (uint32_t r = 0; r < 2; r++) {
+    assert_int_equal(ranks[r].out[0], AKV_OK);
+    assert_int_equal(ranks[r].out[1], AKV_OK);
+    assert_int_equal(ranks[r].out[2], AKV_ERR_UNEVEN_LAYERS);
+    assert_int_equal(ranks[r].out[3], AKV_OK); /* nothing changed */
+    assert_int_equal(ranks[r].out[4], AKV_OK);
+    assert_int_equal(ranks[r].out[5], AKV_OK); /* and the group goes on */
+    assert_int_equal(ranks[r].out[6], AKV_OK);
+    assert_int_equal(ranks[r].out[7], AKV_OK);
+    assert_false(ranks[r].info.stopped);
+  }
+  assert_int_equal(ranks[1].digest, ranks[0].digest);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_pressure_identical_plans),
@@ -733,6 +839,7 @@ int main(void) {
       cmocka_unit_test(test_world_and_group_lifetime),
       cmocka_unit_test(test_world_destroy_races_calls),
       cmocka_unit_test(test_engine_destroyed_behind_group),
+      cmocka_unit_test(test_uneven_layers_on_one_rank),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

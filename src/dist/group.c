@@ -450,6 +450,11 @@ AKV_API akv_status akv_group_step_begin(akv_group *g, akv_context *const *contex
   } else {
     for (uint32_t i = 0; i < n && local == AKV_OK; i++)
       if (!akv_engine_owns_context(g->engine, contexts[i])) local = AKV_ERR_BAD_HANDLE;
+    /* Uneven layers are this rank's state (the agreed length is the minimum
+     * over layers): refused on every rank before any of them begins, so the
+     * outcomes never differ over it. */
+    for (uint32_t i = 0; i < n && local == AKV_OK; i++)
+      if (akv_engine_context_uneven(g->engine, contexts[i])) local = AKV_ERR_UNEVEN_LAYERS;
     if (local == AKV_OK && akv_engine_step_open(g->engine)) local = AKV_ERR_STEP_STATE;
   }
   akv_group_put_header(g, AKV_POINT_STEP, local);
