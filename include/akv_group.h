@@ -21,7 +21,10 @@
  *  - Agreed inputs differ (contexts, lengths): AKV_ERR_DISAGREE; nothing
  *    changed on any rank.
  *  - A local argument or state error on any rank (NULL out, a step already
- *    open, ...): every rank returns the largest such status; nothing changed.
+ *    open, a context still in a step or with uneven layers, ...): every rank
+ *    returns the largest such status; nothing changed. It is returned before
+ *    plan digests are compared (akv_step_end is not an agreement point, so
+ *    a rank may still be in a step another ended; the digest covers that).
  *  - Any rank's transport failed (a backend error since the last agreement
  *    point), the outcome differs between ranks, or the plan digests differ:
  *    every rank quarantines its engine (akv_engine_quarantine) and returns
@@ -177,7 +180,9 @@ AKV_API akv_status akv_group_context_open(akv_group *group, const akv_context_co
 /**
  * Agreement point: closes the context with the same id on every rank.
  * Returns, on every rank: AKV_OK, AKV_ERR_BAD_HANDLE (a context not open on
- * this rank's engine), AKV_ERR_DISAGREE (different contexts), AKV_ERR_IN_USE,
+ * this rank's engine), AKV_ERR_DISAGREE (different contexts), AKV_ERR_IN_USE
+ * (the context is in an open step, or has host page leases, on any rank:
+ * akv_step_end is not an agreement point; nothing changed on any rank),
  * AKV_ERR_QUARANTINED, AKV_ERR_TIMEOUT, AKV_ERR_COMM.
  */
 AKV_API akv_status akv_group_context_close(akv_group *group, akv_context *context);

@@ -824,6 +824,52 @@ static void test_uneven_layers_on_one_rank(void **state) {
   assert_int_equal(ranks[1].digest, ranks[0].digest);
 }
 
+/* step_end is not an agreement point: rank 0 ended its step, rank 1 has
+ * not, and both close the step's context. Rank 1's close would refuse it
+ * (AKV_ERR_IN_USE): a local state error, so every rank returns IN_USE and
+ * the context stays open everywhere; so does an open (AKV_ERR_STEP_STATE);
+ * once rank 1 ends its step the close goes through. Before, the ranks'
+ * digests (which cover the open step) differed and every rank was
+ * quarantined, and without digest checking rank 0 closed the context. */
+static void close_in_step_fn(api_rank *r, akv_group *g) {
+  akv_context *c = NULL;
+  akv_engine *e;
+  akv_stream s;
+  uint32_t len;
+  akv_group_engine(g, &e);
+  akv_stream_create(e, &s);
+  r->out[0] = akv_group_context_open(g, NULL, &c);
+  if (r->out[0] == AKV_OK) {
+    r->out[1] = akv_group_step_begin(g, &c, 1);
+    if (r->rank == 0) r->out[2] = run_layers(e, s); /* rank 1 keeps its step open */
+    r->out[3] = akv_group_context_close(g, c);
+    {
+      akv_context *c2 = NULL;
+      r->out[6] = akv_group_context_open(g, NULL, &c2); /* a step open on rank 1 */
+    }
+    r->out[4] = akv_context_length(c, &len); /* still open */
+    if (r->rank == 1) r->out[2] = run_layers(e, s);
+    r->out[5] = akv_group_context_close(g, c);
+  }
+  akv_stream_destroy(e, s);
+}
+
+static void test_close_while_one_rank_in_step(void **state) {
+  (void)state;
+  api_rank ranks[2];
+  run_api_ranks(ranks, 2, close_in_step_fn);
+  for (uint32_t r = 0; r < 2; r++) {
+    assert_int_equal(ranks[r].out[0], AKV_OK);
+    assert_int_equal(ranks[r].out[1], AKV_OK);
+    assert_int_equal(ranks[r].out[2], AKV_OK);
+    assert_int_equal(ranks[r].out[3], AKV_ERR_IN_USE);
+    assert_int_equal(ranks[r].out[4], AKV_OK);
+    assert_int_equal(ranks[r].out[5], AKV_OK);
+    assert_int_equal(ranks[r].out[6], AKV_ERR_STEP_STATE);
+    assert_false(ranks[r].info.stopped);
+  }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_pressure_identical_plans),
@@ -840,6 +886,7 @@ int main(void) {
       cmocka_unit_test(test_world_destroy_races_calls),
       cmocka_unit_test(test_engine_destroyed_behind_group),
       cmocka_unit_test(test_uneven_layers_on_one_rank),
+      cmocka_unit_test(test_close_while_one_rank_in_step),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

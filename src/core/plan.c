@@ -57,3 +57,7 @@ int akv_engine_owns_context(const akv_engine *e, const akv_context *c) {
 int akv_engine_context_uneven(const akv_engine *e, const akv_context *c) {
   return akv_engine_owns_context(e, c) && akv_context_uneven(e, c);
 }
+
+int akv_engine_context_in_use(const akv_engine *e, const akv_context *c) {
+  return akv_engine_owns_context(e, c) && (c->in_step || c->host_leases > 0);
+}

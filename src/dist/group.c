@@ -201,6 +201,13 @@ static akv_status akv_group_read_header(akv_group *g, akv_status *local) {
     snprintf(why, sizeof(why), "rank %llu's transport failed", (unsigned long long)failed);
     return akv_group_stop(g, AKV_GROUP_PEER_FAILED, (uint32_t)failed, AKV_ERR_QUARANTINED, why);
   }
+  /* A local refusal on any rank decides nothing at this point, so it is
+   * returned before the digests are compared: the digest covers whether a
+   * step is open, and akv_step_end is not an agreement point, so a rank
+   * still in a step another rank ended differs in exactly the state its
+   * local checks refuse (AKV_ERR_STEP_STATE, AKV_ERR_IN_USE). A real plan
+   * mismatch persists and is caught at the next point without a refusal. */
+  if (*local != AKV_OK) return AKV_OK;
   /* A digest mismatch quarantines every rank: it never hangs one. */
   if (g->check_digest && !same_digest)
     return akv_group_stop(g, AKV_GROUP_DIGEST_MISMATCH, UINT32_MAX, AKV_ERR_QUARANTINED,
@@ -428,6 +435,11 @@ AKV_API akv_status akv_group_context_close(akv_group *g, akv_context *context) {
   if (st != AKV_OK) return st;
   if (!akv_engine_owns_context(g->engine, context) || akv_context_id(context, &id) != AKV_OK)
     local = AKV_ERR_BAD_HANDLE;
+  else if (akv_engine_context_in_use(g->engine, context))
+    /* This rank's state (step_end is not an agreement point): refused on
+     * every rank before any of them closes, so the outcomes never differ
+     * over it. */
+    local = AKV_ERR_IN_USE;
   akv_group_put_header(g, AKV_POINT_CLOSE, local);
   akv_put_same(g, id);
   if ((st = akv_group_exchange(g)) != AKV_OK) return st;
