@@ -46,6 +46,10 @@
  * meets the others at a point of another kind, which quarantines all).
  * Blocking: agreement calls block the calling thread until every rank
  * arrived or the timeout passed; nothing else in a group blocks.
+ * Logging: a group logs through its engine config's log_fn. A group call
+ * made from inside that callback on the same group returns its status but
+ * logs nothing (so a callback that calls back cannot recurse without end);
+ * an agreement call made there is still one of the rank's sequence.
  * Streams: the collectives run on the group's own queue (NCCL: a stream the
  * group created on the engine's device); the caller's compute stream is
  * never touched.

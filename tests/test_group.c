@@ -870,6 +870,58 @@ static void test_close_while_one_rank_in_step(void **state) {
   }
 }
 
+/* A log callback that makes a group call on its own group: on a stopped
+ * group every agreement call logs a warning, so the nested call logs again,
+ * whose callback calls again, without end (a stack overflow). A group call
+ * made from inside the group's own log callback returns its status and logs
+ * nothing. */
+typedef struct reentrant_log {
+  akv_group *g;
+  uint32_t calls, nested;
+  akv_status nested_st;
+} reentrant_log;
+
+static void reentrant_log_fn(void *user, akv_log_level level, const char *message) {
+  reentrant_log *rl = user;
+  rl->calls++;
+  /* The group's own warnings (the engine's go to the same callback). */
+  if (rl->g == NULL || level != AKV_LOG_WARN || strncmp(message, "group rank", 10) != 0 ||
+      rl->nested > 100)
+    return;
+  rl->nested++;
+  rl->nested_st = akv_group_check(rl->g);
+  (void)akv_group_last_error(rl->g);
+}
+
+static void test_log_callback_reentry(void **state) {
+  (void)state;
+  akv_group_world *world;
+  akv_group *g = NULL;
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  akv_engine_config ec = shard_config(1, 1, 4);
+  reentrant_log rl;
+  memset(&rl, 0, sizeof(rl));
+  ec.log_fn = reentrant_log_fn;
+  ec.log_user = &rl;
+  ec.log_level = AKV_LOG_WARN;
+  assert_int_equal(akv_group_world_create(1, 4, &world), AKV_OK);
+  assert_int_equal(akv_group_create_inproc(&ec, &gc, world, &g), AKV_OK);
+  rl.g = g;
+  assert_int_equal(akv_group_world_abort(world), AKV_OK);
+  assert_int_equal(akv_group_check(g), AKV_ERR_COMM);
+  /* The stop's warning called back once; the nested check was refused
+   * without a collective and without logging. */
+  assert_int_equal(rl.nested, 1);
+  assert_int_equal(rl.nested_st, AKV_ERR_QUARANTINED);
+  rl.nested = 0;
+  assert_int_equal(akv_group_check(g), AKV_ERR_QUARANTINED);
+  assert_int_equal(rl.nested, 1);
+  assert_int_equal(rl.nested_st, AKV_ERR_QUARANTINED);
+  rl.g = NULL;
+  assert_int_equal(akv_group_destroy(g), AKV_OK);
+  assert_int_equal(akv_group_world_destroy(world), AKV_OK);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_pressure_identical_plans),
@@ -887,6 +939,7 @@ int main(void) {
       cmocka_unit_test(test_engine_destroyed_behind_group),
       cmocka_unit_test(test_uneven_layers_on_one_rank),
       cmocka_unit_test(test_close_while_one_rank_in_step),
+      cmocka_unit_test(test_log_callback_reentry),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -61,6 +61,7 @@ struct akv_group {
   uint64_t digest;
   int check_digest;
   int stopped;
+  int in_log;               /* 1 while the log callback runs (see akv_group_log) */
   akv_group_reason reason;
   uint32_t failed_rank;
   char last_error[512];
@@ -81,21 +82,26 @@ size_t akv_group_vector_len(uint32_t max_contexts) {
   return step > AKV_GROUP_FIXED_LEN ? step : AKV_GROUP_FIXED_LEN;
 }
 
-static void akv_group_log(const akv_group *g, const akv_engine_config *cfg, akv_log_level level,
+static void akv_group_log(akv_group *g, const akv_engine_config *cfg, akv_log_level level,
                           const char *fmt, ...) __attribute__((format(printf, 4, 5)));
-static void akv_group_log(const akv_group *g, const akv_engine_config *cfg, akv_log_level level,
+/* A group call the callback makes on this group logs nothing: every refused
+ * call logs a warning, so a callback that calls back would recurse without
+ * end. */
+static void akv_group_log(akv_group *g, const akv_engine_config *cfg, akv_log_level level,
                           const char *fmt, ...) {
   char line[512];
   va_list ap;
   int n;
-  if (cfg == NULL || level > cfg->log_level) return;
+  if (cfg == NULL || level > cfg->log_level || g->in_log) return;
   n = snprintf(line, sizeof(line), "group rank %u/%u: ", g->cfg.rank, g->cfg.size);
   va_start(ap, fmt);
   vsnprintf(line + n, sizeof(line) - (size_t)n, fmt, ap);
   va_end(ap);
-  if (cfg->log_fn != NULL)
+  if (cfg->log_fn != NULL) {
+    g->in_log = 1;
     cfg->log_fn(cfg->log_user, level, line);
-  else
+    g->in_log = 0;
+  } else
     fprintf(stderr, "activekv: %s\n", line);
 }
 
