@@ -128,8 +128,9 @@ AKV_API akv_status akv_group_world_create(uint32_t size, uint32_t max_contexts,
  * world's size, shard->max_contexts at most the world's). Otherwise as
  * akv_nccl_group_create (a collective: every rank calls it from its own
  * thread; the same statuses on every rank), with AKV_ERR_CONFIG (this rank
- * only, without entering the agreement) for a rank, size or max_contexts the
- * world does not take, or a rank that already has a live group in this world
+ * only, without entering the agreement) for a group config too short to hold
+ * rank and size, a rank, size or max_contexts the world does not take, or a
+ * rank that already has a live group in this world
  * (a rank is taken from the create until its group's akv_group_destroy), and
  * AKV_ERR_INVALID_ARGUMENT for a NULL argument or a destroyed world.
  */
@@ -150,7 +151,10 @@ AKV_API akv_status akv_group_world_abort(akv_group_world *world);
  *  AKV_ERR_INVALID_ARGUMENT (NULL or a destroyed world), AKV_ERR_BUSY (a
  *  group of this world still lives; nothing freed). Worlds, like groups, are
  *  records never freed (akv.h "Handle lifetimes"): a destroyed world is
- *  refused by every world call, never read after free. */
+ *  refused by every world call, never read after free, until at least 32
+ *  later akv_group_world_create calls in the process. Thread-safe: a world
+ *  call racing the destroy either finds the world alive and is done with it
+ *  first, or refuses it. */
 AKV_API akv_status akv_group_world_destroy(akv_group_world *world);
 
 /**
