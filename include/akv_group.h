@@ -21,7 +21,10 @@
  *  - Agreed inputs differ (contexts, lengths): AKV_ERR_DISAGREE; nothing
  *    changed on any rank.
  *  - A local argument or state error on any rank (NULL out, a step already
- *    open, ...): every rank returns the largest such status; nothing changed.
+ *    open, a context still in a step or with uneven layers, ...): every rank
+ *    returns the largest such status; nothing changed. It is returned before
+ *    plan digests are compared (akv_step_end is not an agreement point, so
+ *    a rank may still be in a step another ended; the digest covers that).
  *  - Any rank's transport failed (a backend error since the last agreement
  *    point), the outcome differs between ranks, or the plan digests differ:
  *    every rank quarantines its engine (akv_engine_quarantine) and returns
@@ -43,6 +46,10 @@
  * meets the others at a point of another kind, which quarantines all).
  * Blocking: agreement calls block the calling thread until every rank
  * arrived or the timeout passed; nothing else in a group blocks.
+ * Logging: a group logs through its engine config's log_fn. A group call
+ * made from inside that callback on the same group returns its status but
+ * logs nothing (so a callback that calls back cannot recurse without end);
+ * an agreement call made there is still one of the rank's sequence.
  * Streams: the collectives run on the group's own queue (NCCL: a stream the
  * group created on the engine's device); the caller's compute stream is
  * never touched.
@@ -121,8 +128,9 @@ AKV_API akv_status akv_group_world_create(uint32_t size, uint32_t max_contexts,
  * world's size, shard->max_contexts at most the world's). Otherwise as
  * akv_nccl_group_create (a collective: every rank calls it from its own
  * thread; the same statuses on every rank), with AKV_ERR_CONFIG (this rank
- * only, without entering the agreement) for a rank, size or max_contexts the
- * world does not take, or a rank that already has a live group in this world
+ * only, without entering the agreement) for a group config too short to hold
+ * rank and size, a rank, size or max_contexts the world does not take, or a
+ * rank that already has a live group in this world
  * (a rank is taken from the create until its group's akv_group_destroy), and
  * AKV_ERR_INVALID_ARGUMENT for a NULL argument or a destroyed world.
  */
@@ -143,7 +151,10 @@ AKV_API akv_status akv_group_world_abort(akv_group_world *world);
  *  AKV_ERR_INVALID_ARGUMENT (NULL or a destroyed world), AKV_ERR_BUSY (a
  *  group of this world still lives; nothing freed). Worlds, like groups, are
  *  records never freed (akv.h "Handle lifetimes"): a destroyed world is
- *  refused by every world call, never read after free. */
+ *  refused by every world call, never read after free, until at least 32
+ *  later akv_group_world_create calls in the process. Thread-safe: a world
+ *  call racing the destroy either finds the world alive and is done with it
+ *  first, or refuses it. */
 AKV_API akv_status akv_group_world_destroy(akv_group_world *world);
 
 /**
@@ -151,8 +162,12 @@ AKV_API akv_status akv_group_world_destroy(akv_group_world *world);
  * step_end, appends, reads, diagnostics). Do not call akv_context_open,
  * akv_context_close or akv_step_begin on it directly: the plan would diverge
  * from the other ranks' (digest checking catches it at the next agreement
- * point and quarantines every rank). The group owns the engine.
- * Allowed at any time. Returns AKV_OK, AKV_ERR_BAD_HANDLE,
+ * point and quarantines every rank). The group owns the engine: destroy it
+ * with akv_group_destroy. An engine destroyed directly stops the group at
+ * its next agreement point (AKV_ERR_QUARANTINED, reason PEER_FAILED), and
+ * akv_group_destroy then frees the rest of the group (call it before
+ * AKV_ENGINE_HANDLE_REUSE_MIN later engine creates, after which the dead
+ * engine handle may name a newer engine). Allowed at any time. Returns AKV_OK, AKV_ERR_BAD_HANDLE,
  * AKV_ERR_INVALID_ARGUMENT (out NULL).
  */
 AKV_API akv_status akv_group_engine(const akv_group *group, akv_engine **out);
@@ -173,7 +188,9 @@ AKV_API akv_status akv_group_context_open(akv_group *group, const akv_context_co
 /**
  * Agreement point: closes the context with the same id on every rank.
  * Returns, on every rank: AKV_OK, AKV_ERR_BAD_HANDLE (a context not open on
- * this rank's engine), AKV_ERR_DISAGREE (different contexts), AKV_ERR_IN_USE,
+ * this rank's engine), AKV_ERR_DISAGREE (different contexts), AKV_ERR_IN_USE
+ * (the context is in an open step, or has host page leases, on any rank:
+ * akv_step_end is not an agreement point; nothing changed on any rank),
  * AKV_ERR_QUARANTINED, AKV_ERR_TIMEOUT, AKV_ERR_COMM.
  */
 AKV_API akv_status akv_group_context_close(akv_group *group, akv_context *context);
@@ -184,8 +201,9 @@ AKV_API akv_status akv_group_context_close(akv_group *group, akv_context *contex
  * akv_step_begin; the outcomes and plan digests are compared.
  * Returns, on every rank: AKV_OK, AKV_ERR_INVALID_ARGUMENT, AKV_ERR_BAD_HANDLE
  * (a context not open here), AKV_ERR_STEP_STATE, AKV_ERR_CAPACITY (as
- * akv_step_begin), AKV_ERR_DISAGREE, AKV_ERR_QUARANTINED, AKV_ERR_TIMEOUT,
- * AKV_ERR_COMM.
+ * akv_step_begin), AKV_ERR_UNEVEN_LAYERS (a context's layers hold different
+ * row counts on any rank; nothing changed on any rank), AKV_ERR_DISAGREE,
+ * AKV_ERR_QUARANTINED, AKV_ERR_TIMEOUT, AKV_ERR_COMM.
  */
 AKV_API akv_status akv_group_step_begin(akv_group *group, akv_context *const *contexts,
                                         uint32_t n);

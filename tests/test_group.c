@@ -16,6 +16,7 @@
  */
 #define _POSIX_C_SOURCE 200809L
 #include <pthread.h>
+#include <sched.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -629,6 +630,298 @@ static void test_world_and_group_lifetime(void **state) {
   assert_int_equal(akv_group_world_destroy(w2), AKV_OK);
 }
 
+/* World calls racing akv_group_world_destroy: abort and create_inproc from
+ * other threads while the world is destroyed. Each call either finds the
+ * world alive (and is done with it before the destroy frees anything) or
+ * dead (AKV_ERR_INVALID_ARGUMENT); a collective made between destroy's busy
+ * check and its free would run on freed memory. ASan or TSan builds catch
+ * the unguarded interleavings. */
+typedef struct world_racer {
+  akv_group_world *world;
+  int creates;           /* 1: create_inproc and destroy groups; 0: abort */
+  akv_status bad;        /* the first status outside the allowed set */
+} world_racer;
+
+static void *world_racer_main(void *arg) {
+  world_racer *r = arg;
+  akv_engine_config ec = shard_config(1, 1, 4);
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  gc.timeout_ms = 60000; /* a hang detector only: one rank never waits */
+  r->bad = AKV_OK;
+  for (;;) {
+    akv_status st;
+    if (r->creates) {
+      akv_group *g = NULL;
+      st = akv_group_create_inproc(&ec, &gc, r->world, &g);
+      if (st == AKV_OK) {
+        if (akv_group_destroy(g) != AKV_OK) r->bad = AKV_ERR_BUSY;
+      } else if (st != AKV_ERR_COMM && st != AKV_ERR_INVALID_ARGUMENT && st != AKV_ERR_CONFIG) {
+        r->bad = st; /* COMM: aborted first; CONFIG: never (one creating thread) */
+      }
+    } else {
+      st = akv_group_world_abort(r->world);
+      if (st != AKV_OK && st != AKV_ERR_INVALID_ARGUMENT) r->bad = st;
+    }
+    if (st == AKV_ERR_INVALID_ARGUMENT || r->bad != AKV_OK) return NULL;
+  }
+}
+
+static void test_world_destroy_races_calls(void **state) {
+  (void)state;
+  for (int it = 0; it < 64; it++) {
+    akv_group_world *world;
+    world_racer r[2];
+    pthread_t th[2];
+    akv_status st;
+    assert_int_equal(akv_group_world_create(1, 4, &world), AKV_OK);
+    for (int i = 0; i < 2; i++) {
+      r[i].world = world;
+      r[i].creates = i;
+      assert_int_equal(pthread_create(&th[i], NULL, world_racer_main, &r[i]), 0);
+    }
+    /* BUSY while the creating thread's group lives; it is destroyed by
+     * that thread, so the loop ends. */
+    while ((st = akv_group_world_destroy(world)) == AKV_ERR_BUSY) sched_yield();
+    assert_int_equal(st, AKV_OK);
+    for (int i = 0; i < 2; i++) pthread_join(th[i], NULL);
+    for (int i = 0; i < 2; i++) assert_int_equal(r[i].bad, AKV_OK);
+    assert_int_equal(akv_group_world_abort(world), AKV_ERR_INVALID_ARGUMENT);
+  }
+}
+
+/* An engine destroyed behind the group's back (akv_engine_destroy on
+ * akv_group_engine's engine, which the group owns): agreement calls stop the
+ * group, and akv_group_destroy still frees the group and gives its rank back,
+ * so the world can be destroyed. Before, the group answered every destroy
+ * with AKV_ERR_BAD_HANDLE and kept the world busy forever. */
+static void test_engine_destroyed_behind_group(void **state) {
+  (void)state;
+  akv_group_world *world;
+  akv_group *g = NULL, *g2 = NULL;
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  akv_engine_config ec = shard_config(1, 1, 4);
+  akv_group_info info;
+  akv_engine *e;
+  assert_int_equal(akv_group_world_create(1, 4, &world), AKV_OK);
+  assert_int_equal(akv_group_create_inproc(&ec, &gc, world, &g), AKV_OK);
+  assert_int_equal(akv_group_engine(g, &e), AKV_OK);
+  assert_int_equal(akv_engine_destroy(e), AKV_OK);
+  assert_int_equal(akv_group_check(g), AKV_ERR_QUARANTINED);
+  assert_int_equal(akv_group_info_get(g, &info), AKV_OK);
+  assert_true(info.stopped);
+  assert_int_equal(info.reason, AKV_GROUP_PEER_FAILED);
+  assert_int_equal(akv_group_destroy(g), AKV_OK);
+  assert_int_equal(akv_group_destroy(g), AKV_ERR_BAD_HANDLE);
+  /* The rank was given back: a new group takes it, and the world frees. */
+  assert_int_equal(akv_group_create_inproc(&ec, &gc, world, &g2), AKV_OK);
+  assert_int_equal(akv_group_destroy(g2), AKV_OK);
+  assert_int_equal(akv_group_world_destroy(world), AKV_OK);
+}
+
+/* ---------------------------------------- ranks of a public-API world */
+
+/* Runs `fn` as every rank of a fresh `size`-rank world (max_contexts 4),
+ * each on its own thread with its own group, then destroys the groups and
+ * the world. fn returns its statuses through `out` (indexed by rank). */
+typedef struct api_rank {
+  akv_group_world *world;
+  uint32_t rank, size;
+  void (*fn)(struct api_rank *r, akv_group *g);
+  akv_status create, destroy;
+  akv_status out[8];
+  uint64_t digest;
+  akv_group_info info;
+} api_rank;
+
+static void *api_rank_main(void *arg) {
+  api_rank *r = arg;
+  akv_engine_config ec = shard_config(1, 1, 4);
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  akv_group *g = NULL;
+  gc.rank = r->rank;
+  gc.size = r->size;
+  gc.timeout_ms = 60000; /* a hang detector only */
+  gc.digest = AKV_GROUP_DIGEST_ON;
+  r->create = akv_group_create_inproc(&ec, &gc, r->world, &g);
+  if (r->create != AKV_OK) return NULL;
+  r->fn(r, g);
+  akv_group_info_get(g, &r->info);
+  r->destroy = akv_group_destroy(g);
+  return NULL;
+}
+
+static void run_api_ranks(api_rank *ranks, uint32_t size, void (*fn)(api_rank *, akv_group *)) {
+  akv_group_world *world;
+  pthread_t th[MAX_RANKS];
+  assert_true(size <= MAX_RANKS);
+  assert_int_equal(akv_group_world_create(size, 4, &world), AKV_OK);
+  for (uint32_t r = 0; r < size; r++) {
+    memset(&ranks[r], 0, sizeof(ranks[r]));
+    ranks[r].world = world;
+    ranks[r].rank = r;
+    ranks[r].size = size;
+    ranks[r].fn = fn;
+    assert_int_equal(pthread_create(&th[r], NULL, api_rank_main, &ranks[r]), 0);
+  }
+  for (uint32_t r = 0; r < size; r++) pthread_join(th[r], NULL);
+  for (uint32_t r = 0; r < size; r++) {
+    assert_int_equal(ranks[r].create, AKV_OK);
+    assert_int_equal(ranks[r].destroy, AKV_OK);
+  }
+  assert_int_equal(akv_group_world_destroy(world), AKV_OK);
+}
+
+/* Rank 1 fills one layer of the context further than the others (its
+ * akv_step_begin alone would refuse the context with UNEVEN_LAYERS); the
+ * lengths the ranks agree on (the minimum over layers) are equal. A local
+ * state error: every rank returns AKV_ERR_UNEVEN_LAYERS, nothing changes,
+ * and the group goes on once rank 1 evens its layers out. Before, rank 0
+ * began its step, the outcomes differed, and every rank was quarantined. */
+static void uneven_rank_fn(api_rank *r, akv_group *g) {
+  static const uint8_t row[2 * KV_HEADS * HEAD_DIM];
+  akv_context *c = NULL;
+  akv_engine *e;
+  const void *rows[LAYERS];
+  uint64_t before;
+  for (uint32_t l = 0; l < LAYERS; l++) rows[l] = row;
+  akv_group_engine(g, &e);
+  r->out[0] = akv_group_context_open(g, NULL, &c);
+  if (r->out[0] != AKV_OK) return;
+  r->out[1] = akv_context_append(c, 1, rows, rows);
+  if (r->rank == 1) r->out[1] |= akv_context_append_layer(c, 0, 1, row, row);
+  before = akv_engine_plan_digest(e);
+  r->out[2] = akv_group_step_begin(g, &c, 1);
+  r->out[3] = akv_engine_plan_digest(e) == before ? AKV_OK : AKV_ERR_DISAGREE;
+  /* The other layers catch up on rank 1; the others append the same row. */
+  for (uint32_t l = r->rank == 1 ? 1 : 0; l < LAYERS; l++)
+    r->out[4] |= akv_context_append_layer(c, l, 1, row, row);
+  r->out[5] = akv_group_step_begin(g, &c, 1);
+  if (r->out[5] == AKV_OK) {
+    akv_stream s;
+    akv_stream_create(e, &s);
+    r->out[6] = run_layers(e, s);
+    akv_stream_destroy(e, s);
+  }
+  r->digest = akv_engine_plan_digest(e);
+  r->out[7] = akv_group_context_close(g, c);
+}
+
+static void test_uneven_layers_on_one_rank(void **state) {
+  (void)state;
+  api_rank ranks[2];
+  run_api_ranks(ranks, 2, uneven_rank_fn);
+  for (uint32_t r = 0; r < 2; r++) {
+    assert_int_equal(ranks[r].out[0], AKV_OK);
+    assert_int_equal(ranks[r].out[1], AKV_OK);
+    assert_int_equal(ranks[r].out[2], AKV_ERR_UNEVEN_LAYERS);
+    assert_int_equal(ranks[r].out[3], AKV_OK); /* nothing changed */
+    assert_int_equal(ranks[r].out[4], AKV_OK);
+    assert_int_equal(ranks[r].out[5], AKV_OK); /* and the group goes on */
+    assert_int_equal(ranks[r].out[6], AKV_OK);
+    assert_int_equal(ranks[r].out[7], AKV_OK);
+    assert_false(ranks[r].info.stopped);
+  }
+  assert_int_equal(ranks[1].digest, ranks[0].digest);
+}
+
+/* step_end is not an agreement point: rank 0 ended its step, rank 1 has
+ * not, and both close the step's context. Rank 1's close would refuse it
+ * (AKV_ERR_IN_USE): a local state error, so every rank returns IN_USE and
+ * the context stays open everywhere; so does an open (AKV_ERR_STEP_STATE);
+ * once rank 1 ends its step the close goes through. Before, the ranks'
+ * digests (which cover the open step) differed and every rank was
+ * quarantined, and without digest checking rank 0 closed the context. */
+static void close_in_step_fn(api_rank *r, akv_group *g) {
+  akv_context *c = NULL;
+  akv_engine *e;
+  akv_stream s;
+  uint32_t len;
+  akv_group_engine(g, &e);
+  akv_stream_create(e, &s);
+  r->out[0] = akv_group_context_open(g, NULL, &c);
+  if (r->out[0] == AKV_OK) {
+    r->out[1] = akv_group_step_begin(g, &c, 1);
+    if (r->rank == 0) r->out[2] = run_layers(e, s); /* rank 1 keeps its step open */
+    r->out[3] = akv_group_context_close(g, c);
+    {
+      akv_context *c2 = NULL;
+      r->out[6] = akv_group_context_open(g, NULL, &c2); /* a step open on rank 1 */
+    }
+    r->out[4] = akv_context_length(c, &len); /* still open */
+    if (r->rank == 1) r->out[2] = run_layers(e, s);
+    r->out[5] = akv_group_context_close(g, c);
+  }
+  akv_stream_destroy(e, s);
+}
+
+static void test_close_while_one_rank_in_step(void **state) {
+  (void)state;
+  api_rank ranks[2];
+  run_api_ranks(ranks, 2, close_in_step_fn);
+  for (uint32_t r = 0; r < 2; r++) {
+    assert_int_equal(ranks[r].out[0], AKV_OK);
+    assert_int_equal(ranks[r].out[1], AKV_OK);
+    assert_int_equal(ranks[r].out[2], AKV_OK);
+    assert_int_equal(ranks[r].out[3], AKV_ERR_IN_USE);
+    assert_int_equal(ranks[r].out[4], AKV_OK);
+    assert_int_equal(ranks[r].out[5], AKV_OK);
+    assert_int_equal(ranks[r].out[6], AKV_ERR_STEP_STATE);
+    assert_false(ranks[r].info.stopped);
+  }
+}
+
+/* A log callback that makes a group call on its own group: on a stopped
+ * group every agreement call logs a warning, so the nested call logs again,
+ * whose callback calls again, without end (a stack overflow). A group call
+ * made from inside the group's own log callback returns its status and logs
+ * nothing. */
+typedef struct reentrant_log {
+  akv_group *g;
+  uint32_t calls, nested;
+  akv_status nested_st;
+} reentrant_log;
+
+static void reentrant_log_fn(void *user, akv_log_level level, const char *message) {
+  reentrant_log *rl = user;
+  rl->calls++;
+  /* The group's own warnings (the engine's go to the same callback). */
+  if (rl->g == NULL || level != AKV_LOG_WARN || strncmp(message, "group rank", 10) != 0 ||
+      rl->nested > 100)
+    return;
+  rl->nested++;
+  rl->nested_st = akv_group_check(rl->g);
+  (void)akv_group_last_error(rl->g);
+}
+
+static void test_log_callback_reentry(void **state) {
+  (void)state;
+  akv_group_world *world;
+  akv_group *g = NULL;
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  akv_engine_config ec = shard_config(1, 1, 4);
+  reentrant_log rl;
+  memset(&rl, 0, sizeof(rl));
+  ec.log_fn = reentrant_log_fn;
+  ec.log_user = &rl;
+  ec.log_level = AKV_LOG_WARN;
+  assert_int_equal(akv_group_world_create(1, 4, &world), AKV_OK);
+  assert_int_equal(akv_group_create_inproc(&ec, &gc, world, &g), AKV_OK);
+  rl.g = g;
+  assert_int_equal(akv_group_world_abort(world), AKV_OK);
+  assert_int_equal(akv_group_check(g), AKV_ERR_COMM);
+  /* The stop's warning called back once; the nested check was refused
+   * without a collective and without logging. */
+  assert_int_equal(rl.nested, 1);
+  assert_int_equal(rl.nested_st, AKV_ERR_QUARANTINED);
+  rl.nested = 0;
+  assert_int_equal(akv_group_check(g), AKV_ERR_QUARANTINED);
+  assert_int_equal(rl.nested, 1);
+  assert_int_equal(rl.nested_st, AKV_ERR_QUARANTINED);
+  rl.g = NULL;
+  assert_int_equal(akv_group_destroy(g), AKV_OK);
+  assert_int_equal(akv_group_world_destroy(world), AKV_OK);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_pressure_identical_plans),
@@ -642,6 +935,11 @@ int main(void) {
       cmocka_unit_test(test_illegal_calls),
       cmocka_unit_test(test_world_duplicate_rank),
       cmocka_unit_test(test_world_and_group_lifetime),
+      cmocka_unit_test(test_world_destroy_races_calls),
+      cmocka_unit_test(test_engine_destroyed_behind_group),
+      cmocka_unit_test(test_uneven_layers_on_one_rank),
+      cmocka_unit_test(test_close_while_one_rank_in_step),
+      cmocka_unit_test(test_log_callback_reentry),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

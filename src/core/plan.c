@@ -53,3 +53,11 @@ int akv_engine_step_open(const akv_engine *e) { return akv_engine_ok(e) && e->st
 int akv_engine_owns_context(const akv_engine *e, const akv_context *c) {
   return akv_engine_ok(e) && akv_context_ok(c) && c->engine == e;
 }
+
+int akv_engine_context_uneven(const akv_engine *e, const akv_context *c) {
+  return akv_engine_owns_context(e, c) && akv_context_uneven(e, c);
+}
+
+int akv_engine_context_in_use(const akv_engine *e, const akv_context *c) {
+  return akv_engine_owns_context(e, c) && (c->in_step || c->host_leases > 0);
+}

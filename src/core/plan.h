@@ -35,4 +35,16 @@ int akv_engine_step_open(const akv_engine *engine);
  * closed handles, another engine's context). Reads only. */
 int akv_engine_owns_context(const akv_engine *engine, const akv_context *context);
 
+/* 1 when `context` is an open context of `engine` whose dense layers hold
+ * different row counts (akv_step_begin refuses it with
+ * AKV_ERR_UNEVEN_LAYERS); 0 otherwise. Reads only. Per rank: the length a
+ * group agrees on is the minimum over layers, so this is a local state. */
+int akv_engine_context_uneven(const akv_engine *engine, const akv_context *context);
+
+/* 1 when `context` is an open context of `engine` that akv_context_close
+ * refuses with AKV_ERR_IN_USE (in the open step, or host page leases of it
+ * still held); 0 otherwise. Reads only. Per rank: akv_step_end is not an
+ * agreement point, so one rank may still be in the step another ended. */
+int akv_engine_context_in_use(const akv_engine *engine, const akv_context *context);
+
 #endif /* AKV_PLAN_H */

@@ -61,6 +61,7 @@ struct akv_group {
   uint64_t digest;
   int check_digest;
   int stopped;
+  int in_log;               /* 1 while the log callback runs (see akv_group_log) */
   akv_group_reason reason;
   uint32_t failed_rank;
   char last_error[512];
@@ -81,21 +82,26 @@ size_t akv_group_vector_len(uint32_t max_contexts) {
   return step > AKV_GROUP_FIXED_LEN ? step : AKV_GROUP_FIXED_LEN;
 }
 
-static void akv_group_log(const akv_group *g, const akv_engine_config *cfg, akv_log_level level,
+static void akv_group_log(akv_group *g, const akv_engine_config *cfg, akv_log_level level,
                           const char *fmt, ...) __attribute__((format(printf, 4, 5)));
-static void akv_group_log(const akv_group *g, const akv_engine_config *cfg, akv_log_level level,
+/* A group call the callback makes on this group logs nothing: every refused
+ * call logs a warning, so a callback that calls back would recurse without
+ * end. */
+static void akv_group_log(akv_group *g, const akv_engine_config *cfg, akv_log_level level,
                           const char *fmt, ...) {
   char line[512];
   va_list ap;
   int n;
-  if (cfg == NULL || level > cfg->log_level) return;
+  if (cfg == NULL || level > cfg->log_level || g->in_log) return;
   n = snprintf(line, sizeof(line), "group rank %u/%u: ", g->cfg.rank, g->cfg.size);
   va_start(ap, fmt);
   vsnprintf(line + n, sizeof(line) - (size_t)n, fmt, ap);
   va_end(ap);
-  if (cfg->log_fn != NULL)
+  if (cfg->log_fn != NULL) {
+    g->in_log = 1;
     cfg->log_fn(cfg->log_user, level, line);
-  else
+    g->in_log = 0;
+  } else
     fprintf(stderr, "activekv: %s\n", line);
 }
 
@@ -201,6 +207,13 @@ static akv_status akv_group_read_header(akv_group *g, akv_status *local) {
     snprintf(why, sizeof(why), "rank %llu's transport failed", (unsigned long long)failed);
     return akv_group_stop(g, AKV_GROUP_PEER_FAILED, (uint32_t)failed, AKV_ERR_QUARANTINED, why);
   }
+  /* A local refusal on any rank decides nothing at this point, so it is
+   * returned before the digests are compared: the digest covers whether a
+   * step is open, and akv_step_end is not an agreement point, so a rank
+   * still in a step another rank ended differs in exactly the state its
+   * local checks refuse (AKV_ERR_STEP_STATE, AKV_ERR_IN_USE). A real plan
+   * mismatch persists and is caught at the next point without a refusal. */
+  if (*local != AKV_OK) return AKV_OK;
   /* A digest mismatch quarantines every rank: it never hangs one. */
   if (g->check_digest && !same_digest)
     return akv_group_stop(g, AKV_GROUP_DIGEST_MISMATCH, UINT32_MAX, AKV_ERR_QUARANTINED,
@@ -428,6 +441,11 @@ AKV_API akv_status akv_group_context_close(akv_group *g, akv_context *context) {
   if (st != AKV_OK) return st;
   if (!akv_engine_owns_context(g->engine, context) || akv_context_id(context, &id) != AKV_OK)
     local = AKV_ERR_BAD_HANDLE;
+  else if (akv_engine_context_in_use(g->engine, context))
+    /* This rank's state (step_end is not an agreement point): refused on
+     * every rank before any of them closes, so the outcomes never differ
+     * over it. */
+    local = AKV_ERR_IN_USE;
   akv_group_put_header(g, AKV_POINT_CLOSE, local);
   akv_put_same(g, id);
   if ((st = akv_group_exchange(g)) != AKV_OK) return st;
@@ -450,6 +468,11 @@ AKV_API akv_status akv_group_step_begin(akv_group *g, akv_context *const *contex
   } else {
     for (uint32_t i = 0; i < n && local == AKV_OK; i++)
       if (!akv_engine_owns_context(g->engine, contexts[i])) local = AKV_ERR_BAD_HANDLE;
+    /* Uneven layers are this rank's state (the agreed length is the minimum
+     * over layers): refused on every rank before any of them begins, so the
+     * outcomes never differ over it. */
+    for (uint32_t i = 0; i < n && local == AKV_OK; i++)
+      if (akv_engine_context_uneven(g->engine, contexts[i])) local = AKV_ERR_UNEVEN_LAYERS;
     if (local == AKV_OK && akv_engine_step_open(g->engine)) local = AKV_ERR_STEP_STATE;
   }
   akv_group_put_header(g, AKV_POINT_STEP, local);
@@ -529,9 +552,13 @@ AKV_API akv_status akv_group_destroy(akv_group *g) {
   akv_status st;
   if (!akv_group_ok(g)) return AKV_ERR_BAD_HANDLE;
   /* The engine's destroy never waits; with live work it frees nothing and
-   * neither does the group. */
+   * neither does the group. An engine the caller already destroyed (it is
+   * the group's, but akv_group_engine hands it out) answers
+   * AKV_ERR_BAD_HANDLE: the rest of the group is freed all the same, so its
+   * rank and collective are given back. */
   st = akv_engine_destroy(g->engine);
-  if (st != AKV_OK) return akv_group_fail(g, st, "destroy: the engine is busy; nothing freed");
+  if (st != AKV_OK && st != AKV_ERR_BAD_HANDLE)
+    return akv_group_fail(g, st, "destroy: the engine is busy; nothing freed");
   g->coll->ops->destroy(g->coll);
   free(g->vec);
   g->vec = NULL;

@@ -3,6 +3,7 @@
  * in-process collective (coll_inproc.c): akv_group_world_* and
  * akv_group_create_inproc (akv_group.h).
  */
+#include <pthread.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,6 +26,14 @@ struct akv_group_world {
  * readable and is refused rather than read after free. */
 static akv_recpool akv_world_records = AKV_RECPOOL_INIT(struct akv_group_world, 32, 32);
 
+/* Guards every world record's magic and w: a world call checks the magic and
+ * uses w under it, so a concurrent akv_group_world_destroy either runs
+ * before (the call sees a dead world) or after (the call is done with w);
+ * never in between. Held for a few instructions, never across an agreement
+ * (order: this mutex, then the in-process world's). */
+static pthread_mutex_t akv_world_mu = PTHREAD_MUTEX_INITIALIZER;
+
+/* Caller holds akv_world_mu. */
 static int akv_world_ok(const akv_group_world *gw) {
   return gw != NULL && gw->magic == AKV_MAGIC_WORLD;
 }
@@ -33,50 +42,79 @@ akv_status akv_group_world_create(uint32_t size, uint32_t max_contexts, akv_grou
   if (out == NULL || size == 0 || max_contexts == 0) return AKV_ERR_INVALID_ARGUMENT;
   akv_group_world *gw = akv_rec_take(&akv_world_records);
   if (gw == NULL) return AKV_ERR_OUT_OF_MEMORY;
+  pthread_mutex_lock(&akv_world_mu); /* a stale handle's call may read it */
   memset(gw, 0, sizeof *gw);
+  pthread_mutex_unlock(&akv_world_mu);
   akv_status st = akv_inproc_world_create(size, akv_group_vector_len(max_contexts), &gw->w);
   if (st != AKV_OK) {
     gw->magic = AKV_MAGIC_WORLD_DEAD;
     akv_rec_untake(&akv_world_records, gw);
     return st;
   }
-  gw->magic = AKV_MAGIC_WORLD;
   gw->size = size;
   gw->max_contexts = max_contexts;
+  pthread_mutex_lock(&akv_world_mu);
+  gw->magic = AKV_MAGIC_WORLD;
+  pthread_mutex_unlock(&akv_world_mu);
   *out = gw;
   return AKV_OK;
 }
 
 akv_status akv_group_world_abort(akv_group_world *world) {
-  if (!akv_world_ok(world)) return AKV_ERR_INVALID_ARGUMENT;
-  akv_inproc_world_abort(world->w, "the caller aborted the world");
-  return AKV_OK;
+  akv_status st = AKV_ERR_INVALID_ARGUMENT;
+  pthread_mutex_lock(&akv_world_mu);
+  if (akv_world_ok(world)) {
+    akv_inproc_world_abort(world->w, "the caller aborted the world");
+    st = AKV_OK;
+  }
+  pthread_mutex_unlock(&akv_world_mu);
+  return st;
 }
 
 akv_status akv_group_world_destroy(akv_group_world *world) {
-  if (!akv_world_ok(world)) return AKV_ERR_INVALID_ARGUMENT;
-  /* AKV_ERR_BUSY while a rank's group (its collective) still uses it. */
-  akv_status st = akv_inproc_world_destroy(world->w);
-  if (st != AKV_OK) return st;
-  world->w = NULL;
-  world->magic = AKV_MAGIC_WORLD_DEAD;
-  akv_rec_give(&akv_world_records, world);
-  return AKV_OK;
+  akv_status st;
+  pthread_mutex_lock(&akv_world_mu);
+  if (!akv_world_ok(world)) {
+    pthread_mutex_unlock(&akv_world_mu);
+    return AKV_ERR_INVALID_ARGUMENT;
+  }
+  /* AKV_ERR_BUSY while a rank's group (its collective) still uses it. A
+   * collective is only made under akv_world_mu, so none appears between
+   * this check and the free. */
+  st = akv_inproc_world_destroy(world->w);
+  if (st == AKV_OK) {
+    world->w = NULL;
+    world->magic = AKV_MAGIC_WORLD_DEAD;
+  }
+  pthread_mutex_unlock(&akv_world_mu);
+  if (st == AKV_OK) akv_rec_give(&akv_world_records, world);
+  return st;
 }
 
 akv_status akv_group_create_inproc(const akv_engine_config *shard, const akv_group_config *config,
                                    akv_group_world *world, akv_group **out) {
-  if (shard == NULL || config == NULL || !akv_world_ok(world) || out == NULL)
+  akv_coll *coll = NULL;
+  akv_status st;
+  if (shard == NULL || config == NULL || world == NULL || out == NULL)
     return AKV_ERR_INVALID_ARGUMENT;
+  pthread_mutex_lock(&akv_world_mu);
+  if (!akv_world_ok(world)) {
+    pthread_mutex_unlock(&akv_world_mu);
+    return AKV_ERR_INVALID_ARGUMENT;
+  }
   /* Fields read only where the caller's structs hold them (struct_size);
    * akv_group_create_with refuses sizes it does not take on every rank. */
   if (config->struct_size < offsetof(akv_group_config, size) + sizeof(config->size) ||
       config->size != world->size || config->rank >= world->size ||
       (shard->struct_size >= offsetof(akv_engine_config, max_contexts) + sizeof(uint32_t) &&
-       shard->max_contexts > world->max_contexts))
+       shard->max_contexts > world->max_contexts)) {
+    pthread_mutex_unlock(&akv_world_mu);
     return AKV_ERR_CONFIG;
-  akv_coll *coll = NULL;
-  akv_status st = akv_inproc_coll_create(world->w, config->rank, &coll);
+  }
+  /* Once the collective lives, the world is busy: destroy refuses it, so w
+   * stays valid for the agreement below without the mutex. */
+  st = akv_inproc_coll_create(world->w, config->rank, &coll);
+  pthread_mutex_unlock(&akv_world_mu);
   if (st == AKV_ERR_IN_USE) return AKV_ERR_CONFIG; /* the rank is taken: a rank the world does not take */
   if (st != AKV_OK) return st;
   st = akv_group_create_with(shard, config, coll, out);
