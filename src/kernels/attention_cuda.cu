@@ -406,32 +406,21 @@ __device__ __forceinline__ float warp_sum(float v) {
  * fixed order (mma.sync, butterflies, warp order): deterministic, and the
  * same for every locator.
  */
-__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint32_t a1,
-                                               uint32_t a2, uint32_t a3, uint32_t b0,
-                                               uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void mma_tf32_1688(float (&d)[4], uint32_t a0, uint32_t a1,
-                                              uint32_t a2, uint32_t a3, uint32_t b0,
-                                              uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void mma_f16_16816(float (&d)[4], uint32_t a0, uint32_t a1,
-                                              uint32_t a2, uint32_t a3, uint32_t b0,
-                                              uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
+/* d += A B on the tensor cores, fp32 accumulate: one mma.sync of the given
+ * shape and input type (A: four 32-bit registers, B: two). */
+#define AKV_MMA_F32(name, shape, type)                                                   \
+  __device__ __forceinline__ void name(float (&d)[4], uint32_t a0, uint32_t a1,         \
+                                       uint32_t a2, uint32_t a3, uint32_t b0,           \
+                                       uint32_t b1) {                                   \
+    asm("mma.sync.aligned." shape ".row.col.f32." type "." type                         \
+        ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                  \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                \
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));                        \
+  }
+AKV_MMA_F32(mma_bf16_16816, "m16n8k16", "bf16")
+AKV_MMA_F32(mma_tf32_1688, "m16n8k8", "tf32")
+AKV_MMA_F32(mma_f16_16816, "m16n8k16", "f16")
+#undef AKV_MMA_F32
 
 /* Two FP8 codes (low 16 bits, lower element in the low byte) to f16x2,
  * exactly (every E4M3 and E5M2 value is an f16 value). */
