@@ -61,6 +61,42 @@ static fixture *fixture_new(void) {
   return f;
 }
 
+/* A one-context page table over the fixture's rows: two pages of
+ * page_tokens rows at page_stride, the last holding last[0] rows. */
+static akv_page_table one_ctx_table(fixture *f, uint32_t page_tokens, const uint32_t *indptr,
+                                    const uint32_t *indices, const uint32_t *last,
+                                    uint64_t page_stride) {
+  akv_page_table t;
+  memset(&t, 0, sizeof t);
+  t.batch = 1;
+  t.page_tokens = page_tokens;
+  t.max_pages = 2;
+  t.indptr = indptr;
+  t.indices = indices;
+  t.last_page_len = last;
+  t.k_pages = f->kv[0];
+  t.v_pages = f->kv[1];
+  t.page_stride = page_stride;
+  t.row_bytes = ROW_BYTES;
+  return t;
+}
+
+/* Valid paged arguments over the fixture (the table is passed apart). */
+static akv_attention_paged_args paged_args(fixture *f) {
+  akv_attention_paged_args pa;
+  memset(&pa, 0, sizeof pa);
+  pa.dtype = AKV_DTYPE_BF16;
+  pa.n_heads = N_HEADS;
+  pa.kv_heads = KV_HEADS;
+  pa.head_dim = HEAD_DIM;
+  pa.scale = 0.35f;
+  pa.q = f->q;
+  pa.out = f->out;
+  pa.workspace = f->ws;
+  pa.workspace_bytes = sizeof f->ws;
+  return pa;
+}
+
 /* A valid contiguous call over n_ctx contexts of MAX_ROWS rows each. */
 static akv_attention_args contig_args(fixture *f, uint32_t n_ctx, uint32_t chunk) {
   akv_attention_args a;
@@ -116,29 +152,9 @@ static void test_misaligned_pointers_refused(void **state) {
 
   /* The paged variant shares the checks. */
   const uint32_t indptr[2] = {0, 2}, indices[2] = {0, 1}, last[1] = {3};
-  akv_page_table t;
-  memset(&t, 0, sizeof t);
-  t.batch = 1;
-  t.page_tokens = 4;
-  t.max_pages = 2;
-  t.indptr = indptr;
-  t.indices = indices;
-  t.last_page_len = last;
-  t.k_pages = f->kv[0];
-  t.v_pages = f->kv[1];
-  t.page_stride = 4 * ROW_BYTES;
-  t.row_bytes = ROW_BYTES;
-  akv_attention_paged_args pa;
-  memset(&pa, 0, sizeof pa);
-  pa.dtype = AKV_DTYPE_BF16;
-  pa.n_heads = N_HEADS;
-  pa.kv_heads = KV_HEADS;
-  pa.head_dim = HEAD_DIM;
-  pa.scale = 0.35f;
+  const akv_page_table t = one_ctx_table(f, 4, indptr, indices, last, 4 * ROW_BYTES);
+  akv_attention_paged_args pa = paged_args(f);
   pa.q = (const char *)f->q + 1;
-  pa.out = f->out;
-  pa.workspace = f->ws;
-  pa.workspace_bytes = sizeof f->ws;
   assert_int_equal(akv_attention_paged_ref_bf16(&pa, t), AKV_ERR_INVALID_ARGUMENT);
   pa.q = f->q;
   pa.workspace = f->ws + 1;
@@ -218,29 +234,8 @@ static void test_paged_page_offset_overflow_refused(void **state) {
   (void)state;
   fixture *f = fixture_new();
   const uint32_t indptr[2] = {0, 2}, indices[2] = {0, 2}, last[1] = {2};
-  akv_page_table t;
-  memset(&t, 0, sizeof t);
-  t.batch = 1;
-  t.page_tokens = 2;
-  t.max_pages = 2;
-  t.indptr = indptr;
-  t.indices = indices;
-  t.last_page_len = last;
-  t.k_pages = f->kv[0];
-  t.v_pages = f->kv[1];
-  t.page_stride = UINT64_C(1) << 63;
-  t.row_bytes = ROW_BYTES;
-  akv_attention_paged_args pa;
-  memset(&pa, 0, sizeof pa);
-  pa.dtype = AKV_DTYPE_BF16;
-  pa.n_heads = N_HEADS;
-  pa.kv_heads = KV_HEADS;
-  pa.head_dim = HEAD_DIM;
-  pa.scale = 0.35f;
-  pa.q = f->q;
-  pa.out = f->out;
-  pa.workspace = f->ws;
-  pa.workspace_bytes = sizeof f->ws;
+  akv_page_table t = one_ctx_table(f, 2, indptr, indices, last, UINT64_C(1) << 63);
+  const akv_attention_paged_args pa = paged_args(f);
   assert_int_equal(akv_attention_paged_ref_bf16(&pa, t), AKV_ERR_INVALID_ARGUMENT);
   assert_out_untouched(f);
   /* The same table with page ids 0 and 0 is fine. */

@@ -322,10 +322,10 @@ static void test_whole_history_resident(void **state) {
   assert_int_equal(rh.adm_counters[AKV_ADM_SHRINK], 0);
 }
 
-static akv_engine *hr_engine(akv_route route, uint32_t pages, uint64_t *alloc_out) {
+/* The small host engine of the tests below: 3 layers, pages of 8 rows, two
+ * contexts, 1 GiB of headroom asked for. */
+static akv_engine_config hr_config(akv_route route) {
   akv_engine_config ec = AKV_ENGINE_CONFIG_INIT;
-  akv_engine *e = NULL;
-  akv_engine_info info;
   ec.backend = AKV_BACKEND_HOST;
   ec.n_dense_layers = 3;
   ec.kv_heads = 2;
@@ -337,6 +337,13 @@ static akv_engine *hr_engine(akv_route route, uint32_t pages, uint64_t *alloc_ou
   ec.route = route;
   ec.log_fn = akvt_silent_log;
   ec.headroom_gib = 1;
+  return ec;
+}
+
+static akv_engine *hr_engine(akv_route route, uint32_t pages, uint64_t *alloc_out) {
+  akv_engine_config ec = hr_config(route);
+  akv_engine *e = NULL;
+  akv_engine_info info;
   ec.headroom_chunk_pages = pages / 2;
   assert_int_equal(akv_engine_create(&ec, &e), AKV_OK);
   assert_int_equal(akv_engine_info_get(e, &info), AKV_OK);
@@ -489,21 +496,10 @@ static int ref_hook(void *user, const akv_view *view, akv_stream stream) {
  *  reference attention still attends (every page staged), on every layer. */
 static void test_paged_without_headroom_pages_attends(void **state) {
   (void)state;
-  akv_engine_config ec = AKV_ENGINE_CONFIG_INIT;
+  akv_engine_config ec = hr_config(AKV_ROUTE_PAGED);
   akv_engine *e = NULL;
   akv_engine_info info;
   akv_headroom_info hi;
-  ec.backend = AKV_BACKEND_HOST;
-  ec.n_dense_layers = 3;
-  ec.kv_heads = 2;
-  ec.head_dim = 8;
-  ec.max_tokens = 96;
-  ec.page_tokens = 8;
-  ec.max_contexts = 2;
-  ec.host_pool_gib = 1;
-  ec.route = AKV_ROUTE_PAGED;
-  ec.log_fn = akvt_silent_log;
-  ec.headroom_gib = 1;
   ec.headroom_reserve_gib = 1; /* more than the modelled device has free */
   assert_int_equal(akv_engine_create(&ec, &e), AKV_OK);
   assert_int_equal(akv_engine_info_get(e, &info), AKV_OK);
