@@ -77,6 +77,12 @@ bool akv_context_uneven(const akv_engine *e, const akv_context *c) {
   return false;
 }
 
+/* Part of the open step, or read by a host lease: closing or reading it now
+ * would race the step's staging and write-back. */
+bool akv_context_in_use(const akv_context *c) {
+  return c->in_step || c->host_leases > 0;
+}
+
 static uint32_t akv_default_target(const akv_engine *e) {
   if (e->n_pages == 0) return 0;
   return e->n_pages / e->concurrency;
@@ -177,7 +183,7 @@ AKV_API akv_status akv_context_close(akv_context *c) {
   if (!akv_context_ok(c)) return AKV_ERR_BAD_HANDLE;
   e = c->engine;
   if ((st = akv_engine_enter(e)) != AKV_OK) return st;
-  if (c->in_step || c->host_leases > 0)
+  if (akv_context_in_use(c))
     return akv_fail(e, AKV_ERR_IN_USE, "context_close: context %u is part of the open step",
                     c->id);
   st = akv_adm_release(e->adm, e->step, c->slot);
@@ -260,7 +266,7 @@ AKV_API akv_status akv_context_read(const akv_context *c, uint32_t layer, uint32
                     "layer holds %u rows)",
                     layer, first, (unsigned long long)first + n, e->cfg.n_dense_layers,
                     layer < e->cfg.n_dense_layers ? c->layer_len[layer] : 0u);
-  if (c->in_step || c->host_leases > 0)
+  if (akv_context_in_use(c))
     return akv_fail(e, AKV_ERR_IN_USE, "context_read: context %u is part of the open step",
                     c->id);
   if (n == 0) return AKV_OK; /* the buffers may then be NULL */

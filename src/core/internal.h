@@ -279,6 +279,7 @@ akv_status akv_engine_reentered(akv_engine *e, const char *call);
 bool akv_context_ok(const akv_context *c);
 /* 1 when some dense layer holds more rows than the context length. */
 bool akv_context_uneven(const akv_engine *e, const akv_context *c);
+bool akv_context_in_use(const akv_context *c);
 /* Row 0 of `layer` of the context's authoritative host history (K at +0,
  * V at +row_bytes, pair_bytes per token). */
 uint8_t *akv_host_layer(const akv_engine *e, const akv_context *c, uint32_t layer);

@@ -59,5 +59,5 @@ int akv_engine_context_uneven(const akv_engine *e, const akv_context *c) {
 }
 
 int akv_engine_context_in_use(const akv_engine *e, const akv_context *c) {
-  return akv_engine_owns_context(e, c) && (c->in_step || c->host_leases > 0);
+  return akv_engine_owns_context(e, c) && akv_context_in_use(c);
 }
