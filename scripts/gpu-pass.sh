@@ -52,18 +52,22 @@
 #   AKV_BENCH_PROGRAMS  which of the build's bench programs the bench step runs
 #                 (e.g. "akv_cudart_cost"); unset: all of them
 #   AKV_JOBS      parallel build jobs, default 16
-#   AKV_BENCH_VARIANTS  "label:WARPS:LOADS[:STAGES[:PDL[:PIECE[:KERNEL[:MINB[:COMBINE]]]]]] ...",
-#                 default "k3w1l8:1:8:0:0:0:3:8:16 k3w4:4:4:0:0:0:3:0:16
+#   AKV_BENCH_VARIANTS  "label:WARPS:LOADS[:STAGES[:PDL[:PIECE[:KERNEL[:MINB[:COMBINE[:EXTRA]]]]]]] ...",
+#                 default "k3s8:8:8:0:0:0:3:1:16 k3w1l8:1:8:0:0:0:3:8:16
 #                  w8l4:8:4:0:0:0:1:0:16"
-#                 (k3w1l8 is the library's: KERNEL 3, the tensor-core chunk
-#                 kernel, one warp per block, LOADS 8 (two 16-row blocks of
-#                 bf16 or four of FP8 in flight per warp), MINB 8 blocks per
-#                 SM; k3w4 the same kernel with four warps per block; w8l4
-#                 KERNEL 1, the tiled CUDA-core kernel the library used
-#                 before; KERNEL 2 is the warp-streaming CUDA-core kernel;
+#                 (k3s8 is the library's: KERNEL 3, the tensor-core chunk
+#                 kernel, 8 warps per block each streaming a piece of its own
+#                 (K3_SPAN defaults to the warps), LOADS 8 (two 16-row blocks
+#                 of bf16 or four of FP8 in flight per warp), MINB 1 block
+#                 per SM; k3w1l8 the same kernel with one warp per block (the
+#                 library before); w8l4 KERNEL 1, the tiled CUDA-core kernel
+#                 the library used before that; KERNEL 2 is the
+#                 warp-streaming CUDA-core kernel;
 #                 STAGES 0: register pipeline, >= 2: cp.async ring (kernels 1
 #                 and 2); PIECE cuts chunks into pieces of that many rows;
-#                 COMBINE the combine kernel's warps, default 16)
+#                 COMBINE the combine kernel's warps, default 16; EXTRA
+#                 further knobs as NAME=VALUE,... for -DAKV_ATTN_NAME=VALUE,
+#                 e.g. K3_SPAN=1,K3_VPERM=0)
 #   AKV_FP8_POOLS  device pools (GiB) of the FP8 paged runs, default "4 8"
 #   AKV_FP8_DISTANCE_STEPS  steps of the logits-distance runs, default 64
 #   AKV_BENCH_CHUNKS    chunk sizes for the library variant, default "256 64 1024"
@@ -71,6 +75,10 @@
 #   AKV_SAN_BINS        which GPU test binaries the sanitizers run (names,
 #                       e.g. "test_gpu_attention"); unset: all of them
 #   AKV_CMAKE_ARGS      extra arguments for the configure step
+#   ncu (step, not in the default list): Nsight Compute on the library
+#                 variant's attention kernels (needs the bench step's build);
+#                 AKV_NCU_LABELS (bench variants, default the library's),
+#                 AKV_NCU_DTYPES (default "fp8 bf16"), AKV_NCU_CONTEXTS (1)
 set -u
 
 OUT=${OUT:-/tmp/akv-out}
@@ -82,8 +90,8 @@ PASS_STEPS=${AKV_STEPS:-"build hostcost ctest sanitizer cli bench fp8 decode tp 
 # NVLink SHARP (multicast) stays off in every run that may start NCCL.
 export NCCL_NVLS_ENABLE=0
 JOBS=${AKV_JOBS:-16}
-VARIANTS=${AKV_BENCH_VARIANTS:-"k3w1l8:1:8:0:0:0:3:8:16 k3w4:4:4:0:0:0:3:0:16 w8l4:8:4:0:0:0:1:0:16"}
-LIB_LABEL=k3w1l8 # the variant built with the library's knobs
+VARIANTS=${AKV_BENCH_VARIANTS:-"k3s8:8:8:0:0:0:3:1:16 k3w1l8:1:8:0:0:0:3:8:16 w8l4:8:4:0:0:0:1:0:16"}
+LIB_LABEL=k3s8 # the variant built with the library's knobs
 FP8_POOLS=${AKV_FP8_POOLS-"4 8"} # empty: no paged FP8 runs
 FP8_DIST_STEPS=${AKV_FP8_DISTANCE_STEPS:-64}
 CHUNKS=${AKV_BENCH_CHUNKS:-"256 64 1024"}
@@ -129,9 +137,12 @@ else
 fi
 
 # ------------------------------------------------------------------ build
-bench_build() { # label warps loads [stages [pdl [piece [kernel [minb [combine]]]]]]
-  local out=$SOLO/attention_bw_$1
-  nvcc -O3 -arch=sm_90 -std=c++17 -Iinclude -DAKV_ATTN_WARPS="$2" -DAKV_ATTN_LOADS="$3" \
+bench_build() { # label warps loads [stages [pdl [piece [kernel [minb [combine [extra]]]]]]]
+  local out=$SOLO/attention_bw_$1 d defs=""
+  # extra: further knobs, NAME=VALUE[,NAME=VALUE...] -> -DAKV_ATTN_NAME=VALUE
+  for d in ${10//,/ }; do defs="$defs -DAKV_ATTN_$d"; done
+  # shellcheck disable=SC2086 # $defs is zero or more options
+  nvcc $defs -O3 -arch=sm_90 -std=c++17 -Iinclude -DAKV_ATTN_WARPS="$2" -DAKV_ATTN_LOADS="$3" \
     -DAKV_ATTN_STAGES="${4:-0}" -DAKV_ATTN_PDL="${5:-0}" -DAKV_ATTN_PIECE_TOKENS="${6:-0}" \
     -DAKV_ATTN_KERNEL="${7:-1}" -DAKV_ATTN_MINB="${8:-0}" -DAKV_ATTN_COMBINE_WARPS="${9:-16}" \
     -Xptxas -v bench/attention_bw.cu src/kernels/attention_cuda.cu src/kernels/attention_ref.c -o "$out" \
@@ -144,8 +155,8 @@ if has_step build; then
   bench_pids=""
   if has_step bench && [ -f bench/attention_bw.cu ]; then
     for v in $VARIANTS; do
-      IFS=: read -r label warps loads stages pdl piece kernel minb comb <<<"$v"
-      bench_build "$label" "$warps" "$loads" "$stages" "$pdl" "$piece" "$kernel" "$minb" "$comb" &
+      IFS=: read -r label warps loads stages pdl piece kernel minb comb extra <<<"$v"
+      bench_build "$label" "$warps" "$loads" "$stages" "$pdl" "$piece" "$kernel" "$minb" "$comb" "$extra" &
       bench_pids="$bench_pids $!:$label"
     done
   fi
@@ -198,7 +209,7 @@ if has_step build; then
     # kernel 1 or 2).
     regs=""
     for ek in 0 1; do
-      r=$(awk -v pat="chunk_kernel2?ILi128ELi4ELi${ek}ENS_9ContigLoc" \
+      r=$(awk -v pat="chunk_kernel[23]?ILi128ELi4ELi${ek}ENS_9ContigLoc" \
         '/Compiling entry/ {f = match($0, pat) > 0}
         f && /spill stores/{sp=$5}
         f && /Used [0-9]+ registers/{print $5 "/" (sp == "" ? "?" : sp) "B"; exit}' \
@@ -588,6 +599,42 @@ if has_step python; then
     done
   else
     record "python" "SKIP" "no $lib (build step?)"
+  fi
+fi
+
+# ------------------------------------------------------------------ ncu
+# Nsight Compute on the attention kernels of bench variants (one context,
+# each dtype in AKV_NCU_DTYPES, default "fp8 bf16"): speed of light, pipe
+# utilisation, warp stalls, instruction mix; the details in ncu.log, the raw
+# metrics of each kernel in ncu-<dtype>.csv. Not a benchmark (clocks left
+# alone, caches flushed between kernels): it says where the time goes.
+if has_step ncu; then
+  if ! command -v ncu >/dev/null 2>&1; then
+    record "ncu" "SKIP" "no ncu on PATH"
+  else
+    : >"$OUT/ncu.log"
+    for label in ${AKV_NCU_LABELS:-$LIB_LABEL}; do
+      bin=$SOLO/attention_bw_$label
+      if [ ! -x "$bin" ]; then
+        record "ncu $label" "SKIP" "no $bin (the bench step builds it)"
+        continue
+      fi
+      for dt in ${AKV_NCU_DTYPES:-fp8 bf16}; do
+        log "ncu $label $dt"
+        rep=/tmp/akv-ncu-$label-$dt
+        echo "== ncu $label $dt" >>"$OUT/ncu.log"
+        timeout 300 ncu --clock-control none -k regex:akv_attn --launch-skip 4 -c 2 \
+          --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
+          --section InstructionStats --section Occupancy --section SchedulerStats \
+          --section MemoryWorkloadAnalysis -f -o "$rep" \
+          "$bin" --contexts "${AKV_NCU_CONTEXTS:-1}" --dtype "$dt" --iters 4 --warmup 2 --no-check \
+          >>"$OUT/ncu.log" 2>&1
+        rc=$?
+        ncu -i "$rep.ncu-rep" --page details --print-details all >>"$OUT/ncu.log" 2>&1
+        ncu -i "$rep.ncu-rep" --page raw --csv >"$OUT/ncu-$label-$dt.csv" 2>&1
+        record "ncu $label $dt" "$([ $rc = 0 ] && echo ok || echo FAIL)" "rc=$rc"
+      done
+    done
   fi
 fi
 

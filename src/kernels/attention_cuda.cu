@@ -2,13 +2,15 @@
  * attention_cuda.cu - the CUDA decode attention kernels (akv_cuda.h).
  *
  * Two kernels per call, both on the caller's stream:
- *  1. chunk kernel: one block per (context, kv head, head subgroup, piece)
- *     writes, for every query head of the subgroup, the piece's partial
- *     (m, l, acc[head_dim]) of akv_attention.h into the workspace. The
- *     library builds chunk kernel 3 (akv_attn_chunk_kernel3): one warp per
- *     block streams the piece in groups of 16-row blocks, scores and V
- *     products on the tensor cores (mma.sync), its own running maximum and
- *     sum, the next group's K and V loaded while the current one is used.
+ *  1. chunk kernel: one block per (context, kv head, head subgroup, span of
+ *     pieces) writes, for every query head of the subgroup, the span's
+ *     partial (m, l, acc[head_dim]) of akv_attention.h into the workspace.
+ *     The library builds chunk kernel 3 (akv_attn_chunk_kernel3) with spans
+ *     of 8 pieces: each of the block's 8 warps streams one piece in groups of
+ *     16-row blocks, scores and V products on the tensor cores (mma.sync),
+ *     its own running maximum and sum, the next group's K and V loaded while
+ *     the current one is used; the warps are merged in warp order. Kernels 1
+ *     and 2 write one partial per piece (a span of 1).
  *     Kernels 1 (tiled, CUDA cores) and 2 (warp-streaming, CUDA cores),
  *     in attention_cuda_cores.cuh, stay buildable for the benchmark
  *     (AKV_ATTN_KERNEL; docs/benchmarks.md has the measurements that chose
@@ -85,11 +87,12 @@ namespace {
 #ifndef AKV_ATTN_KERNEL
 #define AKV_ATTN_KERNEL 3
 #endif
-/* Warps per chunk block: kernel 3 runs one warp per block (a chunk's 256
- * rows are one warp's stream, so a one-context grid of 992 blocks is
- * resident at once on 132 SMs and has no tail wave). */
+/* Warps per chunk block. Kernel 3: 8 warps, each streaming a whole piece
+ * of its own (AKV_ATTN_K3_SPAN), so a block covers 8 consecutive chunks and
+ * writes one partial: a one-context grid of 31,744 tokens is 128 blocks,
+ * one per SM, and the combine folds 16 partials per head instead of 124. */
 #ifndef AKV_ATTN_WARPS
-#define AKV_ATTN_WARPS (AKV_ATTN_KERNEL == 3 ? 1 : 8)
+#define AKV_ATTN_WARPS 8
 #endif
 /* Kernels 1 and 2: 16-byte loads per thread and tile; kernel 3: in flight
  * per warp, LOADS / 4 blocks of 16 rows for bf16, LOADS / 2 for FP8. */
@@ -118,7 +121,7 @@ static_assert(AKV_ATTN_KERNEL >= 1 && AKV_ATTN_KERNEL <= 3, "AKV_ATTN_KERNEL is 
  * (8 heads ask for half as many); 0 = enough blocks for 16 warps per SM (128
  * registers per thread). Kernel 3: 0 = 12 warps per SM (168 registers). */
 #ifndef AKV_ATTN_MINB
-#define AKV_ATTN_MINB (AKV_ATTN_KERNEL == 3 ? 8 : 0) /* kernel 3: 8 one-warp blocks, 255 registers */
+#define AKV_ATTN_MINB (AKV_ATTN_KERNEL == 3 ? 1 : 0) /* kernel 3: one 8-warp block, 255 registers */
 #endif
 #if AKV_ATTN_KERNEL != 1
 #pragma nv_diag_suppress 177 /* kernel 1's helpers are left unreferenced */
@@ -377,10 +380,11 @@ __device__ __forceinline__ float warp_sum(float v) {
 #if AKV_ATTN_KERNEL == 3
 /*
  * Kernel 3, the tensor-core chunk kernel. One block per (context, kv head,
- * subgroup, piece) writing the same partials as kernels 1 and 2; the block's
- * warps stream groups of 16 rows of the piece (warp w takes groups w,
- * w + warps, ...) with warp-private softmax state, merged in warp order at
- * the end. Per group, with g = lane / 4 and c = lane % 4 (the fragment
+ * subgroup, span of AKV_ATTN_K3_SPAN pieces): with spans (the library's),
+ * warp w streams piece w of the span; with a span of 1 the block's warps
+ * share one piece (warp w takes its groups w, w + warps, ...). Each warp
+ * keeps its own softmax state; the warps are merged in warp order at the
+ * end into the span's partial. Per group, with g = lane / 4 and c = lane % 4 (the fragment
  * coordinates of mma.sync):
  *  - scores S[16 rows][8 heads] = K Q^T on the tensor cores: bf16 K with
  *    mma.m16n8k16 (bf16 in, fp32 accumulate), FP8 K decoded exactly to fp32
@@ -399,7 +403,7 @@ __device__ __forceinline__ float warp_sum(float v) {
  *    c + 8, c + 12 of the group), P passed through shared memory to the B
  *    layout and split into two tf32 terms (P = hi + lo, 22 significant bits;
  *    two mmas), so the product keeps fp32-level precision.
- * Rows past the piece are never read (zero registers, score -inf). The next
+ * Rows past the piece are never read (see load_k and load_v). The next
  * group's K is loaded as soon as the scores are taken and its V as soon as
  * the products are done, so one group's K and V are in flight per warp.
  * Every value comes from a fixed lane, a fixed instruction sequence and a
@@ -429,6 +433,19 @@ __device__ __forceinline__ uint32_t fp8x2_to_h2(uint32_t two) {
   const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(two & 0xFFFFu),
                                                    E == kE4m3 ? __NV_E4M3 : __NV_E5M2);
   return (uint32_t)r.x | ((uint32_t)r.y << 16);
+}
+
+/* The two E4M3 / E5M2 codes in the high half of w to f16x2 (the same
+ * values as fp8x2_to_h2<E>(w >> 16)), the half selected by the conversion
+ * instead of a shift. */
+template <int E>
+__device__ __forceinline__ uint32_t fp8x2_hi_to_h2(uint32_t w) {
+  uint32_t r;
+  if constexpr (E == kE4m3)
+    asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, hi;\n}" : "=r"(r) : "r"(w));
+  else
+    asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e5m2x2 %0, hi;\n}" : "=r"(r) : "r"(w));
+  return r;
 }
 
 /* Two floats to f16x2, round to nearest (x in the low half). */
@@ -479,6 +496,27 @@ struct Words<2> {
 #ifndef AKV_ATTN_K3_FP8_F16
 #define AKV_ATTN_K3_FP8_F16 1
 #endif
+/* Kernel 3 pairs the V codes of two rows before decoding them (one byte
+ * permute and one conversion per register, no shifts): 1, the default;
+ * 0 decodes each row and pairs the f16 halves (the same values). */
+#ifndef AKV_ATTN_K3_VPERM
+#define AKV_ATTN_K3_VPERM 1
+#endif
+constexpr bool kVPerm3 = AKV_ATTN_K3_VPERM != 0;
+
+/* Kernel 3: pieces per block, one per warp (AKV_ATTN_K3_SPAN == warps, the
+ * default), merged in warp order into one partial, so the combine folds
+ * 1/span as many partials; 1: the block's warps share one piece (each warp
+ * every warps-th group of 16-row blocks). Measured on the H200
+ * (docs/benchmarks.md): spans of 8 took one FP8 context from 32.6 to 28.0
+ * us and one bf16 context from 45.1 to 40.2 us. */
+#ifndef AKV_ATTN_K3_SPAN
+#define AKV_ATTN_K3_SPAN AKV_ATTN_WARPS
+#endif
+constexpr uint32_t kSpan3 = AKV_ATTN_KERNEL == 3 ? AKV_ATTN_K3_SPAN : 1;
+static_assert(kSpan3 == 1 || kSpan3 == (uint32_t)AKV_ATTN_WARPS,
+              "AKV_ATTN_K3_SPAN is 1 or the warps per block");
+
 template <int D, int E>
 struct Cfg3 {
   static constexpr int BYTES = E == kBf16 ? 2 : 1;
@@ -513,11 +551,18 @@ constexpr int min_blocks3() {
   return AKV_ATTN_MINB > 0 ? AKV_ATTN_MINB : (12 / kWarps > 0 ? 12 / kWarps : 1);
 }
 
-/* Dynamic shared memory of kernel 3: every warp's accumulators for the
- * merge, laid out [warp][register][lane]. */
+/* Shared memory of kernel 3, all of it dynamic (so that one opt-in above
+ * 48 KiB covers it): every warp's P of a group ([warp][row][head]), its
+ * maxima, sums and merge weights ([warp][head] each), then its
+ * accumulators for the merge ([warp][register][lane]). */
+template <int D, int E>
+__host__ __device__ constexpr size_t pt_floats3() {
+  return (size_t)kWarps * 16u * Cfg3<D, E>::RG * 8u;
+}
 template <int D, int E>
 constexpr size_t merge_bytes3() {
-  return (size_t)kWarps * Cfg3<D, E>::ACC * 32u * sizeof(float);
+  return (pt_floats3<D, E>() + 3u * kWarps * 8u + (size_t)kWarps * Cfg3<D, E>::ACC * 32u) *
+         sizeof(float);
 }
 
 template <int D, int GT, int E, class Loc>
@@ -526,38 +571,50 @@ __global__ void __launch_bounds__(kThreads, min_blocks3())
                            const __grid_constant__ Loc loc) {
   using C = Cfg3<D, E>;
   constexpr int RG = C::RG;
-  __shared__ __align__(16) float s_pt[kWarps][16 * RG][8]; /* P of a group, [row][head] */
-  __shared__ float s_m[kWarps][8];
-  __shared__ float s_l[kWarps][8];
-  __shared__ float s_w[kWarps][8]; /* merge weight of each warp and head */
-  extern __shared__ float s_acc[];  /* [warp][ACC][32] */
+  extern __shared__ __align__(16) float s_dyn[]; /* merge_bytes3 */
+  float(*s_pt)[16 * RG][8] = reinterpret_cast<float(*)[16 * RG][8]>(s_dyn); /* P of a group */
+  float(*s_m)[8] = reinterpret_cast<float(*)[8]>(s_dyn + pt_floats3<D, E>());
+  float(*s_l)[8] = s_m + kWarps;
+  float(*s_w)[8] = s_l + kWarps; /* merge weight of each warp and head */
+  float *s_acc = s_dyn + pt_floats3<D, E>() + 3u * kWarps * 8u; /* [warp][ACC][32] */
 
-  /* The block's piece, as in kernel 1. */
-  const uint32_t pslot = blockIdx.x / p.kv_slots;
-  const uint32_t chunk = pslot / p.pieces;
-  const uint32_t piece = pslot - chunk * p.pieces;
-  const uint32_t slot = blockIdx.x - pslot * p.kv_slots;
+  /* The block's partial slot: one piece whose groups the warps share
+   * (kSpan3 == 1, as in kernel 1), or kSpan3 consecutive pieces, one per
+   * warp. */
+  const uint32_t pgrp = blockIdx.x / p.kv_slots;
+  const uint32_t slot = blockIdx.x - pgrp * p.kv_slots;
   const uint32_t kvh = slot / p.n_sub;
   const uint32_t sub = slot - kvh * p.n_sub;
   const uint32_t ctx = blockIdx.y;
 #if AKV_ATTN_PDL
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
-  const char *kp;
-  const char *vp;
-  uint32_t n = 0;
-  if (!loc.locate(ctx, chunk, kp, vp, n)) return;
-  {
-    const uint32_t first = piece * p.piece_rows;
-    if (first >= n) return;
-    const uint32_t rest = n - first;
-    n = rest < p.piece_rows ? rest : p.piece_rows;
-    kp += (uint64_t)first * loc.row_bytes;
-    vp += (uint64_t)first * loc.row_bytes;
-  }
-
   const int warp = (int)(threadIdx.x >> 5);
   const int lane = (int)(threadIdx.x & 31);
+  const uint32_t pslot = kSpan3 > 1 ? pgrp * kSpan3 + (uint32_t)warp : pgrp;
+  const uint32_t chunk = pslot / p.pieces;
+  const uint32_t piece = pslot - chunk * p.pieces;
+  const char *kp = nullptr;
+  const char *vp = nullptr;
+  uint32_t n = 0; /* rows of this warp's piece; 0: past the context's end */
+  if (loc.locate(ctx, chunk, kp, vp, n)) {
+    const uint32_t first = piece * p.piece_rows;
+    if (first >= n) {
+      n = 0;
+    } else {
+      const uint32_t rest = n - first;
+      n = rest < p.piece_rows ? rest : p.piece_rows;
+      kp += (uint64_t)first * loc.row_bytes;
+      vp += (uint64_t)first * loc.row_bytes;
+    }
+  } else {
+    n = 0;
+  }
+  /* A block without rows writes no partial (the combine reads only the
+   * slots that have rows); the test is uniform over the block. With spans,
+   * a warp past the end keeps m = -inf, l = 0, acc = 0: weight 0 in the
+   * merge. */
+  if (kSpan3 > 1 ? __syncthreads_or(n > 0) == 0 : n == 0) return;
   const int g = lane >> 2; /* fragment row group: K rows g, g + 8; head g of Q */
   const int c = lane & 3;  /* thread in group: V rows c + 4i; heads 2c, 2c + 1 of S */
   const uint32_t head0 = kvh * p.group + sub * GT;
@@ -648,23 +705,35 @@ __global__ void __launch_bounds__(kThreads, min_blocks3())
    * of K and 16 sg + (c, c + 4, c + 8, c + 12) of V for this lane. */
   uint32_t kr[RG][2][C::KCH][4];
   uint32_t vr[RG][4][C::NV][C::VW];
+  /* Rows past the piece (only in its last group) are never read. K: such a
+   * row's loads re-read the piece's last row (in bounds, no per-row branch
+   * or zero fill) and its score is set to -inf below, by a select, whatever
+   * those bytes hold. V: its registers are zero, as its probability is, so
+   * that 0 * V cannot bring in a NaN from an infinite V element; a group
+   * wholly inside the piece is loaded without the per-row checks. */
   auto load_k = [&](uint32_t t0) {
 #pragma unroll
     for (int sg = 0; sg < RG; ++sg)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const uint32_t t = t0 + 16u * sg + g + 8 * r;
+        const uint32_t t = min(t0 + 16u * sg + g + 8 * r, n - 1u);
 #pragma unroll
-        for (int i = 0; i < C::KCH; ++i) {
-          if (t < n) {
-            Words<4>::load(kr[sg][r][i], kd + t * rb + (size_t)i * 64u);
-          } else {
-            kr[sg][r][i][0] = kr[sg][r][i][1] = kr[sg][r][i][2] = kr[sg][r][i][3] = 0u;
-          }
-        }
+        for (int i = 0; i < C::KCH; ++i) Words<4>::load(kr[sg][r][i], kd + t * rb + (size_t)i * 64u);
       }
   };
   auto load_v = [&](uint32_t t0) {
+    if (t0 + 16u * RG <= n) {
+#pragma unroll
+      for (int sg = 0; sg < RG; ++sg)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const uint32_t t = t0 + 16u * sg + c + 4 * r;
+#pragma unroll
+          for (int q = 0; q < C::NV; ++q)
+            Words<C::VW>::load(vr[sg][r][q], vd + t * rb + (size_t)q * 8u * C::VEC * C::BYTES);
+        }
+      return;
+    }
 #pragma unroll
     for (int sg = 0; sg < RG; ++sg)
 #pragma unroll
@@ -683,14 +752,16 @@ __global__ void __launch_bounds__(kThreads, min_blocks3())
   };
 
   const uint32_t groups = (n + 16u * RG - 1u) / (16u * RG);
-  uint32_t grp = (uint32_t)warp;
+  /* Groups of this warp: all of its own piece (spans), or every kWarps-th. */
+  constexpr uint32_t kStep = kSpan3 > 1 ? 1u : (uint32_t)kWarps;
+  uint32_t grp = kSpan3 > 1 ? 0u : (uint32_t)warp;
   if (grp < groups) {
     load_k(grp * 16u * RG);
     load_v(grp * 16u * RG);
   }
-  for (; grp < groups; grp += kWarps) {
+  for (; grp < groups; grp += kStep) {
     const uint32_t t0 = grp * 16u * RG;
-    const uint32_t nxt = grp + kWarps;
+    const uint32_t nxt = grp + kStep;
 
     /* Scores: lane (g, c) gets rows 16 sg + (g, g + 8) x heads 2c, 2c + 1. */
     /* The dot products run in SA independent accumulators (mma k-step k
@@ -709,8 +780,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks3())
 #pragma unroll
           for (int j = 0; j < 4; ++j)
             mma_f16_16816(part[(4 * i + j) % C::SA], fp8x2_to_h2<E>(kr[sg][0][i][j]),
-                          fp8x2_to_h2<E>(kr[sg][1][i][j]), fp8x2_to_h2<E>(kr[sg][0][i][j] >> 16),
-                          fp8x2_to_h2<E>(kr[sg][1][i][j] >> 16), qf[8 * i + 2 * j],
+                          fp8x2_to_h2<E>(kr[sg][1][i][j]), fp8x2_hi_to_h2<E>(kr[sg][0][i][j]),
+                          fp8x2_hi_to_h2<E>(kr[sg][1][i][j]), qf[8 * i + 2 * j],
                           qf[8 * i + 2 * j + 1]);
         } else if constexpr (E == kBf16) {
 #pragma unroll
@@ -817,11 +888,24 @@ __global__ void __launch_bounds__(kThreads, min_blocks3())
         for (int q = 0; q < C::NV; ++q) {
 #pragma unroll
           for (int j = 0; j < C::VEC / 2; ++j) {
-            uint32_t h[4]; /* rows c, c + 4, c + 8, c + 12: dims d, d + 1 */
+            uint32_t a0, a1, a2, a3;
+            if constexpr (kVPerm3) {
+              /* The codes of rows (c, c + 4) of dim d paired by one byte
+               * permute, then decoded: a0 = (row c, row c + 4) of dim d. */
+              const uint32_t b = 2u * (uint32_t)(j & 1);
+              const uint32_t w0 = vr[sg][0][q][j >> 1], w1 = vr[sg][1][q][j >> 1];
+              const uint32_t w2 = vr[sg][2][q][j >> 1], w3 = vr[sg][3][q][j >> 1];
+              a0 = fp8x2_to_h2<E>(__byte_perm(w0, w1, b | ((b + 4u) << 4)));
+              a1 = fp8x2_to_h2<E>(__byte_perm(w0, w1, (b + 1u) | ((b + 5u) << 4)));
+              a2 = fp8x2_to_h2<E>(__byte_perm(w2, w3, b | ((b + 4u) << 4)));
+              a3 = fp8x2_to_h2<E>(__byte_perm(w2, w3, (b + 1u) | ((b + 5u) << 4)));
+            } else {
+              uint32_t h[4]; /* rows c, c + 4, c + 8, c + 12: dims d, d + 1 */
 #pragma unroll
-            for (int r = 0; r < 4; ++r) h[r] = fp8x2_to_h2<E>(vr[sg][r][q][j >> 1] >> (16 * (j & 1)));
-            const uint32_t a0 = __byte_perm(h[0], h[1], 0x5410), a1 = __byte_perm(h[0], h[1], 0x7632);
-            const uint32_t a2 = __byte_perm(h[2], h[3], 0x5410), a3 = __byte_perm(h[2], h[3], 0x7632);
+              for (int r = 0; r < 4; ++r) h[r] = fp8x2_to_h2<E>(vr[sg][r][q][j >> 1] >> (16 * (j & 1)));
+              a0 = __byte_perm(h[0], h[1], 0x5410), a1 = __byte_perm(h[0], h[1], 0x7632);
+              a2 = __byte_perm(h[2], h[3], 0x5410), a3 = __byte_perm(h[2], h[3], 0x7632);
+            }
             float(&a)[4] = acc[q * (C::VEC / 2) + j];
             mma_f16_16816(a, a0, a1, a2, a3, lo01, lo23);
             mma_f16_16816(a, a0, a1, a2, a3, hi01, hi23);
@@ -877,7 +961,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks3())
   __syncthreads();
 
   /* Merge in warp order: M = max_w m_w, weights 2^(m_w - M). */
-  const size_t slot0 = ((size_t)ctx * p.n_heads + head0) * p.stride_chunks + pslot;
+  const size_t slot0 = ((size_t)ctx * p.n_heads + head0) * p.stride_chunks + pgrp;
   if (threadIdx.x < (unsigned)hvalid) {
     const int h = (int)threadIdx.x;
     float big = -INFINITY;
@@ -942,6 +1026,7 @@ __global__ void __launch_bounds__(kCombWarps * 32)
   if (n_chunks > 0) {
     const uint32_t last = loc.last_rows(ctx, n_chunks);
     nch = (n_chunks - 1u) * p.pieces + last / p.piece_rows + (last % p.piece_rows != 0);
+    nch = nch / kSpan3 + (nch % kSpan3 != 0); /* partials: spans of pieces */
   }
   const size_t slot0 = ((size_t)ctx * p.n_heads + head) * p.stride_chunks;
 
@@ -994,7 +1079,7 @@ using CombineFn = void (*)(CombineParams, Loc);
 template <int D, int GT, int E, class Loc>
 ChunkFn<Loc> chunk_of(size_t *smem) {
 #if AKV_ATTN_KERNEL == 3
-  static_assert(merge_bytes3<D, E>() + 8u * 1024u <= 227u * 1024u,
+  static_assert(merge_bytes3<D, E>() <= 227u * 1024u,
                 "AKV_ATTN_WARPS x head_dim accumulators exceed the shared memory of an SM");
   *smem = merge_bytes3<D, E>();
   return akv_attn_chunk_kernel3<D, GT, E, Loc>;
@@ -1186,6 +1271,8 @@ akv_status launch_pair(akv_dtype dtype, uint32_t head_dim, int gt, dim3 grid_chu
   cfg.stream = stream;
   cfg.attrs = nullptr;
   cfg.numAttrs = 0;
+  /* Kernel 3 with spans: one block per span of pieces. */
+  grid_chunk.x = div_up(grid_chunk.x / cp.kv_slots, kSpan3) * cp.kv_slots;
   if (grid_chunk.x > 0) {
     /* Above 48 KiB of dynamic shared memory needs the opt-in; it is a
      * per-device attribute of the function, so it is set on every call
