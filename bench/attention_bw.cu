@@ -71,7 +71,7 @@
 #define AKV_ATTN_PDL 0
 #endif
 #ifndef AKV_ATTN_PIECE_TOKENS
-#define AKV_ATTN_PIECE_TOKENS 0 /* the library's (attention_pieces.h) */
+#define AKV_ATTN_PIECE_TOKENS 256 /* the library's (attention_pieces.h) */
 #endif
 #ifndef AKV_ATTN_COMBINE_WARPS
 #define AKV_ATTN_COMBINE_WARPS 16

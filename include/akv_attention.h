@@ -34,7 +34,8 @@
  *     (the caller passes its page size), and each chunk into pieces: P =
  *     max(1, floor(chunk_tokens / T)) pieces of ceil(chunk_tokens / P) rows,
  *     T being a build constant (AKV_ATTN_PIECE_TOKENS; the library is built
- *     with T = 0, one piece per chunk). The last piece of a context may be
+ *     with T = 256: chunks of up to 511 rows stay whole, larger ones are cut
+ *     into pieces of 256 rows or more). The last piece of a context may be
  *     shorter; empty pieces do not exist. For each (context, query head,
  *     piece) a partial is computed in
  *     fp32 over the piece's rows k_t, v_t (decoded codes for FP8):
@@ -44,7 +45,10 @@
  *  2. The partials of a context are combined in a fixed order:
  *     M = max_c m_c, w_c = 2^(m_c - M),
  *     out = (sum_c w_c acc_c) / (sum_c w_c l_c) * v_scale[g] (no factor
- *     without V scales).
+ *     without V scales). The CUDA kernel first merges each span of 8
+ *     consecutive pieces the same way (m, l and acc of the span, pieces in
+ *     order, no division) and combines the spans; the reference combines
+ *     the pieces directly.
  *  The cut depends on chunk_tokens alone, never on lengths, the number of
  *  contexts, the device or timing. Reductions have a fixed order and use no
  *  atomics: identical inputs give identical bits on every run. A context of

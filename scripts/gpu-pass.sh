@@ -53,13 +53,14 @@
 #                 (e.g. "akv_cudart_cost"); unset: all of them
 #   AKV_JOBS      parallel build jobs, default 16
 #   AKV_BENCH_VARIANTS  "label:WARPS:LOADS[:STAGES[:PDL[:PIECE[:KERNEL[:MINB[:COMBINE[:EXTRA]]]]]]] ...",
-#                 default "k3s8:8:8:0:0:0:3:1:16 k3w1l8:1:8:0:0:0:3:8:16
+#                 default "k3s8:8:8:0:0:256:3:1:16 k3w1l8:1:8:0:0:0:3:8:16
 #                  w8l4:8:4:0:0:0:1:0:16"
 #                 (k3s8 is the library's: KERNEL 3, the tensor-core chunk
 #                 kernel, 8 warps per block each streaming a piece of its own
 #                 (K3_SPAN defaults to the warps), LOADS 8 (two 16-row blocks
 #                 of bf16 or four of FP8 in flight per warp), MINB 1 block
-#                 per SM; k3w1l8 the same kernel with one warp per block (the
+#                 per SM, PIECE 256 (chunks of 512 rows or more cut into
+#                 pieces of 256); k3w1l8 the same kernel with one warp per block (the
 #                 library before); w8l4 KERNEL 1, the tiled CUDA-core kernel
 #                 the library used before that; KERNEL 2 is the
 #                 warp-streaming CUDA-core kernel;
@@ -90,7 +91,7 @@ PASS_STEPS=${AKV_STEPS:-"build hostcost ctest sanitizer cli bench fp8 decode tp 
 # NVLink SHARP (multicast) stays off in every run that may start NCCL.
 export NCCL_NVLS_ENABLE=0
 JOBS=${AKV_JOBS:-16}
-VARIANTS=${AKV_BENCH_VARIANTS:-"k3s8:8:8:0:0:0:3:1:16 k3w1l8:1:8:0:0:0:3:8:16 w8l4:8:4:0:0:0:1:0:16"}
+VARIANTS=${AKV_BENCH_VARIANTS:-"k3s8:8:8:0:0:256:3:1:16 k3w1l8:1:8:0:0:0:3:8:16 w8l4:8:4:0:0:0:1:0:16"}
 LIB_LABEL=k3s8 # the variant built with the library's knobs
 FP8_POOLS=${AKV_FP8_POOLS-"4 8"} # empty: no paged FP8 runs
 FP8_DIST_STEPS=${AKV_FP8_DISTANCE_STEPS:-64}
@@ -143,7 +144,7 @@ bench_build() { # label warps loads [stages [pdl [piece [kernel [minb [combine [
   for d in ${10//,/ }; do defs="$defs -DAKV_ATTN_$d"; done
   # shellcheck disable=SC2086 # $defs is zero or more options
   nvcc $defs -O3 -arch=sm_90 -std=c++17 -Iinclude -DAKV_ATTN_WARPS="$2" -DAKV_ATTN_LOADS="$3" \
-    -DAKV_ATTN_STAGES="${4:-0}" -DAKV_ATTN_PDL="${5:-0}" -DAKV_ATTN_PIECE_TOKENS="${6:-0}" \
+    -DAKV_ATTN_STAGES="${4:-0}" -DAKV_ATTN_PDL="${5:-0}" -DAKV_ATTN_PIECE_TOKENS="${6:-256}" \
     -DAKV_ATTN_KERNEL="${7:-1}" -DAKV_ATTN_MINB="${8:-0}" -DAKV_ATTN_COMBINE_WARPS="${9:-16}" \
     -Xptxas -v bench/attention_bw.cu src/kernels/attention_cuda.cu src/kernels/attention_ref.c -o "$out" \
     >"$SOLO/bench_$1.log" 2>&1

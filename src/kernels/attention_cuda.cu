@@ -57,9 +57,10 @@
  * subgroup, with no block barrier until the warps' partials are merged in
  * warp order at the end (see akv_attn_chunk_kernel2).
  *
- * Pieces (attention_pieces.h): one chunk block covers one piece of a chunk;
- * the cut depends on chunk_tokens alone, so every route computes the same
- * partials. The library keeps each chunk whole (one piece).
+ * Pieces (attention_pieces.h): one warp of kernel 3 (one block of kernels 1
+ * and 2) covers one piece of a chunk; the cut and the spans depend on
+ * chunk_tokens alone, so every route computes the same partials. The
+ * library cuts chunks of 512 rows or more into pieces of 256 or more.
  */
 #include <cuda_runtime.h>
 

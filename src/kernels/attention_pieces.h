@@ -23,16 +23,20 @@
 #include "akv_attention.h"
 
 /* Rows per piece the cut aims at: a chunk of chunk_tokens rows is cut into
- * floor(chunk_tokens / AKV_ATTN_PIECE_TOKENS) pieces (at least one). 0 keeps
- * every chunk whole: the library's build. Measured on the H200
- * (docs/benchmarks.md, attention kernel): pieces of 128 rows were slower in
- * every cell (one context 71 us against 60 us, four contexts 219 us against
- * 191 us, bf16; FP8 alike), more blocks costing more than they spread.
+ * floor(chunk_tokens / AKV_ATTN_PIECE_TOKENS) pieces (at least one); 0 keeps
+ * every chunk whole. The library cuts at 256 rows: a chunk of up to 511 rows
+ * stays whole, larger chunks (pages of 1,024 tokens) become pieces of 256
+ * rows or more, the stream one warp of chunk kernel 3 takes, so that a
+ * context of few large chunks still spreads over as many warps as one of
+ * 256-token chunks (docs/benchmarks.md, attention kernel: one context in
+ * chunks of 1,024, 77 us whole against 40 us in chunks of 256, bf16).
+ * Pieces of 128 rows under chunks of 256 were slower with kernel 1 (one
+ * context 71 us against 60 us): more blocks cost more than they spread.
  * bench/attention_bw.cu builds variants with other values
- * (-DAKV_ATTN_PIECE_TOKENS=128, =64, ...); they must be applied to both
+ * (-DAKV_ATTN_PIECE_TOKENS=128, =0, ...); they must be applied to both
  * attention_ref.c and attention_cuda.cu, which share the workspace size. */
 #ifndef AKV_ATTN_PIECE_TOKENS
-#define AKV_ATTN_PIECE_TOKENS 0
+#define AKV_ATTN_PIECE_TOKENS 256
 #endif
 
 /* Pieces per chunk, >= 1 (chunk_tokens >= 1). */
