@@ -3,13 +3,14 @@
 bench/results/attention_bw.json.
 
 One group of bars per cell (K/V dtype x contexts x layout), one bar per
-kernel variant of one GPU pass (by default the library's kernel 3 and the
-kernel 1 it replaced, measured in the same device call), as a share of the
-4.4 TB/s read ceiling (FP8 bytes counted at one per element); a tick marks
-the plain streaming read of the same bytes in the same run, the dashed line
-the 60% target.
+kernel variant, each given as label@commit (by default the library's kernel
+3 with spans at c20f082, kernel 3 one warp per block as it was before,
+measured at 0ef7754 in a call with the spans, and kernel 1 at 29f5338), as a
+share of the 4.4 TB/s read ceiling (FP8 bytes counted at one per element); a
+tick marks the plain streaming read of the same bytes in the library's run,
+the dashed line the 60% target.
 
-usage: bench/plot_attention.py [--commit C] [--labels L1,L2] [--out PNG]
+usage: bench/plot_attention.py [--labels L1@C1,L2@C2] [--out PNG]
 """
 import argparse
 import json
@@ -17,7 +18,8 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-NAMES = {"k3w1l8": "kernel 3, tensor cores (the library)",
+NAMES = {"k3s8": "kernel 3, 8 warps, a piece each (the library)",
+         "k3w1l8": "kernel 3, one warp per block (before)",
          "w8l4c0": "kernel 1, CUDA cores, two-pass combine (the library before)",
          "w8l4": "kernel 1 with the one-pass combine",
          "k3w4": "kernel 3, 4 warps per block"}
@@ -26,13 +28,13 @@ NAMES = {"k3w1l8": "kernel 3, tensor cores (the library)",
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", default=os.path.join(HERE, "results", "attention_bw.json"))
-    ap.add_argument("--commit", default="29f5338", help="the pass whose records are drawn")
-    ap.add_argument("--labels", default="w8l4c0,k3w1l8")
+    ap.add_argument("--labels", default="w8l4c0@29f5338,k3w1l8@0ef7754,k3s8@c20f082",
+                    help="label@commit of each bar, the library's last")
     ap.add_argument("--out", default=os.path.join(HERE, "..", "docs", "attention_bw.png"))
     a = ap.parse_args()
-    recs = [r for r in json.load(open(a.results))["records"]
-            if r.get("commit") == a.commit and r.get("chunk") == 256]
     labels = a.labels.split(",")
+    recs = [dict(r, label=r["label"] + "@" + r.get("commit", "")) for r in
+            json.load(open(a.results))["records"] if r.get("chunk") == 256]
     cells = [(dt, n, lay) for dt in ("bf16", "fp8") for n in (1, 4) for lay in ("contig", "paged")]
     by = {(r["label"], r.get("dtype", "bf16"), r["contexts"], r["variant"]): r for r in recs}
     missing = [(l,) + c for l in labels for c in cells if (l,) + c not in by]
@@ -47,7 +49,8 @@ def main():
     for i, lab in enumerate(labels):
         xs = [k + (i - (len(labels) - 1) / 2) * width for k in range(len(cells))]
         ys = [100 * by[(lab,) + c]["ratio"] for c in cells]
-        bars = ax.bar(xs, ys, width * 0.95, label=NAMES.get(lab, lab))
+        name, commit = lab.split("@")
+        bars = ax.bar(xs, ys, width * 0.95, label=f"{NAMES.get(name, name)}, {commit}")
         for x, y, c in zip(xs, ys, cells):
             ax.text(x, y + 0.8, f"{y:.0f}", ha="center", fontsize=7)
             ax.text(x, 2, f"{by[(lab,) + c]['median_us']:.0f}us", ha="center", fontsize=6,
@@ -62,7 +65,7 @@ def main():
     ax.set_ylabel("share of 4.4 TB/s HBM read (%)")
     ax.set_ylim(0, 128)
     ax.set_title("decode attention, llama3-8b layer, 31,744 tokens per context, chunk 256, "
-                 f"H200 (commit {a.commit})", fontsize=9)
+                 "H200", fontsize=9)
     ax.legend(fontsize=7, loc="upper left", ncol=2)
     ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
