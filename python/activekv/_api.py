@@ -391,6 +391,11 @@ def _host_rows(obj: Any, dtype: str, what: str) -> np.ndarray:
         if arr.dtype.kind not in "fiu" or arr.dtype.itemsize != isz:
             raise InvalidArgument.make(f"{what}: dtype {arr.dtype} for a {dtype} engine "
                                        f"({isz}-byte elements)")
+        if not arr.dtype.isnative:
+            # the library copies bytes: a swapped byte order would be stored
+            # as different values
+            raise InvalidArgument.make(f"{what}: dtype {arr.dtype} is not in the machine's byte "
+                                       "order (convert with .astype(dtype.newbyteorder('=')))")
     if not arr.flags.c_contiguous:
         raise InvalidArgument.make(f"{what}: array is not C-contiguous")
     return arr

@@ -1,0 +1,63 @@
+"""Misuse of the Python package that the adversarial tests did not reach: byte
+order, raw stream handles, engines and caches abandoned mid-step, copies of
+handle objects, and the transformers Cache operations on hybrid models.
+
+Each test names what a caller did and holds the package to: no leaked
+engine, no silently wrong rows, no refused call that changed something.
+Host backend, no GPU needed.
+"""
+import copy
+import gc
+import pickle
+import threading
+
+import numpy as np
+import pytest
+
+import activekv as akv
+from activekv import _lib
+
+from conftest import quiet, small
+
+L, H, D = 3, 2, 8
+
+
+def rows(rng, n, dtype=np.float32, layers=L):
+    return rng.standard_normal((layers, n, H, D)).astype(dtype)
+
+
+@pytest.fixture
+def destroys(monkeypatch):
+    """Counts akv_engine_destroy calls that freed an engine."""
+    real = akv._api.lib.akv_engine_destroy
+    freed = []
+
+    def counted(h):
+        st = real(h)
+        if st == 0:
+            freed.append(h)
+        return st
+
+    monkeypatch.setattr(akv._api.lib, "akv_engine_destroy", counted)
+    return freed
+
+
+# ------------------------------------------------------------ rows
+
+
+@pytest.mark.parametrize("dtype,raw", [("bf16", ">u2"), ("bf16", ">i2"), ("f16", ">i2"),
+                                       ("f32", ">i4")])
+def test_rows_in_the_other_byte_order_are_refused(dtype, raw):
+    """Raw bit patterns given big-endian would be stored byte-swapped: other
+    values than the caller's, silently."""
+    rng = np.random.default_rng(0)
+    with akv.Engine(**small(dtype=dtype)) as eng, eng.open_context() as ctx:
+        k = rng.integers(0, 1 << 15, (L, 2, H, D)).astype(raw)
+        with pytest.raises(akv.InvalidArgument, match="byte order"):
+            ctx.append(k, k)
+        with pytest.raises(akv.InvalidArgument, match="byte order"):
+            ctx.append_layer(0, k[0], k[0])
+        assert ctx.length == 0
+        native = k.astype(k.dtype.newbyteorder("="))
+        ctx.append(native, native)
+        assert ctx.read(1, 0, 2)[0].tobytes() == native[1].tobytes()
