@@ -1136,8 +1136,10 @@ class Lease:
         _check(lib.akv_lease_wait_ready(h, s, ctypes.byref(v)), self._engine._handle,
                "wait_ready")
         self._stream = stream if stream is not None else (sobj if sobj is not None else s)
-        if self._engine.backend == "host" and sobj is not None:
-            sobj.synchronize()
+        if self._engine.backend == "host":
+            # the stream as a Stream or as its raw handle (Stream.handle) alike
+            _check(lib.akv_stream_synchronize(self._engine._handle, s), self._engine._handle,
+                   "wait_ready: stream synchronize")
         return View(self, v)
 
     @_guarded

@@ -61,3 +61,48 @@ def test_rows_in_the_other_byte_order_are_refused(dtype, raw):
         native = k.astype(k.dtype.newbyteorder("="))
         ctx.append(native, native)
         assert ctx.read(1, 0, 2)[0].tobytes() == native[1].tobytes()
+
+
+# ------------------------------------------------------------ streams
+
+
+def test_wait_ready_with_a_raw_stream_handle_synchronizes_on_the_host_backend():
+    """wait_ready(stream.handle) must block like wait_ready(stream): Python
+    reads the view's arrays at once on the host backend."""
+    rng = np.random.default_rng(1)
+    release, ran = threading.Event(), []
+
+    @_lib.HOST_FN
+    def slow(_arg):  # work the caller enqueued on the stream before wait_ready
+        release.wait(10)
+        ran.append(True)
+
+    with akv.Engine(**small()) as eng:
+        ctx = eng.open_context()
+        k = rows(rng, 3)
+        ctx.append(k, k)
+        stream = eng.stream_create()
+        eng.step_begin([ctx])
+        lease = eng.lease_begin(0)
+        assert _lib.lib.akv_stream_launch_host(eng._handle, stream.handle, slow, None) == 0
+        timer = threading.Timer(0.3, release.set)
+        timer.start()
+        try:
+            view = lease.wait_ready(stream.handle)
+            assert ran == [True], "wait_ready returned before the stream ran"
+            assert np.array_equal(view.keys(0)[:3], k[0])
+        finally:
+            release.set()
+            timer.join()
+            stream.synchronize()
+        attn = lease.mark_consumed()
+        lease.seal(lease.write_back(), attn)
+        lease.retire()
+        for layer in (1, 2):
+            lease = eng.lease_begin(layer)
+            lease.wait_ready(stream.handle)
+            attn = lease.mark_consumed()
+            lease.seal(lease.write_back(), attn)
+            lease.retire()
+        eng.step_end()
+        stream.destroy()
