@@ -965,7 +965,11 @@ class Stream:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.destroy()
+        if exc[0] is None:
+            self.destroy()
+        else:  # a refusal (InUse: a lease still uses it) must not hide the exception
+            with contextlib.suppress(ActiveKVError):
+                self.destroy()
 
 
 class Context(_ClosedOnExit):

@@ -106,3 +106,16 @@ def test_wait_ready_with_a_raw_stream_handle_synchronizes_on_the_host_backend():
             lease.retire()
         eng.step_end()
         stream.destroy()
+
+
+def test_stream_with_block_left_by_an_exception_keeps_the_exception():
+    rng = np.random.default_rng(2)
+    with akv.Engine(**small()) as eng:
+        ctx = eng.open_context()
+        ctx.append(rows(rng, 2), rows(rng, 2))
+        with pytest.raises(RuntimeError, match="the caller's"):
+            with eng.stream_create() as s:
+                eng.step_begin([ctx])
+                eng.lease_begin(0).wait_ready(s)
+                raise RuntimeError("the caller's")  # the stream's destroy is refused (InUse)
+        eng.quarantine()
