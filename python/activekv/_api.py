@@ -672,10 +672,33 @@ class Engine(_ClosedOnExit):
         for lease in list(self._leases):
             lease._handle = None
 
+    def _close_abandoning(self) -> None:
+        """close() for an engine nobody can finish any more: a ``with``
+        block left by an exception and an engine garbage-collected. Where
+        close refuses (Busy: an open step, e.g. a lease the exception left
+        unretired, or a failed transport), a quarantine establishes
+        completion and releases the leases first, so the engine's memory
+        is freed instead of held until the process exits. An uncertain
+        quarantine still retains everything (UncertainFence)."""
+        try:
+            self.close()
+        except Busy:
+            if self._handle is None or self._retained:
+                raise
+            self.quarantine()
+            self.close()
+
+    def __exit__(self, *exc: Any) -> None:
+        if exc[0] is None:
+            self.close()
+        else:
+            with contextlib.suppress(ActiveKVError):
+                self._close_abandoning()
+
     def __del__(self) -> None:
         if getattr(self, "_handle", None) is not None:
             with contextlib.suppress(Exception):
-                self.close()
+                self._close_abandoning()
 
     # -- diagnostics
     @property

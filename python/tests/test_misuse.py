@@ -119,3 +119,101 @@ def test_stream_with_block_left_by_an_exception_keeps_the_exception():
                 eng.lease_begin(0).wait_ready(s)
                 raise RuntimeError("the caller's")  # the stream's destroy is refused (InUse)
         eng.quarantine()
+
+
+# ------------------------------------------------------------ abandoned engines
+
+
+def _open_lease(eng, rng):
+    ctx = eng.open_context()
+    ctx.append(rows(rng, 2), rows(rng, 2))
+    eng.step_begin([ctx])
+    lease = eng.lease_begin(0)
+    lease.wait_ready()
+    return ctx, lease
+
+
+def test_engine_with_block_left_by_an_exception_mid_step_frees_the_engine(destroys):
+    """The exception left a lease unretired: close alone is refused (Busy),
+    and the engine (its GiB of host pool) would stay allocated until the
+    process exits."""
+    rng = np.random.default_rng(3)
+    with pytest.raises(RuntimeError, match="mid step"):
+        with akv.Engine(**small()) as eng:
+            _open_lease(eng, rng)
+            with pytest.raises(akv.Busy):
+                eng.close()  # a plain close is still refused and changes nothing
+            assert eng.info().steps == 0
+            raise RuntimeError("mid step")
+    assert eng._handle is None
+    assert len(destroys) == 1
+    with pytest.raises(akv.BadHandle):
+        eng.info()
+
+
+def test_engine_step_block_left_by_an_exception_then_engine_block(destroys):
+    rng = np.random.default_rng(4)
+    with pytest.raises(KeyError):
+        with akv.Engine(**small()) as eng:
+            ctx = eng.open_context()
+            ctx.append(rows(rng, 2), rows(rng, 2))
+            with eng.step([ctx]):
+                eng.lease_begin(0).wait_ready()
+                raise KeyError("in the step")
+    assert eng._handle is None and len(destroys) == 1
+
+
+def test_engine_garbage_collected_mid_step_is_freed(destroys):
+    rng = np.random.default_rng(5)
+    eng = akv.Engine(**small())
+    ctx, lease = _open_lease(eng, rng)
+    del eng, ctx, lease
+    gc.collect()
+    assert len(destroys) == 1
+
+
+# ------------------------------------------------------------ the transformers adapter
+
+
+def _tiny(hybrid):
+    pytest.importorskip("transformers")
+    from transformers import Gemma3TextConfig, LlamaConfig
+
+    if hybrid:
+        return Gemma3TextConfig(vocab_size=32, hidden_size=32, intermediate_size=64,
+                                num_hidden_layers=3, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=8, sliding_window=4,
+                                layer_types=["sliding_attention", "sliding_attention",
+                                             "full_attention"])
+    return LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+
+
+def _cache(hybrid=False, batch_size=1, **kw):
+    torch = pytest.importorskip("torch")
+    from activekv.transformers import ActiveKVCache
+
+    kw = dict(dict(device="cpu", dtype=torch.float32, max_cache_len=16, page_tokens=4,
+                   log=quiet), **kw)
+    return torch, ActiveKVCache(config=_tiny(hybrid), batch_size=batch_size, **kw)
+
+
+def _kv(torch, b, t, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, 2, t, 8, generator=g), torch.randn(b, 2, t, 8, generator=g)
+
+
+def test_cache_dropped_without_close_mid_decode_frees_its_engine(destroys):
+    """The usual transformers pattern: make a cache, generate, drop it. The
+    decode step stays open between forwards, so the engine's close alone is
+    refused (Busy)."""
+    for _ in range(2):
+        torch, cache = _cache()
+        for layer in range(2):
+            cache.layers[layer].update(*_kv(torch, 1, 3, seed=layer))
+        for _step in range(2):
+            for layer in range(2):
+                cache.layers[layer].update(*_kv(torch, 1, 1, seed=layer))
+        del cache
+        gc.collect()
+    assert len(destroys) == 2
