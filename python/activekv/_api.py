@@ -478,7 +478,24 @@ def _guarded(fn: Callable) -> Callable:
     return call
 
 
-class _ClosedOnExit:
+class _NotCopyable:
+    """Objects that name a C handle are not copied: a copy would keep the
+    handle after the original closed, retired or destroyed it, and the
+    library hands dead handle records out again (akv.h, "Handle
+    lifetimes"), so the copy could later name, and close, a newer object."""
+
+    def __copy__(self) -> Any:
+        raise TypeError(f"an activekv.{type(self).__name__} cannot be copied (it names a C "
+                        "handle)")
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        self.__copy__()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        self.__copy__()
+
+
+class _ClosedOnExit(_NotCopyable):
     """A context manager that closes its object on exit. When the block is
     left by an exception, a failure of close itself is suppressed so that
     the original exception is the one the caller sees."""
@@ -946,7 +963,7 @@ class Engine(_ClosedOnExit):
         return f"<activekv.Engine {self.backend} {self._cfg_dict['route']} {self._dtype}>"
 
 
-class Stream:
+class Stream(_NotCopyable):
     """A compute queue from Engine.stream_create (akv_stream). Host backend:
     a worker thread; CUDA: a cudaStream_t (``.handle``)."""
 
@@ -1134,7 +1151,7 @@ class Context(_ClosedOnExit):
 _NOT_READY = STATUS_VALUES["AKV_ERR_NOT_READY"]  # 24: try_retire's "not yet"
 
 
-class Lease:
+class Lease(_NotCopyable):
     """One staged layer, begin..retire (akv_lease). Made by
     Engine.lease_begin. After retire the object is dead (BadHandle)."""
 

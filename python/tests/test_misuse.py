@@ -172,6 +172,28 @@ def test_engine_garbage_collected_mid_step_is_freed(destroys):
     assert len(destroys) == 1
 
 
+# ------------------------------------------------------------ copies
+
+
+def test_handle_objects_cannot_be_copied_or_pickled():
+    """A copy would keep the C handle after the original closed it, and the
+    library hands dead handle records out again: the copy would later name
+    (and close) a newer object."""
+    rng = np.random.default_rng(7)
+    with akv.Engine(**small()) as eng:
+        ctx = eng.open_context()
+        ctx.append(rows(rng, 1), rows(rng, 1))
+        stream = eng.stream_create()
+        eng.step_begin([ctx])
+        lease = eng.lease_begin(0)
+        for obj in (eng, ctx, stream, lease):
+            for how in (copy.copy, copy.deepcopy, pickle.dumps):
+                with pytest.raises(TypeError, match="cannot be copied"):
+                    how(obj)
+        eng.quarantine()
+        stream.destroy()
+
+
 # ------------------------------------------------------------ the transformers adapter
 
 
