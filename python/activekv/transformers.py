@@ -968,3 +968,25 @@ class ActiveKVCache(Cache):
 
     def reset(self):
         raise NotImplementedError("ActiveKVCache cannot be reset; close it and make a new one")
+
+    # Cache's own crop / reorder_cache / batch_* walk the layers in order: on a hybrid
+    # model the sliding-window layers before the first full-attention layer would be
+    # changed before that layer refuses, leaving the layers at different lengths or row
+    # orders. Each is refused here before any layer is touched; what every layer accepts
+    # (crop(0), batch_repeat_interleave(1)) is passed on.
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove != 0:
+            raise NotImplementedError("ActiveKVCache cannot drop rows (crop)")
+        super().crop(tokens_to_remove)
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise NotImplementedError("ActiveKVCache does not support beam search (reorder_cache)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats != 1:
+            raise NotImplementedError("ActiveKVCache has one context per row; it cannot repeat rows")
+        super().batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices) -> None:
+        raise NotImplementedError("ActiveKVCache cannot select rows")

@@ -225,6 +225,31 @@ def _kv(torch, b, t, seed=0):
     return torch.randn(b, 2, t, 8, generator=g), torch.randn(b, 2, t, 8, generator=g)
 
 
+@pytest.mark.parametrize("op", ["crop", "reorder_cache", "batch_select_indices",
+                                "batch_repeat_interleave"])
+def test_cache_operations_on_a_hybrid_model_change_no_layer_when_refused(op):
+    """transformers' Cache walks the layers in order: the sliding-window layers
+    before the first full-attention one were cropped / reordered / selected
+    / repeated before that layer refused."""
+    torch, cache = _cache(hybrid=True, batch_size=2)
+    with cache:
+        for layer in range(3):
+            cache.update(*_kv(torch, 2, 3, seed=layer), layer)
+        before = [(cache.layers[i].keys.clone(), cache.layers[i].values.clone())
+                  for i in range(2)]
+        arg = {"crop": -1, "reorder_cache": torch.tensor([1, 0]),
+               "batch_select_indices": torch.tensor([1]), "batch_repeat_interleave": 2}[op]
+        with pytest.raises(NotImplementedError):
+            getattr(cache, op)(arg)
+        for i in range(2):
+            assert torch.equal(cache.layers[i].keys, before[i][0])
+            assert torch.equal(cache.layers[i].values, before[i][1])
+        assert [cache.get_seq_length(i) for i in range(3)] == [3, 3, 3]
+        cache.crop(0)  # what every layer accepts still reaches them all
+        cache.batch_repeat_interleave(1)
+        assert [cache.get_seq_length(i) for i in range(3)] == [3, 3, 3]
+
+
 def test_cache_dropped_without_close_mid_decode_frees_its_engine(destroys):
     """The usual transformers pattern: make a cache, generate, drop it. The
     decode step stays open between forwards, so the engine's close alone is
