@@ -871,6 +871,11 @@ class ActiveKVCache(Cache):
         if config is None or device is None or dtype is None:
             raise ValueError("ActiveKVCache needs a model, or config=, device= and dtype=")
         device = torch.device(device)
+        if device.type not in ("cpu", "cuda"):
+            # refused before the engine exists: the host backend copies from and hands
+            # views to CPU memory, the CUDA backend to one CUDA device
+            raise ValueError("ActiveKVCache: a model on %s; the engine serves cpu (host backend) "
+                             "and cuda devices" % (device,))
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         want = "cuda" if device.type == "cuda" else "host"

@@ -250,6 +250,16 @@ def test_cache_operations_on_a_hybrid_model_change_no_layer_when_refused(op):
         assert [cache.get_seq_length(i) for i in range(3)] == [3, 3, 3]
 
 
+@pytest.mark.parametrize("device", ["meta", "xpu"])
+def test_cache_for_a_device_the_engine_cannot_serve_is_refused_at_construction(device):
+    torch = pytest.importorskip("torch")
+    from activekv.transformers import ActiveKVCache
+
+    with pytest.raises(ValueError, match="cpu .host backend. and cuda"):
+        ActiveKVCache(config=_tiny(False), device=device, dtype=torch.float32, max_cache_len=16,
+                      page_tokens=4, log=quiet)
+
+
 def test_cache_dropped_without_close_mid_decode_frees_its_engine(destroys):
     """The usual transformers pattern: make a cache, generate, drop it. The
     decode step stays open between forwards, so the engine's close alone is
