@@ -709,13 +709,21 @@ class ActiveKVLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         drv = self._driver
-        if key_states.dim() != 4 or key_states.shape[0] < 1:
-            raise ValueError("ActiveKVCache: K of shape %s; expected [batch, kv_heads, tokens, "
-                             "head_dim] with batch >= 1" % (list(key_states.shape),))
-        if key_states.dtype != drv.dtype or key_states.device != drv.device:
-            raise ValueError(
-                "ActiveKVCache was made for %s on %s, got K/V %s on %s"
-                % (drv.dtype, drv.device, key_states.dtype, key_states.device))
+        # K and V are checked in full before the contexts are opened: the first update
+        # fixes the batch, and a refused one must leave it open for the right tensors.
+        for name, t in (("K", key_states), ("V", value_states)):
+            shape = list(t.shape)
+            if (t.dim() != 4 or shape[0] < 1 or shape[1] != drv.kv_heads
+                    or shape[3] != drv.head_dim):
+                raise ValueError("ActiveKVCache: %s of shape %s; expected [batch, %d, tokens, %d] "
+                                 "(batch, kv_heads, tokens, head_dim) with batch >= 1"
+                                 % (name, shape, drv.kv_heads, drv.head_dim))
+            if t.dtype != drv.dtype or t.device != drv.device:
+                raise ValueError("ActiveKVCache was made for %s on %s, got %s %s on %s"
+                                 % (drv.dtype, drv.device, name, t.dtype, t.device))
+        if key_states.shape != value_states.shape:
+            raise ValueError("ActiveKVCache: K %s and V %s differ"
+                             % (list(key_states.shape), list(value_states.shape)))
         if drv.contexts is None:
             drv.open_contexts(int(key_states.shape[0]))
         self.device = key_states.device

@@ -260,6 +260,24 @@ def test_cache_for_a_device_the_engine_cannot_serve_is_refused_at_construction(d
                       page_tokens=4, log=quiet)
 
 
+def test_cache_first_update_refused_leaves_the_batch_open():
+    """The first update fixes the batch (one context per row): a refused one
+    (V of another dtype or batch, K of other heads) must not fix it."""
+    torch, cache = _cache(batch_size=2)
+    with cache:
+        k, v = _kv(torch, 2, 3)
+        for bk, bv in ((k, v.double()), (k, v[:1]), (k[:, :1].repeat(1, 3, 1, 1),) * 2,
+                       (k, v[..., :4]), (k, v[:, :, :2])):
+            with pytest.raises(ValueError):
+                cache.layers[0].update(bk, bv)
+            assert cache.contexts == [] and not cache.layers[0].is_initialized
+        k1, v1 = _kv(torch, 1, 3)
+        for layer in range(2):
+            out = cache.layers[layer].update(k1, v1)
+            assert torch.equal(out[0], k1)
+        assert len(cache.contexts) == 1 and cache.get_seq_length() == 3
+
+
 def test_cache_dropped_without_close_mid_decode_frees_its_engine(destroys):
     """The usual transformers pattern: make a cache, generate, drop it. The
     decode step stays open between forwards, so the engine's close alone is
