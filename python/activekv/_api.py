@@ -545,6 +545,7 @@ class Engine(_ClosedOnExit):
         self._pending_destroy: Dict[str, int] = {}
         self._leases: "weakref.WeakSet[Lease]" = weakref.WeakSet()
         self._retained = False  # an uncertain quarantine retains everything
+        self._quarantined = False  # a quarantine established completion
         if log is not None and not callable(log):
             raise TypeError(f"Engine: log={log!r} is not callable (level, message)")
         self._lib = lib
@@ -847,6 +848,7 @@ class Engine(_ClosedOnExit):
                                   r.retained_leases, r.uncertain.decode(errors="replace"))
         _check(st, self._handle, "quarantine")
         self._step_open = False  # completion established: leases released, the step ended
+        self._quarantined = True
         for lease in list(self._leases):  # released: their handles are dead
             lease._handle = None
         return report

@@ -392,9 +392,21 @@ class _Driver:
                 self.failed = err
             raise err
 
+    def forget_quarantined(self) -> None:
+        """After a quarantine of the engine made outside the cache (``cache.engine
+        .quarantine()``) the leases it released are dead handles, which the library hands
+        out again to later leases (of any engine): they are dropped here, never passed to
+        the library again, and the cache is unusable (Quarantined)."""
+        if self.engine is not None and self.engine._quarantined and self.failed is None:
+            self.failed = Quarantined.make("ActiveKVCache: its engine was quarantined")
+            self.pending = None
+            self.sealed.clear()
+            self.step_open = False
+
     def usable(self) -> None:
         if self.engine is None:
             raise BadHandle.make("ActiveKVCache is closed")
+        self.forget_quarantined()
         if self.failed is not None:
             raise Quarantined.make("ActiveKVCache is unusable after an earlier failure (%s); "
                                    "close it" % (self.failed,)) from self.failed
@@ -596,6 +608,7 @@ class _Driver:
 
     def after_attention(self, d: int) -> None:
         """Forward hook of full-attention layer d's attention module."""
+        self.forget_quarantined()
         pending = self.pending
         if pending is None or pending[0] != d or self.failed is not None:
             return  # another cache's forward, or already sealed
@@ -658,6 +671,7 @@ class _Driver:
         if self.engine is None:
             return
         interrupt = None
+        self.forget_quarantined()
         if self.step_open:
             if self.failed is None:
                 try:

@@ -278,6 +278,37 @@ def test_cache_first_update_refused_leaves_the_batch_open():
         assert len(cache.contexts) == 1 and cache.get_seq_length() == 3
 
 
+def test_cache_after_a_quarantine_from_outside_never_passes_dead_lease_handles():
+    """cache.engine.quarantine() released the cache's leases: their handles
+    are dead records the library hands out again, so the cache must not
+    call the library with them (seal, retire) at its next update, finish or
+    close."""
+    torch, cache = _cache()
+    for layer in range(2):
+        cache.layers[layer].update(*_kv(torch, 1, 3, seed=layer))
+    for layer in range(2):
+        cache.layers[layer].update(*_kv(torch, 1, 1, seed=layer))
+    api = cache._driver.api
+    calls = []
+    for name in ("mark_consumed", "write_back", "seal", "retire", "try_retire"):
+        real = getattr(api, name)
+
+        def spy(*a, _real=real, _name=name):
+            calls.append(_name)
+            return _real(*a)
+
+        setattr(api, name, spy)
+    cache.engine.quarantine()
+    with pytest.raises(akv.Quarantined):
+        cache.layers[0].update(*_kv(torch, 1, 1))
+    with pytest.raises(akv.Quarantined):
+        cache.finish()
+    engine = cache.engine
+    cache.close()
+    assert calls == []
+    assert engine._handle is None
+
+
 def test_cache_dropped_without_close_mid_decode_frees_its_engine(destroys):
     """The usual transformers pattern: make a cache, generate, drop it. The
     decode step stays open between forwards, so the engine's close alone is
