@@ -71,7 +71,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the opti
 
 import activekv as akv
 from activekv import _lib
-from activekv._api import _Export
+from activekv._api import _Export, _uint
 from activekv.errors import (
     STATUS_VALUES,
     ActiveKVError,
@@ -905,6 +905,13 @@ class ActiveKVCache(Cache):
             backend = want
         elif backend != want:
             raise ValueError("ActiveKVCache: backend=%r cannot serve a model on %s" % (backend, device))
+        # Checked before the engine exists; they are used only when the first update opens
+        # the contexts, which would refuse them then, on every update.
+        if target_pages is not None:
+            _uint(target_pages, "ActiveKVCache: target_pages")
+        _uint(burst_pages, "ActiveKVCache: burst_pages")
+        if not isinstance(hooks, bool):
+            raise TypeError("ActiveKVCache: hooks=%r is not a bool" % (hooks,))
         dense, layers = dense_layer_indices(config)
         ecfg = engine_config_for(
             config, max_cache_len=max_cache_len, batch_size=batch_size, dtype=dtype,

@@ -323,3 +323,14 @@ def test_cache_dropped_without_close_mid_decode_frees_its_engine(destroys):
         del cache
         gc.collect()
     assert len(destroys) == 2
+
+
+@pytest.mark.parametrize("kw", [dict(target_pages=-1), dict(target_pages=2 ** 32),
+                                dict(target_pages="2"), dict(burst_pages=1.5),
+                                dict(burst_pages=None), dict(hooks="no")])
+def test_cache_arguments_used_at_the_first_update_are_refused_at_construction(kw, destroys):
+    """target_pages / burst_pages reach the library only when the first update
+    opens the contexts: a bad one made every update fail instead."""
+    with pytest.raises((akv.InvalidArgument, TypeError)):
+        _cache(**kw)
+    assert destroys == []  # refused before any engine was made
