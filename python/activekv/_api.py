@@ -391,6 +391,11 @@ def _host_rows(obj: Any, dtype: str, what: str) -> np.ndarray:
         if arr.dtype.kind not in "fiu" or arr.dtype.itemsize != isz:
             raise InvalidArgument.make(f"{what}: dtype {arr.dtype} for a {dtype} engine "
                                        f"({isz}-byte elements)")
+        if not arr.dtype.isnative:
+            # the library copies bytes: a swapped byte order would be stored
+            # as different values
+            raise InvalidArgument.make(f"{what}: dtype {arr.dtype} is not in the machine's byte "
+                                       "order (convert with .astype(dtype.newbyteorder('=')))")
     if not arr.flags.c_contiguous:
         raise InvalidArgument.make(f"{what}: array is not C-contiguous")
     return arr
@@ -473,7 +478,24 @@ def _guarded(fn: Callable) -> Callable:
     return call
 
 
-class _ClosedOnExit:
+class _NotCopyable:
+    """Objects that name a C handle are not copied: a copy would keep the
+    handle after the original closed, retired or destroyed it, and the
+    library hands dead handle records out again (akv.h, "Handle
+    lifetimes"), so the copy could later name, and close, a newer object."""
+
+    def __copy__(self) -> Any:
+        raise TypeError(f"an activekv.{type(self).__name__} cannot be copied (it names a C "
+                        "handle)")
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        self.__copy__()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        self.__copy__()
+
+
+class _ClosedOnExit(_NotCopyable):
     """A context manager that closes its object on exit. When the block is
     left by an exception, a failure of close itself is suppressed so that
     the original exception is the one the caller sees."""
@@ -523,6 +545,7 @@ class Engine(_ClosedOnExit):
         self._pending_destroy: Dict[str, int] = {}
         self._leases: "weakref.WeakSet[Lease]" = weakref.WeakSet()
         self._retained = False  # an uncertain quarantine retains everything
+        self._quarantined = False  # a quarantine established completion
         if log is not None and not callable(log):
             raise TypeError(f"Engine: log={log!r} is not callable (level, message)")
         self._lib = lib
@@ -667,10 +690,33 @@ class Engine(_ClosedOnExit):
         for lease in list(self._leases):
             lease._handle = None
 
+    def _close_abandoning(self) -> None:
+        """close() for an engine nobody can finish any more: a ``with``
+        block left by an exception and an engine garbage-collected. Where
+        close refuses (Busy: an open step, e.g. a lease the exception left
+        unretired, or a failed transport), a quarantine establishes
+        completion and releases the leases first, so the engine's memory
+        is freed instead of held until the process exits. An uncertain
+        quarantine still retains everything (UncertainFence)."""
+        try:
+            self.close()
+        except Busy:
+            if self._handle is None or self._retained:
+                raise
+            self.quarantine()
+            self.close()
+
+    def __exit__(self, *exc: Any) -> None:
+        if exc[0] is None:
+            self.close()
+        else:
+            with contextlib.suppress(ActiveKVError):
+                self._close_abandoning()
+
     def __del__(self) -> None:
         if getattr(self, "_handle", None) is not None:
             with contextlib.suppress(Exception):
-                self.close()
+                self._close_abandoning()
 
     # -- diagnostics
     @property
@@ -802,6 +848,7 @@ class Engine(_ClosedOnExit):
                                   r.retained_leases, r.uncertain.decode(errors="replace"))
         _check(st, self._handle, "quarantine")
         self._step_open = False  # completion established: leases released, the step ended
+        self._quarantined = True
         for lease in list(self._leases):  # released: their handles are dead
             lease._handle = None
         return report
@@ -918,7 +965,7 @@ class Engine(_ClosedOnExit):
         return f"<activekv.Engine {self.backend} {self._cfg_dict['route']} {self._dtype}>"
 
 
-class Stream:
+class Stream(_NotCopyable):
     """A compute queue from Engine.stream_create (akv_stream). Host backend:
     a worker thread; CUDA: a cudaStream_t (``.handle``)."""
 
@@ -960,7 +1007,11 @@ class Stream:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.destroy()
+        if exc[0] is None:
+            self.destroy()
+        else:  # a refusal (InUse: a lease still uses it) must not hide the exception
+            with contextlib.suppress(ActiveKVError):
+                self.destroy()
 
 
 class Context(_ClosedOnExit):
@@ -1102,7 +1153,7 @@ class Context(_ClosedOnExit):
 _NOT_READY = STATUS_VALUES["AKV_ERR_NOT_READY"]  # 24: try_retire's "not yet"
 
 
-class Lease:
+class Lease(_NotCopyable):
     """One staged layer, begin..retire (akv_lease). Made by
     Engine.lease_begin. After retire the object is dead (BadHandle)."""
 
@@ -1131,8 +1182,10 @@ class Lease:
         _check(lib.akv_lease_wait_ready(h, s, ctypes.byref(v)), self._engine._handle,
                "wait_ready")
         self._stream = stream if stream is not None else (sobj if sobj is not None else s)
-        if self._engine.backend == "host" and sobj is not None:
-            sobj.synchronize()
+        if self._engine.backend == "host":
+            # the stream as a Stream or as its raw handle (Stream.handle) alike
+            _check(lib.akv_stream_synchronize(self._engine._handle, s), self._engine._handle,
+                   "wait_ready: stream synchronize")
         return View(self, v)
 
     @_guarded

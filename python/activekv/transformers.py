@@ -71,7 +71,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the opti
 
 import activekv as akv
 from activekv import _lib
-from activekv._api import _Export
+from activekv._api import _Export, _uint
 from activekv.errors import (
     STATUS_VALUES,
     ActiveKVError,
@@ -392,9 +392,21 @@ class _Driver:
                 self.failed = err
             raise err
 
+    def forget_quarantined(self) -> None:
+        """After a quarantine of the engine made outside the cache (``cache.engine
+        .quarantine()``) the leases it released are dead handles, which the library hands
+        out again to later leases (of any engine): they are dropped here, never passed to
+        the library again, and the cache is unusable (Quarantined)."""
+        if self.engine is not None and self.engine._quarantined and self.failed is None:
+            self.failed = Quarantined.make("ActiveKVCache: its engine was quarantined")
+            self.pending = None
+            self.sealed.clear()
+            self.step_open = False
+
     def usable(self) -> None:
         if self.engine is None:
             raise BadHandle.make("ActiveKVCache is closed")
+        self.forget_quarantined()
         if self.failed is not None:
             raise Quarantined.make("ActiveKVCache is unusable after an earlier failure (%s); "
                                    "close it" % (self.failed,)) from self.failed
@@ -596,6 +608,7 @@ class _Driver:
 
     def after_attention(self, d: int) -> None:
         """Forward hook of full-attention layer d's attention module."""
+        self.forget_quarantined()
         pending = self.pending
         if pending is None or pending[0] != d or self.failed is not None:
             return  # another cache's forward, or already sealed
@@ -658,6 +671,7 @@ class _Driver:
         if self.engine is None:
             return
         interrupt = None
+        self.forget_quarantined()
         if self.step_open:
             if self.failed is None:
                 try:
@@ -709,13 +723,21 @@ class ActiveKVLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         drv = self._driver
-        if key_states.dim() != 4 or key_states.shape[0] < 1:
-            raise ValueError("ActiveKVCache: K of shape %s; expected [batch, kv_heads, tokens, "
-                             "head_dim] with batch >= 1" % (list(key_states.shape),))
-        if key_states.dtype != drv.dtype or key_states.device != drv.device:
-            raise ValueError(
-                "ActiveKVCache was made for %s on %s, got K/V %s on %s"
-                % (drv.dtype, drv.device, key_states.dtype, key_states.device))
+        # K and V are checked in full before the contexts are opened: the first update
+        # fixes the batch, and a refused one must leave it open for the right tensors.
+        for name, t in (("K", key_states), ("V", value_states)):
+            shape = list(t.shape)
+            if (t.dim() != 4 or shape[0] < 1 or shape[1] != drv.kv_heads
+                    or shape[3] != drv.head_dim):
+                raise ValueError("ActiveKVCache: %s of shape %s; expected [batch, %d, tokens, %d] "
+                                 "(batch, kv_heads, tokens, head_dim) with batch >= 1"
+                                 % (name, shape, drv.kv_heads, drv.head_dim))
+            if t.dtype != drv.dtype or t.device != drv.device:
+                raise ValueError("ActiveKVCache was made for %s on %s, got %s %s on %s"
+                                 % (drv.dtype, drv.device, name, t.dtype, t.device))
+        if key_states.shape != value_states.shape:
+            raise ValueError("ActiveKVCache: K %s and V %s differ"
+                             % (list(key_states.shape), list(value_states.shape)))
         if drv.contexts is None:
             drv.open_contexts(int(key_states.shape[0]))
         self.device = key_states.device
@@ -871,6 +893,11 @@ class ActiveKVCache(Cache):
         if config is None or device is None or dtype is None:
             raise ValueError("ActiveKVCache needs a model, or config=, device= and dtype=")
         device = torch.device(device)
+        if device.type not in ("cpu", "cuda"):
+            # refused before the engine exists: the host backend copies from and hands
+            # views to CPU memory, the CUDA backend to one CUDA device
+            raise ValueError("ActiveKVCache: a model on %s; the engine serves cpu (host backend) "
+                             "and cuda devices" % (device,))
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         want = "cuda" if device.type == "cuda" else "host"
@@ -878,6 +905,13 @@ class ActiveKVCache(Cache):
             backend = want
         elif backend != want:
             raise ValueError("ActiveKVCache: backend=%r cannot serve a model on %s" % (backend, device))
+        # Checked before the engine exists; they are used only when the first update opens
+        # the contexts, which would refuse them then, on every update.
+        if target_pages is not None:
+            _uint(target_pages, "ActiveKVCache: target_pages")
+        _uint(burst_pages, "ActiveKVCache: burst_pages")
+        if not isinstance(hooks, bool):
+            raise TypeError("ActiveKVCache: hooks=%r is not a bool" % (hooks,))
         dense, layers = dense_layer_indices(config)
         ecfg = engine_config_for(
             config, max_cache_len=max_cache_len, batch_size=batch_size, dtype=dtype,
@@ -968,3 +1002,25 @@ class ActiveKVCache(Cache):
 
     def reset(self):
         raise NotImplementedError("ActiveKVCache cannot be reset; close it and make a new one")
+
+    # Cache's own crop / reorder_cache / batch_* walk the layers in order: on a hybrid
+    # model the sliding-window layers before the first full-attention layer would be
+    # changed before that layer refuses, leaving the layers at different lengths or row
+    # orders. Each is refused here before any layer is touched; what every layer accepts
+    # (crop(0), batch_repeat_interleave(1)) is passed on.
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove != 0:
+            raise NotImplementedError("ActiveKVCache cannot drop rows (crop)")
+        super().crop(tokens_to_remove)
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise NotImplementedError("ActiveKVCache does not support beam search (reorder_cache)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats != 1:
+            raise NotImplementedError("ActiveKVCache has one context per row; it cannot repeat rows")
+        super().batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices) -> None:
+        raise NotImplementedError("ActiveKVCache cannot select rows")
