@@ -24,7 +24,7 @@
  * -DAKV_ATTN_KERNEL=1|2|3 -DAKV_ATTN_WARPS=N -DAKV_ATTN_LOADS=N
  * -DAKV_ATTN_STAGES=N -DAKV_ATTN_PDL=0|1 -DAKV_ATTN_PIECE_TOKENS=N
  * -DAKV_ATTN_MINB=N -DAKV_ATTN_COMBINE_WARPS=N -DAKV_ATTN_K3_FP8_F16=0|1
- * -DAKV_ATTN_K3_SPAN=1|WARPS -DAKV_ATTN_K3_VPERM=0|1
+ * -DAKV_ATTN_K3_SPAN=1|WARPS
  * (applied to all three files). KERNEL 3 is the library's tensor-core chunk
  * kernel (WARPS warps per block, LOADS / 4 bf16 or LOADS / 2 FP8 blocks of
  * 16 rows in flight per warp, MINB its resident blocks per SM asked of the
@@ -84,9 +84,6 @@
 #endif
 #ifndef AKV_ATTN_K3_SPAN
 #define AKV_ATTN_K3_SPAN AKV_ATTN_WARPS
-#endif
-#ifndef AKV_ATTN_K3_VPERM
-#define AKV_ATTN_K3_VPERM 1
 #endif
 
 static const double kCeilingGBps = 4400.0; /* kernel read ceiling, shared/MEASURED.md */
@@ -266,10 +263,10 @@ int main(int argc, char **argv) {
     return 1;
   }
   printf("device %s, %d SMs, L2 %d MiB; kernel knobs kernel=%d warps=%d loads=%d stages=%d "
-         "pdl=%d piece_tokens=%d minb=%d combine_warps=%d k3_span=%d k3_vperm=%d; label %s\n",
+         "pdl=%d piece_tokens=%d minb=%d combine_warps=%d k3_span=%d; label %s\n",
          prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20, AKV_ATTN_KERNEL,
          AKV_ATTN_WARPS, AKV_ATTN_LOADS, AKV_ATTN_STAGES, AKV_ATTN_PDL, AKV_ATTN_PIECE_TOKENS,
-         AKV_ATTN_MINB, AKV_ATTN_COMBINE_WARPS, AKV_ATTN_K3_SPAN, AKV_ATTN_K3_VPERM, o.label);
+         AKV_ATTN_MINB, AKV_ATTN_COMBINE_WARPS, AKV_ATTN_K3_SPAN, o.label);
   printf("%-7s %-5s %4s %7s %5s %12s %10s %10s %10s %9s %8s %9s %8s\n", "variant", "dtype",
          "ctx", "tokens", "chunk", "bytes", "median_us", "p10_us", "p90_us", "GB/s", "ratio",
          "read_GB/s", "vs_read");
@@ -487,7 +484,7 @@ int main(int argc, char **argv) {
                "\"contexts\":%u,\"tokens\":%u,\"chunk\":%u,\"n_heads\":%u,\"kv_heads\":%u,"
                "\"head_dim\":%u,\"warps\":%d,\"loads\":%d,\"stages\":%d,\"pdl\":%d,"
                "\"piece_tokens\":%d,\"kernel\":%d,\"minb\":%d,\"combine_warps\":%d,"
-               "\"k3_fp8_f16\":%d,\"k3_span\":%d,\"k3_vperm\":%d,\"bytes\":%llu,"
+               "\"k3_fp8_f16\":%d,\"k3_span\":%d,\"bytes\":%llu,"
                "\"sets\":%d,"
                "\"iters\":%d,\"median_us\":%.2f,\"p10_us\":%.2f,\"p90_us\":%.2f,\"gbps\":%.1f,"
                "\"ceiling_gbps\":%.0f,\"ratio\":%.4f,\"read_gbps\":%.1f,\"ratio_vs_read\":%.4f,"
@@ -495,7 +492,7 @@ int main(int argc, char **argv) {
                o.label, r.name, dt_name, prop.name, n_ctx, o.tokens, o.chunk, n_heads, kv_heads,
                head_dim, AKV_ATTN_WARPS, AKV_ATTN_LOADS, AKV_ATTN_STAGES, AKV_ATTN_PDL,
                AKV_ATTN_PIECE_TOKENS, AKV_ATTN_KERNEL, AKV_ATTN_MINB, AKV_ATTN_COMBINE_WARPS,
-               AKV_ATTN_K3_FP8_F16, AKV_ATTN_K3_SPAN, AKV_ATTN_K3_VPERM, (unsigned long long)kv_bytes, sets, o.iters,
+               AKV_ATTN_K3_FP8_F16, AKV_ATTN_K3_SPAN, (unsigned long long)kv_bytes, sets, o.iters,
                r.st.median_us, r.st.p10_us, r.st.p90_us, gbps, kCeilingGBps, ratio, read_gbps,
                gbps / read_gbps, ratio >= 0.6 ? "true" : "false", check);
       printf("JSON %s\n", line);

@@ -497,13 +497,6 @@ struct Words<2> {
 #ifndef AKV_ATTN_K3_FP8_F16
 #define AKV_ATTN_K3_FP8_F16 1
 #endif
-/* Kernel 3 pairs the V codes of two rows before decoding them (one byte
- * permute and one conversion per register, no shifts): 1, the default;
- * 0 decodes each row and pairs the f16 halves (the same values). */
-#ifndef AKV_ATTN_K3_VPERM
-#define AKV_ATTN_K3_VPERM 1
-#endif
-constexpr bool kVPerm3 = AKV_ATTN_K3_VPERM != 0;
 
 /* Kernel 3: pieces per block, one per warp (AKV_ATTN_K3_SPAN == warps, the
  * default), merged in warp order into one partial, so the combine folds
@@ -889,24 +882,16 @@ __global__ void __launch_bounds__(kThreads, min_blocks3())
         for (int q = 0; q < C::NV; ++q) {
 #pragma unroll
           for (int j = 0; j < C::VEC / 2; ++j) {
-            uint32_t a0, a1, a2, a3;
-            if constexpr (kVPerm3) {
-              /* The codes of rows (c, c + 4) of dim d paired by one byte
-               * permute, then decoded: a0 = (row c, row c + 4) of dim d. */
-              const uint32_t b = 2u * (uint32_t)(j & 1);
-              const uint32_t w0 = vr[sg][0][q][j >> 1], w1 = vr[sg][1][q][j >> 1];
-              const uint32_t w2 = vr[sg][2][q][j >> 1], w3 = vr[sg][3][q][j >> 1];
-              a0 = fp8x2_to_h2<E>(__byte_perm(w0, w1, b | ((b + 4u) << 4)));
-              a1 = fp8x2_to_h2<E>(__byte_perm(w0, w1, (b + 1u) | ((b + 5u) << 4)));
-              a2 = fp8x2_to_h2<E>(__byte_perm(w2, w3, b | ((b + 4u) << 4)));
-              a3 = fp8x2_to_h2<E>(__byte_perm(w2, w3, (b + 1u) | ((b + 5u) << 4)));
-            } else {
-              uint32_t h[4]; /* rows c, c + 4, c + 8, c + 12: dims d, d + 1 */
-#pragma unroll
-              for (int r = 0; r < 4; ++r) h[r] = fp8x2_to_h2<E>(vr[sg][r][q][j >> 1] >> (16 * (j & 1)));
-              a0 = __byte_perm(h[0], h[1], 0x5410), a1 = __byte_perm(h[0], h[1], 0x7632);
-              a2 = __byte_perm(h[2], h[3], 0x5410), a3 = __byte_perm(h[2], h[3], 0x7632);
-            }
+            /* The codes of rows (c, c + 4) and (c + 8, c + 12) of dims d
+             * (a0, a2) and d + 1 (a1, a3) paired by one byte permute each,
+             * then decoded: a0 = (row c, row c + 4) of dim d. */
+            const uint32_t b = 2u * (uint32_t)(j & 1);
+            const uint32_t w0 = vr[sg][0][q][j >> 1], w1 = vr[sg][1][q][j >> 1];
+            const uint32_t w2 = vr[sg][2][q][j >> 1], w3 = vr[sg][3][q][j >> 1];
+            const uint32_t a0 = fp8x2_to_h2<E>(__byte_perm(w0, w1, b | ((b + 4u) << 4)));
+            const uint32_t a1 = fp8x2_to_h2<E>(__byte_perm(w0, w1, (b + 1u) | ((b + 5u) << 4)));
+            const uint32_t a2 = fp8x2_to_h2<E>(__byte_perm(w2, w3, b | ((b + 4u) << 4)));
+            const uint32_t a3 = fp8x2_to_h2<E>(__byte_perm(w2, w3, (b + 1u) | ((b + 5u) << 4)));
             float(&a)[4] = acc[q * (C::VEC / 2) + j];
             mma_f16_16816(a, a0, a1, a2, a3, lo01, lo23);
             mma_f16_16816(a, a0, a1, a2, a3, hi01, hi23);
