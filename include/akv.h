@@ -194,8 +194,9 @@ typedef struct akv_stream_opaque *akv_stream;
 
 /**
  * A fence: names one event the engine recorded (attention consumed, tail
- * write-back). A value, unique per recording for the engine's lifetime; the
- * engine compares serials, so a fence from another lease or step never matches.
+ * write-back). A value, unique per recording in the process (one counter
+ * serves every engine); the engine compares serials, so a fence from another
+ * lease, step or engine never matches.
  */
 typedef struct akv_fence {
   uint64_t serial;

@@ -221,7 +221,6 @@ struct akv_engine {
   struct akv_lease **lease_ring;  /* [n_lease_recs]: FIFO of the free ones */
   uint32_t n_lease_recs, lease_head, lease_free;
   uint64_t lease_serial;
-  uint64_t fence_serial;
 
   /* Scratch for batched copies: one buffer, one owner, each sized at create
    * from its own worst case (budget.h). */

@@ -12,10 +12,19 @@
  * work was submitted mark the transport failed; the lease then stays live
  * until quarantine proves completion.
  */
+#include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
 
 #include "internal.h"
+
+/* Fence serials come from one process-wide counter, not one per engine: a
+ * fence names one recording of one engine, so seal refuses a fence of
+ * another engine (or of a destroyed one) even when both engines made the
+ * same calls. Never 0 (0 is the serial of a fence never recorded). */
+static _Atomic uint64_t akv_fence_serials;
+
+static uint64_t akv_fence_next(void) { return atomic_fetch_add(&akv_fence_serials, 1) + 1; }
 
 akv_lease_body *akv_lease_resolve(const akv_lease *h) {
   const akv_lease_body *ls;
@@ -332,7 +341,7 @@ AKV_API akv_status akv_lease_mark_consumed(akv_lease *handle, akv_stream stream,
     return akv_fail(e, AKV_ERR_INVALID_ARGUMENT,
                     "lease_mark_consumed: stream differs from the one given to wait_ready");
   AKV_CHECK(akv_bk_record(&e->bk, ls->ev_attn, (akv_bqueue *)stream));
-  ls->fence_attn = ++e->fence_serial;
+  ls->fence_attn = akv_fence_next();
   ls->state = AKV_LEASE_CONSUMED;
   attention->serial = ls->fence_attn;
   return AKV_OK;
@@ -426,7 +435,7 @@ AKV_API akv_status akv_lease_write_back(akv_lease *handle, akv_context *const *o
                               (const void *const *)e->sc_wb.src, e->sc_wb.bytes));
   e->copies_d2h++;
   AKV_CHECK(akv_bk_record(&e->bk, ls->ev_tail, e->q_d2h));
-  ls->fence_tail = ++e->fence_serial;
+  ls->fence_tail = akv_fence_next();
   tail->serial = ls->fence_tail;
   return AKV_OK;
 fail:
