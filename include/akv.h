@@ -718,7 +718,9 @@ typedef struct akv_view {
  * `view` points to a struct on akv_lease_attend's stack: it lives only
  * during the hook. Copy the struct (not the pointer) if work enqueued by the
  * hook needs it later; the arrays and device memory it points to stay valid
- * until the lease retires.
+ * until the lease retires. A hook that ends its own lease (akv_engine_quarantine
+ * releases it; a destroy may follow) makes akv_lease_attend return
+ * AKV_ERR_BAD_HANDLE, touching neither the lease nor its engine afterwards.
  */
 typedef int (*akv_attention_fn)(void *user, const akv_view *view, akv_stream stream);
 

@@ -100,9 +100,62 @@ static void test_seal_refuses_another_engines_fences(void **state) {
   fx_close(&b);
 }
 
+/* ------------------------------------------------- hooks that misbehave */
+
+/* An attention hook that quarantines its own engine, destroys the stream it
+ * was given and the engine, then returns `rc`: attend must not touch the
+ * lease or the engine after the hook returns. */
+typedef struct killer {
+  akv_engine *e;
+  int rc;
+  akv_status q, sd, ed;
+} killer;
+
+static int killer_hook(void *user, const akv_view *view, akv_stream stream) {
+  killer *k = user;
+  akv_quarantine_report r;
+  (void)view;
+  k->q = akv_engine_quarantine(k->e, &r);
+  k->sd = akv_stream_destroy(k->e, stream);
+  k->ed = akv_engine_destroy(k->e);
+  return k->rc;
+}
+
+static void hook_destroys_engine(int rc) {
+  fx f;
+  killer k;
+  akv_lease *ls = NULL;
+  akv_fence attn = {77};
+  fx_open(&f, AKV_ROUTE_STAGE, 0, 2, 3);
+  assert_int_equal(akv_step_begin(f.e, f.c, 2), AKV_OK);
+  assert_int_equal(akv_lease_begin(f.e, 0, &ls), AKV_OK);
+  memset(&k, 0, sizeof k);
+  k.e = f.e;
+  k.rc = rc;
+  assert_int_equal(akv_lease_attend(ls, f.s, killer_hook, &k, &attn), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(k.q, AKV_OK);
+  assert_int_equal(k.sd, AKV_OK);
+  assert_int_equal(k.ed, AKV_OK);
+  assert_int_equal(attn.serial, 77); /* untouched */
+  assert_int_equal(akv_engine_destroy(f.e), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(akv_lease_retire(ls, NULL), AKV_ERR_BAD_HANDLE);
+}
+
+static void test_hook_destroys_engine_and_fails(void **state) {
+  (void)state;
+  hook_destroys_engine(1);
+}
+
+static void test_hook_destroys_engine_and_succeeds(void **state) {
+  (void)state;
+  hook_destroys_engine(0);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_seal_refuses_another_engines_fences),
+      cmocka_unit_test(test_hook_destroys_engine_and_fails),
+      cmocka_unit_test(test_hook_destroys_engine_and_succeeds),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

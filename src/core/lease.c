@@ -359,7 +359,13 @@ AKV_API akv_status akv_lease_attend(akv_lease *handle, akv_stream stream, akv_at
     return akv_fail(ls->engine, AKV_ERR_INVALID_ARGUMENT, "lease_attend: hook or attention NULL");
   if (ls->state != AKV_LEASE_BEGUN) return akv_lease_wrong_state(ls, "lease_attend", "begun");
   if ((st = akv_lease_wait_ready(handle, stream, &view)) != AKV_OK) return st;
-  if (hook(user, &view, stream) != 0) {
+  const int rc = hook(user, &view, stream);
+  /* The hook is the caller's code and may have ended the lease meanwhile (a
+   * quarantine releases it; a destroy after that frees the engine's lease
+   * bodies). Nothing of the lease or its engine is touched again unless its
+   * handle is still live. */
+  if ((ls = akv_lease_resolve(handle)) == NULL) return AKV_ERR_BAD_HANDLE;
+  if (rc != 0) {
     snprintf(ls->engine->bk.error, sizeof(ls->engine->bk.error),
              "attention hook of layer %u returned nonzero", ls->layer);
     return akv_transport_failed(ls->engine, AKV_ERR_BACKEND, "lease_attend");
