@@ -62,6 +62,19 @@ static akv_lease *to_sealed(fx *f, uint32_t layer, akv_fence *attn, akv_fence *t
   return ls;
 }
 
+static void noop_fn(void *arg) { (void)arg; }
+
+/* Every layer from `from` on to retired, then the step's end. */
+static void finish_step(fx *f, uint32_t from) {
+  for (uint32_t l = from; l < LAYERS; l++) {
+    akv_fence attn, tail;
+    akv_lease *ls = to_sealed(f, l, &attn, &tail);
+    assert_int_equal(akv_lease_seal(ls, tail, attn), AKV_OK);
+    assert_int_equal(akv_lease_retire(ls, NULL), AKV_OK);
+  }
+  assert_int_equal(akv_step_end(f->e), AKV_OK);
+}
+
 /* ---------------------------------------------------- fences across engines */
 
 /* A fence names one recording: seal compares serials, so a fence of another
@@ -151,11 +164,58 @@ static void test_hook_destroys_engine_and_succeeds(void **state) {
   hook_destroys_engine(0);
 }
 
+/* ------------------------------------------------------ destroyed streams */
+
+/* A destroyed stream is refused by every call that takes a stream, also
+ * after later streams were created: the host backend reuses a destroyed
+ * queue's memory at once, so the handle must not be the queue's address. */
+static void test_destroyed_stream_stays_refused_after_later_creates(void **state) {
+  fx f;
+  akv_stream dead[AKV_STREAM_HANDLE_REUSE_MIN];
+  akv_lease *ls = NULL;
+  akv_view view;
+  akv_fence attn;
+  (void)state;
+  fx_open(&f, AKV_ROUTE_STAGE, 0, 1, 2);
+  for (uint32_t i = 0; i < AKV_STREAM_HANDLE_REUSE_MIN; i++) {
+    akv_stream s = NULL;
+    assert_int_equal(akv_stream_create(f.e, &s), AKV_OK);
+    for (uint32_t j = 0; j < i; j++) {
+      assert_ptr_not_equal(s, dead[j]);
+      assert_int_equal(akv_stream_synchronize(f.e, dead[j]), AKV_ERR_INVALID_ARGUMENT);
+    }
+    assert_int_equal(akv_stream_destroy(f.e, s), AKV_OK);
+    dead[i] = s;
+  }
+  /* None of them is taken for a live stream by the lease calls either. */
+  assert_int_equal(akv_step_begin(f.e, f.c, 1), AKV_OK);
+  assert_int_equal(akv_lease_begin(f.e, 0, &ls), AKV_OK);
+  for (uint32_t j = 0; j < AKV_STREAM_HANDLE_REUSE_MIN; j++) {
+    assert_int_equal(akv_stream_destroy(f.e, dead[j]), AKV_ERR_INVALID_ARGUMENT);
+    assert_int_equal(akv_stream_launch_host(f.e, dead[j], noop_fn, NULL),
+                     AKV_ERR_INVALID_ARGUMENT);
+    assert_int_equal(akv_lease_wait_ready(ls, dead[j], &view), AKV_ERR_INVALID_ARGUMENT);
+    assert_int_equal(akv_lease_attend(ls, dead[j], noop_hook, NULL, &attn),
+                     AKV_ERR_INVALID_ARGUMENT);
+  }
+  assert_int_equal(ls->body->state, AKV_LEASE_BEGUN);
+  {
+    akv_fence tail;
+    assert_int_equal(akv_lease_attend(ls, f.s, noop_hook, NULL, &attn), AKV_OK);
+    assert_int_equal(akv_lease_write_back(ls, NULL, 0, &tail), AKV_OK);
+    assert_int_equal(akv_lease_seal(ls, tail, attn), AKV_OK);
+    assert_int_equal(akv_lease_retire(ls, NULL), AKV_OK);
+  }
+  finish_step(&f, 1);
+  fx_close(&f);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_seal_refuses_another_engines_fences),
       cmocka_unit_test(test_hook_destroys_engine_and_fails),
       cmocka_unit_test(test_hook_destroys_engine_and_succeeds),
+      cmocka_unit_test(test_destroyed_stream_stays_refused_after_later_creates),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

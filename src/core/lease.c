@@ -307,15 +307,16 @@ AKV_API akv_status akv_lease_wait_ready(akv_lease *handle, akv_stream stream, ak
   akv_lease_body *ls = NULL;
   akv_status st = akv_lease_enter(handle, &ls);
   akv_engine *e;
+  akv_bqueue *q;
   if (st != AKV_OK) return st;
   e = ls->engine;
-  if (view == NULL || !akv_stream_known(e, stream))
+  if (view == NULL || (q = akv_stream_queue(e, stream)) == NULL)
     return akv_fail(e, AKV_ERR_INVALID_ARGUMENT,
                     "lease_wait_ready: view is NULL or stream is not a stream of this engine");
   if (ls->state != AKV_LEASE_BEGUN) return akv_lease_wrong_state(ls, "lease_wait_ready", "begun");
   /* The compute stream waits on the device for the history-ready events. */
-  AKV_CHECK(akv_bk_wait(&e->bk, (akv_bqueue *)stream, ls->ev_h2d));
-  if (ls->used_d2d) AKV_CHECK(akv_bk_wait(&e->bk, (akv_bqueue *)stream, ls->ev_d2d));
+  AKV_CHECK(akv_bk_wait(&e->bk, q, ls->ev_h2d));
+  if (ls->used_d2d) AKV_CHECK(akv_bk_wait(&e->bk, q, ls->ev_d2d));
   ls->stream = stream;
   ls->state = AKV_LEASE_READY;
   akv_lease_view(ls, view);
@@ -329,6 +330,7 @@ AKV_API akv_status akv_lease_mark_consumed(akv_lease *handle, akv_stream stream,
   akv_lease_body *ls = NULL;
   akv_status st = akv_lease_enter(handle, &ls);
   akv_engine *e;
+  akv_bqueue *q;
   if (st != AKV_OK) return st;
   e = ls->engine;
   if (attention == NULL)
@@ -337,10 +339,10 @@ AKV_API akv_status akv_lease_mark_consumed(akv_lease *handle, akv_stream stream,
     return akv_lease_wrong_state(ls, "lease_mark_consumed", "ready (after wait_ready)");
   /* ls->stream is live: akv_stream_destroy refuses a stream an unretired
    * lease used (stream.c). */
-  if (stream != ls->stream || !akv_stream_known(e, stream))
+  if (stream != ls->stream || (q = akv_stream_queue(e, stream)) == NULL)
     return akv_fail(e, AKV_ERR_INVALID_ARGUMENT,
                     "lease_mark_consumed: stream differs from the one given to wait_ready");
-  AKV_CHECK(akv_bk_record(&e->bk, ls->ev_attn, (akv_bqueue *)stream));
+  AKV_CHECK(akv_bk_record(&e->bk, ls->ev_attn, q));
   ls->fence_attn = akv_fence_next();
   ls->state = AKV_LEASE_CONSUMED;
   attention->serial = ls->fence_attn;
