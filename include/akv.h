@@ -177,7 +177,12 @@ typedef struct akv_lease akv_lease;     /**< one staged layer, begin..retire */
  *    akv_lease_begin calls on its engine (15 whole steps); once its engine is
  *    destroyed, at least AKV_LEASE_HANDLE_REUSE_MIN lease handle records
  *    handed to later engines (each takes AKV_LEASE_HANDLES_PER_LAYER per dense
- *    layer at create).
+ *    layer at create);
+ *  - stream (host backend, from akv_stream_create): at least
+ *    AKV_STREAM_HANDLE_REUSE_MIN later successful akv_stream_create calls
+ *    in the process (on any engine); until then every call that takes a
+ *    stream refuses it (AKV_ERR_INVALID_ARGUMENT). On CUDA a stream is the
+ *    caller's cudaStream_t and these rules are the caller's.
  * Pointers that were never handles (other objects, freed memory of the
  * caller's) cannot be told apart reliably: pass only handles or NULL.
  */
@@ -185,17 +190,19 @@ typedef struct akv_lease akv_lease;     /**< one staged layer, begin..retire */
 #define AKV_CONTEXT_HANDLE_REUSE_MIN 1024
 #define AKV_LEASE_HANDLES_PER_LAYER 16
 #define AKV_LEASE_HANDLE_REUSE_MIN 4096
+#define AKV_STREAM_HANDLE_REUSE_MIN 64
 /**
  * A queue of the engine's backend, as the caller's compute stream.
  * CUDA backend: a cudaStream_t cast to akv_stream (see akv_cuda.h).
- * Host backend: a worker-thread queue from akv_stream_create.
+ * Host backend: a handle from akv_stream_create naming a worker-thread queue.
  */
 typedef struct akv_stream_opaque *akv_stream;
 
 /**
  * A fence: names one event the engine recorded (attention consumed, tail
- * write-back). A value, unique per recording for the engine's lifetime; the
- * engine compares serials, so a fence from another lease or step never matches.
+ * write-back). A value, unique per recording in the process (one counter
+ * serves every engine); the engine compares serials, so a fence from another
+ * lease, step or engine never matches.
  */
 typedef struct akv_fence {
   uint64_t serial;
@@ -493,8 +500,9 @@ AKV_API akv_status akv_stream_create(akv_engine *engine, akv_stream *out);
  * was given it (akv_lease_wait_ready or akv_lease_attend), destroy returns
  * AKV_ERR_IN_USE and changes nothing; retire the lease first (a quarantine
  * that released the lease counts). Every call that takes a stream refuses a
- * destroyed one with AKV_ERR_INVALID_ARGUMENT on the host backend. (On CUDA,
- * the same rule is the caller's for a cudaStream_t it destroys itself.)
+ * destroyed one with AKV_ERR_INVALID_ARGUMENT on the host backend, also
+ * after later streams were created ("Handle lifetimes"). (On CUDA, the same
+ * rule is the caller's for a cudaStream_t it destroys itself.)
  * Allowed also after a transport failure. Returns AKV_OK,
  * AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (not a live stream of this
  * engine), AKV_ERR_IN_USE.
@@ -717,7 +725,9 @@ typedef struct akv_view {
  * `view` points to a struct on akv_lease_attend's stack: it lives only
  * during the hook. Copy the struct (not the pointer) if work enqueued by the
  * hook needs it later; the arrays and device memory it points to stay valid
- * until the lease retires.
+ * until the lease retires. A hook that ends its own lease (akv_engine_quarantine
+ * releases it; a destroy may follow) makes akv_lease_attend return
+ * AKV_ERR_BAD_HANDLE, touching neither the lease nor its engine afterwards.
  */
 typedef int (*akv_attention_fn)(void *user, const akv_view *view, akv_stream stream);
 

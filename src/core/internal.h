@@ -131,8 +131,22 @@ typedef struct akv_scratch {
   size_t *bytes;
 } akv_scratch;
 
+/* A compute stream of the host backend as the caller holds it (the public
+ * akv_stream there): a record from the process-wide pool (records.h), taken
+ * at akv_stream_create and poisoned and given back at akv_stream_destroy, so
+ * a destroyed stream's value never names a later stream (the backend's
+ * queue memory is reused at once). On CUDA the akv_stream is the
+ * cudaStream_t itself, which the caller launches on: no record. */
+struct akv_stream_handle {
+  uint32_t magic;
+  struct akv_engine *engine;
+  akv_bqueue *queue;
+  uint32_t magic_end;
+};
+
 struct akv_stream_rec {
   akv_bqueue *queue;
+  akv_stream handle; /* what the caller was given: the record (host) or the queue */
   bool live;
 };
 
@@ -221,7 +235,6 @@ struct akv_engine {
   struct akv_lease **lease_ring;  /* [n_lease_recs]: FIFO of the free ones */
   uint32_t n_lease_recs, lease_head, lease_free;
   uint64_t lease_serial;
-  uint64_t fence_serial;
 
   /* Scratch for batched copies: one buffer, one owner, each sized at create
    * from its own worst case (budget.h). */
@@ -298,9 +311,10 @@ void akv_ticket_release(akv_engine *e, uint32_t slot);
 uint32_t akv_admission_floor(const akv_engine *e);
 
 /* stream.c */
-/* Where the backend makes it possible (host backend), true only for a live
- * stream the engine handed out; on CUDA any non-NULL cudaStream_t. */
-bool akv_stream_known(const akv_engine *e, akv_stream s);
+/* The backend queue of a stream the caller passed, or NULL: where the
+ * backend makes it possible (host backend), only a live stream this engine
+ * handed out; on CUDA any non-NULL cudaStream_t. */
+akv_bqueue *akv_stream_queue(const akv_engine *e, akv_stream s);
 
 /* headroom.c */
 /* Create, after every other device allocation: profile, log line, sizes. */

@@ -12,10 +12,19 @@
  * work was submitted mark the transport failed; the lease then stays live
  * until quarantine proves completion.
  */
+#include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
 
 #include "internal.h"
+
+/* Fence serials come from one process-wide counter, not one per engine: a
+ * fence names one recording of one engine, so seal refuses a fence of
+ * another engine (or of a destroyed one) even when both engines made the
+ * same calls. Never 0 (0 is the serial of a fence never recorded). */
+static _Atomic uint64_t akv_fence_serials;
+
+static uint64_t akv_fence_next(void) { return atomic_fetch_add(&akv_fence_serials, 1) + 1; }
 
 akv_lease_body *akv_lease_resolve(const akv_lease *h) {
   const akv_lease_body *ls;
@@ -298,15 +307,16 @@ AKV_API akv_status akv_lease_wait_ready(akv_lease *handle, akv_stream stream, ak
   akv_lease_body *ls = NULL;
   akv_status st = akv_lease_enter(handle, &ls);
   akv_engine *e;
+  akv_bqueue *q;
   if (st != AKV_OK) return st;
   e = ls->engine;
-  if (view == NULL || !akv_stream_known(e, stream))
+  if (view == NULL || (q = akv_stream_queue(e, stream)) == NULL)
     return akv_fail(e, AKV_ERR_INVALID_ARGUMENT,
                     "lease_wait_ready: view is NULL or stream is not a stream of this engine");
   if (ls->state != AKV_LEASE_BEGUN) return akv_lease_wrong_state(ls, "lease_wait_ready", "begun");
   /* The compute stream waits on the device for the history-ready events. */
-  AKV_CHECK(akv_bk_wait(&e->bk, (akv_bqueue *)stream, ls->ev_h2d));
-  if (ls->used_d2d) AKV_CHECK(akv_bk_wait(&e->bk, (akv_bqueue *)stream, ls->ev_d2d));
+  AKV_CHECK(akv_bk_wait(&e->bk, q, ls->ev_h2d));
+  if (ls->used_d2d) AKV_CHECK(akv_bk_wait(&e->bk, q, ls->ev_d2d));
   ls->stream = stream;
   ls->state = AKV_LEASE_READY;
   akv_lease_view(ls, view);
@@ -320,6 +330,7 @@ AKV_API akv_status akv_lease_mark_consumed(akv_lease *handle, akv_stream stream,
   akv_lease_body *ls = NULL;
   akv_status st = akv_lease_enter(handle, &ls);
   akv_engine *e;
+  akv_bqueue *q;
   if (st != AKV_OK) return st;
   e = ls->engine;
   if (attention == NULL)
@@ -328,11 +339,11 @@ AKV_API akv_status akv_lease_mark_consumed(akv_lease *handle, akv_stream stream,
     return akv_lease_wrong_state(ls, "lease_mark_consumed", "ready (after wait_ready)");
   /* ls->stream is live: akv_stream_destroy refuses a stream an unretired
    * lease used (stream.c). */
-  if (stream != ls->stream || !akv_stream_known(e, stream))
+  if (stream != ls->stream || (q = akv_stream_queue(e, stream)) == NULL)
     return akv_fail(e, AKV_ERR_INVALID_ARGUMENT,
                     "lease_mark_consumed: stream differs from the one given to wait_ready");
-  AKV_CHECK(akv_bk_record(&e->bk, ls->ev_attn, (akv_bqueue *)stream));
-  ls->fence_attn = ++e->fence_serial;
+  AKV_CHECK(akv_bk_record(&e->bk, ls->ev_attn, q));
+  ls->fence_attn = akv_fence_next();
   ls->state = AKV_LEASE_CONSUMED;
   attention->serial = ls->fence_attn;
   return AKV_OK;
@@ -350,7 +361,13 @@ AKV_API akv_status akv_lease_attend(akv_lease *handle, akv_stream stream, akv_at
     return akv_fail(ls->engine, AKV_ERR_INVALID_ARGUMENT, "lease_attend: hook or attention NULL");
   if (ls->state != AKV_LEASE_BEGUN) return akv_lease_wrong_state(ls, "lease_attend", "begun");
   if ((st = akv_lease_wait_ready(handle, stream, &view)) != AKV_OK) return st;
-  if (hook(user, &view, stream) != 0) {
+  const int rc = hook(user, &view, stream);
+  /* The hook is the caller's code and may have ended the lease meanwhile (a
+   * quarantine releases it; a destroy after that frees the engine's lease
+   * bodies). Nothing of the lease or its engine is touched again unless its
+   * handle is still live. */
+  if ((ls = akv_lease_resolve(handle)) == NULL) return AKV_ERR_BAD_HANDLE;
+  if (rc != 0) {
     snprintf(ls->engine->bk.error, sizeof(ls->engine->bk.error),
              "attention hook of layer %u returned nonzero", ls->layer);
     return akv_transport_failed(ls->engine, AKV_ERR_BACKEND, "lease_attend");
@@ -426,7 +443,7 @@ AKV_API akv_status akv_lease_write_back(akv_lease *handle, akv_context *const *o
                               (const void *const *)e->sc_wb.src, e->sc_wb.bytes));
   e->copies_d2h++;
   AKV_CHECK(akv_bk_record(&e->bk, ls->ev_tail, e->q_d2h));
-  ls->fence_tail = ++e->fence_serial;
+  ls->fence_tail = akv_fence_next();
   tail->serial = ls->fence_tail;
   return AKV_OK;
 fail:

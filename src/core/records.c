@@ -15,6 +15,8 @@ akv_recpool akv_context_records =
     AKV_RECPOOL_INIT(struct akv_context, AKV_CONTEXT_HANDLE_REUSE_MIN, 256);
 akv_recpool akv_lease_records =
     AKV_RECPOOL_INIT(struct akv_lease, AKV_LEASE_HANDLE_REUSE_MIN, 256);
+akv_recpool akv_stream_records =
+    AKV_RECPOOL_INIT(struct akv_stream_handle, AKV_STREAM_HANDLE_REUSE_MIN, 64);
 
 /* Appends a zeroed chunk of records to the tail. Called with p->mu held. */
 static int akv_rec_grow(akv_recpool *p) {

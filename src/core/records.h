@@ -1,9 +1,9 @@
 /*
  * records.h - process-wide pools of handle records (engines, contexts,
- * lease handles).
+ * lease handles, host compute streams).
  *
  * A handle the library gives out is a pointer to a record from one of these
- * pools. Records are never freed: a chunk of them, once allocated, stays
+ * pools (streams: on the host backend only). Records are never freed: a chunk of them, once allocated, stays
  * mapped (and reachable from the pool) for the life of the process, so a
  * stale handle is always readable memory whose magic says "dead", never
  * freed memory. Free records wait in a FIFO: a record given back goes to the
@@ -62,5 +62,6 @@ size_t akv_rec_free_count(akv_recpool *p);
 extern akv_recpool akv_engine_records;
 extern akv_recpool akv_context_records;
 extern akv_recpool akv_lease_records;
+extern akv_recpool akv_stream_records; /* host backend compute streams */
 
 #endif

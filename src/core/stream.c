@@ -3,15 +3,21 @@
  * worker threads), and host functions on a caller's stream.
  */
 #include "internal.h"
+#include "records.h"
 
 #define AKV_N_STREAMS (sizeof(((akv_engine *)0)->streams) / sizeof(((akv_engine *)0)->streams[0]))
 
-bool akv_stream_known(const akv_engine *e, akv_stream s) {
-  if (s == NULL) return false;
-  if (e->backend != AKV_BACKEND_HOST) return true;
+/* Host backend: a stream is known only by the handle this engine gave out
+ * and has not destroyed. Handles are records of a never-freed FIFO pool, so
+ * a destroyed stream stays refused for at least AKV_STREAM_HANDLE_REUSE_MIN
+ * later creates, although its queue's memory may already hold a new queue.
+ * Only pointers are compared: a foreign value is never dereferenced. */
+akv_bqueue *akv_stream_queue(const akv_engine *e, akv_stream s) {
+  if (s == NULL) return NULL;
+  if (e->backend != AKV_BACKEND_HOST) return (akv_bqueue *)s;
   for (size_t i = 0; i < AKV_N_STREAMS; i++)
-    if (e->streams[i].live && (akv_stream)e->streams[i].queue == s) return true;
-  return false;
+    if (e->streams[i].live && e->streams[i].handle == s) return e->streams[i].queue;
+  return NULL;
 }
 
 AKV_API akv_status akv_stream_create(akv_engine *e, akv_stream *out) {
@@ -19,11 +25,24 @@ AKV_API akv_status akv_stream_create(akv_engine *e, akv_stream *out) {
   if (st != AKV_OK) return st;
   if (out == NULL) return akv_fail(e, AKV_ERR_INVALID_ARGUMENT, "stream_create: out is NULL");
   for (size_t i = 0; i < AKV_N_STREAMS; i++) {
+    struct akv_stream_handle *h = NULL;
     if (e->streams[i].live) continue;
+    if (e->backend == AKV_BACKEND_HOST &&
+        (h = akv_rec_take(&akv_stream_records)) == NULL)
+      return akv_fail(e, AKV_ERR_OUT_OF_MEMORY, "stream_create: no stream handle record");
     st = akv_bk_queue_create(&e->bk, &e->streams[i].queue);
-    if (st != AKV_OK) return akv_transport_failed(e, st, "stream_create");
+    if (st != AKV_OK) {
+      if (h != NULL) akv_rec_untake(&akv_stream_records, h);
+      return akv_transport_failed(e, st, "stream_create");
+    }
+    if (h != NULL) {
+      h->engine = e;
+      h->queue = e->streams[i].queue;
+      h->magic = h->magic_end = AKV_MAGIC_STREAM;
+    }
+    e->streams[i].handle = h != NULL ? (akv_stream)h : (akv_stream)e->streams[i].queue;
     e->streams[i].live = true;
-    *out = (akv_stream)e->streams[i].queue;
+    *out = e->streams[i].handle;
     return AKV_OK;
   }
   return akv_fail(e, AKV_ERR_OUT_OF_MEMORY, "stream_create: at most %zu streams per engine",
@@ -46,7 +65,7 @@ AKV_API akv_status akv_stream_destroy(akv_engine *e, akv_stream s) {
   if (!akv_engine_ok(e)) return AKV_ERR_BAD_HANDLE;
   if (e->log_depth > 0) return akv_engine_reentered(e, "stream_destroy");
   for (size_t i = 0; i < AKV_N_STREAMS; i++) {
-    if (e->streams[i].live && (akv_stream)e->streams[i].queue == s) {
+    if (e->streams[i].live && e->streams[i].handle == s) {
       /* A stream outlives every lease that used it: an unretired lease
        * records on it (mark_consumed) and retire waits on what it recorded
        * there, so every call that takes the lease's stream finds it live.
@@ -57,8 +76,15 @@ AKV_API akv_status akv_stream_destroy(akv_engine *e, akv_stream s) {
                         "retire it first",
                         user);
       akv_bk_queue_destroy(&e->bk, e->streams[i].queue);
+      if (e->backend == AKV_BACKEND_HOST) {
+        struct akv_stream_handle *h = (struct akv_stream_handle *)s;
+        h->magic = h->magic_end = AKV_MAGIC_DEAD;
+        h->queue = NULL;
+        akv_rec_give(&akv_stream_records, h); /* dead, at the tail of the FIFO */
+      }
       e->streams[i].live = false;
       e->streams[i].queue = NULL;
+      e->streams[i].handle = NULL;
       return AKV_OK;
     }
   }
@@ -67,11 +93,12 @@ AKV_API akv_status akv_stream_destroy(akv_engine *e, akv_stream s) {
 
 AKV_API akv_status akv_stream_synchronize(akv_engine *e, akv_stream s) {
   akv_status st = akv_engine_enter(e);
+  akv_bqueue *q;
   if (st != AKV_OK) return st;
-  if (!akv_stream_known(e, s))
+  if ((q = akv_stream_queue(e, s)) == NULL)
     return akv_fail(e, AKV_ERR_INVALID_ARGUMENT,
                     "stream_synchronize: not a live stream of this engine");
-  st = akv_bk_queue_sync(&e->bk, (akv_bqueue *)s);
+  st = akv_bk_queue_sync(&e->bk, q);
   if (st != AKV_OK) return akv_transport_failed(e, st, "stream_synchronize");
   return AKV_OK;
 }
@@ -79,11 +106,12 @@ AKV_API akv_status akv_stream_synchronize(akv_engine *e, akv_stream s) {
 AKV_API akv_status akv_stream_launch_host(akv_engine *e, akv_stream s, void (*fn)(void *),
                                           void *arg) {
   akv_status st = akv_engine_enter(e);
+  akv_bqueue *q;
   if (st != AKV_OK) return st;
-  if (fn == NULL || !akv_stream_known(e, s))
+  if (fn == NULL || (q = akv_stream_queue(e, s)) == NULL)
     return akv_fail(e, AKV_ERR_INVALID_ARGUMENT,
                     "stream_launch_host: NULL function or not a live stream of this engine");
-  st = akv_bk_host_fn(&e->bk, (akv_bqueue *)s, fn, arg);
+  st = akv_bk_host_fn(&e->bk, q, fn, arg);
   if (st != AKV_OK) return akv_transport_failed(e, st, "stream_launch_host");
   return AKV_OK;
 }

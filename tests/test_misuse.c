@@ -1,0 +1,221 @@
+/*
+ * test_misuse.c - promises of akv.h attacked from a caller's side: calls
+ * made where the header says they are refused, callbacks that misbehave,
+ * handles and fences carried across leases and engines. Each refused call
+ * must return its specific status and change nothing; nothing may crash,
+ * read or write out of bounds, or report AKV_OK for what it did not do.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "internal.h"
+#include "testutil.h"
+
+#define LAYERS 3
+#define ROW_ELEMS 16 /* kv_heads 2 x head_dim 8 (akvt_small_engine) */
+
+static int noop_hook(void *user, const akv_view *view, akv_stream stream) {
+  (void)user;
+  (void)view;
+  (void)stream;
+  return 0;
+}
+
+/* A small host engine, one stream, n contexts of `len` zero rows each. */
+typedef struct fx {
+  akv_engine *e;
+  akv_stream s;
+  akv_context *c[4];
+  uint32_t n;
+} fx;
+
+static void fx_open(fx *f, akv_route route, uint32_t pool_gib, uint32_t n, uint32_t len) {
+  static uint16_t zero[64 * ROW_ELEMS];
+  const void *rows[LAYERS] = {zero, zero, zero};
+  memset(f, 0, sizeof(*f));
+  f->e = akvt_small_engine(route, pool_gib);
+  assert_non_null(f->e);
+  assert_int_equal(akv_stream_create(f->e, &f->s), AKV_OK);
+  f->n = n;
+  for (uint32_t i = 0; i < n; i++) {
+    assert_int_equal(akv_context_open(f->e, NULL, &f->c[i]), AKV_OK);
+    assert_int_equal(akv_context_append(f->c[i], len, rows, rows), AKV_OK);
+  }
+}
+
+static void fx_close(fx *f) {
+  assert_int_equal(akv_stream_destroy(f->e, f->s), AKV_OK);
+  assert_int_equal(akv_engine_destroy(f->e), AKV_OK);
+}
+
+/* Begin, attend, write back, seal one layer; the fences go to *attn / *tail. */
+static akv_lease *to_sealed(fx *f, uint32_t layer, akv_fence *attn, akv_fence *tail) {
+  akv_lease *ls = NULL;
+  assert_int_equal(akv_lease_begin(f->e, layer, &ls), AKV_OK);
+  assert_int_equal(akv_lease_attend(ls, f->s, noop_hook, NULL, attn), AKV_OK);
+  assert_int_equal(akv_lease_write_back(ls, NULL, 0, tail), AKV_OK);
+  return ls;
+}
+
+static void noop_fn(void *arg) { (void)arg; }
+
+/* Every layer from `from` on to retired, then the step's end. */
+static void finish_step(fx *f, uint32_t from) {
+  for (uint32_t l = from; l < LAYERS; l++) {
+    akv_fence attn, tail;
+    akv_lease *ls = to_sealed(f, l, &attn, &tail);
+    assert_int_equal(akv_lease_seal(ls, tail, attn), AKV_OK);
+    assert_int_equal(akv_lease_retire(ls, NULL), AKV_OK);
+  }
+  assert_int_equal(akv_step_end(f->e), AKV_OK);
+}
+
+/* ---------------------------------------------------- fences across engines */
+
+/* A fence names one recording: seal compares serials, so a fence of another
+ * engine's lease is a substitute even when both engines ran the same calls. */
+static void test_seal_refuses_another_engines_fences(void **state) {
+  fx a, b;
+  akv_fence attn_a, tail_a, attn_b, tail_b;
+  akv_lease *la, *lb;
+  (void)state;
+  fx_open(&a, AKV_ROUTE_STAGE, 0, 1, 4);
+  fx_open(&b, AKV_ROUTE_STAGE, 0, 1, 4);
+  assert_int_equal(akv_step_begin(a.e, a.c, 1), AKV_OK);
+  assert_int_equal(akv_step_begin(b.e, b.c, 1), AKV_OK);
+  la = to_sealed(&a, 0, &attn_a, &tail_a);
+  lb = to_sealed(&b, 0, &attn_b, &tail_b);
+  assert_int_equal(akv_lease_seal(la, tail_b, attn_b), AKV_ERR_FENCE_MISMATCH);
+  assert_int_equal(akv_lease_seal(la, tail_a, attn_b), AKV_ERR_FENCE_MISMATCH);
+  assert_int_equal(akv_lease_seal(la, tail_b, attn_a), AKV_ERR_FENCE_MISMATCH);
+  assert_int_equal(la->body->state, AKV_LEASE_CONSUMED);
+  assert_int_equal(akv_lease_seal(la, tail_a, attn_a), AKV_OK);
+  assert_int_equal(akv_lease_seal(lb, tail_b, attn_b), AKV_OK);
+  assert_int_equal(akv_lease_retire(la, NULL), AKV_OK);
+  assert_int_equal(akv_lease_retire(lb, NULL), AKV_OK);
+  for (uint32_t l = 1; l < LAYERS; l++) {
+    akv_fence x, y;
+    la = to_sealed(&a, l, &x, &y);
+    assert_int_equal(akv_lease_seal(la, y, x), AKV_OK);
+    assert_int_equal(akv_lease_retire(la, NULL), AKV_OK);
+    lb = to_sealed(&b, l, &x, &y);
+    assert_int_equal(akv_lease_seal(lb, y, x), AKV_OK);
+    assert_int_equal(akv_lease_retire(lb, NULL), AKV_OK);
+  }
+  assert_int_equal(akv_step_end(a.e), AKV_OK);
+  assert_int_equal(akv_step_end(b.e), AKV_OK);
+  fx_close(&a);
+  fx_close(&b);
+}
+
+/* ------------------------------------------------- hooks that misbehave */
+
+/* An attention hook that quarantines its own engine, destroys the stream it
+ * was given and the engine, then returns `rc`: attend must not touch the
+ * lease or the engine after the hook returns. */
+typedef struct killer {
+  akv_engine *e;
+  int rc;
+  akv_status q, sd, ed;
+} killer;
+
+static int killer_hook(void *user, const akv_view *view, akv_stream stream) {
+  killer *k = user;
+  akv_quarantine_report r;
+  (void)view;
+  k->q = akv_engine_quarantine(k->e, &r);
+  k->sd = akv_stream_destroy(k->e, stream);
+  k->ed = akv_engine_destroy(k->e);
+  return k->rc;
+}
+
+static void hook_destroys_engine(int rc) {
+  fx f;
+  killer k;
+  akv_lease *ls = NULL;
+  akv_fence attn = {77};
+  fx_open(&f, AKV_ROUTE_STAGE, 0, 2, 3);
+  assert_int_equal(akv_step_begin(f.e, f.c, 2), AKV_OK);
+  assert_int_equal(akv_lease_begin(f.e, 0, &ls), AKV_OK);
+  memset(&k, 0, sizeof k);
+  k.e = f.e;
+  k.rc = rc;
+  assert_int_equal(akv_lease_attend(ls, f.s, killer_hook, &k, &attn), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(k.q, AKV_OK);
+  assert_int_equal(k.sd, AKV_OK);
+  assert_int_equal(k.ed, AKV_OK);
+  assert_int_equal(attn.serial, 77); /* untouched */
+  assert_int_equal(akv_engine_destroy(f.e), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(akv_lease_retire(ls, NULL), AKV_ERR_BAD_HANDLE);
+}
+
+static void test_hook_destroys_engine_and_fails(void **state) {
+  (void)state;
+  hook_destroys_engine(1);
+}
+
+static void test_hook_destroys_engine_and_succeeds(void **state) {
+  (void)state;
+  hook_destroys_engine(0);
+}
+
+/* ------------------------------------------------------ destroyed streams */
+
+/* A destroyed stream is refused by every call that takes a stream, also
+ * after later streams were created: the host backend reuses a destroyed
+ * queue's memory at once, so the handle must not be the queue's address. */
+static void test_destroyed_stream_stays_refused_after_later_creates(void **state) {
+  fx f;
+  akv_stream dead[AKV_STREAM_HANDLE_REUSE_MIN];
+  akv_lease *ls = NULL;
+  akv_view view;
+  akv_fence attn;
+  (void)state;
+  fx_open(&f, AKV_ROUTE_STAGE, 0, 1, 2);
+  for (uint32_t i = 0; i < AKV_STREAM_HANDLE_REUSE_MIN; i++) {
+    akv_stream s = NULL;
+    assert_int_equal(akv_stream_create(f.e, &s), AKV_OK);
+    for (uint32_t j = 0; j < i; j++) {
+      assert_ptr_not_equal(s, dead[j]);
+      assert_int_equal(akv_stream_synchronize(f.e, dead[j]), AKV_ERR_INVALID_ARGUMENT);
+    }
+    assert_int_equal(akv_stream_destroy(f.e, s), AKV_OK);
+    dead[i] = s;
+  }
+  /* None of them is taken for a live stream by the lease calls either. */
+  assert_int_equal(akv_step_begin(f.e, f.c, 1), AKV_OK);
+  assert_int_equal(akv_lease_begin(f.e, 0, &ls), AKV_OK);
+  for (uint32_t j = 0; j < AKV_STREAM_HANDLE_REUSE_MIN; j++) {
+    assert_int_equal(akv_stream_destroy(f.e, dead[j]), AKV_ERR_INVALID_ARGUMENT);
+    assert_int_equal(akv_stream_launch_host(f.e, dead[j], noop_fn, NULL),
+                     AKV_ERR_INVALID_ARGUMENT);
+    assert_int_equal(akv_lease_wait_ready(ls, dead[j], &view), AKV_ERR_INVALID_ARGUMENT);
+    assert_int_equal(akv_lease_attend(ls, dead[j], noop_hook, NULL, &attn),
+                     AKV_ERR_INVALID_ARGUMENT);
+  }
+  assert_int_equal(ls->body->state, AKV_LEASE_BEGUN);
+  {
+    akv_fence tail;
+    assert_int_equal(akv_lease_attend(ls, f.s, noop_hook, NULL, &attn), AKV_OK);
+    assert_int_equal(akv_lease_write_back(ls, NULL, 0, &tail), AKV_OK);
+    assert_int_equal(akv_lease_seal(ls, tail, attn), AKV_OK);
+    assert_int_equal(akv_lease_retire(ls, NULL), AKV_OK);
+  }
+  finish_step(&f, 1);
+  fx_close(&f);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_seal_refuses_another_engines_fences),
+      cmocka_unit_test(test_hook_destroys_engine_and_fails),
+      cmocka_unit_test(test_hook_destroys_engine_and_succeeds),
+      cmocka_unit_test(test_destroyed_stream_stays_refused_after_later_creates),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
