@@ -385,8 +385,8 @@ __device__ __forceinline__ float warp_sum(float v) {
  * warp w streams piece w of the span; with a span of 1 the block's warps
  * share one piece (warp w takes its groups w, w + warps, ...). Each warp
  * keeps its own softmax state; the warps are merged in warp order at the
- * end into the span's partial. Per group, with g = lane / 4 and c = lane % 4 (the fragment
- * coordinates of mma.sync):
+ * end into the span's partial. Per group, with g = lane / 4 and
+ * c = lane % 4 (the fragment coordinates of mma.sync):
  *  - scores S[16 rows][8 heads] = K Q^T on the tensor cores: bf16 K with
  *    mma.m16n8k16 (bf16 in, fp32 accumulate), FP8 K decoded exactly to fp32
  *    with mma.m16n8k8.tf32 (every FP8 and bf16 value is a tf32 value). Lane
