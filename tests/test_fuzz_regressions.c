@@ -73,9 +73,74 @@ static void test_attention_null_workspace_all_empty(void **state) {
   }
 }
 
+/* A log callback that calls a diagnostic which fails (akv.h allows
+ * diagnostics there: akv_context_read, akv_admission_explain, ...), on an
+ * engine logging at DEBUG. The failure was reported through akv_fail, which
+ * logs the error at DEBUG, which called the callback again, which made the
+ * same failing call: recursion without end (a stack overflow). A call made
+ * from the callback must return its status and log nothing. */
+typedef struct reenter {
+  akv_context *ctx;
+  akv_engine *e;
+  int armed;
+  int depth, max_depth, calls;
+} reenter;
+
+static void reenter_log(void *user, akv_log_level level, const char *message) {
+  reenter *r = user;
+  char buf[64];
+  uint8_t row[2 * 64];
+  (void)level;
+  (void)message;
+  if (!r->armed) return;
+  r->calls++;
+  r->depth++;
+  if (r->depth > r->max_depth) r->max_depth = r->depth;
+  if (r->depth < 64) {
+    /* diagnostics that fail: a layer out of range, a context of no engine */
+    assert_int_equal(akv_context_read(r->ctx, 99, 0, 1, row, row), AKV_ERR_INVALID_ARGUMENT);
+    assert_int_equal(akv_admission_explain(r->e, (const akv_context *)r, buf, sizeof(buf)),
+                     AKV_ERR_BAD_HANDLE);
+    /* a call that changes the engine: refused, logging nothing */
+    assert_int_equal(akv_headroom_take(r->e, 1, NULL), AKV_ERR_IN_USE);
+  }
+  r->depth--;
+}
+
+static void test_log_callback_failing_diagnostic_does_not_recurse(void **state) {
+  (void)state;
+  reenter r;
+  akv_engine_config ec = AKV_ENGINE_CONFIG_INIT;
+  uint8_t row[2 * 64];
+  memset(&r, 0, sizeof(r));
+  ec.backend = AKV_BACKEND_HOST;
+  ec.n_dense_layers = 1;
+  ec.kv_heads = 2;
+  ec.head_dim = 32;
+  ec.max_tokens = 64;
+  ec.page_tokens = 16;
+  ec.host_pool_gib = 1;
+  ec.max_contexts = 1;
+  ec.log_fn = reenter_log;
+  ec.log_user = &r;
+  ec.log_level = AKV_LOG_DEBUG;
+  assert_int_equal(akv_engine_create(&ec, &r.e), AKV_OK);
+  assert_int_equal(akv_context_open(r.e, NULL, &r.ctx), AKV_OK);
+  r.armed = 1;
+  /* fails outside the callback: logged once, and the callback's own
+   * failing calls log nothing */
+  assert_int_equal(akv_context_read(r.ctx, 99, 0, 1, row, row), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(r.max_depth, 1);
+  assert_int_equal(r.calls, 1);
+  r.armed = 0;
+  assert_int_equal(akv_context_close(r.ctx), AKV_OK);
+  assert_int_equal(akv_engine_destroy(r.e), AKV_OK);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_attention_null_workspace_all_empty),
+      cmocka_unit_test(test_log_callback_failing_diagnostic_does_not_recurse),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
