@@ -75,7 +75,8 @@ static uint32_t u32(input *in) {
 
 /* ------------------------------------------------------------ the state */
 
-typedef struct state {
+typedef struct state state;
+struct state {
   akv_engine *e;
   uint32_t layers, max_ctx;
   akv_stream streams[N_STREAM]; /* created this input; NULL once destroyed */
@@ -103,7 +104,8 @@ typedef struct state {
   uint32_t launched[N_STREAM];
   uint32_t ran[N_STREAM];
   uint64_t bogus[512];          /* an object of no handle type */
-} state;
+  int log_reenter;              /* the log callback calls the library back */
+};
 
 /* Source rows of appends: a pattern, read from any byte offset (misaligned
  * row pointers into a valid buffer). */
@@ -164,11 +166,7 @@ static void shadow_append(const state *s, akv_context *c, uint32_t layer, uint32
   }
 }
 
-static void fuzz_log(void *user, akv_log_level level, const char *message) {
-  (void)user;
-  (void)level;
-  (void)message;
-}
+static void fuzz_log(void *user, akv_log_level level, const char *message);
 
 /* ------------------------------------------------------- status checks */
 
@@ -205,6 +203,46 @@ static void expect_mut(const state *s, int failed_before, const char *fn, akv_st
     fprintf(stderr, "fuzz_api: %s succeeded after the transport failed\n", fn);
     abort();
   }
+}
+
+/* The log callback may call diagnostics on the engine that logs (akv.h);
+ * calls that change the engine are refused there with AKV_ERR_IN_USE. With
+ * log_reenter set it makes both kinds, failing ones included, and checks
+ * that nothing is logged from inside it (that would recurse). */
+static void fuzz_log(void *user, akv_log_level level, const char *message) {
+  static int depth;
+  struct state *s = user;
+  (void)level;
+  (void)message;
+  if (s == NULL || s->e == NULL || !s->log_reenter) return;
+  if (depth > 0) {
+    fprintf(stderr, "fuzz_api: the engine logged from inside its own log callback\n");
+    abort();
+  }
+  depth++;
+  {
+    akv_engine_info info;
+    akv_headroom_info hr;
+    akv_context *c = NULL;
+    akv_stream st = NULL;
+    char buf[48];
+    uint8_t row[2 * ROW_MAX];
+    size_t n = 0;
+    expect("akv_engine_info_get (log)", akv_engine_info_get(s->e, &info), OKS | BH);
+    expect("akv_headroom_get (log)", akv_headroom_get(s->e, &hr), OKS | BH);
+    expect("akv_admission_log (log)", akv_admission_log(s->e, NULL, 0, &n), OKS | BH);
+    expect("akv_admission_explain (log)",
+           akv_admission_explain(s->e, (const akv_context *)s->bogus, buf, sizeof(buf)), BH);
+    expect("akv_context_read (log)", akv_context_read(s->ctx[0], 99, 0, 1, row, row + ROW_MAX),
+           BH | IA);
+    expect("akv_context_open (log)", akv_context_open(s->e, NULL, &c), S(AKV_ERR_IN_USE) | BH);
+    expect("akv_step_end (log)", akv_step_end(s->e), S(AKV_ERR_IN_USE) | BH);
+    expect("akv_headroom_release (log)", akv_headroom_release(s->e, 1, NULL, NULL),
+           S(AKV_ERR_IN_USE) | BH);
+    expect("akv_stream_create (log)", akv_stream_create(s->e, &st), S(AKV_ERR_IN_USE) | BH);
+    if (c != NULL || st != NULL) abort();
+  }
+  depth--;
 }
 
 /* ------------------------------------------------------------- choices */
@@ -510,6 +548,9 @@ static void engine_new(state *s, input *in) {
     uint8_t d = byte(in);
     ec.dtype = dts[d % 8];
     if (ec.route == AKV_ROUTE_PAGED && (d & 0x80)) ec.poison_holes = 1;
+    if (d & 0x40) ec.log_level = AKV_LOG_DEBUG;
+    s->log_reenter = (d >> 5) & 1;
+    ec.log_user = s;
     s->dtype = ec.dtype;
     s->row = 8u * 128u * (ec.dtype == AKV_DTYPE_F32 ? 4u : ec.dtype >= AKV_DTYPE_FP8_E4M3 ? 1u : 2u);
   }
