@@ -641,6 +641,8 @@ static void op_open(state *s, input *in, int failed) {
   if (b == 0xfe) cc.target_pages = u32(in); /* possibly far beyond the pool */
   if (b == 0xfd) cc.struct_size = 4;
   if (b == 0xfc) cc.version = 99;
+  if (b == 0xfa) cc.struct_size = 8 + byte(in) % 8;     /* an older caller's, shorter */
+  if (b == 0xf8) cc.struct_size = sizeof(cc) + byte(in); /* a newer caller's: not read past ours */
   st = akv_context_open(s->e, (b & 6) == 6 ? NULL : &cc, b == 0xfb ? NULL : &c);
   expect_mut(s, failed, "akv_context_open", st,
              OKS | BH | IA | S(AKV_ERR_CONFIG) | S(AKV_ERR_REFUSED_QUEUE) |
@@ -785,7 +787,12 @@ static void op_step_begin(state *s, input *in, int failed) {
   akv_status st;
   for (uint32_t i = 0; i < n; i++) list[i] = pick_ctx(s, in);
   if (akv_engine_info_get(s->e, &i0) != AKV_OK) abort();
+  if (b == 0x66) {
+    for (uint32_t i = n; i < 6; i++) list[i] = s->ctx[i % N_CTX];
+    n = UINT32_MAX - byte(in); /* past concurrency: refused before the list is read */
+  }
   st = akv_step_begin(s->e, b == 7 ? NULL : list, n);
+  if (b == 0x66 && st == AKV_OK) abort();
   expect_mut(s, failed, "akv_step_begin", st,
              OKS | BH | IA | S(AKV_ERR_STEP_STATE) | S(AKV_ERR_CAPACITY) |
                  S(AKV_ERR_UNEVEN_LAYERS) | BE | QU);
@@ -850,15 +857,21 @@ static void op_attend(state *s, input *in, int failed) {
 }
 
 static void op_write_back(state *s, input *in, int failed) {
-  akv_context *owners[4];
+  akv_context *owners[8];
   akv_fence f;
   akv_lease *ls = pick_lease(s, in);
   uint8_t b = byte(in);
   uint32_t n = b % 5;
   akv_status r;
   for (uint32_t i = 0; i < n; i++) owners[i] = pick_ctx(s, in);
+  if (b == 0x44) {
+    /* a count far past the array: refused from the lease's own size */
+    for (uint32_t i = 0; i < 8; i++) owners[i] = s->ctx[i % N_CTX];
+    n = UINT32_MAX - (b & 1);
+  }
   r = akv_lease_write_back(ls, (b & 0x80) ? NULL : owners, (b & 0x80) ? (b & 0x40 ? 1 : 0) : n,
                            b == 0x20 ? NULL : &f);
+  if (b == 0x44 && r == AKV_OK) abort();
   expect_mut(s, failed, "akv_lease_write_back", r,
              OKS | BH | IA | S(AKV_ERR_LEASE_STATE) | S(AKV_ERR_OWNER_MISMATCH) | BE | QU);
   expect_dead_lease_refused(s, "akv_lease_write_back", ls, r);
@@ -938,7 +951,8 @@ static void op_diagnostics(state *s, input *in) {
   expect("akv_engine_info_get", akv_engine_info_get(s->e, b == 1 ? NULL : &info), OKS | IA);
   if (akv_engine_last_error(s->e) == NULL || akv_engine_last_error(NULL) == NULL) abort();
   expect("akv_admission_counters",
-         akv_admission_counters(s->e, b == 2 ? NULL : counters, byte(in) % (AKV_ADM_RULE_COUNT + 2)),
+         akv_admission_counters(s->e, b == 2 ? NULL : counters,
+                                b == 6 ? SIZE_MAX : byte(in) % (AKV_ADM_RULE_COUNT + 2)),
          OKS | IA);
   expect("akv_admission_log", akv_admission_log(s->e, b == 3 ? NULL : log, cap, b == 4 ? NULL : &n),
          OKS | IA);
@@ -1683,7 +1697,9 @@ static void *grank_run(void *arg) {
         for (uint32_t j = 0; j < 4; j++)
           if (r->ctx[(j + (differ ? 1 : 0)) % 4] != NULL && (a[1] >> j & 1))
             list[n++] = r->ctx[(j + (differ ? 1 : 0)) % 4];
-        r->st[i] = akv_group_step_begin(r->g, list, a[2] == 5 ? 0 : n);
+        if (a[2] == 6) /* past concurrency: refused on every rank, list not read past it */
+          for (uint32_t j = n; j < 4; j++) list[j] = r->ctx[j];
+        r->st[i] = akv_group_step_begin(r->g, list, a[2] == 5 ? 0 : a[2] == 6 ? UINT32_MAX : n);
         if (r->st[i] == AKV_OK && stream != NULL) {
           /* every layer, the two-call form, then the step's end (local) */
           akv_lease *ls = NULL;
