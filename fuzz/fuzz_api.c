@@ -25,6 +25,31 @@
  * call that takes a stream, and a stream an unretired lease used must not be
  * destroyable (AKV_ERR_IN_USE); ASan sees any read of freed memory.
  *
+ * Beyond the engine calls (all 54 functions of akv.h, akv_attention.h and
+ * akv_group.h are driven):
+ *  - engines of every dtype (FP8 rows are 1 byte an element), the paged
+ *    route with poison_holes, DEBUG logging and a log callback that calls the
+ *    engine back (diagnostics, failing ones included, and calls that must be
+ *    refused with AKV_ERR_IN_USE); nothing may be logged from inside it;
+ *  - read-back: the harness keeps a shadow of every row it appended (from
+ *    misaligned source pointers) and of the rows its own legal steps wrote;
+ *    akv_context_read must return them, a refused read or append must write
+ *    nothing, and the attention hook checks every staged row of the view
+ *    (page_map included) against the shadow, then runs the reference
+ *    attention over the view (akv_attention_args_from_view);
+ *  - the reference attention alone: clean calls must succeed and repeat bit
+ *    for bit, with page overrides (the overridden rows poisoned) and through
+ *    the paged variant; one hostile argument (misaligned q/out/workspace, a
+ *    short workspace or row, bad FP8 scales, offsets past ptrdiff_t, a bad
+ *    page table, an unsupported dtype) must be refused with out untouched;
+ *  - tensor parallel groups on the in-process world (1 or 2 rank threads,
+ *    disagreeing arguments on rank 1): every rank must answer an agreement
+ *    point alike and open contexts with the same ids; dead worlds and groups
+ *    are refused;
+ *  - stream enqueue: a host function enqueued with AKV_OK has run when
+ *    synchronize or destroy returns; headroom take/release refused change
+ *    nothing akv_headroom_get shows; explain stays within its cap.
+ *
  * Build: scripts/fuzz.sh (clang, -fsanitize=fuzzer,address,undefined).
  */
 #if !defined(_GNU_SOURCE) && !defined(_DEFAULT_SOURCE)
