@@ -35,6 +35,13 @@ void akv_log_cfg(const akv_engine_config *cfg, akv_log_level level, const char *
 void akv_log(const akv_engine *e, akv_log_level level, const char *fmt, ...) {
   va_list ap;
   akv_engine *m = (akv_engine *)e;
+  /* Invariant: no line reaches an engine's callback while that callback is
+   * running on the engine. A call the callback makes (a diagnostic, or one
+   * refused with AKV_ERR_IN_USE) returns its status and logs nothing, so a
+   * callback whose call fails cannot recurse without end. Engines are used
+   * from one thread at a time and workers never log, so log_depth > 0 here
+   * means "called from inside the callback". */
+  if (m != NULL && m->log_depth > 0) return;
   va_start(ap, fmt);
   if (m != NULL) m->log_depth++;
   akv_log_emit(e != NULL ? &e->cfg : NULL, level, fmt, ap);

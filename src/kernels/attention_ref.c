@@ -216,8 +216,11 @@ static akv_status geom_bind(ref_geom *g, uint32_t n_contexts, void *workspace,
     return AKV_ERR_INVALID_ARGUMENT;
   if (workspace_bytes < total || (total != 0 && workspace == NULL))
     return AKV_ERR_INVALID_ARGUMENT;
+  /* A workspace of 0 bytes (NULL included) serves calls whose lengths are
+   * all 0: nothing is then read or written through it, and no offset is
+   * formed from a NULL workspace (pointer arithmetic on NULL is undefined). */
   g->acc = (float *)workspace;
-  g->ml = (float *)((char *)workspace + acc_bytes);
+  g->ml = total == 0 ? (float *)workspace : (float *)((char *)workspace + acc_bytes);
   return AKV_OK;
 }
 
