@@ -259,7 +259,9 @@ typedef enum akv_log_level {
  *  akv_admission_* calls, akv_headroom_get, akv_context_length / _id /
  *  _read): every call that changes the engine (destroy, quarantine, opens,
  *  closes, appends, steps, leases, streams, headroom) returns AKV_ERR_IN_USE
- *  there and changes nothing, logging nothing. */
+ *  there and changes nothing, logging nothing. Nothing at all is logged to
+ *  the callback from inside it: a diagnostic called there that fails
+ *  returns its status and records its last error without a log line. */
 typedef void (*akv_log_fn)(void *user, akv_log_level level, const char *message);
 
 /** Backend operation kinds, for fault injection and counters. */
