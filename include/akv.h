@@ -951,9 +951,11 @@ AKV_API akv_status akv_headroom_get(const akv_engine *engine, akv_headroom_info 
  * that size by the caller can succeed. Decode goes on bit-identically: the
  * rows come from the authoritative host copy again. Counted in the admission
  * counters (headroom-release) and log. Not thread-safe (engine rule).
- * freed_now and pending are optional (NULL). Returns AKV_OK, AKV_ERR_BAD_HANDLE,
+ * freed_now and pending are optional (NULL), written on AKV_OK only (0 when
+ * nothing was released). Returns AKV_OK, AKV_ERR_BAD_HANDLE,
  * AKV_ERR_NOT_SUPPORTED (headroom not enabled), AKV_ERR_QUARANTINED (also
- * after a transport failure: quarantine first).
+ * after a transport failure: quarantine first); on any error nothing is
+ * released and the outputs are left as they were.
  */
 AKV_API akv_status akv_headroom_release(akv_engine *engine, uint64_t bytes, uint64_t *freed_now,
                                         uint64_t *pending);

@@ -252,28 +252,30 @@ AKV_API akv_status akv_headroom_release(akv_engine *e, uint64_t bytes, uint64_t 
   const uint32_t avail = e->hr_chunks - e->hr_pending_chunks;
   uint64_t n64 = chunk_bytes ? bytes / chunk_bytes + (bytes % chunk_bytes != 0) : 0;
   const uint32_t n = n64 > avail ? avail : (uint32_t)n64;
-  if (freed_now) *freed_now = 0;
-  if (pending) *pending = 0;
-  if (n == 0) return AKV_OK;
-  if (e->step_open) {
+  /* The outputs are written on success only: a refused give-back leaves
+   * them, like everything else, as they were. */
+  uint64_t now = 0, later = 0;
+  if (n > 0 && e->step_open) {
 #ifdef AKV_TEST_RELEASE_HEADROOM_EARLY
     /* Teeth switch (tests only): frees while the step's leases may still read
      * the pages. The CPU suite must detect it. */
     st = akv_hr_give_back(e, n);
-    if (st == AKV_OK && freed_now) *freed_now = (uint64_t)n * e->hr_alloc_bytes;
-    return st;
+    now = (uint64_t)n * e->hr_alloc_bytes;
 #else
     /* Leases of the open step may be reading these pages (copies queued,
      * attention on the caller's stream): the free waits for step_end. */
     e->hr_pending_chunks += n;
-    if (pending) *pending = (uint64_t)n * e->hr_alloc_bytes;
-    return AKV_OK;
+    later = (uint64_t)n * e->hr_alloc_bytes;
 #endif
+  } else if (n > 0) {
+    /* Outside a step every lease has retired: every fence is proven. */
+    st = akv_hr_give_back(e, n);
+    now = (uint64_t)n * e->hr_alloc_bytes;
   }
-  /* Outside a step every lease has retired: every fence is proven. */
-  st = akv_hr_give_back(e, n);
-  if (st == AKV_OK && freed_now) *freed_now = (uint64_t)n * e->hr_alloc_bytes;
-  return st;
+  if (st != AKV_OK) return st;
+  if (freed_now) *freed_now = now;
+  if (pending) *pending = later;
+  return AKV_OK;
 }
 
 AKV_API akv_status akv_headroom_take(akv_engine *e, uint64_t bytes, uint64_t *taken) {
