@@ -68,6 +68,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
@@ -715,19 +717,9 @@ __global__ void __launch_bounds__(kThreads, min_blocks3())
         for (int i = 0; i < C::KCH; ++i) Words<4>::load(kr[sg][r][i], kd + t * rb + (size_t)i * 64u);
       }
   };
-  auto load_v = [&](uint32_t t0) {
-    if (t0 + 16u * RG <= n) {
-#pragma unroll
-      for (int sg = 0; sg < RG; ++sg)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const uint32_t t = t0 + 16u * sg + c + 4 * r;
-#pragma unroll
-          for (int q = 0; q < C::NV; ++q)
-            Words<C::VW>::load(vr[sg][r][q], vd + t * rb + (size_t)q * 8u * C::VEC * C::BYTES);
-        }
-      return;
-    }
+  /* check: std::true_type checks every row (the piece's last group),
+   * std::false_type loads a group wholly inside the piece. */
+  auto load_v_rows = [&](uint32_t t0, auto check) {
 #pragma unroll
     for (int sg = 0; sg < RG; ++sg)
 #pragma unroll
@@ -735,7 +727,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks3())
         const uint32_t t = t0 + 16u * sg + c + 4 * r;
 #pragma unroll
         for (int q = 0; q < C::NV; ++q) {
-          if (t < n) {
+          if (!decltype(check)::value || t < n) {
             Words<C::VW>::load(vr[sg][r][q], vd + t * rb + (size_t)q * 8u * C::VEC * C::BYTES);
           } else {
 #pragma unroll
@@ -743,6 +735,12 @@ __global__ void __launch_bounds__(kThreads, min_blocks3())
           }
         }
       }
+  };
+  auto load_v = [&](uint32_t t0) {
+    if (t0 + 16u * RG <= n)
+      load_v_rows(t0, std::false_type{});
+    else
+      load_v_rows(t0, std::true_type{});
   };
 
   const uint32_t groups = (n + 16u * RG - 1u) / (16u * RG);
