@@ -16,7 +16,9 @@
  *  - CUDA paged == CUDA contiguous, bit for bit (page_tokens == chunk_tokens);
  *  - the same launch twice gives the same bits;
  *  - argument checks refuse without enqueueing anything;
- *  - a page table that overflows max_pages marks only its context with NaN.
+ *  - a page table that overflows max_pages marks only its context with NaN;
+ *  - a launch captured in a CUDA graph gives the same bits on every replay,
+ *    and one workspace serves calls of different lengths.
  * Exits 77 (ctest: skipped) when no CUDA device is usable.
  */
 #include <setjmp.h>
@@ -687,6 +689,83 @@ static void test_paged_overflow_marks_context(void **state) {
   problem_free(&p);
 }
 
+/* A launch captured in a CUDA graph and replayed gives the same bits every
+ * time, and one workspace serves calls of different lengths (its regions
+ * move with the call's longest context) without being cleared in between.
+ * Every result is compared bit for bit with a direct call on a fresh,
+ * poisoned workspace. */
+static void test_graph_replay_and_workspace_reuse(void **state) {
+  (void)state;
+  const uint32_t len[3] = {3000, 257, 1100};
+  problem p;
+  problem_init_dt(&p, AKV_DTYPE_FP8_E4M3, 3, 32, 8, 128, 256, len, 1.0f);
+  const size_t n = out_elems(&p);
+  float *want = (float *)xmalloc(n * sizeof(float));
+  float *got = (float *)xmalloc(n * sizeof(float));
+  const size_t wsb = ws_bytes_for(&p, max_len(&p), p.chunk);
+  float *d_out;
+  void *d_ws;
+  CUDA_OK(cudaMalloc((void **)&d_out, n * sizeof(float)));
+  CUDA_OK(cudaMalloc(&d_ws, wsb));
+  run_cuda_contig(&p, d_out, d_ws, wsb, want);
+
+  cudaStream_t s;
+  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  CUDA_OK(cudaMemsetAsync(d_ws, 0xFF, wsb, s));
+  CUDA_OK(cudaStreamSynchronize(s));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  akv_attention_args a = make_args(&p, true, d_out, d_ws, wsb);
+  assert_int_equal(akv_attention_decode_cuda(&a, s), AKV_OK);
+  CUDA_OK(cudaStreamEndCapture(s, &graph));
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int rep = 0; rep < 4; ++rep) {
+    CUDA_OK(cudaMemsetAsync(d_out, 0xFF, n * sizeof(float), s));
+    CUDA_OK(cudaGraphLaunch(exec, s));
+    CUDA_OK(cudaStreamSynchronize(s));
+    CUDA_OK(cudaMemcpy(got, d_out, n * sizeof(float), cudaMemcpyDeviceToHost));
+    if (memcmp(got, want, n * sizeof(float)) != 0) print_error("graph replay %d differs\n", rep);
+    assert_memory_equal(got, want, n * sizeof(float));
+  }
+  CUDA_OK(cudaGraphExecDestroy(exec));
+  CUDA_OK(cudaGraphDestroy(graph));
+
+  /* Shorter calls on the same (unpoisoned) workspace, then the long one
+   * again: each equals its own direct call. */
+  const uint32_t shorter[3][3] = {{40, 0, 700}, {0, 0, 0}, {256, 512, 1}};
+  for (int k = 0; k < 3; ++k) {
+    problem q;
+    problem_init_dt(&q, AKV_DTYPE_FP8_E4M3, 3, 32, 8, 128, 256, shorter[k], 1.0f);
+    float *want_q = (float *)xmalloc(n * sizeof(float));
+    const size_t qb = ws_bytes_for(&q, max_len(&q), q.chunk);
+    void *d_qws;
+    CUDA_OK(cudaMalloc(&d_qws, qb ? qb : 16));
+    run_cuda_contig(&q, d_out, d_qws, qb, want_q);
+    akv_attention_args b = make_args(&q, true, d_out, d_ws, wsb);
+    CUDA_OK(cudaMemsetAsync(d_out, 0xFF, n * sizeof(float), s));
+    assert_int_equal(akv_attention_decode_cuda(&b, s), AKV_OK);
+    CUDA_OK(cudaStreamSynchronize(s));
+    CUDA_OK(cudaMemcpy(got, d_out, n * sizeof(float), cudaMemcpyDeviceToHost));
+    assert_memory_equal(got, want_q, n * sizeof(float));
+    CUDA_OK(cudaFree(d_qws));
+    free(want_q);
+    problem_free(&q);
+  }
+  CUDA_OK(cudaMemsetAsync(d_out, 0xFF, n * sizeof(float), s));
+  assert_int_equal(akv_attention_decode_cuda(&a, s), AKV_OK);
+  CUDA_OK(cudaStreamSynchronize(s));
+  CUDA_OK(cudaMemcpy(got, d_out, n * sizeof(float), cudaMemcpyDeviceToHost));
+  assert_memory_equal(got, want, n * sizeof(float));
+
+  CUDA_OK(cudaStreamDestroy(s));
+  CUDA_OK(cudaFree(d_out));
+  CUDA_OK(cudaFree(d_ws));
+  free(want);
+  free(got);
+  problem_free(&p);
+}
+
 int main(void) {
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
@@ -704,6 +783,7 @@ int main(void) {
       cmocka_unit_test(test_long_history),
       cmocka_unit_test(test_fp8),
       cmocka_unit_test(test_fp8_invalid_arguments),
+      cmocka_unit_test(test_graph_replay_and_workspace_reuse),
   };
   return cmocka_run_group_tests_name("gpu_attention", tests, NULL, NULL);
 }
