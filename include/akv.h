@@ -259,7 +259,9 @@ typedef enum akv_log_level {
  *  akv_admission_* calls, akv_headroom_get, akv_context_length / _id /
  *  _read): every call that changes the engine (destroy, quarantine, opens,
  *  closes, appends, steps, leases, streams, headroom) returns AKV_ERR_IN_USE
- *  there and changes nothing, logging nothing. Nothing at all is logged to
+ *  there and changes nothing, logging nothing and leaving the last error
+ *  alone (akv_engine_last_error still reads the error being logged, there
+ *  and after the logging call returns). Nothing at all is logged to
  *  the callback from inside it: a diagnostic called there that fails
  *  returns its status and records its last error without a log line. */
 typedef void (*akv_log_fn)(void *user, akv_log_level level, const char *message);
@@ -277,6 +279,10 @@ typedef enum akv_op_kind {
 } akv_op_kind;
 
 #define AKV_CONFIG_VERSION 1u
+
+/** The largest host_delay_max_us accepted (1 s): a larger bound would let
+ *  the testing aid stall every operation for up to an hour. */
+#define AKV_HOST_DELAY_MAX_US 1000000u
 
 typedef struct akv_engine_config {
   uint32_t struct_size; /**< sizeof(akv_engine_config) */
@@ -307,7 +313,8 @@ typedef struct akv_engine_config {
 
   /* Testing aids; leave zero in production. */
   uint64_t host_delay_seed;     /**< host backend: seed of injected per-op delays; 0 = none */
-  uint32_t host_delay_max_us;   /**< host backend: upper bound of one injected delay */
+  uint32_t host_delay_max_us;   /**< host backend: upper bound of one injected delay, at
+                                     most AKV_HOST_DELAY_MAX_US (else AKV_ERR_CONFIG) */
   uint32_t fault_fail_nth;      /**< fail the N-th (1-based) counted backend op; 0 = never */
   int32_t fault_kind;           /**< count only ops of this akv_op_kind; -1 = all kinds */
   /** Paged route: before each layer's copy, fill the staging rows of every
@@ -872,9 +879,13 @@ typedef struct akv_adm_decision {
 
 AKV_API const char *akv_adm_rule_string(akv_adm_rule rule);
 /**
- * A context's id as admission decisions and explanations name it: unique for
- * the engine's lifetime (never reused, refused opens included). Returns
- * AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (out NULL).
+ * A context's id as admission decisions and explanations name it. Every open
+ * attempt (refused ones included) takes the next id: 1, 2, ... up to
+ * UINT32_MAX - 1, then 1 again, so an id is not reused before 2^32 - 2
+ * further attempts; 0 and UINT32_MAX are never issued, and an id stays
+ * unique among the engine's open contexts (one an open context holds is
+ * skipped). Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT
+ * (out NULL).
  */
 AKV_API akv_status akv_context_id(const akv_context *context, uint32_t *out);
 /**

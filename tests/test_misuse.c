@@ -9,6 +9,7 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 
 #include <cmocka.h>
@@ -210,12 +211,137 @@ static void test_destroyed_stream_stays_refused_after_later_creates(void **state
   fx_close(&f);
 }
 
+/* ------------------------------------------ refusals inside the log callback */
+
+/* akv.h (akv_log_fn): a call that changes the engine, made from the
+ * engine's log callback, returns AKV_ERR_IN_USE and changes nothing. Its
+ * refusal wrote the engine's last error, so the error being logged (the
+ * outer call's) was replaced by "called from the engine's log callback"
+ * both inside the callback and after the failing call returned. */
+typedef struct errlog {
+  akv_engine *e;
+  int armed, refused;
+  char seen[256];
+} errlog;
+
+static void errlog_fn(void *user, akv_log_level level, const char *message) {
+  errlog *r = user;
+  akv_context *c = NULL;
+  (void)level;
+  (void)message;
+  if (!r->armed) return;
+  r->armed = 0;
+  r->refused = akv_context_open(r->e, NULL, &c) == AKV_ERR_IN_USE && c == NULL;
+  snprintf(r->seen, sizeof(r->seen), "%s", akv_engine_last_error(r->e));
+}
+
+static void test_log_callback_refusal_keeps_last_error(void **state) {
+  errlog r;
+  akv_engine_config ec = AKV_ENGINE_CONFIG_INIT;
+  akv_context *ctx = NULL;
+  uint8_t row[2 * 64];
+  (void)state;
+  memset(&r, 0, sizeof(r));
+  ec.backend = AKV_BACKEND_HOST;
+  ec.n_dense_layers = 1;
+  ec.kv_heads = 2;
+  ec.head_dim = 32;
+  ec.max_tokens = 64;
+  ec.page_tokens = 16;
+  ec.host_pool_gib = 1;
+  ec.max_contexts = 1;
+  ec.log_fn = errlog_fn;
+  ec.log_user = &r;
+  ec.log_level = AKV_LOG_DEBUG;
+  assert_int_equal(akv_engine_create(&ec, &r.e), AKV_OK);
+  assert_int_equal(akv_context_open(r.e, NULL, &ctx), AKV_OK);
+  r.armed = 1;
+  assert_int_equal(akv_context_read(ctx, 99, 0, 1, row, row), AKV_ERR_INVALID_ARGUMENT);
+  assert_true(r.refused);
+  /* the callback read the error it was told about, and so does the caller */
+  assert_null(strstr(r.seen, "log callback"));
+  assert_string_equal(akv_engine_last_error(r.e), r.seen);
+  assert_int_equal(akv_context_close(ctx), AKV_OK);
+  assert_int_equal(akv_engine_destroy(r.e), AKV_OK);
+}
+
+/* ---------------------------------------------------------- context ids */
+
+/* akv.h (akv_context_id): ids were "never reused", but the counter was 32
+ * bits: after 2^32 opens it wrapped to 0, and UINT32_MAX, which the
+ * admission log uses for "the engine" and "no victim", was issued too; a
+ * wrapped id could equal a live context's, and the admission rules compare
+ * ids. The counter is moved to its end here (internal.h) instead of opening
+ * 2^32 contexts. */
+static void test_context_ids_wrap_past_markers_and_live_ids(void **state) {
+  fx f;
+  akv_context *b = NULL, *c = NULL;
+  uint32_t ida = 0, idb = 0, idc = 0;
+  akv_adm_decision d[64];
+  size_t nd = 0;
+  (void)state;
+  fx_open(&f, AKV_ROUTE_STAGE, 0, 0, 0);
+  f.e->next_context_id = 0;
+  assert_int_equal(akv_context_open(f.e, NULL, &f.c[0]), AKV_OK);
+  f.n = 1;
+  assert_int_equal(akv_context_id(f.c[0], &ida), AKV_OK);
+  assert_int_equal(ida, 1);
+  f.e->next_context_id = UINT32_MAX - 2;
+  assert_int_equal(akv_context_open(f.e, NULL, &b), AKV_OK);
+  assert_int_equal(akv_context_id(b, &idb), AKV_OK);
+  assert_int_equal(idb, UINT32_MAX - 1);
+  assert_int_equal(akv_context_close(b), AKV_OK);
+  /* next: not UINT32_MAX, not 0, not 1 (the open context's): 2 */
+  assert_int_equal(akv_context_open(f.e, NULL, &c), AKV_OK);
+  assert_int_equal(akv_context_id(c, &idc), AKV_OK);
+  assert_int_equal(idc, 2);
+  assert_int_equal(akv_admission_log(f.e, d, 64, &nd), AKV_OK);
+  for (size_t i = 0; i < nd && i < 64; i++) assert_int_not_equal(d[i].context, 0);
+  assert_int_equal(akv_context_close(c), AKV_OK);
+  assert_int_equal(akv_context_close(f.c[0]), AKV_OK);
+  fx_close(&f);
+}
+
+/* ------------------------------------------------------- testing aids */
+
+/* host_delay_max_us bounds one injected delay; uncapped, a slip of the
+ * value (UINT32_MAX) had an engine sleep up to 71 minutes before an
+ * operation. Above AKV_HOST_DELAY_MAX_US it is refused at create. */
+static void test_host_delay_bound_is_capped(void **state) {
+  akv_engine_config ec = AKV_ENGINE_CONFIG_INIT;
+  akv_engine *e = NULL;
+  (void)state;
+  ec.backend = AKV_BACKEND_HOST;
+  ec.n_dense_layers = 1;
+  ec.kv_heads = 2;
+  ec.head_dim = 32;
+  ec.max_tokens = 64;
+  ec.page_tokens = 16;
+  ec.host_pool_gib = 1;
+  ec.max_contexts = 1;
+  ec.log_level = AKV_LOG_ERROR;
+  ec.log_fn = NULL;
+  ec.host_delay_seed = 7;
+  ec.host_delay_max_us = AKV_HOST_DELAY_MAX_US + 1u;
+  assert_int_equal(akv_engine_create(&ec, &e), AKV_ERR_CONFIG);
+  assert_null(e);
+  ec.host_delay_max_us = UINT32_MAX;
+  assert_int_equal(akv_engine_create(&ec, &e), AKV_ERR_CONFIG);
+  assert_null(e);
+  ec.host_delay_max_us = AKV_HOST_DELAY_MAX_US;
+  assert_int_equal(akv_engine_create(&ec, &e), AKV_OK);
+  assert_int_equal(akv_engine_destroy(e), AKV_OK);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_seal_refuses_another_engines_fences),
       cmocka_unit_test(test_hook_destroys_engine_and_fails),
       cmocka_unit_test(test_hook_destroys_engine_and_succeeds),
       cmocka_unit_test(test_destroyed_stream_stays_refused_after_later_creates),
+      cmocka_unit_test(test_log_callback_refusal_keeps_last_error),
+      cmocka_unit_test(test_context_ids_wrap_past_markers_and_live_ids),
+      cmocka_unit_test(test_host_delay_bound_is_capped),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import sys
 import threading
+import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -625,9 +626,17 @@ class Engine(_ClosedOnExit):
 
     def _destroy_pending(self) -> None:
         h = self._pending_destroy.pop("h", None)
-        if h is not None:
-            with contextlib.suppress(Exception):  # at interpreter exit lib may be gone
-                lib.akv_engine_destroy(h)
+        if h is None:
+            return
+        try:
+            st = lib.akv_engine_destroy(h)
+        except Exception:  # at interpreter exit lib may be gone
+            return
+        if st != 0:  # close() checked what destroy refuses; say so if it still did
+            warnings.warn(f"activekv: the deferred destroy of a closed engine failed "
+                          f"({lib.akv_status_string(st).decode(errors='replace')}); its "
+                          "memory stays allocated",
+                          ResourceWarning, stacklevel=2)
 
     @property
     def live_arrays(self) -> int:
@@ -672,6 +681,15 @@ class Engine(_ClosedOnExit):
         if self._retained:
             raise Busy.make("engine close: destroy refused: quarantine could not establish "
                             "completion, everything stays retained; nothing was freed")
+        # Checked here too (akv_engine_destroy refuses it as well): before the
+        # streams go, and before a destroy deferred behind live arrays, whose
+        # refusal could no longer reach the caller.
+        i = L.out_struct(L.akv_engine_info)
+        _check(lib.akv_engine_info_get(self._handle, ctypes.byref(i)), self._handle,
+               "engine close")
+        if i.transport_failed and not i.quarantined:
+            raise Busy.make("engine close: destroy refused: the transport failed, quarantine "
+                            "first; nothing was freed")
         for s in list(self._streams):
             s.destroy()
         h = self._handle
@@ -954,8 +972,13 @@ class Engine(_ClosedOnExit):
             return stream._h(), stream
         if hasattr(stream, "cuda_stream"):  # torch.cuda.Stream
             return _torch_stream_handle(stream), None
-        if isinstance(stream, (int, np.integer)):
-            return int(stream), None
+        # A bool is an int to Python: True would pass as stream 1 (on CUDA
+        # cudaStreamLegacy), silently. Raw handles are pointers: 0 .. 2^64 - 1.
+        if isinstance(stream, (int, np.integer)) and not isinstance(stream, (bool, np.bool_)):
+            v = int(stream)
+            if 0 <= v < 1 << 64:
+                return v, None
+            raise InvalidArgument.make(f"stream {v}: a raw handle lies in 0 .. 2^64 - 1")
         raise InvalidArgument.make(f"stream {stream!r}: expected a Stream, a torch.cuda.Stream, "
                                    "an int (cudaStream_t) or None")
 

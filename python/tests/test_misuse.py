@@ -108,6 +108,41 @@ def test_wait_ready_with_a_raw_stream_handle_synchronizes_on_the_host_backend():
         stream.destroy()
 
 
+@pytest.mark.parametrize("bad", [True, False, np.bool_(True), -1, 1 << 64, 2.0, "1"])
+def test_stream_arguments_that_are_not_handles_are_refused(bad):
+    """A bool is an int to Python: stream=True passed as stream 1 (on CUDA
+    cudaStreamLegacy) and False as stream 0; negative values and values past
+    64 bits were passed on too. Each is InvalidArgument, and the lease stays
+    usable. The host backend's own handle check refuses 1 as well, so the
+    conversion every call goes through (also on CUDA, where 1 is a valid
+    stream) is checked directly."""
+    rng = np.random.default_rng(2)
+    with akv.Engine(**small()) as eng:
+        with pytest.raises(akv.InvalidArgument):
+            eng._stream_arg(bad)
+        ctx = eng.open_context()
+        k = rows(rng, 3)
+        ctx.append(k, k)
+        stream = eng.stream_create()
+        eng.step_begin([ctx])
+        lease = eng.lease_begin(0)
+        with pytest.raises(akv.InvalidArgument):
+            lease.wait_ready(bad)
+        view = lease.wait_ready(stream)
+        assert np.array_equal(view.keys(0)[:3], k[0])
+        attn = lease.mark_consumed()
+        lease.seal(lease.write_back(), attn)
+        lease.retire()
+        for layer in (1, 2):
+            lease = eng.lease_begin(layer)
+            lease.wait_ready(stream)
+            attn = lease.mark_consumed()
+            lease.seal(lease.write_back(), attn)
+            lease.retire()
+        eng.step_end()
+        stream.destroy()
+
+
 def test_stream_with_block_left_by_an_exception_keeps_the_exception():
     rng = np.random.default_rng(2)
     with akv.Engine(**small()) as eng:
@@ -173,6 +208,57 @@ def test_engine_garbage_collected_mid_step_is_freed(destroys):
 
 
 # ------------------------------------------------------------ copies
+
+
+def test_close_with_live_arrays_after_a_transport_failure_waits_for_quarantine():
+    """close() with zero-copy arrays alive defers akv_engine_destroy to the
+    last array's end. After a transport failure (no quarantine yet) that
+    destroy is refused (AKV_ERR_BUSY), and the deferred call's status was
+    ignored: the engine was reported closed, could no longer be
+    quarantined, and its memory stayed allocated. close() now refuses with
+    Busy first, as it does without arrays, and changes nothing."""
+    rng = np.random.default_rng(3)
+    cfg = small(route="paged", device_pool_gib=1)
+    kk = rows(rng, 3)
+    with akv.Engine(**cfg) as probe:  # the copies one step takes
+        ctx = probe.open_context()
+        ctx.append(kk, kk)
+        _one_step(probe, ctx)
+        n = probe.info().backend_ops["copy"]
+    eng = akv.Engine(**dict(cfg, fault_fail_nth=n + 1, fault_kind="copy"))
+    ctx = eng.open_context()
+    ctx.append(kk, kk)
+    kept = _one_step(eng, ctx)
+    with pytest.raises(akv.Backend):
+        eng.step_begin([ctx])  # its copy is the injected failure
+    assert eng.info().transport_failed and eng.live_arrays > 0
+    streams = list(eng._streams)
+    with pytest.raises(akv.Busy):
+        eng.close()
+    assert eng._streams == streams and not eng._pending_destroy
+    eng.quarantine()
+    eng.close()
+    assert eng._pending_destroy
+    kept.clear()
+    gc.collect()
+    assert eng.live_arrays == 0 and not eng._pending_destroy
+
+
+def _one_step(eng, ctx):
+    """One step over ctx on a stream of the engine's; layer 0's K array kept."""
+    kept = []
+    stream = eng.stream_create()
+    eng.step_begin([ctx])
+    for layer in range(3):
+        lease = eng.lease_begin(layer)
+        view = lease.wait_ready(stream)
+        if layer == 0:
+            kept.append(view.keys(0))
+        attn = lease.mark_consumed()
+        lease.seal(lease.write_back(), attn)
+        lease.retire()
+    eng.step_end()
+    return kept
 
 
 def test_handle_objects_cannot_be_copied_or_pickled():

@@ -88,6 +88,22 @@ static uint32_t akv_default_target(const akv_engine *e) {
   return e->n_pages / e->concurrency;
 }
 
+/* The id of the next open attempt. Invariant (akv.h, akv_context_id): ids
+ * run 1 .. UINT32_MAX - 1 and then start again at 1, 0 and UINT32_MAX (the
+ * admission log's "engine" and "none") are never issued, and an id a live
+ * context holds is never issued again while it lives, so decisions and the
+ * admission rules (which compare ids) never confuse two live contexts. */
+static uint32_t akv_next_context_id(akv_engine *e) {
+  for (;;) {
+    if (e->next_context_id >= UINT32_MAX - 1) e->next_context_id = 0;
+    const uint32_t id = ++e->next_context_id;
+    bool taken = false;
+    for (uint32_t i = 0; i < e->concurrency && !taken; i++)
+      taken = e->slot_owner[i] != NULL && e->slot_owner[i]->id == id;
+    if (!taken) return id;
+  }
+}
+
 AKV_API akv_status akv_context_open(akv_engine *e, const akv_context_config *config,
                                     akv_context **out) {
   akv_status st = akv_engine_enter(e);
@@ -135,8 +151,8 @@ AKV_API akv_status akv_context_open(akv_engine *e, const akv_context_config *con
             "sink and the newest page)",
             asked_target, asked_burst, cc.target_pages, cc.burst_pages, floor);
   /* Ids are never reused, refused attempts included (explain names them). */
-  st = akv_adm_admit(e->adm, e->step, slot, ++e->next_context_id, cc.target_pages,
-                     cc.burst_pages);
+  const uint32_t id = akv_next_context_id(e);
+  st = akv_adm_admit(e->adm, e->step, slot, id, cc.target_pages, cc.burst_pages);
   if (st != AKV_OK) {
     char why[900];
     e->refused_asked_target = asked_target;
@@ -159,7 +175,7 @@ AKV_API akv_status akv_context_open(akv_engine *e, const akv_context_config *con
   c->host_leases = 0;
   c->fill_leases = 0;
   e->slot_owner[slot] = c;
-  c->id = e->next_context_id;
+  c->id = id;
   c->open = true;
   c->len = 0;
   c->layer_len = e->slot_layer_len + (uint64_t)slot * e->cfg.n_dense_layers;

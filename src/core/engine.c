@@ -28,18 +28,18 @@ bool akv_engine_ok(const akv_engine *e) {
   return e != NULL && e->magic == AKV_MAGIC_ENGINE && e->magic_end == AKV_MAGIC_ENGINE;
 }
 
-akv_status akv_engine_reentered(akv_engine *e, const char *call) {
+akv_status akv_engine_reentered(akv_engine *e) {
   if (e->log_depth == 0) return AKV_OK;
-  /* Not through akv_fail: that would log, and so call the callback again. */
-  snprintf(e->last_error, sizeof(e->last_error),
-           "%s: called from the engine's log callback; only diagnostics are accepted there",
-           call);
+  /* Invariant (akv.h, akv_log_fn): a call refused here changes nothing, the
+   * last error included: it is the error being logged, which the callback
+   * and then the caller of the logging call read. Not through akv_fail
+   * either: that would log, and so call the callback again. */
   return AKV_ERR_IN_USE;
 }
 
 akv_status akv_engine_enter(akv_engine *e) {
   if (!akv_engine_ok(e)) return AKV_ERR_BAD_HANDLE;
-  if (e->log_depth > 0) return akv_engine_reentered(e, "call");
+  if (e->log_depth > 0) return akv_engine_reentered(e);
   if (e->transport_failed)
     return akv_fail(e, AKV_ERR_QUARANTINED,
                     "transport failed earlier; only diagnostics, quarantine and destroy are "
@@ -452,7 +452,7 @@ fail:
 
 AKV_API akv_status akv_engine_destroy(akv_engine *e) {
   if (!akv_engine_ok(e)) return AKV_ERR_BAD_HANDLE;
-  if (e->log_depth > 0) return akv_engine_reentered(e, "engine_destroy");
+  if (e->log_depth > 0) return akv_engine_reentered(e);
   /* The destructor never waits, submits or drains: live work means busy. */
   if (e->step_open || e->leases_live > 0 || e->retained ||
       (e->transport_failed && !e->quarantined))
@@ -513,7 +513,7 @@ AKV_API akv_status akv_engine_quarantine(akv_engine *e, akv_quarantine_report *r
   akv_quarantine_report r;
   akv_status st;
   if (!akv_engine_ok(e)) return AKV_ERR_BAD_HANDLE;
-  if (e->log_depth > 0) return akv_engine_reentered(e, "engine_quarantine");
+  if (e->log_depth > 0) return akv_engine_reentered(e);
   memset(&r, 0, sizeof(r));
   e->transport_failed = true; /* from now on: diagnostics, quarantine, destroy */
   /* Partial submissions quarantine until a drain proves completion: both copy

@@ -186,6 +186,12 @@ static akv_status akv_fit_validate(const akv_engine_config *cfg, char *why, size
     st = AKV_ERR_CONFIG;
     goto fail;
   }
+  if (cfg->host_delay_max_us > AKV_HOST_DELAY_MAX_US) {
+    akv_fit_say(why, cap, "host_delay_max_us=%u is out of range; at most %u (1 s) is accepted",
+                (unsigned)cfg->host_delay_max_us, (unsigned)AKV_HOST_DELAY_MAX_US);
+    st = AKV_ERR_CONFIG;
+    goto fail;
+  }
   if (cfg->page_tokens > cfg->max_tokens) {
     akv_fit_say(why, cap, "page_tokens=%u exceeds max_tokens=%u; a page cannot be longer than "
                           "a context",

@@ -286,7 +286,7 @@ akv_status akv_transport_failed(akv_engine *e, akv_status st, const char *where)
 akv_status akv_engine_enter(akv_engine *e);
 /* AKV_ERR_IN_USE (last error set, nothing logged) when called from the
  * engine's own log callback, else AKV_OK; the engine handle is live. */
-akv_status akv_engine_reentered(akv_engine *e, const char *call);
+akv_status akv_engine_reentered(akv_engine *e);
 
 /* context.c */
 bool akv_context_ok(const akv_context *c);

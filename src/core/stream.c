@@ -63,7 +63,7 @@ static int akv_stream_user(const akv_engine *e, akv_stream s) {
 AKV_API akv_status akv_stream_destroy(akv_engine *e, akv_stream s) {
   int user;
   if (!akv_engine_ok(e)) return AKV_ERR_BAD_HANDLE;
-  if (e->log_depth > 0) return akv_engine_reentered(e, "stream_destroy");
+  if (e->log_depth > 0) return akv_engine_reentered(e);
   for (size_t i = 0; i < AKV_N_STREAMS; i++) {
     if (e->streams[i].live && e->streams[i].handle == s) {
       /* A stream outlives every lease that used it: an unretired lease
