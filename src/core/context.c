@@ -150,7 +150,7 @@ AKV_API akv_status akv_context_open(akv_engine *e, const akv_context_config *con
             "context_open: target %u + burst %u raised to %u + %u, the floor of %u pages (the "
             "sink and the newest page)",
             asked_target, asked_burst, cc.target_pages, cc.burst_pages, floor);
-  /* Ids are never reused, refused attempts included (explain names them). */
+  /* Every attempt takes a fresh id, refused ones included (explain names them). */
   const uint32_t id = akv_next_context_id(e);
   st = akv_adm_admit(e->adm, e->step, slot, id, cc.target_pages, cc.burst_pages);
   if (st != AKV_OK) {
