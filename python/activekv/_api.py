@@ -366,6 +366,9 @@ def _host_rows(obj: Any, dtype: str, what: str) -> np.ndarray:
         torch = _torch()
         if not isinstance(obj, torch.Tensor):
             raise InvalidArgument.make(f"{what}: a {type(obj).__name__}, not rows")
+        if obj.is_quantized:  # .numpy() would raise TypeError; their bytes are not rows
+            raise InvalidArgument.make(f"{what}: a quantized {obj.dtype} tensor; rows are "
+                                       "plain elements of the engine's dtype")
         if obj.layout != torch.strided:
             raise InvalidArgument.make(f"{what}: a {obj.layout} tensor; rows are dense")
         if obj.device.type != "cpu":
@@ -383,6 +386,11 @@ def _host_rows(obj: Any, dtype: str, what: str) -> np.ndarray:
         int_t = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[isz]
         arr = obj.view(int_t).numpy() if obj.is_floating_point() else obj.numpy()
     else:
+        if isinstance(obj, np.ma.MaskedArray) and np.ma.is_masked(obj):
+            # np.asarray drops the mask: the hidden elements' data would be
+            # stored as if it were rows
+            raise InvalidArgument.make(f"{what}: a masked array with masked elements; pass "
+                                       "plain rows (np.ma.filled with the value you mean)")
         try:
             arr = np.asarray(obj)
         except Exception as exc:  # noqa: BLE001 - any non-array input
@@ -1126,6 +1134,8 @@ class Context(_ClosedOnExit):
             raise InvalidArgument.make(
                 f"append_layer: k {ka.shape} and v {va.shape}; expected both "
                 f"[n_tokens, {kh}, {hd}]")
+        if ka.shape[0] > 0xFFFFFFFF:  # n_tokens is a uint32_t: ctypes would truncate it
+            raise InvalidArgument.make(f"append_layer: {ka.shape[0]} tokens")
         layer = _uint(layer, "append_layer: layer")
         _need("akv_context_append_layer")
         _check(lib.akv_context_append_layer(h, layer, ka.shape[0], ka.ctypes.data, va.ctypes.data),
