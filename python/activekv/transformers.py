@@ -60,6 +60,8 @@ import ctypes
 import weakref
 from typing import Any, Sequence
 
+import numpy as np
+
 try:
     import torch
     from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
@@ -240,10 +242,17 @@ def engine_config_for(
         raise ValueError("ActiveKVCache: route must be 'stage' or 'arena', not %r" % (route,))
     if dtype not in _DTYPES:
         raise ValueError("ActiveKVCache: K/V dtype %s is not bf16, f16 or f32" % (dtype,))
-    for name, value in (("max_cache_len", max_cache_len), ("batch_size", batch_size),
-                        ("page_tokens", page_tokens), ("device_pool_gib", device_pool_gib)):
-        if isinstance(value, bool) or not isinstance(value, int):
+    sizes = dict(max_cache_len=max_cache_len, batch_size=batch_size, page_tokens=page_tokens,
+                 device_pool_gib=device_pool_gib)
+    if host_pool_gib is not None:
+        sizes["host_pool_gib"] = host_pool_gib
+    for name, value in sizes.items():
+        # Python or numpy integers, never bool, float or str: int() would turn 1.5 GiB
+        # into 1 and "1" into 1 silently
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
             raise TypeError("ActiveKVCache: %s=%r is not an int" % (name, value))
+    max_cache_len, batch_size, page_tokens, device_pool_gib = (
+        int(max_cache_len), int(batch_size), int(page_tokens), int(device_pool_gib))
     if max_cache_len <= 0 or batch_size <= 0:
         raise ValueError("ActiveKVCache: max_cache_len and batch_size must be positive")
     tc = _text_config(config)
@@ -286,7 +295,7 @@ def _buffer_tensor(engine: Any, address: int, nbytes: int, dtype: torch.dtype,
     (zero copy). Its base is an akv export: while it, or any tensor derived from it (those
     update returns), is alive, the engine's memory is not freed (Engine.close defers it),
     so a tensor kept past close() holds stale rows but never freed memory. No stream
-    entry: ordering is the engine's events."""
+    entry: ordering is the engine's events. Called with inference mode off (see _views)."""
     if device.type == "cuda":
         exp = _Export(engine, address, (nbytes,), None, "|u1", True)
         flat = torch.as_tensor(exp, device=device)
@@ -442,7 +451,8 @@ class _Driver:
             shape, dtype, device = self.decode_shape, self.dtype, self.device
             if (key_states.shape == shape and value_states.shape == shape
                     and key_states.dtype is dtype and value_states.dtype is dtype
-                    and key_states.device == device and value_states.device == device):
+                    and key_states.device == device and value_states.device == device
+                    and not key_states.requires_grad and not value_states.requires_grad):
                 return
         for name, t in (("key_states", key_states), ("value_states", value_states)):
             if not isinstance(t, torch.Tensor):
@@ -460,6 +470,14 @@ class _Driver:
         if key_states.shape != value_states.shape:
             raise ValueError("ActiveKVCache: key_states %s and value_states %s differ"
                              % (list(key_states.shape), list(value_states.shape)))
+        if (tokens is not None and torch.is_grad_enabled()
+                and (key_states.requires_grad or value_states.requires_grad)):
+            # The decode row is written in place into the engine's staging buffer, which
+            # cannot carry autograd history (and the history it stages carries none): the
+            # gradient through the cache would silently be wrong. A prefill only copies.
+            raise ValueError("ActiveKVCache: a decode update with K/V that require grad while "
+                             "grad mode is on; the engine's history carries no autograd graph: "
+                             "decode under torch.no_grad() or torch.inference_mode()")
 
     def append(self, d: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.check_states(key_states, value_states, None)
@@ -567,6 +585,14 @@ class _Driver:
         engine alternates between its two staging buffers with a layout fixed at create, so
         the views of one buffer serve every layer of the step that leases it: built once per
         buffer and step instead of once per layer."""
+        # Made with inference mode off, whatever the caller's mode: these tensors outlive
+        # the update (flat for the cache's life, the views for the step), and a tensor made
+        # in inference mode cannot be written outside it, so a later update under no_grad
+        # would fail half way (lease begun, row not written).
+        with torch.inference_mode(False):
+            return self._make_views(view, key)
+
+    def _make_views(self, view, key: tuple):
         base = view.base
         flat = self.buffers.get(base)
         if flat is None:
@@ -789,7 +815,7 @@ class ActiveKVLayer(CacheLayerMixin):
         return self._driver.layer_len[self.dense_index]
 
     def get_max_length(self) -> int:
-        return self.max_cache_len
+        return self._max_cache_len  # a fixed capacity (the engine's max_tokens)
 
     def offload(self):
         pass  # the history is in the engine's pinned host pool already
@@ -918,6 +944,7 @@ class ActiveKVCache(Cache):
             backend=backend, device_ordinal=device.index or 0, host_pool_gib=host_pool_gib,
             device_pool_gib=device_pool_gib, route=route, page_tokens=page_tokens)
         driver = _Driver(ecfg, device, dtype, len(dense), target_pages, burst_pages, log, log_level)
+        max_cache_len = ecfg["max_tokens"]  # a Python int (a numpy one is accepted)
         for d, layer_idx in enumerate(dense):
             layers[layer_idx] = ActiveKVLayer(driver, d, max_cache_len)
         super().__init__(layers=layers)
@@ -997,6 +1024,19 @@ class ActiveKVCache(Cache):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args, **kwargs):
+        """Cache.update with `layer_idx` checked first: list indexing would take -1 as the
+        last layer and True as layer 1, storing one layer's K/V as another's. TypeError
+        for a layer index that is not an integer (bool included), IndexError out of
+        range; nothing changes."""
+        if isinstance(layer_idx, (bool, np.bool_)) or not isinstance(layer_idx, (int, np.integer)):
+            raise TypeError("ActiveKVCache.update: layer_idx=%r is not an integer" % (layer_idx,))
+        if not 0 <= layer_idx < len(self.layers):
+            raise IndexError("ActiveKVCache.update: layer_idx=%d outside the model's %d layers"
+                             % (layer_idx, len(self.layers)))
+        return super().update(key_states, value_states, int(layer_idx), *args, **kwargs)
 
     # -- unsupported Cache operations ----------------------------------------
 

@@ -66,3 +66,130 @@ def test_quantized_torch_tensors_raise_invalid_argument():
         with pytest.raises(akv.InvalidArgument):
             ctx.append_layer(0, q, q)
         assert ctx.length == 0
+
+
+# ------------------------------------------------------------------ the transformers adapter
+
+
+def _cache(batch_size=1, **kw):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig
+
+    from activekv.transformers import ActiveKVCache
+
+    cfg = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    kw = dict(dict(config=cfg, device="cpu", dtype=torch.float32, max_cache_len=8,
+                   page_tokens=4, log=quiet), **kw)
+    return torch, ActiveKVCache(batch_size=batch_size, **kw)
+
+
+def _kv(torch, b, t, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, H, t, D, generator=g), torch.randn(b, H, t, D, generator=g)
+
+
+def _prefill(cache, torch, b=1, t=3):
+    for layer in range(2):
+        cache.update(*_kv(torch, b, t, seed=layer), layer)
+
+
+@pytest.mark.parametrize("value", [1.5, True, "1", 1.0, -1])
+def test_cache_host_pool_gib_that_is_not_an_integer_is_refused_not_truncated(value):
+    with pytest.raises((TypeError, ValueError)):
+        _cache(host_pool_gib=value)
+
+
+def test_cache_numpy_integer_sizes_are_integers():
+    torch, cache = _cache(max_cache_len=np.int64(8), batch_size=np.uint32(1),
+                          host_pool_gib=np.int32(1), page_tokens=np.int16(4))
+    with cache:
+        assert cache.engine.config["max_tokens"] == 8
+        assert cache.engine.config["host_pool_gib"] == 1
+
+
+def test_cache_get_max_length_is_the_capacity():
+    torch, cache = _cache(max_cache_len=8)
+    with cache:
+        assert cache.get_max_length() == 8
+        assert cache.get_max_length(1) == 8
+        assert cache.layers[0].get_max_length() == 8
+
+
+@pytest.mark.parametrize("layer_idx", [-1, -2, True, False, np.bool_(True)])
+def test_cache_update_with_a_negative_or_bool_layer_index_is_refused(layer_idx):
+    """Python's list indexing would take -1 as the last layer and True as
+    layer 1: K/V of one layer stored as another's."""
+    torch, cache = _cache()
+    with cache:
+        with pytest.raises((IndexError, TypeError)):
+            cache.update(*_kv(torch, 1, 3), layer_idx)
+        assert [cache.get_seq_length(i) for i in range(2)] == [0, 0]
+        assert cache.contexts == []
+        _prefill(cache, torch)
+        with pytest.raises((IndexError, TypeError)):
+            cache.update(*_kv(torch, 1, 1), layer_idx)
+        assert [cache.get_seq_length(i) for i in range(2)] == [3, 3]
+
+
+def test_cache_update_with_a_numpy_layer_index():
+    torch, cache = _cache()
+    with cache:
+        for layer in range(2):
+            cache.update(*_kv(torch, 1, 3, seed=layer), np.int64(layer))
+        for layer in range(2):
+            cache.update(*_kv(torch, 1, 1, seed=5 + layer), np.uint8(layer))
+        assert cache.get_seq_length() == 4
+
+
+def test_cache_decode_with_tensors_requiring_grad_is_refused_and_changes_nothing():
+    """Outside torch.no_grad(), K/V of a model that requires grad: writing them
+    into the staging buffer in place failed half way (K written, V not, the
+    layer's length not counted) and left autograd history on the buffer."""
+    torch, cache = _cache(batch_size=2)
+    _, ref = _cache(batch_size=2)
+    with cache, ref:
+        _prefill(cache, torch, b=2)
+        _prefill(ref, torch, b=2)
+        k, v = _kv(torch, 2, 1, seed=9)
+        with pytest.raises(ValueError, match="grad"):
+            cache.update(k.requires_grad_(True), v, 0)
+        with pytest.raises(ValueError, match="grad"):
+            cache.update(k, v.requires_grad_(True) * 1, 0)
+        assert [cache.get_seq_length(i) for i in range(2)] == [3, 3]
+        for layer in range(2):  # under no_grad the same tensors are fine
+            with torch.no_grad():
+                a = cache.update(*_kv(torch, 2, 1, seed=10 + layer), layer)
+            b = ref.update(*_kv(torch, 2, 1, seed=10 + layer), layer)
+            assert not a[0].requires_grad
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        cache.finish()
+        ref.finish()
+        for i in range(2):
+            for layer in range(2):
+                got, want = cache.contexts[i].read(layer, 0, 4), ref.contexts[i].read(layer, 0, 4)
+                assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("first,then", [("inference", "no_grad"), ("no_grad", "inference"),
+                                        ("inference", "plain")])
+def test_cache_decode_steps_under_different_grad_modes(first, then):
+    """The staging buffer's tensors were made under the first step's mode: made
+    in inference mode, a later step outside it failed half way through its
+    first update (an inference tensor cannot be written outside it)."""
+    torch, cache = _cache()
+    _, ref = _cache()
+    modes = {"inference": torch.inference_mode, "no_grad": torch.no_grad,
+             "plain": torch.enable_grad}
+    with cache, ref:
+        _prefill(cache, torch)
+        _prefill(ref, torch)
+        for step, mode in enumerate((first, then, first, then)):
+            for layer in range(2):
+                kv = _kv(torch, 1, 1, seed=20 + 2 * step + layer)
+                with modes[mode]():
+                    a = cache.update(*kv, layer)
+                    b = ref.update(*kv, layer)
+                    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        assert cache.get_seq_length() == 7
