@@ -482,6 +482,14 @@ class _Driver:
     def append(self, d: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.check_states(key_states, value_states, None)
         n = int(key_states.shape[-2])
+        # Every full-attention layer of one forward sees the same tokens: a prefill of
+        # another count than a layer already prefilled (or a decode row at a layer the
+        # prefill skipped) would leave the layers uneven for good, with no way back.
+        held = max(self.layer_len)
+        if held and n != held:
+            raise ValueError("ActiveKVCache: a prefill of %d tokens at full-attention layer %d "
+                             "while the others hold %d rows; every layer's prefill is the same "
+                             "prompt" % (n, d, held))
         if self.layer_len[d] + n > self.max_tokens:
             raise ValueError("ActiveKVCache: %d rows exceed max_cache_len=%d"
                              % (self.layer_len[d] + n, self.max_tokens))

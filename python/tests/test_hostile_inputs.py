@@ -193,3 +193,27 @@ def test_cache_decode_steps_under_different_grad_modes(first, then):
                     b = ref.update(*kv, layer)
                     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
         assert cache.get_seq_length() == 7
+
+
+def test_cache_prefill_of_another_length_than_the_other_layers_is_refused():
+    """A layer's prefill of another token count than the layers already
+    prefilled (or a decode row at a layer the prefill skipped) was appended:
+    the layers then held different lengths for good (UnevenLayers at every
+    step, with no way back). Refused before anything changes."""
+    torch, cache = _cache()
+    _, ref = _cache()
+    with cache, ref:
+        cache.update(*_kv(torch, 1, 3, seed=0), 0)
+        for bad in (_kv(torch, 1, 5, seed=1), _kv(torch, 1, 1, seed=1)):
+            with pytest.raises(ValueError, match="prefill"):
+                cache.update(*bad, 1)
+            assert [cache.get_seq_length(i) for i in range(2)] == [3, 0]
+            with pytest.raises(akv.InvalidArgument):
+                cache.contexts[0].read(1, 0, 1)  # layer 1 holds nothing
+        cache.update(*_kv(torch, 1, 3, seed=1), 1)
+        _prefill(ref, torch)
+        for layer in range(2):
+            a = cache.update(*_kv(torch, 1, 1, seed=7 + layer), layer)
+            b = ref.update(*_kv(torch, 1, 1, seed=7 + layer), layer)
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        assert cache.get_seq_length() == 4
