@@ -501,6 +501,38 @@ class _Driver:
             ctx.append_layer(d, k_host[b], v_host[b])
         self.layer_len[d] += n
 
+    def check_forward(self, key_states: Any, at_boundary: bool) -> None:
+        """What the full-attention layers of a forward will refuse, checked at one of the
+        model's other layers (sliding-window, ...) first, which transformers updates in the
+        same forward and which would otherwise take K/V that the full-attention layers then
+        refuse. Independent of the layer: a closed or failed cache and a batch of another
+        size; at a layer before the first full-attention one (`at_boundary`: the forward
+        starts the next step) also a multi-token update after the prompt and a row past
+        max_cache_len. Raises what the full-attention layer would."""
+        self.usable()
+        if not isinstance(key_states, torch.Tensor) or key_states.dim() != 4:
+            return  # the layer's own update decides
+        batch = int(key_states.shape[0])
+        if self.contexts is None:
+            if batch > self.max_contexts:
+                raise ValueError(
+                    "ActiveKVCache: batch of %d rows but the cache was made for batch_size=%d"
+                    % (batch, self.max_contexts))
+            return
+        if batch != self.batch:
+            raise ValueError("ActiveKVCache holds %d rows, got K of shape %s"
+                             % (self.batch, list(key_states.shape)))
+        if not at_boundary or not max(self.layer_len):
+            return
+        n_new = key_states.shape[-2]
+        if n_new != 1:
+            raise NotImplementedError(
+                "ActiveKVCache: an update of %d tokens after the prompt (chunked prefill, "
+                "assisted or speculative decoding) is not supported; decode one token per "
+                "step" % n_new)
+        if self.layer_len[0] + 1 > self.max_tokens:
+            raise ValueError("ActiveKVCache: a new row exceeds max_cache_len=%d" % self.max_tokens)
+
     # -- decode -------------------------------------------------------------
 
     def begin_step(self) -> None:
@@ -1044,6 +1076,10 @@ class ActiveKVCache(Cache):
         if not 0 <= layer_idx < len(self.layers):
             raise IndexError("ActiveKVCache.update: layer_idx=%d outside the model's %d layers"
                              % (layer_idx, len(self.layers)))
+        if not isinstance(self.layers[layer_idx], ActiveKVLayer):
+            # a hybrid model's other layer: refused here when the full-attention layers
+            # of this forward would refuse it, before this layer takes it
+            self._driver.check_forward(key_states, layer_idx < self.dense_layers[0])
         return super().update(key_states, value_states, int(layer_idx), *args, **kwargs)
 
     # -- unsupported Cache operations ----------------------------------------

@@ -217,3 +217,75 @@ def test_cache_prefill_of_another_length_than_the_other_layers_is_refused():
             b = ref.update(*_kv(torch, 1, 1, seed=7 + layer), layer)
             assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
         assert cache.get_seq_length() == 4
+
+
+def _hybrid_cache(batch_size=1, max_cache_len=16):
+    """Gemma 3 layers: sliding, sliding, full attention."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from transformers import Gemma3TextConfig
+
+    from activekv.transformers import ActiveKVCache
+
+    cfg = Gemma3TextConfig(vocab_size=32, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=8, sliding_window=4,
+                           layer_types=["sliding_attention", "sliding_attention",
+                                        "full_attention"])
+    return torch, ActiveKVCache(config=cfg, device="cpu", dtype=torch.float32,
+                                max_cache_len=max_cache_len, batch_size=batch_size,
+                                page_tokens=4, log=quiet)
+
+
+def _forward(cache, torch, b, t, seed):
+    for layer in range(3):
+        cache.update(*_kv(torch, b, t, seed=seed + layer), layer)
+
+
+def _sliding(cache):
+    return [(layer.keys.clone(), layer.values.clone(), layer.get_seq_length())
+            for layer in cache.layers[:2]]
+
+
+def _same(a, b):
+    return all(torch_equal(x[0], y[0]) and torch_equal(x[1], y[1]) and x[2] == y[2]
+               for x, y in zip(a, b))
+
+
+def torch_equal(a, b):
+    import torch
+
+    return a.shape == b.shape and torch.equal(a, b)
+
+
+def test_hybrid_cache_forward_the_full_layers_refuse_changes_no_sliding_layer():
+    """transformers updates the layers of a forward in order: on a hybrid model
+    the sliding-window layers before the first full-attention one took a
+    multi-token update, a batch of another size or a row past max_cache_len
+    before the full-attention layer refused it, so the sliding layers were a
+    step ahead of the rest."""
+    torch, cache = _hybrid_cache(batch_size=2, max_cache_len=5)
+    with cache:
+        _forward(cache, torch, 2, 3, seed=0)
+        _forward(cache, torch, 2, 1, seed=10)
+        before = _sliding(cache)
+        for b, t, exc in ((2, 2, NotImplementedError), (3, 1, ValueError), (1, 1, ValueError)):
+            with pytest.raises(exc):
+                cache.update(*_kv(torch, b, t, seed=20), 0)
+            assert _same(before, _sliding(cache))
+        _forward(cache, torch, 2, 1, seed=30)  # the fifth and last row
+        before = _sliding(cache)
+        with pytest.raises(ValueError, match="max_cache_len"):
+            cache.update(*_kv(torch, 2, 1, seed=40), 0)
+        assert _same(before, _sliding(cache))
+        assert [cache.get_seq_length(i) for i in range(3)] == [5, 5, 5]
+
+
+def test_hybrid_cache_after_close_refuses_sliding_layers_too():
+    torch, cache = _hybrid_cache()
+    _forward(cache, torch, 1, 3, seed=0)
+    cache.close()
+    before = _sliding(cache)
+    with pytest.raises(akv.BadHandle):
+        cache.update(*_kv(torch, 1, 1, seed=5), 0)
+    assert _same(before, _sliding(cache))
