@@ -506,12 +506,20 @@ class _Driver:
         model's other layers (sliding-window, ...) first, which transformers updates in the
         same forward and which would otherwise take K/V that the full-attention layers then
         refuse. Independent of the layer: a closed or failed cache and a batch of another
-        size; at a layer before the first full-attention one (`at_boundary`: the forward
-        starts the next step) also a multi-token update after the prompt and a row past
-        max_cache_len. Raises what the full-attention layer would."""
+        size or of another dtype or device (the model computes every layer's K/V alike); at
+        a layer before the first full-attention one (`at_boundary`: the forward starts the
+        prefill or the next step) also a prompt or a row past max_cache_len and a
+        multi-token update after the prompt. Raises what the full-attention layer would."""
         self.usable()
         if not isinstance(key_states, torch.Tensor) or key_states.dim() != 4:
             return  # the layer's own update decides
+        if key_states.dtype != self.dtype or key_states.device != self.device:
+            raise ValueError("ActiveKVCache was made for %s on %s, got K %s on %s"
+                             % (self.dtype, self.device, key_states.dtype, key_states.device))
+        n_new = int(key_states.shape[-2])
+        if at_boundary and not max(self.layer_len) and n_new > self.max_tokens:
+            raise ValueError("ActiveKVCache: %d rows exceed max_cache_len=%d"
+                             % (n_new, self.max_tokens))
         batch = int(key_states.shape[0])
         if self.contexts is None:
             if batch > self.max_contexts:
@@ -524,7 +532,6 @@ class _Driver:
                              % (self.batch, list(key_states.shape)))
         if not at_boundary or not max(self.layer_len):
             return
-        n_new = key_states.shape[-2]
         if n_new != 1:
             raise NotImplementedError(
                 "ActiveKVCache: an update of %d tokens after the prompt (chunked prefill, "

@@ -281,6 +281,19 @@ def test_hybrid_cache_forward_the_full_layers_refuse_changes_no_sliding_layer():
         assert [cache.get_seq_length(i) for i in range(3)] == [5, 5, 5]
 
 
+def test_hybrid_cache_prefill_the_full_layers_refuse_changes_no_sliding_layer():
+    torch, cache = _hybrid_cache(max_cache_len=5)
+    with cache:
+        for k, v, exc in (_kv(torch, 1, 6) + (ValueError,),  # past max_cache_len
+                          (_kv(torch, 1, 3)[0].double(), _kv(torch, 1, 3)[1].double(),
+                           ValueError)):
+            with pytest.raises(exc):
+                cache.update(k, v, 0)
+            assert cache.layers[0].get_seq_length() == 0 and cache.layers[0].keys is None
+        _forward(cache, torch, 1, 3, seed=0)
+        assert [cache.get_seq_length(i) for i in range(3)] == [3, 3, 3]
+
+
 def test_hybrid_cache_after_close_refuses_sliding_layers_too():
     torch, cache = _hybrid_cache()
     _forward(cache, torch, 1, 3, seed=0)
