@@ -497,8 +497,20 @@ class _Driver:
         # rows, the host pool's layout), then one device-to-host transfer each for K and V.
         k_host = key_states.detach().transpose(1, 2).contiguous().cpu()
         v_host = value_states.detach().transpose(1, 2).contiguous().cpu()
-        for b, ctx in enumerate(self.contexts):
-            ctx.append_layer(d, k_host[b], v_host[b])
+        done = 0
+        try:
+            for b, ctx in enumerate(self.contexts):
+                ctx.append_layer(d, k_host[b], v_host[b])
+                done += 1
+        except BaseException as exc:
+            if done:
+                # Rows appended cannot be taken back: the rows before the failure hold this
+                # layer's prompt, the others not, and the same prefill again would append
+                # it twice. The cache is unusable (close() remains).
+                self.failed = UnevenLayers.make(
+                    "ActiveKVCache: the prefill of full-attention layer %d failed after %d of "
+                    "%d rows were appended (%r)" % (d, done, len(self.contexts), exc))
+            raise
         self.layer_len[d] += n
 
     def check_forward(self, key_states: Any, at_boundary: bool) -> None:

@@ -302,3 +302,48 @@ def test_hybrid_cache_after_close_refuses_sliding_layers_too():
     with pytest.raises(akv.BadHandle):
         cache.update(*_kv(torch, 1, 1, seed=5), 0)
     assert _same(before, _sliding(cache))
+
+
+def test_cache_prefill_failing_between_rows_is_not_appended_twice(monkeypatch):
+    """A prefill appends a layer's rows row by row (one context each): one that
+    failed after the first row's append left that context a layer ahead, and
+    the same prefill again appended its rows a second time."""
+    torch, cache = _cache(batch_size=2)
+    real = akv.Context.append_layer
+    calls = []
+
+    def flaky(self, layer, k, v):
+        calls.append(layer)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # e.g. Ctrl-C between the two rows
+        return real(self, layer, k, v)
+
+    with cache:
+        monkeypatch.setattr(akv.Context, "append_layer", flaky)
+        with pytest.raises(KeyboardInterrupt):
+            cache.update(*_kv(torch, 2, 3), 0)
+        with pytest.raises(akv.ActiveKVError):  # not taken a second time
+            cache.update(*_kv(torch, 2, 3), 0)
+        assert [c.length for c in cache.contexts] == [0, 0]
+        assert cache.contexts[1].read(0, 0, 0)[0].shape == (0, H, D)
+        with pytest.raises(akv.InvalidArgument):
+            cache.contexts[0].read(0, 3, 1)  # context 0's layer 0 holds 3 rows, not 6
+
+
+def test_cache_prefill_failing_at_the_first_row_changes_nothing(monkeypatch):
+    torch, cache = _cache(batch_size=2)
+    real = akv.Context.append_layer
+    calls = []
+
+    def flaky(self, layer, k, v):
+        calls.append(layer)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(self, layer, k, v)
+
+    with cache:
+        monkeypatch.setattr(akv.Context, "append_layer", flaky)
+        with pytest.raises(KeyboardInterrupt):
+            cache.update(*_kv(torch, 2, 3), 0)
+        _prefill(cache, torch, b=2)  # nothing was appended: the prefill may run again
+        assert [c.length for c in cache.contexts] == [3, 3]
