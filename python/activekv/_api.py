@@ -362,7 +362,10 @@ def _host_rows(obj: Any, dtype: str, what: str) -> np.ndarray:
     are accepted."""
     isz = _ITEMSIZE[dtype]
     mod = type(obj).__module__
-    if mod.startswith("torch"):
+    loaded = sys.modules.get("torch")  # a tensor exists only once torch is imported
+    if mod.startswith("torch") or (loaded is not None and isinstance(obj, loaded.Tensor)):
+        # subclasses defined elsewhere included: np.asarray would refuse bf16 and
+        # tensors that require grad
         torch = _torch()
         if not isinstance(obj, torch.Tensor):
             raise InvalidArgument.make(f"{what}: a {type(obj).__name__}, not rows")

@@ -68,6 +68,29 @@ def test_quantized_torch_tensors_raise_invalid_argument():
         assert ctx.length == 0
 
 
+def test_torch_tensor_subclasses_are_tensors():
+    """A torch.Tensor subclass defined outside torch went through np.asarray:
+    bf16 ones (no numpy type) and ones requiring grad were refused, while
+    plain tensors of the same data are rows."""
+    torch = pytest.importorskip("torch")
+
+    class Mine(torch.Tensor):
+        pass
+
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(2, H, D, generator=g)
+    with akv.Engine(**small(dtype="bf16")) as eng, eng.open_context() as ctx:
+        kb = k.to(torch.bfloat16)
+        ctx.append_layer(0, kb.as_subclass(Mine), kb.as_subclass(Mine))
+        assert np.array_equal(ctx.read(0, 0, 2)[0], kb.view(torch.int16).numpy().view(np.uint16))
+    with akv.Engine(**small()) as eng, eng.open_context() as ctx:
+        sub = k.clone().requires_grad_(True).as_subclass(Mine)
+        ctx.append_layer(0, sub, sub)
+        assert np.array_equal(ctx.read(0, 0, 2)[1], k.numpy())
+        with pytest.raises(akv.InvalidArgument):
+            ctx.append_layer(1, k.half().as_subclass(Mine), k)  # checked as a tensor
+
+
 # ------------------------------------------------------------------ the transformers adapter
 
 
