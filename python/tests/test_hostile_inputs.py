@@ -91,6 +91,39 @@ def test_torch_tensor_subclasses_are_tensors():
             ctx.append_layer(1, k.half().as_subclass(Mine), k)  # checked as a tensor
 
 
+# ------------------------------------------------------------------ views
+
+
+def test_view_geometry_cannot_be_changed_under_its_arrays(engine):
+    """keys/values/kv_tensors build arrays over the staging buffer from the
+    view's base, lengths and strides: a view with len[0] raised, or base or
+    n_contexts changed, handed out arrays over memory that is not the
+    engine's, and reading them crashed the interpreter."""
+    rng = np.random.default_rng(4)
+    ctx = engine.open_context()
+    k, v = rows(rng, 3), rows(rng, 3)
+    ctx.append(k, v)
+    with engine.step([ctx]):
+        for layer in range(L):
+            lease = engine.lease_begin(layer)
+            view = lease.wait_ready()
+            for name, value in (("len", [1 << 26]), ("base", 4096), ("n_contexts", 5000),
+                                ("row_stride", 1 << 30), ("context_stride", 1 << 30),
+                                ("v_offset", 1 << 30), ("kv_heads", 64), ("head_dim", 1 << 20),
+                                ("dtype", "f16"), ("page_tokens", 0), ("page_map", None)):
+                with pytest.raises(AttributeError):
+                    setattr(view, name, value)
+            view.len[0] = 1 << 26  # a new list each time: the view keeps its own
+            with pytest.raises(AttributeError):
+                del view.base
+            assert view.len[0] == 3 and view.n_contexts == 1
+            assert np.array_equal(view.keys(0)[:3], k[layer])
+            assert np.array_equal(view.values(0)[:3], v[layer])
+            attn = lease.mark_consumed()
+            lease.seal(lease.write_back(), attn)
+            lease.retire()
+
+
 # ------------------------------------------------------------------ the transformers adapter
 
 
