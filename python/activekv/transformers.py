@@ -612,6 +612,21 @@ class _Driver:
             self.check(st, "lease_wait_ready")
         self.pending = (d, lease, stream)
         self.next_dense = d + 1
+        try:
+            return self._write_row(d, length, stream, key_states, value_states)
+        except BaseException as exc:
+            # The lease is begun, but the row is not written or not counted (an interrupt,
+            # a failure): sealing it would write back whatever the staging row holds, and
+            # the layer's length would be one short. Nothing recovers that; close()
+            # quarantines the engine and frees it.
+            if self.failed is None:
+                self.failed = exc
+            raise
+
+    def _write_row(self, d: int, length: int, stream: int, key_states: torch.Tensor,
+                   value_states: torch.Tensor):
+        """stage's second half, after the lease began: the row written, the views."""
+        api = self.api
         if self.host_stream is not None:
             # Host backend: Python attention runs on this thread, so the staged history must
             # be complete before update returns.

@@ -403,3 +403,28 @@ def test_cache_prefill_failing_at_the_first_row_changes_nothing(monkeypatch):
             cache.update(*_kv(torch, 2, 3), 0)
         _prefill(cache, torch, b=2)  # nothing was appended: the prefill may run again
         assert [c.length for c in cache.contexts] == [3, 3]
+
+
+def test_cache_decode_interrupted_inside_an_update_leaves_the_cache_unusable(monkeypatch):
+    """An interrupt (Ctrl-C) inside an update after the layer's lease began, before
+    its row was written and counted: the next layer's update sealed the lease
+    and wrote back whatever the staging row held, and the layer's length
+    stayed one short. The cache now refuses further use (Quarantined) and
+    close() frees the engine."""
+    import activekv.transformers as akt
+
+    torch, cache = _cache()
+    _prefill(cache, torch)
+
+    def interrupted(self, view, key):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(akt._Driver, "_views", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cache.update(*_kv(torch, 1, 1, seed=3), 0)
+    monkeypatch.undo()
+    with pytest.raises(akv.Quarantined):
+        cache.update(*_kv(torch, 1, 1, seed=4), 1)
+    engine = cache.engine
+    cache.close()
+    assert engine._handle is None and not engine._pending_destroy
