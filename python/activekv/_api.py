@@ -1294,6 +1294,9 @@ class Lease(_NotCopyable):
         return _receipt(r)
 
 
+_EVERY_CONTEXT = object()  # View._check_live: every context of the view
+
+
 class View:
     """What attention sees of one staged layer (akv_view); valid until the
     lease retires. Row t of context i: K at base + i*context_stride +
@@ -1353,11 +1356,12 @@ class View:
     def _cuda(self) -> bool:
         return self._lease._engine.backend == "cuda"
 
-    def _check_live(self, i: Optional[int] = None) -> None:
+    def _check_live(self, i: Any = _EVERY_CONTEXT) -> None:
         self._lease._h()
-        ctxs = range(self.n_contexts) if i is None else [i]
-        if i is not None and (isinstance(i, bool) or not isinstance(i, (int, np.integer))
-                              or not 0 <= i < self.n_contexts):
+        every = i is _EVERY_CONTEXT  # kv_tensors; keys(None) is refused like keys(1.5)
+        ctxs = range(self.n_contexts) if every else [i]
+        if not every and (isinstance(i, bool) or not isinstance(i, (int, np.integer))
+                          or not 0 <= i < self.n_contexts):
             raise InvalidArgument.make(f"context {i!r} of a view of {self.n_contexts}")
         if self._page_map is not None:
             for c in ctxs:

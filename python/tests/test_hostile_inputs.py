@@ -124,6 +124,26 @@ def test_view_geometry_cannot_be_changed_under_its_arrays(engine):
             lease.retire()
 
 
+def test_view_keys_of_none_raises_invalid_argument(engine):
+    """None meant "every context" inside the view's check and then failed in
+    int(): TypeError instead of the documented InvalidArgument."""
+    rng = np.random.default_rng(5)
+    ctx = engine.open_context()
+    ctx.append(rows(rng, 2), rows(rng, 2))
+    with engine.step([ctx]):
+        for layer in range(L):
+            lease = engine.lease_begin(layer)
+            view = lease.wait_ready()
+            for bad in (None, 1, -1, 0.0, True, np.uint64(1)):  # one context: index 0 only
+                with pytest.raises(akv.InvalidArgument):
+                    view.keys(bad)
+                with pytest.raises(akv.InvalidArgument):
+                    view.values(bad)
+            attn = lease.mark_consumed()
+            lease.seal(lease.write_back(), attn)
+            lease.retire()
+
+
 # ------------------------------------------------------------------ the transformers adapter
 
 
