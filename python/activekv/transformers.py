@@ -1110,11 +1110,20 @@ class ActiveKVCache(Cache):
         if not 0 <= layer_idx < len(self.layers):
             raise IndexError("ActiveKVCache.update: layer_idx=%d outside the model's %d layers"
                              % (layer_idx, len(self.layers)))
-        if not isinstance(self.layers[layer_idx], ActiveKVLayer):
-            # a hybrid model's other layer: refused here when the full-attention layers
-            # of this forward would refuse it, before this layer takes it
-            self._driver.check_forward(key_states, layer_idx < self.dense_layers[0])
-        return super().update(key_states, value_states, int(layer_idx), *args, **kwargs)
+        if isinstance(self.layers[layer_idx], ActiveKVLayer):
+            return super().update(key_states, value_states, int(layer_idx), *args, **kwargs)
+        # A hybrid model's other layer: refused here when the full-attention layers of
+        # this forward would refuse it, before this layer takes it; and, like them, one
+        # thread at a time (Busy while another thread is in a call on the cache).
+        drv = self._driver
+        drv.usable()
+        held = drv.engine._enter("ActiveKVCache.update")
+        try:
+            drv.check_forward(key_states, layer_idx < self.dense_layers[0])
+            return super().update(key_states, value_states, int(layer_idx), *args, **kwargs)
+        finally:
+            if held:
+                drv.engine._leave()
 
     # -- unsupported Cache operations ----------------------------------------
 

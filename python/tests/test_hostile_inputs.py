@@ -448,3 +448,37 @@ def test_cache_decode_interrupted_inside_an_update_leaves_the_cache_unusable(mon
     engine = cache.engine
     cache.close()
     assert engine._handle is None and not engine._pending_destroy
+
+
+def test_hybrid_cache_update_of_a_sliding_layer_from_a_second_thread_is_busy():
+    """One thread at a time (Busy) held for the full-attention layers only: a
+    second thread's update of a sliding-window layer ran alongside the first
+    thread's call and changed that layer."""
+    import threading
+
+    torch, cache = _hybrid_cache()
+    with cache:
+        _forward(cache, torch, 1, 3, seed=0)
+        before = _sliding(cache)
+        inside, release = threading.Event(), threading.Event()
+
+        def hold():  # a thread inside a call on the cache's engine
+            held = cache.engine._enter("test")
+            inside.set()
+            release.wait(10)
+            if held:
+                cache.engine._leave()
+
+        t = threading.Thread(target=hold)
+        t.start()
+        inside.wait(10)
+        try:
+            for layer in range(3):
+                with pytest.raises(akv.Busy):
+                    cache.update(*_kv(torch, 1, 1, seed=9), layer)
+        finally:
+            release.set()
+            t.join()
+        assert _same(before, _sliding(cache))
+        _forward(cache, torch, 1, 1, seed=10)
+        assert [cache.get_seq_length(i) for i in range(3)] == [4, 4, 4]
