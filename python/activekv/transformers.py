@@ -1085,13 +1085,31 @@ class ActiveKVCache(Cache):
         read or appended to; the next decode update begins a new step. Blocks the host."""
         drv = self._driver
         drv.usable()
-        if drv.step_open:
-            drv.end_step()
+        # One thread at a time: end_step's lease calls go to the library directly, so the
+        # engine is taken first (Busy, nothing changed, while another thread is in a call).
+        engine = drv.engine
+        held = engine._enter("ActiveKVCache.finish")
+        try:
+            if drv.step_open:
+                drv.end_step()
+        finally:
+            if held:
+                engine._leave()
 
     def close(self) -> None:
-        """Ends the open step, closes contexts and engine, removes the hooks. Idempotent."""
-        self.detach()
-        self._driver.close()
+        """Ends the open step, closes contexts and engine, removes the hooks. Idempotent.
+        Busy (nothing changed) while another thread is in a call on the cache."""
+        engine = self._driver.engine
+        if engine is None:
+            self.detach()
+            return
+        held = engine._enter("ActiveKVCache.close")  # as finish(): before any lease call
+        try:
+            self.detach()
+            self._driver.close()
+        finally:
+            if held:
+                engine._leave()
 
     def __enter__(self) -> "ActiveKVCache":
         return self

@@ -482,3 +482,44 @@ def test_hybrid_cache_update_of_a_sliding_layer_from_a_second_thread_is_busy():
         assert _same(before, _sliding(cache))
         _forward(cache, torch, 1, 1, seed=10)
         assert [cache.get_seq_length(i) for i in range(3)] == [4, 4, 4]
+
+
+def test_cache_finish_and_close_from_a_second_thread_are_busy_and_change_nothing():
+    """finish() and close() sealed and retired the step's leases through the
+    library's lease calls before the engine's own call refused the second
+    thread: they ran alongside the first thread's call, and the refused call
+    had changed the step."""
+    import threading
+
+    torch, cache = _cache(batch_size=2)
+    _prefill(cache, torch, b=2)
+    for layer in range(2):
+        cache.update(*_kv(torch, 2, 1, seed=3 + layer), layer)
+    stats = cache.stats
+    inside, release = threading.Event(), threading.Event()
+
+    def hold():
+        held = cache.engine._enter("test")
+        inside.set()
+        release.wait(10)
+        if held:
+            cache.engine._leave()
+
+    t = threading.Thread(target=hold)
+    t.start()
+    inside.wait(10)
+    try:
+        for call in (cache.finish, cache.close):
+            with pytest.raises(akv.Busy):
+                call()
+            assert cache.stats == stats and cache._driver.pending is not None
+    finally:
+        release.set()
+        t.join()
+    assert cache.engine is not None
+    for layer in range(2):  # the cache goes on
+        cache.update(*_kv(torch, 2, 1, seed=7 + layer), layer)
+    cache.finish()
+    assert [c.length for c in cache.contexts] == [5, 5]
+    cache.close()
+    assert cache.engine is None
