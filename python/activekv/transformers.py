@@ -78,6 +78,7 @@ from activekv.errors import (
     STATUS_VALUES,
     ActiveKVError,
     BadHandle,
+    Busy,
     LeaseOrder,
     Quarantined,
     StepState,
@@ -712,10 +713,24 @@ class _Driver:
         pending = self.pending
         if pending is None or pending[0] != d or self.failed is not None:
             return  # another cache's forward, or already sealed
-        self.seal_pending()
-        self.hook_seals += 1
-        if len(self.sealed) >= _RETIRE_BATCH:
-            self.try_retire()
+        engine = self.engine
+        try:
+            held = engine._enter("ActiveKVCache forward hook")
+        except Busy:
+            # Another thread is in a call on this cache (this hook fired on a forward of the
+            # same model with another cache): no lease call alongside it; the next update
+            # seals the lease instead.
+            return
+        try:
+            if self.pending is not pending:
+                return
+            self.seal_pending()
+            self.hook_seals += 1
+            if len(self.sealed) >= _RETIRE_BATCH:
+                self.try_retire()
+        finally:
+            if held:
+                engine._leave()
 
     def try_retire(self) -> None:
         """Retires the oldest sealed leases whose fences have all passed; never waits."""

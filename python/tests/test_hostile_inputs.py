@@ -523,3 +523,44 @@ def test_cache_finish_and_close_from_a_second_thread_are_busy_and_change_nothing
     assert [c.length for c in cache.contexts] == [5, 5]
     cache.close()
     assert cache.engine is None
+
+
+def test_cache_forward_hook_on_another_thread_leaves_the_lease_to_the_next_update():
+    """The forward hooks seal through the library's lease calls: a hook firing
+    on one thread (the same model run there with another cache) while the
+    cache's own thread was in a call raced it inside the library. It now
+    leaves the lease to the next update's seal."""
+    import threading
+
+    torch, cache = _cache()
+    _, ref = _cache()
+    with cache, ref:
+        _prefill(cache, torch)
+        _prefill(ref, torch)
+        a = cache.update(*_kv(torch, 1, 1, seed=3), 0)
+        inside, release = threading.Event(), threading.Event()
+
+        def hold():
+            held = cache.engine._enter("test")
+            inside.set()
+            release.wait(10)
+            if held:
+                cache.engine._leave()
+
+        t = threading.Thread(target=hold)
+        t.start()
+        inside.wait(10)
+        try:
+            pending = cache._driver.pending
+            cache._driver.after_attention(0)  # what the hook of layer 0 calls
+            assert cache._driver.pending == pending and cache.stats["hook_seals"] == 0
+        finally:
+            release.set()
+            t.join()
+        b = ref.update(*_kv(torch, 1, 1, seed=3), 0)
+        assert torch.equal(a[0], b[0])
+        for c in (cache, ref):
+            c.update(*_kv(torch, 1, 1, seed=4), 1)
+            c.finish()
+        assert cache.stats["fallback_seals"] == 2
+        assert np.array_equal(cache.contexts[0].read(0, 0, 4)[0], ref.contexts[0].read(0, 0, 4)[0])
