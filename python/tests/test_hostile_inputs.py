@@ -7,6 +7,8 @@ transformers is missing.
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 from numpy.lib.stride_tricks import as_strided
@@ -431,9 +433,9 @@ def test_cache_decode_interrupted_inside_an_update_leaves_the_cache_unusable(mon
     and wrote back whatever the staging row held, and the layer's length
     stayed one short. The cache now refuses further use (Quarantined) and
     close() frees the engine."""
+    torch, cache = _cache()  # skipped without torch and transformers
     import activekv.transformers as akt
 
-    torch, cache = _cache()
     _prefill(cache, torch)
 
     def interrupted(self, view, key):
@@ -454,8 +456,6 @@ def test_hybrid_cache_update_of_a_sliding_layer_from_a_second_thread_is_busy():
     """One thread at a time (Busy) held for the full-attention layers only: a
     second thread's update of a sliding-window layer ran alongside the first
     thread's call and changed that layer."""
-    import threading
-
     torch, cache = _hybrid_cache()
     with cache:
         _forward(cache, torch, 1, 3, seed=0)
@@ -489,8 +489,6 @@ def test_cache_finish_and_close_from_a_second_thread_are_busy_and_change_nothing
     library's lease calls before the engine's own call refused the second
     thread: they ran alongside the first thread's call, and the refused call
     had changed the step."""
-    import threading
-
     torch, cache = _cache(batch_size=2)
     _prefill(cache, torch, b=2)
     for layer in range(2):
@@ -530,8 +528,6 @@ def test_cache_forward_hook_on_another_thread_leaves_the_lease_to_the_next_updat
     on one thread (the same model run there with another cache) while the
     cache's own thread was in a call raced it inside the library. It now
     leaves the lease to the next update's seal."""
-    import threading
-
     torch, cache = _cache()
     _, ref = _cache()
     with cache, ref:
