@@ -96,6 +96,12 @@ _DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
+# A decode update's K/V that require grad under grad mode (see _Driver.check_states).
+_GRAD_REFUSED = ("ActiveKVCache: a decode update with K/V that require grad while grad mode is "
+                 "on; the engine's history carries no autograd graph: decode under "
+                 "torch.no_grad() or torch.inference_mode()")
+
+
 # akv_lease_try_retire's "not yet" (AKV_ERR_NOT_READY, 24): fences pending, nothing changed.
 _NOT_READY = STATUS_VALUES["AKV_ERR_NOT_READY"]
 
@@ -476,9 +482,7 @@ class _Driver:
             # The decode row is written in place into the engine's staging buffer, which
             # cannot carry autograd history (and the history it stages carries none): the
             # gradient through the cache would silently be wrong. A prefill only copies.
-            raise ValueError("ActiveKVCache: a decode update with K/V that require grad while "
-                             "grad mode is on; the engine's history carries no autograd graph: "
-                             "decode under torch.no_grad() or torch.inference_mode()")
+            raise ValueError(_GRAD_REFUSED)
 
     def append(self, d: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.check_states(key_states, value_states, None)
@@ -514,15 +518,16 @@ class _Driver:
             raise
         self.layer_len[d] += n
 
-    def check_forward(self, key_states: Any, at_boundary: bool) -> None:
+    def check_forward(self, key_states: Any, value_states: Any, at_boundary: bool) -> None:
         """What the full-attention layers of a forward will refuse, checked at one of the
         model's other layers (sliding-window, ...) first, which transformers updates in the
         same forward and which would otherwise take K/V that the full-attention layers then
         refuse. Independent of the layer: a closed or failed cache and a batch of another
         size or of another dtype or device (the model computes every layer's K/V alike); at
         a layer before the first full-attention one (`at_boundary`: the forward starts the
-        prefill or the next step) also a prompt or a row past max_cache_len and a
-        multi-token update after the prompt. Raises what the full-attention layer would."""
+        prefill or the next step) also a prompt or a row past max_cache_len, a
+        multi-token update after the prompt and a decode with K/V that require grad under
+        grad mode. Raises what the full-attention layer would."""
         self.usable()
         if not isinstance(key_states, torch.Tensor) or key_states.dim() != 4:
             return  # the layer's own update decides
@@ -552,6 +557,9 @@ class _Driver:
                 "step" % n_new)
         if self.layer_len[0] + 1 > self.max_tokens:
             raise ValueError("ActiveKVCache: a new row exceeds max_cache_len=%d" % self.max_tokens)
+        if torch.is_grad_enabled() and (key_states.requires_grad or (
+                isinstance(value_states, torch.Tensor) and value_states.requires_grad)):
+            raise ValueError(_GRAD_REFUSED)
 
     # -- decode -------------------------------------------------------------
 
@@ -1152,7 +1160,7 @@ class ActiveKVCache(Cache):
         drv.usable()
         held = drv.engine._enter("ActiveKVCache.update")
         try:
-            drv.check_forward(key_states, layer_idx < self.dense_layers[0])
+            drv.check_forward(key_states, value_states, layer_idx < self.dense_layers[0])
             return super().update(key_states, value_states, int(layer_idx), *args, **kwargs)
         finally:
             if held:

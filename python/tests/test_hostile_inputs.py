@@ -372,6 +372,23 @@ def test_hybrid_cache_prefill_the_full_layers_refuse_changes_no_sliding_layer():
         assert [cache.get_seq_length(i) for i in range(3)] == [3, 3, 3]
 
 
+def test_hybrid_cache_decode_requiring_grad_changes_no_sliding_layer():
+    """A model's decode forward with grad mode on: the full-attention layer
+    refused K/V that require grad, after the sliding layers before it had
+    taken theirs (they then ran a token ahead for good)."""
+    torch, cache = _hybrid_cache()
+    with cache:
+        _forward(cache, torch, 1, 3, seed=0)
+        before = _sliding(cache)
+        k, v = _kv(torch, 1, 1, seed=5)
+        with pytest.raises(ValueError, match="grad"):
+            cache.update(k.requires_grad_(True), v, 0)
+        assert _same(before, _sliding(cache))
+        with torch.no_grad():
+            _forward(cache, torch, 1, 1, seed=6)
+        assert [cache.get_seq_length(i) for i in range(3)] == [4, 4, 4]
+
+
 def test_hybrid_cache_after_close_refuses_sliding_layers_too():
     torch, cache = _hybrid_cache()
     _forward(cache, torch, 1, 3, seed=0)
