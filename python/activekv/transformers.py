@@ -526,8 +526,9 @@ class _Driver:
         size or of another dtype or device (the model computes every layer's K/V alike); at
         a layer before the first full-attention one (`at_boundary`: the forward starts the
         prefill or the next step) also a prompt or a row past max_cache_len, a
-        multi-token update after the prompt and a decode with K/V that require grad under
-        grad mode. Raises what the full-attention layer would."""
+        multi-token update after the prompt, a step that cannot begin (StepState,
+        UnevenLayers) and a decode with K/V that require grad under grad mode. Raises what
+        the full-attention layer would."""
         self.usable()
         if not isinstance(key_states, torch.Tensor) or key_states.dim() != 4:
             return  # the layer's own update decides
@@ -557,6 +558,16 @@ class _Driver:
                 "step" % n_new)
         if self.layer_len[0] + 1 > self.max_tokens:
             raise ValueError("ActiveKVCache: a new row exceeds max_cache_len=%d" % self.max_tokens)
+        # begin_step's refusals: the previous step interrupted between layers, a prefill
+        # that did not reach every full-attention layer
+        if self.step_open and self.next_dense != self.n_dense:
+            raise StepState.make(
+                "ActiveKVCache: the open step updated %d of %d full-attention layers"
+                % (self.next_dense, self.n_dense))
+        if min(self.layer_len) != max(self.layer_len):
+            raise UnevenLayers.make(
+                "ActiveKVCache: full-attention layers hold different lengths (%s); a "
+                "prefill did not reach every layer" % (self.layer_len,))
         if torch.is_grad_enabled() and (key_states.requires_grad or (
                 isinstance(value_states, torch.Tensor) and value_states.requires_grad)):
             raise ValueError(_GRAD_REFUSED)

@@ -297,8 +297,9 @@ def test_cache_prefill_of_another_length_than_the_other_layers_is_refused():
         assert cache.get_seq_length() == 4
 
 
-def _hybrid_cache(batch_size=1, max_cache_len=16):
-    """Gemma 3 layers: sliding, sliding, full attention."""
+def _hybrid_cache(batch_size=1, max_cache_len=16,
+                  types=("sliding_attention", "sliding_attention", "full_attention")):
+    """Gemma 3 layers: sliding, sliding, full attention (by default)."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from transformers import Gemma3TextConfig
@@ -306,10 +307,9 @@ def _hybrid_cache(batch_size=1, max_cache_len=16):
     from activekv.transformers import ActiveKVCache
 
     cfg = Gemma3TextConfig(vocab_size=32, hidden_size=32, intermediate_size=64,
-                           num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                           head_dim=8, sliding_window=4,
-                           layer_types=["sliding_attention", "sliding_attention",
-                                        "full_attention"])
+                           num_hidden_layers=len(types), num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=8, sliding_window=4,
+                           layer_types=list(types))
     return torch, ActiveKVCache(config=cfg, device="cpu", dtype=torch.float32,
                                 max_cache_len=max_cache_len, batch_size=batch_size,
                                 page_tokens=4, log=quiet)
@@ -387,6 +387,37 @@ def test_hybrid_cache_decode_requiring_grad_changes_no_sliding_layer():
         with torch.no_grad():
             _forward(cache, torch, 1, 1, seed=6)
         assert [cache.get_seq_length(i) for i in range(3)] == [4, 4, 4]
+
+
+def test_hybrid_cache_forward_after_an_interrupted_one_changes_no_sliding_layer():
+    """A forward after one interrupted between layers (StepState at the first
+    full-attention layer), or after a prefill that skipped a full-attention
+    layer (UnevenLayers there): the sliding layer before it had taken the
+    token first."""
+    types = ("sliding_attention", "full_attention", "sliding_attention", "full_attention")
+    torch, cache = _hybrid_cache(types=types)
+    with cache:
+        for layer in range(4):
+            cache.update(*_kv(torch, 1, 3, seed=layer), layer)
+        for layer in range(2):  # the forward stops after layer 1
+            cache.update(*_kv(torch, 1, 1, seed=10 + layer), layer)
+        before = cache.layers[0].keys.clone()
+        with pytest.raises(akv.StepState):
+            cache.update(*_kv(torch, 1, 1, seed=20), 0)
+        assert torch.equal(before, cache.layers[0].keys)
+        for layer in (2, 3):  # completing the step recovers
+            cache.update(*_kv(torch, 1, 1, seed=10 + layer), layer)
+        for layer in range(4):
+            cache.update(*_kv(torch, 1, 1, seed=30 + layer), layer)
+        assert [cache.get_seq_length(i) for i in range(4)] == [5, 5, 5, 5]
+    torch, cache = _hybrid_cache(types=types)
+    with cache:
+        for layer in range(3):  # the prefill stops before layer 3
+            cache.update(*_kv(torch, 1, 3, seed=layer), layer)
+        before = cache.layers[0].keys.clone()
+        with pytest.raises(akv.UnevenLayers):
+            cache.update(*_kv(torch, 1, 1, seed=20), 0)
+        assert torch.equal(before, cache.layers[0].keys)
 
 
 def test_hybrid_cache_after_close_refuses_sliding_layers_too():
