@@ -362,10 +362,16 @@ def _host_rows(obj: Any, dtype: str, what: str) -> np.ndarray:
     are accepted."""
     isz = _ITEMSIZE[dtype]
     mod = type(obj).__module__
-    if mod.startswith("torch"):
+    loaded = sys.modules.get("torch")  # a tensor exists only once torch is imported
+    if mod.startswith("torch") or (loaded is not None and isinstance(obj, loaded.Tensor)):
+        # subclasses defined elsewhere included: np.asarray would refuse bf16 and
+        # tensors that require grad
         torch = _torch()
         if not isinstance(obj, torch.Tensor):
             raise InvalidArgument.make(f"{what}: a {type(obj).__name__}, not rows")
+        if obj.is_quantized:  # .numpy() would raise TypeError; their bytes are not rows
+            raise InvalidArgument.make(f"{what}: a quantized {obj.dtype} tensor; rows are "
+                                       "plain elements of the engine's dtype")
         if obj.layout != torch.strided:
             raise InvalidArgument.make(f"{what}: a {obj.layout} tensor; rows are dense")
         if obj.device.type != "cpu":
@@ -383,6 +389,11 @@ def _host_rows(obj: Any, dtype: str, what: str) -> np.ndarray:
         int_t = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[isz]
         arr = obj.view(int_t).numpy() if obj.is_floating_point() else obj.numpy()
     else:
+        if isinstance(obj, np.ma.MaskedArray) and np.ma.is_masked(obj):
+            # np.asarray drops the mask: the hidden elements' data would be
+            # stored as if it were rows
+            raise InvalidArgument.make(f"{what}: a masked array with masked elements; pass "
+                                       "plain rows (np.ma.filled with the value you mean)")
         try:
             arr = np.asarray(obj)
         except Exception as exc:  # noqa: BLE001 - any non-array input
@@ -1126,6 +1137,8 @@ class Context(_ClosedOnExit):
             raise InvalidArgument.make(
                 f"append_layer: k {ka.shape} and v {va.shape}; expected both "
                 f"[n_tokens, {kh}, {hd}]")
+        if ka.shape[0] > 0xFFFFFFFF:  # n_tokens is a uint32_t: ctypes would truncate it
+            raise InvalidArgument.make(f"append_layer: {ka.shape[0]} tokens")
         layer = _uint(layer, "append_layer: layer")
         _need("akv_context_append_layer")
         _check(lib.akv_context_append_layer(h, layer, ka.shape[0], ka.ctypes.data, va.ctypes.data),
@@ -1281,6 +1294,9 @@ class Lease(_NotCopyable):
         return _receipt(r)
 
 
+_EVERY_CONTEXT = object()  # View._check_live: every context of the view
+
+
 class View:
     """What attention sees of one staged layer (akv_view); valid until the
     lease retires. Row t of context i: K at base + i*context_stride +
@@ -1294,46 +1310,63 @@ class View:
     otherwise). Writing through them writes the staged
     rows. On the paged route, rows of retained pages are not in the staging
     buffer: those calls raise NotSupported for a context with such pages
-    (read page_map / use the C attention instead)."""
+    (read page_map / use the C attention instead).
+
+    Read-only: keys/values/kv_tensors build arrays from the view's base,
+    lengths and strides, so a changed one would hand out arrays over memory
+    that is not the engine's. Setting an attribute raises AttributeError;
+    ``len`` gives a new list each time and ``page_map`` is a read-only array
+    (the package uses its own copies)."""
 
     def __init__(self, lease: Lease, v: L.akv_view) -> None:
-        self._lease = lease
-        self._c = v
-        self.step: int = v.step
-        self.layer: int = v.layer
-        self.n_contexts: int = v.n_contexts
-        self.kv_heads: int = v.kv_heads
-        self.head_dim: int = v.head_dim
-        self.dtype: str = _inv(DTYPES)[v.dtype]
-        self.base: int = v.base or 0
-        self.row_stride: int = v.row_stride
-        self.context_stride: int = v.context_stride
-        self.v_offset: int = v.v_offset
-        self.len: List[int] = [v.len[i] for i in range(v.n_contexts)]
-        self.page_tokens: int = v.page_tokens
-        self.page_map_stride: int = v.page_map_stride
-        self.pages: int = v.pages or 0
-        self.page_stride: int = v.page_stride
-        self.page_map: Optional[np.ndarray] = None
+        page_map: Optional[np.ndarray] = None
         if v.page_map_host:
             n = v.n_contexts * v.page_map_stride
-            self.page_map = np.ctypeslib.as_array(v.page_map_host, shape=(n,)).copy().reshape(
+            page_map = np.ctypeslib.as_array(v.page_map_host, shape=(n,)).copy().reshape(
                 v.n_contexts, v.page_map_stride)
+        shown = None
+        if page_map is not None:
+            shown = page_map.copy()
+            shown.flags.writeable = False
+        fields = dict(
+            _lease=lease, _c=v, _page_map=page_map,
+            step=v.step, layer=v.layer, n_contexts=v.n_contexts, kv_heads=v.kv_heads,
+            head_dim=v.head_dim, dtype=_inv(DTYPES)[v.dtype], base=v.base or 0,
+            row_stride=v.row_stride, context_stride=v.context_stride, v_offset=v.v_offset,
+            _len=tuple(v.len[i] for i in range(v.n_contexts)), page_tokens=v.page_tokens,
+            page_map_stride=v.page_map_stride, pages=v.pages or 0, page_stride=v.page_stride,
+            page_map=shown)
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def len(self) -> List[int]:
+        """Rows staged per context (the history; the step's row goes at
+        index len[i]); a new list each time."""
+        return list(self._len)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"View.{name} is read-only (the view describes the engine's "
+                             "staging memory)")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"View.{name} is read-only")
 
     @property
     def _cuda(self) -> bool:
         return self._lease._engine.backend == "cuda"
 
-    def _check_live(self, i: Optional[int] = None) -> None:
+    def _check_live(self, i: Any = _EVERY_CONTEXT) -> None:
         self._lease._h()
-        ctxs = range(self.n_contexts) if i is None else [i]
-        if i is not None and (isinstance(i, bool) or not isinstance(i, (int, np.integer))
-                              or not 0 <= i < self.n_contexts):
+        every = i is _EVERY_CONTEXT  # kv_tensors; keys(None) is refused like keys(1.5)
+        ctxs = range(self.n_contexts) if every else [i]
+        if not every and (isinstance(i, bool) or not isinstance(i, (int, np.integer))
+                          or not 0 <= i < self.n_contexts):
             raise InvalidArgument.make(f"context {i!r} of a view of {self.n_contexts}")
-        if self.page_map is not None:
+        if self._page_map is not None:
             for c in ctxs:
-                full = (self.len[c] // self.page_tokens) if self.page_tokens else 0
-                row = self.page_map[c, : min(full, self.page_map_stride)]
+                full = (self._len[c] // self.page_tokens) if self.page_tokens else 0
+                row = self._page_map[c, : min(full, self.page_map_stride)]
                 if (row != L.AKV_PAGE_STAGED).any():
                     raise NotSupported.make(
                         f"context {c}: retained pages are read in place (paged route); the "
@@ -1348,7 +1381,7 @@ class View:
         i = int(i)
         isz = _ITEMSIZE[self.dtype]
         off = i * self.context_stride + (self.v_offset if v else 0)
-        return self._array(off, (self.len[i] + 1, self.kv_heads, self.head_dim),
+        return self._array(off, (self._len[i] + 1, self.kv_heads, self.head_dim),
                            (self.row_stride, self.head_dim * isz, isz))
 
     def keys(self, i: int):
@@ -1368,7 +1401,7 @@ class View:
         self._check_live()
         torch = _torch()
         isz = _ITEMSIZE[self.dtype]
-        rows = max(self.len) + 1
+        rows = max(self._len) + 1
         shape = (self.n_contexts, self.kv_heads, rows, self.head_dim)
         strides = (self.context_stride, self.head_dim * isz, self.row_stride, isz)
         out = []

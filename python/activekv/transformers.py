@@ -60,6 +60,8 @@ import ctypes
 import weakref
 from typing import Any, Sequence
 
+import numpy as np
+
 try:
     import torch
     from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
@@ -76,6 +78,7 @@ from activekv.errors import (
     STATUS_VALUES,
     ActiveKVError,
     BadHandle,
+    Busy,
     LeaseOrder,
     Quarantined,
     StepState,
@@ -91,6 +94,12 @@ _DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 # torch's current CUDA stream as a raw cudaStream_t without building a Stream object
 # (a few microseconds a layer); the public call is the fallback.
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+# A decode update's K/V that require grad under grad mode (see _Driver.check_states).
+_GRAD_REFUSED = ("ActiveKVCache: a decode update with K/V that require grad while grad mode is "
+                 "on; the engine's history carries no autograd graph: decode under "
+                 "torch.no_grad() or torch.inference_mode()")
 
 
 # akv_lease_try_retire's "not yet" (AKV_ERR_NOT_READY, 24): fences pending, nothing changed.
@@ -240,10 +249,17 @@ def engine_config_for(
         raise ValueError("ActiveKVCache: route must be 'stage' or 'arena', not %r" % (route,))
     if dtype not in _DTYPES:
         raise ValueError("ActiveKVCache: K/V dtype %s is not bf16, f16 or f32" % (dtype,))
-    for name, value in (("max_cache_len", max_cache_len), ("batch_size", batch_size),
-                        ("page_tokens", page_tokens), ("device_pool_gib", device_pool_gib)):
-        if isinstance(value, bool) or not isinstance(value, int):
+    sizes = dict(max_cache_len=max_cache_len, batch_size=batch_size, page_tokens=page_tokens,
+                 device_pool_gib=device_pool_gib)
+    if host_pool_gib is not None:
+        sizes["host_pool_gib"] = host_pool_gib
+    for name, value in sizes.items():
+        # Python or numpy integers, never bool, float or str: int() would turn 1.5 GiB
+        # into 1 and "1" into 1 silently
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
             raise TypeError("ActiveKVCache: %s=%r is not an int" % (name, value))
+    max_cache_len, batch_size, page_tokens, device_pool_gib = (
+        int(max_cache_len), int(batch_size), int(page_tokens), int(device_pool_gib))
     if max_cache_len <= 0 or batch_size <= 0:
         raise ValueError("ActiveKVCache: max_cache_len and batch_size must be positive")
     tc = _text_config(config)
@@ -286,7 +302,7 @@ def _buffer_tensor(engine: Any, address: int, nbytes: int, dtype: torch.dtype,
     (zero copy). Its base is an akv export: while it, or any tensor derived from it (those
     update returns), is alive, the engine's memory is not freed (Engine.close defers it),
     so a tensor kept past close() holds stale rows but never freed memory. No stream
-    entry: ordering is the engine's events."""
+    entry: ordering is the engine's events. Called with inference mode off (see _views)."""
     if device.type == "cuda":
         exp = _Export(engine, address, (nbytes,), None, "|u1", True)
         flat = torch.as_tensor(exp, device=device)
@@ -442,7 +458,8 @@ class _Driver:
             shape, dtype, device = self.decode_shape, self.dtype, self.device
             if (key_states.shape == shape and value_states.shape == shape
                     and key_states.dtype is dtype and value_states.dtype is dtype
-                    and key_states.device == device and value_states.device == device):
+                    and key_states.device == device and value_states.device == device
+                    and not key_states.requires_grad and not value_states.requires_grad):
                 return
         for name, t in (("key_states", key_states), ("value_states", value_states)):
             if not isinstance(t, torch.Tensor):
@@ -460,10 +477,24 @@ class _Driver:
         if key_states.shape != value_states.shape:
             raise ValueError("ActiveKVCache: key_states %s and value_states %s differ"
                              % (list(key_states.shape), list(value_states.shape)))
+        if (tokens is not None and torch.is_grad_enabled()
+                and (key_states.requires_grad or value_states.requires_grad)):
+            # The decode row is written in place into the engine's staging buffer, which
+            # cannot carry autograd history (and the history it stages carries none): the
+            # gradient through the cache would silently be wrong. A prefill only copies.
+            raise ValueError(_GRAD_REFUSED)
 
     def append(self, d: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.check_states(key_states, value_states, None)
         n = int(key_states.shape[-2])
+        # Every full-attention layer of one forward sees the same tokens: a prefill of
+        # another count than a layer already prefilled (or a decode row at a layer the
+        # prefill skipped) would leave the layers uneven for good, with no way back.
+        held = max(self.layer_len)
+        if held and n != held:
+            raise ValueError("ActiveKVCache: a prefill of %d tokens at full-attention layer %d "
+                             "while the others hold %d rows; every layer's prefill is the same "
+                             "prompt" % (n, d, held))
         if self.layer_len[d] + n > self.max_tokens:
             raise ValueError("ActiveKVCache: %d rows exceed max_cache_len=%d"
                              % (self.layer_len[d] + n, self.max_tokens))
@@ -471,9 +502,75 @@ class _Driver:
         # rows, the host pool's layout), then one device-to-host transfer each for K and V.
         k_host = key_states.detach().transpose(1, 2).contiguous().cpu()
         v_host = value_states.detach().transpose(1, 2).contiguous().cpu()
-        for b, ctx in enumerate(self.contexts):
-            ctx.append_layer(d, k_host[b], v_host[b])
+        done = 0
+        try:
+            for b, ctx in enumerate(self.contexts):
+                ctx.append_layer(d, k_host[b], v_host[b])
+                done += 1
+        except BaseException as exc:
+            if done:
+                # Rows appended cannot be taken back: the rows before the failure hold this
+                # layer's prompt, the others not, and the same prefill again would append
+                # it twice. The cache is unusable (close() remains).
+                self.failed = UnevenLayers.make(
+                    "ActiveKVCache: the prefill of full-attention layer %d failed after %d of "
+                    "%d rows were appended (%r)" % (d, done, len(self.contexts), exc))
+            raise
         self.layer_len[d] += n
+
+    def check_forward(self, key_states: Any, value_states: Any, at_boundary: bool) -> None:
+        """What the full-attention layers of a forward will refuse, checked at one of the
+        model's other layers (sliding-window, ...) first, which transformers updates in the
+        same forward and which would otherwise take K/V that the full-attention layers then
+        refuse. Independent of the layer: a closed or failed cache and a batch of another
+        size or of another dtype or device (the model computes every layer's K/V alike); at
+        a layer before the first full-attention one (`at_boundary`: the forward starts the
+        prefill or the next step) also a prompt or a row past max_cache_len, a
+        multi-token update after the prompt, a step that cannot begin (StepState,
+        UnevenLayers) and a decode with K/V that require grad under grad mode. Raises what
+        the full-attention layer would."""
+        self.usable()
+        if not isinstance(key_states, torch.Tensor) or key_states.dim() != 4:
+            return  # the layer's own update decides
+        if key_states.dtype != self.dtype or key_states.device != self.device:
+            raise ValueError("ActiveKVCache was made for %s on %s, got K %s on %s"
+                             % (self.dtype, self.device, key_states.dtype, key_states.device))
+        n_new = int(key_states.shape[-2])
+        if at_boundary and not max(self.layer_len) and n_new > self.max_tokens:
+            raise ValueError("ActiveKVCache: %d rows exceed max_cache_len=%d"
+                             % (n_new, self.max_tokens))
+        batch = int(key_states.shape[0])
+        if self.contexts is None:
+            if batch > self.max_contexts:
+                raise ValueError(
+                    "ActiveKVCache: batch of %d rows but the cache was made for batch_size=%d"
+                    % (batch, self.max_contexts))
+            return
+        if batch != self.batch:
+            raise ValueError("ActiveKVCache holds %d rows, got K of shape %s"
+                             % (self.batch, list(key_states.shape)))
+        if not at_boundary or not max(self.layer_len):
+            return
+        if n_new != 1:
+            raise NotImplementedError(
+                "ActiveKVCache: an update of %d tokens after the prompt (chunked prefill, "
+                "assisted or speculative decoding) is not supported; decode one token per "
+                "step" % n_new)
+        if self.layer_len[0] + 1 > self.max_tokens:
+            raise ValueError("ActiveKVCache: a new row exceeds max_cache_len=%d" % self.max_tokens)
+        # begin_step's refusals: the previous step interrupted between layers, a prefill
+        # that did not reach every full-attention layer
+        if self.step_open and self.next_dense != self.n_dense:
+            raise StepState.make(
+                "ActiveKVCache: the open step updated %d of %d full-attention layers"
+                % (self.next_dense, self.n_dense))
+        if min(self.layer_len) != max(self.layer_len):
+            raise UnevenLayers.make(
+                "ActiveKVCache: full-attention layers hold different lengths (%s); a "
+                "prefill did not reach every layer" % (self.layer_len,))
+        if torch.is_grad_enabled() and (key_states.requires_grad or (
+                isinstance(value_states, torch.Tensor) and value_states.requires_grad)):
+            raise ValueError(_GRAD_REFUSED)
 
     # -- decode -------------------------------------------------------------
 
@@ -535,6 +632,21 @@ class _Driver:
             self.check(st, "lease_wait_ready")
         self.pending = (d, lease, stream)
         self.next_dense = d + 1
+        try:
+            return self._write_row(d, length, stream, key_states, value_states)
+        except BaseException as exc:
+            # The lease is begun, but the row is not written or not counted (an interrupt,
+            # a failure): sealing it would write back whatever the staging row holds, and
+            # the layer's length would be one short. Nothing recovers that; close()
+            # quarantines the engine and frees it.
+            if self.failed is None:
+                self.failed = exc
+            raise
+
+    def _write_row(self, d: int, length: int, stream: int, key_states: torch.Tensor,
+                   value_states: torch.Tensor):
+        """stage's second half, after the lease began: the row written, the views."""
+        api = self.api
         if self.host_stream is not None:
             # Host backend: Python attention runs on this thread, so the staged history must
             # be complete before update returns.
@@ -567,6 +679,14 @@ class _Driver:
         engine alternates between its two staging buffers with a layout fixed at create, so
         the views of one buffer serve every layer of the step that leases it: built once per
         buffer and step instead of once per layer."""
+        # Made with inference mode off, whatever the caller's mode: these tensors outlive
+        # the update (flat for the cache's life, the views for the step), and a tensor made
+        # in inference mode cannot be written outside it, so a later update under no_grad
+        # would fail half way (lease begun, row not written).
+        with torch.inference_mode(False):
+            return self._make_views(view, key)
+
+    def _make_views(self, view, key: tuple):
         base = view.base
         flat = self.buffers.get(base)
         if flat is None:
@@ -612,10 +732,24 @@ class _Driver:
         pending = self.pending
         if pending is None or pending[0] != d or self.failed is not None:
             return  # another cache's forward, or already sealed
-        self.seal_pending()
-        self.hook_seals += 1
-        if len(self.sealed) >= _RETIRE_BATCH:
-            self.try_retire()
+        engine = self.engine
+        try:
+            held = engine._enter("ActiveKVCache forward hook")
+        except Busy:
+            # Another thread is in a call on this cache (this hook fired on a forward of the
+            # same model with another cache): no lease call alongside it; the next update
+            # seals the lease instead.
+            return
+        try:
+            if self.pending is not pending:
+                return
+            self.seal_pending()
+            self.hook_seals += 1
+            if len(self.sealed) >= _RETIRE_BATCH:
+                self.try_retire()
+        finally:
+            if held:
+                engine._leave()
 
     def try_retire(self) -> None:
         """Retires the oldest sealed leases whose fences have all passed; never waits."""
@@ -789,7 +923,7 @@ class ActiveKVLayer(CacheLayerMixin):
         return self._driver.layer_len[self.dense_index]
 
     def get_max_length(self) -> int:
-        return self.max_cache_len
+        return self._max_cache_len  # a fixed capacity (the engine's max_tokens)
 
     def offload(self):
         pass  # the history is in the engine's pinned host pool already
@@ -918,6 +1052,7 @@ class ActiveKVCache(Cache):
             backend=backend, device_ordinal=device.index or 0, host_pool_gib=host_pool_gib,
             device_pool_gib=device_pool_gib, route=route, page_tokens=page_tokens)
         driver = _Driver(ecfg, device, dtype, len(dense), target_pages, burst_pages, log, log_level)
+        max_cache_len = ecfg["max_tokens"]  # a Python int (a numpy one is accepted)
         for d, layer_idx in enumerate(dense):
             layers[layer_idx] = ActiveKVLayer(driver, d, max_cache_len)
         super().__init__(layers=layers)
@@ -984,19 +1119,63 @@ class ActiveKVCache(Cache):
         read or appended to; the next decode update begins a new step. Blocks the host."""
         drv = self._driver
         drv.usable()
-        if drv.step_open:
-            drv.end_step()
+        # One thread at a time: end_step's lease calls go to the library directly, so the
+        # engine is taken first (Busy, nothing changed, while another thread is in a call).
+        engine = drv.engine
+        held = engine._enter("ActiveKVCache.finish")
+        try:
+            if drv.step_open:
+                drv.end_step()
+        finally:
+            if held:
+                engine._leave()
 
     def close(self) -> None:
-        """Ends the open step, closes contexts and engine, removes the hooks. Idempotent."""
-        self.detach()
-        self._driver.close()
+        """Ends the open step, closes contexts and engine, removes the hooks. Idempotent.
+        Busy (nothing changed) while another thread is in a call on the cache."""
+        engine = self._driver.engine
+        if engine is None:
+            self.detach()
+            return
+        held = engine._enter("ActiveKVCache.close")  # as finish(): before any lease call
+        try:
+            self.detach()
+            self._driver.close()
+        finally:
+            if held:
+                engine._leave()
 
     def __enter__(self) -> "ActiveKVCache":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args, **kwargs):
+        """Cache.update with `layer_idx` checked first: list indexing would take -1 as the
+        last layer and True as layer 1, storing one layer's K/V as another's. TypeError
+        for a layer index that is not an integer (bool included), IndexError out of
+        range; nothing changes."""
+        if isinstance(layer_idx, (bool, np.bool_)) or not isinstance(layer_idx, (int, np.integer)):
+            raise TypeError("ActiveKVCache.update: layer_idx=%r is not an integer" % (layer_idx,))
+        if not 0 <= layer_idx < len(self.layers):
+            raise IndexError("ActiveKVCache.update: layer_idx=%d outside the model's %d layers"
+                             % (layer_idx, len(self.layers)))
+        if isinstance(self.layers[layer_idx], ActiveKVLayer):
+            return super().update(key_states, value_states, int(layer_idx), *args, **kwargs)
+        # A hybrid model's other layer: refused here when the full-attention layers of
+        # this forward would refuse it, before this layer takes it; and, like them, one
+        # thread at a time (Busy while another thread is in a call on the cache).
+        drv = self._driver
+        drv.usable()
+        held = drv.engine._enter("ActiveKVCache.update")
+        try:
+            drv.check_forward(key_states, value_states, layer_idx < self.dense_layers[0])
+            return super().update(key_states, value_states, int(layer_idx), *args, **kwargs)
+        finally:
+            if held:
+                drv.engine._leave()
 
     # -- unsupported Cache operations ----------------------------------------
 
