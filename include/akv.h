@@ -931,7 +931,10 @@ typedef struct akv_headroom_info {
   uint32_t pages_pending;    /**< asked back during the open step; freed at its end */
   uint64_t bytes;            /**< device bytes allocated for headroom now */
   uint64_t bytes_released;   /**< given back to the caller since create */
-  uint64_t releases, takes;  /**< calls that gave back / took at least one chunk */
+  uint64_t releases;         /**< akv_headroom_release calls that gave back at least one
+                                  chunk, counted when the call returns (inside a step: the
+                                  chunks it marked, freed later) */
+  uint64_t takes;            /**< akv_headroom_take calls that took at least one chunk */
 } akv_headroom_info;
 
 /**

@@ -1,0 +1,119 @@
+/*
+ * test_sequences.c - sequences of valid-looking calls whose every step is
+ * allowed, checked against what akv.h promises afterwards: the figures of
+ * akv_headroom_get, akv_engine_info_get and the admission diagnostics agree
+ * with what happened, refused calls change nothing, and no call reports
+ * AKV_OK for what it did not do.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "internal.h"
+#include "testutil.h"
+
+#define LAYERS 2
+#define ROW_ELEMS 16 /* kv_heads 2 x head_dim 8 */
+
+/* A host engine of LAYERS layers with headroom on `route`: a modelled device
+ * with room for exactly `chunks` chunks of `chunk_pages` pages after the
+ * engine's own allocations. */
+static akv_engine *hr_engine(akv_route route, uint32_t pool_gib, uint32_t chunks,
+                             uint32_t chunk_pages) {
+  akv_engine_config ec = AKV_ENGINE_CONFIG_INIT;
+  akv_engine *e = NULL, *probe = NULL;
+  akv_engine_info pi;
+  const uint32_t slack = route == AKV_ROUTE_PAGED ? 1 : 0;
+  ec.backend = AKV_BACKEND_HOST;
+  ec.n_dense_layers = LAYERS;
+  ec.kv_heads = 2;
+  ec.head_dim = 8;
+  ec.max_tokens = 64;
+  ec.page_tokens = 8;
+  ec.max_contexts = 4;
+  ec.host_pool_gib = 1;
+  ec.device_pool_gib = pool_gib;
+  ec.route = route;
+  ec.log_fn = akvt_silent_log;
+  ec.headroom_gib = 1;
+  ec.headroom_chunk_pages = chunk_pages;
+  assert_int_equal(akv_engine_create(&ec, &probe), AKV_OK);
+  assert_int_equal(akv_engine_info_get(probe, &pi), AKV_OK);
+  assert_int_equal(akv_engine_destroy(probe), AKV_OK);
+  ec.host_fake_free_bytes =
+      pi.device_bytes_allocated + (uint64_t)chunks * (chunk_pages + slack) * pi.page_bytes;
+  assert_int_equal(akv_engine_create(&ec, &e), AKV_OK);
+  return e;
+}
+
+static void fill(akv_context *c, uint32_t n) {
+  static uint16_t k[64 * ROW_ELEMS], v[64 * ROW_ELEMS];
+  for (uint32_t i = 0; i < 64 * ROW_ELEMS; i++) {
+    k[i] = (uint16_t)(i * 7u + 1u);
+    v[i] = (uint16_t)(i * 13u + 3u);
+  }
+  const void *kr[LAYERS] = {k, k}, *vr[LAYERS] = {v, v};
+  assert_int_equal(akv_context_append(c, n, kr, vr), AKV_OK);
+}
+
+/* ------------------------------------------------------------ headroom */
+
+/** akv_headroom_info.releases counts calls: two releases inside one step are
+ *  two calls that gave chunks back, although one step end frees both. */
+static void test_headroom_releases_count_calls_mid_step(void **state) {
+  (void)state;
+  for (int route = AKV_ROUTE_ARENA; route <= AKV_ROUTE_PAGED; route++) {
+    akv_engine *e = hr_engine((akv_route)route, 0, 4, 2);
+    akv_stream s;
+    akv_context *c[2];
+    akv_headroom_info h;
+    uint64_t now = 77, pend = 77;
+    assert_int_equal(akv_stream_create(e, &s), AKV_OK);
+    for (int i = 0; i < 2; i++) {
+      assert_int_equal(akv_context_open(e, NULL, &c[i]), AKV_OK);
+      fill(c[i], 40);
+    }
+    assert_int_equal(akv_step_begin(e, c, 2), AKV_OK);
+    assert_int_equal(akv_headroom_release(e, 1, &now, &pend), AKV_OK);
+    assert_int_equal(now, 0);
+    assert_true(pend > 0);
+    assert_int_equal(akv_headroom_release(e, 1, &now, &pend), AKV_OK);
+    assert_true(pend > 0);
+    assert_int_equal(akv_headroom_get(e, &h), AKV_OK);
+    assert_int_equal(h.pages_pending, 4);
+    assert_int_equal(h.releases, 2);
+    assert_int_equal(akvt_null_layers(e, s, LAYERS), AKV_OK);
+    assert_int_equal(akv_headroom_get(e, &h), AKV_OK);
+    assert_int_equal(h.pages, 4);
+    assert_int_equal(h.pages_pending, 0);
+    assert_int_equal(h.releases, 2);
+    /* Outside a step: one more call, one more count. */
+    assert_int_equal(akv_headroom_release(e, 1, &now, &pend), AKV_OK);
+    assert_true(now > 0);
+    assert_int_equal(akv_headroom_get(e, &h), AKV_OK);
+    assert_int_equal(h.releases, 3);
+    /* Inside a step again, then a quarantine frees it: still one call. */
+    assert_int_equal(akv_step_begin(e, c, 2), AKV_OK);
+    assert_int_equal(akv_headroom_release(e, UINT64_MAX, &now, &pend), AKV_OK);
+    akv_quarantine_report qr;
+    assert_int_equal(akv_engine_quarantine(e, &qr), AKV_OK);
+    assert_int_equal(akv_headroom_get(e, &h), AKV_OK);
+    assert_int_equal(h.pages, 0);
+    assert_int_equal(h.releases, 4);
+    assert_int_equal(akv_stream_destroy(e, s), AKV_OK);
+    assert_int_equal(akv_engine_destroy(e), AKV_OK);
+  }
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_headroom_releases_count_calls_mid_step),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
