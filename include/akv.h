@@ -880,7 +880,9 @@ typedef struct akv_adm_decision {
 AKV_API const char *akv_adm_rule_string(akv_adm_rule rule);
 /**
  * A context's id as admission decisions and explanations name it. Every open
- * attempt (refused ones included) takes the next id: 1, 2, ... up to
+ * that reaches admission, admitted or refused (AKV_ERR_ADMISSION_REFUSED),
+ * takes the next id; an open refused before it (AKV_ERR_REFUSED_QUEUE,
+ * AKV_ERR_STEP_STATE, AKV_ERR_CONFIG, ...) takes none. Ids run 1, 2, ... up to
  * UINT32_MAX - 1, then 1 again, so an id is not reused before 2^32 - 2
  * further attempts; 0 and UINT32_MAX are never issued, and an id stays
  * unique among the engine's open contexts (one an open context holds is
@@ -906,7 +908,10 @@ AKV_API akv_status akv_admission_log(const akv_engine *engine, akv_adm_decision 
 /**
  * Writes one readable paragraph explaining the context's admission: target,
  * burst, pages held, and why it waited or was refused. NUL-terminated,
- * truncated to `cap`. Pass context NULL to explain the last refused open.
+ * truncated to `cap`. Pass context NULL to explain the last refused open:
+ * one refused for want of a host slot (AKV_ERR_REFUSED_QUEUE) or by
+ * admission (AKV_ERR_ADMISSION_REFUSED), whichever came last; opens refused
+ * for other reasons (inside a step, a bad config) are not recorded.
  * Allowed at any time. Returns AKV_OK, AKV_ERR_BAD_HANDLE (engine, or a
  * context not open on this engine), AKV_ERR_INVALID_ARGUMENT (buf NULL or
  * cap == 0).

@@ -111,9 +111,56 @@ static void test_headroom_releases_count_calls_mid_step(void **state) {
   }
 }
 
+/* ----------------------------------------------------------- admission */
+
+/** akv_admission_explain(NULL) explains the last refused open, also one
+ *  refused for want of a host slot (AKV_ERR_REFUSED_QUEUE), and not an
+ *  older admission refusal instead. */
+static void test_explain_names_the_last_refusal_queue_or_admission(void **state) {
+  (void)state;
+  akv_engine *e = akvt_small_engine(AKV_ROUTE_ARENA, 1);
+  akv_context *c[4], *extra = NULL, *big = NULL;
+  akv_context_config cc = AKV_CONTEXT_CONFIG_INIT;
+  char buf[1024];
+  assert_non_null(e);
+  for (int i = 0; i < 4; i++) assert_int_equal(akv_context_open(e, NULL, &c[i]), AKV_OK);
+  assert_int_equal(akv_admission_explain(e, NULL, buf, sizeof buf), AKV_OK);
+  assert_non_null(strstr(buf, "No context has been refused"));
+  assert_int_equal(akv_context_open(e, NULL, &extra), AKV_ERR_REFUSED_QUEUE);
+  assert_null(extra);
+  assert_int_equal(akv_admission_explain(e, NULL, buf, sizeof buf), AKV_OK);
+  assert_null(strstr(buf, "No context has been refused"));
+  assert_non_null(strstr(buf, "host slot"));
+  /* Then an admission refusal: explained instead. */
+  assert_int_equal(akv_context_close(c[3]), AKV_OK);
+  cc.target_pages = UINT32_MAX - 1;
+  assert_int_equal(akv_context_open(e, &cc, &big), AKV_ERR_ADMISSION_REFUSED);
+  assert_int_equal(akv_admission_explain(e, NULL, buf, sizeof buf), AKV_OK);
+  assert_null(strstr(buf, "host slot"));
+  assert_non_null(strstr(buf, "was refused"));
+  /* And a queue refusal again after it. Ids: 1..4 for the first four, none
+   * for the queue refusal, 5 for the admission refusal, 6 now. */
+  assert_int_equal(akv_context_open(e, NULL, &c[3]), AKV_OK);
+  {
+    uint32_t id0 = 0, id3 = 0;
+    assert_int_equal(akv_context_id(c[0], &id0), AKV_OK);
+    assert_int_equal(akv_context_id(c[3], &id3), AKV_OK);
+    assert_int_equal(id3, id0 + 5);
+  }
+  assert_int_equal(akv_context_open(e, NULL, &extra), AKV_ERR_REFUSED_QUEUE);
+  assert_int_equal(akv_admission_explain(e, NULL, buf, sizeof buf), AKV_OK);
+  assert_non_null(strstr(buf, "host slot"));
+  /* Truncated to the buffer, NUL-terminated. */
+  assert_int_equal(akv_admission_explain(e, NULL, buf, 8), AKV_OK);
+  assert_int_equal(strlen(buf), 7);
+  for (int i = 0; i < 4; i++) assert_int_equal(akv_context_close(c[i]), AKV_OK);
+  assert_int_equal(akv_engine_destroy(e), AKV_OK);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_headroom_releases_count_calls_mid_step),
+      cmocka_unit_test(test_explain_names_the_last_refusal_queue_or_admission),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
