@@ -453,7 +453,9 @@ typedef struct akv_engine_info {
   uint64_t copies_h2d, copies_d2h, copies_d2d; /**< copy calls (a batch counts once) */
   uint64_t steps, leases_retired;
   uint64_t backend_ops[AKV_OP_KIND_COUNT]; /**< fallible backend ops issued, per kind */
-  int transport_failed; /**< 1 after any failed backend op */
+  int transport_failed; /**< 1 after any failed backend op, and after any
+                             akv_engine_quarantine (which closes the engine to
+                             all but diagnostics and destroy, failure or not) */
   int quarantined;      /**< 1 after akv_engine_quarantine established completion */
   uint64_t bytes_in_place; /**< paged route: retained bytes handed to attention in place
                                 (neither staged nor copied), so far */

@@ -157,6 +157,31 @@ static void test_explain_names_the_last_refusal_queue_or_admission(void **state)
   assert_int_equal(akv_engine_destroy(e), AKV_OK);
 }
 
+/* ----------------------------------------------------------- quarantine */
+
+/** A quarantine of a healthy engine closes it like a failure does: the
+ *  info says transport_failed (and quarantined) although no backend op
+ *  failed, and every call but diagnostics and destroy is refused. */
+static void test_quarantine_of_a_healthy_engine_reads_as_failed(void **state) {
+  (void)state;
+  akv_engine *e = akvt_small_engine(AKV_ROUTE_STAGE, 0);
+  akv_engine_info a, b;
+  akv_quarantine_report qr;
+  akv_context *c = NULL;
+  assert_non_null(e);
+  assert_int_equal(akv_engine_info_get(e, &a), AKV_OK);
+  assert_int_equal(a.transport_failed, 0);
+  assert_int_equal(akv_engine_quarantine(e, &qr), AKV_OK);
+  assert_int_equal(akv_engine_info_get(e, &b), AKV_OK);
+  assert_int_equal(b.transport_failed, 1);
+  assert_int_equal(b.quarantined, 1);
+  for (int k = 0; k < AKV_OP_KIND_COUNT; k++)
+    if (k != AKV_OP_SYNC) assert_int_equal(b.backend_ops[k], a.backend_ops[k]);
+  assert_int_equal(akv_context_open(e, NULL, &c), AKV_ERR_QUARANTINED);
+  assert_null(c);
+  assert_int_equal(akv_engine_destroy(e), AKV_OK);
+}
+
 /* --------------------------------------------------------------- leases */
 
 static int noop_hook(void *user, const akv_view *view, akv_stream stream) {
@@ -224,6 +249,7 @@ int main(void) {
       cmocka_unit_test(test_headroom_releases_count_calls_mid_step),
       cmocka_unit_test(test_explain_names_the_last_refusal_queue_or_admission),
       cmocka_unit_test(test_try_retire_query_count),
+      cmocka_unit_test(test_quarantine_of_a_healthy_engine_reads_as_failed),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
