@@ -449,7 +449,10 @@ typedef struct akv_engine_info {
   uint64_t staging_bytes;   /**< both staging buffers together */
   uint64_t device_bytes_allocated; /**< everything the engine allocated on the device */
   uint64_t device_peak_bytes;      /**< process peak as the device reports it (0 if unknown) */
-  uint64_t bytes_h2d, bytes_d2h, bytes_d2d; /**< bytes submitted so far */
+  uint64_t bytes_h2d, bytes_d2h, bytes_d2d; /**< bytes submitted so far (H2D: staged rows,
+                                                 page fills and, on the paged route, each
+                                                 step's page map; poison_holes copies are
+                                                 counted nowhere) */
   uint64_t copies_h2d, copies_d2h, copies_d2d; /**< copy calls (a batch counts once) */
   uint64_t steps, leases_retired;
   uint64_t backend_ops[AKV_OP_KIND_COUNT]; /**< fallible backend ops issued, per kind */

@@ -157,6 +157,55 @@ static void test_explain_names_the_last_refusal_queue_or_admission(void **state)
   assert_int_equal(akv_engine_destroy(e), AKV_OK);
 }
 
+/** akv_engine_info counts every H2D copy it submits in both copies_h2d and
+ *  bytes_h2d: on the paged route that includes the step's page map (one
+ *  copy of n x page_map_stride entries per step), besides the page fills
+ *  (one batch) and the staged rows the receipts count. */
+static void test_h2d_bytes_count_the_page_map(void **state) {
+  (void)state;
+  akv_engine *e = akvt_small_engine(AKV_ROUTE_PAGED, 1);
+  akv_stream s;
+  akv_context *c[2];
+  akv_engine_info a, b;
+  uint64_t row_stride = 0;
+  static uint16_t rows[64 * ROW_ELEMS];
+  const void *r3[3] = {rows, rows, rows};
+  uint64_t staged = 0, stride = 0;
+  assert_non_null(e);
+  assert_int_equal(akv_stream_create(e, &s), AKV_OK);
+  for (int i = 0; i < 2; i++) {
+    assert_int_equal(akv_context_open(e, NULL, &c[i]), AKV_OK);
+    assert_int_equal(akv_context_append(c[i], (uint32_t)(9 + i), r3, r3), AKV_OK);
+  }
+  assert_int_equal(akv_engine_info_get(e, &a), AKV_OK);
+  assert_int_equal(akv_step_begin(e, c, 2), AKV_OK);
+  for (uint32_t l = 0; l < 3; l++) {
+    akv_lease *ls;
+    akv_fence attn, tail;
+    akv_view v;
+    akv_receipt r;
+    assert_int_equal(akv_lease_begin(e, l, &ls), AKV_OK);
+    assert_int_equal(akv_lease_wait_ready(ls, s, &v), AKV_OK);
+    stride = v.page_map_stride;
+    row_stride = v.row_stride;
+    assert_int_equal(akv_lease_mark_consumed(ls, s, &attn), AKV_OK);
+    assert_int_equal(akv_lease_write_back(ls, NULL, 0, &tail), AKV_OK);
+    assert_int_equal(akv_lease_seal(ls, tail, attn), AKV_OK);
+    assert_int_equal(akv_lease_retire(ls, &r), AKV_OK);
+    staged += r.bytes_h2d;
+  }
+  assert_int_equal(akv_step_end(e), AKV_OK);
+  assert_int_equal(akv_engine_info_get(e, &b), AKV_OK);
+  assert_true(stride > 0);
+  /* Each context holds one full page of 8 rows: filled for every layer. */
+  const uint64_t fills = 2 * 3 * 8 * row_stride;
+  assert_int_equal(b.copies_h2d - a.copies_h2d, 3 + 1 + 1);
+  assert_int_equal(b.bytes_h2d - a.bytes_h2d, staged + fills + 2 * stride * sizeof(uint32_t));
+  for (int i = 0; i < 2; i++) assert_int_equal(akv_context_close(c[i]), AKV_OK);
+  assert_int_equal(akv_stream_destroy(e, s), AKV_OK);
+  assert_int_equal(akv_engine_destroy(e), AKV_OK);
+}
+
 /* ----------------------------------------------------------- quarantine */
 
 /** A quarantine of a healthy engine closes it like a failure does: the
@@ -250,6 +299,7 @@ int main(void) {
       cmocka_unit_test(test_explain_names_the_last_refusal_queue_or_admission),
       cmocka_unit_test(test_try_retire_query_count),
       cmocka_unit_test(test_quarantine_of_a_healthy_engine_reads_as_failed),
+      cmocka_unit_test(test_h2d_bytes_count_the_page_map),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

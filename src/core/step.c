@@ -97,7 +97,10 @@ static akv_status akv_step_publish_map(akv_engine *e, akv_context *const *ctxs, 
   }
   AKV_CHECK(akv_bk_copy(&e->bk, e->q_h2d, AKV_COPY_H2D, e->page_map_dev, e->page_map_host,
                         (uint64_t)n * stride * sizeof(uint32_t)));
+  /* Invariant (akv.h, akv_engine_info): a copy counted in copies_h2d has
+   * its bytes counted in bytes_h2d, the page map's as the rows'. */
   e->copies_h2d++;
+  e->bytes_h2d += (uint64_t)n * stride * sizeof(uint32_t);
   return AKV_OK;
 fail:
   return akv_transport_failed(e, st, "page map");
