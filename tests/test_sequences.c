@@ -5,6 +5,7 @@
  * with what happened, refused calls change nothing, and no call reports
  * AKV_OK for what it did not do.
  */
+#include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -293,6 +294,82 @@ static void test_try_retire_query_count(void **state) {
   }
 }
 
+/* -------------------------------------------------------------- threads */
+
+/* One thread's share of the hammer: engines of its own, created, filled
+ * with contexts, closed and destroyed, while the other threads do the same
+ * against the same process-wide handle record pools; the functions that
+ * take no engine in between. Counts what went wrong. */
+typedef struct hammer {
+  int failures;
+  akv_engine *dead_engine;
+  akv_context *dead_context;
+} hammer;
+
+static void *hammer_thread(void *arg) {
+  hammer *h = arg;
+  for (int it = 0; it < 25; it++) {
+    akv_engine_config ec = AKV_ENGINE_CONFIG_INIT;
+    akv_fit_report fr;
+    akv_engine *e = NULL;
+    akv_context *c[3] = {NULL, NULL, NULL};
+    ec.backend = AKV_BACKEND_HOST;
+    ec.n_dense_layers = 2;
+    ec.kv_heads = 1;
+    ec.head_dim = 8;
+    ec.max_tokens = 32;
+    ec.page_tokens = 8;
+    ec.max_contexts = 3;
+    ec.host_pool_gib = 1;
+    ec.route = (akv_route)(it % 3);
+    ec.device_pool_gib = it % 3 ? 1 : 0;
+    ec.log_fn = akvt_silent_log;
+    h->failures += akv_fit(&ec, &fr) != AKV_OK || !fr.ok;
+    h->failures += strcmp(akv_status_string(AKV_ERR_BUSY), "unknown status") == 0;
+    h->failures += akv_version_number() != AKV_VERSION_NUMBER;
+    if (akv_engine_create(&ec, &e) != AKV_OK) {
+      h->failures++;
+      continue;
+    }
+    for (int round = 0; round < 4; round++) {
+      for (int i = 0; i < 3; i++) h->failures += akv_context_open(e, NULL, &c[i]) != AKV_OK;
+      for (int i = 0; i < 3; i++) {
+        uint32_t id = 0;
+        h->failures += akv_context_id(c[i], &id) != AKV_OK || id == 0;
+      }
+      for (int i = 0; i < 3; i++) h->failures += akv_context_close(c[i]) != AKV_OK;
+      for (int i = 0; i < 3; i++) h->failures += akv_context_close(c[i]) != AKV_ERR_BAD_HANDLE;
+    }
+    h->failures += akv_context_open(e, NULL, &c[0]) != AKV_OK;
+    h->failures += akv_engine_destroy(e) != AKV_OK;
+    h->dead_engine = e;
+    h->dead_context = c[0]; /* freed with its engine */
+  }
+  return NULL;
+}
+
+/** akv_engine_create / destroy and akv_context_open / close from several
+ *  threads at once (each thread its own engines; the handle record pools
+ *  are shared and take a process-wide mutex), with akv_fit,
+ *  akv_status_string and akv_version_number in between: every call
+ *  succeeds and every dead handle stays dead. Run it under
+ *  -DAKV_SANITIZE=thread to check the locking itself. */
+static void test_threads_create_open_close_destroy(void **state) {
+  (void)state;
+  enum { N = 4 };
+  pthread_t t[N];
+  hammer h[N];
+  memset(h, 0, sizeof h);
+  for (int i = 0; i < N; i++) assert_int_equal(pthread_create(&t[i], NULL, hammer_thread, &h[i]), 0);
+  for (int i = 0; i < N; i++) assert_int_equal(pthread_join(t[i], NULL), 0);
+  for (int i = 0; i < N; i++) {
+    uint32_t len;
+    assert_int_equal(h[i].failures, 0);
+    assert_int_equal(akv_context_length(h[i].dead_context, &len), AKV_ERR_BAD_HANDLE);
+    assert_int_equal(akv_engine_destroy(h[i].dead_engine), AKV_ERR_BAD_HANDLE);
+  }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_headroom_releases_count_calls_mid_step),
@@ -300,6 +377,7 @@ int main(void) {
       cmocka_unit_test(test_try_retire_query_count),
       cmocka_unit_test(test_quarantine_of_a_healthy_engine_reads_as_failed),
       cmocka_unit_test(test_h2d_bytes_count_the_page_map),
+      cmocka_unit_test(test_threads_create_open_close_destroy),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
