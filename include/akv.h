@@ -453,7 +453,9 @@ typedef struct akv_engine_info {
                                                  page fills and, on the paged route, each
                                                  step's page map; poison_holes copies are
                                                  counted nowhere) */
-  uint64_t copies_h2d, copies_d2h, copies_d2d; /**< copy calls (a batch counts once) */
+  uint64_t copies_h2d, copies_d2h, copies_d2d; /**< copy calls submitted (a batch counts
+                                                    once); a submission that failed counts
+                                                    here and in bytes_* nowhere */
   uint64_t steps, leases_retired;
   uint64_t backend_ops[AKV_OP_KIND_COUNT]; /**< fallible backend ops issued, per kind */
   int transport_failed; /**< 1 after any failed backend op, and after any

@@ -63,6 +63,13 @@ static void fill(akv_context *c, uint32_t n) {
   assert_int_equal(akv_context_append(c, n, kr, vr), AKV_OK);
 }
 
+static int noop_hook(void *user, const akv_view *view, akv_stream stream) {
+  (void)user;
+  (void)view;
+  (void)stream;
+  return 0;
+}
+
 /* ------------------------------------------------------------ headroom */
 
 /** akv_headroom_info.releases counts calls: two releases inside one step are
@@ -207,6 +214,72 @@ static void test_h2d_bytes_count_the_page_map(void **state) {
   assert_int_equal(akv_engine_destroy(e), AKV_OK);
 }
 
+/* An engine of 3 layers (akvt_small_engine's geometry) whose `nth` copy
+ * submission fails. */
+static akv_engine *copy_fault_engine(akv_route route, uint32_t pool_gib, uint32_t nth) {
+  akv_engine_config ec = AKV_ENGINE_CONFIG_INIT;
+  akv_engine *e = NULL;
+  ec.backend = AKV_BACKEND_HOST;
+  ec.n_dense_layers = 3;
+  ec.kv_heads = 2;
+  ec.head_dim = 8;
+  ec.max_tokens = 64;
+  ec.page_tokens = 8;
+  ec.max_contexts = 4;
+  ec.host_pool_gib = 1;
+  ec.device_pool_gib = pool_gib;
+  ec.route = route;
+  ec.log_fn = akvt_silent_log;
+  ec.fault_fail_nth = nth;
+  ec.fault_kind = AKV_OP_COPY;
+  assert_int_equal(akv_engine_create(&ec, &e), AKV_OK);
+  return e;
+}
+
+/** A copy whose submission failed is counted nowhere: neither in
+ *  copies_h2d / copies_d2h nor in bytes_h2d / bytes_d2h (a failed batch of
+ *  page fills and a failed write-back counted their bytes before). */
+static void test_failed_copies_count_no_bytes(void **state) {
+  (void)state;
+  static uint16_t rows[64 * ROW_ELEMS];
+  const void *r3[3] = {rows, rows, rows};
+  akv_engine_info info;
+  akv_quarantine_report qr;
+  akv_context *c;
+  akv_stream s;
+  /* Arena route: the first copy is the first step's batch of page fills. */
+  akv_engine *e = copy_fault_engine(AKV_ROUTE_ARENA, 1, 1);
+  assert_int_equal(akv_context_open(e, NULL, &c), AKV_OK);
+  assert_int_equal(akv_context_append(c, 20, r3, r3), AKV_OK);
+  assert_int_equal(akv_step_begin(e, &c, 1), AKV_ERR_BACKEND);
+  assert_int_equal(akv_engine_info_get(e, &info), AKV_OK);
+  assert_int_equal(info.copies_h2d, 0);
+  assert_int_equal(info.bytes_h2d, 0);
+  assert_int_equal(akv_engine_quarantine(e, &qr), AKV_OK);
+  assert_int_equal(akv_engine_destroy(e), AKV_OK);
+  /* Stage route: copy 1 stages layer 0, copy 2 is its write-back. */
+  e = copy_fault_engine(AKV_ROUTE_STAGE, 0, 2);
+  assert_int_equal(akv_stream_create(e, &s), AKV_OK);
+  assert_int_equal(akv_context_open(e, NULL, &c), AKV_OK);
+  assert_int_equal(akv_context_append(c, 20, r3, r3), AKV_OK);
+  assert_int_equal(akv_step_begin(e, &c, 1), AKV_OK);
+  {
+    akv_lease *ls;
+    akv_fence attn, tail;
+    assert_int_equal(akv_lease_begin(e, 0, &ls), AKV_OK);
+    assert_int_equal(akv_lease_attend(ls, s, noop_hook, NULL, &attn), AKV_OK);
+    assert_int_equal(akv_lease_write_back(ls, NULL, 0, &tail), AKV_ERR_BACKEND);
+  }
+  assert_int_equal(akv_engine_info_get(e, &info), AKV_OK);
+  assert_int_equal(info.copies_h2d, 1);
+  assert_int_equal(info.bytes_h2d, 20 * 2 * 32);
+  assert_int_equal(info.copies_d2h, 0);
+  assert_int_equal(info.bytes_d2h, 0);
+  assert_int_equal(akv_engine_quarantine(e, &qr), AKV_OK);
+  assert_int_equal(akv_stream_destroy(e, s), AKV_OK);
+  assert_int_equal(akv_engine_destroy(e), AKV_OK);
+}
+
 /* ----------------------------------------------------------- quarantine */
 
 /** A quarantine of a healthy engine closes it like a failure does: the
@@ -234,12 +307,6 @@ static void test_quarantine_of_a_healthy_engine_reads_as_failed(void **state) {
 
 /* --------------------------------------------------------------- leases */
 
-static int noop_hook(void *user, const akv_view *view, akv_stream stream) {
-  (void)user;
-  (void)view;
-  (void)stream;
-  return 0;
-}
 
 /* Event queries one akv_lease_try_retire issued, polled until it retires:
  * the queries of the successful call (each earlier call made one: the tail
@@ -378,6 +445,7 @@ int main(void) {
       cmocka_unit_test(test_quarantine_of_a_healthy_engine_reads_as_failed),
       cmocka_unit_test(test_h2d_bytes_count_the_page_map),
       cmocka_unit_test(test_threads_create_open_close_destroy),
+      cmocka_unit_test(test_failed_copies_count_no_bytes),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
