@@ -449,11 +449,18 @@ typedef struct akv_engine_info {
   uint64_t staging_bytes;   /**< both staging buffers together */
   uint64_t device_bytes_allocated; /**< everything the engine allocated on the device */
   uint64_t device_peak_bytes;      /**< process peak as the device reports it (0 if unknown) */
-  uint64_t bytes_h2d, bytes_d2h, bytes_d2d; /**< bytes submitted so far */
-  uint64_t copies_h2d, copies_d2h, copies_d2d; /**< copy calls (a batch counts once) */
+  uint64_t bytes_h2d, bytes_d2h, bytes_d2d; /**< bytes submitted so far (H2D: staged rows,
+                                                 page fills and, on the paged route, each
+                                                 step's page map; poison_holes copies are
+                                                 counted nowhere) */
+  uint64_t copies_h2d, copies_d2h, copies_d2d; /**< copy calls submitted (a batch counts
+                                                    once); a submission that failed counts
+                                                    here and in bytes_* nowhere */
   uint64_t steps, leases_retired;
   uint64_t backend_ops[AKV_OP_KIND_COUNT]; /**< fallible backend ops issued, per kind */
-  int transport_failed; /**< 1 after any failed backend op */
+  int transport_failed; /**< 1 after any failed backend op, and after any
+                             akv_engine_quarantine (which closes the engine to
+                             all but diagnostics and destroy, failure or not) */
   int quarantined;      /**< 1 after akv_engine_quarantine established completion */
   uint64_t bytes_in_place; /**< paged route: retained bytes handed to attention in place
                                 (neither staged nor copied), so far */
@@ -833,8 +840,9 @@ AKV_API akv_status akv_lease_retire(akv_lease *lease, akv_receipt *receipt);
  * returns AKV_ERR_NOT_READY and changes nothing (the lease stays sealed,
  * *receipt untouched, the engine's last error untouched, nothing logged):
  * call it again later, or akv_lease_retire to block. Cost: one event query
- * while not ready, four when it retires; no allocation, no lock held across
- * calls. Enqueues nothing. Not thread-safe with other calls on the engine.
+ * while not ready; when it retires, three (tail, attention, history ready),
+ * four for a lease that materialised retained pages device to device (arena
+ * route); no allocation, no lock held across calls. Enqueues nothing. Not thread-safe with other calls on the engine.
  * Returns AKV_OK, AKV_ERR_NOT_READY, AKV_ERR_BAD_HANDLE, AKV_ERR_LEASE_STATE
  * (not sealed), AKV_ERR_BACKEND (a query failed: nothing released, transport
  * failed), AKV_ERR_QUARANTINED.
@@ -880,7 +888,9 @@ typedef struct akv_adm_decision {
 AKV_API const char *akv_adm_rule_string(akv_adm_rule rule);
 /**
  * A context's id as admission decisions and explanations name it. Every open
- * attempt (refused ones included) takes the next id: 1, 2, ... up to
+ * that reaches admission, admitted or refused (AKV_ERR_ADMISSION_REFUSED),
+ * takes the next id; an open refused before it (AKV_ERR_REFUSED_QUEUE,
+ * AKV_ERR_STEP_STATE, AKV_ERR_CONFIG, ...) takes none. Ids run 1, 2, ... up to
  * UINT32_MAX - 1, then 1 again, so an id is not reused before 2^32 - 2
  * further attempts; 0 and UINT32_MAX are never issued, and an id stays
  * unique among the engine's open contexts (one an open context holds is
@@ -906,7 +916,10 @@ AKV_API akv_status akv_admission_log(const akv_engine *engine, akv_adm_decision 
 /**
  * Writes one readable paragraph explaining the context's admission: target,
  * burst, pages held, and why it waited or was refused. NUL-terminated,
- * truncated to `cap`. Pass context NULL to explain the last refused open.
+ * truncated to `cap`. Pass context NULL to explain the last refused open:
+ * one refused for want of a host slot (AKV_ERR_REFUSED_QUEUE) or by
+ * admission (AKV_ERR_ADMISSION_REFUSED), whichever came last; opens refused
+ * for other reasons (inside a step, a bad config) are not recorded.
  * Allowed at any time. Returns AKV_OK, AKV_ERR_BAD_HANDLE (engine, or a
  * context not open on this engine), AKV_ERR_INVALID_ARGUMENT (buf NULL or
  * cap == 0).
@@ -931,7 +944,10 @@ typedef struct akv_headroom_info {
   uint32_t pages_pending;    /**< asked back during the open step; freed at its end */
   uint64_t bytes;            /**< device bytes allocated for headroom now */
   uint64_t bytes_released;   /**< given back to the caller since create */
-  uint64_t releases, takes;  /**< calls that gave back / took at least one chunk */
+  uint64_t releases;         /**< akv_headroom_release calls that gave back at least one
+                                  chunk, counted when the call returns (inside a step: the
+                                  chunks it marked, freed later) */
+  uint64_t takes;            /**< akv_headroom_take calls that took at least one chunk */
 } akv_headroom_info;
 
 /**

@@ -127,11 +127,16 @@ AKV_API akv_status akv_context_open(akv_engine *e, const akv_context_config *con
   uint32_t slot = UINT32_MAX;
   for (uint32_t i = 0; i < e->concurrency && slot == UINT32_MAX; i++)
     if (e->slot_owner[i] == NULL) slot = i;
-  if (slot == UINT32_MAX)
+  if (slot == UINT32_MAX) {
+    /* akv_admission_explain(NULL) explains the last refused open, this kind
+     * included (akv.h); nothing else of the engine changes. */
+    e->refused_queue = true;
+    e->refused_queue_step = e->step;
     return akv_fail(e, AKV_ERR_REFUSED_QUEUE,
                     "context_open: all %u host slots are taken (effective concurrency); queue "
                     "the request and retry after a close",
                     e->concurrency);
+  }
   if (cc.target_pages == AKV_TARGET_FAIR_SHARE) cc.target_pages = akv_default_target(e);
   if (e->n_pages == 0 && (cc.target_pages > 0 || cc.burst_pages > 0)) {
     cc.target_pages = 0;
@@ -150,13 +155,15 @@ AKV_API akv_status akv_context_open(akv_engine *e, const akv_context_config *con
             "context_open: target %u + burst %u raised to %u + %u, the floor of %u pages (the "
             "sink and the newest page)",
             asked_target, asked_burst, cc.target_pages, cc.burst_pages, floor);
-  /* Every attempt takes a fresh id, refused ones included (explain names them). */
+  /* Every open that reaches admission takes a fresh id, refused ones included
+   * (explain names them). */
   const uint32_t id = akv_next_context_id(e);
   st = akv_adm_admit(e->adm, e->step, slot, id, cc.target_pages, cc.burst_pages);
   if (st != AKV_OK) {
     char why[900];
     e->refused_asked_target = asked_target;
     e->refused_target = cc.target_pages;
+    e->refused_queue = false;
     akv_admission_explain(e, NULL, why, sizeof(why));
     return akv_fail(e, st, "context_open: %s", why);
   }

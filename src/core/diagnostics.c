@@ -29,6 +29,17 @@ AKV_API akv_status akv_admission_explain(const akv_engine *e, const akv_context 
   if (!akv_engine_ok(e)) return AKV_ERR_BAD_HANDLE;
   if (buf == NULL || cap == 0) return AKV_ERR_INVALID_ARGUMENT;
   if (c != NULL && (!akv_context_ok(c) || c->engine != e)) return AKV_ERR_BAD_HANDLE;
+  /* Invariant (akv.h): context NULL explains the last refused open, whichever
+   * refusal it was: no host slot (AKV_ERR_REFUSED_QUEUE) here, a device
+   * target that did not fit (AKV_ERR_ADMISSION_REFUSED) from admission. */
+  if (c == NULL && e->refused_queue) {
+    snprintf(buf, cap,
+             "an open was refused at step %llu: all %u host slots were taken (effective "
+             "concurrency %u of max_contexts %u); queue the request and retry after a close.",
+             (unsigned long long)e->refused_queue_step, (unsigned)e->concurrency,
+             (unsigned)e->concurrency, (unsigned)e->cfg.max_contexts);
+    return AKV_OK;
+  }
   size_t n = akv_adm_explain(e->adm, c != NULL ? c->slot : AKV_ADM_NONE, buf, cap);
   /* The admission floor, where it raised what the caller asked for. */
   uint32_t asked_t = c != NULL ? c->asked_target : e->refused_asked_target;

@@ -225,7 +225,6 @@ static akv_status akv_hr_give_back(akv_engine *e, uint32_t n) {
   akv_status st = akv_adm_headroom_remove(e->adm, e->step, n * e->hr_chunk_pages);
   if (st != AKV_OK) return akv_fail(e, st, "headroom release: admission refused the removal");
   akv_hr_free_from(e, e->hr_chunks - n);
-  e->hr_releases++;
   return AKV_OK;
 }
 
@@ -273,6 +272,11 @@ AKV_API akv_status akv_headroom_release(akv_engine *e, uint64_t bytes, uint64_t 
     now = (uint64_t)n * e->hr_alloc_bytes;
   }
   if (st != AKV_OK) return st;
+  /* Invariant (akv.h, akv_headroom_info.releases): one count per call that
+   * gave back at least one chunk, counted here, by the call: chunks marked
+   * inside a step are freed later, several calls' chunks by one step end
+   * (or quarantine), which must not merge their counts. */
+  if (n > 0) e->hr_releases++;
   if (freed_now) *freed_now = now;
   if (pending) *pending = later;
   return AKV_OK;

@@ -243,8 +243,12 @@ struct akv_engine {
   akv_scratch sc_wb;    /* lease_write_back: one row pair per owner */
   akv_scratch sc_fill;  /* step_begin: page fills, in batches of at most its cap */
 
-  /* last refused open: the target it asked for and the floor it was raised to */
+  /* last refused open: the target it asked for and the floor it was raised to
+   * (admission refusals); refused_queue when the last one found no host slot
+   * (AKV_ERR_REFUSED_QUEUE), at step refused_queue_step */
   uint32_t refused_asked_target, refused_target;
+  bool refused_queue;
+  uint64_t refused_queue_step;
 
   /* compute streams handed out by akv_stream_create */
   struct akv_stream_rec streams[8];

@@ -437,11 +437,13 @@ AKV_API akv_status akv_lease_write_back(akv_lease *handle, akv_context *const *o
     ls->written[idx] = 1;
     ls->n_written++;
     ls->bytes_d2h += 2 * e->row_bytes;
-    e->bytes_d2h += 2 * e->row_bytes;
   }
   AKV_CHECK(akv_bk_copy_batch(&e->bk, e->q_d2h, AKV_COPY_D2H, nb, e->sc_wb.dst,
                               (const void *const *)e->sc_wb.src, e->sc_wb.bytes));
+  /* The engine's counters take a batch once it was submitted (akv.h,
+   * akv_engine_info); the lease's receipt figures are the lease's own. */
   e->copies_d2h++;
+  e->bytes_d2h += (uint64_t)nb * 2 * e->row_bytes;
   AKV_CHECK(akv_bk_record(&e->bk, ls->ev_tail, e->q_d2h));
   ls->fence_tail = akv_fence_next();
   tail->serial = ls->fence_tail;

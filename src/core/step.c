@@ -16,7 +16,12 @@ static akv_status akv_step_flush_fills(akv_engine *e, size_t *n) {
   if (*n == 0) return AKV_OK;
   st = akv_bk_copy_batch(&e->bk, e->q_h2d, AKV_COPY_H2D, *n, e->sc_fill.dst,
                          (const void *const *)e->sc_fill.src, e->sc_fill.bytes);
-  if (st == AKV_OK) e->copies_h2d++;
+  /* Invariant (akv.h, akv_engine_info): only a submitted batch counts, in
+   * copies_h2d and with its bytes in bytes_h2d. */
+  if (st == AKV_OK) {
+    e->copies_h2d++;
+    for (size_t i = 0; i < *n; i++) e->bytes_h2d += e->sc_fill.bytes[i];
+  }
   *n = 0;
   return st;
 }
@@ -56,7 +61,6 @@ static akv_status akv_step_fill_pages(akv_engine *e) {
       e->sc_fill.src[n] = akv_host_layer(e, c, l) + (uint64_t)fl->logical * e->page_seg_bytes;
       e->sc_fill.bytes[n] = e->page_seg_bytes;
       n++;
-      e->bytes_h2d += e->page_seg_bytes;
     }
     /* The fill reads host rows: it holds a host page lease until step_end,
      * by which point every lease of the step retired behind it on the same
@@ -97,7 +101,10 @@ static akv_status akv_step_publish_map(akv_engine *e, akv_context *const *ctxs, 
   }
   AKV_CHECK(akv_bk_copy(&e->bk, e->q_h2d, AKV_COPY_H2D, e->page_map_dev, e->page_map_host,
                         (uint64_t)n * stride * sizeof(uint32_t)));
+  /* Invariant (akv.h, akv_engine_info): a copy counted in copies_h2d has
+   * its bytes counted in bytes_h2d, the page map's as the rows'. */
   e->copies_h2d++;
+  e->bytes_h2d += (uint64_t)n * stride * sizeof(uint32_t);
   return AKV_OK;
 fail:
   return akv_transport_failed(e, st, "page map");
