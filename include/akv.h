@@ -842,7 +842,8 @@ AKV_API akv_status akv_lease_retire(akv_lease *lease, akv_receipt *receipt);
  * call it again later, or akv_lease_retire to block. Cost: one event query
  * while not ready; when it retires, three (tail, attention, history ready),
  * four for a lease that materialised retained pages device to device (arena
- * route); no allocation, no lock held across calls. Enqueues nothing. Not thread-safe with other calls on the engine.
+ * route); no allocation, no lock held across calls. Enqueues nothing. Not
+ * thread-safe with other calls on the engine.
  * Returns AKV_OK, AKV_ERR_NOT_READY, AKV_ERR_BAD_HANDLE, AKV_ERR_LEASE_STATE
  * (not sealed), AKV_ERR_BACKEND (a query failed: nothing released, transport
  * failed), AKV_ERR_QUARANTINED.
