@@ -592,11 +592,16 @@ AKV_API akv_status akv_context_close(akv_context *context);
 /**
  * Appends `n_tokens` prefilled rows to every dense layer (synchronous host
  * copy into the pinned pool). k_rows[l] and v_rows[l] point to n_tokens rows of
- * layer l (token-major, row_bytes each). Each layer's rows go after the rows
+ * layer l (token-major, row_bytes each). The two arrays (one pointer per
+ * dense layer) are required even when n_tokens == 0 (NULL arrays:
+ * AKV_ERR_INVALID_ARGUMENT); their entries may be NULL then, as the rows of
+ * akv_context_append_layer may. Each layer's rows go after the rows
  * that layer holds (the same place on every layer unless akv_context_append_layer
  * filled them unevenly; capacity is checked against the layer holding the most).
- * Not allowed while the context is part of an open step. Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT,
- * AKV_ERR_CAPACITY (nothing appended), AKV_ERR_IN_USE, AKV_ERR_QUARANTINED.
+ * Not allowed while the context is part of an open step. Returns AKV_OK,
+ * AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (an array NULL, or a row
+ * pointer NULL with n_tokens > 0), AKV_ERR_CAPACITY (nothing appended),
+ * AKV_ERR_IN_USE, AKV_ERR_QUARANTINED.
  */
 AKV_API akv_status akv_context_append(akv_context *context, uint32_t n_tokens,
                                       const void *const *k_rows, const void *const *v_rows);

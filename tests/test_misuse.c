@@ -333,6 +333,27 @@ static void test_host_delay_bound_is_capped(void **state) {
   assert_int_equal(akv_engine_destroy(e), AKV_OK);
 }
 
+/* akv.h (akv_context_append): the two pointer arrays are required even for
+ * 0 tokens, their entries are not; akv_context_append_layer takes NULL rows
+ * for 0 tokens. Pinned so the two calls keep one documented rule. */
+static void test_append_of_zero_tokens_needs_the_arrays_not_the_rows(void **state) {
+  fx f;
+  const void *none[LAYERS] = {NULL, NULL, NULL};
+  uint32_t len = 7;
+  (void)state;
+  fx_open(&f, AKV_ROUTE_STAGE, 0, 1, 2);
+  assert_int_equal(akv_context_append(f.c[0], 0, NULL, none), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_context_append(f.c[0], 0, none, NULL), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_context_append(f.c[0], 0, none, none), AKV_OK);
+  assert_int_equal(akv_context_append(f.c[0], 1, none, none), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_context_append_layer(f.c[0], 1, 0, NULL, NULL), AKV_OK);
+  assert_int_equal(akv_context_append_layer(f.c[0], 1, 1, NULL, NULL), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_context_length(f.c[0], &len), AKV_OK);
+  assert_int_equal(len, 2);
+  assert_int_equal(akv_context_close(f.c[0]), AKV_OK);
+  fx_close(&f);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_seal_refuses_another_engines_fences),
@@ -342,6 +363,7 @@ int main(void) {
       cmocka_unit_test(test_log_callback_refusal_keeps_last_error),
       cmocka_unit_test(test_context_ids_wrap_past_markers_and_live_ids),
       cmocka_unit_test(test_host_delay_bound_is_capped),
+      cmocka_unit_test(test_append_of_zero_tokens_needs_the_arrays_not_the_rows),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
