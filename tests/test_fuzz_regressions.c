@@ -18,6 +18,7 @@
 #include "akv.h"
 #include "akv_attention.h"
 #include "akv_group.h"
+#include "testutil.h"
 
 /* All lengths 0 with a workspace of 0 bytes, NULL (akv_attention.h: "a
  * workspace of 0 bytes, NULL included, serves calls whose lengths are all
@@ -110,17 +111,9 @@ static void reenter_log(void *user, akv_log_level level, const char *message) {
 static void test_log_callback_failing_diagnostic_does_not_recurse(void **state) {
   (void)state;
   reenter r;
-  akv_engine_config ec = AKV_ENGINE_CONFIG_INIT;
+  akv_engine_config ec = akvt_small_config(AKV_ROUTE_STAGE, 0);
   uint8_t row[2 * 64];
   memset(&r, 0, sizeof(r));
-  ec.backend = AKV_BACKEND_HOST;
-  ec.n_dense_layers = 1;
-  ec.kv_heads = 2;
-  ec.head_dim = 32;
-  ec.max_tokens = 64;
-  ec.page_tokens = 16;
-  ec.host_pool_gib = 1;
-  ec.max_contexts = 1;
   ec.log_fn = reenter_log;
   ec.log_user = &r;
   ec.log_level = AKV_LOG_DEBUG;

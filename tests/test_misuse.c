@@ -237,19 +237,11 @@ static void errlog_fn(void *user, akv_log_level level, const char *message) {
 
 static void test_log_callback_refusal_keeps_last_error(void **state) {
   errlog r;
-  akv_engine_config ec = AKV_ENGINE_CONFIG_INIT;
+  akv_engine_config ec = akvt_small_config(AKV_ROUTE_STAGE, 0);
   akv_context *ctx = NULL;
-  uint8_t row[2 * 64];
+  uint8_t row[2 * ROW_ELEMS];
   (void)state;
   memset(&r, 0, sizeof(r));
-  ec.backend = AKV_BACKEND_HOST;
-  ec.n_dense_layers = 1;
-  ec.kv_heads = 2;
-  ec.head_dim = 32;
-  ec.max_tokens = 64;
-  ec.page_tokens = 16;
-  ec.host_pool_gib = 1;
-  ec.max_contexts = 1;
   ec.log_fn = errlog_fn;
   ec.log_user = &r;
   ec.log_level = AKV_LOG_DEBUG;
@@ -308,19 +300,9 @@ static void test_context_ids_wrap_past_markers_and_live_ids(void **state) {
  * value (UINT32_MAX) had an engine sleep up to 71 minutes before an
  * operation. Above AKV_HOST_DELAY_MAX_US it is refused at create. */
 static void test_host_delay_bound_is_capped(void **state) {
-  akv_engine_config ec = AKV_ENGINE_CONFIG_INIT;
+  akv_engine_config ec = akvt_small_config(AKV_ROUTE_STAGE, 0);
   akv_engine *e = NULL;
   (void)state;
-  ec.backend = AKV_BACKEND_HOST;
-  ec.n_dense_layers = 1;
-  ec.kv_heads = 2;
-  ec.head_dim = 32;
-  ec.max_tokens = 64;
-  ec.page_tokens = 16;
-  ec.host_pool_gib = 1;
-  ec.max_contexts = 1;
-  ec.log_level = AKV_LOG_ERROR;
-  ec.log_fn = NULL;
   ec.host_delay_seed = 7;
   ec.host_delay_max_us = AKV_HOST_DELAY_MAX_US + 1u;
   assert_int_equal(akv_engine_create(&ec, &e), AKV_ERR_CONFIG);

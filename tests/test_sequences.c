@@ -27,21 +27,11 @@
  * engine's own allocations. */
 static akv_engine *hr_engine(akv_route route, uint32_t pool_gib, uint32_t chunks,
                              uint32_t chunk_pages) {
-  akv_engine_config ec = AKV_ENGINE_CONFIG_INIT;
+  akv_engine_config ec = akvt_small_config(route, pool_gib);
   akv_engine *e = NULL, *probe = NULL;
   akv_engine_info pi;
   const uint32_t slack = route == AKV_ROUTE_PAGED ? 1 : 0;
-  ec.backend = AKV_BACKEND_HOST;
   ec.n_dense_layers = LAYERS;
-  ec.kv_heads = 2;
-  ec.head_dim = 8;
-  ec.max_tokens = 64;
-  ec.page_tokens = 8;
-  ec.max_contexts = 4;
-  ec.host_pool_gib = 1;
-  ec.device_pool_gib = pool_gib;
-  ec.route = route;
-  ec.log_fn = akvt_silent_log;
   ec.headroom_gib = 1;
   ec.headroom_chunk_pages = chunk_pages;
   assert_int_equal(akv_engine_create(&ec, &probe), AKV_OK);
@@ -217,19 +207,8 @@ static void test_h2d_bytes_count_the_page_map(void **state) {
 /* An engine of 3 layers (akvt_small_engine's geometry) whose `nth` copy
  * submission fails. */
 static akv_engine *copy_fault_engine(akv_route route, uint32_t pool_gib, uint32_t nth) {
-  akv_engine_config ec = AKV_ENGINE_CONFIG_INIT;
+  akv_engine_config ec = akvt_small_config(route, pool_gib);
   akv_engine *e = NULL;
-  ec.backend = AKV_BACKEND_HOST;
-  ec.n_dense_layers = 3;
-  ec.kv_heads = 2;
-  ec.head_dim = 8;
-  ec.max_tokens = 64;
-  ec.page_tokens = 8;
-  ec.max_contexts = 4;
-  ec.host_pool_gib = 1;
-  ec.device_pool_gib = pool_gib;
-  ec.route = route;
-  ec.log_fn = akvt_silent_log;
   ec.fault_fail_nth = nth;
   ec.fault_kind = AKV_OP_COPY;
   assert_int_equal(akv_engine_create(&ec, &e), AKV_OK);

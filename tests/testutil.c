@@ -103,9 +103,8 @@ akvt_cfg akvt_default_cfg(void) {
   return c;
 }
 
-akv_engine *akvt_small_engine(akv_route route, uint32_t device_pool_gib) {
+akv_engine_config akvt_small_config(akv_route route, uint32_t device_pool_gib) {
   akv_engine_config ec = AKV_ENGINE_CONFIG_INIT;
-  akv_engine *e = NULL;
   ec.backend = AKV_BACKEND_HOST;
   ec.n_dense_layers = 3;
   ec.kv_heads = 2;
@@ -117,6 +116,12 @@ akv_engine *akvt_small_engine(akv_route route, uint32_t device_pool_gib) {
   ec.device_pool_gib = device_pool_gib;
   ec.route = route;
   ec.log_fn = akvt_silent_log;
+  return ec;
+}
+
+akv_engine *akvt_small_engine(akv_route route, uint32_t device_pool_gib) {
+  const akv_engine_config ec = akvt_small_config(route, device_pool_gib);
+  akv_engine *e = NULL;
   if (akv_engine_create(&ec, &e) != AKV_OK) return NULL;
   return e;
 }

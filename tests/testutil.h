@@ -132,6 +132,10 @@ akvt_cfg akvt_default_cfg(void);
 void akvt_run(const akvt_cfg *cfg, akvt_result *out);
 
 /* Creates a host engine with a small geometry (for state-machine tests). */
+/* The config of akvt_small_engine (host backend, 3 dense layers, 2 kv heads
+ * x 8 dims, 64 tokens, pages of 8, 4 contexts, silent log), for tests that
+ * change a field or two before creating it. */
+akv_engine_config akvt_small_config(akv_route route, uint32_t device_pool_gib);
 akv_engine *akvt_small_engine(akv_route route, uint32_t device_pool_gib);
 void akvt_silent_log(void *user, akv_log_level level, const char *message);
 /* The rest of an open step with an attention hook that enqueues nothing:

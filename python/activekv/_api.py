@@ -695,10 +695,8 @@ class Engine(_ClosedOnExit):
         # Checked here too (akv_engine_destroy refuses it as well): before the
         # streams go, and before a destroy deferred behind live arrays, whose
         # refusal could no longer reach the caller.
-        i = L.out_struct(L.akv_engine_info)
-        _check(lib.akv_engine_info_get(self._handle, ctypes.byref(i)), self._handle,
-               "engine close")
-        if i.transport_failed and not i.quarantined:
+        info = self.info()
+        if info.transport_failed and not info.quarantined:
             raise Busy.make("engine close: destroy refused: the transport failed, quarantine "
                             "first; nothing was freed")
         for s in list(self._streams):

@@ -1,11 +1,36 @@
 """Shared fixtures of the package tests (host backend: no GPU needed)."""
+import contextlib
 import os
+import threading
 
 import pytest
 
 import activekv as akv
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+@contextlib.contextmanager
+def held_by_another_thread(engine):
+    """While the block runs, another thread holds the engine's call slot, as
+    a thread inside a call on it would (Engine._enter)."""
+    inside, release = threading.Event(), threading.Event()
+
+    def hold():
+        held = engine._enter("test")
+        inside.set()
+        release.wait(10)
+        if held:
+            engine._leave()
+
+    t = threading.Thread(target=hold)
+    t.start()
+    inside.wait(10)
+    try:
+        yield
+    finally:
+        release.set()
+        t.join()
 
 
 def quiet(level, message):

@@ -14,7 +14,7 @@ import pytest
 
 import activekv as akv
 
-from conftest import quiet, small
+from conftest import held_by_another_thread, quiet, small
 
 L, H, D = 3, 2, 8
 
@@ -532,25 +532,10 @@ def test_a_second_thread_is_refused_while_one_is_in_a_call(engine):
     """Simulates a thread inside a call (it holds the engine's call slot) and
     calls from another: refused with Busy, nothing reaches C."""
     ctx = engine.open_context()
-    inside, release = threading.Event(), threading.Event()
-
-    def hold():
-        held = engine._enter("test")
-        inside.set()
-        release.wait(10)
-        if held:
-            engine._leave()
-
-    t = threading.Thread(target=hold)
-    t.start()
-    inside.wait(10)
-    try:
+    with held_by_another_thread(engine):
         for call in (engine.info, lambda: ctx.length, engine.open_context, engine.close):
             with pytest.raises(akv.Busy, match="another thread"):
                 call()
-    finally:
-        release.set()
-        t.join()
     assert ctx.length == 0
 
 

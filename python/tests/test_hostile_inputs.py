@@ -7,7 +7,6 @@ transformers is missing.
 """
 from __future__ import annotations
 
-import threading
 
 import numpy as np
 import pytest
@@ -15,7 +14,7 @@ from numpy.lib.stride_tricks import as_strided
 
 import activekv as akv
 
-from conftest import quiet, small
+from conftest import held_by_another_thread, quiet, small
 
 L, H, D = 3, 2, 8
 
@@ -508,25 +507,10 @@ def test_hybrid_cache_update_of_a_sliding_layer_from_a_second_thread_is_busy():
     with cache:
         _forward(cache, torch, 1, 3, seed=0)
         before = _sliding(cache)
-        inside, release = threading.Event(), threading.Event()
-
-        def hold():  # a thread inside a call on the cache's engine
-            held = cache.engine._enter("test")
-            inside.set()
-            release.wait(10)
-            if held:
-                cache.engine._leave()
-
-        t = threading.Thread(target=hold)
-        t.start()
-        inside.wait(10)
-        try:
+        with held_by_another_thread(cache.engine):
             for layer in range(3):
                 with pytest.raises(akv.Busy):
                     cache.update(*_kv(torch, 1, 1, seed=9), layer)
-        finally:
-            release.set()
-            t.join()
         assert _same(before, _sliding(cache))
         _forward(cache, torch, 1, 1, seed=10)
         assert [cache.get_seq_length(i) for i in range(3)] == [4, 4, 4]
@@ -542,26 +526,11 @@ def test_cache_finish_and_close_from_a_second_thread_are_busy_and_change_nothing
     for layer in range(2):
         cache.update(*_kv(torch, 2, 1, seed=3 + layer), layer)
     stats = cache.stats
-    inside, release = threading.Event(), threading.Event()
-
-    def hold():
-        held = cache.engine._enter("test")
-        inside.set()
-        release.wait(10)
-        if held:
-            cache.engine._leave()
-
-    t = threading.Thread(target=hold)
-    t.start()
-    inside.wait(10)
-    try:
+    with held_by_another_thread(cache.engine):
         for call in (cache.finish, cache.close):
             with pytest.raises(akv.Busy):
                 call()
             assert cache.stats == stats and cache._driver.pending is not None
-    finally:
-        release.set()
-        t.join()
     assert cache.engine is not None
     for layer in range(2):  # the cache goes on
         cache.update(*_kv(torch, 2, 1, seed=7 + layer), layer)
@@ -582,25 +551,10 @@ def test_cache_forward_hook_on_another_thread_leaves_the_lease_to_the_next_updat
         _prefill(cache, torch)
         _prefill(ref, torch)
         a = cache.update(*_kv(torch, 1, 1, seed=3), 0)
-        inside, release = threading.Event(), threading.Event()
-
-        def hold():
-            held = cache.engine._enter("test")
-            inside.set()
-            release.wait(10)
-            if held:
-                cache.engine._leave()
-
-        t = threading.Thread(target=hold)
-        t.start()
-        inside.wait(10)
-        try:
+        with held_by_another_thread(cache.engine):
             pending = cache._driver.pending
             cache._driver.after_attention(0)  # what the hook of layer 0 calls
             assert cache._driver.pending == pending and cache.stats["hook_seals"] == 0
-        finally:
-            release.set()
-            t.join()
         b = ref.update(*_kv(torch, 1, 1, seed=3), 0)
         assert torch.equal(a[0], b[0])
         for c in (cache, ref):

@@ -26,6 +26,19 @@ def rows(rng, n, dtype=np.float32, layers=L):
     return rng.standard_normal((layers, n, H, D)).astype(dtype)
 
 
+def finish_step(eng, lease, stream):
+    """Seals and retires `lease` (the step's layer 0, made ready), runs the
+    other layers on `stream` and ends the step."""
+    for layer in range(L):
+        if layer:
+            lease = eng.lease_begin(layer)
+            lease.wait_ready(stream)
+        attn = lease.mark_consumed()
+        lease.seal(lease.write_back(), attn)
+        lease.retire()
+    eng.step_end()
+
+
 @pytest.fixture
 def destroys(monkeypatch):
     """Counts akv_engine_destroy calls that freed an engine."""
@@ -95,16 +108,7 @@ def test_wait_ready_with_a_raw_stream_handle_synchronizes_on_the_host_backend():
             release.set()
             timer.join()
             stream.synchronize()
-        attn = lease.mark_consumed()
-        lease.seal(lease.write_back(), attn)
-        lease.retire()
-        for layer in (1, 2):
-            lease = eng.lease_begin(layer)
-            lease.wait_ready(stream.handle)
-            attn = lease.mark_consumed()
-            lease.seal(lease.write_back(), attn)
-            lease.retire()
-        eng.step_end()
+        finish_step(eng, lease, stream.handle)
         stream.destroy()
 
 
@@ -130,16 +134,7 @@ def test_stream_arguments_that_are_not_handles_are_refused(bad):
             lease.wait_ready(bad)
         view = lease.wait_ready(stream)
         assert np.array_equal(view.keys(0)[:3], k[0])
-        attn = lease.mark_consumed()
-        lease.seal(lease.write_back(), attn)
-        lease.retire()
-        for layer in (1, 2):
-            lease = eng.lease_begin(layer)
-            lease.wait_ready(stream)
-            attn = lease.mark_consumed()
-            lease.seal(lease.write_back(), attn)
-            lease.retire()
-        eng.step_end()
+        finish_step(eng, lease, stream)
         stream.destroy()
 
 
@@ -248,18 +243,11 @@ def test_close_with_live_arrays_after_a_transport_failure_waits_for_quarantine()
 
 def _one_step(eng, ctx):
     """One step over ctx on a stream of the engine's; layer 0's K array kept."""
-    kept = []
     stream = eng.stream_create()
     eng.step_begin([ctx])
-    for layer in range(3):
-        lease = eng.lease_begin(layer)
-        view = lease.wait_ready(stream)
-        if layer == 0:
-            kept.append(view.keys(0))
-        attn = lease.mark_consumed()
-        lease.seal(lease.write_back(), attn)
-        lease.retire()
-    eng.step_end()
+    lease = eng.lease_begin(0)
+    kept = [lease.wait_ready(stream).keys(0)]
+    finish_step(eng, lease, stream)
     return kept
 
 

@@ -99,12 +99,12 @@ static akv_status akv_step_publish_map(akv_engine *e, akv_context *const *ctxs, 
       row[p] = phys == AKV_ADM_NONE ? AKV_PAGE_STAGED : e->page_entry[phys];
     }
   }
-  AKV_CHECK(akv_bk_copy(&e->bk, e->q_h2d, AKV_COPY_H2D, e->page_map_dev, e->page_map_host,
-                        (uint64_t)n * stride * sizeof(uint32_t)));
+  const uint64_t bytes = (uint64_t)n * stride * sizeof(uint32_t);
+  AKV_CHECK(akv_bk_copy(&e->bk, e->q_h2d, AKV_COPY_H2D, e->page_map_dev, e->page_map_host, bytes));
   /* Invariant (akv.h, akv_engine_info): a copy counted in copies_h2d has
    * its bytes counted in bytes_h2d, the page map's as the rows'. */
   e->copies_h2d++;
-  e->bytes_h2d += (uint64_t)n * stride * sizeof(uint32_t);
+  e->bytes_h2d += bytes;
   return AKV_OK;
 fail:
   return akv_transport_failed(e, st, "page map");

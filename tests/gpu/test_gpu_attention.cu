@@ -694,6 +694,16 @@ static void test_paged_overflow_marks_context(void **state) {
  * move with the call's longest context) without being cleared in between.
  * Every result is compared bit for bit with a direct call on a fresh,
  * poisoned workspace. */
+/* Poisons d_out (n floats), runs the contiguous launcher on stream s with
+ * the workspace as it is (not poisoned), copies the result to got. */
+static void run_on_workspace_as_is(const akv_attention_args *a, float *d_out, size_t n,
+                                   cudaStream_t s, float *got) {
+  CUDA_OK(cudaMemsetAsync(d_out, 0xFF, n * sizeof(float), s));
+  assert_int_equal(akv_attention_decode_cuda(a, s), AKV_OK);
+  CUDA_OK(cudaStreamSynchronize(s));
+  CUDA_OK(cudaMemcpy(got, d_out, n * sizeof(float), cudaMemcpyDeviceToHost));
+}
+
 static void test_graph_replay_and_workspace_reuse(void **state) {
   (void)state;
   const uint32_t len[3] = {3000, 257, 1100};
@@ -743,19 +753,13 @@ static void test_graph_replay_and_workspace_reuse(void **state) {
     CUDA_OK(cudaMalloc(&d_qws, qb ? qb : 16));
     run_cuda_contig(&q, d_out, d_qws, qb, want_q);
     akv_attention_args b = make_args(&q, true, d_out, d_ws, wsb);
-    CUDA_OK(cudaMemsetAsync(d_out, 0xFF, n * sizeof(float), s));
-    assert_int_equal(akv_attention_decode_cuda(&b, s), AKV_OK);
-    CUDA_OK(cudaStreamSynchronize(s));
-    CUDA_OK(cudaMemcpy(got, d_out, n * sizeof(float), cudaMemcpyDeviceToHost));
+    run_on_workspace_as_is(&b, d_out, n, s, got);
     assert_memory_equal(got, want_q, n * sizeof(float));
     CUDA_OK(cudaFree(d_qws));
     free(want_q);
     problem_free(&q);
   }
-  CUDA_OK(cudaMemsetAsync(d_out, 0xFF, n * sizeof(float), s));
-  assert_int_equal(akv_attention_decode_cuda(&a, s), AKV_OK);
-  CUDA_OK(cudaStreamSynchronize(s));
-  CUDA_OK(cudaMemcpy(got, d_out, n * sizeof(float), cudaMemcpyDeviceToHost));
+  run_on_workspace_as_is(&a, d_out, n, s, got);
   assert_memory_equal(got, want, n * sizeof(float));
 
   CUDA_OK(cudaStreamDestroy(s));
