@@ -34,6 +34,9 @@
  * the warp-streaming CUDA-core kernel. PDL 1 launches the combine kernel
  * with programmatic dependent launch, PIECE_TOKENS cuts chunks into pieces
  * of that many rows (0: whole), COMBINE_WARPS the combine kernel's warps.
+ * -DAKV_ATTN_BENCH_CHUNK_ONLY=1 is a diagnostic, not a variant: the combine
+ * kernel is not launched, so the figure is the chunk kernel's alone (its
+ * outputs are never written and the check reports FAILED, as it must).
  * The defaults below are the library's.
  *
  * Usage: attention_bw [--tokens N] [--chunk N] [--contexts 1,4] [--dtype bf16,fp8]

@@ -118,6 +118,17 @@ namespace {
 #ifndef AKV_ATTN_PDL
 #define AKV_ATTN_PDL 0 /* measured no faster (docs/benchmarks.md) */
 #endif
+/* Benchmark diagnostic, never the library's: 1 = the combine kernel is not
+ * launched, so the benchmark times the chunk kernel alone (docs/benchmarks.md
+ * splits one context's time with it). */
+#ifndef AKV_ATTN_BENCH_CHUNK_ONLY
+#define AKV_ATTN_BENCH_CHUNK_ONLY 0
+#endif
+/* Benchmark diagnostic (never the library's): 1 = the combine kernel is not
+ * launched, so a benchmark times the chunk kernel alone. */
+#ifndef AKV_ATTN_BENCH_CHUNK_ONLY
+#define AKV_ATTN_BENCH_CHUNK_ONLY 0
+#endif
 static_assert(AKV_ATTN_KERNEL >= 1 && AKV_ATTN_KERNEL <= 3, "AKV_ATTN_KERNEL is 1, 2 or 3");
 /* Kernels 2 and 3: the least number of resident blocks per SM asked of the
  * compiler (__launch_bounds__). Kernel 2, for subgroups of up to 4 heads
@@ -479,25 +490,56 @@ __device__ __forceinline__ void pair_f32(const uint32_t *w, int j, uint32_t &x, 
   }
 }
 
+/* Kernel 3's K/V loads: 0 = plain non-coherent loads (__ldg); 64, 128 or
+ * 256 = the same loads with the L2 prefetch-size hint of that many bytes
+ * (ld.global.nc.L2::NB), so that a miss fetches the sector's neighbours
+ * from DRAM with it (the neighbouring kv heads of a row, read by the other
+ * blocks of the same span). The same bytes reach the same registers. */
+#ifndef AKV_ATTN_K3_L2PF
+#define AKV_ATTN_K3_L2PF 0
+#endif
+static_assert(AKV_ATTN_K3_L2PF == 0 || AKV_ATTN_K3_L2PF == 64 || AKV_ATTN_K3_L2PF == 128 ||
+                  AKV_ATTN_K3_L2PF == 256,
+              "AKV_ATTN_K3_L2PF is 0, 64, 128 or 256");
+#define AKV_STR2(x) #x
+#define AKV_STR(x) AKV_STR2(x)
+#define AKV_L2PF_SUFFIX ".L2::" AKV_STR(AKV_ATTN_K3_L2PF) "B"
+
 template <int N>
 struct Words; /* N 32-bit words loaded at once (16 or 8 bytes) */
 template <>
 struct Words<4> {
   static __device__ __forceinline__ void load(uint32_t *w, const char *p) {
+#if AKV_ATTN_K3_L2PF
+    asm("ld.global.nc" AKV_L2PF_SUFFIX ".v4.u32 {%0,%1,%2,%3}, [%4];"
+        : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+        : "l"(p));
+#else
     const uint4 r = __ldg(reinterpret_cast<const uint4 *>(p));
     w[0] = r.x, w[1] = r.y, w[2] = r.z, w[3] = r.w;
+#endif
   }
 };
 template <>
 struct Words<2> {
   static __device__ __forceinline__ void load(uint32_t *w, const char *p) {
+#if AKV_ATTN_K3_L2PF
+    asm("ld.global.nc" AKV_L2PF_SUFFIX ".v2.u32 {%0,%1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "l"(p));
+#else
     const uint2 r = __ldg(reinterpret_cast<const uint2 *>(p));
     w[0] = r.x, w[1] = r.y;
+#endif
   }
 };
 
 #ifndef AKV_ATTN_K3_FP8_F16
 #define AKV_ATTN_K3_FP8_F16 1
+#endif
+/* FP8 on f16 mmas: 1 = P enters the V product as two f16 terms (hi + lo, 22
+ * significant bits, two mmas); 0 = one term (P rounded to f16, 11 bits, one
+ * mma), for the benchmark's comparison. */
+#ifndef AKV_ATTN_K3_PV_SPLIT
+#define AKV_ATTN_K3_PV_SPLIT 1
 #endif
 
 /* Kernel 3: pieces per block, one per warp (AKV_ATTN_K3_SPAN == warps, the
@@ -891,7 +933,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks3())
             const uint32_t a2 = fp8x2_to_h2<E>(__byte_perm(w2, w3, b | ((b + 4u) << 4)));
             const uint32_t a3 = fp8x2_to_h2<E>(__byte_perm(w2, w3, (b + 1u) | ((b + 5u) << 4)));
             float(&a)[4] = acc[q * (C::VEC / 2) + j];
-            mma_f16_16816(a, a0, a1, a2, a3, lo01, lo23);
+            if constexpr (AKV_ATTN_K3_PV_SPLIT != 0) mma_f16_16816(a, a0, a1, a2, a3, lo01, lo23);
             mma_f16_16816(a, a0, a1, a2, a3, hi01, hi23);
           }
         }
@@ -1269,6 +1311,18 @@ akv_status launch_pair(akv_dtype dtype, uint32_t head_dim, int gt, dim3 grid_chu
     cfg.dynamicSmemBytes = smem;
     if (cudaLaunchKernelEx(&cfg, chunk_fn, cp, loc) != cudaSuccess) return AKV_ERR_BACKEND;
   }
+#if AKV_ATTN_BENCH_CHUNK_ONLY
+  /* Benchmark diagnostic build only: the chunk kernel timed alone (the
+   * output is never written; the benchmark's check fails, by design). */
+  (void)grid_combine, (void)pp, (void)combine_fn;
+  return AKV_OK;
+#endif
+#if AKV_ATTN_BENCH_CHUNK_ONLY
+  /* Benchmark diagnostic build only: the chunk kernel timed alone (the
+   * output is never written; the benchmark's check fails, by design). */
+  (void)grid_combine, (void)pp, (void)combine_fn;
+  return AKV_OK;
+#endif
   cfg.gridDim = grid_combine;
   cfg.blockDim = dim3(kCombWarps * 32, 1, 1);
   cfg.dynamicSmemBytes = 0;
