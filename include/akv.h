@@ -463,7 +463,9 @@ typedef struct akv_engine_info {
                              all but diagnostics and destroy, failure or not) */
   int quarantined;      /**< 1 after akv_engine_quarantine established completion */
   uint64_t bytes_in_place; /**< paged route: retained bytes handed to attention in place
-                                (neither staged nor copied), so far */
+                                (neither staged nor copied), so far; counted when
+                                akv_lease_begin succeeds (a begin that failed, its
+                                submissions partial, counts nowhere) */
   /* Headroom (see akv_headroom_get for the full picture). */
   uint32_t headroom_pages;       /**< headroom pages present now */
   uint64_t headroom_bytes;       /**< device bytes they occupy (allocations, slack included) */

@@ -303,6 +303,35 @@ static void test_failed_copies_count_no_bytes(void **state) {
   assert_int_equal(akv_engine_destroy(e), AKV_OK);
 }
 
+/** bytes_in_place counts a lease only once its begin submitted everything:
+ *  a lease_begin whose copy submission failed counts nowhere (it added its
+ *  pages read in place before submitting anything). */
+static void test_failed_lease_begin_counts_nothing_in_place(void **state) {
+  (void)state;
+  static uint16_t rows[64 * ROW_ELEMS];
+  const void *r3[3] = {rows, rows, rows};
+  akv_engine_info info;
+  akv_quarantine_report qr;
+  akv_context *c;
+  akv_lease *ls = NULL;
+  /* Copy 1 is the step's batch of page fills (two full pages of 8 rows),
+   * copy 2 its page map, copy 3 the staged rest of layer 0. Without a
+   * fault the lease reads the two pages in place. */
+  for (uint32_t nth = 0; nth <= 3; nth += 3) {
+    akv_engine *e = copy_fault_engine(AKV_ROUTE_PAGED, 1, nth);
+    assert_int_equal(akv_context_open(e, NULL, &c), AKV_OK);
+    assert_int_equal(akv_context_append(c, 20, r3, r3), AKV_OK);
+    assert_int_equal(akv_step_begin(e, &c, 1), AKV_OK);
+    assert_int_equal(akv_lease_begin(e, 0, &ls), nth == 0 ? AKV_OK : AKV_ERR_BACKEND);
+    assert_int_equal(akv_engine_info_get(e, &info), AKV_OK);
+    assert_int_equal(info.copies_h2d, nth == 0 ? 3 : 2);
+    assert_int_equal(info.bytes_in_place, nth == 0 ? 2 * info.page_bytes / 3 : 0);
+    assert_int_equal(info.transport_failed, nth == 0 ? 0 : 1);
+    assert_int_equal(akv_engine_quarantine(e, &qr), AKV_OK);
+    assert_int_equal(akv_engine_destroy(e), AKV_OK);
+  }
+}
+
 /* ----------------------------------------------------------- quarantine */
 
 /** A quarantine of a healthy engine closes it like a failure does: the
@@ -470,6 +499,7 @@ int main(void) {
       cmocka_unit_test(test_h2d_bytes_count_the_page_map),
       cmocka_unit_test(test_threads_create_open_close_destroy),
       cmocka_unit_test(test_failed_copies_count_no_bytes),
+      cmocka_unit_test(test_failed_lease_begin_counts_nothing_in_place),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
