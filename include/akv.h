@@ -301,7 +301,12 @@ typedef struct akv_engine_config {
 
   /* Memory, explicit whole GiB, never sized from free memory. */
   uint32_t host_pool_gib;   /**< pinned host pool */
-  uint32_t device_pool_gib; /**< device page pool; 0 = pure staging */
+  uint32_t device_pool_gib; /**< device page pool; 0 = pure staging. Arena and paged
+                                 routes: it must hold at least one page and at most
+                                 2^32 - 1 (akv_fit_report.device_pages), else
+                                 AKV_ERR_CONFIG. The stage route never allocates it:
+                                 any value up to the accepted range is taken there
+                                 and not checked against the page */
   uint32_t max_contexts;    /**< requested concurrency */
   akv_fit_mode fit_mode;
   akv_route route;
@@ -367,7 +372,8 @@ typedef struct akv_fit_report {
   uint32_t ok;             /**< 1 when max_contexts fits */
   uint32_t host_pool_gib_needed;  /**< smallest host_pool_gib that fits max_contexts */
   uint64_t page_bytes;     /**< page_tokens * n_dense_layers * row_bytes * 2 */
-  uint64_t device_pages;   /**< floor(device_pool_bytes / page_bytes) */
+  uint64_t device_pages;   /**< floor(device_pool_bytes / page_bytes) (the stage route
+                                allocates none of them: engine info says 0 there) */
   char line[512];          /**< the formula with every term, as logged */
 } akv_fit_report;
 
@@ -375,7 +381,9 @@ typedef struct akv_fit_report {
  * Host-fit arithmetic of DESIGN §3 for a config, without creating anything.
  * Thread-safe. Returns AKV_OK (see report->ok for the verdict),
  * AKV_ERR_INVALID_ARGUMENT (NULL) or AKV_ERR_CONFIG (bad geometry, a size
- * that does not fit 64 bits, or, for a config an engine would be created
+ * that does not fit 64 bits, a device pool of no page or of 2^32 pages or
+ * more on a route that allocates it (not the stage route; see
+ * device_pool_gib), or, for a config an engine would be created
  * from, bookkeeping beyond 1/64 of the host pool plus 1/4 of the device pool
  * in use: docs/admission.md). akv_engine_create refuses exactly the configs
  * this refuses, with the same AKV_ERR_CONFIG.
