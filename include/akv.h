@@ -304,9 +304,13 @@ typedef struct akv_engine_config {
   uint32_t device_pool_gib; /**< device page pool; 0 = pure staging. Arena and paged
                                  routes: it must hold at least one page and at most
                                  2^32 - 1 (akv_fit_report.device_pages), else
-                                 AKV_ERR_CONFIG. The stage route never allocates it:
-                                 any value up to the accepted range is taken there
-                                 and not checked against the page */
+                                 AKV_ERR_CONFIG. Paged route with headroom_gib > 0:
+                                 at most 2^32 - 1 - 2^30 = 3221225471 pages (a page
+                                 map entry is a grid offset of up to 2^30 pages plus
+                                 the page number, 32 bits below AKV_PAGE_STAGED),
+                                 else AKV_ERR_CONFIG. The stage route never
+                                 allocates it: any value up to the accepted range is
+                                 taken there and not checked against the page */
   uint32_t max_contexts;    /**< requested concurrency */
   akv_fit_mode fit_mode;
   akv_route route;
@@ -337,7 +341,8 @@ typedef struct akv_engine_config {
    * is taken back first under admission pressure, never holds the only copy
    * of a row (the host stays authoritative), and can be given back to the
    * caller (akv_headroom_release) and taken again (akv_headroom_take).
-   * Arena and paged routes only (ignored, and logged, on stage). */
+   * Arena and paged routes only (ignored, and logged, on stage). On the
+   * paged route it bounds the device pool's pages (see device_pool_gib). */
   uint32_t headroom_gib;         /**< cap in whole GiB; 0 = off */
   uint32_t headroom_reserve_gib; /**< device memory left free, whole GiB */
   /* Testing aids for headroom; leave zero in production. */

@@ -423,6 +423,63 @@ static void test_stage_route_never_checks_the_device_pool(void **state) {
   }
 }
 
+/* Paged route, 1-token pages of one layer's 320 B row pair (1 kv head x
+ * head_dim 80, bf16): `gib` GiB of device pool hold gib x 2^30 / 320 pages. */
+static akv_engine_config many_pages(akv_route route, uint32_t gib, uint32_t headroom_gib) {
+  akv_engine_config c = AKV_ENGINE_CONFIG_INIT;
+  c.backend = AKV_BACKEND_HOST;
+  c.n_dense_layers = 1;
+  c.kv_heads = 1;
+  c.head_dim = 80;
+  c.max_tokens = 64;
+  c.page_tokens = 1;
+  c.host_pool_gib = 1;
+  c.device_pool_gib = gib;
+  c.max_contexts = 4;
+  c.route = route;
+  c.headroom_gib = headroom_gib;
+  c.log_fn = quiet;
+  return c;
+}
+
+/** A paged route's page map entry is the grid offset (up to 2^30 pages
+ *  with headroom) plus a pool page number, in 32 bits with AKV_PAGE_STAGED
+ *  reserved: with headroom a pool of more than 2^32 - 1 - 2^30 pages would
+ *  give entries that read as staged (exactly 3 x 2^30 pages: the last one)
+ *  or wrap (more), and is refused by arithmetic, before any allocation.
+ *  Without headroom, or on another route, no offset is added. */
+static void test_page_map_entries_fit_32_bits(void **state) {
+  (void)state;
+  const uint64_t bound = (uint64_t)UINT32_MAX - ((uint64_t)1 << 30);
+  akv_fit_report r;
+  char why[512];
+  /* 960 GiB: 3 x 2^30 pages, one past the bound; 959 GiB: below it. */
+  akv_engine_config c = many_pages(AKV_ROUTE_PAGED, 960, 1);
+  assert_int_equal(960 * GIB / 320, bound + 1);
+  assert_int_equal(akv_fit_compute(&c, &r, why, sizeof why), AKV_ERR_CONFIG);
+  assert_non_null(strstr(why, "holds 3221225472 pages"));
+  assert_non_null(strstr(why, "at most 3221225471 pages"));
+  assert_int_equal(akv_fit(&c, &r), AKV_ERR_CONFIG);
+  {
+    /* Refused at create before anything is allocated (akv_fit refused it). */
+    akv_engine *e = NULL;
+    assert_int_equal(akv_engine_create(&c, &e), AKV_ERR_CONFIG);
+    assert_null(e);
+  }
+  c = many_pages(AKV_ROUTE_PAGED, 961, 1); /* entries would wrap */
+  assert_int_equal(akv_fit(&c, &r), AKV_ERR_CONFIG);
+  c = many_pages(AKV_ROUTE_PAGED, 959, 1);
+  assert_int_equal(akv_fit(&c, &r), AKV_OK);
+  assert_int_equal(r.device_pages, 959 * GIB / 320);
+  assert_true(r.device_pages <= bound);
+  /* No offset: without headroom, or on the arena route (no page map). */
+  c = many_pages(AKV_ROUTE_PAGED, 960, 0);
+  assert_int_equal(akv_fit(&c, &r), AKV_OK);
+  assert_int_equal(r.device_pages, bound + 1);
+  c = many_pages(AKV_ROUTE_ARENA, 960, 1);
+  assert_int_equal(akv_fit(&c, &r), AKV_OK);
+}
+
 static void test_fp8_line(void **state) {
   (void)state;
   akv_engine_config c = base_config();
@@ -454,6 +511,7 @@ int main(void) {
       cmocka_unit_test(test_dtype_size),
       cmocka_unit_test(test_fp8_line),
       cmocka_unit_test(test_stage_route_never_checks_the_device_pool),
+      cmocka_unit_test(test_page_map_entries_fit_32_bits),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
