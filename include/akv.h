@@ -303,7 +303,7 @@ typedef struct akv_engine_config {
   uint32_t host_pool_gib;   /**< pinned host pool */
   uint32_t device_pool_gib; /**< device page pool; 0 = pure staging. Arena and paged
                                  routes: it must hold at least one page and at most
-                                 2^32 - 1 (akv_fit_report.device_pages), else
+                                 2^32 - 1 pages (akv_fit_report.device_pages), else
                                  AKV_ERR_CONFIG. Paged route with headroom_gib > 0:
                                  at most 2^32 - 1 - 2^30 = 3221225471 pages (a page
                                  map entry is a grid offset of up to 2^30 pages plus
@@ -386,9 +386,9 @@ typedef struct akv_fit_report {
  * Host-fit arithmetic of DESIGN §3 for a config, without creating anything.
  * Thread-safe. Returns AKV_OK (see report->ok for the verdict),
  * AKV_ERR_INVALID_ARGUMENT (NULL) or AKV_ERR_CONFIG (bad geometry, a size
- * that does not fit 64 bits, a device pool of no page or of 2^32 pages or
- * more on a route that allocates it (not the stage route; see
- * device_pool_gib), or, for a config an engine would be created
+ * that does not fit 64 bits, a device pool of no page or of more pages than
+ * device_pool_gib allows on a route that allocates it (not the stage
+ * route), or, for a config an engine would be created
  * from, bookkeeping beyond 1/64 of the host pool plus 1/4 of the device pool
  * in use: docs/admission.md). akv_engine_create refuses exactly the configs
  * this refuses, with the same AKV_ERR_CONFIG.
