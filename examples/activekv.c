@@ -741,7 +741,8 @@ static int fit_config(const cli_opts *o, akv_backend_kind backend, akv_engine_co
   }
   uint64_t page_bytes = (uint64_t)c->page_tokens * c->n_dense_layers * c->kv_heads * c->head_dim *
                         2 * model_kv_elem_bytes(o->kv_dtype);
-  if (c->device_pool_gib > 0 && page_bytes > (uint64_t)c->device_pool_gib * GIB) {
+  if (c->route != AKV_ROUTE_STAGE && c->device_pool_gib > 0 &&
+      page_bytes > (uint64_t)c->device_pool_gib * GIB) { /* stage never allocates the pool */
     say_error("--device-pool-gib %u holds no page of %llu bytes (--page-tokens %u); raise "
               "--device-pool-gib or lower --page-tokens",
               c->device_pool_gib, (unsigned long long)page_bytes, c->page_tokens);

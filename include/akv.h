@@ -301,7 +301,16 @@ typedef struct akv_engine_config {
 
   /* Memory, explicit whole GiB, never sized from free memory. */
   uint32_t host_pool_gib;   /**< pinned host pool */
-  uint32_t device_pool_gib; /**< device page pool; 0 = pure staging */
+  uint32_t device_pool_gib; /**< device page pool; 0 = pure staging. Arena and paged
+                                 routes: it must hold at least one page and at most
+                                 2^32 - 1 pages (akv_fit_report.device_pages), else
+                                 AKV_ERR_CONFIG. Paged route with headroom_gib > 0:
+                                 at most 2^32 - 1 - 2^30 = 3221225471 pages (a page
+                                 map entry is a grid offset of up to 2^30 pages plus
+                                 the page number, 32 bits below AKV_PAGE_STAGED),
+                                 else AKV_ERR_CONFIG. The stage route never
+                                 allocates it: any value up to the accepted range is
+                                 taken there and not checked against the page */
   uint32_t max_contexts;    /**< requested concurrency */
   akv_fit_mode fit_mode;
   akv_route route;
@@ -332,7 +341,8 @@ typedef struct akv_engine_config {
    * is taken back first under admission pressure, never holds the only copy
    * of a row (the host stays authoritative), and can be given back to the
    * caller (akv_headroom_release) and taken again (akv_headroom_take).
-   * Arena and paged routes only (ignored, and logged, on stage). */
+   * Arena and paged routes only (ignored, and logged, on stage). On the
+   * paged route it bounds the device pool's pages (see device_pool_gib). */
   uint32_t headroom_gib;         /**< cap in whole GiB; 0 = off */
   uint32_t headroom_reserve_gib; /**< device memory left free, whole GiB */
   /* Testing aids for headroom; leave zero in production. */
@@ -367,7 +377,8 @@ typedef struct akv_fit_report {
   uint32_t ok;             /**< 1 when max_contexts fits */
   uint32_t host_pool_gib_needed;  /**< smallest host_pool_gib that fits max_contexts */
   uint64_t page_bytes;     /**< page_tokens * n_dense_layers * row_bytes * 2 */
-  uint64_t device_pages;   /**< floor(device_pool_bytes / page_bytes) */
+  uint64_t device_pages;   /**< floor(device_pool_bytes / page_bytes) (the stage route
+                                allocates none of them: engine info says 0 there) */
   char line[512];          /**< the formula with every term, as logged */
 } akv_fit_report;
 
@@ -375,7 +386,9 @@ typedef struct akv_fit_report {
  * Host-fit arithmetic of DESIGN §3 for a config, without creating anything.
  * Thread-safe. Returns AKV_OK (see report->ok for the verdict),
  * AKV_ERR_INVALID_ARGUMENT (NULL) or AKV_ERR_CONFIG (bad geometry, a size
- * that does not fit 64 bits, or, for a config an engine would be created
+ * that does not fit 64 bits, a device pool of no page or of more pages than
+ * device_pool_gib allows on a route that allocates it (not the stage
+ * route), or, for a config an engine would be created
  * from, bookkeeping beyond 1/64 of the host pool plus 1/4 of the device pool
  * in use: docs/admission.md). akv_engine_create refuses exactly the configs
  * this refuses, with the same AKV_ERR_CONFIG.
@@ -463,7 +476,9 @@ typedef struct akv_engine_info {
                              all but diagnostics and destroy, failure or not) */
   int quarantined;      /**< 1 after akv_engine_quarantine established completion */
   uint64_t bytes_in_place; /**< paged route: retained bytes handed to attention in place
-                                (neither staged nor copied), so far */
+                                (neither staged nor copied), so far; counted when
+                                akv_lease_begin succeeds (a begin that failed, its
+                                submissions partial, counts nowhere) */
   /* Headroom (see akv_headroom_get for the full picture). */
   uint32_t headroom_pages;       /**< headroom pages present now */
   uint64_t headroom_bytes;       /**< device bytes they occupy (allocations, slack included) */

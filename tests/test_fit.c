@@ -18,6 +18,12 @@
 
 #define GIB ((uint64_t)1 << 30)
 
+static void quiet(void *user, akv_log_level level, const char *message) {
+  (void)user;
+  (void)level;
+  (void)message;
+}
+
 /* A config edit: field, value. Rows list the fields they change from the
  * base geometry (Llama-3.1-8B-like: 32 layers, 8 kv heads, head_dim 128,
  * bf16, 32768 tokens, 16-token pages, 64 GiB host, 8 GiB device, 16 contexts). */
@@ -200,12 +206,29 @@ static const row rows[] = {
      "route=3 is not an akv_route"},
     {"unknown backend", {{F_BACKEND, 3}}, AKV_ERR_CONFIG, 0, 0, 0, 0, 0, 0, 0, 0,
      "backend=3 is not an akv_backend_kind"},
-    {"device pool holds no page",
-     {{F_LAYERS, 1}, {F_HEADS, 1024}, {F_DIM, 65536}, {F_TOKENS, 16}, {F_PAGE, 8}, {F_DEVICE, 1}},
+    /* The device pool is checked against the page on the routes that
+     * allocate it (arena, paged); the stage route never does, so there the
+     * same pools are no error (the report states the division all the same). */
+    {"device pool holds no page: arena",
+     {{F_LAYERS, 1}, {F_HEADS, 1024}, {F_DIM, 65536}, {F_TOKENS, 16}, {F_PAGE, 8}, {F_DEVICE, 1},
+      {F_ROUTE, AKV_ROUTE_ARENA}},
      AKV_ERR_CONFIG, 0, 0, 0, 0, 0, 0, 0, 0, "device_pool_gib=1 holds no page of 2 GiB"},
-    {"device pages reach 2^32",
-     {{F_LAYERS, 1}, {F_HEADS, 1}, {F_DIM, 1}, {F_PAGE, 1}, {F_DEVICE, 16}}, AKV_ERR_CONFIG, 0, 0,
-     0, 0, 0, 0, 0, 0, "would hold 4294967296 pages"},
+    {"device pool holds no page: paged",
+     {{F_LAYERS, 1}, {F_HEADS, 1024}, {F_DIM, 65536}, {F_TOKENS, 16}, {F_PAGE, 8}, {F_DEVICE, 1},
+      {F_ROUTE, AKV_ROUTE_PAGED}},
+     AKV_ERR_CONFIG, 0, 0, 0, 0, 0, 0, 0, 0, "device_pool_gib=1 holds no page of 2 GiB"},
+    {"device pool holds no page: stage never allocates it",
+     {{F_LAYERS, 1}, {F_HEADS, 1024}, {F_DIM, 65536}, {F_TOKENS, 16}, {F_PAGE, 8}, {F_DEVICE, 1},
+      {F_ROUTE, AKV_ROUTE_STAGE}},
+     AKV_OK, 1, 16, 16, 64, (uint64_t)1 << 27, 4 * GIB, 2 * GIB, 0, ""},
+    {"device pages reach 2^32: arena",
+     {{F_LAYERS, 1}, {F_HEADS, 1}, {F_DIM, 1}, {F_PAGE, 1}, {F_DEVICE, 16},
+      {F_ROUTE, AKV_ROUTE_ARENA}},
+     AKV_ERR_CONFIG, 0, 0, 0, 0, 0, 0, 0, 0, "would hold 4294967296 pages"},
+    {"device pages reach 2^32: stage never allocates them",
+     {{F_LAYERS, 1}, {F_HEADS, 1}, {F_DIM, 1}, {F_PAGE, 1}, {F_DEVICE, 16},
+      {F_ROUTE, AKV_ROUTE_STAGE}},
+     AKV_OK, 1, 64 * GIB / (32768 * 4), 16, 1, 2, 32768 * 4, 4, (uint64_t)1 << 32, ""},
     /* --- overflow --------------------------------------------------------- */
     /* 65536 layers x 2^32-1 tokens x 2^35 B per row pair: far beyond 2^64. */
     {"history overflows 64 bits",
@@ -355,6 +378,108 @@ static void test_fit_arguments(void **state) {
 
 /* The logged formula names the one-byte element, so an operator sees why a
  * FP8 history is half the size. */
+/* A geometry whose page (1 GiB + 32 KiB: 32769 tokens of a 32 KiB row pair,
+ * one layer) does not fit a 1 GiB device pool; the 2 GiB host pool holds one
+ * history. The host backend's pools are lazily committed mappings. */
+static akv_engine_config one_big_page(akv_route route) {
+  akv_engine_config c = AKV_ENGINE_CONFIG_INIT;
+  c.backend = AKV_BACKEND_HOST;
+  c.n_dense_layers = 1;
+  c.kv_heads = 64;
+  c.head_dim = 128;
+  c.max_tokens = 32769;
+  c.page_tokens = 32769;
+  c.host_pool_gib = 2;
+  c.device_pool_gib = 1;
+  c.max_contexts = 1;
+  c.route = route;
+  c.log_fn = quiet;
+  return c;
+}
+
+/** akv_fit and akv_engine_create agree: a device pool too small for one
+ *  page is refused on the routes that allocate the pool and taken on the
+ *  stage route, which never allocates it (akv_fit refused it there too). */
+static void test_stage_route_never_checks_the_device_pool(void **state) {
+  (void)state;
+  for (int route = AKV_ROUTE_STAGE; route <= AKV_ROUTE_PAGED; route++) {
+    const akv_engine_config c = one_big_page((akv_route)route);
+    const akv_status want = route == AKV_ROUTE_STAGE ? AKV_OK : AKV_ERR_CONFIG;
+    akv_fit_report r;
+    akv_engine *e = NULL;
+    assert_int_equal(akv_fit(&c, &r), want);
+    assert_int_equal(akv_engine_create(&c, &e), want);
+    if (want != AKV_OK) {
+      assert_null(e);
+      continue;
+    }
+    assert_int_equal(r.ok, 1);
+    assert_int_equal(r.device_pages, 0);
+    akv_engine_info info;
+    assert_int_equal(akv_engine_info_get(e, &info), AKV_OK);
+    assert_int_equal(info.device_pages, 0);
+    assert_int_equal(info.device_bytes_allocated, info.staging_bytes); /* no pool */
+    assert_int_equal(akv_engine_destroy(e), AKV_OK);
+  }
+}
+
+/* Paged route, 1-token pages of one layer's 320 B row pair (1 kv head x
+ * head_dim 80, bf16): `gib` GiB of device pool hold gib x 2^30 / 320 pages. */
+static akv_engine_config many_pages(akv_route route, uint32_t gib, uint32_t headroom_gib) {
+  akv_engine_config c = AKV_ENGINE_CONFIG_INIT;
+  c.backend = AKV_BACKEND_HOST;
+  c.n_dense_layers = 1;
+  c.kv_heads = 1;
+  c.head_dim = 80;
+  c.max_tokens = 64;
+  c.page_tokens = 1;
+  c.host_pool_gib = 1;
+  c.device_pool_gib = gib;
+  c.max_contexts = 4;
+  c.route = route;
+  c.headroom_gib = headroom_gib;
+  c.log_fn = quiet;
+  return c;
+}
+
+/** A paged route's page map entry is the grid offset (up to 2^30 pages
+ *  with headroom) plus a pool page number, in 32 bits with AKV_PAGE_STAGED
+ *  reserved: with headroom a pool of more than 2^32 - 1 - 2^30 pages would
+ *  give entries that read as staged (exactly 3 x 2^30 pages: the last one)
+ *  or wrap (more), and is refused by arithmetic, before any allocation.
+ *  Without headroom, or on another route, no offset is added. */
+static void test_page_map_entries_fit_32_bits(void **state) {
+  (void)state;
+  const uint64_t bound = (uint64_t)UINT32_MAX - ((uint64_t)1 << 30);
+  akv_fit_report r;
+  char why[512];
+  /* 960 GiB: 3 x 2^30 pages, one past the bound; 959 GiB: below it. */
+  akv_engine_config c = many_pages(AKV_ROUTE_PAGED, 960, 1);
+  assert_int_equal(960 * GIB / 320, bound + 1);
+  assert_int_equal(akv_fit_compute(&c, &r, why, sizeof why), AKV_ERR_CONFIG);
+  assert_non_null(strstr(why, "holds 3221225472 pages"));
+  assert_non_null(strstr(why, "at most 3221225471 pages"));
+  assert_int_equal(akv_fit(&c, &r), AKV_ERR_CONFIG);
+  {
+    /* Refused at create before anything is allocated (akv_fit refused it). */
+    akv_engine *e = NULL;
+    assert_int_equal(akv_engine_create(&c, &e), AKV_ERR_CONFIG);
+    assert_null(e);
+  }
+  c = many_pages(AKV_ROUTE_PAGED, 961, 1); /* entries would wrap */
+  assert_int_equal(akv_fit(&c, &r), AKV_ERR_CONFIG);
+  c = many_pages(AKV_ROUTE_PAGED, 959, 1);
+  assert_int_equal(akv_fit(&c, &r), AKV_OK);
+  assert_int_equal(r.device_pages, 959 * GIB / 320);
+  assert_true(r.device_pages <= bound);
+  /* No offset: without headroom, or on the arena route (no page map). */
+  c = many_pages(AKV_ROUTE_PAGED, 960, 0);
+  assert_int_equal(akv_fit(&c, &r), AKV_OK);
+  assert_int_equal(r.device_pages, bound + 1);
+  c = many_pages(AKV_ROUTE_ARENA, 960, 1);
+  assert_int_equal(akv_fit(&c, &r), AKV_OK);
+}
+
 static void test_fp8_line(void **state) {
   (void)state;
   akv_engine_config c = base_config();
@@ -385,6 +510,8 @@ int main(void) {
       cmocka_unit_test(test_fit_arguments),
       cmocka_unit_test(test_dtype_size),
       cmocka_unit_test(test_fp8_line),
+      cmocka_unit_test(test_stage_route_never_checks_the_device_pool),
+      cmocka_unit_test(test_page_map_entries_fit_32_bits),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -155,6 +155,50 @@ static void test_explain_names_the_last_refusal_queue_or_admission(void **state)
   assert_int_equal(akv_engine_destroy(e), AKV_OK);
 }
 
+/** akv_admission_explain(NULL) after a refusal for want of a host slot
+ *  states each figure once: the host slots (the effective concurrency) and,
+ *  where the host fit lowered it, max_contexts and the host pool (it printed
+ *  the effective concurrency twice, once as if it were the slots taken). */
+static void test_explain_of_a_queue_refusal_states_each_figure_once(void **state) {
+  (void)state;
+  char buf[512];
+  /* Refuse mode: 4 slots, max_contexts 4. */
+  akv_engine *e = akvt_small_engine(AKV_ROUTE_STAGE, 0);
+  akv_context *c[4], *extra = NULL;
+  assert_non_null(e);
+  for (int i = 0; i < 4; i++) assert_int_equal(akv_context_open(e, NULL, &c[i]), AKV_OK);
+  assert_int_equal(akv_context_open(e, NULL, &extra), AKV_ERR_REFUSED_QUEUE);
+  assert_int_equal(akv_admission_explain(e, NULL, buf, sizeof buf), AKV_OK);
+  assert_string_equal(buf, "an open was refused at step 0: all 4 host slots were taken (the "
+                           "effective concurrency, max_contexts); queue the request and retry "
+                           "after a close.");
+  for (int i = 0; i < 4; i++) assert_int_equal(akv_context_close(c[i]), AKV_OK);
+  assert_int_equal(akv_engine_destroy(e), AKV_OK);
+  /* Shrink mode: 512 MiB histories, so the 1 GiB host pool holds 2 of the 5
+   * asked for (the pools are lazily committed mappings, never touched). */
+  akv_engine_config ec = akvt_small_config(AKV_ROUTE_STAGE, 0);
+  akv_engine_info info;
+  ec.n_dense_layers = 1;
+  ec.kv_heads = 8;
+  ec.head_dim = 128;
+  ec.max_tokens = 131072;
+  ec.page_tokens = 256;
+  ec.max_contexts = 5;
+  ec.fit_mode = AKV_FIT_SHRINK;
+  assert_int_equal(akv_engine_create(&ec, &e), AKV_OK);
+  assert_int_equal(akv_engine_info_get(e, &info), AKV_OK);
+  assert_int_equal(info.effective_concurrency, 2);
+  for (int i = 0; i < 2; i++) assert_int_equal(akv_context_open(e, NULL, &c[i]), AKV_OK);
+  assert_int_equal(akv_context_open(e, NULL, &extra), AKV_ERR_REFUSED_QUEUE);
+  assert_null(extra);
+  assert_int_equal(akv_admission_explain(e, NULL, buf, sizeof buf), AKV_OK);
+  assert_string_equal(buf, "an open was refused at step 0: all 2 host slots were taken (the "
+                           "effective concurrency: max_contexts=5 lowered to the histories the "
+                           "1 GiB host pool holds); queue the request and retry after a close.");
+  for (int i = 0; i < 2; i++) assert_int_equal(akv_context_close(c[i]), AKV_OK);
+  assert_int_equal(akv_engine_destroy(e), AKV_OK);
+}
+
 /** akv_engine_info counts every H2D copy it submits in both copies_h2d and
  *  bytes_h2d: on the paged route that includes the step's page map (one
  *  copy of n x page_map_stride entries per step), besides the page fills
@@ -257,6 +301,35 @@ static void test_failed_copies_count_no_bytes(void **state) {
   assert_int_equal(akv_engine_quarantine(e, &qr), AKV_OK);
   assert_int_equal(akv_stream_destroy(e, s), AKV_OK);
   assert_int_equal(akv_engine_destroy(e), AKV_OK);
+}
+
+/** bytes_in_place counts a lease only once its begin submitted everything:
+ *  a lease_begin whose copy submission failed counts nowhere (it added its
+ *  pages read in place before submitting anything). */
+static void test_failed_lease_begin_counts_nothing_in_place(void **state) {
+  (void)state;
+  static uint16_t rows[64 * ROW_ELEMS];
+  const void *r3[3] = {rows, rows, rows};
+  akv_engine_info info;
+  akv_quarantine_report qr;
+  akv_context *c;
+  akv_lease *ls = NULL;
+  /* Copy 1 is the step's batch of page fills (two full pages of 8 rows),
+   * copy 2 its page map, copy 3 the staged rest of layer 0. Without a
+   * fault the lease reads the two pages in place. */
+  for (uint32_t nth = 0; nth <= 3; nth += 3) {
+    akv_engine *e = copy_fault_engine(AKV_ROUTE_PAGED, 1, nth);
+    assert_int_equal(akv_context_open(e, NULL, &c), AKV_OK);
+    assert_int_equal(akv_context_append(c, 20, r3, r3), AKV_OK);
+    assert_int_equal(akv_step_begin(e, &c, 1), AKV_OK);
+    assert_int_equal(akv_lease_begin(e, 0, &ls), nth == 0 ? AKV_OK : AKV_ERR_BACKEND);
+    assert_int_equal(akv_engine_info_get(e, &info), AKV_OK);
+    assert_int_equal(info.copies_h2d, nth == 0 ? 3 : 2);
+    assert_int_equal(info.bytes_in_place, nth == 0 ? 2 * info.page_bytes / 3 : 0);
+    assert_int_equal(info.transport_failed, nth == 0 ? 0 : 1);
+    assert_int_equal(akv_engine_quarantine(e, &qr), AKV_OK);
+    assert_int_equal(akv_engine_destroy(e), AKV_OK);
+  }
 }
 
 /* ----------------------------------------------------------- quarantine */
@@ -420,11 +493,13 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_headroom_releases_count_calls_mid_step),
       cmocka_unit_test(test_explain_names_the_last_refusal_queue_or_admission),
+      cmocka_unit_test(test_explain_of_a_queue_refusal_states_each_figure_once),
       cmocka_unit_test(test_try_retire_query_count),
       cmocka_unit_test(test_quarantine_of_a_healthy_engine_reads_as_failed),
       cmocka_unit_test(test_h2d_bytes_count_the_page_map),
       cmocka_unit_test(test_threads_create_open_close_destroy),
       cmocka_unit_test(test_failed_copies_count_no_bytes),
+      cmocka_unit_test(test_failed_lease_begin_counts_nothing_in_place),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

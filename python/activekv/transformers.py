@@ -450,6 +450,33 @@ class _Driver:
         # The shape of one decode step's K and V (check_states' fast path).
         self.decode_shape = torch.Size((batch, self.kv_heads, 1, self.head_dim))
 
+    def check_init(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """ValueError for what a full-attention layer's lazy_initialization refuses: K or V
+        not [batch, kv_heads, tokens, head_dim] with batch >= 1, of another dtype or device,
+        K and V of different shapes, a batch larger than batch_size before the contexts
+        are open, of another size than theirs after. Changes nothing."""
+        for name, t in (("K", key_states), ("V", value_states)):
+            shape = list(t.shape)
+            if (t.dim() != 4 or shape[0] < 1 or shape[1] != self.kv_heads
+                    or shape[3] != self.head_dim):
+                raise ValueError("ActiveKVCache: %s of shape %s; expected [batch, %d, tokens, %d] "
+                                 "(batch, kv_heads, tokens, head_dim) with batch >= 1"
+                                 % (name, shape, self.kv_heads, self.head_dim))
+            if t.dtype != self.dtype or t.device != self.device:
+                raise ValueError("ActiveKVCache was made for %s on %s, got %s %s on %s"
+                                 % (self.dtype, self.device, name, t.dtype, t.device))
+        if key_states.shape != value_states.shape:
+            raise ValueError("ActiveKVCache: K %s and V %s differ"
+                             % (list(key_states.shape), list(value_states.shape)))
+        batch = int(key_states.shape[0])
+        if self.contexts is None and batch > self.max_contexts:
+            raise ValueError(
+                "ActiveKVCache: batch of %d rows but the cache was made for batch_size=%d"
+                % (batch, self.max_contexts))
+        if self.contexts is not None and batch != self.batch:
+            raise ValueError("ActiveKVCache holds %d rows, got K of shape %s"
+                             % (self.batch, list(key_states.shape)))
+
     def check_states(self, key_states: Any, value_states: Any, tokens: int | None) -> None:
         """ValueError/TypeError unless K and V are [batch, kv_heads, tokens, head_dim] tensors
         of the cache's dtype on its device (tokens None: any). Checked before anything
@@ -859,19 +886,7 @@ class ActiveKVLayer(CacheLayerMixin):
         drv = self._driver
         # K and V are checked in full before the contexts are opened: the first update
         # fixes the batch, and a refused one must leave it open for the right tensors.
-        for name, t in (("K", key_states), ("V", value_states)):
-            shape = list(t.shape)
-            if (t.dim() != 4 or shape[0] < 1 or shape[1] != drv.kv_heads
-                    or shape[3] != drv.head_dim):
-                raise ValueError("ActiveKVCache: %s of shape %s; expected [batch, %d, tokens, %d] "
-                                 "(batch, kv_heads, tokens, head_dim) with batch >= 1"
-                                 % (name, shape, drv.kv_heads, drv.head_dim))
-            if t.dtype != drv.dtype or t.device != drv.device:
-                raise ValueError("ActiveKVCache was made for %s on %s, got %s %s on %s"
-                                 % (drv.dtype, drv.device, name, t.dtype, t.device))
-        if key_states.shape != value_states.shape:
-            raise ValueError("ActiveKVCache: K %s and V %s differ"
-                             % (list(key_states.shape), list(value_states.shape)))
+        drv.check_init(key_states, value_states)
         if drv.contexts is None:
             drv.open_contexts(int(key_states.shape[0]))
         self.device = key_states.device
@@ -1150,6 +1165,41 @@ class ActiveKVCache(Cache):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def early_initialization(self, batch_size: int, num_heads, head_dim, dtype: torch.dtype,
+                             device, *args, **kwargs) -> None:
+        """Cache.early_initialization, refused before any layer changes. transformers
+        initialises the layers in order: on a hybrid model the sliding-window layers before
+        the first full-attention one were set up before that layer refused (a batch larger
+        than batch_size, heads or head_dim other than the model's, another dtype or
+        device), leaving the cache half initialised. Here every full-attention layer's
+        refusal is checked first (ValueError), then those layers are initialised (the
+        first opens the contexts; what the engine refuses there changes nothing either),
+        then transformers initialises the others. One thread at a time (Busy)."""
+        drv = self._driver
+        drv.usable()
+        held = drv.engine._enter("ActiveKVCache.early_initialization")
+        try:
+            n = len(self.layers)
+            heads = [num_heads] * n if isinstance(num_heads, int) else list(num_heads)
+            dims = [head_dim] * n if isinstance(head_dim, int) else list(head_dim)
+            if len(heads) != n or len(dims) != n:
+                raise ValueError("ActiveKVCache.early_initialization: num_heads and head_dim "
+                                 "take an int or one entry per layer (%d layers), got %d and %d"
+                                 % (n, len(heads), len(dims)))
+            todo = [(layer, torch.zeros((batch_size, heads[i], 0, dims[i]), dtype=dtype,
+                                        device=device))
+                    for i, layer in enumerate(self.layers)
+                    if isinstance(layer, ActiveKVLayer) and not layer.is_initialized]
+            for _layer, fake in todo:
+                drv.check_init(fake, fake)
+            for layer, fake in todo:
+                layer.lazy_initialization(fake, fake)
+            return super().early_initialization(batch_size, num_heads, head_dim, dtype, device,
+                                                *args, **kwargs)
+        finally:
+            if held:
+                drv.engine._leave()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs):

@@ -419,6 +419,35 @@ def test_hybrid_cache_forward_after_an_interrupted_one_changes_no_sliding_layer(
         assert torch.equal(before, cache.layers[0].keys)
 
 
+def test_hybrid_cache_early_initialization_refused_initializes_no_layer():
+    """transformers' Cache.early_initialization initialises the layers in order:
+    on a hybrid model the sliding-window layers before the full-attention one
+    were initialised before it refused a batch larger than batch_size (or
+    heads, head_dim or a dtype other than the model's), leaving the cache half
+    initialised."""
+    torch, cache = _hybrid_cache(batch_size=2)
+    with cache:
+        cpu = torch.device("cpu")
+        for args in ((3, 2, 8, torch.float32, cpu),        # batch beyond batch_size
+                     (2, 3, 8, torch.float32, cpu),        # kv heads
+                     (2, 2, 16, torch.float32, cpu),       # head_dim
+                     (2, 2, 8, torch.float64, cpu),        # dtype
+                     (2, [2, 2], 8, torch.float32, cpu)):  # not one entry per layer
+            with pytest.raises(ValueError):
+                cache.early_initialization(*args)
+            assert [layer.is_initialized for layer in cache.layers] == [False] * 3
+            assert cache.contexts == []
+        cache.early_initialization(2, [2, 2, 2], 8, torch.float32, cpu)
+        assert [layer.is_initialized for layer in cache.layers] == [True] * 3
+        assert len(cache.contexts) == 2
+        contexts = cache.contexts
+        cache.early_initialization(1, 2, 8, torch.float32, cpu)  # initialised: a no-op
+        assert cache.contexts == contexts
+        _forward(cache, torch, 2, 3, seed=0)
+        _forward(cache, torch, 2, 1, seed=3)
+        assert [cache.get_seq_length(i) for i in range(3)] == [4, 4, 4]
+
+
 def test_hybrid_cache_after_close_refuses_sliding_layers_too():
     torch, cache = _hybrid_cache()
     _forward(cache, torch, 1, 3, seed=0)

@@ -31,6 +31,14 @@ extern "C" {
  * batches of at most this many copies (a fill of n_dense_layers copies may
  * span several). */
 #define AKV_FILL_BATCH 4096u
+/* Paged route with headroom: attention finds a page at page_base + entry x
+ * page_bytes, and page_base lies up to AKV_PAGE_GRID_OFFSET_MAX whole pages
+ * below the pool so that headroom allocated later below it stays reachable
+ * (headroom.c); pool page p has entry offset + p. Entries are 32 bits and
+ * AKV_PAGE_STAGED is reserved, so such a pool holds at most
+ * AKV_PAGED_HEADROOM_MAX_POOL_PAGES pages (akv.h, device_pool_gib). */
+#define AKV_PAGE_GRID_OFFSET_MAX ((uint64_t)1 << 30)
+#define AKV_PAGED_HEADROOM_MAX_POOL_PAGES ((uint64_t)AKV_PAGE_STAGED - AKV_PAGE_GRID_OFFSET_MAX)
 /* Admission decision log entries (akv_admission_log). */
 #define AKV_ADM_LOG_ENTRIES 256u
 

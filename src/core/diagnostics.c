@@ -33,11 +33,21 @@ AKV_API akv_status akv_admission_explain(const akv_engine *e, const akv_context 
    * refusal it was: no host slot (AKV_ERR_REFUSED_QUEUE) here, a device
    * target that did not fit (AKV_ERR_ADMISSION_REFUSED) from admission. */
   if (c == NULL && e->refused_queue) {
-    snprintf(buf, cap,
-             "an open was refused at step %llu: all %u host slots were taken (effective "
-             "concurrency %u of max_contexts %u); queue the request and retry after a close.",
-             (unsigned long long)e->refused_queue_step, (unsigned)e->concurrency,
-             (unsigned)e->concurrency, (unsigned)e->cfg.max_contexts);
+    /* The host slots are the effective concurrency (akv_fit_report:
+     * min(max_contexts, histories the host pool holds)): each figure once,
+     * max_contexts only where the host fit lowered it. */
+    if (e->concurrency < e->cfg.max_contexts)
+      snprintf(buf, cap,
+               "an open was refused at step %llu: all %u host slots were taken (the effective "
+               "concurrency: max_contexts=%u lowered to the histories the %u GiB host pool "
+               "holds); queue the request and retry after a close.",
+               (unsigned long long)e->refused_queue_step, (unsigned)e->concurrency,
+               (unsigned)e->cfg.max_contexts, (unsigned)e->cfg.host_pool_gib);
+    else
+      snprintf(buf, cap,
+               "an open was refused at step %llu: all %u host slots were taken (the effective "
+               "concurrency, max_contexts); queue the request and retry after a close.",
+               (unsigned long long)e->refused_queue_step, (unsigned)e->concurrency);
     return AKV_OK;
   }
   size_t n = akv_adm_explain(e->adm, c != NULL ? c->slot : AKV_ADM_NONE, buf, cap);

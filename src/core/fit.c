@@ -11,6 +11,7 @@
 #include "config.h"
 
 #include <stdarg.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <string.h>
@@ -313,7 +314,11 @@ akv_status akv_fit_compute(const akv_engine_config *cfg, akv_fit_report *r, char
     goto fail;
   }
   rep.device_pages = device_pool_bytes / rep.page_bytes;
-  if (cfg->device_pool_gib > 0 && rep.device_pages == 0) {
+  /* Invariant (akv.h, akv_fit): the pool is checked against the page only
+   * on a route that allocates it. The stage route never does (engine.c), so
+   * a device_pool_gib that holds no page, or too many, is no error there. */
+  const bool uses_pool = cfg->route != AKV_ROUTE_STAGE;
+  if (uses_pool && cfg->device_pool_gib > 0 && rep.device_pages == 0) {
     char page[32];
     akv_fit_format_bytes(rep.page_bytes, page, sizeof page);
     akv_fit_say(why, why_cap,
@@ -322,7 +327,7 @@ akv_status akv_fit_compute(const akv_engine_config *cfg, akv_fit_report *r, char
                 (unsigned)cfg->device_pool_gib, page, (unsigned)cfg->page_tokens);
     goto fail;
   }
-  if (rep.device_pages > UINT32_MAX) {
+  if (uses_pool && rep.device_pages > UINT32_MAX) {
     akv_fit_say(why, why_cap,
                 "device_pool_gib=%u would hold %llu pages, more than %u; raise page_tokens",
                 (unsigned)cfg->device_pool_gib, (unsigned long long)rep.device_pages,

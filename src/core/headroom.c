@@ -43,12 +43,15 @@ static void akv_hr_format(uint64_t bytes, char *buf, size_t cap) {
 }
 
 /* The paged grid: page_base lies k whole pages below `anchor` (k at most
- * 2^30 and never below address page_bytes), so allocations made later below
- * the anchor stay reachable with non-negative entries. The anchor's own pages
- * get entries k, k+1, ... */
+ * AKV_PAGE_GRID_OFFSET_MAX and never below address page_bytes), so
+ * allocations made later below the anchor stay reachable with non-negative
+ * entries. The anchor's own pages get entries k, k+1, ...: below
+ * AKV_PAGE_STAGED for every pool page, as akv_budget_compute bounded the
+ * pool by AKV_PAGED_HEADROOM_MAX_POOL_PAGES. */
 static void akv_hr_anchor(akv_engine *e, void *anchor) {
   const uint64_t below = (uint64_t)((uintptr_t)anchor / e->page_bytes);
-  const uint64_t k = below > ((uint64_t)1 << 30) ? ((uint64_t)1 << 30) : (below ? below - 1 : 0);
+  const uint64_t k = below > AKV_PAGE_GRID_OFFSET_MAX ? AKV_PAGE_GRID_OFFSET_MAX
+                                                      : (below ? below - 1 : 0);
   e->page_base_k = k;
   e->page_base = (uint8_t *)((uintptr_t)anchor - (uintptr_t)(k * e->page_bytes));
 }
@@ -181,6 +184,13 @@ akv_status akv_headroom_start(akv_engine *e) {
   e->page_entry = calloc(n_phys, sizeof(*e->page_entry));
   if (e->page_ptr == NULL || e->page_entry == NULL)
     return akv_fail(e, AKV_ERR_OUT_OF_MEMORY, "page address tables");
+  /* Invariant (akv.h, device_pool_gib): page_base_k + p < AKV_PAGE_STAGED
+   * for every pool page (akv_budget_compute refused a larger pool); checked
+   * again here, so a map entry never wraps nor reads as staged. */
+  if (e->n_pages > 0 && e->page_base_k + e->n_pages > AKV_PAGE_STAGED)
+    return akv_fail(e, AKV_ERR_CONFIG,
+                    "page map entries of %u pool pages at grid offset %llu reach %u",
+                    e->n_pages, (unsigned long long)e->page_base_k, (unsigned)AKV_PAGE_STAGED);
   for (uint32_t p = 0; p < e->n_pages; p++) {
     e->page_ptr[p] = e->dev_pool + (uint64_t)p * e->page_bytes;
     e->page_entry[p] = (uint32_t)(e->page_base_k + p); /* k = 0 without headroom */

@@ -239,7 +239,6 @@ AKV_API akv_status akv_lease_begin(akv_engine *e, uint32_t layer, akv_lease **ou
   /* On the paged route the only device->device entries are poison fills
    * (testing aid); they go on the H2D queue, behind the same waits. */
   ls->used_d2d = n_d2d > 0 && e->cfg.route != AKV_ROUTE_PAGED;
-  e->bytes_in_place += ls->bytes_in_place;
 
 #ifndef AKV_TEST_DROP_PRIOR_READER_WAITS
   /* No copy into a buffer is submitted before its queue waits on every prior
@@ -272,6 +271,10 @@ AKV_API akv_status akv_lease_begin(akv_engine *e, uint32_t layer, akv_lease **ou
     e->bytes_h2d += ls->bytes_h2d;
   }
   AKV_CHECK(akv_bk_record(&e->bk, ls->ev_h2d, e->q_h2d));
+  /* Invariant (akv.h, akv_engine_info): bytes_in_place counts a lease only
+   * once it was placed, every wait, copy and record of its begin submitted;
+   * a begin that failed on the way counts nowhere. */
+  e->bytes_in_place += ls->bytes_in_place;
   *out = ls->handle;
   return AKV_OK;
 fail:
