@@ -350,7 +350,11 @@ static void usage(FILE *f) {
           "  --no-progress         no progress bar (it is drawn only on a terminal anyway)\n"
           "  -v, --verbose         the library's log down to debug\n"
           "  --version             this program's and the loaded library's version\n"
-          "  -h, --help\n",
+          "  -h, --help\n"
+          "\n"
+          "A value follows its flag as the next argument or after '=' (--steps 8,\n"
+          "--steps=8); switches take none. N is decimal digits only (no sign, blank or\n"
+          "0x): 010 is ten.\n",
           MODEL_MAX_BATCH);
 }
 
