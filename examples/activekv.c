@@ -350,7 +350,11 @@ static void usage(FILE *f) {
           "  --no-progress         no progress bar (it is drawn only on a terminal anyway)\n"
           "  -v, --verbose         the library's log down to debug\n"
           "  --version             this program's and the loaded library's version\n"
-          "  -h, --help\n",
+          "  -h, --help\n"
+          "\n"
+          "A value follows its flag as the next argument or after '=' (--steps 8,\n"
+          "--steps=8); switches take none. N is decimal digits only (no sign, blank or\n"
+          "0x): 010 is ten.\n",
           MODEL_MAX_BATCH);
 }
 
@@ -367,11 +371,16 @@ static void print_version(void) {
   );
 }
 
+/*
+ * Integers are decimal digits and nothing else: no sign, no blank, no base
+ * prefix. strtoull alone skips leading blanks and takes a sign (" -1" was
+ * read as 2^64 - 1) and, in base 0, reads "010" as 8 and refuses "08".
+ */
 static int parse_u64(const char *flag, const char *s, uint64_t lo, uint64_t hi, uint64_t *out) {
   char *end = NULL;
   errno = 0;
-  if (s == NULL || *s == '\0' || *s == '-') goto bad;
-  unsigned long long v = strtoull(s, &end, 0);
+  if (s == NULL || !(*s >= '0' && *s <= '9')) goto bad;
+  unsigned long long v = strtoull(s, &end, 10);
   if (errno != 0 || *end != '\0' || v < lo || v > hi) goto bad;
   *out = v;
   return 0;
@@ -481,6 +490,11 @@ static int parse_args(int argc, char **argv, int first, cli_opts *o) {
     int *flag = NULL;
     if (strcmp(name, "--check") == 0) flag = &o->check;
     else if (strcmp(name, "--json") == 0) flag = &o->json;
+    /* A switch takes no value: "--check=0" would otherwise turn checking on. */
+    if ((flag || strcmp(name, "--no-progress") == 0) && eq != NULL) {
+      say_error("%s takes no value, got '%s' (see activekv --help)", name, arg);
+      return EXIT_USAGE;
+    }
     if (flag) {
       *flag = 1;
       continue;

@@ -724,12 +724,31 @@ static inline void model_quantize_row(const model_geometry *g, uint32_t layer, i
   }
 }
 
-/* Parameters (weights) of a geometry, for sizing and messages. */
+/* a*b and a+b, saturating at UINT64_MAX. */
+static inline uint64_t model_sat_mul(uint64_t a, uint64_t b) {
+  return (a != 0 && b > UINT64_MAX / a) ? UINT64_MAX : a * b;
+}
+static inline uint64_t model_sat_add(uint64_t a, uint64_t b) {
+  return b > UINT64_MAX - a ? UINT64_MAX : a + b;
+}
+
+/* Parameters (weights) of a geometry, for sizing and messages. Saturates at
+ * UINT64_MAX: the count is what MODEL_CPU_MAX_PARAMS is checked against
+ * before anything is allocated, so it must never wrap to a small number
+ * (--layers 63727 --hidden 16777216 --ffn 5751144 wrapped 1.8e19 to
+ * 151 M). */
 static inline uint64_t model_param_count(const model_geometry *g) {
-  uint64_t h = g->hidden, qkv = (uint64_t)(g->n_heads + 2u * g->kv_heads) * g->head_dim;
-  uint64_t per_layer = 2 * h + qkv * h + h * (uint64_t)g->n_heads * g->head_dim +
-                       2 * (uint64_t)g->ffn * h + h * g->ffn;
-  return 2 * (uint64_t)g->vocab * h + h + per_layer * g->n_layers;
+  const uint64_t h = g->hidden, f = g->ffn;
+  const uint64_t q = model_sat_mul(g->n_heads, g->head_dim);
+  const uint64_t qkv = model_sat_mul((uint64_t)g->n_heads + 2u * (uint64_t)g->kv_heads,
+                                     g->head_dim);
+  uint64_t per_layer = model_sat_mul(2, h);
+  per_layer = model_sat_add(per_layer, model_sat_mul(qkv, h));
+  per_layer = model_sat_add(per_layer, model_sat_mul(h, q));
+  per_layer = model_sat_add(per_layer, model_sat_mul(model_sat_mul(2, f), h));
+  per_layer = model_sat_add(per_layer, model_sat_mul(h, f));
+  uint64_t n = model_sat_add(model_sat_mul(model_sat_mul(2, g->vocab), h), h);
+  return model_sat_add(n, model_sat_mul(per_layer, g->n_layers));
 }
 
 #ifdef __cplusplus
