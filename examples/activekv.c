@@ -39,6 +39,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <sys/stat.h>
+
 #include "akv.h"
 #include "akv_group.h"
 #include "model.h"
@@ -1576,6 +1578,19 @@ static int logits_files_open(const cli_opts *o, uint32_t n_ctx, FILE **out, FILE
                 "run has %u, %u, %u, %llu",
                 o->logits_ref, g.vocab, g.contexts, g.steps, (unsigned long long)g.seed, h.vocab,
                 h.contexts, h.steps, (unsigned long long)h.seed);
+      goto fail;
+    }
+  }
+  if (o->logits_out && *ref != NULL) {
+    /* Opening the output truncates it: when it is the reference itself (the
+     * same file by device and inode, whatever the spelling of the path) the
+     * reference would be emptied before its first step is read. */
+    struct stat sr, so;
+    if (fstat(fileno(*ref), &sr) == 0 && stat(o->logits_out, &so) == 0 && sr.st_dev == so.st_dev &&
+        sr.st_ino == so.st_ino) {
+      say_error("--logits-out %s is the --logits-ref file; writing it would empty the reference "
+                "before it is read: give another path",
+                o->logits_out);
       goto fail;
     }
   }

@@ -591,7 +591,17 @@ int model_cpu_create(const model_geometry *g, const model_options *opt, model **
   }
   if (cm->workspace_bytes) {
     cm->workspace = malloc(cm->workspace_bytes);
-    if (cm->workspace == NULL) goto oom_free;
+    if (cm->workspace == NULL) {
+      /* The workspace grows with contexts x tokens, not with the weights:
+       * say so, not "out of memory for N parameters". */
+      const unsigned long long ws = (unsigned long long)cm->workspace_bytes;
+      cpu_destroy(&cm->base);
+      snprintf(err, cap,
+               "the CPU model is out of memory for its attention workspace of %llu bytes (%u "
+               "contexts x %u tokens, chunk %u): fewer contexts or tokens, or a larger chunk",
+               ws, opt->max_batch, opt->max_tokens, opt->chunk_tokens);
+      return -1;
+    }
   }
   cm->scratch_bytes = sb + cm->workspace_bytes;
   *out = m;

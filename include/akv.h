@@ -318,14 +318,15 @@ typedef struct akv_engine_config {
   /* Logging (default: stderr, level INFO). */
   akv_log_fn log_fn;
   void *log_user;
-  akv_log_level log_level;
+  akv_log_level log_level; /**< a value outside akv_log_level: AKV_ERR_CONFIG */
 
   /* Testing aids; leave zero in production. */
   uint64_t host_delay_seed;     /**< host backend: seed of injected per-op delays; 0 = none */
   uint32_t host_delay_max_us;   /**< host backend: upper bound of one injected delay, at
                                      most AKV_HOST_DELAY_MAX_US (else AKV_ERR_CONFIG) */
   uint32_t fault_fail_nth;      /**< fail the N-th (1-based) counted backend op; 0 = never */
-  int32_t fault_kind;           /**< count only ops of this akv_op_kind; -1 = all kinds */
+  int32_t fault_kind;           /**< count only ops of this akv_op_kind; -1 = all kinds;
+                                     any other value: AKV_ERR_CONFIG */
   /** Paged route: before each layer's copy, fill the staging rows of every
    *  page read in place with 0xFF bytes (NaN in every akv_dtype), so that
    *  attention which ignores view.page_map reads NaN instead of stale rows
@@ -385,8 +386,8 @@ typedef struct akv_fit_report {
 /**
  * Host-fit arithmetic of DESIGN §3 for a config, without creating anything.
  * Thread-safe. Returns AKV_OK (see report->ok for the verdict),
- * AKV_ERR_INVALID_ARGUMENT (NULL) or AKV_ERR_CONFIG (bad geometry, a size
- * that does not fit 64 bits, a device pool of no page or of more pages than
+ * AKV_ERR_INVALID_ARGUMENT (NULL) or AKV_ERR_CONFIG (bad geometry, an enum
+ * field outside its enum, a size that does not fit 64 bits, a device pool of no page or of more pages than
  * device_pool_gib allows on a route that allocates it (not the stage
  * route), or, for a config an engine would be created
  * from, bookkeeping beyond 1/64 of the host pool plus 1/4 of the device pool
@@ -506,7 +507,8 @@ typedef struct akv_quarantine_report {
  * the device. Only when all four establish completion are leases, tickets and
  * host page leases released; otherwise everything stays retained and the
  * report names the uncertain fence. Blocks. Allowed in any state; afterwards
- * the engine accepts only diagnostics and destroy.
+ * the engine accepts only diagnostics and destroy. report may be NULL (the
+ * same quarantine, nothing reported).
  * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_UNCERTAIN_FENCE.
  */
 AKV_API akv_status akv_engine_quarantine(akv_engine *engine, akv_quarantine_report *report);
@@ -839,8 +841,9 @@ typedef struct akv_receipt {
 
 /**
  * Retires a sealed lease: waits (blocking, error-returning) on every consumer
- * event and every copy ticket, fills *receipt, and only then releases the
- * tickets, their host page leases and the layer. The lease handle is dead
+ * event and every copy ticket, fills *receipt (receipt may be NULL: the same
+ * retire, no receipt), and only then releases the tickets, their host page
+ * leases and the layer. The lease handle is dead
  * afterwards: every call with it, a second retire included, returns
  * AKV_ERR_BAD_HANDLE and changes nothing, also while a later step's lease of
  * the same layer is live ("Handle lifetimes"). A successful
@@ -856,7 +859,7 @@ AKV_API akv_status akv_lease_retire(akv_lease *lease, akv_receipt *receipt);
  * Non-blocking retire: queries (never waits on) every event retire waits on,
  * the tail write-back first. When all have passed, retires exactly as
  * akv_lease_retire does (same receipt, tickets and layer released, the handle
- * invalid afterwards) and returns AKV_OK. When one has not passed yet,
+ * invalid afterwards; receipt may be NULL) and returns AKV_OK. When one has not passed yet,
  * returns AKV_ERR_NOT_READY and changes nothing (the lease stays sealed,
  * *receipt untouched, the engine's last error untouched, nothing logged):
  * call it again later, or akv_lease_retire to block. Cost: one event query

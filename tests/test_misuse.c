@@ -315,6 +315,48 @@ static void test_host_delay_bound_is_capped(void **state) {
   assert_int_equal(akv_engine_destroy(e), AKV_OK);
 }
 
+/* Enum fields of the engine config outside their enums are refused like
+ * route, fit_mode, backend and dtype (AKV_ERR_CONFIG at akv_fit and at
+ * create, nothing created): a log_level past AKV_LOG_DEBUG logged everything
+ * and a fault_kind outside akv_op_kind (and not -1) never fired, silently. */
+static void test_config_enums_out_of_range_are_refused(void **state) {
+  const int32_t bad_levels[] = {-1, AKV_LOG_DEBUG + 1, 1000};
+  const int32_t bad_kinds[] = {-2, AKV_OP_KIND_COUNT, INT32_MAX, INT32_MIN};
+  akv_fit_report rep;
+  akv_engine *e = NULL;
+  (void)state;
+  for (size_t i = 0; i < sizeof bad_levels / sizeof bad_levels[0]; i++) {
+    akv_engine_config ec = akvt_small_config(AKV_ROUTE_STAGE, 0);
+    ec.log_level = (akv_log_level)bad_levels[i];
+    assert_int_equal(akv_fit(&ec, &rep), AKV_ERR_CONFIG);
+    assert_int_equal(akv_engine_create(&ec, &e), AKV_ERR_CONFIG);
+    assert_null(e);
+  }
+  for (size_t i = 0; i < sizeof bad_kinds / sizeof bad_kinds[0]; i++) {
+    akv_engine_config ec = akvt_small_config(AKV_ROUTE_STAGE, 0);
+    ec.fault_kind = bad_kinds[i];
+    assert_int_equal(akv_fit(&ec, &rep), AKV_ERR_CONFIG);
+    assert_int_equal(akv_engine_create(&ec, &e), AKV_ERR_CONFIG);
+    assert_null(e);
+  }
+  /* Every value of the enums (and fault_kind -1) is taken. */
+  for (int32_t lv = AKV_LOG_ERROR; lv <= AKV_LOG_DEBUG; lv++) {
+    akv_engine_config ec = akvt_small_config(AKV_ROUTE_STAGE, 0);
+    ec.log_level = (akv_log_level)lv;
+    assert_int_equal(akv_engine_create(&ec, &e), AKV_OK);
+    assert_int_equal(akv_engine_destroy(e), AKV_OK);
+    e = NULL;
+  }
+  for (int32_t k = -1; k < AKV_OP_KIND_COUNT; k++) {
+    akv_engine_config ec = akvt_small_config(AKV_ROUTE_STAGE, 0);
+    ec.fault_kind = k;
+    assert_int_equal(akv_fit(&ec, &rep), AKV_OK);
+    assert_int_equal(akv_engine_create(&ec, &e), AKV_OK);
+    assert_int_equal(akv_engine_destroy(e), AKV_OK);
+    e = NULL;
+  }
+}
+
 /* akv.h (akv_context_append): the two pointer arrays are required even for
  * 0 tokens, their entries are not; akv_context_append_layer takes NULL rows
  * for 0 tokens. Pinned so the two calls keep one documented rule. */
@@ -345,6 +387,7 @@ int main(void) {
       cmocka_unit_test(test_log_callback_refusal_keeps_last_error),
       cmocka_unit_test(test_context_ids_wrap_past_markers_and_live_ids),
       cmocka_unit_test(test_host_delay_bound_is_capped),
+      cmocka_unit_test(test_config_enums_out_of_range_are_refused),
       cmocka_unit_test(test_append_of_zero_tokens_needs_the_arrays_not_the_rows),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -193,6 +193,23 @@ static akv_status akv_fit_validate(const akv_engine_config *cfg, char *why, size
     st = AKV_ERR_CONFIG;
     goto fail;
   }
+  /* Invariant (akv.h, akv_engine_config): every enum field holds a value of
+   * its enum, as route, fit_mode, backend and dtype above: a log_level past
+   * AKV_LOG_DEBUG would log everything and a fault_kind outside akv_op_kind
+   * (other than -1, all kinds) would never fire, both silently. */
+  if ((unsigned)cfg->log_level > (unsigned)AKV_LOG_DEBUG) {
+    akv_fit_say(why, cap, "log_level=%d is not an akv_log_level (error 0, warn 1, info 2, debug 3)",
+                (int)cfg->log_level);
+    st = AKV_ERR_CONFIG;
+    goto fail;
+  }
+  if (cfg->fault_kind < -1 || cfg->fault_kind >= (int32_t)AKV_OP_KIND_COUNT) {
+    akv_fit_say(why, cap,
+                "fault_kind=%d is neither an akv_op_kind (0 to %d) nor -1 (every kind)",
+                (int)cfg->fault_kind, (int)AKV_OP_KIND_COUNT - 1);
+    st = AKV_ERR_CONFIG;
+    goto fail;
+  }
   if (cfg->page_tokens > cfg->max_tokens) {
     akv_fit_say(why, cap, "page_tokens=%u exceeds max_tokens=%u; a page cannot be longer than "
                           "a context",
