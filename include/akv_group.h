@@ -49,7 +49,12 @@
  * Logging: a group logs through its engine config's log_fn. A group call
  * made from inside that callback on the same group returns its status but
  * logs nothing (so a callback that calls back cannot recurse without end);
- * an agreement call made there is still one of the rank's sequence.
+ * an agreement call made there is still one of the rank's sequence. The
+ * engine's own log callback (the same log_fn) may run while an agreement
+ * call decides, between its two collectives: a group call made there on the
+ * same group that is an agreement point, or akv_group_destroy, returns
+ * AKV_ERR_IN_USE and enters no collective (it is not one of the rank's
+ * sequence); the agreement in progress goes on.
  * Streams: the collectives run on the group's own queue (NCCL: a stream the
  * group created on the engine's device); the caller's compute stream is
  * never touched.
@@ -117,7 +122,11 @@ typedef struct akv_group_world akv_group_world;
 
 /**
  * A world of `size` ranks whose engines have at most max_contexts contexts
- * each. Thread-safe once made. Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT
+ * each. Its buffers are sized for at most the engine's own limit (2^20
+ * contexts: akv_engine_create refuses more with AKV_ERR_CONFIG), so a larger
+ * max_contexts (UINT32_MAX for "any") costs no more than that, and a shard
+ * beyond the limit is refused by the engine at create, on every rank alike.
+ * Thread-safe once made. Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT
  * (NULL, size or max_contexts 0), AKV_ERR_OUT_OF_MEMORY.
  */
 AKV_API akv_status akv_group_world_create(uint32_t size, uint32_t max_contexts,
@@ -180,7 +189,10 @@ AKV_API akv_status akv_group_engine(const akv_group *group, akv_engine **out);
  * Returns, on every rank: AKV_OK, AKV_ERR_INVALID_ARGUMENT, AKV_ERR_CONFIG,
  * AKV_ERR_STEP_STATE, AKV_ERR_REFUSED_QUEUE, AKV_ERR_ADMISSION_REFUSED (as
  * akv_context_open), AKV_ERR_QUARANTINED, AKV_ERR_TIMEOUT, AKV_ERR_COMM;
- * AKV_ERR_BAD_HANDLE (this rank only, without entering the agreement).
+ * AKV_ERR_BAD_HANDLE (this rank only, without entering the agreement);
+ * AKV_ERR_IN_USE (this rank only, without entering the agreement: called
+ * from the engine's log callback while an agreement of this group decides,
+ * see Logging at the top).
  */
 AKV_API akv_status akv_group_context_open(akv_group *group, const akv_context_config *config,
                                           akv_context **out);
@@ -191,7 +203,8 @@ AKV_API akv_status akv_group_context_open(akv_group *group, const akv_context_co
  * this rank's engine), AKV_ERR_DISAGREE (different contexts), AKV_ERR_IN_USE
  * (the context is in an open step, or has host page leases, on any rank:
  * akv_step_end is not an agreement point; nothing changed on any rank),
- * AKV_ERR_QUARANTINED, AKV_ERR_TIMEOUT, AKV_ERR_COMM.
+ * AKV_ERR_QUARANTINED, AKV_ERR_TIMEOUT, AKV_ERR_COMM; AKV_ERR_IN_USE (this
+ * rank only, as for akv_group_context_open).
  */
 AKV_API akv_status akv_group_context_close(akv_group *group, akv_context *context);
 
@@ -203,7 +216,8 @@ AKV_API akv_status akv_group_context_close(akv_group *group, akv_context *contex
  * (a context not open here), AKV_ERR_STEP_STATE, AKV_ERR_CAPACITY (as
  * akv_step_begin), AKV_ERR_UNEVEN_LAYERS (a context's layers hold different
  * row counts on any rank; nothing changed on any rank), AKV_ERR_DISAGREE,
- * AKV_ERR_QUARANTINED, AKV_ERR_TIMEOUT, AKV_ERR_COMM.
+ * AKV_ERR_QUARANTINED, AKV_ERR_TIMEOUT, AKV_ERR_COMM; AKV_ERR_IN_USE (this
+ * rank only, as for akv_group_context_open).
  */
 AKV_API akv_status akv_group_step_begin(akv_group *group, akv_context *const *contexts,
                                         uint32_t n);
@@ -212,7 +226,8 @@ AKV_API akv_status akv_group_step_begin(akv_group *group, akv_context *const *co
  * Agreement point without a decision: the ranks compare their health and
  * (with digest checking) their plans, e.g. after akv_step_end, to learn of a
  * peer's failure before the next boundary. Returns, on every rank: AKV_OK,
- * AKV_ERR_QUARANTINED, AKV_ERR_TIMEOUT, AKV_ERR_COMM.
+ * AKV_ERR_QUARANTINED, AKV_ERR_TIMEOUT, AKV_ERR_COMM; AKV_ERR_IN_USE (this
+ * rank only, as for akv_group_context_open).
  */
 AKV_API akv_status akv_group_check(akv_group *group);
 
@@ -230,7 +245,8 @@ AKV_API const char *akv_group_last_error(const akv_group *group);
  * a collective: it never waits on peers. The caller's communicator is not
  * destroyed (after AKV_ERR_TIMEOUT or AKV_ERR_COMM it was aborted, which
  * freed it: do not use it again). Returns AKV_OK, AKV_ERR_BAD_HANDLE,
- * AKV_ERR_BUSY. A group handle is a record never freed (akv.h "Handle
+ * AKV_ERR_BUSY, AKV_ERR_IN_USE (from the engine's log callback while an
+ * agreement of this group decides; nothing freed). A group handle is a record never freed (akv.h "Handle
  * lifetimes"): once destroyed, every group call answers AKV_ERR_BAD_HANDLE
  * until at least 32 later group creates in the process.
  */

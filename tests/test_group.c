@@ -922,6 +922,147 @@ static void test_log_callback_reentry(void **state) {
   assert_int_equal(akv_group_world_destroy(world), AKV_OK);
 }
 
+/* A group call made from the ENGINE's log callback while an agreement of
+ * the same group is in progress on this rank (the engine logs its refusal
+ * inside akv_context_open, between the open's two collectives). Rank 0's
+ * callback calls akv_group_check; rank 1's does not. Before, rank 0's
+ * nested check entered a collective of its own: it met rank 1's outcome
+ * round, every rank stopped as diverged, rank 0's engine could not be
+ * quarantined from inside its own callback, and rank 0's outer open then
+ * entered a second collective on its stopped group and waited out the
+ * timeout alone. A nested agreement call returns AKV_ERR_IN_USE and enters
+ * no collective; the outer call and the group go on. */
+typedef struct nested_rank {
+  akv_group_world *world;
+  uint32_t rank;
+  akv_group *g;
+  int nest;                 /* 1: this rank's callback calls back */
+  int armed;                /* 1 during the refused open */
+  uint32_t nested;
+  akv_status nested_st, nested_destroy, opens[6], check;
+  double open_s;            /* wall time of the refused open */
+  akv_group_info info;
+  akv_status destroy;
+} nested_rank;
+
+static void nested_log_fn(void *user, akv_log_level level, const char *message) {
+  nested_rank *r = user;
+  (void)level;
+  /* The engine's lines only (the group's start with "group rank"). */
+  if (!r->nest || !r->armed || strncmp(message, "group rank", 10) == 0 || r->nested > 0)
+    return;
+  r->nested++;
+  r->nested_st = akv_group_check(r->g);
+  r->nested_destroy = akv_group_destroy(r->g);
+}
+
+static void *nested_rank_main(void *arg) {
+  nested_rank *r = arg;
+  akv_engine_config ec = shard_config(1, 1, 4);
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  akv_context *c[6];
+  ec.log_fn = nested_log_fn;
+  ec.log_user = r;
+  ec.log_level = AKV_LOG_DEBUG; /* the engine logs a refusal at DEBUG */
+  gc.rank = r->rank;
+  gc.size = 2;
+  gc.timeout_ms = 3000;
+  if (akv_group_create_inproc(&ec, &gc, r->world, &r->g) != AKV_OK) return NULL;
+  /* Four fit (concurrency 4); the fifth is refused on every rank, and the
+   * engine logs the refusal from inside akv_context_open. */
+  for (int i = 0; i < 5; i++) {
+    double t0 = now_s();
+    r->armed = i == 4;
+    r->opens[i] = akv_group_context_open(r->g, NULL, &c[i]);
+    r->armed = 0;
+    r->open_s = now_s() - t0;
+  }
+  r->check = akv_group_check(r->g);
+  akv_group_info_get(r->g, &r->info);
+  r->nest = 0;
+  for (int i = 0; i < 4; i++)
+    if (r->opens[i] == AKV_OK) akv_group_context_close(r->g, c[i]);
+  r->destroy = akv_group_destroy(r->g);
+  return NULL;
+}
+
+static void test_nested_agreement_from_engine_log(void **state) {
+  (void)state;
+  akv_group_world *world;
+  nested_rank r[2];
+  pthread_t th[2];
+  assert_int_equal(akv_group_world_create(2, 4, &world), AKV_OK);
+  for (uint32_t i = 0; i < 2; i++) {
+    memset(&r[i], 0, sizeof(r[i]));
+    r[i].world = world;
+    r[i].rank = i;
+    r[i].nest = i == 0;
+    assert_int_equal(pthread_create(&th[i], NULL, nested_rank_main, &r[i]), 0);
+  }
+  for (uint32_t i = 0; i < 2; i++) pthread_join(th[i], NULL);
+  assert_int_equal(r[0].nested, 1);
+  assert_int_equal(r[0].nested_st, AKV_ERR_IN_USE);      /* no collective */
+  assert_int_equal(r[0].nested_destroy, AKV_ERR_IN_USE); /* nothing freed */
+  for (uint32_t i = 0; i < 2; i++) {
+    for (int k = 0; k < 4; k++) assert_int_equal(r[i].opens[k], AKV_OK);
+    assert_int_equal(r[i].opens[4], r[1].opens[4]);
+    assert_true(r[i].opens[4] == AKV_ERR_REFUSED_QUEUE || r[i].opens[4] == AKV_ERR_CAPACITY);
+    assert_true(r[i].open_s < 2.0); /* nobody waited out the timeout */
+    assert_int_equal(r[i].check, AKV_OK);
+    assert_false(r[i].info.stopped);
+    assert_int_equal(r[i].destroy, AKV_OK);
+  }
+  assert_int_equal(akv_group_world_destroy(world), AKV_OK);
+}
+
+/* A world (and an NCCL group's buffers, src/nccl/coll_nccl.c) is sized from
+ * max_contexts, a caller's number: a world of UINT32_MAX contexts asked for
+ * two vectors of 2^34 uint64 (and every group another), and failed with
+ * AKV_ERR_OUT_OF_MEMORY, though no engine takes more than 2^20 contexts
+ * (akv_engine_create refuses more with AKV_ERR_CONFIG). On NCCL the same
+ * shard failed this rank alone with AKV_ERR_BACKEND (device buffers) while
+ * the others waited out their timeout, where every rank should return the
+ * engine's AKV_ERR_CONFIG. The vector length is bounded by the engine's
+ * limit: such a world is made, and a shard beyond the limit on every rank
+ * is refused by the engine, on every rank alike. */
+typedef struct huge_rank {
+  akv_group_world *world;
+  uint32_t rank;
+  akv_status create;
+} huge_rank;
+
+static void *huge_rank_main(void *arg) {
+  huge_rank *r = arg;
+  akv_engine_config ec = shard_config(1, 1, UINT32_MAX);
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  akv_group *g = NULL;
+  gc.rank = r->rank;
+  gc.size = 2;
+  gc.timeout_ms = 60000; /* a hang detector only */
+  r->create = akv_group_create_inproc(&ec, &gc, r->world, &g);
+  if (r->create == AKV_OK) akv_group_destroy(g);
+  return NULL;
+}
+
+static void test_world_of_unbounded_contexts(void **state) {
+  (void)state;
+  akv_group_world *world;
+  huge_rank r[2];
+  pthread_t th[2];
+  /* The bound: lengths stop growing at the engine's limit. */
+  assert_int_equal(akv_group_vector_len(UINT32_MAX), akv_group_vector_len(1u << 20));
+  assert_true(akv_group_vector_len(1u << 20) > akv_group_vector_len((1u << 20) - 1));
+  assert_int_equal(akv_group_world_create(2, UINT32_MAX, &world), AKV_OK);
+  for (uint32_t i = 0; i < 2; i++) {
+    r[i].world = world;
+    r[i].rank = i;
+    assert_int_equal(pthread_create(&th[i], NULL, huge_rank_main, &r[i]), 0);
+  }
+  for (uint32_t i = 0; i < 2; i++) pthread_join(th[i], NULL);
+  for (uint32_t i = 0; i < 2; i++) assert_int_equal(r[i].create, AKV_ERR_CONFIG);
+  assert_int_equal(akv_group_world_destroy(world), AKV_OK);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_pressure_identical_plans),
@@ -940,6 +1081,8 @@ int main(void) {
       cmocka_unit_test(test_uneven_layers_on_one_rank),
       cmocka_unit_test(test_close_while_one_rank_in_step),
       cmocka_unit_test(test_log_callback_reentry),
+      cmocka_unit_test(test_nested_agreement_from_engine_log),
+      cmocka_unit_test(test_world_of_unbounded_contexts),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -27,6 +27,7 @@
 #include <string.h>
 
 #include "config.h"
+#include "fit.h"
 #include "group.h"
 #include "plan.h"
 #include "records.h"
@@ -62,6 +63,7 @@ struct akv_group {
   int check_digest;
   int stopped;
   int in_log;               /* 1 while the log callback runs (see akv_group_log) */
+  int deciding;             /* 1 while the engine decides between two collectives */
   akv_group_reason reason;
   uint32_t failed_rank;
   char last_error[512];
@@ -77,8 +79,15 @@ static int akv_group_ok(const akv_group *g) {
 }
 
 size_t akv_group_vector_len(uint32_t max_contexts) {
+  /* Invariant: no agreed concurrency exceeds AKV_FIT_MAX_CONTEXTS
+   * (akv_engine_create refuses a larger max_contexts, and the agreed
+   * concurrency is at most the engine's), so a vector sized for that many
+   * holds every step. A caller's larger number (a world "of any size", a
+   * shard the engine will refuse) sizes no buffer beyond it, so such a
+   * shard reaches the agreement and is refused there on every rank. */
+  const uint32_t m = max_contexts < AKV_FIT_MAX_CONTEXTS ? max_contexts : AKV_FIT_MAX_CONTEXTS;
   /* step: n (2) + ids (2 per context) + lengths (2 per context) */
-  size_t step = AKV_GROUP_HEADER_LEN + 2u + 4u * (size_t)max_contexts;
+  size_t step = AKV_GROUP_HEADER_LEN + 2u + 4u * (size_t)m;
   return step > AKV_GROUP_FIXED_LEN ? step : AKV_GROUP_FIXED_LEN;
 }
 
@@ -170,7 +179,11 @@ static void akv_group_put_header(akv_group *g, akv_point op, akv_status local) {
 /* The collective. A timeout or a communicator failure stops the group (the
  * collective already aborted the communicator, so no rank hangs). */
 static akv_status akv_group_exchange(akv_group *g) {
-  akv_status st = g->coll->ops->allreduce_min(g->coll, g->vec, g->vec_len, g->cfg.timeout_ms);
+  akv_status st;
+  /* Invariant: no collective on a stopped group (the other ranks stopped at
+   * the same point and will not arrive). */
+  if (g->stopped) return AKV_ERR_QUARANTINED;
+  st = g->coll->ops->allreduce_min(g->coll, g->vec, g->vec_len, g->cfg.timeout_ms);
   g->seq++;
   if (st == AKV_OK) {
     g->agreements++;
@@ -244,7 +257,43 @@ static akv_status akv_group_enter(akv_group *g) {
   if (g->stopped)
     return akv_group_fail(g, AKV_ERR_QUARANTINED, "the group stopped earlier; only info, "
                           "engine diagnostics and destroy remain");
+  /* Invariant: one agreement at a time per rank. While the engine decides
+   * (between an agreement's input and outcome collectives) its log callback
+   * may call back; a nested agreement call there would enter a collective
+   * of its own that the other ranks are not making (they are at the
+   * outcome), so it is refused without a collective and without a log line
+   * (the engine's callback is running: akv_log_fn). */
+  if (g->deciding) {
+    snprintf(g->last_error, sizeof(g->last_error),
+             "an agreement call from the engine's log callback during an agreement of this "
+             "group: refused, no collective");
+    return AKV_ERR_IN_USE;
+  }
   return AKV_OK;
+}
+
+/* The engine's decision inside an agreement (see akv_group_enter). */
+static akv_status akv_group_decide_open(akv_group *g, const akv_context_config *cc,
+                                        akv_context **c) {
+  akv_status st;
+  g->deciding = 1;
+  st = akv_context_open(g->engine, cc, c);
+  g->deciding = 0;
+  return st;
+}
+static akv_status akv_group_decide_close(akv_group *g, akv_context *c) {
+  akv_status st;
+  g->deciding = 1;
+  st = akv_context_close(c);
+  g->deciding = 0;
+  return st;
+}
+static akv_status akv_group_decide_step(akv_group *g, akv_context *const *cs, uint32_t n) {
+  akv_status st;
+  g->deciding = 1;
+  st = akv_step_begin(g->engine, cs, n);
+  g->deciding = 0;
+  return st;
 }
 
 /* ---------------------------------------------------------------- create */
@@ -429,7 +478,7 @@ AKV_API akv_status akv_group_context_open(akv_group *g, const akv_context_config
                           akv_status_string(agreed_local));
   cc.target_pages = (uint32_t)akv_get_min(g);
   cc.burst_pages = (uint32_t)akv_get_min(g);
-  st = akv_context_open(g->engine, &cc, &c);
+  st = akv_group_decide_open(g, &cc, &c);
   if ((st = akv_group_outcome(g, st)) != AKV_OK) return st;
   *out = c;
   return AKV_OK;
@@ -456,7 +505,7 @@ AKV_API akv_status akv_group_context_close(akv_group *g, akv_context *context) {
   if (!akv_get_same(g, NULL))
     return akv_group_fail(g, AKV_ERR_DISAGREE,
                           "context_close: the ranks named different contexts; nothing changed");
-  return akv_group_outcome(g, akv_context_close(context));
+  return akv_group_outcome(g, akv_group_decide_close(g, context));
 }
 
 AKV_API akv_status akv_group_step_begin(akv_group *g, akv_context *const *contexts, uint32_t n) {
@@ -502,7 +551,7 @@ AKV_API akv_status akv_group_step_begin(akv_group *g, akv_context *const *contex
     return akv_group_fail(g, AKV_ERR_DISAGREE,
                           "step_begin: the ranks step different contexts or lengths; nothing "
                           "changed");
-  return akv_group_outcome(g, akv_step_begin(g->engine, contexts, n));
+  return akv_group_outcome(g, akv_group_decide_step(g, contexts, n));
 }
 
 AKV_API akv_status akv_group_check(akv_group *g) {
@@ -551,6 +600,9 @@ AKV_API const char *akv_group_last_error(const akv_group *g) {
 AKV_API akv_status akv_group_destroy(akv_group *g) {
   akv_status st;
   if (!akv_group_ok(g)) return AKV_ERR_BAD_HANDLE;
+  /* From the engine's log callback during an agreement: the agreement still
+   * uses the vector and the collective (see akv_group_enter). */
+  if (g->deciding) return AKV_ERR_IN_USE;
   /* The engine's destroy never waits; with live work it frees nothing and
    * neither does the group. An engine the caller already destroyed (it is
    * the group's, but akv_group_engine hands it out) answers

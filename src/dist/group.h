@@ -10,7 +10,8 @@
 
 /* Vector length every agreement point of a group uses, for a group whose
  * engines have `max_contexts` slots (the collective's max_n must be at least
- * this for the largest max_contexts of any rank). */
+ * this for the largest max_contexts of any rank). A max_contexts above the
+ * engine's limit (AKV_FIT_MAX_CONTEXTS, src/core/fit.h) counts as the limit. */
 size_t akv_group_vector_len(uint32_t max_contexts);
 
 /*
