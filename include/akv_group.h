@@ -82,7 +82,7 @@ typedef struct akv_group_config {
   uint32_t rank;        /**< this rank, 0..size-1 */
   uint32_t size;        /**< ranks in the group */
   uint32_t timeout_ms;  /**< longest wait at an agreement point, >= 1 */
-  akv_group_digest digest;
+  akv_group_digest digest; /**< outside akv_group_digest: AKV_ERR_CONFIG at create */
 } akv_group_config;
 
 #define AKV_GROUP_CONFIG_INIT \
@@ -151,7 +151,9 @@ AKV_API akv_status akv_group_create_inproc(const akv_engine_config *shard,
  * Aborts the world as a failed communicator: ranks waiting at an agreement
  * point return AKV_ERR_COMM at once (their groups stop), and so does every
  * later agreement. For a caller whose rank failed outside the group, so that
- * the others need not wait for their timeout. Thread-safe. Returns AKV_OK,
+ * the others need not wait for their timeout. A world is aborted once: one
+ * that a timeout already aborted keeps answering AKV_ERR_TIMEOUT (the first
+ * abort's status and reason stay). Thread-safe. Returns AKV_OK,
  * AKV_ERR_INVALID_ARGUMENT (NULL or a destroyed world).
  */
 AKV_API akv_status akv_group_world_abort(akv_group_world *world);
@@ -245,8 +247,8 @@ AKV_API const char *akv_group_last_error(const akv_group *group);
  * a collective: it never waits on peers. The caller's communicator is not
  * destroyed (after AKV_ERR_TIMEOUT or AKV_ERR_COMM it was aborted, which
  * freed it: do not use it again). Returns AKV_OK, AKV_ERR_BAD_HANDLE,
- * AKV_ERR_BUSY, AKV_ERR_IN_USE (from the engine's log callback while an
- * agreement of this group decides; nothing freed). A group handle is a record never freed (akv.h "Handle
+ * AKV_ERR_BUSY, AKV_ERR_IN_USE (called from the engine's log callback;
+ * nothing freed). A group handle is a record never freed (akv.h "Handle
  * lifetimes"): once destroyed, every group call answers AKV_ERR_BAD_HANDLE
  * until at least 32 later group creates in the process.
  */

@@ -1063,6 +1063,51 @@ static void test_world_of_unbounded_contexts(void **state) {
   assert_int_equal(akv_group_world_destroy(world), AKV_OK);
 }
 
+/* The group config's enum field is checked as the engine config's are: a
+ * `digest` outside akv_group_digest was taken silently (as DEFAULT in a
+ * release build, as ON in a debug one); it is AKV_ERR_CONFIG, on every
+ * rank (the refusal travels in the create agreement), and nothing is made. */
+static void test_group_config_digest_enum(void **state) {
+  (void)state;
+  akv_group_world *world;
+  akv_group *g = NULL;
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  akv_engine_config ec = shard_config(1, 1, 4);
+  assert_int_equal(akv_group_world_create(1, 4, &world), AKV_OK);
+  gc.digest = (akv_group_digest)2;
+  assert_int_equal(akv_group_create_inproc(&ec, &gc, world, &g), AKV_ERR_CONFIG);
+  assert_null(g);
+  gc.digest = (akv_group_digest)-1;
+  assert_int_equal(akv_group_create_inproc(&ec, &gc, world, &g), AKV_ERR_CONFIG);
+  assert_null(g);
+  gc.digest = AKV_GROUP_DIGEST_ON; /* the rank was given back */
+  assert_int_equal(akv_group_create_inproc(&ec, &gc, world, &g), AKV_OK);
+  assert_int_equal(akv_group_destroy(g), AKV_OK);
+  assert_int_equal(akv_group_world_destroy(world), AKV_OK);
+}
+
+/* A world is aborted once (akv_group_world_abort): a timeout that aborted
+ * it first keeps its status, so a later caller's abort does not turn the
+ * answer into AKV_ERR_COMM. */
+static void test_world_abort_after_timeout(void **state) {
+  (void)state;
+  akv_group_world *world;
+  akv_group *g = NULL;
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  akv_engine_config ec = shard_config(1, 1, 4);
+  assert_int_equal(akv_group_world_create(2, 4, &world), AKV_OK);
+  gc.size = 2;
+  gc.timeout_ms = 50; /* rank 1 never comes */
+  assert_int_equal(akv_group_create_inproc(&ec, &gc, world, &g), AKV_ERR_TIMEOUT);
+  assert_null(g);
+  assert_int_equal(akv_group_world_abort(world), AKV_OK);
+  assert_int_equal(akv_group_create_inproc(&ec, &gc, world, &g), AKV_ERR_TIMEOUT);
+  gc.rank = 1; /* the late rank: at once */
+  assert_int_equal(akv_group_create_inproc(&ec, &gc, world, &g), AKV_ERR_TIMEOUT);
+  assert_null(g);
+  assert_int_equal(akv_group_world_destroy(world), AKV_OK);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_pressure_identical_plans),
@@ -1083,6 +1128,8 @@ int main(void) {
       cmocka_unit_test(test_log_callback_reentry),
       cmocka_unit_test(test_nested_agreement_from_engine_log),
       cmocka_unit_test(test_world_of_unbounded_contexts),
+      cmocka_unit_test(test_group_config_digest_enum),
+      cmocka_unit_test(test_world_abort_after_timeout),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -340,6 +340,10 @@ akv_status akv_group_create_with(const akv_engine_config *shard, const akv_group
     local = AKV_ERR_CONFIG;
   else if (config->size != coll->size || config->rank != coll->rank || config->timeout_ms == 0)
     local = AKV_ERR_CONFIG;
+  else if ((unsigned)config->digest > (unsigned)AKV_GROUP_DIGEST_ON)
+    /* Enum fields are checked as the engine config's are (akv_fit): a value
+     * outside akv_group_digest is refused, not read as one of them. */
+    local = AKV_ERR_CONFIG;
   else if (shard->headroom_gib != 0)
     /* Headroom is profiled per device, so it differs between ranks; until a
      * headroom change is an agreement point (headroom pages the MIN over
