@@ -458,20 +458,27 @@ def test_hybrid_cache_after_close_refuses_sliding_layers_too():
     assert _same(before, _sliding(cache))
 
 
-def test_cache_prefill_failing_between_rows_is_not_appended_twice(monkeypatch):
-    """A prefill appends a layer's rows row by row (one context each): one that
-    failed after the first row's append left that context a layer ahead, and
-    the same prefill again appended its rows a second time."""
-    torch, cache = _cache(batch_size=2)
+def _append_interrupted_at(n):
+    """Context.append_layer that raises KeyboardInterrupt at its n-th call (1-based)
+    and appends as usual otherwise."""
     real = akv.Context.append_layer
     calls = []
 
     def flaky(self, layer, k, v):
         calls.append(layer)
-        if len(calls) == 2:
-            raise KeyboardInterrupt  # e.g. Ctrl-C between the two rows
+        if len(calls) == n:
+            raise KeyboardInterrupt
         return real(self, layer, k, v)
 
+    return flaky
+
+
+def test_cache_prefill_failing_between_rows_is_not_appended_twice(monkeypatch):
+    """A prefill appends a layer's rows row by row (one context each): one that
+    failed after the first row's append left that context a layer ahead, and
+    the same prefill again appended its rows a second time."""
+    torch, cache = _cache(batch_size=2)
+    flaky = _append_interrupted_at(2)  # e.g. Ctrl-C between the two rows
     with cache:
         monkeypatch.setattr(akv.Context, "append_layer", flaky)
         with pytest.raises(KeyboardInterrupt):
@@ -486,15 +493,7 @@ def test_cache_prefill_failing_between_rows_is_not_appended_twice(monkeypatch):
 
 def test_cache_prefill_failing_at_the_first_row_changes_nothing(monkeypatch):
     torch, cache = _cache(batch_size=2)
-    real = akv.Context.append_layer
-    calls = []
-
-    def flaky(self, layer, k, v):
-        calls.append(layer)
-        if len(calls) == 1:
-            raise KeyboardInterrupt
-        return real(self, layer, k, v)
-
+    flaky = _append_interrupted_at(1)
     with cache:
         monkeypatch.setattr(akv.Context, "append_layer", flaky)
         with pytest.raises(KeyboardInterrupt):

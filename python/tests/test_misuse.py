@@ -39,6 +39,16 @@ def finish_step(eng, lease, stream):
     eng.step_end()
 
 
+def begin_on_stream(eng, k):
+    """A context holding k (as both K and V), a stream of the engine's, and the
+    step's layer 0 lease, begun but not yet waited on."""
+    ctx = eng.open_context()
+    ctx.append(k, k)
+    stream = eng.stream_create()
+    eng.step_begin([ctx])
+    return stream, eng.lease_begin(0)
+
+
 @pytest.fixture
 def destroys(monkeypatch):
     """Counts akv_engine_destroy calls that freed an engine."""
@@ -91,12 +101,8 @@ def test_wait_ready_with_a_raw_stream_handle_synchronizes_on_the_host_backend():
         ran.append(True)
 
     with akv.Engine(**small()) as eng:
-        ctx = eng.open_context()
         k = rows(rng, 3)
-        ctx.append(k, k)
-        stream = eng.stream_create()
-        eng.step_begin([ctx])
-        lease = eng.lease_begin(0)
+        stream, lease = begin_on_stream(eng, k)
         assert _lib.lib.akv_stream_launch_host(eng._handle, stream.handle, slow, None) == 0
         timer = threading.Timer(0.3, release.set)
         timer.start()
@@ -124,12 +130,8 @@ def test_stream_arguments_that_are_not_handles_are_refused(bad):
     with akv.Engine(**small()) as eng:
         with pytest.raises(akv.InvalidArgument):
             eng._stream_arg(bad)
-        ctx = eng.open_context()
         k = rows(rng, 3)
-        ctx.append(k, k)
-        stream = eng.stream_create()
-        eng.step_begin([ctx])
-        lease = eng.lease_begin(0)
+        stream, lease = begin_on_stream(eng, k)
         with pytest.raises(akv.InvalidArgument):
             lease.wait_ready(bad)
         view = lease.wait_ready(stream)
