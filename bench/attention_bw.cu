@@ -89,6 +89,7 @@
 #define AKV_ATTN_K3_SPAN AKV_ATTN_WARPS
 #endif
 
+static const uint32_t kPieceTokens = AKV_ATTN_PIECE_TOKENS > 0 ? AKV_ATTN_PIECE_TOKENS : 256;
 static const double kCeilingGBps = 4400.0; /* kernel read ceiling, shared/MEASURED.md */
 
 #define CK(call)                                                                      \
@@ -151,6 +152,56 @@ __global__ void read_all(const uint4 *__restrict__ p, size_t n, unsigned *sink) 
   for (; i < n; i += stride) {
     const uint4 a = __ldg(p + i);
     acc ^= a.x ^ a.y ^ a.z ^ a.w;
+  }
+  if (acc == 0x9E3779B9u) sink[0] = acc; /* keeps the loads alive */
+}
+
+/* The same bytes read in the chunk kernel's order, to tell the cost of the
+ * order from the cost of the arithmetic (loads only, no attention). Rows of
+ * one context: [token][kv head][head_bytes]; K rows at base + ctx *
+ * ctx_stride, V rows seg bytes after. Pieces of `piece` rows; 8 warps per
+ * block, 16 K and 16 V 16-byte loads in flight per lane (kernel 3's group).
+ *  by_head (kernel 3's mapping): block (context, kv head, span of 8
+ *    pieces), warp w streams piece 8 span + w of that head;
+ *  by_row: block (context, piece), warp w streams kv head w (w + 8, ...) of
+ *    that piece, so a block's warps read whole rows together. */
+template <int HB>
+__global__ void __launch_bounds__(256) read_order(const char *__restrict__ base, uint64_t ctx_stride,
+                                                  uint64_t seg, uint32_t tokens, uint32_t piece,
+                                                  uint32_t kv_heads, uint32_t row_bytes,
+                                                  int by_row, unsigned *sink) {
+  constexpr int LPR = HB / 16, RPI = 32 / LPR, U = 16;
+  const uint32_t pieces = (tokens + piece - 1) / piece, spans = (pieces + 7) / 8;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  uint32_t ctx, p, h0, hstep;
+  if (by_row) {
+    ctx = blockIdx.x / pieces;
+    p = blockIdx.x % pieces;
+    h0 = warp;
+    hstep = 8;
+  } else {
+    ctx = blockIdx.x / (kv_heads * spans);
+    const uint32_t r = blockIdx.x % (kv_heads * spans);
+    h0 = r / spans;
+    hstep = kv_heads;
+    p = (r % spans) * 8 + warp;
+    if (p >= pieces) return;
+  }
+  const uint32_t t0 = p * piece, t1 = min(t0 + piece, tokens);
+  unsigned acc = 0;
+  for (uint32_t h = h0; h < kv_heads; h += hstep) {
+    const char *k = base + ctx * ctx_stride + (size_t)h * HB + (lane % LPR) * 16;
+    for (uint32_t t = t0; t < t1; t += U * RPI) {
+      uint4 kr[U], vr[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const uint32_t row = min(t + lane / LPR + RPI * u, t1 - 1);
+        kr[u] = __ldg(reinterpret_cast<const uint4 *>(k + (size_t)row * row_bytes));
+        vr[u] = __ldg(reinterpret_cast<const uint4 *>(k + seg + (size_t)row * row_bytes));
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) acc ^= kr[u].x ^ kr[u].y ^ kr[u].z ^ kr[u].w ^ vr[u].x ^ vr[u].y ^ vr[u].z ^ vr[u].w;
+    }
   }
   if (acc == 0x9E3779B9u) sink[0] = acc; /* keeps the loads alive */
 }
@@ -460,6 +511,28 @@ int main(int argc, char **argv) {
     });
     CK(cudaGetLastError());
     const double read_gbps = (double)kv_bytes / (rd.median_us * 1e3);
+    /* The same bytes in the chunk kernel's order (by kv head) and by rows. */
+    const uint32_t pieces = (o.tokens + kPieceTokens - 1) / kPieceTokens;
+    double order_gbps[2];
+    for (int by_row = 0; by_row < 2; ++by_row) {
+      const uint32_t blocks = n_ctx * (by_row ? pieces : kv_heads * ((pieces + 7) / 8));
+      const Stats st = time_launches(s, sets, o.warmup, o.iters, [&](int si) {
+        if (fp8)
+          read_order<128><<<blocks, 256, 0, s>>>(set[si].kv, ctx_stride, seg, o.tokens,
+                                                 kPieceTokens, kv_heads, (uint32_t)row_bytes,
+                                                 by_row, sink);
+        else
+          read_order<256><<<blocks, 256, 0, s>>>(set[si].kv, ctx_stride, seg, o.tokens,
+                                                 kPieceTokens, kv_heads, (uint32_t)row_bytes,
+                                                 by_row, sink);
+      });
+      CK(cudaGetLastError());
+      order_gbps[by_row] = (double)kv_bytes / (st.median_us * 1e3);
+    }
+    printf("read   %-5s %4u: plain %.0f GB/s (%.1f%%), kernel order by kv head %.0f GB/s (%.1f%%), "
+           "by row %.0f GB/s (%.1f%%)\n",
+           dt_name, n_ctx, read_gbps, 100.0 * read_gbps / kCeilingGBps, order_gbps[0],
+           100.0 * order_gbps[0] / kCeilingGBps, order_gbps[1], 100.0 * order_gbps[1] / kCeilingGBps);
 
     const Stats sc = time_launches(s, sets, o.warmup, o.iters, [&](int si) {
       const akv_attention_args a = contig_args(si, out);
@@ -491,13 +564,15 @@ int main(int argc, char **argv) {
                "\"sets\":%d,"
                "\"iters\":%d,\"median_us\":%.2f,\"p10_us\":%.2f,\"p90_us\":%.2f,\"gbps\":%.1f,"
                "\"ceiling_gbps\":%.0f,\"ratio\":%.4f,\"read_gbps\":%.1f,\"ratio_vs_read\":%.4f,"
+               "\"read_by_head_gbps\":%.1f,\"read_by_row_gbps\":%.1f,"
                "\"meets_60pct\":%s,\"check\":\"%s\"}",
                o.label, r.name, dt_name, prop.name, n_ctx, o.tokens, o.chunk, n_heads, kv_heads,
                head_dim, AKV_ATTN_WARPS, AKV_ATTN_LOADS, AKV_ATTN_STAGES, AKV_ATTN_PDL,
                AKV_ATTN_PIECE_TOKENS, AKV_ATTN_KERNEL, AKV_ATTN_MINB, AKV_ATTN_COMBINE_WARPS,
                AKV_ATTN_K3_FP8_F16, AKV_ATTN_K3_SPAN, (unsigned long long)kv_bytes, sets, o.iters,
                r.st.median_us, r.st.p10_us, r.st.p90_us, gbps, kCeilingGBps, ratio, read_gbps,
-               gbps / read_gbps, ratio >= 0.6 ? "true" : "false", check);
+               gbps / read_gbps, order_gbps[0], order_gbps[1], ratio >= 0.6 ? "true" : "false",
+               check);
       printf("JSON %s\n", line);
       if (jf) fprintf(jf, "%s\n", line);
     }

@@ -628,7 +628,7 @@ if has_step ncu; then
         timeout 300 ncu --clock-control none -k regex:akv_attn --launch-skip 4 -c 2 \
           --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
           --section InstructionStats --section Occupancy --section SchedulerStats \
-          --section MemoryWorkloadAnalysis -f -o "$rep" \
+          --section MemoryWorkloadAnalysis --section SourceCounters -f -o "$rep" \
           "$bin" --contexts "${AKV_NCU_CONTEXTS:-1}" --dtype "$dt" --iters 4 --warmup 2 --no-check \
           >>"$OUT/ncu.log" 2>&1
         rc=$?
@@ -636,6 +636,10 @@ if has_step ncu; then
         ncu -i "$rep.ncu-rep" --page raw --csv >"$OUT/ncu-$label-$dt.csv" 2>&1
         record "ncu $label $dt" "$([ $rc = 0 ] && echo ok || echo FAIL)" "rc=$rc"
       done
+      # The machine code of every kernel of the variant, for instruction counts.
+      if command -v cuobjdump >/dev/null 2>&1; then
+        cuobjdump -sass "$bin" | gzip >"$OUT/sass-$label.txt.gz"
+      fi
     done
   fi
 fi
