@@ -14,8 +14,10 @@
  * with CUDA events: warm-up first, then many launches, each timed alone, over
  * input sets rotated so that the data read is several times the L2; it
  * reports the median. It also measures a plain streaming-read kernel over the
- * same buffers in the same run, as the achievable ceiling, and checks the
- * results (CUDA vs the C reference, paged == contiguous bit for bit) once.
+ * same buffers in the same run, as the achievable ceiling, and the same bytes
+ * read in the chunk kernel's order with loads only (read_order: the ceiling
+ * of the kernel's shape without its arithmetic), and checks the results
+ * (CUDA vs the C reference, paged == contiguous bit for bit) once.
  *
  * Build (from the repository root):
  *   nvcc -O3 -arch=sm_90 -std=c++17 -Iinclude bench/attention_bw.cu \
