@@ -783,13 +783,18 @@ static int fit_config(const cli_opts *o, akv_backend_kind backend, akv_engine_co
               c->page_tokens, c->max_tokens);
     return -1;
   }
-  uint64_t page_bytes = (uint64_t)c->page_tokens * c->n_dense_layers * c->kv_heads * c->head_dim *
-                        2 * model_kv_elem_bytes(o->kv_dtype);
+  /* Saturating: the plain product wrapped 64 bits for huge geometries (2^65
+   * bytes read as 0) and passed the comparison with the pool. */
+  uint64_t page_bytes = model_sat_mul(
+      model_sat_mul(model_sat_mul((uint64_t)c->page_tokens, c->n_dense_layers),
+                    model_sat_mul(c->kv_heads, c->head_dim)),
+      2u * (uint64_t)model_kv_elem_bytes(o->kv_dtype));
   if (c->route != AKV_ROUTE_STAGE && c->device_pool_gib > 0 &&
       page_bytes > (uint64_t)c->device_pool_gib * GIB) { /* stage never allocates the pool */
-    say_error("--device-pool-gib %u holds no page of %llu bytes (--page-tokens %u); raise "
+    say_error("--device-pool-gib %u holds no page of %s%llu bytes (--page-tokens %u); raise "
               "--device-pool-gib or lower --page-tokens",
-              c->device_pool_gib, (unsigned long long)page_bytes, c->page_tokens);
+              c->device_pool_gib, page_bytes == UINT64_MAX ? "more than " : "",
+              (unsigned long long)page_bytes, c->page_tokens);
     return -1;
   }
   if (c->host_pool_gib == 0) {
