@@ -356,7 +356,9 @@ static void usage(FILE *f) {
           "\n"
           "A value follows its flag as the next argument or after '=' (--steps 8,\n"
           "--steps=8); switches take none. N is decimal digits only (no sign, blank or\n"
-          "0x): 010 is ten.\n",
+          "0x): 010 is ten. F is digits[.digits] with an optional exponent\n"
+          "e[+|-]digits (55.4, 1e6, 2.5e-1); a sign or blank in front, .5, 5., hex,\n"
+          "inf and nan are refused.\n",
           MODEL_MAX_BATCH);
 }
 
@@ -399,16 +401,42 @@ static int parse_u32(const char *flag, const char *s, uint32_t lo, uint32_t hi, 
   return 0;
 }
 
+/*
+ * Decimal values are digits[.digits][(e|E)[+|-]digits] and nothing else: no
+ * sign or blank in front, no hex ("0x1p4"), no inf or nan, no bare "." at
+ * either end (".5", "5."). strtod alone takes all of those (" +0x1p4" was 16).
+ * The checked text is then read by strtod in the C locale, which keeps its
+ * rounding; a value it cannot hold (1e999, 1e-999) sets errno and is refused.
+ */
+static int decimal_syntax_ok(const char *s) {
+  if (!(*s >= '0' && *s <= '9')) return 0;
+  while (*s >= '0' && *s <= '9') s++;
+  if (*s == '.') {
+    s++;
+    if (!(*s >= '0' && *s <= '9')) return 0;
+    while (*s >= '0' && *s <= '9') s++;
+  }
+  if (*s == 'e' || *s == 'E') {
+    s++;
+    if (*s == '+' || *s == '-') s++;
+    if (!(*s >= '0' && *s <= '9')) return 0;
+    while (*s >= '0' && *s <= '9') s++;
+  }
+  return *s == '\0';
+}
+
 static int parse_double(const char *flag, const char *s, double lo, double hi, double *out) {
   char *end = NULL;
   errno = 0;
-  double v = s ? strtod(s, &end) : 0.0;
-  if (s == NULL || errno != 0 || end == s || *end != '\0' || !(v >= lo && v <= hi)) {
-    say_error("%s: expected a number in %g..%g, got '%s'", flag, lo, hi, s ? s : "");
-    return -1;
-  }
+  if (s == NULL || !decimal_syntax_ok(s)) goto bad;
+  double v = strtod(s, &end);
+  if (errno != 0 || *end != '\0' || !(v >= lo && v <= hi)) goto bad;
   *out = v;
   return 0;
+bad:
+  say_error("%s: expected a decimal number in %g..%g (digits[.digits][e[+|-]digits]), got '%s'",
+            flag, lo, hi, s ? s : "");
+  return -1;
 }
 
 /*
@@ -755,13 +783,18 @@ static int fit_config(const cli_opts *o, akv_backend_kind backend, akv_engine_co
               c->page_tokens, c->max_tokens);
     return -1;
   }
-  uint64_t page_bytes = (uint64_t)c->page_tokens * c->n_dense_layers * c->kv_heads * c->head_dim *
-                        2 * model_kv_elem_bytes(o->kv_dtype);
+  /* Saturating: the plain product wrapped 64 bits for huge geometries (2^65
+   * bytes read as 0) and passed the comparison with the pool. */
+  uint64_t page_bytes = model_sat_mul(
+      model_sat_mul(model_sat_mul((uint64_t)c->page_tokens, c->n_dense_layers),
+                    model_sat_mul(c->kv_heads, c->head_dim)),
+      2u * (uint64_t)model_kv_elem_bytes(o->kv_dtype));
   if (c->route != AKV_ROUTE_STAGE && c->device_pool_gib > 0 &&
       page_bytes > (uint64_t)c->device_pool_gib * GIB) { /* stage never allocates the pool */
-    say_error("--device-pool-gib %u holds no page of %llu bytes (--page-tokens %u); raise "
+    say_error("--device-pool-gib %u holds no page of %s%llu bytes (--page-tokens %u); raise "
               "--device-pool-gib or lower --page-tokens",
-              c->device_pool_gib, (unsigned long long)page_bytes, c->page_tokens);
+              c->device_pool_gib, page_bytes == UINT64_MAX ? "more than " : "",
+              (unsigned long long)page_bytes, c->page_tokens);
     return -1;
   }
   if (c->host_pool_gib == 0) {
