@@ -76,11 +76,23 @@ typedef enum akv_group_digest {
   AKV_GROUP_DIGEST_ON = 1,      /**< always on (if any rank asks, every rank checks) */
 } akv_group_digest;
 
+/**
+ * The most ranks a group (and an in-process world) has. Tensor parallel
+ * groups span one NVLink domain (8 GPUs in a host, 72 in the largest rack
+ * today) or a few of them, and an in-process world runs one thread and one
+ * engine (with its own queue threads) per rank: 4096 is far beyond either,
+ * while it keeps what is sized by the rank count small (an in-process
+ * world's table of ranks: UINT32_MAX ranks asked for 4 GiB). A larger size
+ * is refused: AKV_ERR_INVALID_ARGUMENT by akv_group_world_create,
+ * AKV_ERR_CONFIG at group create (a group config's size).
+ */
+#define AKV_GROUP_MAX_RANKS 4096u
+
 typedef struct akv_group_config {
   uint32_t struct_size; /**< sizeof(akv_group_config) */
   uint32_t version;     /**< AKV_CONFIG_VERSION */
   uint32_t rank;        /**< this rank, 0..size-1 */
-  uint32_t size;        /**< ranks in the group */
+  uint32_t size;        /**< ranks in the group, 1..AKV_GROUP_MAX_RANKS */
   uint32_t timeout_ms;  /**< longest wait at an agreement point, >= 1 */
   akv_group_digest digest; /**< outside akv_group_digest: AKV_ERR_CONFIG at create */
 } akv_group_config;
@@ -126,8 +138,9 @@ typedef struct akv_group_world akv_group_world;
  * contexts: akv_engine_create refuses more with AKV_ERR_CONFIG), so a larger
  * max_contexts (UINT32_MAX for "any") costs no more than that, and a shard
  * beyond the limit is refused by the engine at create, on every rank alike.
- * Thread-safe once made. Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT
- * (NULL, size or max_contexts 0), AKV_ERR_OUT_OF_MEMORY.
+ * Thread-safe once made. Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT (NULL,
+ * size or max_contexts 0, size above AKV_GROUP_MAX_RANKS; nothing
+ * allocated), AKV_ERR_OUT_OF_MEMORY.
  */
 AKV_API akv_status akv_group_world_create(uint32_t size, uint32_t max_contexts,
                                           akv_group_world **out);

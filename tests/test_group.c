@@ -1108,6 +1108,69 @@ static void test_world_abort_after_timeout(void **state) {
   assert_int_equal(akv_group_world_destroy(world), AKV_OK);
 }
 
+/* A world's and a group's rank count is bounded (AKV_GROUP_MAX_RANKS):
+ * akv_group_world_create sized its rank table by `size` unbounded, so a
+ * world of UINT32_MAX ranks asked for 4 GiB (and took it where memory is
+ * overcommitted). Beyond the bound it is AKV_ERR_INVALID_ARGUMENT (an
+ * argument, as size 0) and nothing is made; the bound itself is taken. */
+static void test_world_size_bounded(void **state) {
+  (void)state;
+  akv_group_world *world = NULL;
+  akv_group *g = NULL;
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  akv_engine_config ec = shard_config(1, 1, 4);
+  assert_int_equal(akv_group_world_create(AKV_GROUP_MAX_RANKS + 1, 4, &world),
+                   AKV_ERR_INVALID_ARGUMENT);
+  assert_null(world);
+  assert_int_equal(akv_group_world_create(UINT32_MAX, 4, &world), AKV_ERR_INVALID_ARGUMENT);
+  assert_null(world);
+  assert_int_equal(akv_group_world_create(AKV_GROUP_MAX_RANKS, 4, &world), AKV_OK);
+  gc.rank = AKV_GROUP_MAX_RANKS - 1;
+  gc.size = AKV_GROUP_MAX_RANKS + 1; /* not the world's size: refused as before */
+  assert_int_equal(akv_group_create_inproc(&ec, &gc, world, &g), AKV_ERR_CONFIG);
+  assert_null(g);
+  assert_int_equal(akv_group_world_destroy(world), AKV_OK);
+}
+
+/* A collective that stands for any transport's (an NCCL communicator can
+ * have more ranks than the bound): every rank gave the same vector. */
+static akv_status echo_allreduce(akv_coll *c, uint64_t *v, size_t n, uint32_t timeout_ms) {
+  (void)c;
+  (void)v;
+  (void)n;
+  (void)timeout_ms;
+  return AKV_OK;
+}
+static void echo_destroy(akv_coll *c) { (void)c; }
+static const akv_coll_ops echo_ops = {"echo", echo_allreduce, echo_destroy};
+
+/* Group create checks the group config's size against the same bound, on
+ * every transport: a collective of AKV_GROUP_MAX_RANKS + 1 ranks was taken
+ * (the group made its engine); it is AKV_ERR_CONFIG, in the agreement (so
+ * every rank refuses alike), and nothing is made. */
+static void test_group_size_bounded(void **state) {
+  (void)state;
+  akv_coll coll;
+  akv_group *g = NULL;
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  akv_engine_config ec = shard_config(1, 1, 4);
+  memset(&coll, 0, sizeof(coll));
+  coll.ops = &echo_ops;
+  coll.max_n = akv_group_vector_len(4);
+  coll.rank = gc.rank = 0;
+  coll.size = gc.size = AKV_GROUP_MAX_RANKS + 1;
+  assert_int_equal(akv_group_create_with(&ec, &gc, &coll, &g), AKV_ERR_CONFIG);
+  assert_null(g);
+  coll.rank = gc.rank = AKV_GROUP_MAX_RANKS; /* a rank past the bound as well */
+  assert_int_equal(akv_group_create_with(&ec, &gc, &coll, &g), AKV_ERR_CONFIG);
+  assert_null(g);
+  coll.rank = gc.rank = AKV_GROUP_MAX_RANKS - 1; /* the bound itself is taken */
+  coll.size = gc.size = AKV_GROUP_MAX_RANKS;
+  assert_int_equal(akv_group_create_with(&ec, &gc, &coll, &g), AKV_OK);
+  assert_int_equal(akv_group_check(g), AKV_OK);
+  assert_int_equal(akv_group_destroy(g), AKV_OK);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_pressure_identical_plans),
@@ -1130,6 +1193,8 @@ int main(void) {
       cmocka_unit_test(test_world_of_unbounded_contexts),
       cmocka_unit_test(test_group_config_digest_enum),
       cmocka_unit_test(test_world_abort_after_timeout),
+      cmocka_unit_test(test_world_size_bounded),
+      cmocka_unit_test(test_group_size_bounded),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

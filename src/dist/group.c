@@ -340,6 +340,12 @@ akv_status akv_group_create_with(const akv_engine_config *shard, const akv_group
     local = AKV_ERR_CONFIG;
   else if (config->size != coll->size || config->rank != coll->rank || config->timeout_ms == 0)
     local = AKV_ERR_CONFIG;
+  else if (config->size > AKV_GROUP_MAX_RANKS)
+    /* Invariant: a group has at most AKV_GROUP_MAX_RANKS ranks, on every
+     * transport (an in-process world is bounded at its create; an NCCL
+     * communicator may be larger). The size is the collective's on every
+     * rank, so every rank refuses alike, in the agreement; rank < size. */
+    local = AKV_ERR_CONFIG;
   else if ((unsigned)config->digest > (unsigned)AKV_GROUP_DIGEST_ON)
     /* Enum fields are checked as the engine config's are (akv_fit): a value
      * outside akv_group_digest is refused, not read as one of them. */
