@@ -188,11 +188,15 @@ AKV_API akv_status akv_group_world_destroy(akv_group_world *world);
  * from the other ranks' (digest checking catches it at the next agreement
  * point and quarantines every rank). The group owns the engine: destroy it
  * with akv_group_destroy. An engine destroyed directly stops the group at
- * its next agreement point (AKV_ERR_QUARANTINED, reason PEER_FAILED), and
- * akv_group_destroy then frees the rest of the group (call it before
- * AKV_ENGINE_HANDLE_REUSE_MIN later engine creates, after which the dead
- * engine handle may name a newer engine). Allowed at any time. Returns AKV_OK, AKV_ERR_BAD_HANDLE,
- * AKV_ERR_INVALID_ARGUMENT (out NULL).
+ * its next agreement point (AKV_ERR_QUARANTINED, reason PEER_FAILED, on
+ * every rank), and akv_group_destroy then frees the rest of the group. The
+ * group knows its engine by a serial the engine got at create, not by the
+ * handle (a record that later engine creates hand out again, akv.h "Handle
+ * lifetimes"): however many engines were created since, no group call acts
+ * on an engine the dead handle may name now (none quarantines, destroys or
+ * opens, closes or steps contexts on it), and this call then sets *out to
+ * NULL. Allowed at any time. Returns AKV_OK,
+ * AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (out NULL).
  */
 AKV_API akv_status akv_group_engine(const akv_group *group, akv_engine **out);
 
@@ -256,7 +260,8 @@ AKV_API const char *akv_group_last_error(const akv_group *group);
 
 /**
  * Destroys this rank's engine (akv_engine_destroy: never waits; AKV_ERR_BUSY
- * with live work, and then nothing is freed) and the group's resources. Not
+ * with live work, and then nothing is freed; an engine already destroyed
+ * directly is skipped, see akv_group_engine) and the group's resources. Not
  * a collective: it never waits on peers. The caller's communicator is not
  * destroyed (after AKV_ERR_TIMEOUT or AKV_ERR_COMM it was aborted, which
  * freed it: do not use it again). Returns AKV_OK, AKV_ERR_BAD_HANDLE,
