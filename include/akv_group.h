@@ -76,11 +76,23 @@ typedef enum akv_group_digest {
   AKV_GROUP_DIGEST_ON = 1,      /**< always on (if any rank asks, every rank checks) */
 } akv_group_digest;
 
+/**
+ * The most ranks a group (and an in-process world) has. Tensor parallel
+ * groups span one NVLink domain (8 GPUs in a host, 72 in the largest rack
+ * today) or a few of them, and an in-process world runs one thread and one
+ * engine (with its own queue threads) per rank: 4096 is far beyond either,
+ * while it keeps what is sized by the rank count small (an in-process
+ * world's table of ranks: UINT32_MAX ranks asked for 4 GiB). A larger size
+ * is refused: AKV_ERR_INVALID_ARGUMENT by akv_group_world_create,
+ * AKV_ERR_CONFIG at group create (a group config's size).
+ */
+#define AKV_GROUP_MAX_RANKS 4096u
+
 typedef struct akv_group_config {
   uint32_t struct_size; /**< sizeof(akv_group_config) */
   uint32_t version;     /**< AKV_CONFIG_VERSION */
   uint32_t rank;        /**< this rank, 0..size-1 */
-  uint32_t size;        /**< ranks in the group */
+  uint32_t size;        /**< ranks in the group, 1..AKV_GROUP_MAX_RANKS */
   uint32_t timeout_ms;  /**< longest wait at an agreement point, >= 1 */
   akv_group_digest digest; /**< outside akv_group_digest: AKV_ERR_CONFIG at create */
 } akv_group_config;
@@ -126,8 +138,9 @@ typedef struct akv_group_world akv_group_world;
  * contexts: akv_engine_create refuses more with AKV_ERR_CONFIG), so a larger
  * max_contexts (UINT32_MAX for "any") costs no more than that, and a shard
  * beyond the limit is refused by the engine at create, on every rank alike.
- * Thread-safe once made. Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT
- * (NULL, size or max_contexts 0), AKV_ERR_OUT_OF_MEMORY.
+ * Thread-safe once made. Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT (NULL,
+ * size or max_contexts 0, size above AKV_GROUP_MAX_RANKS; nothing
+ * allocated), AKV_ERR_OUT_OF_MEMORY.
  */
 AKV_API akv_status akv_group_world_create(uint32_t size, uint32_t max_contexts,
                                           akv_group_world **out);
@@ -175,11 +188,15 @@ AKV_API akv_status akv_group_world_destroy(akv_group_world *world);
  * from the other ranks' (digest checking catches it at the next agreement
  * point and quarantines every rank). The group owns the engine: destroy it
  * with akv_group_destroy. An engine destroyed directly stops the group at
- * its next agreement point (AKV_ERR_QUARANTINED, reason PEER_FAILED), and
- * akv_group_destroy then frees the rest of the group (call it before
- * AKV_ENGINE_HANDLE_REUSE_MIN later engine creates, after which the dead
- * engine handle may name a newer engine). Allowed at any time. Returns AKV_OK, AKV_ERR_BAD_HANDLE,
- * AKV_ERR_INVALID_ARGUMENT (out NULL).
+ * its next agreement point (AKV_ERR_QUARANTINED, reason PEER_FAILED, on
+ * every rank), and akv_group_destroy then frees the rest of the group. The
+ * group knows its engine by a serial the engine got at create, not by the
+ * handle (a record that later engine creates hand out again, akv.h "Handle
+ * lifetimes"): however many engines were created since, no group call acts
+ * on an engine the dead handle may name now (none quarantines, destroys or
+ * opens, closes or steps contexts on it), and this call then sets *out to
+ * NULL. Allowed at any time. Returns AKV_OK,
+ * AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (out NULL).
  */
 AKV_API akv_status akv_group_engine(const akv_group *group, akv_engine **out);
 
@@ -243,7 +260,8 @@ AKV_API const char *akv_group_last_error(const akv_group *group);
 
 /**
  * Destroys this rank's engine (akv_engine_destroy: never waits; AKV_ERR_BUSY
- * with live work, and then nothing is freed) and the group's resources. Not
+ * with live work, and then nothing is freed; an engine already destroyed
+ * directly is skipped, see akv_group_engine) and the group's resources. Not
  * a collective: it never waits on peers. The caller's communicator is not
  * destroyed (after AKV_ERR_TIMEOUT or AKV_ERR_COMM it was aborted, which
  * freed it: do not use it again). Returns AKV_OK, AKV_ERR_BAD_HANDLE,

@@ -52,7 +52,8 @@ extern "C" {
  * that made comm: a framework's bundled copy or the toolkit's), else loads
  * libnccl.so.2 from the library path.
  * Returns, on every rank alike: AKV_OK, AKV_ERR_INVALID_ARGUMENT (NULL),
- * AKV_ERR_CONFIG (rank or size differ from comm's, timeout_ms 0, a digest
+ * AKV_ERR_CONFIG (rank or size differ from comm's, a size above
+ * AKV_GROUP_MAX_RANKS, timeout_ms 0, a digest
  * outside akv_group_digest, bad struct sizes: a
  * group config shorter than akv_group_config, a shard engine config below
  * its oldest layout; an older engine config is taken as akv_engine_create

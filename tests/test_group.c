@@ -1108,6 +1108,136 @@ static void test_world_abort_after_timeout(void **state) {
   assert_int_equal(akv_group_world_destroy(world), AKV_OK);
 }
 
+/* A world's and a group's rank count is bounded (AKV_GROUP_MAX_RANKS):
+ * akv_group_world_create sized its rank table by `size` unbounded, so a
+ * world of UINT32_MAX ranks asked for 4 GiB (and took it where memory is
+ * overcommitted). Beyond the bound it is AKV_ERR_INVALID_ARGUMENT (an
+ * argument, as size 0) and nothing is made; the bound itself is taken. */
+static void test_world_size_bounded(void **state) {
+  (void)state;
+  akv_group_world *world = NULL;
+  akv_group *g = NULL;
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  akv_engine_config ec = shard_config(1, 1, 4);
+  assert_int_equal(akv_group_world_create(AKV_GROUP_MAX_RANKS + 1, 4, &world),
+                   AKV_ERR_INVALID_ARGUMENT);
+  assert_null(world);
+  assert_int_equal(akv_group_world_create(UINT32_MAX, 4, &world), AKV_ERR_INVALID_ARGUMENT);
+  assert_null(world);
+  assert_int_equal(akv_group_world_create(AKV_GROUP_MAX_RANKS, 4, &world), AKV_OK);
+  gc.rank = AKV_GROUP_MAX_RANKS - 1;
+  gc.size = AKV_GROUP_MAX_RANKS + 1; /* not the world's size: refused as before */
+  assert_int_equal(akv_group_create_inproc(&ec, &gc, world, &g), AKV_ERR_CONFIG);
+  assert_null(g);
+  assert_int_equal(akv_group_world_destroy(world), AKV_OK);
+}
+
+/* A collective that stands for any transport's (an NCCL communicator can
+ * have more ranks than the bound): every rank gave the same vector. */
+static akv_status echo_allreduce(akv_coll *c, uint64_t *v, size_t n, uint32_t timeout_ms) {
+  (void)c;
+  (void)v;
+  (void)n;
+  (void)timeout_ms;
+  return AKV_OK;
+}
+static void echo_destroy(akv_coll *c) { (void)c; }
+static const akv_coll_ops echo_ops = {"echo", echo_allreduce, echo_destroy};
+
+/* Group create checks the group config's size against the same bound, on
+ * every transport: a collective of AKV_GROUP_MAX_RANKS + 1 ranks was taken
+ * (the group made its engine); it is AKV_ERR_CONFIG, in the agreement (so
+ * every rank refuses alike), and nothing is made. */
+static void test_group_size_bounded(void **state) {
+  (void)state;
+  akv_coll coll;
+  akv_group *g = NULL;
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  akv_engine_config ec = shard_config(1, 1, 4);
+  memset(&coll, 0, sizeof(coll));
+  coll.ops = &echo_ops;
+  coll.max_n = akv_group_vector_len(4);
+  coll.rank = gc.rank = 0;
+  coll.size = gc.size = AKV_GROUP_MAX_RANKS + 1;
+  assert_int_equal(akv_group_create_with(&ec, &gc, &coll, &g), AKV_ERR_CONFIG);
+  assert_null(g);
+  coll.rank = gc.rank = AKV_GROUP_MAX_RANKS; /* a rank past the bound as well */
+  assert_int_equal(akv_group_create_with(&ec, &gc, &coll, &g), AKV_ERR_CONFIG);
+  assert_null(g);
+  coll.rank = gc.rank = AKV_GROUP_MAX_RANKS - 1; /* the bound itself is taken */
+  coll.size = gc.size = AKV_GROUP_MAX_RANKS;
+  assert_int_equal(akv_group_create_with(&ec, &gc, &coll, &g), AKV_OK);
+  assert_int_equal(akv_group_check(g), AKV_OK);
+  assert_int_equal(akv_group_destroy(g), AKV_OK);
+}
+
+/* An engine destroyed behind the group's back whose handle record was handed
+ * out again: the group told its engine apart by the handle alone, so after
+ * AKV_ENGINE_HANDLE_REUSE_MIN later creates the dead handle named a newer
+ * engine and the group acted on it (its agreement calls opened contexts on
+ * it and passed, akv_group_destroy destroyed it). The group now knows its
+ * engine by the engine's serial: it stops at the next agreement point as
+ * for any engine destroyed directly and never touches the newer engine. */
+static void test_engine_destroyed_record_reused(void **state) {
+  (void)state;
+  akv_group_world *world;
+  akv_group *g = NULL;
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  akv_engine_config ec = shard_config(1, 1, 4);
+  akv_group_info info;
+  akv_engine_info einfo;
+  akv_engine *e, *newer = NULL, *got;
+  akv_context *mine = NULL, *c = NULL;
+  uint64_t digest;
+  uint32_t creates = 0, len = 0, id = 0;
+  assert_int_equal(akv_group_world_create(1, 4, &world), AKV_OK);
+  assert_int_equal(akv_group_create_inproc(&ec, &gc, world, &g), AKV_OK);
+  assert_int_equal(akv_group_engine(g, &e), AKV_OK);
+  assert_int_equal(akv_engine_destroy(e), AKV_OK);
+  /* Later engines, each destroyed at once (back to the tail of the FIFO),
+   * until one takes the dead engine's record. */
+  while (newer == NULL && creates < 4096) {
+    akv_engine *x;
+    assert_int_equal(akv_engine_create(&ec, &x), AKV_OK);
+    creates++;
+    if (x == e)
+      newer = x;
+    else
+      assert_int_equal(akv_engine_destroy(x), AKV_OK);
+  }
+  assert_ptr_equal(newer, e);
+  assert_true(creates > AKV_ENGINE_HANDLE_REUSE_MIN);
+  assert_int_equal(akv_context_open(newer, NULL, &mine), AKV_OK);
+  assert_int_equal(akv_context_id(mine, &id), AKV_OK);
+  digest = akv_engine_plan_digest(newer);
+  /* The group hands out no engine: its own is gone. */
+  got = newer;
+  assert_int_equal(akv_group_engine(g, &got), AKV_OK);
+  assert_null(got);
+  /* The next agreement point stops the group, as for any engine destroyed
+   * directly; no context is opened on the newer engine. */
+  assert_int_equal(akv_group_context_open(g, NULL, &c), AKV_ERR_QUARANTINED);
+  assert_null(c);
+  assert_int_equal(akv_group_info_get(g, &info), AKV_OK);
+  assert_true(info.stopped);
+  assert_int_equal(info.reason, AKV_GROUP_PEER_FAILED);
+  assert_int_equal(info.failed_rank, 0);
+  assert_int_equal(akv_group_check(g), AKV_ERR_QUARANTINED);
+  assert_int_equal(akv_group_step_begin(g, &mine, 1), AKV_ERR_QUARANTINED);
+  assert_int_equal(akv_group_context_close(g, mine), AKV_ERR_QUARANTINED);
+  /* Destroy frees the group and leaves the newer engine alone. */
+  assert_int_equal(akv_group_destroy(g), AKV_OK);
+  assert_int_equal(akv_group_destroy(g), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(akv_engine_info_get(newer, &einfo), AKV_OK);
+  assert_false(einfo.quarantined);
+  assert_false(einfo.transport_failed);
+  assert_int_equal(akv_engine_plan_digest(newer), digest);
+  assert_int_equal(akv_context_length(mine, &len), AKV_OK);
+  assert_int_equal(akv_context_close(mine), AKV_OK);
+  assert_int_equal(akv_engine_destroy(newer), AKV_OK);
+  assert_int_equal(akv_group_world_destroy(world), AKV_OK);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_pressure_identical_plans),
@@ -1130,6 +1260,9 @@ int main(void) {
       cmocka_unit_test(test_world_of_unbounded_contexts),
       cmocka_unit_test(test_group_config_digest_enum),
       cmocka_unit_test(test_world_abort_after_timeout),
+      cmocka_unit_test(test_world_size_bounded),
+      cmocka_unit_test(test_group_size_bounded),
+      cmocka_unit_test(test_engine_destroyed_record_reused),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -2,6 +2,7 @@
  * engine.c - engine lifetime: create (every allocation the engine will ever
  * make), destroy (never waits), diagnostics and quarantine (DESIGN §7).
  */
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -10,6 +11,7 @@
 #include "config.h"
 #include "fit.h"
 #include "internal.h"
+#include "plan.h"
 #include "records.h"
 #ifdef AKV_WITH_CUDA
 #include "backend_cuda.h" /* C declarations only, no CUDA header */
@@ -27,6 +29,14 @@ const char *akv_route_name(akv_route r) {
 bool akv_engine_ok(const akv_engine *e) {
   return e != NULL && e->magic == AKV_MAGIC_ENGINE && e->magic_end == AKV_MAGIC_ENGINE;
 }
+
+/* Engine serials come from one process-wide counter (as fence serials do,
+ * lease.c): a serial names one engine for the life of the process, so it
+ * tells a destroyed engine from a newer one on the same record. Never 0
+ * (the serial of a record no engine holds). */
+static _Atomic uint64_t akv_engine_serials;
+
+uint64_t akv_engine_serial(const akv_engine *e) { return akv_engine_ok(e) ? e->serial : 0; }
 
 akv_status akv_engine_reentered(akv_engine *e) {
   if (e->log_depth == 0) return AKV_OK;
@@ -164,6 +174,7 @@ static void akv_engine_free_all(akv_engine *e, bool created) {
     free(scratch[i]->bytes);
   }
   e->magic = e->magic_end = AKV_MAGIC_DEAD;
+  e->serial = 0; /* names no engine: a stale serial never matches (plan.h) */
   if (created)
     akv_rec_give(&akv_engine_records, e);
   else
@@ -386,6 +397,7 @@ AKV_API akv_status akv_engine_create(const akv_engine_config *caller, akv_engine
   if (e == NULL) return AKV_ERR_OUT_OF_MEMORY;
   memset(e, 0, sizeof(*e));
   e->magic = e->magic_end = AKV_MAGIC_ENGINE;
+  e->serial = atomic_fetch_add(&akv_engine_serials, 1) + 1;
   e->cfg = *config;
   e->cfg.struct_size = sizeof(akv_engine_config);
   e->fit = fit;

@@ -155,6 +155,11 @@ struct akv_stream_rec {
  * record itself is never freed, so a destroyed handle reads as dead. */
 struct akv_engine {
   uint32_t magic;
+  /* Unique in the process, never 0, given at create (akv_engine_serial,
+   * plan.h) and set to 0 at destroy: by it a layer that keeps an engine
+   * handle (a group) tells whether the record still holds its engine or
+   * was handed to a newer one (records.h). */
+  uint64_t serial;
   akv_engine_config cfg;
   akv_fit_report fit;
   akv_backend_kind backend;

@@ -1,6 +1,7 @@
 /*
  * plan.h - what a layer above the core needs to agree on an engine's plans:
- * a digest of the admission state (DESIGN §4) after each decision.
+ * a digest of the admission state (DESIGN §4) after each decision, and the
+ * engine's serial to know the engine it keeps.
  *
  * The allocator is deterministic: engines fed the same inputs (pool pages,
  * concurrency, and the same sequence of opens, closes and step boundaries
@@ -26,6 +27,15 @@
  * (a digest of a live engine is never 0: it always covers the geometry).
  */
 uint64_t akv_engine_plan_digest(const akv_engine *engine);
+
+/* The engine's serial: unique in the process and never 0 for a live
+ * engine, 0 for a bad handle (NULL, destroyed). An engine handle is a record
+ * that a later akv_engine_create hands out again (akv.h "Handle lifetimes"),
+ * so a layer that keeps a handle records the serial when the engine is
+ * created and acts on the handle only while the serial is the same: a
+ * different one means its engine was destroyed, whatever the handle names
+ * now. Reads only. */
+uint64_t akv_engine_serial(const akv_engine *engine);
 
 /* 1 while a step is open on the engine (akv_step_begin .. akv_step_end);
  * 0 otherwise or for a bad handle. Reads only. */

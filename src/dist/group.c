@@ -48,7 +48,8 @@ typedef enum akv_point {
 
 struct akv_group {
   uint32_t magic;
-  akv_engine *engine;
+  akv_engine *engine;       /* as created; reached only through akv_group_own */
+  uint64_t engine_serial;   /* akv_engine_serial of it at create */
   akv_coll *coll;
   akv_group_config cfg;
   akv_engine_config local;  /* as this rank configured it */
@@ -76,6 +77,24 @@ static akv_recpool akv_group_records = AKV_RECPOOL_INIT(struct akv_group, 32, 32
 
 static int akv_group_ok(const akv_group *g) {
   return g != NULL && g->magic == AKV_MAGIC_GROUP && g->magic_end == AKV_MAGIC_GROUP;
+}
+
+/* The group's engine, or NULL before create made it and once the caller
+ * destroyed it directly (akv_engine_destroy on akv_group_engine's handle).
+ * Invariant: every group call reaches the engine through this, so a group
+ * never acts on an engine it did not create. The handle alone cannot say:
+ * it is a record that later akv_engine_create calls hand out again (akv.h
+ * "Handle lifetimes"), naming a newer engine; the serial recorded at create
+ * names this engine only (plan.h), however many engines were created
+ * since. */
+static akv_engine *akv_group_own(const akv_group *g) {
+  if (g->engine == NULL || akv_engine_serial(g->engine) != g->engine_serial) return NULL;
+  return g->engine;
+}
+
+/* 1 once the engine the group created is gone (destroyed directly). */
+static int akv_group_engine_lost(const akv_group *g) {
+  return g->engine != NULL && akv_group_own(g) == NULL;
 }
 
 size_t akv_group_vector_len(uint32_t max_contexts) {
@@ -131,14 +150,17 @@ static akv_status akv_group_fail(akv_group *g, akv_status st, const char *fmt, .
  * collective. Returns the status the caller returns. */
 static akv_status akv_group_stop(akv_group *g, akv_group_reason reason, uint32_t failed_rank,
                                  akv_status st, const char *why) {
+  akv_engine *e = akv_group_own(g);
   g->stopped = 1;
   g->reason = reason;
   g->failed_rank = failed_rank;
-  if (g->engine != NULL) {
+  if (e != NULL) {
     akv_quarantine_report rep;
-    akv_status q = akv_engine_quarantine(g->engine, &rep);
+    akv_status q = akv_engine_quarantine(e, &rep);
     return akv_group_fail(g, st, "%s; engine quarantined (%s)", why, akv_status_string(q));
   }
+  if (akv_group_engine_lost(g))
+    return akv_group_fail(g, st, "%s; this rank's engine was destroyed directly", why);
   return akv_group_fail(g, st, "%s", why);
 }
 
@@ -159,10 +181,13 @@ static int akv_get_same(akv_group *g, uint64_t *x) {
 static uint64_t akv_get_min(akv_group *g) { return g->vec[g->at++]; }
 static uint64_t akv_get_max(akv_group *g) { return ~g->vec[g->at++]; }
 
+/* This rank's transport failed, or its engine was destroyed directly (a
+ * failed rank to every rank: the group stops at this agreement point). */
 static int akv_group_engine_failed(const akv_group *g) {
   akv_engine_info info;
-  if (g->engine == NULL) return 0;
-  if (akv_engine_info_get(g->engine, &info) != AKV_OK) return 1;
+  akv_engine *e = akv_group_own(g);
+  if (g->engine == NULL) return 0; /* create, before the engine exists */
+  if (e == NULL || akv_engine_info_get(e, &info) != AKV_OK) return 1;
   return info.transport_failed;
 }
 
@@ -172,7 +197,7 @@ static void akv_group_put_header(akv_group *g, akv_point op, akv_status local) {
   akv_put_same(g, op);
   akv_put_same(g, g->seq);
   akv_put_min(g, akv_group_engine_failed(g) ? g->cfg.rank : UINT64_MAX);
-  akv_put_same(g, g->check_digest && g->engine != NULL ? akv_engine_plan_digest(g->engine) : 0);
+  akv_put_same(g, g->check_digest ? akv_engine_plan_digest(akv_group_own(g)) : 0);
   akv_put_max(g, (uint64_t)local);
 }
 
@@ -248,7 +273,7 @@ static akv_status akv_group_outcome(akv_group *g, akv_status st) {
                           "the ranks decided differently from agreed inputs");
   if (st != AKV_OK)
     return akv_group_fail(g, st, "every rank: %s (%s)", akv_status_string(st),
-                          akv_engine_last_error(g->engine));
+                          akv_engine_last_error(akv_group_own(g)));
   return AKV_OK;
 }
 
@@ -277,21 +302,22 @@ static akv_status akv_group_decide_open(akv_group *g, const akv_context_config *
                                         akv_context **c) {
   akv_status st;
   g->deciding = 1;
-  st = akv_context_open(g->engine, cc, c);
+  st = akv_context_open(akv_group_own(g), cc, c); /* NULL: AKV_ERR_BAD_HANDLE */
   g->deciding = 0;
   return st;
 }
 static akv_status akv_group_decide_close(akv_group *g, akv_context *c) {
   akv_status st;
   g->deciding = 1;
-  st = akv_context_close(c);
+  /* The context is the engine's (checked at entry) while the engine is. */
+  st = akv_group_own(g) != NULL ? akv_context_close(c) : AKV_ERR_BAD_HANDLE;
   g->deciding = 0;
   return st;
 }
 static akv_status akv_group_decide_step(akv_group *g, akv_context *const *cs, uint32_t n) {
   akv_status st;
   g->deciding = 1;
-  st = akv_step_begin(g->engine, cs, n);
+  st = akv_step_begin(akv_group_own(g), cs, n); /* NULL: AKV_ERR_BAD_HANDLE */
   g->deciding = 0;
   return st;
 }
@@ -339,6 +365,12 @@ akv_status akv_group_create_with(const akv_engine_config *shard, const akv_group
   if (!sizes_ok || config->version != AKV_CONFIG_VERSION || shard->version != AKV_CONFIG_VERSION)
     local = AKV_ERR_CONFIG;
   else if (config->size != coll->size || config->rank != coll->rank || config->timeout_ms == 0)
+    local = AKV_ERR_CONFIG;
+  else if (config->size > AKV_GROUP_MAX_RANKS)
+    /* Invariant: a group has at most AKV_GROUP_MAX_RANKS ranks, on every
+     * transport (an in-process world is bounded at its create; an NCCL
+     * communicator may be larger). The size is the collective's on every
+     * rank, so every rank refuses alike, in the agreement; rank < size. */
     local = AKV_ERR_CONFIG;
   else if ((unsigned)config->digest > (unsigned)AKV_GROUP_DIGEST_ON)
     /* Enum fields are checked as the engine config's are (akv_fit): a value
@@ -402,11 +434,12 @@ akv_status akv_group_create_with(const akv_engine_config *shard, const akv_group
                 shard->max_contexts, g->check_digest ? "compared" : "not compared");
   st = akv_engine_create(&g->agreed, &g->engine);
   if (st != AKV_OK) g->engine = NULL;
+  g->engine_serial = akv_engine_serial(g->engine); /* the engine's name from now on */
   /* The outcome: every rank created its engine, with the same concurrency. */
   {
     akv_engine_info info;
     memset(&info, 0, sizeof(info));
-    if (g->engine != NULL) akv_engine_info_get(g->engine, &info);
+    if (akv_group_own(g) != NULL) akv_engine_info_get(g->engine, &info);
     akv_group_put_header(g, AKV_POINT_OUTCOME, st);
     akv_put_same(g, info.effective_concurrency);
     akv_put_same(g, info.device_pages);
@@ -439,7 +472,7 @@ akv_status akv_group_create_with(const akv_engine_config *shard, const akv_group
   return AKV_OK;
 fail:
   /* Nothing of the group survives a failed create; the caller keeps coll. */
-  if (g->engine != NULL) {
+  if (akv_group_own(g) != NULL) {
     if (akv_engine_destroy(g->engine) != AKV_OK) {
       akv_engine_quarantine(g->engine, NULL);
       akv_engine_destroy(g->engine);
@@ -468,7 +501,7 @@ AKV_API akv_status akv_group_context_open(akv_group *g, const akv_context_config
            (akv_config_merge(&akv_context_config_layout, &cc, config, NULL, 0) != AKV_OK ||
             cc.version == 0 || cc.version > AKV_CONFIG_VERSION))
     local = AKV_ERR_CONFIG;
-  else if (akv_engine_step_open(g->engine))
+  else if (akv_engine_step_open(akv_group_own(g)))
     local = AKV_ERR_STEP_STATE;
   akv_group_put_header(g, AKV_POINT_OPEN, local);
   /* Target and burst: the MIN over ranks (AKV_TARGET_FAIR_SHARE is the
@@ -491,10 +524,12 @@ AKV_API akv_status akv_group_context_open(akv_group *g, const akv_context_config
 AKV_API akv_status akv_group_context_close(akv_group *g, akv_context *context) {
   uint32_t id = 0;
   akv_status st = akv_group_enter(g), local = AKV_OK, agreed_local;
+  akv_engine *e;
   if (st != AKV_OK) return st;
-  if (!akv_engine_owns_context(g->engine, context) || akv_context_id(context, &id) != AKV_OK)
+  e = akv_group_own(g); /* NULL (engine destroyed directly): owns nothing */
+  if (!akv_engine_owns_context(e, context) || akv_context_id(context, &id) != AKV_OK)
     local = AKV_ERR_BAD_HANDLE;
-  else if (akv_engine_context_in_use(g->engine, context))
+  else if (akv_engine_context_in_use(e, context))
     /* This rank's state (step_end is not an agreement point): refused on
      * every rank before any of them closes, so the outcomes never differ
      * over it. */
@@ -514,19 +549,21 @@ AKV_API akv_status akv_group_context_close(akv_group *g, akv_context *context) {
 
 AKV_API akv_status akv_group_step_begin(akv_group *g, akv_context *const *contexts, uint32_t n) {
   akv_status st = akv_group_enter(g), local = AKV_OK, agreed_local;
+  akv_engine *e;
   int same = 1;
   if (st != AKV_OK) return st;
+  e = akv_group_own(g); /* NULL (engine destroyed directly): owns nothing */
   if (contexts == NULL || n == 0 || n > g->concurrency) {
     local = AKV_ERR_INVALID_ARGUMENT;
   } else {
     for (uint32_t i = 0; i < n && local == AKV_OK; i++)
-      if (!akv_engine_owns_context(g->engine, contexts[i])) local = AKV_ERR_BAD_HANDLE;
+      if (!akv_engine_owns_context(e, contexts[i])) local = AKV_ERR_BAD_HANDLE;
     /* Uneven layers are this rank's state (the agreed length is the minimum
      * over layers): refused on every rank before any of them begins, so the
      * outcomes never differ over it. */
     for (uint32_t i = 0; i < n && local == AKV_OK; i++)
-      if (akv_engine_context_uneven(g->engine, contexts[i])) local = AKV_ERR_UNEVEN_LAYERS;
-    if (local == AKV_OK && akv_engine_step_open(g->engine)) local = AKV_ERR_STEP_STATE;
+      if (akv_engine_context_uneven(e, contexts[i])) local = AKV_ERR_UNEVEN_LAYERS;
+    if (local == AKV_OK && akv_engine_step_open(e)) local = AKV_ERR_STEP_STATE;
   }
   akv_group_put_header(g, AKV_POINT_STEP, local);
   /* The step's contexts and lengths: the same on every rank, in order. The
@@ -571,7 +608,9 @@ AKV_API akv_status akv_group_check(akv_group *g) {
 AKV_API akv_status akv_group_engine(const akv_group *g, akv_engine **out) {
   if (!akv_group_ok(g)) return AKV_ERR_BAD_HANDLE;
   if (out == NULL) return AKV_ERR_INVALID_ARGUMENT;
-  *out = g->engine;
+  /* NULL once the engine was destroyed directly: the handle may name a
+   * newer engine, never the group's. */
+  *out = akv_group_own(g);
   return AKV_OK;
 }
 
@@ -582,7 +621,7 @@ AKV_API akv_status akv_group_info_get(const akv_group *g, akv_group_info *out) {
   out->rank = g->cfg.rank;
   out->size = g->cfg.size;
   out->agreements = g->agreements;
-  out->digest = g->check_digest ? g->digest : akv_engine_plan_digest(g->engine);
+  out->digest = g->check_digest ? g->digest : akv_engine_plan_digest(akv_group_own(g));
   out->digest_checked = g->check_digest;
   out->stopped = g->stopped;
   out->reason = g->reason;
@@ -609,12 +648,14 @@ AKV_API akv_status akv_group_destroy(akv_group *g) {
   if (g->deciding) return AKV_ERR_IN_USE;
   /* The engine's destroy never waits; with live work it frees nothing and
    * neither does the group. An engine the caller already destroyed (it is
-   * the group's, but akv_group_engine hands it out) answers
-   * AKV_ERR_BAD_HANDLE: the rest of the group is freed all the same, so its
-   * rank and collective are given back. */
-  st = akv_engine_destroy(g->engine);
-  if (st != AKV_OK && st != AKV_ERR_BAD_HANDLE)
-    return akv_group_fail(g, st, "destroy: the engine is busy; nothing freed");
+   * the group's, but akv_group_engine hands it out) is not destroyed again,
+   * nor is a newer engine its handle may name now (akv_group_own): the
+   * rest of the group is freed all the same, so its rank and collective are
+   * given back. */
+  if (akv_group_own(g) != NULL) {
+    st = akv_engine_destroy(g->engine);
+    if (st != AKV_OK) return akv_group_fail(g, st, "destroy: the engine is busy; nothing freed");
+  }
   g->coll->ops->destroy(g->coll);
   free(g->vec);
   g->vec = NULL;

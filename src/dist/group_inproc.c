@@ -40,6 +40,11 @@ static int akv_world_ok(const akv_group_world *gw) {
 
 akv_status akv_group_world_create(uint32_t size, uint32_t max_contexts, akv_group_world **out) {
   if (out == NULL || size == 0 || max_contexts == 0) return AKV_ERR_INVALID_ARGUMENT;
+  /* Invariant: a world has at most AKV_GROUP_MAX_RANKS ranks (akv_group.h
+   * says why), so its table of ranks is a few KiB: the size is checked
+   * before anything is taken or allocated. Like size 0 an argument, not a
+   * config struct's field: AKV_ERR_INVALID_ARGUMENT. */
+  if (size > AKV_GROUP_MAX_RANKS) return AKV_ERR_INVALID_ARGUMENT;
   akv_group_world *gw = akv_rec_take(&akv_world_records);
   if (gw == NULL) return AKV_ERR_OUT_OF_MEMORY;
   pthread_mutex_lock(&akv_world_mu); /* a stale handle's call may read it */
