@@ -39,6 +39,11 @@
  * -DAKV_ATTN_BENCH_CHUNK_ONLY=1 is a diagnostic, not a variant: the combine
  * kernel is not launched, so the figure is the chunk kernel's alone (its
  * outputs are never written and the check reports FAILED, as it must).
+ * -DAKV_ATTN_BENCH_TRACE=1 is a diagnostic too: kernel 3's warps record the
+ * global timer at fixed points (entry, query set up, each group's scores
+ * and V products, loop end, partial written) and, after the timed runs,
+ * one more launch prints its timeline ("trace" lines); the timer reads cost
+ * a few percent, so its timings are not the library's.
  * The defaults below are the library's.
  *
  * Usage: attention_bw [--tokens N] [--chunk N] [--contexts 1,4] [--dtype bf16,fp8]
@@ -207,6 +212,67 @@ __global__ void __launch_bounds__(256) read_order(const char *__restrict__ base,
   }
   if (acc == 0x9E3779B9u) sink[0] = acc; /* keeps the loads alive */
 }
+
+#ifndef AKV_ATTN_BENCH_TRACE
+#define AKV_ATTN_BENCH_TRACE 0
+#endif
+#if AKV_ATTN_BENCH_TRACE
+/* Diagnostic builds: kernel 3's per-warp timer points (attention_cuda.cu). */
+extern "C" int akv_attn_bench_trace(unsigned long long *dst, size_t count);
+static const int kTracePts = 20;
+static const size_t kTraceWarps = 8192;
+
+/* One launch's timeline from the warps' own timer points: each point's
+ * spread over warps (from the first warp's entry), and the medians of the
+ * steps between points. */
+static void print_trace(const char *what) {
+  std::vector<unsigned long long> t(kTraceWarps * kTracePts);
+  if (akv_attn_bench_trace(t.data(), t.size()) != 0) {
+    printf("trace %s: unreadable\n", what);
+    return;
+  }
+  unsigned long long t0 = ~0ull;
+  size_t warps = 0;
+  for (size_t w = 0; w < kTraceWarps; ++w)
+    if (t[w * kTracePts] != 0) {
+      t0 = std::min(t0, t[w * kTracePts]);
+      ++warps;
+    }
+  if (warps == 0) return;
+  static const char *names[kTracePts] = {"entry",   "query",   "S0", "V0", "S1", "V1", "S2",
+                                         "V2",      "S3",      "V3", "S4", "V4", "S5", "V5",
+                                         "S6",      "V6",      "S7", "V7", "loop end",
+                                         "written"};
+  printf("trace %s: %zu warps; microseconds from the first entry: point min / median / max "
+         "(warps)\n", what, warps);
+  for (int p = 0; p < kTracePts; ++p) {
+    std::vector<double> v;
+    for (size_t w = 0; w < kTraceWarps; ++w)
+      if (t[w * kTracePts] != 0 && t[w * kTracePts + p] != 0)
+        v.push_back((double)(t[w * kTracePts + p] - t0) / 1e3);
+    if (v.empty()) continue;
+    std::sort(v.begin(), v.end());
+    printf("trace %s   %-8s %7.2f %7.2f %7.2f (%zu)\n", what, names[p], v.front(),
+           v[v.size() / 2], v.back(), v.size());
+  }
+  /* Medians of each step of a warp: from the previous recorded point. */
+  printf("trace %s steps (median over warps, us):", what);
+  for (int p = 1; p < kTracePts; ++p) {
+    std::vector<double> v;
+    for (size_t w = 0; w < kTraceWarps; ++w) {
+      const unsigned long long *r = &t[w * kTracePts];
+      if (r[0] == 0 || r[p] == 0) continue;
+      int q = p - 1;
+      while (q > 0 && r[q] == 0) --q;
+      v.push_back((double)(r[p] - r[q]) / 1e3);
+    }
+    if (v.empty()) continue;
+    std::sort(v.begin(), v.end());
+    printf(" %s %.2f", names[p], v[v.size() / 2]);
+  }
+  printf("\n");
+}
+#endif
 
 struct Options {
   uint32_t tokens = 31744;
@@ -544,6 +610,17 @@ int main(int argc, char **argv) {
                                    [&](int si) { paged_call(si, out_paged); });
     CK(cudaGetLastError());
 
+#if AKV_ATTN_BENCH_TRACE
+    {
+      akv_attn_bench_trace(nullptr, 0);
+      const akv_attention_args a = contig_args(0, out);
+      AK(akv_attention_decode_cuda(&a, s));
+      CK(cudaStreamSynchronize(s));
+      char what[64];
+      snprintf(what, sizeof what, "%s %u ctx", dt_name, n_ctx);
+      print_trace(what);
+    }
+#endif
     const struct {
       const char *name;
       Stats st;

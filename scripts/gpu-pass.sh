@@ -69,7 +69,9 @@
 #                 COMBINE the combine kernel's warps, default 16; EXTRA
 #                 further knobs as NAME=VALUE,... for -DAKV_ATTN_NAME=VALUE,
 #                 e.g. K3_SPAN=1; BENCH_CHUNK_ONLY=1 is the diagnostic that
-#                 times the chunk kernel alone: its check fails by design)
+#                 times the chunk kernel alone: its check fails by design;
+#                 BENCH_TRACE=1 the diagnostic that prints one launch's
+#                 timeline from kernel 3's warps, lines "trace ...")
 #   AKV_FP8_POOLS  device pools (GiB) of the FP8 paged runs, default "4 8"
 #   AKV_FP8_DISTANCE_STEPS  steps of the logits-distance runs, default 64
 #   AKV_BENCH_CHUNKS    chunk sizes for the library variant, default "256 64 1024"

@@ -124,10 +124,11 @@ namespace {
 #ifndef AKV_ATTN_BENCH_CHUNK_ONLY
 #define AKV_ATTN_BENCH_CHUNK_ONLY 0
 #endif
-/* Benchmark diagnostic (never the library's): 1 = the combine kernel is not
- * launched, so a benchmark times the chunk kernel alone. */
-#ifndef AKV_ATTN_BENCH_CHUNK_ONLY
-#define AKV_ATTN_BENCH_CHUNK_ONLY 0
+/* Benchmark diagnostic, never the library's: 1 = kernel 3's warps record the
+ * global timer at fixed points into akv_attn_trace (akv_attn_bench_trace
+ * reads it back), so the benchmark can say where one launch's time goes. */
+#ifndef AKV_ATTN_BENCH_TRACE
+#define AKV_ATTN_BENCH_TRACE 0
 #endif
 static_assert(AKV_ATTN_KERNEL >= 1 && AKV_ATTN_KERNEL <= 3, "AKV_ATTN_KERNEL is 1, 2 or 3");
 /* Kernels 2 and 3: the least number of resident blocks per SM asked of the
@@ -585,6 +586,24 @@ struct Cfg3 {
   static_assert(KCH >= 1 && NV >= 1 && (VW == 4 || VW == 2), "head_dim 64, 128 or 256");
 };
 
+#if AKV_ATTN_BENCH_TRACE
+/* Points per warp: entry, query set up, then per group (up to 8) its scores
+ * done and its V products done, then the loop's end and the partial
+ * written. Warps past kTraceWarps are not recorded. */
+constexpr int kTracePts = 20;
+constexpr uint32_t kTraceWarps = 8192;
+__device__ unsigned long long akv_attn_trace[kTraceWarps * kTracePts];
+#define AKV_TRACE(pt, dep)                                                                \
+  do {                                                                                    \
+    unsigned long long t_;                                                                \
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_) : "f"(dep) : "memory");         \
+    if (lane == 0 && trace_warp < kTraceWarps && (pt) < kTracePts)                        \
+      akv_attn_trace[(size_t)trace_warp * kTracePts + (pt)] = t_;                         \
+  } while (0)
+#else
+#define AKV_TRACE(pt, dep) ((void)0)
+#endif
+
 constexpr int min_blocks3() {
   return AKV_ATTN_MINB > 0 ? AKV_ATTN_MINB : (12 / kWarps > 0 ? 12 / kWarps : 1);
 }
@@ -629,6 +648,10 @@ __global__ void __launch_bounds__(kThreads, min_blocks3())
 #endif
   const int warp = (int)(threadIdx.x >> 5);
   const int lane = (int)(threadIdx.x & 31);
+#if AKV_ATTN_BENCH_TRACE
+  const uint32_t trace_warp = (blockIdx.y * gridDim.x + blockIdx.x) * kWarps + (uint32_t)warp;
+  AKV_TRACE(0, 0.0f);
+#endif
   const uint32_t pslot = kSpan3 > 1 ? pgrp * kSpan3 + (uint32_t)warp : pgrp;
   const uint32_t chunk = pslot / p.pieces;
   const uint32_t piece = pslot - chunk * p.pieces;
@@ -786,6 +809,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks3())
   };
 
   const uint32_t groups = (n + 16u * RG - 1u) / (16u * RG);
+  AKV_TRACE(1, sfh[0]);
   /* Groups of this warp: all of its own piece (spans), or every kWarps-th. */
   constexpr uint32_t kStep = kSpan3 > 1 ? 1u : (uint32_t)kWarps;
   uint32_t grp = kSpan3 > 1 ? 0u : (uint32_t)warp;
@@ -848,6 +872,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks3())
     }
     if (nxt < groups) load_k(nxt * 16u * RG);
 
+    AKV_TRACE(grp < 8u ? 2 + 2 * (int)grp : 99, sc[0][0]);
     /* Online softmax over the group, per head, in the base-2 domain. */
     float s[RG][4];
     float mx[2] = {-INFINITY, -INFINITY};
@@ -964,8 +989,10 @@ __global__ void __launch_bounds__(kThreads, min_blocks3())
     }
     }
     if (nxt < groups) load_v(nxt * 16u * RG);
+    AKV_TRACE(grp < 8u ? 3 + 2 * (int)grp : 99, acc[0][0]);
     __syncwarp(); /* s_pt is rewritten by the next group */
   }
+  AKV_TRACE(kTracePts - 2, acc[0][0]);
   /* The running sums over the 8 lanes of each c. */
 #pragma unroll
   for (int off = 4; off < 32; off <<= 1) {
@@ -1018,6 +1045,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks3())
     for (int w = 0; w < kWarps; ++w) a = fmaf(s_w[w][h], s_acc[((size_t)w * C::ACC + r) * 32 + ln], a);
     p.acc[(slot0 + (size_t)h * p.stride_chunks) * D + d] = a;
   }
+  AKV_TRACE(kTracePts - 1, 0.0f);
 }
 #endif /* AKV_ATTN_KERNEL == 3 */
 
@@ -1317,12 +1345,6 @@ akv_status launch_pair(akv_dtype dtype, uint32_t head_dim, int gt, dim3 grid_chu
   (void)grid_combine, (void)pp, (void)combine_fn;
   return AKV_OK;
 #endif
-#if AKV_ATTN_BENCH_CHUNK_ONLY
-  /* Benchmark diagnostic build only: the chunk kernel timed alone (the
-   * output is never written; the benchmark's check fails, by design). */
-  (void)grid_combine, (void)pp, (void)combine_fn;
-  return AKV_OK;
-#endif
   cfg.gridDim = grid_combine;
   cfg.blockDim = dim3(kCombWarps * 32, 1, 1);
   cfg.dynamicSmemBytes = 0;
@@ -1340,6 +1362,24 @@ akv_status launch_pair(akv_dtype dtype, uint32_t head_dim, int gt, dim3 grid_chu
 }
 
 } // namespace
+
+#if AKV_ATTN_BENCH_TRACE
+/* Benchmark diagnostic builds only: clear (dst NULL) or read the trace. */
+extern "C" int akv_attn_bench_trace(unsigned long long *dst, size_t count) {
+  if (count > (size_t)kTraceWarps * kTracePts) count = (size_t)kTraceWarps * kTracePts;
+  if (dst == nullptr) {
+    void *p = nullptr;
+    return cudaGetSymbolAddress(&p, akv_attn_trace) == cudaSuccess &&
+                   cudaMemset(p, 0, sizeof(akv_attn_trace)) == cudaSuccess
+               ? 0
+               : -1;
+  }
+  return cudaMemcpyFromSymbol(dst, akv_attn_trace, count * sizeof(unsigned long long)) ==
+                 cudaSuccess
+             ? 0
+             : -1;
+}
+#endif
 
 extern "C" AKV_API akv_status akv_attention_decode_cuda(const akv_attention_args *a,
                                                         cudaStream_t stream) {
