@@ -764,8 +764,12 @@ typedef struct akv_view {
  * during the hook. Copy the struct (not the pointer) if work enqueued by the
  * hook needs it later; the arrays and device memory it points to stay valid
  * until the lease retires. A hook that ends its own lease (akv_engine_quarantine
- * releases it; a destroy may follow) makes akv_lease_attend return
- * AKV_ERR_BAD_HANDLE, touching neither the lease nor its engine afterwards.
+ * releases it, a destroy may follow; or it runs the lease to its retire
+ * itself) makes akv_lease_attend return AKV_ERR_BAD_HANDLE, touching neither
+ * the lease nor its engine afterwards, also when the hook went on until the
+ * handle's record was handed out again ("Handle lifetimes") to a later lease
+ * of this engine or of a newer one: that lease and its engine are left as
+ * they were (not marked consumed, not failed by a nonzero return).
  */
 typedef int (*akv_attention_fn)(void *user, const akv_view *view, akv_stream stream);
 

@@ -1,0 +1,386 @@
+/*
+ * test_reentry.c - the public API called back from inside the library's own
+ * callbacks: the attention hook of akv_lease_attend (on its own lease, its
+ * own engine and another engine) and the log callback, and handles of one
+ * engine whose records a callback let another engine take. akv.h states what
+ * each call answers there; a refused call must change nothing.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "internal.h"
+#include "testutil.h"
+
+#define LAYERS 3 /* akvt_small_config */
+#define ROW_ELEMS 16
+
+static int noop_hook(void *user, const akv_view *view, akv_stream stream) {
+  (void)user;
+  (void)view;
+  (void)stream;
+  return 0;
+}
+
+typedef struct fx {
+  akv_engine *e;
+  akv_stream s;
+  akv_context *c[4];
+  uint32_t n;
+} fx;
+
+static void fx_open(fx *f, uint32_t n, uint32_t len) {
+  static uint16_t zero[64 * ROW_ELEMS];
+  const void *rows[LAYERS] = {zero, zero, zero};
+  memset(f, 0, sizeof(*f));
+  f->e = akvt_small_engine(AKV_ROUTE_STAGE, 0);
+  assert_non_null(f->e);
+  assert_int_equal(akv_stream_create(f->e, &f->s), AKV_OK);
+  f->n = n;
+  for (uint32_t i = 0; i < n; i++) {
+    assert_int_equal(akv_context_open(f->e, NULL, &f->c[i]), AKV_OK);
+    assert_int_equal(akv_context_append(f->c[i], len, rows, rows), AKV_OK);
+  }
+}
+
+static void fx_close(fx *f) {
+  for (uint32_t i = 0; i < f->n; i++) assert_int_equal(akv_context_close(f->c[i]), AKV_OK);
+  assert_int_equal(akv_stream_destroy(f->e, f->s), AKV_OK);
+  assert_int_equal(akv_engine_destroy(f->e), AKV_OK);
+}
+
+/* Layers from `from` on through the whole cycle, then the step's end. */
+static void finish_step(akv_engine *e, akv_stream s, uint32_t from, uint32_t layers) {
+  for (uint32_t l = from; l < layers; l++) {
+    akv_lease *ls = NULL;
+    akv_fence attn, tail;
+    assert_int_equal(akv_lease_begin(e, l, &ls), AKV_OK);
+    assert_int_equal(akv_lease_attend(ls, s, noop_hook, NULL, &attn), AKV_OK);
+    assert_int_equal(akv_lease_write_back(ls, NULL, 0, &tail), AKV_OK);
+    assert_int_equal(akv_lease_seal(ls, tail, attn), AKV_OK);
+    assert_int_equal(akv_lease_retire(ls, NULL), AKV_OK);
+  }
+  assert_int_equal(akv_step_end(e), AKV_OK);
+}
+
+/* ----------------------------------------- the hook calls its own engine */
+
+typedef struct mutator {
+  fx *f;
+  akv_lease *self;
+  akv_status open, close, append, append_layer, step_begin, step_end, lease_begin, stream_destroy,
+      stream_create, stream_destroy_new, headroom_take, headroom_release, destroy, attend_self,
+      wait_self, seal_self, retire_self, write_back_self, mark_other_stream, read_in_step;
+  akv_stream other;
+} mutator;
+
+static int mutator_hook(void *user, const akv_view *view, akv_stream stream) {
+  mutator *m = user;
+  fx *f = m->f;
+  static uint16_t zero[ROW_ELEMS];
+  const void *rows[LAYERS] = {zero, zero, zero};
+  akv_context *c = NULL;
+  akv_lease *next = NULL;
+  akv_view v2;
+  akv_fence fz = {0}, ft;
+  uint16_t k[ROW_ELEMS], v[ROW_ELEMS];
+  (void)view;
+  m->open = akv_context_open(f->e, NULL, &c);
+  m->close = akv_context_close(f->c[0]);
+  m->append = akv_context_append(f->c[0], 1, rows, rows);
+  m->append_layer = akv_context_append_layer(f->c[0], 0, 1, zero, zero);
+  m->read_in_step = akv_context_read(f->c[0], 0, 0, 1, k, v);
+  m->step_begin = akv_step_begin(f->e, f->c, f->n);
+  m->step_end = akv_step_end(f->e);
+  m->lease_begin = akv_lease_begin(f->e, 1, &next);
+  m->stream_destroy = akv_stream_destroy(f->e, stream);
+  m->stream_create = akv_stream_create(f->e, &m->other);
+  m->stream_destroy_new = m->stream_create == AKV_OK ? akv_stream_destroy(f->e, m->other) : AKV_OK;
+  m->headroom_take = akv_headroom_take(f->e, 1, NULL);
+  m->headroom_release = akv_headroom_release(f->e, 1, NULL, NULL);
+  m->destroy = akv_engine_destroy(f->e);
+  m->attend_self = akv_lease_attend(m->self, stream, noop_hook, NULL, &ft);
+  m->wait_self = akv_lease_wait_ready(m->self, stream, &v2);
+  m->write_back_self = akv_lease_write_back(m->self, NULL, 0, &ft);
+  m->seal_self = akv_lease_seal(m->self, fz, fz);
+  m->retire_self = akv_lease_retire(m->self, NULL);
+  assert_null(c);
+  assert_null(next);
+  return 0;
+}
+
+/* Inside the hook the lease is ready and the step open: every call that would
+ * change the engine answers the status akv.h gives for that state and
+ * changes nothing; attend then completes as if nothing had been called. */
+static void test_hook_calls_every_mutator_on_its_engine(void **state) {
+  fx f;
+  mutator m;
+  akv_lease *ls = NULL;
+  akv_fence attn = {0}, tail;
+  uint32_t len = 0;
+  (void)state;
+  fx_open(&f, 2, 3);
+  assert_int_equal(akv_step_begin(f.e, f.c, 2), AKV_OK);
+  assert_int_equal(akv_lease_begin(f.e, 0, &ls), AKV_OK);
+  memset(&m, 0, sizeof m);
+  m.f = &f;
+  m.self = ls;
+  assert_int_equal(akv_lease_attend(ls, f.s, mutator_hook, &m, &attn), AKV_OK);
+  assert_int_not_equal(attn.serial, 0);
+  assert_int_equal(m.open, AKV_ERR_STEP_STATE);
+  assert_int_equal(m.close, AKV_ERR_IN_USE);
+  assert_int_equal(m.append, AKV_ERR_IN_USE);
+  assert_int_equal(m.append_layer, AKV_ERR_IN_USE);
+  assert_int_equal(m.read_in_step, AKV_ERR_IN_USE);
+  assert_int_equal(m.step_begin, AKV_ERR_STEP_STATE);
+  assert_int_equal(m.step_end, AKV_ERR_STEP_STATE);
+  assert_int_equal(m.lease_begin, AKV_ERR_LEASE_ORDER);
+  assert_int_equal(m.stream_destroy, AKV_ERR_IN_USE);
+  assert_int_equal(m.stream_create, AKV_OK);
+  assert_int_equal(m.stream_destroy_new, AKV_OK);
+  assert_int_equal(m.headroom_take, AKV_ERR_NOT_SUPPORTED);
+  assert_int_equal(m.headroom_release, AKV_ERR_NOT_SUPPORTED);
+  assert_int_equal(m.destroy, AKV_ERR_BUSY);
+  assert_int_equal(m.attend_self, AKV_ERR_LEASE_STATE);
+  assert_int_equal(m.wait_self, AKV_ERR_LEASE_STATE);
+  assert_int_equal(m.write_back_self, AKV_ERR_LEASE_STATE);
+  assert_int_equal(m.seal_self, AKV_ERR_LEASE_STATE);
+  assert_int_equal(m.retire_self, AKV_ERR_LEASE_STATE);
+  assert_int_equal(akv_lease_write_back(ls, NULL, 0, &tail), AKV_OK);
+  assert_int_equal(akv_lease_seal(ls, tail, attn), AKV_OK);
+  assert_int_equal(akv_lease_retire(ls, NULL), AKV_OK);
+  finish_step(f.e, f.s, 1, LAYERS);
+  assert_int_equal(akv_context_length(f.c[0], &len), AKV_OK);
+  assert_int_equal(len, 4);
+  fx_close(&f);
+}
+
+/* ------------------------------- the hook completes and retires its lease */
+
+typedef struct completer {
+  akv_lease *self;
+  akv_fence attn, tail;
+  akv_status mark, wb, seal, retire;
+} completer;
+
+static int completer_hook(void *user, const akv_view *view, akv_stream stream) {
+  completer *c = user;
+  (void)view;
+  c->mark = akv_lease_mark_consumed(c->self, stream, &c->attn);
+  c->wb = akv_lease_write_back(c->self, NULL, 0, &c->tail);
+  c->seal = akv_lease_seal(c->self, c->tail, c->attn);
+  c->retire = akv_lease_retire(c->self, NULL);
+  return 0;
+}
+
+/* A hook that runs its lease to the end itself ends it: attend answers
+ * AKV_ERR_BAD_HANDLE and leaves *attention alone; the step goes on. */
+static void test_hook_retires_its_own_lease(void **state) {
+  fx f;
+  completer c;
+  akv_lease *ls = NULL;
+  akv_fence attn = {55};
+  akv_engine_info info;
+  (void)state;
+  fx_open(&f, 1, 2);
+  assert_int_equal(akv_step_begin(f.e, f.c, 1), AKV_OK);
+  assert_int_equal(akv_lease_begin(f.e, 0, &ls), AKV_OK);
+  memset(&c, 0, sizeof c);
+  c.self = ls;
+  assert_int_equal(akv_lease_attend(ls, f.s, completer_hook, &c, &attn), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(c.mark, AKV_OK);
+  assert_int_equal(c.wb, AKV_OK);
+  assert_int_equal(c.seal, AKV_OK);
+  assert_int_equal(c.retire, AKV_OK);
+  assert_int_equal(attn.serial, 55);
+  assert_int_equal(akv_engine_info_get(f.e, &info), AKV_OK);
+  assert_int_equal(info.transport_failed, 0);
+  finish_step(f.e, f.s, 1, LAYERS);
+  fx_close(&f);
+}
+
+/* ------------------- a lease record reused by another engine in the hook */
+
+/* The hook quarantines and destroys its engine (ending its lease), then
+ * creates engines until the dead lease's handle record is handed out again,
+ * as a live lease of a newer engine. attend must not take the record for
+ * its own lease: it answers AKV_ERR_BAD_HANDLE and touches the newer
+ * engine not at all (no transport failure there from the hook's nonzero
+ * return, no state change of its lease). */
+typedef struct reuser {
+  fx *f;
+  akv_lease *dead;
+  int rc;
+  akv_engine *other;
+  akv_stream other_s;
+  akv_context *other_c;
+  akv_lease *other_lease;
+  uint32_t other_layers;
+  int found;
+} reuser;
+
+static int reuser_hook(void *user, const akv_view *view, akv_stream stream) {
+  reuser *r = user;
+  akv_engine *e[4] = {NULL, NULL, NULL, NULL};
+  (void)view;
+  assert_int_equal(akv_engine_quarantine(r->f->e, NULL), AKV_OK);
+  assert_int_equal(akv_stream_destroy(r->f->e, stream), AKV_OK);
+  assert_int_equal(akv_engine_destroy(r->f->e), AKV_OK);
+  /* Engines of 256 dense layers take 16 x 256 = 4096 lease records each at
+   * create: the dead record lies among the second one's. */
+  akv_engine_config ec = akvt_small_config(AKV_ROUTE_STAGE, 0);
+  ec.n_dense_layers = 256;
+  ec.max_contexts = 1;
+  r->other_layers = ec.n_dense_layers;
+  for (int i = 0; i < 4 && r->other == NULL; i++) {
+    assert_int_equal(akv_engine_create(&ec, &e[i]), AKV_OK);
+    for (uint32_t k = 0; k < e[i]->n_lease_recs; k++)
+      if (e[i]->lease_recs[k] == r->dead) r->other = e[i];
+  }
+  for (int i = 0; i < 4; i++)
+    if (e[i] != NULL && e[i] != r->other) assert_int_equal(akv_engine_destroy(e[i]), AKV_OK);
+  assert_non_null(r->other);
+  assert_int_equal(akv_stream_create(r->other, &r->other_s), AKV_OK);
+  assert_int_equal(akv_context_open(r->other, NULL, &r->other_c), AKV_OK);
+  /* Begin leases of the newer engine until one is handed the dead record. */
+  for (uint32_t step = 0; step < 32 && !r->found; step++) {
+    assert_int_equal(akv_step_begin(r->other, &r->other_c, 1), AKV_OK);
+    for (uint32_t l = 0; l < r->other_layers; l++) {
+      akv_lease *ls = NULL;
+      akv_fence a, t;
+      assert_int_equal(akv_lease_begin(r->other, l, &ls), AKV_OK);
+      if (ls == r->dead) {
+        r->found = 1;
+        r->other_lease = ls;
+        return r->rc; /* the newer engine's lease stays begun */
+      }
+      assert_int_equal(akv_lease_attend(ls, r->other_s, noop_hook, NULL, &a), AKV_OK);
+      assert_int_equal(akv_lease_write_back(ls, NULL, 0, &t), AKV_OK);
+      assert_int_equal(akv_lease_seal(ls, t, a), AKV_OK);
+      assert_int_equal(akv_lease_retire(ls, NULL), AKV_OK);
+    }
+    assert_int_equal(akv_step_end(r->other), AKV_OK);
+  }
+  return r->rc;
+}
+
+static void hook_lets_another_engine_take_the_record(int rc) {
+  fx f;
+  reuser r;
+  akv_lease *ls = NULL;
+  akv_fence attn = {99};
+  akv_engine_info info;
+  fx_open(&f, 1, 2);
+  assert_int_equal(akv_step_begin(f.e, f.c, 1), AKV_OK);
+  assert_int_equal(akv_lease_begin(f.e, 0, &ls), AKV_OK);
+  memset(&r, 0, sizeof r);
+  r.f = &f;
+  r.dead = ls;
+  r.rc = rc;
+  assert_int_equal(akv_lease_attend(ls, f.s, reuser_hook, &r, &attn), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(r.found, 1);
+  assert_int_equal(attn.serial, 99);
+  /* The newer engine is untouched: healthy, its lease still just begun. */
+  assert_int_equal(akv_engine_info_get(r.other, &info), AKV_OK);
+  assert_int_equal(info.transport_failed, 0);
+  assert_int_equal(r.other_lease->body->state, AKV_LEASE_BEGUN);
+  {
+    akv_lease *l2 = r.other_lease;
+    akv_fence a, t;
+    uint32_t layer = l2->body->layer;
+    assert_int_equal(akv_lease_attend(l2, r.other_s, noop_hook, NULL, &a), AKV_OK);
+    assert_int_equal(akv_lease_write_back(l2, NULL, 0, &t), AKV_OK);
+    assert_int_equal(akv_lease_seal(l2, t, a), AKV_OK);
+    assert_int_equal(akv_lease_retire(l2, NULL), AKV_OK);
+    finish_step(r.other, r.other_s, layer + 1, r.other_layers);
+  }
+  assert_int_equal(akv_context_close(r.other_c), AKV_OK);
+  assert_int_equal(akv_stream_destroy(r.other, r.other_s), AKV_OK);
+  assert_int_equal(akv_engine_destroy(r.other), AKV_OK);
+}
+
+static void test_hook_record_reused_by_another_engine_fails(void **state) {
+  (void)state;
+  hook_lets_another_engine_take_the_record(1);
+}
+
+static void test_hook_record_reused_by_another_engine_succeeds(void **state) {
+  (void)state;
+  hook_lets_another_engine_take_the_record(0);
+}
+
+/* ---------------------- hooks and log callbacks across two engines */
+
+typedef struct cross {
+  fx *a, *b;
+  akv_lease *lb;
+  akv_status inner_attend, a_close_from_b, b_quarantine;
+  akv_fence fb;
+} cross;
+
+static int inner_hook(void *user, const akv_view *view, akv_stream stream) {
+  cross *x = user;
+  (void)view;
+  (void)stream;
+  /* Engine A's lease is mid-attend: its context is in the step. */
+  x->a_close_from_b = akv_context_close(x->a->c[0]);
+  return 0;
+}
+
+static int outer_hook(void *user, const akv_view *view, akv_stream stream) {
+  cross *x = user;
+  (void)view;
+  (void)stream;
+  x->inner_attend = akv_lease_attend(x->lb, x->b->s, inner_hook, x, &x->fb);
+  return 0;
+}
+
+/* A hook attends another engine's lease, whose hook calls back into the
+ * first engine: each engine keeps its own rules. */
+static void test_hooks_nested_across_engines(void **state) {
+  fx a, b;
+  cross x;
+  akv_lease *la = NULL;
+  akv_fence fa, ta, tb;
+  (void)state;
+  fx_open(&a, 1, 2);
+  fx_open(&b, 1, 2);
+  memset(&x, 0, sizeof x);
+  x.a = &a;
+  x.b = &b;
+  assert_int_equal(akv_step_begin(a.e, a.c, 1), AKV_OK);
+  assert_int_equal(akv_step_begin(b.e, b.c, 1), AKV_OK);
+  assert_int_equal(akv_lease_begin(a.e, 0, &la), AKV_OK);
+  assert_int_equal(akv_lease_begin(b.e, 0, &x.lb), AKV_OK);
+  assert_int_equal(akv_lease_attend(la, a.s, outer_hook, &x, &fa), AKV_OK);
+  assert_int_equal(x.inner_attend, AKV_OK);
+  assert_int_equal(x.a_close_from_b, AKV_ERR_IN_USE);
+  assert_int_equal(akv_lease_write_back(la, NULL, 0, &ta), AKV_OK);
+  assert_int_equal(akv_lease_write_back(x.lb, NULL, 0, &tb), AKV_OK);
+  /* Each lease's fences are its own. */
+  assert_int_equal(akv_lease_seal(la, tb, x.fb), AKV_ERR_FENCE_MISMATCH);
+  assert_int_equal(akv_lease_seal(la, ta, fa), AKV_OK);
+  assert_int_equal(akv_lease_seal(x.lb, tb, x.fb), AKV_OK);
+  assert_int_equal(akv_lease_retire(la, NULL), AKV_OK);
+  assert_int_equal(akv_lease_retire(x.lb, NULL), AKV_OK);
+  finish_step(a.e, a.s, 1, LAYERS);
+  finish_step(b.e, b.s, 1, LAYERS);
+  fx_close(&a);
+  fx_close(&b);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_hook_calls_every_mutator_on_its_engine),
+      cmocka_unit_test(test_hook_retires_its_own_lease),
+      cmocka_unit_test(test_hook_record_reused_by_another_engine_fails),
+      cmocka_unit_test(test_hook_record_reused_by_another_engine_succeeds),
+      cmocka_unit_test(test_hooks_nested_across_engines),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
