@@ -3,8 +3,11 @@
  * callbacks: the attention hook of akv_lease_attend (on its own lease, its
  * own engine and another engine) and the log callback, and handles of one
  * engine whose records a callback let another engine take. akv.h states what
- * each call answers there; a refused call must change nothing.
+ * each call answers there; a refused call must change nothing. Also engines
+ * driven side by side from several threads (each thread its own engine; the
+ * record pools and serial counters are shared).
  */
+#include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -374,6 +377,162 @@ static void test_hooks_nested_across_engines(void **state) {
   fx_close(&b);
 }
 
+/* ------------------------------------ log callbacks that create engines */
+
+/* A log callback that creates (and destroys) an engine of its own config on
+ * every line it gets, and opens a context on a second engine of the same
+ * callback that has no host slot left (a refusal, logged). akv_log_fn: nothing
+ * at all is logged to the callback from inside it, so it never runs nested
+ * in itself (before, each nested create logged its fit line to the callback
+ * again, without end but for the depth bound here). */
+typedef struct creator {
+  akv_engine_config cfg;
+  akv_engine *full;  /* every host slot taken */
+  uint32_t depth, max_depth, lines;
+  akv_status create, destroy, open;
+  int armed;
+} creator;
+
+static void creator_log(void *user, akv_log_level level, const char *message) {
+  creator *c = user;
+  akv_engine *e = NULL;
+  akv_context *x = NULL;
+  (void)level;
+  (void)message;
+  c->lines++;
+  if (!c->armed) return;
+  if (++c->depth > c->max_depth) c->max_depth = c->depth;
+  if (c->depth < 8) {
+    c->create = akv_engine_create(&c->cfg, &e);
+    if (c->create == AKV_OK) c->destroy = akv_engine_destroy(e);
+    c->open = akv_context_open(c->full, NULL, &x);
+  }
+  c->depth--;
+}
+
+static void test_log_callback_creates_engines(void **state) {
+  creator c;
+  akv_engine *e = NULL;
+  akv_context *full[4];
+  (void)state;
+  memset(&c, 0, sizeof c);
+  c.cfg = akvt_small_config(AKV_ROUTE_STAGE, 0);
+  c.cfg.log_fn = creator_log;
+  c.cfg.log_user = &c;
+  c.cfg.log_level = AKV_LOG_DEBUG;
+  c.cfg.max_contexts = 1;
+  assert_int_equal(akv_engine_create(&c.cfg, &c.full), AKV_OK);
+  assert_int_equal(akv_context_open(c.full, NULL, &full[0]), AKV_OK);
+  c.armed = 1;
+  c.lines = 0;
+  assert_int_equal(akv_engine_create(&c.cfg, &e), AKV_OK);
+  c.armed = 0;
+  assert_true(c.lines > 0);
+  assert_int_equal(c.max_depth, 1);
+  assert_int_equal(c.create, AKV_OK);
+  assert_int_equal(c.destroy, AKV_OK);
+  assert_int_equal(c.open, AKV_ERR_REFUSED_QUEUE);
+  /* Lines outside any callback reach it as before. */
+  c.lines = 0;
+  assert_int_equal(akv_step_end(e), AKV_ERR_STEP_STATE);
+  assert_true(c.lines > 0);
+  assert_int_equal(akv_engine_destroy(e), AKV_OK);
+  assert_int_equal(akv_context_close(full[0]), AKV_OK);
+  assert_int_equal(akv_engine_destroy(c.full), AKV_OK);
+}
+
+/* ------------------------------------------ engines side by side, threads */
+
+typedef struct runner {
+  int failures;
+  akv_stream dead_stream; /* destroyed by this thread: others must refuse it */
+  akv_fence fences[LAYERS];
+  akv_stream *peer_dead; /* another thread's destroyed stream, once published */
+  pthread_mutex_t *mu;
+} runner;
+
+static int count_hook(void *user, const akv_view *view, akv_stream stream) {
+  (void)view;
+  (void)stream;
+  (*(int *)user)++;
+  return 0;
+}
+
+static void *runner_thread(void *arg) {
+  runner *r = arg;
+  static const uint16_t zero[8 * ROW_ELEMS];
+  const void *rows[LAYERS] = {zero, zero, zero};
+  for (int it = 0; it < 6; it++) {
+    akv_engine *e = akvt_small_engine(it % 2 ? AKV_ROUTE_ARENA : AKV_ROUTE_PAGED, 1);
+    akv_stream s = NULL, s2 = NULL;
+    akv_context *c[2] = {NULL, NULL};
+    int hooks = 0;
+    if (e == NULL) {
+      r->failures++;
+      continue;
+    }
+    r->failures += akv_stream_create(e, &s) != AKV_OK;
+    r->failures += akv_stream_create(e, &s2) != AKV_OK;
+    for (int i = 0; i < 2; i++) {
+      r->failures += akv_context_open(e, NULL, &c[i]) != AKV_OK;
+      r->failures += akv_context_append(c[i], 8, rows, rows) != AKV_OK;
+    }
+    for (int step = 0; step < 8; step++) {
+      r->failures += akv_step_begin(e, c, 2) != AKV_OK;
+      for (uint32_t l = 0; l < LAYERS; l++) {
+        akv_lease *ls = NULL;
+        akv_fence a, t;
+        r->failures += akv_lease_begin(e, l, &ls) != AKV_OK;
+        r->failures += akv_lease_attend(ls, step % 2 ? s : s2, count_hook, &hooks, &a) != AKV_OK;
+        r->failures += akv_lease_write_back(ls, NULL, 0, &t) != AKV_OK;
+        /* The previous step's fences of this layer are stale: never a match. */
+        r->failures += akv_lease_seal(ls, r->fences[l], r->fences[l]) != AKV_ERR_FENCE_MISMATCH;
+        r->failures += akv_lease_seal(ls, t, a) != AKV_OK;
+        r->failures += akv_lease_retire(ls, NULL) != AKV_OK;
+        r->fences[l] = a;
+      }
+      r->failures += akv_step_end(e) != AKV_OK;
+    }
+    r->failures += hooks != 8 * LAYERS;
+    /* A stream another thread destroyed is no stream of this engine. */
+    pthread_mutex_lock(r->mu);
+    if (*r->peer_dead != NULL) {
+      r->failures += akv_stream_synchronize(e, *r->peer_dead) != AKV_ERR_INVALID_ARGUMENT;
+      r->failures += akv_stream_destroy(e, *r->peer_dead) != AKV_ERR_INVALID_ARGUMENT;
+    }
+    pthread_mutex_unlock(r->mu);
+    r->failures += akv_stream_destroy(e, s2) != AKV_OK;
+    pthread_mutex_lock(r->mu);
+    r->dead_stream = s2;
+    pthread_mutex_unlock(r->mu);
+    for (int i = 0; i < 2; i++) r->failures += akv_context_close(c[i]) != AKV_OK;
+    r->failures += akv_stream_destroy(e, s) != AKV_OK;
+    r->failures += akv_engine_destroy(e) != AKV_OK;
+  }
+  return NULL;
+}
+
+/* Several threads, each driving its own engine through whole steps (hooks,
+ * write-backs, seals, retires), creating and destroying streams and
+ * contexts: every call succeeds, a stale fence never seals, and a stream
+ * destroyed on one thread is refused by the others' engines. Under
+ * -DAKV_SANITIZE=thread it checks the shared pools and counters. */
+static void test_threads_engines_side_by_side(void **state) {
+  enum { N = 3 };
+  pthread_t t[N];
+  runner r[N];
+  pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+  (void)state;
+  memset(r, 0, sizeof r);
+  for (int i = 0; i < N; i++) {
+    r[i].mu = &mu;
+    r[i].peer_dead = &r[(i + 1) % N].dead_stream;
+  }
+  for (int i = 0; i < N; i++) assert_int_equal(pthread_create(&t[i], NULL, runner_thread, &r[i]), 0);
+  for (int i = 0; i < N; i++) assert_int_equal(pthread_join(t[i], NULL), 0);
+  for (int i = 0; i < N; i++) assert_int_equal(r[i].failures, 0);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_hook_calls_every_mutator_on_its_engine),
@@ -381,6 +540,8 @@ int main(void) {
       cmocka_unit_test(test_hook_record_reused_by_another_engine_fails),
       cmocka_unit_test(test_hook_record_reused_by_another_engine_succeeds),
       cmocka_unit_test(test_hooks_nested_across_engines),
+      cmocka_unit_test(test_log_callback_creates_engines),
+      cmocka_unit_test(test_threads_engines_side_by_side),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
