@@ -377,6 +377,129 @@ static void test_hooks_nested_across_engines(void **state) {
   fx_close(&b);
 }
 
+/* ------------------------------- every lease call in every lease state */
+
+typedef struct lease_snap {
+  akv_lease_state state;
+  uint32_t n_written, n_tickets, next_layer, leases_live;
+  uint64_t fence_attn, fence_tail, copies_h2d, copies_d2h, bytes_d2h;
+  akv_stream stream;
+  int transport_failed;
+} lease_snap;
+
+static lease_snap snap(akv_engine *e, const akv_lease_body *b) {
+  lease_snap x;
+  memset(&x, 0, sizeof x);
+  x.state = b->state;
+  x.n_written = b->n_written;
+  x.n_tickets = b->n_tickets;
+  x.fence_attn = b->fence_attn;
+  x.fence_tail = b->fence_tail;
+  x.stream = b->stream;
+  x.next_layer = e->next_layer;
+  x.leases_live = e->leases_live;
+  x.copies_h2d = e->copies_h2d;
+  x.copies_d2h = e->copies_d2h;
+  x.bytes_d2h = e->bytes_d2h;
+  x.transport_failed = e->transport_failed;
+  return x;
+}
+
+/* Every call the lease's state does not allow: the status akv.h gives, and
+ * nothing changed (lease, engine counters, outputs). */
+static void refused_in_state(fx *f, akv_lease *ls, akv_stream other, akv_fence attn,
+                             akv_fence tail, akv_status want_seal) {
+  akv_lease_body *b = ls->body;
+  const lease_snap before = snap(f->e, b);
+  akv_view v;
+  akv_fence out = {12345};
+  akv_lease *next = NULL;
+  akv_receipt rc;
+  memset(&v, 0x5a, sizeof v);
+  memset(&rc, 0x5a, sizeof rc);
+  const akv_view v0 = v;
+  const akv_receipt rc0 = rc;
+  const akv_lease_state st = b->state;
+  if (st != AKV_LEASE_BEGUN) {
+    assert_int_equal(akv_lease_wait_ready(ls, f->s, &v), AKV_ERR_LEASE_STATE);
+    assert_int_equal(akv_lease_attend(ls, f->s, noop_hook, NULL, &out), AKV_ERR_LEASE_STATE);
+  }
+  if (st != AKV_LEASE_READY)
+    assert_int_equal(akv_lease_mark_consumed(ls, f->s, &out), AKV_ERR_LEASE_STATE);
+  else
+    assert_int_equal(akv_lease_mark_consumed(ls, other, &out), AKV_ERR_INVALID_ARGUMENT);
+  if (st != AKV_LEASE_CONSUMED) {
+    assert_int_equal(akv_lease_write_back(ls, NULL, 0, &out), AKV_ERR_LEASE_STATE);
+    assert_int_equal(akv_lease_write_back(ls, f->c, 1, &out), AKV_ERR_LEASE_STATE);
+  } else {
+    /* c[0] is written already, so is "all of them" no longer. */
+    assert_int_equal(akv_lease_write_back(ls, NULL, 0, &out), AKV_ERR_LEASE_STATE);
+    assert_int_equal(akv_lease_write_back(ls, f->c, 1, &out), AKV_ERR_LEASE_STATE);
+    assert_int_equal(akv_lease_write_back(ls, (akv_context *const[]){f->c[1], f->c[1]}, 2, &out),
+                     AKV_ERR_INVALID_ARGUMENT);
+  }
+  assert_int_equal(akv_lease_seal(ls, tail, attn), want_seal);
+  if (st != AKV_LEASE_SEALED) {
+    assert_int_equal(akv_lease_retire(ls, &rc), AKV_ERR_LEASE_STATE);
+    assert_int_equal(akv_lease_try_retire(ls, &rc), AKV_ERR_LEASE_STATE);
+    assert_int_equal(akv_lease_begin(f->e, b->layer + 1, &next), AKV_ERR_LEASE_ORDER);
+    assert_null(next);
+  }
+  assert_int_equal(akv_step_end(f->e), AKV_ERR_STEP_STATE);
+  assert_int_equal(akv_stream_destroy(f->e, f->s),
+                   st == AKV_LEASE_BEGUN ? AKV_OK : AKV_ERR_IN_USE);
+  if (st == AKV_LEASE_BEGUN) assert_int_equal(akv_stream_create(f->e, &f->s), AKV_OK);
+  assert_int_equal(out.serial, 12345);
+  assert_memory_equal(&v, &v0, sizeof v);
+  assert_memory_equal(&rc, &rc0, sizeof rc);
+  const lease_snap after = snap(f->e, b);
+  if (st == AKV_LEASE_BEGUN) {
+    /* the stream was destroyed and made again: compare all but it */
+    assert_int_equal(after.state, before.state);
+    assert_int_equal(after.n_written, before.n_written);
+  } else {
+    assert_memory_equal(&after, &before, sizeof after);
+  }
+}
+
+static void test_every_lease_call_in_every_state(void **state) {
+  fx f;
+  akv_lease *ls = NULL;
+  akv_stream other = NULL;
+  akv_fence attn = {0}, tail = {0}, t1;
+  akv_view v;
+  (void)state;
+  fx_open(&f, 2, 3);
+  assert_int_equal(akv_stream_create(f.e, &other), AKV_OK);
+  assert_int_equal(akv_step_begin(f.e, f.c, 2), AKV_OK);
+  assert_int_equal(akv_lease_begin(f.e, 0, &ls), AKV_OK);
+  refused_in_state(&f, ls, other, attn, tail, AKV_ERR_LEASE_STATE);
+  assert_int_equal(akv_lease_wait_ready(ls, f.s, &v), AKV_OK);
+  refused_in_state(&f, ls, other, attn, tail, AKV_ERR_LEASE_STATE);
+  assert_int_equal(akv_lease_mark_consumed(ls, f.s, &attn), AKV_OK);
+  assert_int_equal(akv_lease_write_back(ls, f.c, 1, &t1), AKV_OK);
+  refused_in_state(&f, ls, other, attn, t1, AKV_ERR_LEASE_STATE);
+  assert_int_equal(akv_lease_write_back(ls, &f.c[1], 1, &tail), AKV_OK);
+  assert_int_equal(akv_lease_seal(ls, t1, attn), AKV_ERR_FENCE_MISMATCH); /* not the current tail */
+  assert_int_equal(akv_lease_seal(ls, tail, attn), AKV_OK);
+  refused_in_state(&f, ls, other, attn, tail, AKV_ERR_LEASE_STATE);
+  assert_int_equal(akv_lease_retire(ls, NULL), AKV_OK);
+  {
+    akv_fence z = {0};
+    assert_int_equal(akv_lease_wait_ready(ls, f.s, &v), AKV_ERR_BAD_HANDLE);
+    assert_int_equal(akv_lease_mark_consumed(ls, f.s, &z), AKV_ERR_BAD_HANDLE);
+    assert_int_equal(akv_lease_attend(ls, f.s, noop_hook, NULL, &z), AKV_ERR_BAD_HANDLE);
+    assert_int_equal(akv_lease_write_back(ls, NULL, 0, &z), AKV_ERR_BAD_HANDLE);
+    assert_int_equal(akv_lease_seal(ls, tail, attn), AKV_ERR_BAD_HANDLE);
+    assert_int_equal(akv_lease_retire(ls, NULL), AKV_ERR_BAD_HANDLE);
+    assert_int_equal(akv_lease_try_retire(ls, NULL), AKV_ERR_BAD_HANDLE);
+    assert_int_equal(z.serial, 0);
+  }
+  finish_step(f.e, f.s, 1, LAYERS);
+  assert_int_equal(akv_stream_destroy(f.e, other), AKV_OK);
+  fx_close(&f);
+}
+
 /* ------------------------------------ log callbacks that create engines */
 
 /* A log callback that creates (and destroys) an engine of its own config on
@@ -540,6 +663,7 @@ int main(void) {
       cmocka_unit_test(test_hook_record_reused_by_another_engine_fails),
       cmocka_unit_test(test_hook_record_reused_by_another_engine_succeeds),
       cmocka_unit_test(test_hooks_nested_across_engines),
+      cmocka_unit_test(test_every_lease_call_in_every_state),
       cmocka_unit_test(test_log_callback_creates_engines),
       cmocka_unit_test(test_threads_engines_side_by_side),
   };
