@@ -500,6 +500,69 @@ static void test_every_lease_call_in_every_state(void **state) {
   fx_close(&f);
 }
 
+/* ---------------------------------------- handles given to another engine */
+
+/* Contexts, leases, streams and fences of engine A given to engine B's calls
+ * (and B's to A's lease): each refused with akv.h's status, neither engine
+ * changed; both then run their steps as if nothing had been called. */
+static void test_handles_of_another_engine(void **state) {
+  fx a, b;
+  akv_lease *la = NULL, *lb = NULL, *none = NULL;
+  akv_fence fa, ta, fb, tb, out = {321};
+  akv_view v;
+  char buf[64];
+  akv_engine_info ia, ib;
+  (void)state;
+  fx_open(&a, 2, 2);
+  fx_open(&b, 2, 2);
+  assert_int_equal(akv_step_begin(b.e, a.c, 2), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(akv_step_begin(b.e, (akv_context *const[]){b.c[0], a.c[1]}, 2),
+                   AKV_ERR_BAD_HANDLE);
+  assert_false(b.e->step_open);
+  assert_false(a.c[1]->in_step);
+  assert_false(b.c[0]->in_step);
+  assert_int_equal(akv_admission_explain(b.e, a.c[0], buf, sizeof buf), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(akv_stream_destroy(b.e, a.s), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_stream_synchronize(b.e, a.s), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_stream_launch_host(b.e, a.s, NULL, NULL), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_step_begin(a.e, a.c, 2), AKV_OK);
+  assert_int_equal(akv_step_begin(b.e, b.c, 2), AKV_OK);
+  assert_int_equal(akv_lease_begin(a.e, 0, &la), AKV_OK);
+  assert_int_equal(akv_lease_begin(b.e, 0, &lb), AKV_OK);
+  /* A's lease with B's stream, B's contexts as owners, B's fences. */
+  assert_int_equal(akv_lease_wait_ready(la, b.s, &v), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_lease_attend(la, b.s, noop_hook, NULL, &out), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(la->body->state, AKV_LEASE_BEGUN);
+  assert_int_equal(akv_lease_attend(la, a.s, noop_hook, NULL, &fa), AKV_OK);
+  assert_int_equal(akv_lease_attend(lb, b.s, noop_hook, NULL, &fb), AKV_OK);
+  assert_int_equal(akv_lease_mark_consumed(la, b.s, &out), AKV_ERR_LEASE_STATE);
+  assert_int_equal(akv_lease_write_back(la, b.c, 2, &out), AKV_ERR_OWNER_MISMATCH);
+  assert_int_equal(akv_lease_write_back(la, (akv_context *const[]){a.c[0], b.c[1]}, 2, &out),
+                   AKV_ERR_OWNER_MISMATCH);
+  assert_int_equal(la->body->n_written, 0);
+  assert_int_equal(out.serial, 321);
+  assert_int_equal(akv_lease_write_back(la, NULL, 0, &ta), AKV_OK);
+  assert_int_equal(akv_lease_write_back(lb, NULL, 0, &tb), AKV_OK);
+  assert_int_equal(akv_lease_seal(la, tb, fb), AKV_ERR_FENCE_MISMATCH);
+  assert_int_equal(akv_lease_seal(la, ta, fb), AKV_ERR_FENCE_MISMATCH);
+  /* B's lease handle does not begin A's next layer, nor is B's step A's. */
+  assert_int_equal(akv_lease_begin(a.e, 1, &none), AKV_ERR_LEASE_ORDER);
+  assert_int_equal(akv_lease_seal(la, ta, fa), AKV_OK);
+  assert_int_equal(akv_lease_seal(lb, tb, fb), AKV_OK);
+  assert_int_equal(akv_lease_retire(la, NULL), AKV_OK);
+  assert_int_equal(akv_lease_retire(lb, NULL), AKV_OK);
+  finish_step(a.e, a.s, 1, LAYERS);
+  finish_step(b.e, b.s, 1, LAYERS);
+  assert_int_equal(akv_engine_info_get(a.e, &ia), AKV_OK);
+  assert_int_equal(akv_engine_info_get(b.e, &ib), AKV_OK);
+  assert_int_equal(ia.transport_failed, 0);
+  assert_int_equal(ib.transport_failed, 0);
+  assert_int_equal(ia.steps, 1);
+  assert_int_equal(ib.steps, 1);
+  fx_close(&a);
+  fx_close(&b);
+}
+
 /* ------------------------------------ log callbacks that create engines */
 
 /* A log callback that creates (and destroys) an engine of its own config on
@@ -664,6 +727,7 @@ int main(void) {
       cmocka_unit_test(test_hook_record_reused_by_another_engine_succeeds),
       cmocka_unit_test(test_hooks_nested_across_engines),
       cmocka_unit_test(test_every_lease_call_in_every_state),
+      cmocka_unit_test(test_handles_of_another_engine),
       cmocka_unit_test(test_log_callback_creates_engines),
       cmocka_unit_test(test_threads_engines_side_by_side),
   };
