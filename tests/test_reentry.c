@@ -317,6 +317,86 @@ static void test_hook_record_reused_by_another_engine_succeeds(void **state) {
   hook_lets_another_engine_take_the_record(0);
 }
 
+/* The same on one engine: the hook retires its own lease, ends the step and
+ * runs steps until the dead handle's record is handed to a later begin of
+ * this engine (after (AKV_LEASE_HANDLES_PER_LAYER - 1) x layers begins).
+ * attend answers AKV_ERR_BAD_HANDLE and leaves that later lease begun. */
+typedef struct cycler {
+  fx *f;
+  akv_lease *self;
+  akv_lease *later;
+  int rc;
+} cycler;
+
+static int cycler_hook(void *user, const akv_view *view, akv_stream stream) {
+  cycler *c = user;
+  akv_fence a, t;
+  (void)view;
+  assert_int_equal(akv_lease_mark_consumed(c->self, stream, &a), AKV_OK);
+  assert_int_equal(akv_lease_write_back(c->self, NULL, 0, &t), AKV_OK);
+  assert_int_equal(akv_lease_seal(c->self, t, a), AKV_OK);
+  assert_int_equal(akv_lease_retire(c->self, NULL), AKV_OK);
+  finish_step(c->f->e, stream, 1, LAYERS);
+  for (uint32_t step = 0; step < 32 && c->later == NULL; step++) {
+    assert_int_equal(akv_step_begin(c->f->e, c->f->c, c->f->n), AKV_OK);
+    for (uint32_t l = 0; l < LAYERS; l++) {
+      akv_lease *ls = NULL;
+      assert_int_equal(akv_lease_begin(c->f->e, l, &ls), AKV_OK);
+      if (ls == c->self) {
+        c->later = ls;
+        return c->rc; /* the later lease stays begun */
+      }
+      assert_int_equal(akv_lease_attend(ls, stream, noop_hook, NULL, &a), AKV_OK);
+      assert_int_equal(akv_lease_write_back(ls, NULL, 0, &t), AKV_OK);
+      assert_int_equal(akv_lease_seal(ls, t, a), AKV_OK);
+      assert_int_equal(akv_lease_retire(ls, NULL), AKV_OK);
+    }
+    assert_int_equal(akv_step_end(c->f->e), AKV_OK);
+  }
+  return c->rc;
+}
+
+static void hook_lets_a_later_begin_take_the_record(int rc) {
+  fx f;
+  cycler c;
+  akv_lease *ls = NULL;
+  akv_fence attn = {88};
+  akv_engine_info info;
+  fx_open(&f, 1, 1);
+  assert_int_equal(akv_step_begin(f.e, f.c, 1), AKV_OK);
+  assert_int_equal(akv_lease_begin(f.e, 0, &ls), AKV_OK);
+  memset(&c, 0, sizeof c);
+  c.f = &f;
+  c.self = ls;
+  c.rc = rc;
+  assert_int_equal(akv_lease_attend(ls, f.s, cycler_hook, &c, &attn), AKV_ERR_BAD_HANDLE);
+  assert_ptr_equal(c.later, ls);
+  assert_int_equal(attn.serial, 88);
+  assert_int_equal(akv_engine_info_get(f.e, &info), AKV_OK);
+  assert_int_equal(info.transport_failed, 0);
+  assert_int_equal(c.later->body->state, AKV_LEASE_BEGUN);
+  {
+    akv_fence a, t;
+    const uint32_t layer = c.later->body->layer;
+    assert_int_equal(akv_lease_attend(c.later, f.s, noop_hook, NULL, &a), AKV_OK);
+    assert_int_equal(akv_lease_write_back(c.later, NULL, 0, &t), AKV_OK);
+    assert_int_equal(akv_lease_seal(c.later, t, a), AKV_OK);
+    assert_int_equal(akv_lease_retire(c.later, NULL), AKV_OK);
+    finish_step(f.e, f.s, layer + 1, LAYERS);
+  }
+  fx_close(&f);
+}
+
+static void test_hook_record_reused_by_a_later_begin_fails(void **state) {
+  (void)state;
+  hook_lets_a_later_begin_take_the_record(1);
+}
+
+static void test_hook_record_reused_by_a_later_begin_succeeds(void **state) {
+  (void)state;
+  hook_lets_a_later_begin_take_the_record(0);
+}
+
 /* ---------------------- hooks and log callbacks across two engines */
 
 typedef struct cross {
@@ -725,6 +805,8 @@ int main(void) {
       cmocka_unit_test(test_hook_retires_its_own_lease),
       cmocka_unit_test(test_hook_record_reused_by_another_engine_fails),
       cmocka_unit_test(test_hook_record_reused_by_another_engine_succeeds),
+      cmocka_unit_test(test_hook_record_reused_by_a_later_begin_fails),
+      cmocka_unit_test(test_hook_record_reused_by_a_later_begin_succeeds),
       cmocka_unit_test(test_hooks_nested_across_engines),
       cmocka_unit_test(test_every_lease_call_in_every_state),
       cmocka_unit_test(test_handles_of_another_engine),
