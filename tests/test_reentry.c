@@ -397,6 +397,84 @@ static void test_hook_record_reused_by_a_later_begin_succeeds(void **state) {
   hook_lets_a_later_begin_take_the_record(0);
 }
 
+/* The hook quarantines and destroys its engine, then calls everything on
+ * every handle it just killed (engine, contexts, its lease, the stream):
+ * each answers AKV_ERR_BAD_HANDLE (the stream calls, which take the engine
+ * first, too) and reads no freed memory. */
+typedef struct after_death {
+  fx *f;
+  akv_lease *self;
+  int bad; /* calls that did not answer AKV_ERR_BAD_HANDLE */
+} after_death;
+
+static int after_death_hook(void *user, const akv_view *view, akv_stream stream) {
+  after_death *d = user;
+  fx *f = d->f;
+  static uint16_t zero[ROW_ELEMS];
+  const void *rows[LAYERS] = {zero, zero, zero};
+  akv_engine_info info;
+  akv_headroom_info hi;
+  akv_view v;
+  akv_fence fz = {0};
+  akv_lease *ls = NULL;
+  akv_context *c = NULL;
+  akv_stream s = NULL;
+  uint64_t ctr[AKV_ADM_RULE_COUNT];
+  size_t n = 0;
+  uint32_t u = 0;
+  char buf[32];
+  uint16_t k[ROW_ELEMS], vv[ROW_ELEMS];
+  (void)view;
+  assert_int_equal(akv_engine_quarantine(f->e, NULL), AKV_OK);
+  assert_int_equal(akv_stream_destroy(f->e, stream), AKV_OK);
+  /* after the quarantine, only diagnostics and destroy (which frees the
+   * contexts) */
+  assert_int_equal(akv_context_close(f->c[0]), AKV_ERR_QUARANTINED);
+  assert_int_equal(akv_engine_destroy(f->e), AKV_OK);
+  const akv_status got[] = {
+      akv_engine_destroy(f->e), akv_engine_quarantine(f->e, NULL),
+      akv_engine_info_get(f->e, &info), akv_headroom_get(f->e, &hi),
+      akv_headroom_release(f->e, 1, NULL, NULL), akv_headroom_take(f->e, 1, NULL),
+      akv_admission_counters(f->e, ctr, AKV_ADM_RULE_COUNT),
+      akv_admission_log(f->e, NULL, 0, &n), akv_admission_explain(f->e, NULL, buf, sizeof buf),
+      akv_stream_create(f->e, &s), akv_stream_destroy(f->e, stream),
+      akv_stream_synchronize(f->e, stream), akv_stream_launch_host(f->e, stream, NULL, NULL),
+      akv_context_open(f->e, NULL, &c), akv_context_close(f->c[0]),
+      akv_context_append(f->c[0], 1, rows, rows),
+      akv_context_append_layer(f->c[0], 0, 1, zero, zero),
+      akv_context_read(f->c[0], 0, 0, 1, k, vv), akv_context_length(f->c[0], &u),
+      akv_context_id(f->c[0], &u), akv_step_begin(f->e, f->c, f->n), akv_step_end(f->e),
+      akv_lease_begin(f->e, 1, &ls), akv_lease_wait_ready(d->self, stream, &v),
+      akv_lease_mark_consumed(d->self, stream, &fz),
+      akv_lease_attend(d->self, stream, noop_hook, NULL, &fz),
+      akv_lease_write_back(d->self, NULL, 0, &fz), akv_lease_seal(d->self, fz, fz),
+      akv_lease_retire(d->self, NULL), akv_lease_try_retire(d->self, NULL)};
+  for (size_t i = 0; i < sizeof got / sizeof got[0]; i++) {
+    if (got[i] != AKV_ERR_BAD_HANDLE) fprintf(stderr, "call %zu: %d\n", i, (int)got[i]);
+    d->bad += got[i] != AKV_ERR_BAD_HANDLE;
+  }
+  d->bad += strcmp(akv_engine_last_error(f->e), "bad engine handle") != 0;
+  d->bad += ls != NULL || c != NULL || s != NULL || fz.serial != 0 || n != 0 || u != 0;
+  return 0;
+}
+
+static void test_hook_calls_everything_on_the_handles_it_killed(void **state) {
+  fx f;
+  after_death d;
+  akv_lease *ls = NULL;
+  akv_fence attn = {66};
+  (void)state;
+  fx_open(&f, 2, 2);
+  assert_int_equal(akv_step_begin(f.e, f.c, 2), AKV_OK);
+  assert_int_equal(akv_lease_begin(f.e, 0, &ls), AKV_OK);
+  memset(&d, 0, sizeof d);
+  d.f = &f;
+  d.self = ls;
+  assert_int_equal(akv_lease_attend(ls, f.s, after_death_hook, &d, &attn), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(d.bad, 0);
+  assert_int_equal(attn.serial, 66);
+}
+
 /* ---------------------- hooks and log callbacks across two engines */
 
 typedef struct cross {
@@ -794,7 +872,8 @@ static void test_threads_engines_side_by_side(void **state) {
     r[i].mu = &mu;
     r[i].peer_dead = &r[(i + 1) % N].dead_stream;
   }
-  for (int i = 0; i < N; i++) assert_int_equal(pthread_create(&t[i], NULL, runner_thread, &r[i]), 0);
+  for (int i = 0; i < N; i++)
+    assert_int_equal(pthread_create(&t[i], NULL, runner_thread, &r[i]), 0);
   for (int i = 0; i < N; i++) assert_int_equal(pthread_join(t[i], NULL), 0);
   for (int i = 0; i < N; i++) assert_int_equal(r[i].failures, 0);
 }
@@ -807,6 +886,7 @@ int main(void) {
       cmocka_unit_test(test_hook_record_reused_by_another_engine_succeeds),
       cmocka_unit_test(test_hook_record_reused_by_a_later_begin_fails),
       cmocka_unit_test(test_hook_record_reused_by_a_later_begin_succeeds),
+      cmocka_unit_test(test_hook_calls_everything_on_the_handles_it_killed),
       cmocka_unit_test(test_hooks_nested_across_engines),
       cmocka_unit_test(test_every_lease_call_in_every_state),
       cmocka_unit_test(test_handles_of_another_engine),
