@@ -265,9 +265,9 @@ typedef enum akv_log_level {
  *  the callback from inside it: a diagnostic called there that fails
  *  returns its status and records its last error without a log line, and
  *  lines that would reach the same callback (the same log_fn and log_user)
- *  while it runs on the thread, from akv_engine_create or from calls on
- *  another engine (allowed there), are dropped: the callback never runs
- *  nested in itself. */
+ *  while it runs on the thread, from akv_engine_create, from calls on
+ *  another engine (allowed there) or from a group's calls (akv_group.h),
+ *  are dropped: the callback never runs nested in itself. */
 typedef void (*akv_log_fn)(void *user, akv_log_level level, const char *message);
 
 /** Backend operation kinds, for fault injection and counters. */
