@@ -263,7 +263,11 @@ typedef enum akv_log_level {
  *  alone (akv_engine_last_error still reads the error being logged, there
  *  and after the logging call returns). Nothing at all is logged to
  *  the callback from inside it: a diagnostic called there that fails
- *  returns its status and records its last error without a log line. */
+ *  returns its status and records its last error without a log line, and
+ *  lines that would reach the same callback (the same log_fn and log_user)
+ *  while it runs on the thread, from akv_engine_create, from calls on
+ *  another engine (allowed there) or from a group's calls (akv_group.h),
+ *  are dropped: the callback never runs nested in itself. */
 typedef void (*akv_log_fn)(void *user, akv_log_level level, const char *message);
 
 /** Backend operation kinds, for fault injection and counters. */
@@ -764,8 +768,12 @@ typedef struct akv_view {
  * during the hook. Copy the struct (not the pointer) if work enqueued by the
  * hook needs it later; the arrays and device memory it points to stay valid
  * until the lease retires. A hook that ends its own lease (akv_engine_quarantine
- * releases it; a destroy may follow) makes akv_lease_attend return
- * AKV_ERR_BAD_HANDLE, touching neither the lease nor its engine afterwards.
+ * releases it, a destroy may follow; or it runs the lease to its retire
+ * itself) makes akv_lease_attend return AKV_ERR_BAD_HANDLE, touching neither
+ * the lease nor its engine afterwards, also when the hook went on until the
+ * handle's record was handed out again ("Handle lifetimes") to a later lease
+ * of this engine or of a newer one: that lease and its engine are left as
+ * they were (not marked consumed, not failed by a nonzero return).
  */
 typedef int (*akv_attention_fn)(void *user, const akv_view *view, akv_stream stream);
 

@@ -1238,6 +1238,61 @@ static void test_engine_destroyed_record_reused(void **state) {
   assert_int_equal(akv_group_world_destroy(world), AKV_OK);
 }
 
+/* Two groups whose engines share one log callback. A line of group 1's
+ * engine runs the callback, which checks group 2 (its world aborted: the
+ * check logs a warning to the same callback). akv.h (akv_log_fn): nothing
+ * is logged to a callback from inside it, group lines included; before,
+ * group 2's warning ran the callback nested in itself. */
+typedef struct shared_log {
+  akv_group *other;
+  uint32_t depth, max_depth, lines;
+  int armed;
+  akv_status nested_check;
+} shared_log;
+
+static void shared_log_fn(void *user, akv_log_level level, const char *message) {
+  shared_log *s = user;
+  (void)level;
+  (void)message;
+  s->lines++;
+  if (!s->armed) return;
+  if (++s->depth > s->max_depth) s->max_depth = s->depth;
+  if (s->depth < 4) s->nested_check = akv_group_check(s->other);
+  s->depth--;
+}
+
+static void test_group_lines_never_nest_in_the_callback(void **state) {
+  (void)state;
+  akv_group_world *w1, *w2;
+  akv_group *g1 = NULL, *g2 = NULL;
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  akv_engine_config ec = shard_config(1, 1, 4);
+  akv_engine *e1 = NULL;
+  shared_log sl;
+  memset(&sl, 0, sizeof sl);
+  ec.log_fn = shared_log_fn;
+  ec.log_user = &sl;
+  ec.log_level = AKV_LOG_DEBUG;
+  assert_int_equal(akv_group_world_create(1, 4, &w1), AKV_OK);
+  assert_int_equal(akv_group_world_create(1, 4, &w2), AKV_OK);
+  assert_int_equal(akv_group_create_inproc(&ec, &gc, w1, &g1), AKV_OK);
+  assert_int_equal(akv_group_create_inproc(&ec, &gc, w2, &g2), AKV_OK);
+  assert_int_equal(akv_group_world_abort(w2), AKV_OK);
+  assert_int_equal(akv_group_engine(g1, &e1), AKV_OK);
+  sl.other = g2;
+  sl.armed = 1;
+  sl.lines = 0;
+  assert_int_equal(akv_step_end(e1), AKV_ERR_STEP_STATE); /* logged at DEBUG */
+  sl.armed = 0;
+  assert_true(sl.lines > 0);
+  assert_int_equal(sl.max_depth, 1);
+  assert_int_equal(sl.nested_check, AKV_ERR_COMM);
+  assert_int_equal(akv_group_destroy(g1), AKV_OK);
+  assert_int_equal(akv_group_destroy(g2), AKV_OK);
+  assert_int_equal(akv_group_world_destroy(w1), AKV_OK);
+  assert_int_equal(akv_group_world_destroy(w2), AKV_OK);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_pressure_identical_plans),
@@ -1256,6 +1311,7 @@ int main(void) {
       cmocka_unit_test(test_uneven_layers_on_one_rank),
       cmocka_unit_test(test_close_while_one_rank_in_step),
       cmocka_unit_test(test_log_callback_reentry),
+      cmocka_unit_test(test_group_lines_never_nest_in_the_callback),
       cmocka_unit_test(test_nested_agreement_from_engine_log),
       cmocka_unit_test(test_world_of_unbounded_contexts),
       cmocka_unit_test(test_group_config_digest_enum),

@@ -364,12 +364,24 @@ AKV_API akv_status akv_lease_attend(akv_lease *handle, akv_stream stream, akv_at
     return akv_fail(ls->engine, AKV_ERR_INVALID_ARGUMENT, "lease_attend: hook or attention NULL");
   if (ls->state != AKV_LEASE_BEGUN) return akv_lease_wrong_state(ls, "lease_attend", "begun");
   if ((st = akv_lease_wait_ready(handle, stream, &view)) != AKV_OK) return st;
+  /* What names this begin for the life of the process: the body, its begin's
+   * serial (unique per engine) and its engine's serial (unique in the
+   * process). Only compared after the hook, never dereferenced. */
+  const akv_lease_body *const body = ls;
+  const uint64_t lease_serial = ls->serial, engine_serial = ls->engine->serial;
   const int rc = hook(user, &view, stream);
   /* The hook is the caller's code and may have ended the lease meanwhile (a
-   * quarantine releases it; a destroy after that frees the engine's lease
-   * bodies). Nothing of the lease or its engine is touched again unless its
-   * handle is still live. */
-  if ((ls = akv_lease_resolve(handle)) == NULL) return AKV_ERR_BAD_HANDLE;
+   * quarantine releases it, a retire ends it; a destroy after that frees the
+   * engine's lease bodies). Invariant: nothing of the lease or its engine is
+   * touched again unless the handle still names this very begin. A hook
+   * that ended the lease may also have let the handle's record be handed
+   * out again (later begins on this engine, or, after a destroy, to a newer
+   * engine's lease: "Handle lifetimes"); the record then reads live, but
+   * names another begin, which this attend must neither mark consumed nor
+   * fail. */
+  ls = akv_lease_resolve(handle);
+  if (ls == NULL || ls != body || ls->serial != lease_serial || ls->engine->serial != engine_serial)
+    return AKV_ERR_BAD_HANDLE;
   if (rc != 0) {
     snprintf(ls->engine->bk.error, sizeof(ls->engine->bk.error),
              "attention hook of layer %u returned nonzero", ls->layer);

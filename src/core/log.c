@@ -2,19 +2,45 @@
  * log.c - the engine never prints by itself: lines go to the caller's log
  * callback, or to stderr when none is set.
  */
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 
 #include "internal.h"
 
+/* The caller's log callbacks running on this thread, innermost last, as
+ * (log_fn, log_user) pairs. Invariant (akv.h, akv_log_fn): nothing is logged
+ * to a callback from inside it. A line for a callback already running on
+ * this thread is dropped, whichever engine (or engine-less create) logs it:
+ * a callback that creates an engine of its own config, or calls another
+ * engine of the same callback, cannot recurse into itself, let alone without
+ * end. Callbacks run on the calling thread only (workers never log), so a
+ * per-thread record sees every nesting. Deeper than the record holds, lines
+ * are dropped too. */
+#define AKV_LOG_NEST_MAX 16
+static _Thread_local struct {
+  akv_log_fn fn;
+  void *user;
+} akv_log_running[AKV_LOG_NEST_MAX];
+static _Thread_local uint32_t akv_log_nest;
+
 static void akv_log_emit(const akv_engine_config *cfg, akv_log_level level, const char *fmt,
                          va_list ap) {
   char line[768];
   if (cfg != NULL && level > cfg->log_level) return;
-  vsnprintf(line, sizeof(line), fmt, ap);
   if (cfg != NULL && cfg->log_fn != NULL) {
+    const uint32_t nest = akv_log_nest;
+    for (uint32_t i = 0; i < nest; i++)
+      if (akv_log_running[i].fn == cfg->log_fn && akv_log_running[i].user == cfg->log_user) return;
+    if (nest == AKV_LOG_NEST_MAX) return;
+    vsnprintf(line, sizeof(line), fmt, ap);
+    akv_log_running[nest].fn = cfg->log_fn;
+    akv_log_running[nest].user = cfg->log_user;
+    akv_log_nest = nest + 1;
     cfg->log_fn(cfg->log_user, level, line);
+    akv_log_nest = nest;
   } else {
+    vsnprintf(line, sizeof(line), fmt, ap);
     static const char *const names[] = {"error", "warn", "info", "debug"};
     fprintf(stderr, "activekv %s: %s\n", names[level <= AKV_LOG_DEBUG ? level : AKV_LOG_DEBUG],
             line);

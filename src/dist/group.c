@@ -29,6 +29,7 @@
 #include "config.h"
 #include "fit.h"
 #include "group.h"
+#include "internal.h"
 #include "plan.h"
 #include "records.h"
 
@@ -127,7 +128,11 @@ static void akv_group_log(akv_group *g, const akv_engine_config *cfg, akv_log_le
   va_end(ap);
   if (cfg->log_fn != NULL) {
     g->in_log = 1;
-    cfg->log_fn(cfg->log_user, level, line);
+    /* Through the engine's sink (log.c), which keeps the invariant of akv.h
+     * (akv_log_fn) for group lines too: a line for a callback already
+     * running on this thread (an engine's line, or another group's, that
+     * called this group) is dropped, never nested in it. */
+    akv_log_cfg(cfg, level, "%s", line);
     g->in_log = 0;
   } else
     fprintf(stderr, "activekv: %s\n", line);
