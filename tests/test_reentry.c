@@ -735,11 +735,12 @@ typedef struct creator {
   uint32_t depth, max_depth, lines;
   akv_status create, destroy, open;
   int armed;
+  akv_engine *made; /* the engine a callback created (a field, not a local of
+                       the callback: its address is handed to the library) */
 } creator;
 
 static void creator_log(void *user, akv_log_level level, const char *message) {
   creator *c = user;
-  akv_engine *e = NULL;
   akv_context *x = NULL;
   (void)level;
   (void)message;
@@ -747,8 +748,9 @@ static void creator_log(void *user, akv_log_level level, const char *message) {
   if (!c->armed) return;
   if (++c->depth > c->max_depth) c->max_depth = c->depth;
   if (c->depth < 8) {
-    c->create = akv_engine_create(&c->cfg, &e);
-    if (c->create == AKV_OK) c->destroy = akv_engine_destroy(e);
+    c->made = NULL;
+    c->create = akv_engine_create(&c->cfg, &c->made);
+    if (c->create == AKV_OK) c->destroy = akv_engine_destroy(c->made);
     c->open = akv_context_open(c->full, NULL, &x);
   }
   c->depth--;
