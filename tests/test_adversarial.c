@@ -19,13 +19,6 @@
 #include "internal.h"
 #include "testutil.h"
 
-static int noop_hook(void *user, const akv_view *view, akv_stream stream) {
-  (void)user;
-  (void)view;
-  (void)stream;
-  return 0;
-}
-
 static akv_engine_config base_cfg(akv_route route, akv_dtype dtype) {
   akv_engine_config ec = AKV_ENGINE_CONFIG_INIT;
   ec.backend = AKV_BACKEND_HOST;
@@ -166,7 +159,7 @@ static void test_headroom_mid_step(void **state) {
       akv_receipt r;
       assert_int_equal(akv_lease_begin(e, l, &ls), AKV_OK);
       assert_int_equal(akv_lease_try_retire(ls, &r), AKV_ERR_LEASE_STATE);
-      assert_int_equal(akv_lease_attend(ls, s, noop_hook, NULL, &attn), AKV_OK);
+      assert_int_equal(akv_lease_attend(ls, s, akvt_noop_hook, NULL, &attn), AKV_OK);
       assert_int_equal(akv_lease_write_back(ls, NULL, 0, &tail), AKV_OK);
       assert_int_equal(akv_headroom_take(e, 1, NULL), AKV_ERR_STEP_STATE);
       assert_int_equal(akv_lease_seal(ls, tail, attn), AKV_OK);
@@ -216,7 +209,7 @@ static void test_headroom_after_failure_and_quarantine(void **state) {
       akv_lease *ls = NULL;
       akv_fence attn, tail;
       if ((st = akv_lease_begin(e, l, &ls)) != AKV_OK) break;
-      if ((st = akv_lease_attend(ls, s, noop_hook, NULL, &attn)) != AKV_OK) break;
+      if ((st = akv_lease_attend(ls, s, akvt_noop_hook, NULL, &attn)) != AKV_OK) break;
       if ((st = akv_lease_write_back(ls, NULL, 0, &tail)) != AKV_OK) break;
       if ((st = akv_lease_seal(ls, tail, attn)) != AKV_OK) break;
       while ((st = akv_lease_try_retire(ls, NULL)) == AKV_ERR_NOT_READY) {
@@ -354,7 +347,7 @@ static void test_uneven_layers(void **state) {
       akv_lease *ls = NULL;
       akv_fence attn, tail;
       assert_int_equal(akv_lease_begin(e, l, &ls), AKV_OK);
-      assert_int_equal(akv_lease_attend(ls, s, noop_hook, NULL, &attn), AKV_OK);
+      assert_int_equal(akv_lease_attend(ls, s, akvt_noop_hook, NULL, &attn), AKV_OK);
       assert_int_equal(akv_lease_write_back(ls, NULL, 0, &tail), AKV_OK);
       assert_int_equal(akv_lease_seal(ls, tail, attn), AKV_OK);
       assert_int_equal(akv_lease_retire(ls, NULL), AKV_OK);

@@ -34,13 +34,6 @@ typedef struct fx {
   akv_context *c[3];
 } fx;
 
-static int noop_hook(void *user, const akv_view *view, akv_stream stream) {
-  (void)user;
-  (void)view;
-  (void)stream;
-  return 0;
-}
-
 static int failing_hook(void *user, const akv_view *view, akv_stream stream) {
   (void)user;
   (void)view;
@@ -97,7 +90,7 @@ static akv_lease *layer_to_sealed(fx *f, uint32_t layer) {
   akv_fence attn, tail;
   assert_int_equal(akv_lease_begin(f->e, layer, &ls), AKV_OK);
   assert_int_equal(ls->body->state, AKV_LEASE_BEGUN);
-  assert_int_equal(akv_lease_attend(ls, f->s, noop_hook, NULL, &attn), AKV_OK);
+  assert_int_equal(akv_lease_attend(ls, f->s, akvt_noop_hook, NULL, &attn), AKV_OK);
   assert_int_equal(ls->body->state, AKV_LEASE_CONSUMED);
   assert_int_equal(akv_lease_write_back(ls, NULL, 0, &tail), AKV_OK);
   assert_int_equal(akv_lease_seal(ls, tail, attn), AKV_OK);
@@ -183,7 +176,7 @@ static void test_begin_refusals(void **state) {
   ASSERT_REFUSED(f->e, (akv_lease *)NULL, akv_step_end(f->e), AKV_ERR_STEP_STATE);
   ASSERT_REFUSED(f->e, (akv_lease *)NULL, akv_step_begin(f->e, f->c, 1), AKV_ERR_STEP_STATE);
   ASSERT_REFUSED(f->e, (akv_lease *)NULL, akv_engine_destroy(f->e), AKV_ERR_BUSY);
-  assert_int_equal(akv_lease_attend(ls1, f->s, noop_hook, NULL, &attn), AKV_OK);
+  assert_int_equal(akv_lease_attend(ls1, f->s, akvt_noop_hook, NULL, &attn), AKV_OK);
   assert_int_equal(akv_lease_write_back(ls1, NULL, 0, &tail), AKV_OK);
   assert_int_equal(akv_lease_seal(ls1, tail, attn), AKV_OK);
   assert_int_equal(akv_lease_retire(ls, NULL), AKV_OK);
@@ -250,7 +243,7 @@ static void test_attention_refusals(void **state) {
   ASSERT_REFUSED(f->e, ls, akv_lease_wait_ready(NULL, f->s, &view), AKV_ERR_BAD_HANDLE);
   assert_int_equal(akv_lease_wait_ready(ls, f->s, &view), AKV_OK);
   ASSERT_REFUSED(f->e, ls, akv_lease_wait_ready(ls, f->s, &view), AKV_ERR_LEASE_STATE);
-  ASSERT_REFUSED(f->e, ls, akv_lease_attend(ls, f->s, noop_hook, NULL, &attn), AKV_ERR_LEASE_STATE);
+  ASSERT_REFUSED(f->e, ls, akv_lease_attend(ls, f->s, akvt_noop_hook, NULL, &attn), AKV_ERR_LEASE_STATE);
   ASSERT_REFUSED(f->e, ls, akv_lease_mark_consumed(ls, other, &attn), AKV_ERR_INVALID_ARGUMENT);
   ASSERT_REFUSED(f->e, ls, akv_lease_mark_consumed(ls, f->s, NULL), AKV_ERR_INVALID_ARGUMENT);
   assert_int_equal(akv_lease_mark_consumed(ls, f->s, &attn), AKV_OK);
@@ -270,7 +263,7 @@ static void test_write_back_owner_rules(void **state) {
   akv_context *both[2];
   assert_int_equal(akv_step_begin(f->e, f->c, 2), AKV_OK);
   assert_int_equal(akv_lease_begin(f->e, 0, &ls), AKV_OK);
-  assert_int_equal(akv_lease_attend(ls, f->s, noop_hook, NULL, &attn), AKV_OK);
+  assert_int_equal(akv_lease_attend(ls, f->s, akvt_noop_hook, NULL, &attn), AKV_OK);
   /* c[2] is not part of the step: a different host owner */
   ASSERT_REFUSED(f->e, ls, akv_lease_write_back(ls, &f->c[2], 1, &tail), AKV_ERR_OWNER_MISMATCH);
   both[0] = f->c[0];
@@ -305,7 +298,7 @@ static void test_seal_substituted_fences(void **state) {
   akv_fence attn0, tail0, attn1, tail1, forged = {12345};
   assert_int_equal(akv_step_begin(f->e, f->c, 1), AKV_OK);
   assert_int_equal(akv_lease_begin(f->e, 0, &l0), AKV_OK);
-  assert_int_equal(akv_lease_attend(l0, f->s, noop_hook, NULL, &attn0), AKV_OK);
+  assert_int_equal(akv_lease_attend(l0, f->s, akvt_noop_hook, NULL, &attn0), AKV_OK);
   assert_int_equal(akv_lease_write_back(l0, NULL, 0, &tail0), AKV_OK);
   ASSERT_REFUSED(f->e, l0, akv_lease_seal(l0, attn0, tail0), AKV_ERR_FENCE_MISMATCH); /* swapped */
   ASSERT_REFUSED(f->e, l0, akv_lease_seal(l0, tail0, forged), AKV_ERR_FENCE_MISMATCH);
@@ -313,7 +306,7 @@ static void test_seal_substituted_fences(void **state) {
   assert_int_equal(akv_lease_seal(l0, tail0, attn0), AKV_OK);
   ASSERT_REFUSED(f->e, l0, akv_lease_seal(l0, tail0, attn0), AKV_ERR_LEASE_STATE);
   assert_int_equal(akv_lease_begin(f->e, 1, &l1), AKV_OK);
-  assert_int_equal(akv_lease_attend(l1, f->s, noop_hook, NULL, &attn1), AKV_OK);
+  assert_int_equal(akv_lease_attend(l1, f->s, akvt_noop_hook, NULL, &attn1), AKV_OK);
   assert_int_equal(akv_lease_write_back(l1, NULL, 0, &tail1), AKV_OK);
   /* another lease's fences are substitutes */
   ASSERT_REFUSED(f->e, l1, akv_lease_seal(l1, tail0, attn1), AKV_ERR_FENCE_MISMATCH);
@@ -727,7 +720,7 @@ static void test_try_retire_after_failure(void **state) {
   assert_int_equal(akv_context_append(c, 2, rows, rows), AKV_OK);
   assert_int_equal(akv_step_begin(e, &c, 1), AKV_OK);
   assert_int_equal(akv_lease_begin(e, 0, &ls), AKV_OK);
-  assert_int_equal(akv_lease_attend(ls, s, noop_hook, NULL, &attn), AKV_OK);
+  assert_int_equal(akv_lease_attend(ls, s, akvt_noop_hook, NULL, &attn), AKV_OK);
   assert_int_equal(akv_lease_write_back(ls, NULL, 0, &tail), AKV_OK);
   assert_int_equal(akv_lease_seal(ls, tail, attn), AKV_OK);
   assert_int_equal(akv_engine_quarantine(e, &q), AKV_OK);

@@ -20,34 +20,8 @@
 #define LAYERS 3
 #define ROW_ELEMS 16 /* kv_heads 2 x head_dim 8 (akvt_small_engine) */
 
-static int noop_hook(void *user, const akv_view *view, akv_stream stream) {
-  (void)user;
-  (void)view;
-  (void)stream;
-  return 0;
-}
-
-/* A small host engine, one stream, n contexts of `len` zero rows each. */
-typedef struct fx {
-  akv_engine *e;
-  akv_stream s;
-  akv_context *c[4];
-  uint32_t n;
-} fx;
-
-static void fx_open(fx *f, akv_route route, uint32_t pool_gib, uint32_t n, uint32_t len) {
-  static uint16_t zero[64 * ROW_ELEMS];
-  const void *rows[LAYERS] = {zero, zero, zero};
-  memset(f, 0, sizeof(*f));
-  f->e = akvt_small_engine(route, pool_gib);
-  assert_non_null(f->e);
-  assert_int_equal(akv_stream_create(f->e, &f->s), AKV_OK);
-  f->n = n;
-  for (uint32_t i = 0; i < n; i++) {
-    assert_int_equal(akv_context_open(f->e, NULL, &f->c[i]), AKV_OK);
-    assert_int_equal(akv_context_append(f->c[i], len, rows, rows), AKV_OK);
-  }
-}
+typedef akvt_fx fx; /* a small host engine, one stream, n contexts of zero rows */
+#define fx_open akvt_fx_open
 
 static void fx_close(fx *f) {
   assert_int_equal(akv_stream_destroy(f->e, f->s), AKV_OK);
@@ -58,7 +32,7 @@ static void fx_close(fx *f) {
 static akv_lease *to_sealed(fx *f, uint32_t layer, akv_fence *attn, akv_fence *tail) {
   akv_lease *ls = NULL;
   assert_int_equal(akv_lease_begin(f->e, layer, &ls), AKV_OK);
-  assert_int_equal(akv_lease_attend(ls, f->s, noop_hook, NULL, attn), AKV_OK);
+  assert_int_equal(akv_lease_attend(ls, f->s, akvt_noop_hook, NULL, attn), AKV_OK);
   assert_int_equal(akv_lease_write_back(ls, NULL, 0, tail), AKV_OK);
   return ls;
 }
@@ -196,13 +170,13 @@ static void test_destroyed_stream_stays_refused_after_later_creates(void **state
     assert_int_equal(akv_stream_launch_host(f.e, dead[j], noop_fn, NULL),
                      AKV_ERR_INVALID_ARGUMENT);
     assert_int_equal(akv_lease_wait_ready(ls, dead[j], &view), AKV_ERR_INVALID_ARGUMENT);
-    assert_int_equal(akv_lease_attend(ls, dead[j], noop_hook, NULL, &attn),
+    assert_int_equal(akv_lease_attend(ls, dead[j], akvt_noop_hook, NULL, &attn),
                      AKV_ERR_INVALID_ARGUMENT);
   }
   assert_int_equal(ls->body->state, AKV_LEASE_BEGUN);
   {
     akv_fence tail;
-    assert_int_equal(akv_lease_attend(ls, f.s, noop_hook, NULL, &attn), AKV_OK);
+    assert_int_equal(akv_lease_attend(ls, f.s, akvt_noop_hook, NULL, &attn), AKV_OK);
     assert_int_equal(akv_lease_write_back(ls, NULL, 0, &tail), AKV_OK);
     assert_int_equal(akv_lease_seal(ls, tail, attn), AKV_OK);
     assert_int_equal(akv_lease_retire(ls, NULL), AKV_OK);

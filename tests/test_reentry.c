@@ -23,33 +23,8 @@
 #define LAYERS 3 /* akvt_small_config */
 #define ROW_ELEMS 16
 
-static int noop_hook(void *user, const akv_view *view, akv_stream stream) {
-  (void)user;
-  (void)view;
-  (void)stream;
-  return 0;
-}
-
-typedef struct fx {
-  akv_engine *e;
-  akv_stream s;
-  akv_context *c[4];
-  uint32_t n;
-} fx;
-
-static void fx_open(fx *f, uint32_t n, uint32_t len) {
-  static uint16_t zero[64 * ROW_ELEMS];
-  const void *rows[LAYERS] = {zero, zero, zero};
-  memset(f, 0, sizeof(*f));
-  f->e = akvt_small_engine(AKV_ROUTE_STAGE, 0);
-  assert_non_null(f->e);
-  assert_int_equal(akv_stream_create(f->e, &f->s), AKV_OK);
-  f->n = n;
-  for (uint32_t i = 0; i < n; i++) {
-    assert_int_equal(akv_context_open(f->e, NULL, &f->c[i]), AKV_OK);
-    assert_int_equal(akv_context_append(f->c[i], len, rows, rows), AKV_OK);
-  }
-}
+typedef akvt_fx fx; /* a small stage-route host engine, one stream, n contexts */
+static void fx_open(fx *f, uint32_t n, uint32_t len) { akvt_fx_open(f, AKV_ROUTE_STAGE, 0, n, len); }
 
 static void fx_close(fx *f) {
   for (uint32_t i = 0; i < f->n; i++) assert_int_equal(akv_context_close(f->c[i]), AKV_OK);
@@ -59,16 +34,7 @@ static void fx_close(fx *f) {
 
 /* Layers from `from` on through the whole cycle, then the step's end. */
 static void finish_step(akv_engine *e, akv_stream s, uint32_t from, uint32_t layers) {
-  for (uint32_t l = from; l < layers; l++) {
-    akv_lease *ls = NULL;
-    akv_fence attn, tail;
-    assert_int_equal(akv_lease_begin(e, l, &ls), AKV_OK);
-    assert_int_equal(akv_lease_attend(ls, s, noop_hook, NULL, &attn), AKV_OK);
-    assert_int_equal(akv_lease_write_back(ls, NULL, 0, &tail), AKV_OK);
-    assert_int_equal(akv_lease_seal(ls, tail, attn), AKV_OK);
-    assert_int_equal(akv_lease_retire(ls, NULL), AKV_OK);
-  }
-  assert_int_equal(akv_step_end(e), AKV_OK);
+  assert_int_equal(akvt_null_layers_from(e, s, from, layers), AKV_OK);
 }
 
 /* ----------------------------------------- the hook calls its own engine */
@@ -107,7 +73,7 @@ static int mutator_hook(void *user, const akv_view *view, akv_stream stream) {
   m->headroom_take = akv_headroom_take(f->e, 1, NULL);
   m->headroom_release = akv_headroom_release(f->e, 1, NULL, NULL);
   m->destroy = akv_engine_destroy(f->e);
-  m->attend_self = akv_lease_attend(m->self, stream, noop_hook, NULL, &ft);
+  m->attend_self = akv_lease_attend(m->self, stream, akvt_noop_hook, NULL, &ft);
   m->wait_self = akv_lease_wait_ready(m->self, stream, &v2);
   m->write_back_self = akv_lease_write_back(m->self, NULL, 0, &ft);
   m->seal_self = akv_lease_seal(m->self, fz, fz);
@@ -262,7 +228,7 @@ static int reuser_hook(void *user, const akv_view *view, akv_stream stream) {
         r->other_lease = ls;
         return r->rc; /* the newer engine's lease stays begun */
       }
-      assert_int_equal(akv_lease_attend(ls, r->other_s, noop_hook, NULL, &a), AKV_OK);
+      assert_int_equal(akv_lease_attend(ls, r->other_s, akvt_noop_hook, NULL, &a), AKV_OK);
       assert_int_equal(akv_lease_write_back(ls, NULL, 0, &t), AKV_OK);
       assert_int_equal(akv_lease_seal(ls, t, a), AKV_OK);
       assert_int_equal(akv_lease_retire(ls, NULL), AKV_OK);
@@ -296,7 +262,7 @@ static void hook_lets_another_engine_take_the_record(int rc) {
     akv_lease *l2 = r.other_lease;
     akv_fence a, t;
     uint32_t layer = l2->body->layer;
-    assert_int_equal(akv_lease_attend(l2, r.other_s, noop_hook, NULL, &a), AKV_OK);
+    assert_int_equal(akv_lease_attend(l2, r.other_s, akvt_noop_hook, NULL, &a), AKV_OK);
     assert_int_equal(akv_lease_write_back(l2, NULL, 0, &t), AKV_OK);
     assert_int_equal(akv_lease_seal(l2, t, a), AKV_OK);
     assert_int_equal(akv_lease_retire(l2, NULL), AKV_OK);
@@ -346,7 +312,7 @@ static int cycler_hook(void *user, const akv_view *view, akv_stream stream) {
         c->later = ls;
         return c->rc; /* the later lease stays begun */
       }
-      assert_int_equal(akv_lease_attend(ls, stream, noop_hook, NULL, &a), AKV_OK);
+      assert_int_equal(akv_lease_attend(ls, stream, akvt_noop_hook, NULL, &a), AKV_OK);
       assert_int_equal(akv_lease_write_back(ls, NULL, 0, &t), AKV_OK);
       assert_int_equal(akv_lease_seal(ls, t, a), AKV_OK);
       assert_int_equal(akv_lease_retire(ls, NULL), AKV_OK);
@@ -378,7 +344,7 @@ static void hook_lets_a_later_begin_take_the_record(int rc) {
   {
     akv_fence a, t;
     const uint32_t layer = c.later->body->layer;
-    assert_int_equal(akv_lease_attend(c.later, f.s, noop_hook, NULL, &a), AKV_OK);
+    assert_int_equal(akv_lease_attend(c.later, f.s, akvt_noop_hook, NULL, &a), AKV_OK);
     assert_int_equal(akv_lease_write_back(c.later, NULL, 0, &t), AKV_OK);
     assert_int_equal(akv_lease_seal(c.later, t, a), AKV_OK);
     assert_int_equal(akv_lease_retire(c.later, NULL), AKV_OK);
@@ -446,7 +412,7 @@ static int after_death_hook(void *user, const akv_view *view, akv_stream stream)
       akv_context_id(f->c[0], &u), akv_step_begin(f->e, f->c, f->n), akv_step_end(f->e),
       akv_lease_begin(f->e, 1, &ls), akv_lease_wait_ready(d->self, stream, &v),
       akv_lease_mark_consumed(d->self, stream, &fz),
-      akv_lease_attend(d->self, stream, noop_hook, NULL, &fz),
+      akv_lease_attend(d->self, stream, akvt_noop_hook, NULL, &fz),
       akv_lease_write_back(d->self, NULL, 0, &fz), akv_lease_seal(d->self, fz, fz),
       akv_lease_retire(d->self, NULL), akv_lease_try_retire(d->self, NULL)};
   for (size_t i = 0; i < sizeof got / sizeof got[0]; i++) {
@@ -580,7 +546,7 @@ static void refused_in_state(fx *f, akv_lease *ls, akv_stream other, akv_fence a
   const akv_lease_state st = b->state;
   if (st != AKV_LEASE_BEGUN) {
     assert_int_equal(akv_lease_wait_ready(ls, f->s, &v), AKV_ERR_LEASE_STATE);
-    assert_int_equal(akv_lease_attend(ls, f->s, noop_hook, NULL, &out), AKV_ERR_LEASE_STATE);
+    assert_int_equal(akv_lease_attend(ls, f->s, akvt_noop_hook, NULL, &out), AKV_ERR_LEASE_STATE);
   }
   if (st != AKV_LEASE_READY)
     assert_int_equal(akv_lease_mark_consumed(ls, f->s, &out), AKV_ERR_LEASE_STATE);
@@ -646,7 +612,7 @@ static void test_every_lease_call_in_every_state(void **state) {
     akv_fence z = {0};
     assert_int_equal(akv_lease_wait_ready(ls, f.s, &v), AKV_ERR_BAD_HANDLE);
     assert_int_equal(akv_lease_mark_consumed(ls, f.s, &z), AKV_ERR_BAD_HANDLE);
-    assert_int_equal(akv_lease_attend(ls, f.s, noop_hook, NULL, &z), AKV_ERR_BAD_HANDLE);
+    assert_int_equal(akv_lease_attend(ls, f.s, akvt_noop_hook, NULL, &z), AKV_ERR_BAD_HANDLE);
     assert_int_equal(akv_lease_write_back(ls, NULL, 0, &z), AKV_ERR_BAD_HANDLE);
     assert_int_equal(akv_lease_seal(ls, tail, attn), AKV_ERR_BAD_HANDLE);
     assert_int_equal(akv_lease_retire(ls, NULL), AKV_ERR_BAD_HANDLE);
@@ -689,10 +655,10 @@ static void test_handles_of_another_engine(void **state) {
   assert_int_equal(akv_lease_begin(b.e, 0, &lb), AKV_OK);
   /* A's lease with B's stream, B's contexts as owners, B's fences. */
   assert_int_equal(akv_lease_wait_ready(la, b.s, &v), AKV_ERR_INVALID_ARGUMENT);
-  assert_int_equal(akv_lease_attend(la, b.s, noop_hook, NULL, &out), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_lease_attend(la, b.s, akvt_noop_hook, NULL, &out), AKV_ERR_INVALID_ARGUMENT);
   assert_int_equal(la->body->state, AKV_LEASE_BEGUN);
-  assert_int_equal(akv_lease_attend(la, a.s, noop_hook, NULL, &fa), AKV_OK);
-  assert_int_equal(akv_lease_attend(lb, b.s, noop_hook, NULL, &fb), AKV_OK);
+  assert_int_equal(akv_lease_attend(la, a.s, akvt_noop_hook, NULL, &fa), AKV_OK);
+  assert_int_equal(akv_lease_attend(lb, b.s, akvt_noop_hook, NULL, &fb), AKV_OK);
   assert_int_equal(akv_lease_mark_consumed(la, b.s, &out), AKV_ERR_LEASE_STATE);
   assert_int_equal(akv_lease_write_back(la, b.c, 2, &out), AKV_ERR_OWNER_MISMATCH);
   assert_int_equal(akv_lease_write_back(la, (akv_context *const[]){a.c[0], b.c[1]}, 2, &out),

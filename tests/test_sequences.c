@@ -53,13 +53,6 @@ static void fill(akv_context *c, uint32_t n) {
   assert_int_equal(akv_context_append(c, n, kr, vr), AKV_OK);
 }
 
-static int noop_hook(void *user, const akv_view *view, akv_stream stream) {
-  (void)user;
-  (void)view;
-  (void)stream;
-  return 0;
-}
-
 /* ------------------------------------------------------------ headroom */
 
 /** akv_headroom_info.releases counts calls: two releases inside one step are
@@ -290,7 +283,7 @@ static void test_failed_copies_count_no_bytes(void **state) {
     akv_lease *ls;
     akv_fence attn, tail;
     assert_int_equal(akv_lease_begin(e, 0, &ls), AKV_OK);
-    assert_int_equal(akv_lease_attend(ls, s, noop_hook, NULL, &attn), AKV_OK);
+    assert_int_equal(akv_lease_attend(ls, s, akvt_noop_hook, NULL, &attn), AKV_OK);
     assert_int_equal(akv_lease_write_back(ls, NULL, 0, &tail), AKV_ERR_BACKEND);
   }
   assert_int_equal(akv_engine_info_get(e, &info), AKV_OK);
@@ -399,7 +392,7 @@ static void test_try_retire_query_count(void **state) {
         akv_fence attn, tail;
         assert_int_equal(akv_lease_begin(e, l, &ls), AKV_OK);
         const int d2d = ls->body->used_d2d;
-        assert_int_equal(akv_lease_attend(ls, s, noop_hook, NULL, &attn), AKV_OK);
+        assert_int_equal(akv_lease_attend(ls, s, akvt_noop_hook, NULL, &attn), AKV_OK);
         assert_int_equal(akv_lease_write_back(ls, NULL, 0, &tail), AKV_OK);
         assert_int_equal(akv_lease_seal(ls, tail, attn), AKV_OK);
         if (route == AKV_ROUTE_ARENA && step == 1) assert_true(d2d);

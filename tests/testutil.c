@@ -479,7 +479,7 @@ done:
   free(rs.out);
 }
 
-static int akvt_null_hook(void *user, const akv_view *view, akv_stream stream) {
+int akvt_noop_hook(void *user, const akv_view *view, akv_stream stream) {
   (void)user;
   (void)view;
   (void)stream;
@@ -487,15 +487,36 @@ static int akvt_null_hook(void *user, const akv_view *view, akv_stream stream) {
 }
 
 akv_status akvt_null_layers(akv_engine *e, akv_stream s, uint32_t layers) {
+  return akvt_null_layers_from(e, s, 0, layers);
+}
+
+akv_status akvt_null_layers_from(akv_engine *e, akv_stream s, uint32_t from, uint32_t layers) {
   akv_status st;
-  for (uint32_t l = 0; l < layers; l++) {
+  for (uint32_t l = from; l < layers; l++) {
     akv_lease *ls = NULL;
     akv_fence attn, tail;
     if ((st = akv_lease_begin(e, l, &ls)) != AKV_OK) return st;
-    if ((st = akv_lease_attend(ls, s, akvt_null_hook, NULL, &attn)) != AKV_OK) return st;
+    if ((st = akv_lease_attend(ls, s, akvt_noop_hook, NULL, &attn)) != AKV_OK) return st;
     if ((st = akv_lease_write_back(ls, NULL, 0, &tail)) != AKV_OK) return st;
     if ((st = akv_lease_seal(ls, tail, attn)) != AKV_OK) return st;
     if ((st = akv_lease_retire(ls, NULL)) != AKV_OK) return st;
   }
   return akv_step_end(e);
+}
+
+void akvt_fx_open(akvt_fx *f, akv_route route, uint32_t pool_gib, uint32_t n, uint32_t len) {
+  /* 3 layers of rows of 2 kv heads x 8 dims (akvt_small_config). */
+  static uint16_t zero[64 * 16];
+  const void *rows[3] = {zero, zero, zero};
+  memset(f, 0, sizeof(*f));
+  f->e = akvt_small_engine(route, pool_gib);
+  int ok = f->e != NULL && n <= 4 && len <= 64 && akv_stream_create(f->e, &f->s) == AKV_OK;
+  f->n = n;
+  for (uint32_t i = 0; ok && i < n; i++)
+    ok = akv_context_open(f->e, NULL, &f->c[i]) == AKV_OK &&
+         akv_context_append(f->c[i], len, rows, rows) == AKV_OK;
+  if (!ok) { /* a fixture that cannot be set up fails the test binary */
+    fprintf(stderr, "akvt_fx_open: setting up the fixture failed\n");
+    abort();
+  }
 }

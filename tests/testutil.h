@@ -142,5 +142,18 @@ void akvt_silent_log(void *user, akv_log_level level, const char *message);
  * every layer begun, attended, written back, sealed and retired in order,
  * then akv_step_end. Returns AKV_OK or the first failing status. */
 akv_status akvt_null_layers(akv_engine *e, akv_stream s, uint32_t layers);
+/* The same from layer `from` on (the layers before it already retired). */
+akv_status akvt_null_layers_from(akv_engine *e, akv_stream s, uint32_t from, uint32_t layers);
+/* An attention hook that enqueues nothing and returns 0. */
+int akvt_noop_hook(void *user, const akv_view *view, akv_stream stream);
+/* A fixture for call-sequence tests: akvt_small_engine(route, pool_gib), one
+ * stream, n <= 4 contexts of `len` (<= 64) zero rows each. */
+typedef struct akvt_fx {
+  akv_engine *e;
+  akv_stream s;
+  akv_context *c[4];
+  uint32_t n;
+} akvt_fx;
+void akvt_fx_open(akvt_fx *f, akv_route route, uint32_t pool_gib, uint32_t n, uint32_t len);
 
 #endif
