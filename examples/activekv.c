@@ -380,10 +380,17 @@ static void print_version(void) {
  * prefix. strtoull alone skips leading blanks and takes a sign (" -1" was
  * read as 2^64 - 1) and, in base 0, reads "010" as 8 and refuses "08".
  */
+/* The end of the run of decimal digits s starts with; NULL when none. */
+static const char *digits_end(const char *s) {
+  if (!(*s >= '0' && *s <= '9')) return NULL;
+  while (*s >= '0' && *s <= '9') s++;
+  return s;
+}
+
 static int parse_u64(const char *flag, const char *s, uint64_t lo, uint64_t hi, uint64_t *out) {
   char *end = NULL;
   errno = 0;
-  if (s == NULL || !(*s >= '0' && *s <= '9')) goto bad;
+  if (s == NULL || digits_end(s) == NULL) goto bad;
   unsigned long long v = strtoull(s, &end, 10);
   if (errno != 0 || *end != '\0' || v < lo || v > hi) goto bad;
   *out = v;
@@ -409,18 +416,12 @@ static int parse_u32(const char *flag, const char *s, uint32_t lo, uint32_t hi, 
  * rounding; a value it cannot hold (1e999, 1e-999) sets errno and is refused.
  */
 static int decimal_syntax_ok(const char *s) {
-  if (!(*s >= '0' && *s <= '9')) return 0;
-  while (*s >= '0' && *s <= '9') s++;
-  if (*s == '.') {
-    s++;
-    if (!(*s >= '0' && *s <= '9')) return 0;
-    while (*s >= '0' && *s <= '9') s++;
-  }
+  if ((s = digits_end(s)) == NULL) return 0;
+  if (*s == '.' && (s = digits_end(s + 1)) == NULL) return 0;
   if (*s == 'e' || *s == 'E') {
     s++;
     if (*s == '+' || *s == '-') s++;
-    if (!(*s >= '0' && *s <= '9')) return 0;
-    while (*s >= '0' && *s <= '9') s++;
+    if ((s = digits_end(s)) == NULL) return 0;
   }
   return *s == '\0';
 }
