@@ -218,22 +218,26 @@ __global__ void __launch_bounds__(256) read_order(const char *__restrict__ base,
 #endif
 #if AKV_ATTN_BENCH_TRACE
 /* Diagnostic builds: kernel 3's per-warp timer points (attention_cuda.cu). */
-extern "C" int akv_attn_bench_trace(unsigned long long *dst, size_t count);
-static const int kTracePts = 20;
-static const size_t kTraceWarps = 8192;
+extern "C" int akv_attn_bench_trace_clear(void);
+extern "C" int akv_attn_bench_trace_read(unsigned long long *dst, size_t count, int *points,
+                                         size_t *warps);
+static const int kTracePts = 20; /* the points named in print_trace */
 
 /* One launch's timeline from the warps' own timer points: each point's
  * spread over warps (from the first warp's entry), and the medians of the
  * steps between points. */
 static void print_trace(const char *what) {
-  std::vector<unsigned long long> t(kTraceWarps * kTracePts);
-  if (akv_attn_bench_trace(t.data(), t.size()) != 0) {
-    printf("trace %s: unreadable\n", what);
+  int points = 0;
+  size_t nwarps = 0;
+  akv_attn_bench_trace_read(nullptr, 0, &points, &nwarps); /* its shape */
+  std::vector<unsigned long long> t(nwarps * kTracePts);
+  if (points != kTracePts || akv_attn_bench_trace_read(t.data(), t.size(), nullptr, nullptr) != 0) {
+    printf("trace %s: unreadable (%d points per warp, %d named here)\n", what, points, kTracePts);
     return;
   }
   unsigned long long t0 = ~0ull;
   size_t warps = 0;
-  for (size_t w = 0; w < kTraceWarps; ++w)
+  for (size_t w = 0; w < nwarps; ++w)
     if (t[w * kTracePts] != 0) {
       t0 = std::min(t0, t[w * kTracePts]);
       ++warps;
@@ -247,7 +251,7 @@ static void print_trace(const char *what) {
          "(warps)\n", what, warps);
   for (int p = 0; p < kTracePts; ++p) {
     std::vector<double> v;
-    for (size_t w = 0; w < kTraceWarps; ++w)
+    for (size_t w = 0; w < nwarps; ++w)
       if (t[w * kTracePts] != 0 && t[w * kTracePts + p] != 0)
         v.push_back((double)(t[w * kTracePts + p] - t0) / 1e3);
     if (v.empty()) continue;
@@ -259,7 +263,7 @@ static void print_trace(const char *what) {
   printf("trace %s steps (median over warps, us):", what);
   for (int p = 1; p < kTracePts; ++p) {
     std::vector<double> v;
-    for (size_t w = 0; w < kTraceWarps; ++w) {
+    for (size_t w = 0; w < nwarps; ++w) {
       const unsigned long long *r = &t[w * kTracePts];
       if (r[0] == 0 || r[p] == 0) continue;
       int q = p - 1;
@@ -612,7 +616,7 @@ int main(int argc, char **argv) {
 
 #if AKV_ATTN_BENCH_TRACE
     {
-      akv_attn_bench_trace(nullptr, 0);
+      akv_attn_bench_trace_clear();
       const akv_attention_args a = contig_args(0, out);
       AK(akv_attention_decode_cuda(&a, s));
       CK(cudaStreamSynchronize(s));

@@ -125,7 +125,7 @@ namespace {
 #define AKV_ATTN_BENCH_CHUNK_ONLY 0
 #endif
 /* Benchmark diagnostic, never the library's: 1 = kernel 3's warps record the
- * global timer at fixed points into akv_attn_trace (akv_attn_bench_trace
+ * global timer at fixed points into akv_attn_trace (akv_attn_bench_trace_read
  * reads it back), so the benchmark can say where one launch's time goes. */
 #ifndef AKV_ATTN_BENCH_TRACE
 #define AKV_ATTN_BENCH_TRACE 0
@@ -1364,16 +1364,22 @@ akv_status launch_pair(akv_dtype dtype, uint32_t head_dim, int gt, dim3 grid_chu
 } // namespace
 
 #if AKV_ATTN_BENCH_TRACE
-/* Benchmark diagnostic builds only: clear (dst NULL) or read the trace. */
-extern "C" int akv_attn_bench_trace(unsigned long long *dst, size_t count) {
+/* Benchmark diagnostic builds only: clear the trace, or read at most count
+ * of its values ([warp][point]; dst NULL: none) and give its shape in
+ * *points and *warps (where not NULL). */
+extern "C" int akv_attn_bench_trace_clear(void) {
+  void *p = nullptr;
+  return cudaGetSymbolAddress(&p, akv_attn_trace) == cudaSuccess &&
+                 cudaMemset(p, 0, sizeof(akv_attn_trace)) == cudaSuccess
+             ? 0
+             : -1;
+}
+extern "C" int akv_attn_bench_trace_read(unsigned long long *dst, size_t count, int *points,
+                                         size_t *warps) {
+  if (points != nullptr) *points = kTracePts;
+  if (warps != nullptr) *warps = kTraceWarps;
+  if (dst == nullptr) return 0;
   if (count > (size_t)kTraceWarps * kTracePts) count = (size_t)kTraceWarps * kTracePts;
-  if (dst == nullptr) {
-    void *p = nullptr;
-    return cudaGetSymbolAddress(&p, akv_attn_trace) == cudaSuccess &&
-                   cudaMemset(p, 0, sizeof(akv_attn_trace)) == cudaSuccess
-               ? 0
-               : -1;
-  }
   return cudaMemcpyFromSymbol(dst, akv_attn_trace, count * sizeof(unsigned long long)) ==
                  cudaSuccess
              ? 0
