@@ -37,6 +37,24 @@ static void finish_step(akv_engine *e, akv_stream s, uint32_t from, uint32_t lay
   assert_int_equal(akvt_null_layers_from(e, s, from, layers), AKV_OK);
 }
 
+/* Up to 32 steps of contexts cs on engine e, every layer's lease begun and
+ * taken through, until a begin is handed the record `want`: that lease is
+ * returned, left begun (its step open). NULL when none was. */
+static akv_lease *steps_until_record(akv_engine *e, akv_stream s, akv_context *const *cs,
+                                     uint32_t n, uint32_t layers, const akv_lease *want) {
+  for (uint32_t step = 0; step < 32; step++) {
+    assert_int_equal(akv_step_begin(e, cs, n), AKV_OK);
+    for (uint32_t l = 0; l < layers; l++) {
+      akv_lease *ls = NULL;
+      assert_int_equal(akv_lease_begin(e, l, &ls), AKV_OK);
+      if (ls == want) return ls;
+      assert_int_equal(akvt_lease_through(ls, s), AKV_OK);
+    }
+    assert_int_equal(akv_step_end(e), AKV_OK);
+  }
+  return NULL;
+}
+
 /* ----------------------------------------- the hook calls its own engine */
 
 typedef struct mutator {
@@ -216,25 +234,10 @@ static int reuser_hook(void *user, const akv_view *view, akv_stream stream) {
   assert_non_null(r->other);
   assert_int_equal(akv_stream_create(r->other, &r->other_s), AKV_OK);
   assert_int_equal(akv_context_open(r->other, NULL, &r->other_c), AKV_OK);
-  /* Begin leases of the newer engine until one is handed the dead record. */
-  for (uint32_t step = 0; step < 32 && !r->found; step++) {
-    assert_int_equal(akv_step_begin(r->other, &r->other_c, 1), AKV_OK);
-    for (uint32_t l = 0; l < r->other_layers; l++) {
-      akv_lease *ls = NULL;
-      akv_fence a, t;
-      assert_int_equal(akv_lease_begin(r->other, l, &ls), AKV_OK);
-      if (ls == r->dead) {
-        r->found = 1;
-        r->other_lease = ls;
-        return r->rc; /* the newer engine's lease stays begun */
-      }
-      assert_int_equal(akv_lease_attend(ls, r->other_s, akvt_noop_hook, NULL, &a), AKV_OK);
-      assert_int_equal(akv_lease_write_back(ls, NULL, 0, &t), AKV_OK);
-      assert_int_equal(akv_lease_seal(ls, t, a), AKV_OK);
-      assert_int_equal(akv_lease_retire(ls, NULL), AKV_OK);
-    }
-    assert_int_equal(akv_step_end(r->other), AKV_OK);
-  }
+  /* Begin leases of the newer engine until one is handed the dead record
+   * (that lease stays begun). */
+  r->other_lease = steps_until_record(r->other, r->other_s, &r->other_c, 1, r->other_layers, r->dead);
+  r->found = r->other_lease != NULL;
   return r->rc;
 }
 
@@ -259,13 +262,8 @@ static void hook_lets_another_engine_take_the_record(int rc) {
   assert_int_equal(info.transport_failed, 0);
   assert_int_equal(r.other_lease->body->state, AKV_LEASE_BEGUN);
   {
-    akv_lease *l2 = r.other_lease;
-    akv_fence a, t;
-    uint32_t layer = l2->body->layer;
-    assert_int_equal(akv_lease_attend(l2, r.other_s, akvt_noop_hook, NULL, &a), AKV_OK);
-    assert_int_equal(akv_lease_write_back(l2, NULL, 0, &t), AKV_OK);
-    assert_int_equal(akv_lease_seal(l2, t, a), AKV_OK);
-    assert_int_equal(akv_lease_retire(l2, NULL), AKV_OK);
+    const uint32_t layer = r.other_lease->body->layer;
+    assert_int_equal(akvt_lease_through(r.other_lease, r.other_s), AKV_OK);
     finish_step(r.other, r.other_s, layer + 1, r.other_layers);
   }
   assert_int_equal(akv_context_close(r.other_c), AKV_OK);
@@ -303,22 +301,8 @@ static int cycler_hook(void *user, const akv_view *view, akv_stream stream) {
   assert_int_equal(akv_lease_seal(c->self, t, a), AKV_OK);
   assert_int_equal(akv_lease_retire(c->self, NULL), AKV_OK);
   finish_step(c->f->e, stream, 1, LAYERS);
-  for (uint32_t step = 0; step < 32 && c->later == NULL; step++) {
-    assert_int_equal(akv_step_begin(c->f->e, c->f->c, c->f->n), AKV_OK);
-    for (uint32_t l = 0; l < LAYERS; l++) {
-      akv_lease *ls = NULL;
-      assert_int_equal(akv_lease_begin(c->f->e, l, &ls), AKV_OK);
-      if (ls == c->self) {
-        c->later = ls;
-        return c->rc; /* the later lease stays begun */
-      }
-      assert_int_equal(akv_lease_attend(ls, stream, akvt_noop_hook, NULL, &a), AKV_OK);
-      assert_int_equal(akv_lease_write_back(ls, NULL, 0, &t), AKV_OK);
-      assert_int_equal(akv_lease_seal(ls, t, a), AKV_OK);
-      assert_int_equal(akv_lease_retire(ls, NULL), AKV_OK);
-    }
-    assert_int_equal(akv_step_end(c->f->e), AKV_OK);
-  }
+  /* The later lease stays begun. */
+  c->later = steps_until_record(c->f->e, stream, c->f->c, c->f->n, LAYERS, c->self);
   return c->rc;
 }
 
@@ -342,12 +326,8 @@ static void hook_lets_a_later_begin_take_the_record(int rc) {
   assert_int_equal(info.transport_failed, 0);
   assert_int_equal(c.later->body->state, AKV_LEASE_BEGUN);
   {
-    akv_fence a, t;
     const uint32_t layer = c.later->body->layer;
-    assert_int_equal(akv_lease_attend(c.later, f.s, akvt_noop_hook, NULL, &a), AKV_OK);
-    assert_int_equal(akv_lease_write_back(c.later, NULL, 0, &t), AKV_OK);
-    assert_int_equal(akv_lease_seal(c.later, t, a), AKV_OK);
-    assert_int_equal(akv_lease_retire(c.later, NULL), AKV_OK);
+    assert_int_equal(akvt_lease_through(c.later, f.s), AKV_OK);
     finish_step(f.e, f.s, layer + 1, LAYERS);
   }
   fx_close(&f);

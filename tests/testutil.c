@@ -490,16 +490,21 @@ akv_status akvt_null_layers(akv_engine *e, akv_stream s, uint32_t layers) {
   return akvt_null_layers_from(e, s, 0, layers);
 }
 
+akv_status akvt_lease_through(akv_lease *ls, akv_stream s) {
+  akv_status st;
+  akv_fence attn, tail;
+  if ((st = akv_lease_attend(ls, s, akvt_noop_hook, NULL, &attn)) != AKV_OK) return st;
+  if ((st = akv_lease_write_back(ls, NULL, 0, &tail)) != AKV_OK) return st;
+  if ((st = akv_lease_seal(ls, tail, attn)) != AKV_OK) return st;
+  return akv_lease_retire(ls, NULL);
+}
+
 akv_status akvt_null_layers_from(akv_engine *e, akv_stream s, uint32_t from, uint32_t layers) {
   akv_status st;
   for (uint32_t l = from; l < layers; l++) {
     akv_lease *ls = NULL;
-    akv_fence attn, tail;
     if ((st = akv_lease_begin(e, l, &ls)) != AKV_OK) return st;
-    if ((st = akv_lease_attend(ls, s, akvt_noop_hook, NULL, &attn)) != AKV_OK) return st;
-    if ((st = akv_lease_write_back(ls, NULL, 0, &tail)) != AKV_OK) return st;
-    if ((st = akv_lease_seal(ls, tail, attn)) != AKV_OK) return st;
-    if ((st = akv_lease_retire(ls, NULL)) != AKV_OK) return st;
+    if ((st = akvt_lease_through(ls, s)) != AKV_OK) return st;
   }
   return akv_step_end(e);
 }

@@ -142,6 +142,9 @@ void akvt_silent_log(void *user, akv_log_level level, const char *message);
  * every layer begun, attended, written back, sealed and retired in order,
  * then akv_step_end. Returns AKV_OK or the first failing status. */
 akv_status akvt_null_layers(akv_engine *e, akv_stream s, uint32_t layers);
+/* A begun lease through attend (akvt_noop_hook), write-back, seal and
+ * retire on stream s. Returns AKV_OK or the first failing status. */
+akv_status akvt_lease_through(akv_lease *ls, akv_stream s);
 /* The same from layer `from` on (the layers before it already retired). */
 akv_status akvt_null_layers_from(akv_engine *e, akv_stream s, uint32_t from, uint32_t layers);
 /* An attention hook that enqueues nothing and returns 0. */
