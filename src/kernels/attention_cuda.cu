@@ -124,6 +124,18 @@ namespace {
 #ifndef AKV_ATTN_BENCH_CHUNK_ONLY
 #define AKV_ATTN_BENCH_CHUNK_ONLY 0
 #endif
+/* Kernel 3: 1 = a warp's first group of K and V is asked for right after
+ * the query's own loads, before the query's arithmetic; 0 = after it. */
+#ifndef AKV_ATTN_K3_EARLY
+#define AKV_ATTN_K3_EARLY 0
+#endif
+/* The combine: 1 = one thread per output element folds the context's
+ * partials in order (blocks of 256 threads, so that a one-context grid
+ * fits the SMs the chunk grid leaves idle); 0 = kCombWarps warps per
+ * (context, head, 32-dim slice). */
+#ifndef AKV_ATTN_COMBINE_FLAT
+#define AKV_ATTN_COMBINE_FLAT 0
+#endif
 /* Benchmark diagnostic, never the library's: 1 = kernel 3's warps record the
  * global timer at fixed points into akv_attn_trace (akv_attn_bench_trace_read
  * reads it back), so the benchmark can say where one launch's time goes. */
@@ -687,6 +699,63 @@ __global__ void __launch_bounds__(kThreads, min_blocks3())
   const char *kd = kp + head_off + (size_t)c * 16u;
   const char *vd = vp + head_off + (size_t)g * C::VEC * C::BYTES;
 
+  /* A group is RG blocks of 16 rows; block sg holds rows 16 sg + (g, g + 8)
+   * of K and 16 sg + (c, c + 4, c + 8, c + 12) of V for this lane. */
+  uint32_t kr[RG][2][C::KCH][4];
+  uint32_t vr[RG][4][C::NV][C::VW];
+  /* Rows past the piece (only in its last group) are never read. K: such a
+   * row's loads re-read the piece's last row (in bounds, no per-row branch
+   * or zero fill) and its score is set to -inf below, by a select, whatever
+   * those bytes hold. V: its registers are zero, as its probability is, so
+   * that 0 * V cannot bring in a NaN from an infinite V element; a group
+   * wholly inside the piece is loaded without the per-row checks. */
+  auto load_k = [&](uint32_t t0) {
+#pragma unroll
+    for (int sg = 0; sg < RG; ++sg)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const uint32_t t = min(t0 + 16u * sg + g + 8 * r, n - 1u);
+#pragma unroll
+        for (int i = 0; i < C::KCH; ++i) Words<4>::load(kr[sg][r][i], kd + t * rb + (size_t)i * 64u);
+      }
+  };
+  /* check: std::true_type checks every row (the piece's last group),
+   * std::false_type loads a group wholly inside the piece. */
+  auto load_v_rows = [&](uint32_t t0, auto check) {
+#pragma unroll
+    for (int sg = 0; sg < RG; ++sg)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const uint32_t t = t0 + 16u * sg + c + 4 * r;
+#pragma unroll
+        for (int q = 0; q < C::NV; ++q) {
+          if (!decltype(check)::value || t < n) {
+            Words<C::VW>::load(vr[sg][r][q], vd + t * rb + (size_t)q * 8u * C::VEC * C::BYTES);
+          } else {
+#pragma unroll
+            for (int w = 0; w < C::VW; ++w) vr[sg][r][q][w] = 0u;
+          }
+        }
+      }
+  };
+  auto load_v = [&](uint32_t t0) {
+    if (t0 + 16u * RG <= n)
+      load_v_rows(t0, std::false_type{});
+    else
+      load_v_rows(t0, std::true_type{});
+  };
+
+  const uint32_t groups = (n + 16u * RG - 1u) / (16u * RG);
+  /* Groups of this warp: all of its own piece (spans), or every kWarps-th. */
+  constexpr uint32_t kStep = kSpan3 > 1 ? 1u : (uint32_t)kWarps;
+  uint32_t grp = kSpan3 > 1 ? 0u : (uint32_t)warp;
+  auto load_first = [&]() {
+    if (grp < groups) {
+      load_k(grp * 16u * RG);
+      load_v(grp * 16u * RG);
+    }
+  };
+
   /* B fragments of the query of head g (zero past the subgroup's heads). */
   uint32_t qf[C::QR];
 #pragma unroll
@@ -700,15 +769,22 @@ __global__ void __launch_bounds__(kThreads, min_blocks3())
   if constexpr (C::F16) {
     float qv[C::KCH][16];
     float mq = 0.0f;
+    uint32_t wq[C::KCH][8];
 #pragma unroll
     for (int i = 0; i < C::KCH; ++i) {
-      uint32_t w[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
+#pragma unroll
+      for (int e = 0; e < 8; ++e) wq[i][e] = 0u;
       if (g < hvalid) {
         const char *qh =
             reinterpret_cast<const char *>(p.q + ((size_t)ctx * p.n_heads + head0 + g) * D);
-        Words<4>::load(w, qh + (size_t)(c + 4 * i) * 32u);
-        Words<4>::load(w + 4, qh + (size_t)(c + 4 * i) * 32u + 16u);
+        Words<4>::load(wq[i], qh + (size_t)(c + 4 * i) * 32u);
+        Words<4>::load(wq[i] + 4, qh + (size_t)(c + 4 * i) * 32u + 16u);
       }
+    }
+    if (AKV_ATTN_K3_EARLY) load_first();
+#pragma unroll
+    for (int i = 0; i < C::KCH; ++i) {
+      const uint32_t *w = wq[i];
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
         qv[i][2 * e] = __uint_as_float(w[e] << 16);
@@ -762,61 +838,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks3())
   float m_run[2] = {-INFINITY, -INFINITY}; /* heads 2c, 2c + 1; the same on the 8 lanes of c */
   float l_run[2] = {0.0f, 0.0f};           /* this lane's rows only, summed at the end */
 
-  /* A group is RG blocks of 16 rows; block sg holds rows 16 sg + (g, g + 8)
-   * of K and 16 sg + (c, c + 4, c + 8, c + 12) of V for this lane. */
-  uint32_t kr[RG][2][C::KCH][4];
-  uint32_t vr[RG][4][C::NV][C::VW];
-  /* Rows past the piece (only in its last group) are never read. K: such a
-   * row's loads re-read the piece's last row (in bounds, no per-row branch
-   * or zero fill) and its score is set to -inf below, by a select, whatever
-   * those bytes hold. V: its registers are zero, as its probability is, so
-   * that 0 * V cannot bring in a NaN from an infinite V element; a group
-   * wholly inside the piece is loaded without the per-row checks. */
-  auto load_k = [&](uint32_t t0) {
-#pragma unroll
-    for (int sg = 0; sg < RG; ++sg)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const uint32_t t = min(t0 + 16u * sg + g + 8 * r, n - 1u);
-#pragma unroll
-        for (int i = 0; i < C::KCH; ++i) Words<4>::load(kr[sg][r][i], kd + t * rb + (size_t)i * 64u);
-      }
-  };
-  /* check: std::true_type checks every row (the piece's last group),
-   * std::false_type loads a group wholly inside the piece. */
-  auto load_v_rows = [&](uint32_t t0, auto check) {
-#pragma unroll
-    for (int sg = 0; sg < RG; ++sg)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const uint32_t t = t0 + 16u * sg + c + 4 * r;
-#pragma unroll
-        for (int q = 0; q < C::NV; ++q) {
-          if (!decltype(check)::value || t < n) {
-            Words<C::VW>::load(vr[sg][r][q], vd + t * rb + (size_t)q * 8u * C::VEC * C::BYTES);
-          } else {
-#pragma unroll
-            for (int w = 0; w < C::VW; ++w) vr[sg][r][q][w] = 0u;
-          }
-        }
-      }
-  };
-  auto load_v = [&](uint32_t t0) {
-    if (t0 + 16u * RG <= n)
-      load_v_rows(t0, std::false_type{});
-    else
-      load_v_rows(t0, std::true_type{});
-  };
-
-  const uint32_t groups = (n + 16u * RG - 1u) / (16u * RG);
   AKV_TRACE(1, sfh[0]);
-  /* Groups of this warp: all of its own piece (spans), or every kWarps-th. */
-  constexpr uint32_t kStep = kSpan3 > 1 ? 1u : (uint32_t)kWarps;
-  uint32_t grp = kSpan3 > 1 ? 0u : (uint32_t)warp;
-  if (grp < groups) {
-    load_k(grp * 16u * RG);
-    load_v(grp * 16u * RG);
-  }
+  if (!AKV_ATTN_K3_EARLY || !C::F16) load_first();
   for (; grp < groups; grp += kStep) {
     const uint32_t t0 = grp * 16u * RG;
     const uint32_t nxt = grp + kStep;
@@ -1123,6 +1146,51 @@ __global__ void __launch_bounds__(kCombWarps * 32)
   }
 }
 
+#if AKV_ATTN_COMBINE_FLAT
+/* The flat combine: thread (context, head, dim) folds the context's
+ * partials 0, 1, ... in order, alone (the loads of a few partials are in
+ * flight at once; no shared memory, no barrier). */
+constexpr int kFlatThreads = 256;
+template <int D, class Loc>
+__global__ void __launch_bounds__(kFlatThreads)
+    akv_attn_combine_flat(const __grid_constant__ CombineParams p,
+                          const __grid_constant__ Loc loc) {
+#if AKV_ATTN_PDL
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+  const uint32_t o = blockIdx.x * kFlatThreads + threadIdx.x;
+  if (o >= p.n_heads * (uint32_t)D) return;
+  const uint32_t head = o / D, d = o - head * D;
+  const uint32_t ctx = blockIdx.y;
+  bool bad = false;
+  const uint32_t n_chunks = loc.chunks(ctx, bad);
+  uint32_t nch = 0;
+  if (n_chunks > 0) {
+    const uint32_t last = loc.last_rows(ctx, n_chunks);
+    nch = (n_chunks - 1u) * p.pieces + last / p.piece_rows + (last % p.piece_rows != 0);
+    nch = nch / kSpan3 + (nch % kSpan3 != 0); /* partials: spans of pieces */
+  }
+  const size_t slot0 = ((size_t)ctx * p.n_heads + head) * p.stride_chunks;
+  float m = -INFINITY, l = 0.0f, acc = 0.0f;
+#pragma unroll 8
+  for (uint32_t c = 0; c < nch; ++c) {
+    const float mc = p.ml[(slot0 + c) * 2];
+    const float lc = p.ml[(slot0 + c) * 2 + 1];
+    const float ac = p.acc[(slot0 + c) * D + d];
+    const float mn = fmaxf(m, mc);
+    const float mu = (mn == -INFINITY) ? 0.0f : mn;
+    const float sa = exp2f(m - mu), sc = exp2f(mc - mu);
+    l = fmaf(lc, sc, l * sa);
+    acc = fmaf(ac, sc, acc * sa);
+    m = mn;
+  }
+  float r = (l > 0.0f) ? acc / l : 0.0f;
+  if (p.has_scales) r *= p.v_scale[head / p.group];
+  if (bad) r = __int_as_float(0x7FC00000);
+  p.out[((size_t)ctx * p.n_heads + head) * D + d] = r;
+}
+#endif
+
 /* ------------------------------------------------------------------ host */
 
 template <class Loc>
@@ -1190,9 +1258,15 @@ ChunkFn<Loc> pick_chunk(akv_dtype dtype, uint32_t head_dim, int gt, size_t *smem
 template <class Loc>
 CombineFn<Loc> pick_combine(uint32_t head_dim) {
   switch (head_dim) {
+#if AKV_ATTN_COMBINE_FLAT
+    case 64: return akv_attn_combine_flat<64, Loc>;
+    case 128: return akv_attn_combine_flat<128, Loc>;
+    case 256: return akv_attn_combine_flat<256, Loc>;
+#else
     case 64: return akv_attn_combine_kernel<64, Loc>;
     case 128: return akv_attn_combine_kernel<128, Loc>;
     case 256: return akv_attn_combine_kernel<256, Loc>;
+#endif
     default: return nullptr;
   }
 }
@@ -1347,6 +1421,12 @@ akv_status launch_pair(akv_dtype dtype, uint32_t head_dim, int gt, dim3 grid_chu
 #endif
   cfg.gridDim = grid_combine;
   cfg.blockDim = dim3(kCombWarps * 32, 1, 1);
+#if AKV_ATTN_COMBINE_FLAT
+  /* grid_combine.x is heads x head_dim / 32: the flat kernel's blocks
+   * cover kFlatThreads outputs each. */
+  cfg.gridDim.x = div_up(grid_combine.x * 32u, (uint32_t)kFlatThreads);
+  cfg.blockDim = dim3(kFlatThreads, 1, 1);
+#endif
   cfg.dynamicSmemBytes = 0;
 #if AKV_ATTN_PDL
   cudaLaunchAttribute attr[1];
