@@ -124,17 +124,12 @@ namespace {
 #ifndef AKV_ATTN_BENCH_CHUNK_ONLY
 #define AKV_ATTN_BENCH_CHUNK_ONLY 0
 #endif
-/* Kernel 3: 1 = a warp's first group of K and V is asked for right after
- * the query's own loads, before the query's arithmetic; 0 = after it. */
+/* Kernel 3, FP8: 1 (the library's) = a warp's first group of K and V is
+ * asked for right after the query's own loads, before the query's
+ * arithmetic; 0 = after it. Measured on the H200 (docs/benchmarks.md): one
+ * FP8 context 27.46 against 27.78 us. */
 #ifndef AKV_ATTN_K3_EARLY
-#define AKV_ATTN_K3_EARLY 0
-#endif
-/* The combine: 1 = one thread per output element folds the context's
- * partials in order (blocks of 256 threads, so that a one-context grid
- * fits the SMs the chunk grid leaves idle); 0 = kCombWarps warps per
- * (context, head, 32-dim slice). */
-#ifndef AKV_ATTN_COMBINE_FLAT
-#define AKV_ATTN_COMBINE_FLAT 0
+#define AKV_ATTN_K3_EARLY 1
 #endif
 /* Benchmark diagnostic, never the library's: 1 = kernel 3's warps record the
  * global timer at fixed points into akv_attn_trace (akv_attn_bench_trace_read
@@ -430,9 +425,11 @@ __device__ __forceinline__ float warp_sum(float v) {
  *    c + 8, c + 12 of the group), P passed through shared memory to the B
  *    layout and split into two tf32 terms (P = hi + lo, 22 significant bits;
  *    two mmas), so the product keeps fp32-level precision.
- * Rows past the piece are never read (see load_k and load_v). The next
- * group's K is loaded as soon as the scores are taken and its V as soon as
- * the products are done, so one group's K and V are in flight per warp.
+ * Rows past the piece are never read (see load_k and load_v). A warp's
+ * first group is asked for before the query's arithmetic (FP8; bf16 has
+ * none), the next group's K as soon as the scores are taken and its V as
+ * soon as the products are done, so one group's K and V are in flight per
+ * warp.
  * Every value comes from a fixed lane, a fixed instruction sequence and a
  * fixed order (mma.sync, butterflies, warp order): deterministic, and the
  * same for every locator.
@@ -1146,51 +1143,6 @@ __global__ void __launch_bounds__(kCombWarps * 32)
   }
 }
 
-#if AKV_ATTN_COMBINE_FLAT
-/* The flat combine: thread (context, head, dim) folds the context's
- * partials 0, 1, ... in order, alone (the loads of a few partials are in
- * flight at once; no shared memory, no barrier). */
-constexpr int kFlatThreads = 256;
-template <int D, class Loc>
-__global__ void __launch_bounds__(kFlatThreads)
-    akv_attn_combine_flat(const __grid_constant__ CombineParams p,
-                          const __grid_constant__ Loc loc) {
-#if AKV_ATTN_PDL
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-  const uint32_t o = blockIdx.x * kFlatThreads + threadIdx.x;
-  if (o >= p.n_heads * (uint32_t)D) return;
-  const uint32_t head = o / D, d = o - head * D;
-  const uint32_t ctx = blockIdx.y;
-  bool bad = false;
-  const uint32_t n_chunks = loc.chunks(ctx, bad);
-  uint32_t nch = 0;
-  if (n_chunks > 0) {
-    const uint32_t last = loc.last_rows(ctx, n_chunks);
-    nch = (n_chunks - 1u) * p.pieces + last / p.piece_rows + (last % p.piece_rows != 0);
-    nch = nch / kSpan3 + (nch % kSpan3 != 0); /* partials: spans of pieces */
-  }
-  const size_t slot0 = ((size_t)ctx * p.n_heads + head) * p.stride_chunks;
-  float m = -INFINITY, l = 0.0f, acc = 0.0f;
-#pragma unroll 8
-  for (uint32_t c = 0; c < nch; ++c) {
-    const float mc = p.ml[(slot0 + c) * 2];
-    const float lc = p.ml[(slot0 + c) * 2 + 1];
-    const float ac = p.acc[(slot0 + c) * D + d];
-    const float mn = fmaxf(m, mc);
-    const float mu = (mn == -INFINITY) ? 0.0f : mn;
-    const float sa = exp2f(m - mu), sc = exp2f(mc - mu);
-    l = fmaf(lc, sc, l * sa);
-    acc = fmaf(ac, sc, acc * sa);
-    m = mn;
-  }
-  float r = (l > 0.0f) ? acc / l : 0.0f;
-  if (p.has_scales) r *= p.v_scale[head / p.group];
-  if (bad) r = __int_as_float(0x7FC00000);
-  p.out[((size_t)ctx * p.n_heads + head) * D + d] = r;
-}
-#endif
-
 /* ------------------------------------------------------------------ host */
 
 template <class Loc>
@@ -1258,15 +1210,9 @@ ChunkFn<Loc> pick_chunk(akv_dtype dtype, uint32_t head_dim, int gt, size_t *smem
 template <class Loc>
 CombineFn<Loc> pick_combine(uint32_t head_dim) {
   switch (head_dim) {
-#if AKV_ATTN_COMBINE_FLAT
-    case 64: return akv_attn_combine_flat<64, Loc>;
-    case 128: return akv_attn_combine_flat<128, Loc>;
-    case 256: return akv_attn_combine_flat<256, Loc>;
-#else
     case 64: return akv_attn_combine_kernel<64, Loc>;
     case 128: return akv_attn_combine_kernel<128, Loc>;
     case 256: return akv_attn_combine_kernel<256, Loc>;
-#endif
     default: return nullptr;
   }
 }
@@ -1421,12 +1367,6 @@ akv_status launch_pair(akv_dtype dtype, uint32_t head_dim, int gt, dim3 grid_chu
 #endif
   cfg.gridDim = grid_combine;
   cfg.blockDim = dim3(kCombWarps * 32, 1, 1);
-#if AKV_ATTN_COMBINE_FLAT
-  /* grid_combine.x is heads x head_dim / 32: the flat kernel's blocks
-   * cover kFlatThreads outputs each. */
-  cfg.gridDim.x = div_up(grid_combine.x * 32u, (uint32_t)kFlatThreads);
-  cfg.blockDim = dim3(kFlatThreads, 1, 1);
-#endif
   cfg.dynamicSmemBytes = 0;
 #if AKV_ATTN_PDL
   cudaLaunchAttribute attr[1];
