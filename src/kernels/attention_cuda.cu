@@ -131,6 +131,12 @@ namespace {
 #ifndef AKV_ATTN_K3_EARLY
 #define AKV_ATTN_K3_EARLY 1
 #endif
+/* Kernel 3: 1 = the next group's K (V) rows of a 16-row block are asked
+ * for as soon as that block's scores (V products) are taken; 0 = the whole
+ * group's after all of its blocks. */
+#ifndef AKV_ATTN_K3_FINE
+#define AKV_ATTN_K3_FINE 0
+#endif
 /* Benchmark diagnostic, never the library's: 1 = kernel 3's warps record the
  * global timer at fixed points into akv_attn_trace (akv_attn_bench_trace_read
  * reads it back), so the benchmark can say where one launch's time goes. */
@@ -706,40 +712,44 @@ __global__ void __launch_bounds__(kThreads, min_blocks3())
    * those bytes hold. V: its registers are zero, as its probability is, so
    * that 0 * V cannot bring in a NaN from an infinite V element; a group
    * wholly inside the piece is loaded without the per-row checks. */
+  auto load_k_block = [&](uint32_t t0, int sg) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const uint32_t t = min(t0 + 16u * sg + g + 8 * r, n - 1u);
+#pragma unroll
+      for (int i = 0; i < C::KCH; ++i) Words<4>::load(kr[sg][r][i], kd + t * rb + (size_t)i * 64u);
+    }
+  };
   auto load_k = [&](uint32_t t0) {
 #pragma unroll
-    for (int sg = 0; sg < RG; ++sg)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const uint32_t t = min(t0 + 16u * sg + g + 8 * r, n - 1u);
-#pragma unroll
-        for (int i = 0; i < C::KCH; ++i) Words<4>::load(kr[sg][r][i], kd + t * rb + (size_t)i * 64u);
-      }
+    for (int sg = 0; sg < RG; ++sg) load_k_block(t0, sg);
   };
   /* check: std::true_type checks every row (the piece's last group),
    * std::false_type loads a group wholly inside the piece. */
-  auto load_v_rows = [&](uint32_t t0, auto check) {
+  auto load_v_rows = [&](uint32_t t0, int sg, auto check) {
 #pragma unroll
-    for (int sg = 0; sg < RG; ++sg)
+    for (int r = 0; r < 4; ++r) {
+      const uint32_t t = t0 + 16u * sg + c + 4 * r;
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const uint32_t t = t0 + 16u * sg + c + 4 * r;
+      for (int q = 0; q < C::NV; ++q) {
+        if (!decltype(check)::value || t < n) {
+          Words<C::VW>::load(vr[sg][r][q], vd + t * rb + (size_t)q * 8u * C::VEC * C::BYTES);
+        } else {
 #pragma unroll
-        for (int q = 0; q < C::NV; ++q) {
-          if (!decltype(check)::value || t < n) {
-            Words<C::VW>::load(vr[sg][r][q], vd + t * rb + (size_t)q * 8u * C::VEC * C::BYTES);
-          } else {
-#pragma unroll
-            for (int w = 0; w < C::VW; ++w) vr[sg][r][q][w] = 0u;
-          }
+          for (int w = 0; w < C::VW; ++w) vr[sg][r][q][w] = 0u;
         }
       }
+    }
+  };
+  auto load_v_block = [&](uint32_t t0, int sg) {
+    if (t0 + 16u * RG <= n)
+      load_v_rows(t0, sg, std::false_type{});
+    else
+      load_v_rows(t0, sg, std::true_type{});
   };
   auto load_v = [&](uint32_t t0) {
-    if (t0 + 16u * RG <= n)
-      load_v_rows(t0, std::false_type{});
-    else
-      load_v_rows(t0, std::true_type{});
+#pragma unroll
+    for (int sg = 0; sg < RG; ++sg) load_v_block(t0, sg);
   };
 
   const uint32_t groups = (n + 16u * RG - 1u) / (16u * RG);
@@ -889,8 +899,9 @@ __global__ void __launch_bounds__(kThreads, min_blocks3())
           for (int a = 0; a < w; ++a) t[a] += t[a + w];
         sc[sg][e] = t[0];
       }
+      if (AKV_ATTN_K3_FINE && nxt < groups) load_k_block(nxt * 16u * RG, sg);
     }
-    if (nxt < groups) load_k(nxt * 16u * RG);
+    if (!AKV_ATTN_K3_FINE && nxt < groups) load_k(nxt * 16u * RG);
 
     AKV_TRACE(grp < 8u ? 2 + 2 * (int)grp : 99, sc[0][0]);
     /* Online softmax over the group, per head, in the base-2 domain. */
@@ -982,6 +993,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks3())
             mma_f16_16816(a, a0, a1, a2, a3, hi01, hi23);
           }
         }
+        if (AKV_ATTN_K3_FINE && nxt < groups) load_v_block(nxt * 16u * RG, sg);
       }
     } else {
 #pragma unroll
@@ -1006,9 +1018,10 @@ __global__ void __launch_bounds__(kThreads, min_blocks3())
           }
         }
       }
+      if (AKV_ATTN_K3_FINE && nxt < groups) load_v_block(nxt * 16u * RG, sg);
     }
     }
-    if (nxt < groups) load_v(nxt * 16u * RG);
+    if (!AKV_ATTN_K3_FINE && nxt < groups) load_v(nxt * 16u * RG);
     AKV_TRACE(grp < 8u ? 3 + 2 * (int)grp : 99, acc[0][0]);
     __syncwarp(); /* s_pt is rewritten by the next group */
   }
