@@ -124,19 +124,6 @@ namespace {
 #ifndef AKV_ATTN_BENCH_CHUNK_ONLY
 #define AKV_ATTN_BENCH_CHUNK_ONLY 0
 #endif
-/* Kernel 3, FP8: 1 (the library's) = a warp's first group of K and V is
- * asked for right after the query's own loads, before the query's
- * arithmetic; 0 = after it. Measured on the H200 (docs/benchmarks.md): one
- * FP8 context 27.46 against 27.78 us. */
-#ifndef AKV_ATTN_K3_EARLY
-#define AKV_ATTN_K3_EARLY 1
-#endif
-/* Kernel 3: 1 = the next group's K (V) rows of a 16-row block are asked
- * for as soon as that block's scores (V products) are taken; 0 = the whole
- * group's after all of its blocks. */
-#ifndef AKV_ATTN_K3_FINE
-#define AKV_ATTN_K3_FINE 0
-#endif
 /* Benchmark diagnostic, never the library's: 1 = kernel 3's warps record the
  * global timer at fixed points into akv_attn_trace (akv_attn_bench_trace_read
  * reads it back), so the benchmark can say where one launch's time goes. */
@@ -431,11 +418,9 @@ __device__ __forceinline__ float warp_sum(float v) {
  *    c + 8, c + 12 of the group), P passed through shared memory to the B
  *    layout and split into two tf32 terms (P = hi + lo, 22 significant bits;
  *    two mmas), so the product keeps fp32-level precision.
- * Rows past the piece are never read (see load_k and load_v). A warp's
- * first group is asked for before the query's arithmetic (FP8; bf16 has
- * none), the next group's K as soon as the scores are taken and its V as
- * soon as the products are done, so one group's K and V are in flight per
- * warp.
+ * Rows past the piece are never read (see load_k and load_v). The next
+ * group's K is loaded as soon as the scores are taken and its V as soon as
+ * the products are done, so one group's K and V are in flight per warp.
  * Every value comes from a fixed lane, a fixed instruction sequence and a
  * fixed order (mma.sync, butterflies, warp order): deterministic, and the
  * same for every locator.
@@ -702,67 +687,6 @@ __global__ void __launch_bounds__(kThreads, min_blocks3())
   const char *kd = kp + head_off + (size_t)c * 16u;
   const char *vd = vp + head_off + (size_t)g * C::VEC * C::BYTES;
 
-  /* A group is RG blocks of 16 rows; block sg holds rows 16 sg + (g, g + 8)
-   * of K and 16 sg + (c, c + 4, c + 8, c + 12) of V for this lane. */
-  uint32_t kr[RG][2][C::KCH][4];
-  uint32_t vr[RG][4][C::NV][C::VW];
-  /* Rows past the piece (only in its last group) are never read. K: such a
-   * row's loads re-read the piece's last row (in bounds, no per-row branch
-   * or zero fill) and its score is set to -inf below, by a select, whatever
-   * those bytes hold. V: its registers are zero, as its probability is, so
-   * that 0 * V cannot bring in a NaN from an infinite V element; a group
-   * wholly inside the piece is loaded without the per-row checks. */
-  auto load_k_block = [&](uint32_t t0, int sg) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const uint32_t t = min(t0 + 16u * sg + g + 8 * r, n - 1u);
-#pragma unroll
-      for (int i = 0; i < C::KCH; ++i) Words<4>::load(kr[sg][r][i], kd + t * rb + (size_t)i * 64u);
-    }
-  };
-  auto load_k = [&](uint32_t t0) {
-#pragma unroll
-    for (int sg = 0; sg < RG; ++sg) load_k_block(t0, sg);
-  };
-  /* check: std::true_type checks every row (the piece's last group),
-   * std::false_type loads a group wholly inside the piece. */
-  auto load_v_rows = [&](uint32_t t0, int sg, auto check) {
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const uint32_t t = t0 + 16u * sg + c + 4 * r;
-#pragma unroll
-      for (int q = 0; q < C::NV; ++q) {
-        if (!decltype(check)::value || t < n) {
-          Words<C::VW>::load(vr[sg][r][q], vd + t * rb + (size_t)q * 8u * C::VEC * C::BYTES);
-        } else {
-#pragma unroll
-          for (int w = 0; w < C::VW; ++w) vr[sg][r][q][w] = 0u;
-        }
-      }
-    }
-  };
-  auto load_v_block = [&](uint32_t t0, int sg) {
-    if (t0 + 16u * RG <= n)
-      load_v_rows(t0, sg, std::false_type{});
-    else
-      load_v_rows(t0, sg, std::true_type{});
-  };
-  auto load_v = [&](uint32_t t0) {
-#pragma unroll
-    for (int sg = 0; sg < RG; ++sg) load_v_block(t0, sg);
-  };
-
-  const uint32_t groups = (n + 16u * RG - 1u) / (16u * RG);
-  /* Groups of this warp: all of its own piece (spans), or every kWarps-th. */
-  constexpr uint32_t kStep = kSpan3 > 1 ? 1u : (uint32_t)kWarps;
-  uint32_t grp = kSpan3 > 1 ? 0u : (uint32_t)warp;
-  auto load_first = [&]() {
-    if (grp < groups) {
-      load_k(grp * 16u * RG);
-      load_v(grp * 16u * RG);
-    }
-  };
-
   /* B fragments of the query of head g (zero past the subgroup's heads). */
   uint32_t qf[C::QR];
 #pragma unroll
@@ -776,22 +700,15 @@ __global__ void __launch_bounds__(kThreads, min_blocks3())
   if constexpr (C::F16) {
     float qv[C::KCH][16];
     float mq = 0.0f;
-    uint32_t wq[C::KCH][8];
 #pragma unroll
     for (int i = 0; i < C::KCH; ++i) {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) wq[i][e] = 0u;
+      uint32_t w[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
       if (g < hvalid) {
         const char *qh =
             reinterpret_cast<const char *>(p.q + ((size_t)ctx * p.n_heads + head0 + g) * D);
-        Words<4>::load(wq[i], qh + (size_t)(c + 4 * i) * 32u);
-        Words<4>::load(wq[i] + 4, qh + (size_t)(c + 4 * i) * 32u + 16u);
+        Words<4>::load(w, qh + (size_t)(c + 4 * i) * 32u);
+        Words<4>::load(w + 4, qh + (size_t)(c + 4 * i) * 32u + 16u);
       }
-    }
-    if (AKV_ATTN_K3_EARLY) load_first();
-#pragma unroll
-    for (int i = 0; i < C::KCH; ++i) {
-      const uint32_t *w = wq[i];
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
         qv[i][2 * e] = __uint_as_float(w[e] << 16);
@@ -845,8 +762,61 @@ __global__ void __launch_bounds__(kThreads, min_blocks3())
   float m_run[2] = {-INFINITY, -INFINITY}; /* heads 2c, 2c + 1; the same on the 8 lanes of c */
   float l_run[2] = {0.0f, 0.0f};           /* this lane's rows only, summed at the end */
 
+  /* A group is RG blocks of 16 rows; block sg holds rows 16 sg + (g, g + 8)
+   * of K and 16 sg + (c, c + 4, c + 8, c + 12) of V for this lane. */
+  uint32_t kr[RG][2][C::KCH][4];
+  uint32_t vr[RG][4][C::NV][C::VW];
+  /* Rows past the piece (only in its last group) are never read. K: such a
+   * row's loads re-read the piece's last row (in bounds, no per-row branch
+   * or zero fill) and its score is set to -inf below, by a select, whatever
+   * those bytes hold. V: its registers are zero, as its probability is, so
+   * that 0 * V cannot bring in a NaN from an infinite V element; a group
+   * wholly inside the piece is loaded without the per-row checks. */
+  auto load_k = [&](uint32_t t0) {
+#pragma unroll
+    for (int sg = 0; sg < RG; ++sg)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const uint32_t t = min(t0 + 16u * sg + g + 8 * r, n - 1u);
+#pragma unroll
+        for (int i = 0; i < C::KCH; ++i) Words<4>::load(kr[sg][r][i], kd + t * rb + (size_t)i * 64u);
+      }
+  };
+  /* check: std::true_type checks every row (the piece's last group),
+   * std::false_type loads a group wholly inside the piece. */
+  auto load_v_rows = [&](uint32_t t0, auto check) {
+#pragma unroll
+    for (int sg = 0; sg < RG; ++sg)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const uint32_t t = t0 + 16u * sg + c + 4 * r;
+#pragma unroll
+        for (int q = 0; q < C::NV; ++q) {
+          if (!decltype(check)::value || t < n) {
+            Words<C::VW>::load(vr[sg][r][q], vd + t * rb + (size_t)q * 8u * C::VEC * C::BYTES);
+          } else {
+#pragma unroll
+            for (int w = 0; w < C::VW; ++w) vr[sg][r][q][w] = 0u;
+          }
+        }
+      }
+  };
+  auto load_v = [&](uint32_t t0) {
+    if (t0 + 16u * RG <= n)
+      load_v_rows(t0, std::false_type{});
+    else
+      load_v_rows(t0, std::true_type{});
+  };
+
+  const uint32_t groups = (n + 16u * RG - 1u) / (16u * RG);
   AKV_TRACE(1, sfh[0]);
-  if (!AKV_ATTN_K3_EARLY || !C::F16) load_first();
+  /* Groups of this warp: all of its own piece (spans), or every kWarps-th. */
+  constexpr uint32_t kStep = kSpan3 > 1 ? 1u : (uint32_t)kWarps;
+  uint32_t grp = kSpan3 > 1 ? 0u : (uint32_t)warp;
+  if (grp < groups) {
+    load_k(grp * 16u * RG);
+    load_v(grp * 16u * RG);
+  }
   for (; grp < groups; grp += kStep) {
     const uint32_t t0 = grp * 16u * RG;
     const uint32_t nxt = grp + kStep;
@@ -899,9 +869,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks3())
           for (int a = 0; a < w; ++a) t[a] += t[a + w];
         sc[sg][e] = t[0];
       }
-      if (AKV_ATTN_K3_FINE && nxt < groups) load_k_block(nxt * 16u * RG, sg);
     }
-    if (!AKV_ATTN_K3_FINE && nxt < groups) load_k(nxt * 16u * RG);
+    if (nxt < groups) load_k(nxt * 16u * RG);
 
     AKV_TRACE(grp < 8u ? 2 + 2 * (int)grp : 99, sc[0][0]);
     /* Online softmax over the group, per head, in the base-2 domain. */
@@ -993,7 +962,6 @@ __global__ void __launch_bounds__(kThreads, min_blocks3())
             mma_f16_16816(a, a0, a1, a2, a3, hi01, hi23);
           }
         }
-        if (AKV_ATTN_K3_FINE && nxt < groups) load_v_block(nxt * 16u * RG, sg);
       }
     } else {
 #pragma unroll
@@ -1018,10 +986,9 @@ __global__ void __launch_bounds__(kThreads, min_blocks3())
           }
         }
       }
-      if (AKV_ATTN_K3_FINE && nxt < groups) load_v_block(nxt * 16u * RG, sg);
     }
     }
-    if (!AKV_ATTN_K3_FINE && nxt < groups) load_v(nxt * 16u * RG);
+    if (nxt < groups) load_v(nxt * 16u * RG);
     AKV_TRACE(grp < 8u ? 3 + 2 * (int)grp : 99, acc[0][0]);
     __syncwarp(); /* s_pt is rewritten by the next group */
   }
