@@ -16,7 +16,9 @@
  * reports the median. It also measures a plain streaming-read kernel over the
  * same buffers in the same run, as the achievable ceiling, and the same bytes
  * read in the chunk kernel's order with loads only (read_order: the ceiling
- * of the kernel's shape without its arithmetic), and checks the results
+ * of the kernel's shape without its arithmetic), the same bytes on the
+ * kernel's blocks and occupancy read as contiguous spans (read_span) and by
+ * the plain loop, and checks the results
  * (CUDA vs the C reference, paged == contiguous bit for bit) once.
  *
  * Build (from the repository root):
@@ -209,6 +211,37 @@ __global__ void __launch_bounds__(256) read_order(const char *__restrict__ base,
 #pragma unroll
       for (int u = 0; u < U; ++u) acc ^= kr[u].x ^ kr[u].y ^ kr[u].z ^ kr[u].w ^ vr[u].x ^ vr[u].y ^ vr[u].z ^ vr[u].w;
     }
+  }
+  if (acc == 0x9E3779B9u) sink[0] = acc; /* keeps the loads alive */
+}
+
+/* The same bytes with the kernel's occupancy and bytes in flight (the
+ * blocks of read_order by_head, 8 warps each, 16 K and 16 V 16-byte loads
+ * per lane at a time), but every warp streams a contiguous range of its
+ * context's K and V: tells the cost of the rows' 128- or 256-byte
+ * segments from that of the occupancy and the rounds. */
+template <int U>
+__global__ void __launch_bounds__(256) read_span(const char *__restrict__ base, uint64_t ctx_stride,
+                                                 uint64_t seg, uint64_t ctx_bytes,
+                                                 uint32_t blocks_per_ctx, unsigned *sink) {
+  const uint32_t ctx = blockIdx.x / blocks_per_ctx, b = blockIdx.x % blocks_per_ctx;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const uint64_t n = ctx_bytes / 16, wn = blocks_per_ctx * 8ull;
+  const uint64_t per = (n + wn - 1) / wn, w = (uint64_t)b * 8 + warp;
+  const uint64_t i0 = w * per, i1 = min(i0 + per, n);
+  const uint4 *k = reinterpret_cast<const uint4 *>(base + ctx * ctx_stride);
+  const uint4 *v = reinterpret_cast<const uint4 *>(base + ctx * ctx_stride + seg);
+  unsigned acc = 0;
+  for (uint64_t i = i0; i < i1; i += 32 * U) {
+    uint4 kr[U], vr[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const uint64_t e = min(i + lane + 32 * u, i1 - 1);
+      kr[u] = __ldg(k + e);
+      vr[u] = __ldg(v + e);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) acc ^= kr[u].x ^ kr[u].y ^ kr[u].z ^ kr[u].w ^ vr[u].x ^ vr[u].y ^ vr[u].z ^ vr[u].w;
   }
   if (acc == 0x9E3779B9u) sink[0] = acc; /* keeps the loads alive */
 }
@@ -601,10 +634,34 @@ int main(int argc, char **argv) {
       CK(cudaGetLastError());
       order_gbps[by_row] = (double)kv_bytes / (st.median_us * 1e3);
     }
+    /* The same bytes with the kernel's blocks and occupancy: contiguous
+     * spans with 16 or 8 K and V loads per lane at a time, and the plain
+     * read's loop on the kernel's block count. */
+    double span_gbps[3];
+    {
+      const uint32_t bpc = kv_heads * ((pieces + 7) / 8);
+      const uint64_t ctx_bytes = (uint64_t)o.tokens * row_bytes;
+      for (int u = 0; u < 3; ++u) {
+        const Stats st = time_launches(s, sets, o.warmup, o.iters, [&](int si) {
+          if (u == 0)
+            read_span<16><<<n_ctx * bpc, 256, 0, s>>>(set[si].kv, ctx_stride, seg, ctx_bytes, bpc, sink);
+          else if (u == 1)
+            read_span<8><<<n_ctx * bpc, 256, 0, s>>>(set[si].kv, ctx_stride, seg, ctx_bytes, bpc, sink);
+          else
+            read_all<<<n_ctx * bpc, 256, 0, s>>>((const uint4 *)set[si].kv, n16, sink);
+        });
+        CK(cudaGetLastError());
+        span_gbps[u] = (double)kv_bytes / (st.median_us * 1e3);
+      }
+    }
     printf("read   %-5s %4u: plain %.0f GB/s (%.1f%%), kernel order by kv head %.0f GB/s (%.1f%%), "
            "by row %.0f GB/s (%.1f%%)\n",
            dt_name, n_ctx, read_gbps, 100.0 * read_gbps / kCeilingGBps, order_gbps[0],
            100.0 * order_gbps[0] / kCeilingGBps, order_gbps[1], 100.0 * order_gbps[1] / kCeilingGBps);
+    printf("read   %-5s %4u: on the kernel's blocks: contiguous spans, 16 loads %.0f GB/s (%.1f%%), "
+           "8 loads %.0f GB/s (%.1f%%); plain loop %.0f GB/s (%.1f%%)\n",
+           dt_name, n_ctx, span_gbps[0], 100.0 * span_gbps[0] / kCeilingGBps, span_gbps[1],
+           100.0 * span_gbps[1] / kCeilingGBps, span_gbps[2], 100.0 * span_gbps[2] / kCeilingGBps);
 
     const Stats sc = time_launches(s, sets, o.warmup, o.iters, [&](int si) {
       const akv_attention_args a = contig_args(si, out);
@@ -647,14 +704,15 @@ int main(int argc, char **argv) {
                "\"sets\":%d,"
                "\"iters\":%d,\"median_us\":%.2f,\"p10_us\":%.2f,\"p90_us\":%.2f,\"gbps\":%.1f,"
                "\"ceiling_gbps\":%.0f,\"ratio\":%.4f,\"read_gbps\":%.1f,\"ratio_vs_read\":%.4f,"
-               "\"read_by_head_gbps\":%.1f,\"read_by_row_gbps\":%.1f,"
+               "\"read_by_head_gbps\":%.1f,\"read_by_row_gbps\":%.1f,\"read_span16_gbps\":%.1f,"
+               "\"read_span8_gbps\":%.1f,\"read_plain_kernel_blocks_gbps\":%.1f,"
                "\"meets_60pct\":%s,\"check\":\"%s\"}",
                o.label, r.name, dt_name, prop.name, n_ctx, o.tokens, o.chunk, n_heads, kv_heads,
                head_dim, AKV_ATTN_WARPS, AKV_ATTN_LOADS, AKV_ATTN_STAGES, AKV_ATTN_PDL,
                AKV_ATTN_PIECE_TOKENS, AKV_ATTN_KERNEL, AKV_ATTN_MINB, AKV_ATTN_COMBINE_WARPS,
                AKV_ATTN_K3_FP8_F16, AKV_ATTN_K3_SPAN, (unsigned long long)kv_bytes, sets, o.iters,
                r.st.median_us, r.st.p10_us, r.st.p90_us, gbps, kCeilingGBps, ratio, read_gbps,
-               gbps / read_gbps, order_gbps[0], order_gbps[1], ratio >= 0.6 ? "true" : "false",
+               gbps / read_gbps, order_gbps[0], order_gbps[1], span_gbps[0], span_gbps[1], span_gbps[2], ratio >= 0.6 ? "true" : "false",
                check);
       printf("JSON %s\n", line);
       if (jf) fprintf(jf, "%s\n", line);
