@@ -443,8 +443,39 @@ static void test_every_backend_operation_fails_in_turn(void **state) {
          (unsigned long long)t.rows_checked);
 }
 
+/* The engine's copy counters (akv_engine_info copies_* and bytes_*) count a
+ * copy call once the backend accepted it, even when a later operation of the
+ * same call fails, and a copy call that failed nowhere. With every record and
+ * every copy failed in turn (arena and paged workloads, no poison fills), the
+ * counted calls are exactly the copy operations the backend accepted. */
+static void test_copies_counted_when_submitted(void **state) {
+  const akvt_cfg cfgs[2] = {cfg_arena(), cfg_paged()};
+  const int32_t kinds[2] = {AKV_OP_RECORD, AKV_OP_COPY};
+  (void)state;
+  for (int c = 0; c < 2; c++) {
+    akvt_result clean;
+    clean_run(&cfgs[c], &clean, "copies counted");
+    for (int k = 0; k < 2; k++)
+      for (uint32_t n = 1; n <= clean.info.backend_ops[kinds[k]]; n++) {
+        akvt_cfg f = cfgs[c];
+        akvt_result r;
+        f.fault_fail_nth = n;
+        f.fault_kind = kinds[k];
+        akvt_run(&f, &r);
+        assert_int_equal(r.status, AKV_ERR_BACKEND);
+        const uint64_t accepted = r.info.backend_ops[AKV_OP_COPY] - (kinds[k] == AKV_OP_COPY);
+        const uint64_t counted = r.info.copies_h2d + r.info.copies_d2h + r.info.copies_d2d;
+        if (counted != accepted)
+          fail_msg("route %d, %s %u failed in %s: %llu copy calls counted, %llu accepted",
+                   (int)cfgs[c].route, kinds[k] == AKV_OP_COPY ? "copy" : "record", n,
+                   r.failed_call, (unsigned long long)counted, (unsigned long long)accepted);
+      }
+  }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_copies_counted_when_submitted),
       cmocka_unit_test(test_every_backend_operation_fails_in_turn),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -14,14 +14,8 @@
 static akv_status akv_step_flush_fills(akv_engine *e, size_t *n) {
   akv_status st = AKV_OK;
   if (*n == 0) return AKV_OK;
-  st = akv_bk_copy_batch(&e->bk, e->q_h2d, AKV_COPY_H2D, *n, e->sc_fill.dst,
-                         (const void *const *)e->sc_fill.src, e->sc_fill.bytes);
-  /* Invariant (akv.h, akv_engine_info): only a submitted batch counts, in
-   * copies_h2d and with its bytes in bytes_h2d. */
-  if (st == AKV_OK) {
-    e->copies_h2d++;
-    for (size_t i = 0; i < *n; i++) e->bytes_h2d += e->sc_fill.bytes[i];
-  }
+  st = akv_copy_submit(e, e->q_h2d, AKV_COPY_H2D, *n, e->sc_fill.dst,
+                       (const void *const *)e->sc_fill.src, e->sc_fill.bytes);
   *n = 0;
   return st;
 }
@@ -99,12 +93,11 @@ static akv_status akv_step_publish_map(akv_engine *e, akv_context *const *ctxs, 
       row[p] = phys == AKV_ADM_NONE ? AKV_PAGE_STAGED : e->page_entry[phys];
     }
   }
-  const uint64_t bytes = (uint64_t)n * stride * sizeof(uint32_t);
-  AKV_CHECK(akv_bk_copy(&e->bk, e->q_h2d, AKV_COPY_H2D, e->page_map_dev, e->page_map_host, bytes));
-  /* Invariant (akv.h, akv_engine_info): a copy counted in copies_h2d has
-   * its bytes counted in bytes_h2d, the page map's as the rows'. */
-  e->copies_h2d++;
-  e->bytes_h2d += bytes;
+  /* Counted in copies_h2d and bytes_h2d as the rows' copies are. */
+  void *dst = e->page_map_dev;
+  const void *src = e->page_map_host;
+  const size_t bytes = (size_t)n * stride * sizeof(uint32_t); /* <= page_map_bytes */
+  AKV_CHECK(akv_copy_submit(e, e->q_h2d, AKV_COPY_H2D, 1, &dst, &src, &bytes));
   return AKV_OK;
 fail:
   return akv_transport_failed(e, st, "page map");
