@@ -473,9 +473,42 @@ static void test_copies_counted_when_submitted(void **state) {
   }
 }
 
+/* A step_begin that fails (its page fills, their record, or the paged
+ * route's page map could not be submitted) leaves the engine's step counter
+ * where it was: only a boundary that opened counts. */
+static void test_failed_step_begin_keeps_step(void **state) {
+  static const struct {
+    akv_route route;
+    uint32_t len; /* rows per context: 15 gives a page fill at each of two steps, 4 none */
+    int32_t kind;
+  } cases[] = {{AKV_ROUTE_ARENA, 15, AKV_OP_COPY},
+               {AKV_ROUTE_ARENA, 15, AKV_OP_RECORD},
+               {AKV_ROUTE_PAGED, 4, AKV_OP_COPY}};
+  (void)state;
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    akvt_fx f;
+    akvt_fx_open(&f, cases[i].route, 1, 2, cases[i].len);
+    /* One whole step first: the counter stands at 1. */
+    assert_int_equal(akv_step_begin(f.e, f.c, f.n), AKV_OK);
+    assert_int_equal(akvt_null_layers(f.e, f.s, 3), AKV_OK);
+    const uint64_t step = f.e->step;
+    f.e->bk.fail_kind = cases[i].kind;
+    f.e->bk.fail_nth = (uint32_t)(f.e->bk.counted + 1);
+    assert_int_equal(akv_step_begin(f.e, f.c, f.n), AKV_ERR_BACKEND);
+    assert_int_equal(f.e->bk.injected, 1);
+    if (f.e->step != step)
+      fail_msg("case %zu: step_begin failed and the step counter moved from %llu to %llu", i,
+               (unsigned long long)step, (unsigned long long)f.e->step);
+    assert_int_equal(akv_engine_quarantine(f.e, NULL), AKV_OK);
+    assert_int_equal(akv_stream_destroy(f.e, f.s), AKV_OK);
+    assert_int_equal(akv_engine_destroy(f.e), AKV_OK);
+  }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_copies_counted_when_submitted),
+      cmocka_unit_test(test_failed_step_begin_keeps_step),
       cmocka_unit_test(test_every_backend_operation_fails_in_turn),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

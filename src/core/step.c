@@ -131,13 +131,19 @@ AKV_API akv_status akv_step_begin(akv_engine *e, akv_context *const *ctxs, uint3
       return akv_fail(e, AKV_ERR_CAPACITY, "step_begin: context %u holds max_tokens=%u rows",
                       ctxs[i]->id, e->cfg.max_tokens);
   }
-  e->step++;
+  /* The boundary being opened; e->step takes it only at the end, once the
+   * begin succeeded (see the invariant there). */
+  const uint64_t step = e->step + 1;
   if (e->n_pages + e->hr_max_pages > 0) {
     for (uint32_t i = 0; i < n; i++) {
       e->adm_req[i].slot = ctxs[i]->slot;
       e->adm_req[i].full_pages = ctxs[i]->len / e->cfg.page_tokens;
     }
-    st = akv_adm_step(e->adm, e->step, e->adm_req, n);
+    /* Unreachable from the public API: admission refuses only requests the
+     * checks above already refused (a slot not admitted: every open
+     * context's is; more full pages than a slot tracks: len + 1 <=
+     * max_tokens; a slot listed twice), and changes nothing when it does. */
+    st = akv_adm_step(e->adm, step, e->adm_req, n);
     if (st != AKV_OK) return akv_fail(e, st, "step_begin: admission step failed");
     st = akv_step_fill_pages(e);
     if (st != AKV_OK) return st;
@@ -147,6 +153,13 @@ AKV_API akv_status akv_step_begin(akv_engine *e, akv_context *const *ctxs, uint3
    * free: every entry AKV_PAGE_STAGED); otherwise attention would read a map
    * nothing ever wrote. */
   if (e->page_map_dev != NULL && (st = akv_step_publish_map(e, ctxs, n)) != AKV_OK) return st;
+  /* Invariant (akv.h: a failing call changes nothing): the step counter
+   * counts the boundaries that opened. It moves here, with step_open, and
+   * nowhere before: a begin refused by a check, or one whose fills or page
+   * map could not be submitted (admission had moved residency: the
+   * transport is failed, and the admission log names the boundary that did
+   * not open), leaves it as it was. */
+  e->step = step;
   for (uint32_t i = 0; i < n; i++) {
     e->step_ctx[i] = ctxs[i];
     ctxs[i]->in_step = true;
