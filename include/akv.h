@@ -7,7 +7,9 @@
  *
  * Conventions (stated once, repeated per function where they differ):
  *  - Every fallible call returns an akv_status; outputs go through pointers and
- *    are left untouched when the call fails.
+ *    are left untouched when the call fails. The one exception is
+ *    akv_engine_quarantine's report, filled also on AKV_ERR_UNCERTAIN_FENCE
+ *    to name the fence that was uncertain.
  *  - A failing call changes nothing, except where it says it marks the
  *    transport failed (AKV_ERR_BACKEND): from then on the engine accepts only
  *    diagnostics, akv_engine_quarantine and akv_engine_destroy.

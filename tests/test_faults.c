@@ -443,8 +443,72 @@ static void test_every_backend_operation_fails_in_turn(void **state) {
          (unsigned long long)t.rows_checked);
 }
 
+/* The engine's copy counters (akv_engine_info copies_* and bytes_*) count a
+ * copy call once the backend accepted it, even when a later operation of the
+ * same call fails, and a copy call that failed nowhere. With every record and
+ * every copy failed in turn (arena and paged workloads, no poison fills), the
+ * counted calls are exactly the copy operations the backend accepted. */
+static void test_copies_counted_when_submitted(void **state) {
+  const akvt_cfg cfgs[2] = {cfg_arena(), cfg_paged()};
+  const int32_t kinds[2] = {AKV_OP_RECORD, AKV_OP_COPY};
+  (void)state;
+  for (int c = 0; c < 2; c++) {
+    akvt_result clean;
+    clean_run(&cfgs[c], &clean, "copies counted");
+    for (int k = 0; k < 2; k++)
+      for (uint32_t n = 1; n <= clean.info.backend_ops[kinds[k]]; n++) {
+        akvt_cfg f = cfgs[c];
+        akvt_result r;
+        f.fault_fail_nth = n;
+        f.fault_kind = kinds[k];
+        akvt_run(&f, &r);
+        assert_int_equal(r.status, AKV_ERR_BACKEND);
+        const uint64_t accepted = r.info.backend_ops[AKV_OP_COPY] - (kinds[k] == AKV_OP_COPY);
+        const uint64_t counted = r.info.copies_h2d + r.info.copies_d2h + r.info.copies_d2d;
+        if (counted != accepted)
+          fail_msg("route %d, %s %u failed in %s: %llu copy calls counted, %llu accepted",
+                   (int)cfgs[c].route, kinds[k] == AKV_OP_COPY ? "copy" : "record", n,
+                   r.failed_call, (unsigned long long)counted, (unsigned long long)accepted);
+      }
+  }
+}
+
+/* A step_begin that fails (its page fills, their record, or the paged
+ * route's page map could not be submitted) leaves the engine's step counter
+ * where it was: only a boundary that opened counts. */
+static void test_failed_step_begin_keeps_step(void **state) {
+  static const struct {
+    akv_route route;
+    uint32_t len; /* rows per context: 15 gives a page fill at each of two steps, 4 none */
+    int32_t kind;
+  } cases[] = {{AKV_ROUTE_ARENA, 15, AKV_OP_COPY},
+               {AKV_ROUTE_ARENA, 15, AKV_OP_RECORD},
+               {AKV_ROUTE_PAGED, 4, AKV_OP_COPY}};
+  (void)state;
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    akvt_fx f;
+    akvt_fx_open(&f, cases[i].route, 1, 2, cases[i].len);
+    /* One whole step first: the counter stands at 1. */
+    assert_int_equal(akv_step_begin(f.e, f.c, f.n), AKV_OK);
+    assert_int_equal(akvt_null_layers(f.e, f.s, 3), AKV_OK);
+    const uint64_t step = f.e->step;
+    f.e->bk.fail_kind = cases[i].kind;
+    f.e->bk.fail_nth = (uint32_t)(f.e->bk.counted + 1);
+    assert_int_equal(akv_step_begin(f.e, f.c, f.n), AKV_ERR_BACKEND);
+    assert_int_equal(f.e->bk.injected, 1);
+    if (f.e->step != step)
+      fail_msg("case %zu: step_begin failed and the step counter moved from %llu to %llu", i,
+               (unsigned long long)step, (unsigned long long)f.e->step);
+    assert_int_equal(akv_engine_quarantine(f.e, NULL), AKV_OK);
+    assert_int_equal(akv_stream_destroy(f.e, f.s), AKV_OK);
+    assert_int_equal(akv_engine_destroy(f.e), AKV_OK);
+  }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_copies_counted_when_submitted),
+      cmocka_unit_test(test_failed_step_begin_keeps_step),
       cmocka_unit_test(test_every_backend_operation_fails_in_turn),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

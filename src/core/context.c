@@ -155,26 +155,27 @@ AKV_API akv_status akv_context_open(akv_engine *e, const akv_context_config *con
             "context_open: target %u + burst %u raised to %u + %u, the floor of %u pages (the "
             "sink and the newest page)",
             asked_target, asked_burst, cc.target_pages, cc.burst_pages, floor);
+  /* A record of the process-wide pool, in FIFO order: a closed handle
+   * queues behind at least AKV_CONTEXT_HANDLE_REUSE_MIN free records. The
+   * engine reserved its concurrency at create, so this take never
+   * allocates and never fails; the check guards the invariant. It comes
+   * before admission, so that even this failure changes nothing (no id
+   * taken, no admission counted or logged). */
+  c = akv_rec_take(&akv_context_records);
+  if (c == NULL)
+    return akv_fail(e, AKV_ERR_OUT_OF_MEMORY, "context_open: no context handle record");
   /* Every open that reaches admission takes a fresh id, refused ones included
    * (explain names them). */
   const uint32_t id = akv_next_context_id(e);
   st = akv_adm_admit(e->adm, e->step, slot, id, cc.target_pages, cc.burst_pages);
   if (st != AKV_OK) {
     char why[900];
+    akv_rec_untake(&akv_context_records, c); /* never handed out: back to the head */
     e->refused_asked_target = asked_target;
     e->refused_target = cc.target_pages;
     e->refused_queue = false;
     akv_admission_explain(e, NULL, why, sizeof(why));
     return akv_fail(e, st, "context_open: %s", why);
-  }
-  /* A record of the process-wide pool, in FIFO order: a closed handle
-   * queues behind at least AKV_CONTEXT_HANDLE_REUSE_MIN free records. The
-   * engine reserved its concurrency at create, so this take never
-   * allocates and never fails; the check guards the invariant. */
-  c = akv_rec_take(&akv_context_records);
-  if (c == NULL) {
-    akv_adm_release(e->adm, e->step, slot);
-    return akv_fail(e, AKV_ERR_OUT_OF_MEMORY, "context_open: no context handle record");
   }
   c->engine = e;
   c->slot = slot;

@@ -110,14 +110,15 @@ static uint32_t akv_hr_alloc_chunks(akv_engine *e, uint32_t want, const char *wh
 }
 
 /* Frees chunks [from, hr_chunks): only where no reader can be in flight
- * (see the invariant at the top). */
-static void akv_hr_free_from(akv_engine *e, uint32_t from) {
+ * (see the invariant at the top). `given_back` counts them in
+ * bytes_released; a take that undoes its own allocations does not. */
+static void akv_hr_free_from(akv_engine *e, uint32_t from, bool given_back) {
   while (e->hr_chunks > from) {
     const uint32_t c = --e->hr_chunks;
     akv_bk_device_free(&e->bk, e->hr_chunk[c]);
     e->hr_chunk[c] = NULL;
     e->device_allocated -= e->hr_alloc_bytes;
-    e->hr_bytes_released += e->hr_alloc_bytes;
+    if (given_back) e->hr_bytes_released += e->hr_alloc_bytes;
   }
 }
 
@@ -234,15 +235,21 @@ static akv_status akv_hr_give_back(akv_engine *e, uint32_t n) {
 #endif
   akv_status st = akv_adm_headroom_remove(e->adm, e->step, n * e->hr_chunk_pages);
   if (st != AKV_OK) return akv_fail(e, st, "headroom release: admission refused the removal");
-  akv_hr_free_from(e, e->hr_chunks - n);
+  akv_hr_free_from(e, e->hr_chunks - n, true);
   return AKV_OK;
 }
 
 akv_status akv_headroom_apply_pending(akv_engine *e) {
   const uint32_t n = e->hr_pending_chunks;
   if (n == 0) return AKV_OK;
-  e->hr_pending_chunks = 0;
-  return akv_hr_give_back(e, n);
+  /* The chunks stop being pending only once given back: a refused give-back
+   * keeps them pending (akv_headroom_info.pages_pending) and present. Not
+   * reachable from the public API: both callers (step_end, a quarantine
+   * that proved completion) run it with no step open and no lease live, and
+   * admission holds the pages of every present chunk. */
+  akv_status st = akv_hr_give_back(e, n);
+  if (st == AKV_OK) e->hr_pending_chunks = 0;
+  return st;
 }
 
 AKV_API akv_status akv_headroom_release(akv_engine *e, uint64_t bytes, uint64_t *freed_now,
@@ -301,18 +308,28 @@ AKV_API akv_status akv_headroom_take(akv_engine *e, uint64_t bytes, uint64_t *ta
   if (e->step_open || e->hr_pending_chunks > 0)
     return akv_fail(e, AKV_ERR_STEP_STATE,
                     "headroom_take: only outside a step, with no release pending");
-  if (taken) *taken = 0;
-  if (e->hr_alloc_bytes == 0) return AKV_OK;
-  if (akv_bk_mem_info(&e->bk, &free_b, &total, &peak) != AKV_OK) free_b = 0;
-  const uint64_t avail = free_b > e->hr_reserve_bytes ? free_b - e->hr_reserve_bytes : 0;
-  const uint64_t limit = bytes < avail ? bytes : avail;
-  const uint64_t want = limit / e->hr_alloc_bytes;
-  const uint32_t room = e->hr_max_chunks - e->hr_chunks;
-  const uint32_t n = akv_hr_alloc_chunks(e, want > room ? room : (uint32_t)want, "take");
-  if (n == 0) return AKV_OK;
-  st = akv_adm_headroom_add(e->adm, e->step, n * e->hr_chunk_pages);
-  if (st != AKV_OK) return akv_fail(e, st, "headroom_take: admission refused the pages");
-  e->hr_takes++;
+  uint32_t n = 0;
+  if (e->hr_alloc_bytes > 0) {
+    if (akv_bk_mem_info(&e->bk, &free_b, &total, &peak) != AKV_OK) free_b = 0;
+    const uint64_t avail = free_b > e->hr_reserve_bytes ? free_b - e->hr_reserve_bytes : 0;
+    const uint64_t limit = bytes < avail ? bytes : avail;
+    const uint64_t want = limit / e->hr_alloc_bytes;
+    const uint32_t room = e->hr_max_chunks - e->hr_chunks;
+    const uint32_t from = e->hr_chunks;
+    n = akv_hr_alloc_chunks(e, want > room ? room : (uint32_t)want, "take");
+    /* Admission refuses only more pages than its headroom range has room
+     * for; n chunks fit the room left, since the chunks present and
+     * admission's headroom pages move together (chunk_pages per chunk, at
+     * create, take and give-back). Not reachable from the public API, then;
+     * should it refuse, the chunks just allocated are freed again, counted
+     * nowhere, and the call changes nothing. */
+    if (n > 0 && (st = akv_adm_headroom_add(e->adm, e->step, n * e->hr_chunk_pages)) != AKV_OK) {
+      akv_hr_free_from(e, from, false);
+      return akv_fail(e, st, "headroom_take: admission refused the pages");
+    }
+    if (n > 0) e->hr_takes++;
+  }
+  /* akv.h: outputs are written on success only, *taken = 0 included. */
   if (taken) *taken = (uint64_t)n * e->hr_alloc_bytes;
   return AKV_OK;
 }

@@ -319,6 +319,14 @@ void akv_ticket_release(akv_engine *e, uint32_t slot);
  * least (sink + newest page; fewer only when a context has fewer pages). */
 uint32_t akv_admission_floor(const akv_engine *e);
 
+/* copy.c */
+/* Submits n copies on q as one batch (akv_bk_copy_batch) and counts it in
+ * the engine's copies_* and bytes_* of `dir` once the backend accepted it:
+ * the only place those counters move. Copies that akv_engine_info counts
+ * nowhere (poison_holes fills) go to akv_bk_copy_batch directly. */
+akv_status akv_copy_submit(akv_engine *e, akv_bqueue *q, akv_copy_dir dir, size_t n,
+                           void *const *dst, const void *const *src, const size_t *bytes);
+
 /* stream.c */
 /* The backend queue of a stream the caller passed, or NULL: where the
  * backend makes it possible (host backend), only a live stream this engine

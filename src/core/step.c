@@ -14,14 +14,8 @@
 static akv_status akv_step_flush_fills(akv_engine *e, size_t *n) {
   akv_status st = AKV_OK;
   if (*n == 0) return AKV_OK;
-  st = akv_bk_copy_batch(&e->bk, e->q_h2d, AKV_COPY_H2D, *n, e->sc_fill.dst,
-                         (const void *const *)e->sc_fill.src, e->sc_fill.bytes);
-  /* Invariant (akv.h, akv_engine_info): only a submitted batch counts, in
-   * copies_h2d and with its bytes in bytes_h2d. */
-  if (st == AKV_OK) {
-    e->copies_h2d++;
-    for (size_t i = 0; i < *n; i++) e->bytes_h2d += e->sc_fill.bytes[i];
-  }
+  st = akv_copy_submit(e, e->q_h2d, AKV_COPY_H2D, *n, e->sc_fill.dst,
+                       (const void *const *)e->sc_fill.src, e->sc_fill.bytes);
   *n = 0;
   return st;
 }
@@ -99,12 +93,11 @@ static akv_status akv_step_publish_map(akv_engine *e, akv_context *const *ctxs, 
       row[p] = phys == AKV_ADM_NONE ? AKV_PAGE_STAGED : e->page_entry[phys];
     }
   }
-  const uint64_t bytes = (uint64_t)n * stride * sizeof(uint32_t);
-  AKV_CHECK(akv_bk_copy(&e->bk, e->q_h2d, AKV_COPY_H2D, e->page_map_dev, e->page_map_host, bytes));
-  /* Invariant (akv.h, akv_engine_info): a copy counted in copies_h2d has
-   * its bytes counted in bytes_h2d, the page map's as the rows'. */
-  e->copies_h2d++;
-  e->bytes_h2d += bytes;
+  /* Counted in copies_h2d and bytes_h2d as the rows' copies are. */
+  void *dst = e->page_map_dev;
+  const void *src = e->page_map_host;
+  const size_t bytes = (size_t)n * stride * sizeof(uint32_t); /* <= page_map_bytes */
+  AKV_CHECK(akv_copy_submit(e, e->q_h2d, AKV_COPY_H2D, 1, &dst, &src, &bytes));
   return AKV_OK;
 fail:
   return akv_transport_failed(e, st, "page map");
@@ -138,13 +131,19 @@ AKV_API akv_status akv_step_begin(akv_engine *e, akv_context *const *ctxs, uint3
       return akv_fail(e, AKV_ERR_CAPACITY, "step_begin: context %u holds max_tokens=%u rows",
                       ctxs[i]->id, e->cfg.max_tokens);
   }
-  e->step++;
+  /* The boundary being opened; e->step takes it only at the end, once the
+   * begin succeeded (see the invariant there). */
+  const uint64_t step = e->step + 1;
   if (e->n_pages + e->hr_max_pages > 0) {
     for (uint32_t i = 0; i < n; i++) {
       e->adm_req[i].slot = ctxs[i]->slot;
       e->adm_req[i].full_pages = ctxs[i]->len / e->cfg.page_tokens;
     }
-    st = akv_adm_step(e->adm, e->step, e->adm_req, n);
+    /* Unreachable from the public API: admission refuses only requests the
+     * checks above already refused (a slot not admitted: every open
+     * context's is; more full pages than a slot tracks: len + 1 <=
+     * max_tokens; a slot listed twice), and changes nothing when it does. */
+    st = akv_adm_step(e->adm, step, e->adm_req, n);
     if (st != AKV_OK) return akv_fail(e, st, "step_begin: admission step failed");
     st = akv_step_fill_pages(e);
     if (st != AKV_OK) return st;
@@ -154,6 +153,13 @@ AKV_API akv_status akv_step_begin(akv_engine *e, akv_context *const *ctxs, uint3
    * free: every entry AKV_PAGE_STAGED); otherwise attention would read a map
    * nothing ever wrote. */
   if (e->page_map_dev != NULL && (st = akv_step_publish_map(e, ctxs, n)) != AKV_OK) return st;
+  /* Invariant (akv.h: a failing call changes nothing): the step counter
+   * counts the boundaries that opened. It moves here, with step_open, and
+   * nowhere before: a begin refused by a check, or one whose fills or page
+   * map could not be submitted (admission had moved residency: the
+   * transport is failed, and the admission log names the boundary that did
+   * not open), leaves it as it was. */
+  e->step = step;
   for (uint32_t i = 0; i < n; i++) {
     e->step_ctx[i] = ctxs[i];
     ctxs[i]->in_step = true;
