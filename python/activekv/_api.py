@@ -104,6 +104,18 @@ def _uint(value: Any, what: str, hi: int = _U32_MAX) -> int:
     return int(value)
 
 
+def _target_pages(value: Any, what: str) -> int:
+    """An explicit device target in pages: as _uint, but below UINT32_MAX,
+    which the library reads as AKV_TARGET_FAIR_SHARE (the fair share is
+    asked for with None, never with that number)."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and \
+            int(value) == L.AKV_TARGET_FAIR_SHARE:
+        raise InvalidArgument.make(
+            f"{what}={value!r}: out of range 0..{L.AKV_TARGET_FAIR_SHARE - 1} (that value is "
+            "AKV_TARGET_FAIR_SHARE to the library; pass None for the fair share)")
+    return _uint(value, what, L.AKV_TARGET_FAIR_SHARE - 1)
+
+
 def _check(status: int, engine_handle: Optional[int] = None, what: str = "") -> None:
     """Raises the status's exception unless it is AKV_OK."""
     if status == 0:
@@ -884,11 +896,13 @@ class Engine(_ClosedOnExit):
     @_guarded
     def open_context(self, target_pages: Optional[int] = None, burst_pages: int = 0) -> "Context":
         """Opens a context (akv_context_open): a host slot and its device
-        target (None: the fair share, pool / concurrency). Not inside a step.
-        Raises RefusedQueue (no host slot: queue it), AdmissionRefused,
-        StepState, Config, InvalidArgument, Quarantined."""
+        target (None: the fair share, pool / concurrency; an explicit target
+        lies in 0..2**32 - 2, as 2**32 - 1 is the library's fair-share
+        sentinel). Not inside a step. Raises RefusedQueue (no host slot:
+        queue it), AdmissionRefused, StepState, Config, InvalidArgument,
+        Quarantined."""
         target = (L.AKV_TARGET_FAIR_SHARE if target_pages is None
-                  else _uint(target_pages, "open_context: target_pages"))
+                  else _target_pages(target_pages, "open_context: target_pages"))
         burst = _uint(burst_pages, "open_context: burst_pages")
         cc = L.akv_context_config(ctypes.sizeof(L.akv_context_config), L.AKV_CONFIG_VERSION,
                                   target, burst)

@@ -73,7 +73,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the opti
 
 import activekv as akv
 from activekv import _lib
-from activekv._api import _Export, _uint
+from activekv._api import _Export, _target_pages, _uint
 from activekv.errors import (
     STATUS_VALUES,
     ActiveKVError,
@@ -1057,7 +1057,7 @@ class ActiveKVCache(Cache):
         # Checked before the engine exists; they are used only when the first update opens
         # the contexts, which would refuse them then, on every update.
         if target_pages is not None:
-            _uint(target_pages, "ActiveKVCache: target_pages")
+            _target_pages(target_pages, "ActiveKVCache: target_pages")
         _uint(burst_pages, "ActiveKVCache: burst_pages")
         if not isinstance(hooks, bool):
             raise TypeError("ActiveKVCache: hooks=%r is not a bool" % (hooks,))
