@@ -480,8 +480,22 @@ def _torch_stream_handle(stream: Any) -> int:
 LogFn = Callable[[str, str], None]
 
 
-# Set while this thread runs a log callback (see Engine._enter).
+# Per thread: ``logging``, the engines whose log callback runs on it now
+# (Engine._enter refuses calls on them); ``calls``, how many engine calls it
+# is in (create included); ``interrupt``, a KeyboardInterrupt or SystemExit
+# a log callback raised during one of them, which the call raises once the
+# library returned (Engine._on_log, Engine._leave).
 _TLS = threading.local()
+
+
+def _tls_calls(delta: int) -> int:
+    n = getattr(_TLS, "calls", 0) + delta
+    _TLS.calls = n
+    return n
+
+
+def _take_interrupt() -> Optional[BaseException]:
+    return _TLS.__dict__.pop("interrupt", None)
 
 
 def _guarded(fn: Callable) -> Callable:
@@ -547,7 +561,11 @@ class Engine(_ClosedOnExit):
     (host backend: model a device of that many bytes, for tests). ``log``
     is a callable(level, message) receiving every log line (from any thread
     the library logs on); None (default) keeps the library's default,
-    stderr.
+    stderr. An exception the callback raises is reported as unraisable
+    (sys.unraisablehook) and the library goes on; a KeyboardInterrupt or
+    SystemExit raised in it during an engine call on the same thread is
+    raised by that call once the library returned. The callback must not
+    call the engine that is logging (Busy); other engines it may.
 
     Allocates everything at creation (akv_engine_create). Not thread-safe:
     use it and its contexts, leases and streams from one thread at a time.
@@ -588,7 +606,16 @@ class Engine(_ClosedOnExit):
         c.log_fn = self._log_cb
         self._cfg = c
         h = ctypes.c_void_p()
-        st = lib.akv_engine_create(ctypes.byref(c), ctypes.byref(h))
+        _tls_calls(+1)
+        try:
+            st = lib.akv_engine_create(ctypes.byref(c), ctypes.byref(h))
+        finally:
+            _tls_calls(-1)
+        interrupt = _take_interrupt()
+        if interrupt is not None:  # Ctrl-C in the log callback: no engine for the caller
+            if st == 0:
+                lib.akv_engine_destroy(h.value)
+            raise interrupt
         if st != 0:
             msg = "; ".join(self._create_errors) or lib.akv_status_string(st).decode()
             raise error_for(st, f"engine create: {msg}")
@@ -602,17 +629,28 @@ class Engine(_ClosedOnExit):
         if level == 0:
             self._create_errors.append(text)
             del self._create_errors[:-4]
-        outer = getattr(_TLS, "in_log", False)
-        _TLS.in_log = True
-        try:
-            if self._log is not None:
-                self._log(name, text)
-            else:
+        if self._log is None:
+            with contextlib.suppress(Exception):  # stderr closed (interpreter exit)
                 sys.stderr.write(f"activekv {name}: {text}\n")
-        except BaseException:  # noqa: BLE001 - a callback must not unwind into C
-            pass
+            return
+        logging = _TLS.__dict__.setdefault("logging", [])
+        logging.append(self)
+        try:
+            self._log(name, text)
+        except Exception:
+            # Nothing can unwind into C: ctypes reports it (sys.unraisablehook,
+            # "Exception ignored on calling ctypes callback function") and the
+            # library goes on.
+            raise
+        except BaseException as exc:  # KeyboardInterrupt, SystemExit
+            if getattr(_TLS, "calls", 0) <= 0:
+                raise  # a library thread: reported as above
+            # held for the engine call on this thread to raise once the
+            # library returned (Engine._leave; Engine.__init__ for create)
+            if getattr(_TLS, "interrupt", None) is None:
+                _TLS.interrupt = exc
         finally:
-            _TLS.in_log = outer
+            logging.pop()
 
     # -- one call at a time
     def _enter(self, what: str) -> bool:
@@ -620,11 +658,12 @@ class Engine(_ClosedOnExit):
         when it took the engine (the caller then calls _leave), False for a
         call nested in one this thread already makes. Raises Busy when
         another thread is in a call (akv.h: one thread at a time; detected
-        here instead of racing inside the library), or when called from a
-        log callback (the library is inside one of its own calls then)."""
-        if getattr(_TLS, "in_log", False):
-            raise Busy.make(f"{what}: called from a log callback; the callback runs inside the "
-                            "library's own calls and must not call the engine")
+        here instead of racing inside the library), or when called from the
+        engine's own log callback (the library is inside one of the engine's
+        calls then; another engine may be called there, as akv.h allows)."""
+        if any(e is self for e in getattr(_TLS, "logging", ())):
+            raise Busy.make(f"{what}: called from the engine's log callback; the callback runs "
+                            "inside the engine's own calls and must not call it")
         me = threading.get_ident()
         if self._owner == me:
             return False
@@ -632,11 +671,19 @@ class Engine(_ClosedOnExit):
             raise Busy.make(f"{what}: the engine is in a call on another thread; an engine and "
                             "everything made from it are used from one thread at a time")
         self._owner = me
+        _tls_calls(+1)
         return True
 
     def _leave(self) -> None:
+        """Ends the call _enter began. Raises the KeyboardInterrupt (or
+        SystemExit) a log callback raised during the call, now that the
+        library returned."""
         self._owner = None
         self._lock.release()
+        _tls_calls(-1)
+        interrupt = _take_interrupt()
+        if interrupt is not None:
+            raise interrupt
 
     # -- zero-copy exports (see _Export)
     def _export_add(self) -> None:

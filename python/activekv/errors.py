@@ -179,8 +179,8 @@ Quarantined = _cls("Quarantined", TransportError, "AKV_ERR_QUARANTINED",
                    "The transport failed earlier; only diagnostics, quarantine, close.")
 Busy = _cls("Busy", UsageError, "AKV_ERR_BUSY",
             "Close with live work; nothing was freed. Also raised by the package when an "
-            "engine is called from a second thread while another is in a call, or from a "
-            "log callback; nothing changed.")
+            "engine is called from a second thread while another is in a call, or from its "
+            "own log callback; nothing changed.")
 UncertainFence = _cls("UncertainFence", TransportError, "AKV_ERR_UNCERTAIN_FENCE",
                       "Quarantine could not establish completion; everything stays retained.")
 NotSupported = _cls("NotSupported", ConfigError, "AKV_ERR_NOT_SUPPORTED",
