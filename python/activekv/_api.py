@@ -516,6 +516,16 @@ def _guarded(fn: Callable) -> Callable:
     return call
 
 
+# _Ending: the calls that end a handle (akv_engine_destroy, akv_context_close,
+# akv_stream_destroy, akv_lease_retire / _try_retire) run with the object's
+# handle already cleared, and give it back only when the library refused
+# (nothing changed then). A KeyboardInterrupt raised as such a call returns
+# (a Ctrl-C during a blocking retire is raised at the first bytecode after
+# it) so leaves a dead object, never one holding a dead handle: the library
+# hands dead handle records out again ("Handle lifetimes" in akv.h), and the
+# object would later close, retire or destroy whatever newer object got it.
+
+
 class _NotCopyable:
     """Objects that name a C handle are not copied: a copy would keep the
     handle after the original closed, retired or destroyed it, and the
@@ -766,8 +776,11 @@ class Engine(_ClosedOnExit):
             if not self._exports:  # the last one went meanwhile
                 self._destroy_pending()
         else:
+            # the handle goes before the call (see _Ending), back only on a refusal
+            self._handle = None
             st = lib.akv_engine_destroy(h)
             if st != 0:
+                self._handle = h
                 _check(st, h, "engine close")
         self._handle = None
         for ctx in list(self._contexts):
@@ -1090,9 +1103,11 @@ class Stream(_NotCopyable):
         if self._handle is None or self._engine._handle is None:
             self._handle = None
             return
-        _check(lib.akv_stream_destroy(self._engine._handle, self._handle), self._engine._handle,
-               "stream destroy")
-        self._handle = None
+        h, self._handle = self._handle, None  # see _Ending
+        st = lib.akv_stream_destroy(self._engine._handle, h)
+        if st != 0:
+            self._handle = h
+            _check(st, self._engine._handle, "stream destroy")
         with contextlib.suppress(ValueError):
             self._engine._streams.remove(self)
 
@@ -1232,8 +1247,11 @@ class Context(_ClosedOnExit):
         if self._handle is None or self._engine._handle is None:
             self._handle = None
             return
-        _check(lib.akv_context_close(self._handle), self._engine._handle, "context close")
-        self._handle = None
+        h, self._handle = self._handle, None  # see _Ending
+        st = lib.akv_context_close(h)
+        if st != 0:
+            self._handle = h
+            _check(st, self._engine._handle, "context close")
         self._engine._contexts.discard(self)
 
     def __repr__(self) -> str:
@@ -1329,8 +1347,11 @@ class Lease(_NotCopyable):
         Backend (nothing released), Quarantined."""
         h = self._h()
         r = L.akv_receipt()
-        _check(lib.akv_lease_retire(h, ctypes.byref(r)), self._engine._handle, "retire")
-        self._handle = None
+        self._handle = None  # see _Ending
+        st = lib.akv_lease_retire(h, ctypes.byref(r))
+        if st != 0:
+            self._handle = h
+            _check(st, self._engine._handle, "retire")
         return _receipt(r)
 
     @_guarded
@@ -1345,11 +1366,13 @@ class Lease(_NotCopyable):
         h = self._h()
         _need("akv_lease_try_retire")
         r = L.akv_receipt()
+        self._handle = None  # see _Ending
         st = lib.akv_lease_try_retire(h, ctypes.byref(r))
-        if st == _NOT_READY:
-            return None
-        _check(st, self._engine._handle, "try_retire")
-        self._handle = None
+        if st != 0:
+            self._handle = h
+            if st == _NOT_READY:
+                return None
+            _check(st, self._engine._handle, "try_retire")
         return _receipt(r)
 
 

@@ -785,19 +785,27 @@ class _Driver:
         fn = self.api.try_retire
         sealed = self.sealed
         while sealed:
-            st = fn(sealed[0], self.receipt_ref)
+            lease = sealed.pop(0)  # off the list before the call: see retire_all
+            st = fn(lease, self.receipt_ref)
             if st != 0:
+                sealed.insert(0, lease)
                 if st != _NOT_READY:
                     self.check(st, "lease_try_retire")
                 return  # fences pending: nothing changed; retire() at the boundary waits
-            sealed.pop(0)
             self.retired_early += 1
 
     def retire_all(self) -> None:
+        """Retires the sealed leases, oldest first (blocking). Each is taken off the list
+        before its call and put back only when the library refused: a KeyboardInterrupt
+        raised as a retire returns (a Ctrl-C during the wait) leaves no retired lease on the
+        list, whose dead handle the library hands to a newer lease later."""
         sealed = self.sealed
         while sealed:
-            self.check(self.api.retire(sealed[0], self.receipt_ref), "lease_retire")
-            sealed.pop(0)
+            lease = sealed.pop(0)
+            st = self.api.retire(lease, self.receipt_ref)
+            if st != 0:
+                sealed.insert(0, lease)
+                self.check(st, "lease_retire")
             self.retired_blocking += 1
 
     # -- teardown -----------------------------------------------------------

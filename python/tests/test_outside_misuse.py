@@ -175,3 +175,150 @@ def test_cache_target_pages_of_the_fair_share_sentinel_is_refused(destroys):
         ActiveKVCache(config=config, device="cpu", dtype=torch.float32, max_cache_len=16,
                       page_tokens=4, target_pages=0xFFFFFFFF, log=quiet)
     assert destroys == []  # refused before any engine was made
+
+
+# ------------------------------------------------------------ Ctrl-C right after a C call
+
+
+def interrupted_after(monkeypatch, name):
+    """Makes lib.<name> run the real call, then raise KeyboardInterrupt, as a
+    Ctrl-C pressed during the call is raised at the first bytecode after it
+    returned (the retire of a step waits on the host: a likely moment).
+    Returns the list of the real call's arguments, one entry per call."""
+    real = getattr(akv._api.lib, name)
+    calls = []
+
+    def call(*args):
+        calls.append(args)
+        real(*args)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(akv._api.lib, name, call)
+    return calls
+
+
+def test_engine_close_interrupted_after_the_destroy_leaves_it_closed(monkeypatch, destroys):
+    """The destroy ran, but the engine kept its handle: close again (or the
+    garbage collector's close) called the library on the dead engine, and
+    once its handle record is handed out again (akv.h, "Handle lifetimes")
+    would destroy a newer engine of someone else's."""
+    eng = akv.Engine(**small())
+    with monkeypatch.context() as m:
+        interrupted_after(m, "akv_engine_destroy")
+        with pytest.raises(KeyboardInterrupt):
+            eng.close()
+    assert len(destroys) == 1
+    eng.close()  # a no-op: the engine is closed
+    assert len(destroys) == 1
+    with pytest.raises(akv.BadHandle, match="closed"):
+        eng.info()
+    assert repr(eng) == "<activekv.Engine closed>"
+
+
+def test_context_close_interrupted_after_the_close_leaves_it_closed(monkeypatch):
+    with akv.Engine(**small()) as eng:
+        ctx = eng.open_context()
+        with monkeypatch.context() as m:
+            calls = interrupted_after(m, "akv_context_close")
+            with pytest.raises(KeyboardInterrupt):
+                ctx.close()
+        assert len(calls) == 1
+        ctx.close()  # a no-op: the context is closed
+        with pytest.raises(akv.BadHandle, match="closed"):
+            ctx.length
+        eng.open_context().close()  # its host slot is free again
+
+
+def test_lease_retire_interrupted_after_the_retire_leaves_it_retired(monkeypatch):
+    """A retired lease's handle record is handed to a later lease of the
+    engine (15 steps on): the object that kept it would retire that one."""
+    with akv.Engine(**small()) as eng:
+        ctx = eng.open_context()
+        k = np.zeros((L, 2, H, D), np.float32)
+        ctx.append(k, k)
+        with eng.step([ctx]):
+            for layer in range(L):
+                lease = eng.lease_begin(layer)
+                lease.wait_ready()
+                attn = lease.mark_consumed()
+                lease.seal(lease.write_back(), attn)
+                if layer == 0:
+                    with monkeypatch.context() as m:
+                        calls = interrupted_after(m, "akv_lease_retire")
+                        with pytest.raises(KeyboardInterrupt):
+                            lease.retire()
+                    assert len(calls) == 1
+                    with monkeypatch.context() as m:
+                        calls = interrupted_after(m, "akv_lease_retire")
+                        with pytest.raises(akv.BadHandle, match="retired"):
+                            lease.retire()
+                        assert calls == []  # refused without reaching the library
+                else:
+                    lease.retire()
+        assert len(ctx) == 3
+
+
+def test_stream_destroy_interrupted_after_the_destroy_leaves_it_destroyed(monkeypatch):
+    with akv.Engine(**small()) as eng:
+        stream = eng.stream_create()
+        with monkeypatch.context() as m:
+            calls = interrupted_after(m, "akv_stream_destroy")
+            with pytest.raises(KeyboardInterrupt):
+                stream.destroy()
+        assert len(calls) == 1
+        stream.destroy()  # a no-op: the stream is destroyed
+        with pytest.raises(akv.BadHandle, match="destroyed"):
+            stream.synchronize()
+    # the engine closed (its close destroys the streams it still lists)
+
+
+def test_cache_update_interrupted_in_the_boundary_retire_can_be_retried(monkeypatch):
+    """ActiveKVCache retires the step's leases at the next step's first
+    update (blocking: where a Ctrl-C lands). A lease retired as the
+    interrupt came stayed on the cache's list: the retried update passed its
+    dead handle to the library again (BadHandle: the cache was stuck; once
+    the record is handed out again, a newer lease would be retired)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig
+
+    from activekv.transformers import ActiveKVCache
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         vocab_size=64)
+    g = torch.Generator().manual_seed(7)
+
+    def kv(t):
+        return torch.randn(1, 2, t, 8, generator=g), torch.randn(1, 2, t, 8, generator=g)
+
+    with ActiveKVCache(config=config, device="cpu", dtype=torch.float32, max_cache_len=16,
+                       page_tokens=4, log=quiet) as cache:
+        for layer in range(2):
+            cache.update(*kv(3), layer)  # the prompt
+        step1 = [kv(1) for _ in range(2)]
+        for layer in range(2):
+            cache.update(*step1[layer], layer)
+        drv = cache._driver
+        real = drv.api.retire
+
+        def interrupted(*args):
+            st = real(*args)
+            assert st == 0
+            raise KeyboardInterrupt
+
+        step2 = [kv(1) for _ in range(2)]
+        monkeypatch.setattr(drv.api, "retire", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            cache.update(*step2[0], 0)  # the boundary: step 1's first retire is cut short
+        monkeypatch.setattr(drv.api, "retire", real)
+        for layer in range(2):
+            cache.update(*step2[layer], layer)  # the same update again
+        cache.finish()
+        ctx = cache.contexts[0]
+        assert len(ctx) == 5
+        for layer in range(2):
+            k, v = ctx.read(layer, 3, 2)
+            for row, step in ((0, step1), (1, step2)):
+                assert np.array_equal(k[row], step[layer][0][0, :, 0].numpy())
+                assert np.array_equal(v[row], step[layer][1][0, :, 0].numpy())
