@@ -384,8 +384,9 @@ def _host_rows(obj: Any, dtype: str, what: str) -> np.ndarray:
         if obj.is_quantized:  # .numpy() would raise TypeError; their bytes are not rows
             raise InvalidArgument.make(f"{what}: a quantized {obj.dtype} tensor; rows are "
                                        "plain elements of the engine's dtype")
-        if obj.layout != torch.strided:
-            raise InvalidArgument.make(f"{what}: a {obj.layout} tensor; rows are dense")
+        if obj.layout != torch.strided or obj.is_nested:
+            kind = "nested" if obj.is_nested else str(obj.layout)
+            raise InvalidArgument.make(f"{what}: a {kind} tensor; rows are dense")
         if obj.device.type != "cpu":
             raise InvalidArgument.make(f"{what}: a {obj.device.type} tensor; rows are copied from "
                                        "host memory (pass a CPU tensor)")
@@ -399,7 +400,13 @@ def _host_rows(obj: Any, dtype: str, what: str) -> np.ndarray:
         # rows are only read: no autograd, and conj/neg bits made real
         obj = obj.detach().resolve_conj().resolve_neg()
         int_t = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[isz]
-        arr = obj.view(int_t).numpy() if obj.is_floating_point() else obj.numpy()
+        try:
+            arr = obj.view(int_t).numpy() if obj.is_floating_point() else obj.numpy()
+        except (RuntimeError, TypeError, NotImplementedError) as exc:
+            # a tensor subclass with no host elements of its own (fake,
+            # functional, ...): torch refuses to export it
+            raise InvalidArgument.make(f"{what}: a {type(obj).__name__} torch cannot export as "
+                                       f"host rows ({exc})") from exc
     else:
         if isinstance(obj, np.ma.MaskedArray) and np.ma.is_masked(obj):
             # np.asarray drops the mask: the hidden elements' data would be

@@ -322,3 +322,39 @@ def test_cache_update_interrupted_in_the_boundary_retire_can_be_retried(monkeypa
             for row, step in ((0, step1), (1, step2)):
                 assert np.array_equal(k[row], step[layer][0][0, :, 0].numpy())
                 assert np.array_equal(v[row], step[layer][1][0, :, 0].numpy())
+
+
+# ------------------------------------------------------------ rows that are no rows
+
+
+def _nested(torch):
+    return torch.nested.nested_tensor([torch.zeros(2, H, D)] * L)
+
+
+def _fake(torch):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        return torch.zeros(L, 2, H, D)
+
+
+@pytest.mark.parametrize("make", [_nested, _fake], ids=["nested", "fake"])
+def test_torch_tensors_without_host_elements_raise_invalid_argument(engine, make):
+    """A nested tensor (NotImplementedError from torch's view) and a fake
+    tensor (RuntimeError from .numpy()) escaped as torch's own errors instead
+    of the package's InvalidArgument."""
+    torch = pytest.importorskip("torch")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the nested tensor API's prototype warning
+        bad = make(torch)
+    good = torch.zeros(L, 2, H, D)
+    ctx = engine.open_context()
+    with pytest.raises(akv.InvalidArgument):
+        ctx.append(bad, good)
+    with pytest.raises(akv.InvalidArgument):
+        ctx.append(good, bad)
+    with pytest.raises(akv.InvalidArgument):
+        ctx.append_layer(0, bad[0] if make is _fake else bad, good[0])
+    assert len(ctx) == 0
