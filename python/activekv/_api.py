@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import dataclasses
 import functools
+import os
 import sys
 import threading
 import warnings
@@ -495,6 +496,23 @@ LogFn = Callable[[str, str], None]
 _TLS = threading.local()
 
 
+# Forks since import, as the child sees it (os.register_at_fork): an engine
+# made before a fork belongs to the parent. The child has its Python objects
+# but none of the library's threads, so a step there waits forever, and so
+# does its close (draining a host stream whose worker is not in the child):
+# Engine._enter refuses every call from the child, its garbage collection
+# included.
+_FORKS = [0]
+
+
+def _forked() -> None:
+    _FORKS[0] += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
+
+
 def _tls_calls(delta: int) -> int:
     n = getattr(_TLS, "calls", 0) + delta
     _TLS.calls = n
@@ -586,6 +604,8 @@ class Engine(_ClosedOnExit):
 
     Allocates everything at creation (akv_engine_create). Not thread-safe:
     use it and its contexts, leases and streams from one thread at a time.
+    Not fork-safe: in a child forked after creation every call raises
+    BadHandle (make an engine in the child).
     A context manager: leaving the block closes it.
 
     Raises: InvalidArgument (a field), Config, NoFit (refuse mode; the
@@ -595,6 +615,7 @@ class Engine(_ClosedOnExit):
 
     def __init__(self, *, log: Optional[LogFn] = None, **cfg: Any) -> None:
         self._handle: Optional[int] = None
+        self._forks, self._pid = _FORKS[0], os.getpid()  # see _FORKS
         # one call at a time (_enter): the lock and the thread holding it
         self._lock = threading.Lock()
         self._owner: Optional[int] = None
@@ -675,9 +696,14 @@ class Engine(_ClosedOnExit):
         when it took the engine (the caller then calls _leave), False for a
         call nested in one this thread already makes. Raises Busy when
         another thread is in a call (akv.h: one thread at a time; detected
-        here instead of racing inside the library), or when called from the
+        here instead of racing inside the library); BadHandle in a forked
+        child of the process that made the engine (_FORKS); Busy from the
         engine's own log callback (the library is inside one of the engine's
         calls then; another engine may be called there, as akv.h allows)."""
+        if self._forks != _FORKS[0]:
+            raise BadHandle.make(f"{what}: the engine was made in process {self._pid}, before a "
+                                 "fork; the library's threads and queues are not in this child "
+                                 "(make an engine here)")
         if any(e is self for e in getattr(_TLS, "logging", ())):
             raise Busy.make(f"{what}: called from the engine's log callback; the callback runs "
                             "inside the engine's own calls and must not call it")
@@ -712,6 +738,8 @@ class Engine(_ClosedOnExit):
             self._destroy_pending()
 
     def _destroy_pending(self) -> None:
+        if self._forks != _FORKS[0]:
+            return  # the parent's engine (see _FORKS): nothing to free here
         h = self._pending_destroy.pop("h", None)
         if h is None:
             return

@@ -358,3 +358,71 @@ def test_torch_tensors_without_host_elements_raise_invalid_argument(engine, make
     with pytest.raises(akv.InvalidArgument):
         ctx.append_layer(0, bad[0] if make is _fake else bad, good[0])
     assert len(ctx) == 0
+
+
+# ------------------------------------------------------------ fork
+
+
+def _in_forked_child(body, timeout=20.0):
+    """Runs body() in a forked child and returns its exit code (the child
+    reports with os._exit: 0 for success); None when it hung past
+    `timeout` (the child is killed then)."""
+    import os
+    import signal
+    import time
+
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            code = body()
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return None
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="no os.fork here")
+def test_engine_inherited_by_a_forked_child_is_refused_and_never_hangs():
+    """A forked child has the engine's Python object but none of the
+    library's threads: a step there hung in wait_ready, and so did the child's
+    exit, whose garbage collection closed the engine (draining a host stream
+    whose worker is not in the child). Every call from the child now raises
+    BadHandle, and the child's exit frees nothing and returns."""
+    eng = akv.Engine(**small())
+    ctx = eng.open_context()
+    k = np.zeros((L, 2, H, D), np.float32)
+    ctx.append(k, k)
+    stream = eng.stream_create()
+
+    def child():
+        for call in (eng.info, lambda: ctx.length, stream.synchronize,
+                     lambda: eng.step_begin([ctx]), eng.close, ctx.close, stream.destroy):
+            try:
+                call()
+                return 2  # reached the library
+            except akv.BadHandle as exc:
+                if "fork" not in str(exc):
+                    return 3
+        eng.__del__()  # what the child's exit runs: returns, frees nothing
+        return 0
+
+    assert _in_forked_child(child) == 0
+    # the parent's engine is untouched
+    with eng.step([ctx]):
+        for layer in range(L):
+            lease = eng.lease_begin(layer)
+            lease.wait_ready(stream)
+            attn = lease.mark_consumed()
+            lease.seal(lease.write_back(), attn)
+            lease.retire()
+    assert len(ctx) == 3
+    eng.close()
+
