@@ -1168,6 +1168,19 @@ class ActiveKVCache(Cache):
             if held:
                 engine._leave()
 
+    # A cache names C handles (its engine, contexts and leases) as the engine does: a copy
+    # would drive the same engine and step (rows decoded through it land in both) and close
+    # the other's engine. Refused like the engine's (TypeError).
+    def __copy__(self):
+        raise TypeError("an ActiveKVCache cannot be copied: it owns an engine and its contexts "
+                        "(make another cache)")
+
+    def __deepcopy__(self, memo):
+        self.__copy__()
+
+    def __reduce_ex__(self, protocol):
+        self.__copy__()
+
     def __enter__(self) -> "ActiveKVCache":
         return self
 

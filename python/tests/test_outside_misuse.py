@@ -426,3 +426,32 @@ def test_engine_inherited_by_a_forked_child_is_refused_and_never_hangs():
     assert len(ctx) == 3
     eng.close()
 
+
+# ------------------------------------------------------------ copies of a cache
+
+
+def test_cache_cannot_be_copied():
+    """copy.copy(cache) made a second Cache over the same engine, contexts
+    and step: decoding through either appended rows to both, and closing
+    either closed the other's engine, silently. A cache names C handles as
+    the engine does, and is refused like it (TypeError)."""
+    import copy
+    import pickle
+
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig
+
+    from activekv.transformers import ActiveKVCache
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         vocab_size=64)
+    with ActiveKVCache(config=config, device="cpu", dtype=torch.float32, max_cache_len=16,
+                       page_tokens=4, log=quiet) as cache:
+        for layer in range(2):
+            cache.update(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8), layer)
+        for make in (copy.copy, copy.deepcopy, pickle.dumps):
+            with pytest.raises(TypeError, match="ActiveKVCache cannot be copied"):
+                make(cache)
+        assert cache.get_seq_length() == 3
