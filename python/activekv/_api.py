@@ -542,8 +542,9 @@ def _guarded(fn: Callable) -> Callable:
 
 
 # _Ending: the calls that end a handle (akv_engine_destroy, akv_context_close,
-# akv_stream_destroy, akv_lease_retire / _try_retire) run with the object's
-# handle already cleared, and give it back only when the library refused
+# akv_stream_destroy, akv_lease_retire / _try_retire, and
+# akv_engine_quarantine for the leases it releases) run with the objects'
+# handles already cleared, and give them back only when the library refused
 # (nothing changed then). A KeyboardInterrupt raised as such a call returns
 # (a Ctrl-C during a blocking retire is raised at the first bytecode after
 # it) so leaves a dead object, never one holding a dead handle: the library
@@ -975,16 +976,25 @@ class Engine(_ClosedOnExit):
         success leases and tickets are released; raises UncertainFence when
         completion could not be established (everything stays retained)."""
         r = L.out_struct(L.akv_quarantine_report)
-        st = lib.akv_engine_quarantine(self._h(), ctypes.byref(r))
+        h = self._h()
+        # What a quarantine that establishes completion does (the leases
+        # released, their handles dead; the step ended) is recorded before the
+        # call and undone only when it did not (see _Ending).
+        held = [(lease, lease._handle) for lease in list(self._leases)]
+        before = (self._step_open, self._quarantined)
+        for lease, _ in held:
+            lease._handle = None
+        self._step_open, self._quarantined = False, True
+        st = lib.akv_engine_quarantine(h, ctypes.byref(r))
+        if st != 0:
+            self._step_open, self._quarantined = before
+            for lease, lh in held:
+                lease._handle = lh
         self._retained = st == STATUS_VALUES["AKV_ERR_UNCERTAIN_FENCE"]
         report = QuarantineReport(bool(r.h2d_ok), bool(r.d2h_ok), bool(r.d2d_ok),
                                   bool(r.device_ok), r.leases_released, r.tickets_released,
                                   r.retained_leases, r.uncertain.decode(errors="replace"))
         _check(st, self._handle, "quarantine")
-        self._step_open = False  # completion established: leases released, the step ended
-        self._quarantined = True
-        for lease in list(self._leases):  # released: their handles are dead
-            lease._handle = None
         return report
 
     # -- contexts and steps

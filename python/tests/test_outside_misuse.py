@@ -197,6 +197,19 @@ def interrupted_after(monkeypatch, name):
     return calls
 
 
+def reached(monkeypatch, name):
+    """Records the calls that reach lib.<name> (passed on unchanged)."""
+    real = getattr(akv._api.lib, name)
+    calls = []
+
+    def call(*args):
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(akv._api.lib, name, call)
+    return calls
+
+
 def test_engine_close_interrupted_after_the_destroy_leaves_it_closed(monkeypatch, destroys):
     """The destroy ran, but the engine kept its handle: close again (or the
     garbage collector's close) called the library on the dead engine, and
@@ -249,13 +262,40 @@ def test_lease_retire_interrupted_after_the_retire_leaves_it_retired(monkeypatch
                             lease.retire()
                     assert len(calls) == 1
                     with monkeypatch.context() as m:
-                        calls = interrupted_after(m, "akv_lease_retire")
+                        calls = reached(m, "akv_lease_retire")
                         with pytest.raises(akv.BadHandle, match="retired"):
                             lease.retire()
                         assert calls == []  # refused without reaching the library
                 else:
                     lease.retire()
         assert len(ctx) == 3
+
+
+def test_quarantine_interrupted_after_it_ran_leaves_its_leases_dead_and_the_step_ended(
+        monkeypatch, destroys):
+    """Quarantine blocks (it synchronizes every queue and the device): a
+    Ctrl-C there is raised once it returned. The leases it released kept
+    their handles and the step read as open: close() raised Busy, and a
+    later step_begin could hand those records to new leases."""
+    eng = akv.Engine(**small())
+    ctx = eng.open_context()
+    k = np.zeros((L, 2, H, D), np.float32)
+    ctx.append(k, k)
+    eng.step_begin([ctx])
+    lease = eng.lease_begin(0)
+    lease.wait_ready()
+    with monkeypatch.context() as m:
+        calls = interrupted_after(m, "akv_engine_quarantine")
+        with pytest.raises(KeyboardInterrupt):
+            eng.quarantine()
+    assert len(calls) == 1
+    with monkeypatch.context() as m:
+        calls = reached(m, "akv_lease_retire")
+        with pytest.raises(akv.BadHandle, match="retired"):
+            lease.retire()
+        assert calls == []  # refused without reaching the library
+    eng.close()  # the quarantine ended the step: nothing refuses the close
+    assert len(destroys) == 1
 
 
 def test_stream_destroy_interrupted_after_the_destroy_leaves_it_destroyed(monkeypatch):
