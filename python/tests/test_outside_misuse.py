@@ -1,6 +1,8 @@
 """Misuse by an outside caller that the earlier misuse tests did not reach:
-log callbacks that raise, are interrupted or drop other engines, and
-sentinel values given as plain integers.
+log callbacks that raise, are interrupted or drop other engines; sentinel
+values given as plain integers; Ctrl-C right after a call that ends
+handles; torch tensors with no host elements; engines inherited by a forked
+child; copies of a transformers cache.
 
 Each test fails on the package before its fix. Host backend, no GPU needed.
 """
