@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import dataclasses
 import functools
+import os
 import sys
 import threading
 import warnings
@@ -102,6 +103,18 @@ def _uint(value: Any, what: str, hi: int = _U32_MAX) -> int:
     if not 0 <= int(value) <= hi:
         raise InvalidArgument.make(f"{what}={value!r}: out of range 0..{hi}")
     return int(value)
+
+
+def _target_pages(value: Any, what: str) -> int:
+    """An explicit device target in pages: as _uint, but below UINT32_MAX,
+    which the library reads as AKV_TARGET_FAIR_SHARE (the fair share is
+    asked for with None, never with that number)."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and \
+            int(value) == L.AKV_TARGET_FAIR_SHARE:
+        raise InvalidArgument.make(
+            f"{what}={value!r}: out of range 0..{L.AKV_TARGET_FAIR_SHARE - 1} (that value is "
+            "AKV_TARGET_FAIR_SHARE to the library; pass None for the fair share)")
+    return _uint(value, what, L.AKV_TARGET_FAIR_SHARE - 1)
 
 
 def _check(status: int, engine_handle: Optional[int] = None, what: str = "") -> None:
@@ -372,8 +385,9 @@ def _host_rows(obj: Any, dtype: str, what: str) -> np.ndarray:
         if obj.is_quantized:  # .numpy() would raise TypeError; their bytes are not rows
             raise InvalidArgument.make(f"{what}: a quantized {obj.dtype} tensor; rows are "
                                        "plain elements of the engine's dtype")
-        if obj.layout != torch.strided:
-            raise InvalidArgument.make(f"{what}: a {obj.layout} tensor; rows are dense")
+        if obj.layout != torch.strided or obj.is_nested:
+            kind = "nested" if obj.is_nested else str(obj.layout)
+            raise InvalidArgument.make(f"{what}: a {kind} tensor; rows are dense")
         if obj.device.type != "cpu":
             raise InvalidArgument.make(f"{what}: a {obj.device.type} tensor; rows are copied from "
                                        "host memory (pass a CPU tensor)")
@@ -387,7 +401,13 @@ def _host_rows(obj: Any, dtype: str, what: str) -> np.ndarray:
         # rows are only read: no autograd, and conj/neg bits made real
         obj = obj.detach().resolve_conj().resolve_neg()
         int_t = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[isz]
-        arr = obj.view(int_t).numpy() if obj.is_floating_point() else obj.numpy()
+        try:
+            arr = obj.view(int_t).numpy() if obj.is_floating_point() else obj.numpy()
+        except (RuntimeError, TypeError, NotImplementedError) as exc:
+            # a tensor subclass with no host elements of its own (fake,
+            # functional, ...): torch refuses to export it
+            raise InvalidArgument.make(f"{what}: a {type(obj).__name__} torch cannot export as "
+                                       f"host rows ({exc})") from exc
     else:
         if isinstance(obj, np.ma.MaskedArray) and np.ma.is_masked(obj):
             # np.asarray drops the mask: the hidden elements' data would be
@@ -468,8 +488,39 @@ def _torch_stream_handle(stream: Any) -> int:
 LogFn = Callable[[str, str], None]
 
 
-# Set while this thread runs a log callback (see Engine._enter).
+# Per thread: ``logging``, the engines whose log callback runs on it now
+# (Engine._enter refuses calls on them); ``calls``, how many engine calls it
+# is in (create included); ``interrupt``, a KeyboardInterrupt or SystemExit
+# a log callback raised during one of them, which the call raises once the
+# library returned (Engine._on_log, Engine._leave).
 _TLS = threading.local()
+
+
+# Forks since import, as the child sees it (os.register_at_fork): an engine
+# made before a fork belongs to the parent. The child has its Python objects
+# but none of the library's threads, so a step there waits forever, and so
+# does its close (draining a host stream whose worker is not in the child):
+# Engine._enter refuses every call from the child, its garbage collection
+# included.
+_FORKS = [0]
+
+
+def _forked() -> None:
+    _FORKS[0] += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
+
+
+def _tls_calls(delta: int) -> int:
+    n = getattr(_TLS, "calls", 0) + delta
+    _TLS.calls = n
+    return n
+
+
+def _take_interrupt() -> Optional[BaseException]:
+    return _TLS.__dict__.pop("interrupt", None)
 
 
 def _guarded(fn: Callable) -> Callable:
@@ -488,6 +539,17 @@ def _guarded(fn: Callable) -> Callable:
                 eng._leave()
 
     return call
+
+
+# _Ending: the calls that end a handle (akv_engine_destroy, akv_context_close,
+# akv_stream_destroy, akv_lease_retire / _try_retire, and
+# akv_engine_quarantine for the leases it releases) run with the objects'
+# handles already cleared, and give them back only when the library refused
+# (nothing changed then). A KeyboardInterrupt raised as such a call returns
+# (a Ctrl-C during a blocking retire is raised at the first bytecode after
+# it) so leaves a dead object, never one holding a dead handle: the library
+# hands dead handle records out again ("Handle lifetimes" in akv.h), and the
+# object would later close, retire or destroy whatever newer object got it.
 
 
 class _NotCopyable:
@@ -535,10 +597,16 @@ class Engine(_ClosedOnExit):
     (host backend: model a device of that many bytes, for tests). ``log``
     is a callable(level, message) receiving every log line (from any thread
     the library logs on); None (default) keeps the library's default,
-    stderr.
+    stderr. An exception the callback raises is reported as unraisable
+    (sys.unraisablehook) and the library goes on; a KeyboardInterrupt or
+    SystemExit raised in it during an engine call on the same thread is
+    raised by that call once the library returned. The callback must not
+    call the engine that is logging (Busy); other engines it may.
 
     Allocates everything at creation (akv_engine_create). Not thread-safe:
     use it and its contexts, leases and streams from one thread at a time.
+    Not fork-safe: in a child forked after creation every call raises
+    BadHandle (make an engine in the child).
     A context manager: leaving the block closes it.
 
     Raises: InvalidArgument (a field), Config, NoFit (refuse mode; the
@@ -548,6 +616,7 @@ class Engine(_ClosedOnExit):
 
     def __init__(self, *, log: Optional[LogFn] = None, **cfg: Any) -> None:
         self._handle: Optional[int] = None
+        self._forks, self._pid = _FORKS[0], os.getpid()  # see _FORKS
         # one call at a time (_enter): the lock and the thread holding it
         self._lock = threading.Lock()
         self._owner: Optional[int] = None
@@ -576,7 +645,16 @@ class Engine(_ClosedOnExit):
         c.log_fn = self._log_cb
         self._cfg = c
         h = ctypes.c_void_p()
-        st = lib.akv_engine_create(ctypes.byref(c), ctypes.byref(h))
+        _tls_calls(+1)
+        try:
+            st = lib.akv_engine_create(ctypes.byref(c), ctypes.byref(h))
+        finally:
+            _tls_calls(-1)
+        interrupt = _take_interrupt()
+        if interrupt is not None:  # Ctrl-C in the log callback: no engine for the caller
+            if st == 0:
+                lib.akv_engine_destroy(h.value)
+            raise interrupt
         if st != 0:
             msg = "; ".join(self._create_errors) or lib.akv_status_string(st).decode()
             raise error_for(st, f"engine create: {msg}")
@@ -590,17 +668,28 @@ class Engine(_ClosedOnExit):
         if level == 0:
             self._create_errors.append(text)
             del self._create_errors[:-4]
-        outer = getattr(_TLS, "in_log", False)
-        _TLS.in_log = True
-        try:
-            if self._log is not None:
-                self._log(name, text)
-            else:
+        if self._log is None:
+            with contextlib.suppress(Exception):  # stderr closed (interpreter exit)
                 sys.stderr.write(f"activekv {name}: {text}\n")
-        except BaseException:  # noqa: BLE001 - a callback must not unwind into C
-            pass
+            return
+        logging = _TLS.__dict__.setdefault("logging", [])
+        logging.append(self)
+        try:
+            self._log(name, text)
+        except Exception:
+            # Nothing can unwind into C: ctypes reports it (sys.unraisablehook,
+            # "Exception ignored on calling ctypes callback function") and the
+            # library goes on.
+            raise
+        except BaseException as exc:  # KeyboardInterrupt, SystemExit
+            if getattr(_TLS, "calls", 0) <= 0:
+                raise  # a library thread: reported as above
+            # held for the engine call on this thread to raise once the
+            # library returned (Engine._leave; Engine.__init__ for create)
+            if getattr(_TLS, "interrupt", None) is None:
+                _TLS.interrupt = exc
         finally:
-            _TLS.in_log = outer
+            logging.pop()
 
     # -- one call at a time
     def _enter(self, what: str) -> bool:
@@ -608,11 +697,17 @@ class Engine(_ClosedOnExit):
         when it took the engine (the caller then calls _leave), False for a
         call nested in one this thread already makes. Raises Busy when
         another thread is in a call (akv.h: one thread at a time; detected
-        here instead of racing inside the library), or when called from a
-        log callback (the library is inside one of its own calls then)."""
-        if getattr(_TLS, "in_log", False):
-            raise Busy.make(f"{what}: called from a log callback; the callback runs inside the "
-                            "library's own calls and must not call the engine")
+        here instead of racing inside the library); BadHandle in a forked
+        child of the process that made the engine (_FORKS); Busy from the
+        engine's own log callback (the library is inside one of the engine's
+        calls then; another engine may be called there, as akv.h allows)."""
+        if self._forks != _FORKS[0]:
+            raise BadHandle.make(f"{what}: the engine was made in process {self._pid}, before a "
+                                 "fork; the library's threads and queues are not in this child "
+                                 "(make an engine here)")
+        if any(e is self for e in getattr(_TLS, "logging", ())):
+            raise Busy.make(f"{what}: called from the engine's log callback; the callback runs "
+                            "inside the engine's own calls and must not call it")
         me = threading.get_ident()
         if self._owner == me:
             return False
@@ -620,11 +715,19 @@ class Engine(_ClosedOnExit):
             raise Busy.make(f"{what}: the engine is in a call on another thread; an engine and "
                             "everything made from it are used from one thread at a time")
         self._owner = me
+        _tls_calls(+1)
         return True
 
     def _leave(self) -> None:
+        """Ends the call _enter began. Raises the KeyboardInterrupt (or
+        SystemExit) a log callback raised during the call, now that the
+        library returned."""
         self._owner = None
         self._lock.release()
+        _tls_calls(-1)
+        interrupt = _take_interrupt()
+        if interrupt is not None:
+            raise interrupt
 
     # -- zero-copy exports (see _Export)
     def _export_add(self) -> None:
@@ -636,6 +739,8 @@ class Engine(_ClosedOnExit):
             self._destroy_pending()
 
     def _destroy_pending(self) -> None:
+        if self._forks != _FORKS[0]:
+            return  # the parent's engine (see _FORKS): nothing to free here
         h = self._pending_destroy.pop("h", None)
         if h is None:
             return
@@ -707,8 +812,11 @@ class Engine(_ClosedOnExit):
             if not self._exports:  # the last one went meanwhile
                 self._destroy_pending()
         else:
+            # the handle goes before the call (see _Ending), back only on a refusal
+            self._handle = None
             st = lib.akv_engine_destroy(h)
             if st != 0:
+                self._handle = h
                 _check(st, h, "engine close")
         self._handle = None
         for ctx in list(self._contexts):
@@ -868,27 +976,38 @@ class Engine(_ClosedOnExit):
         success leases and tickets are released; raises UncertainFence when
         completion could not be established (everything stays retained)."""
         r = L.out_struct(L.akv_quarantine_report)
-        st = lib.akv_engine_quarantine(self._h(), ctypes.byref(r))
+        h = self._h()
+        # What a quarantine that establishes completion does (the leases
+        # released, their handles dead; the step ended) is recorded before the
+        # call and undone only when it did not (see _Ending).
+        held = [(lease, lease._handle) for lease in list(self._leases)]
+        before = (self._step_open, self._quarantined)
+        for lease, _ in held:
+            lease._handle = None
+        self._step_open, self._quarantined = False, True
+        st = lib.akv_engine_quarantine(h, ctypes.byref(r))
+        if st != 0:
+            self._step_open, self._quarantined = before
+            for lease, lh in held:
+                lease._handle = lh
         self._retained = st == STATUS_VALUES["AKV_ERR_UNCERTAIN_FENCE"]
         report = QuarantineReport(bool(r.h2d_ok), bool(r.d2h_ok), bool(r.d2d_ok),
                                   bool(r.device_ok), r.leases_released, r.tickets_released,
                                   r.retained_leases, r.uncertain.decode(errors="replace"))
         _check(st, self._handle, "quarantine")
-        self._step_open = False  # completion established: leases released, the step ended
-        self._quarantined = True
-        for lease in list(self._leases):  # released: their handles are dead
-            lease._handle = None
         return report
 
     # -- contexts and steps
     @_guarded
     def open_context(self, target_pages: Optional[int] = None, burst_pages: int = 0) -> "Context":
         """Opens a context (akv_context_open): a host slot and its device
-        target (None: the fair share, pool / concurrency). Not inside a step.
-        Raises RefusedQueue (no host slot: queue it), AdmissionRefused,
-        StepState, Config, InvalidArgument, Quarantined."""
+        target (None: the fair share, pool / concurrency; an explicit target
+        lies in 0..2**32 - 2, as 2**32 - 1 is the library's fair-share
+        sentinel). Not inside a step. Raises RefusedQueue (no host slot:
+        queue it), AdmissionRefused, StepState, Config, InvalidArgument,
+        Quarantined."""
         target = (L.AKV_TARGET_FAIR_SHARE if target_pages is None
-                  else _uint(target_pages, "open_context: target_pages"))
+                  else _target_pages(target_pages, "open_context: target_pages"))
         burst = _uint(burst_pages, "open_context: burst_pages")
         cc = L.akv_context_config(ctypes.sizeof(L.akv_context_config), L.AKV_CONFIG_VERSION,
                                   target, burst)
@@ -1029,9 +1148,11 @@ class Stream(_NotCopyable):
         if self._handle is None or self._engine._handle is None:
             self._handle = None
             return
-        _check(lib.akv_stream_destroy(self._engine._handle, self._handle), self._engine._handle,
-               "stream destroy")
-        self._handle = None
+        h, self._handle = self._handle, None  # see _Ending
+        st = lib.akv_stream_destroy(self._engine._handle, h)
+        if st != 0:
+            self._handle = h
+            _check(st, self._engine._handle, "stream destroy")
         with contextlib.suppress(ValueError):
             self._engine._streams.remove(self)
 
@@ -1171,8 +1292,11 @@ class Context(_ClosedOnExit):
         if self._handle is None or self._engine._handle is None:
             self._handle = None
             return
-        _check(lib.akv_context_close(self._handle), self._engine._handle, "context close")
-        self._handle = None
+        h, self._handle = self._handle, None  # see _Ending
+        st = lib.akv_context_close(h)
+        if st != 0:
+            self._handle = h
+            _check(st, self._engine._handle, "context close")
         self._engine._contexts.discard(self)
 
     def __repr__(self) -> str:
@@ -1268,8 +1392,11 @@ class Lease(_NotCopyable):
         Backend (nothing released), Quarantined."""
         h = self._h()
         r = L.akv_receipt()
-        _check(lib.akv_lease_retire(h, ctypes.byref(r)), self._engine._handle, "retire")
-        self._handle = None
+        self._handle = None  # see _Ending
+        st = lib.akv_lease_retire(h, ctypes.byref(r))
+        if st != 0:
+            self._handle = h
+            _check(st, self._engine._handle, "retire")
         return _receipt(r)
 
     @_guarded
@@ -1284,11 +1411,13 @@ class Lease(_NotCopyable):
         h = self._h()
         _need("akv_lease_try_retire")
         r = L.akv_receipt()
+        self._handle = None  # see _Ending
         st = lib.akv_lease_try_retire(h, ctypes.byref(r))
-        if st == _NOT_READY:
-            return None
-        _check(st, self._engine._handle, "try_retire")
-        self._handle = None
+        if st != 0:
+            self._handle = h
+            if st == _NOT_READY:
+                return None
+            _check(st, self._engine._handle, "try_retire")
         return _receipt(r)
 
 

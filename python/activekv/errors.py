@@ -152,7 +152,8 @@ def _cls(name: str, base: type, c_name: str, doc: str, extra: tuple = ()) -> typ
 InvalidArgument = _cls("InvalidArgument", UsageError, "AKV_ERR_INVALID_ARGUMENT",
                        "A required value was missing or out of range.", (ValueError,))
 BadHandle = _cls("BadHandle", UsageError, "AKV_ERR_BAD_HANDLE",
-                 "A closed, retired or foreign handle.")
+                 "A closed, retired or foreign handle; also raised by the package for an "
+                 "engine used in a child forked after it was made.")
 Config = _cls("Config", ConfigError, "AKV_ERR_CONFIG", "Invalid configuration or geometry.")
 NoFit = _cls("NoFit", ConfigError, "AKV_ERR_NO_FIT",
              "refuse mode: max_contexts does not fit the host pool (the message names the fix).")
@@ -179,8 +180,8 @@ Quarantined = _cls("Quarantined", TransportError, "AKV_ERR_QUARANTINED",
                    "The transport failed earlier; only diagnostics, quarantine, close.")
 Busy = _cls("Busy", UsageError, "AKV_ERR_BUSY",
             "Close with live work; nothing was freed. Also raised by the package when an "
-            "engine is called from a second thread while another is in a call, or from a "
-            "log callback; nothing changed.")
+            "engine is called from a second thread while another is in a call, or from its "
+            "own log callback; nothing changed.")
 UncertainFence = _cls("UncertainFence", TransportError, "AKV_ERR_UNCERTAIN_FENCE",
                       "Quarantine could not establish completion; everything stays retained.")
 NotSupported = _cls("NotSupported", ConfigError, "AKV_ERR_NOT_SUPPORTED",

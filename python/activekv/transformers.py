@@ -73,7 +73,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the opti
 
 import activekv as akv
 from activekv import _lib
-from activekv._api import _Export, _uint
+from activekv._api import _Export, _target_pages, _uint
 from activekv.errors import (
     STATUS_VALUES,
     ActiveKVError,
@@ -785,19 +785,27 @@ class _Driver:
         fn = self.api.try_retire
         sealed = self.sealed
         while sealed:
-            st = fn(sealed[0], self.receipt_ref)
+            lease = sealed.pop(0)  # off the list before the call: see retire_all
+            st = fn(lease, self.receipt_ref)
             if st != 0:
+                sealed.insert(0, lease)
                 if st != _NOT_READY:
                     self.check(st, "lease_try_retire")
                 return  # fences pending: nothing changed; retire() at the boundary waits
-            sealed.pop(0)
             self.retired_early += 1
 
     def retire_all(self) -> None:
+        """Retires the sealed leases, oldest first (blocking). Each is taken off the list
+        before its call and put back only when the library refused: a KeyboardInterrupt
+        raised as a retire returns (a Ctrl-C during the wait) leaves no retired lease on the
+        list, whose dead handle the library hands to a newer lease later."""
         sealed = self.sealed
         while sealed:
-            self.check(self.api.retire(sealed[0], self.receipt_ref), "lease_retire")
-            sealed.pop(0)
+            lease = sealed.pop(0)
+            st = self.api.retire(lease, self.receipt_ref)
+            if st != 0:
+                sealed.insert(0, lease)
+                self.check(st, "lease_retire")
             self.retired_blocking += 1
 
     # -- teardown -----------------------------------------------------------
@@ -1057,7 +1065,7 @@ class ActiveKVCache(Cache):
         # Checked before the engine exists; they are used only when the first update opens
         # the contexts, which would refuse them then, on every update.
         if target_pages is not None:
-            _uint(target_pages, "ActiveKVCache: target_pages")
+            _target_pages(target_pages, "ActiveKVCache: target_pages")
         _uint(burst_pages, "ActiveKVCache: burst_pages")
         if not isinstance(hooks, bool):
             raise TypeError("ActiveKVCache: hooks=%r is not a bool" % (hooks,))
@@ -1159,6 +1167,19 @@ class ActiveKVCache(Cache):
         finally:
             if held:
                 engine._leave()
+
+    # A cache names C handles (its engine, contexts and leases) as the engine does: a copy
+    # would drive the same engine and step (rows decoded through it land in both) and close
+    # the other's engine. Refused like the engine's (TypeError).
+    def __copy__(self):
+        raise TypeError("an ActiveKVCache cannot be copied: it owns an engine and its contexts "
+                        "(make another cache)")
+
+    def __deepcopy__(self, memo):
+        self.__copy__()
+
+    def __reduce_ex__(self, protocol):
+        self.__copy__()
 
     def __enter__(self) -> "ActiveKVCache":
         return self
