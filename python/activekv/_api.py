@@ -705,7 +705,9 @@ class Engine(_ClosedOnExit):
             raise BadHandle.make(f"{what}: the engine was made in process {self._pid}, before a "
                                  "fork; the library's threads and queues are not in this child "
                                  "(make an engine here)")
-        if any(e is self for e in getattr(_TLS, "logging", ())):
+        tls = _TLS.__dict__  # this thread's: one dict lookup per key below (hot path)
+        logging = tls.get("logging")
+        if logging and any(e is self for e in logging):
             raise Busy.make(f"{what}: called from the engine's log callback; the callback runs "
                             "inside the engine's own calls and must not call it")
         me = threading.get_ident()
@@ -715,7 +717,7 @@ class Engine(_ClosedOnExit):
             raise Busy.make(f"{what}: the engine is in a call on another thread; an engine and "
                             "everything made from it are used from one thread at a time")
         self._owner = me
-        _tls_calls(+1)
+        tls["calls"] = tls.get("calls", 0) + 1  # _tls_calls(+1), inline
         return True
 
     def _leave(self) -> None:
@@ -724,10 +726,12 @@ class Engine(_ClosedOnExit):
         library returned."""
         self._owner = None
         self._lock.release()
-        _tls_calls(-1)
-        interrupt = _take_interrupt()
-        if interrupt is not None:
-            raise interrupt
+        tls = _TLS.__dict__  # _tls_calls(-1) and _take_interrupt(), inline (hot path)
+        tls["calls"] -= 1
+        if "interrupt" in tls:
+            interrupt = tls.pop("interrupt")
+            if interrupt is not None:
+                raise interrupt
 
     # -- zero-copy exports (see _Export)
     def _export_add(self) -> None:
