@@ -263,7 +263,14 @@ def collect(results, meta, decode=(), attention=(), host=(), cudart_runs=(), che
         with open(p) as f:
             doc = json.load(f)
         runs = {r["geometry"]["preset"]: r for r in doc["runs"]}
-        runs.update((r["geometry"]["preset"], r) for r in hf)
+        for r in hf:
+            # The commit is the one the pass built (COMMIT): the report's own
+            # comes from git on the GPU machine, whose copy of the tree may
+            # carry stale git metadata; a differing one is kept beside it.
+            if r.get("commit") != meta["commit"]:
+                r["reported_commit"] = r.get("commit")
+                r["commit"] = meta["commit"]
+            runs[r["geometry"]["preset"]] = r
         doc["runs"] = [runs[k] for k in sorted(runs, key=lambda k: k != "llama3.1-8b")]
         with open(p, "w") as f:
             json.dump(doc, f, indent=1)
