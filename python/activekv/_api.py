@@ -1089,7 +1089,10 @@ class Engine(_ClosedOnExit):
         engine-owned Stream, created on first use and destroyed on close."""
         self._h()
         if self.backend == "cuda":
-            return _torch_stream_handle(_torch().cuda.current_stream())
+            # the engine's device, not torch's current one (they differ when
+            # the caller's current device is another GPU)
+            return _torch_stream_handle(
+                _torch().cuda.current_stream(int(self._cfg_dict.get("device_ordinal", 0))))
         if self._default_stream is None or self._default_stream._handle is None:
             self._default_stream = self.stream_create()
         return self._default_stream
@@ -1103,6 +1106,21 @@ class Engine(_ClosedOnExit):
                 raise InvalidArgument.make("the stream belongs to another engine")
             return stream._h(), stream
         if hasattr(stream, "cuda_stream"):  # torch.cuda.Stream
+            # A CUDA stream is a stream only to the CUDA backend, and only on
+            # the engine's device: the host backend names its queues by
+            # akv_stream_create handles, and work of one device enqueued on
+            # another device's stream fails in the backend (the transport is
+            # marked failed) instead of here.
+            if self.backend != "cuda":
+                raise InvalidArgument.make(
+                    f"stream {stream!r}: a CUDA stream given to a {self.backend}-backend engine "
+                    "(pass one of its Streams, or None)")
+            dev = getattr(stream, "device", None)
+            index = getattr(dev, "index", None)
+            ordinal = int(self._cfg_dict.get("device_ordinal", 0))
+            if index is not None and int(index) != ordinal:
+                raise InvalidArgument.make(
+                    f"stream {stream!r}: on cuda:{index}, the engine is on cuda:{ordinal}")
             return _torch_stream_handle(stream), None
         # A bool is an int to Python: True would pass as stream 1 (on CUDA
         # cudaStreamLegacy), silently. Raw handles are pointers: 0 .. 2^64 - 1.

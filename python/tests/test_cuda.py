@@ -41,6 +41,23 @@ def test_default_stream_is_torchs_current_stream():
             assert (k == 0x3F80).all()  # 1.0 in bf16
 
 
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs: the engine on "
+                    "cuda:1, torch's current device cuda:0 (NOT tested on one GPU)")
+def test_streams_of_another_device_are_refused():
+    """An engine on cuda:1 takes torch's current stream of cuda:1 as its
+    default, whatever torch's current device, and refuses a stream of cuda:0
+    (InvalidArgument) instead of enqueueing its work there."""
+    torch.cuda.set_device(0)
+    with akv.Engine(**cuda_cfg(device_ordinal=1)) as eng:
+        assert eng.default_stream() == (torch.cuda.current_stream(1).cuda_stream or 1)
+        other = torch.cuda.Stream(device=0)
+        with pytest.raises(akv.InvalidArgument, match="on cuda:0, the engine is on cuda:1"):
+            eng._stream_arg(other)
+        mine = torch.cuda.Stream(device=1)
+        assert eng._stream_arg(mine)[0] == mine.cuda_stream
+
+
 @pytest.mark.parametrize("route,pool", [("stage", 0), ("arena", 1)])
 def test_cuda_views_zero_copy_and_decode_matches_reference(route, pool):
     g = torch.Generator().manual_seed(0)

@@ -412,3 +412,26 @@ def test_cache_arguments_used_at_the_first_update_are_refused_at_construction(kw
     with pytest.raises((akv.InvalidArgument, TypeError)):
         _cache(**kw)
     assert destroys == []  # refused before any engine was made
+
+
+
+def test_cuda_stream_given_to_a_host_engine_is_refused():
+    """A torch.cuda.Stream (anything with ``cuda_stream``) names a CUDA queue:
+    a host-backend engine refuses it by type (InvalidArgument) instead of
+    passing its cudaStream_t on as one of its own stream handles, and the
+    lease stays usable."""
+
+    class CudaStreamLike:
+        cuda_stream = 7  # what torch.cuda.Stream exposes
+        device = None
+
+    rng = np.random.default_rng(3)
+    with akv.Engine(**small()) as eng:
+        k = rows(rng, 3)
+        stream, lease = begin_on_stream(eng, k)
+        with pytest.raises(akv.InvalidArgument, match="CUDA stream given to a host-backend"):
+            lease.wait_ready(CudaStreamLike())
+        view = lease.wait_ready(stream)
+        assert np.array_equal(view.keys(0)[:3], k[0])
+        finish_step(eng, lease, stream)
+        stream.destroy()
