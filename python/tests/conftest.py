@@ -57,3 +57,20 @@ def header_dir():
     if d is None and os.path.isfile(os.path.join(REPO, "include", "akv.h")):
         d = os.path.join(REPO, "include")
     return d
+
+
+@pytest.fixture
+def destroys(monkeypatch):
+    """The handles akv_engine_destroy freed, in order (the library's own
+    destroy, counted)."""
+    real = akv._api.lib.akv_engine_destroy
+    freed = []
+
+    def counted(h):
+        st = real(h)
+        if st == 0:
+            freed.append(h)
+        return st
+
+    monkeypatch.setattr(akv._api.lib, "akv_engine_destroy", counted)
+    return freed

@@ -49,22 +49,6 @@ def begin_on_stream(eng, k):
     return stream, eng.lease_begin(0)
 
 
-@pytest.fixture
-def destroys(monkeypatch):
-    """Counts akv_engine_destroy calls that freed an engine."""
-    real = akv._api.lib.akv_engine_destroy
-    freed = []
-
-    def counted(h):
-        st = real(h)
-        if st == 0:
-            freed.append(h)
-        return st
-
-    monkeypatch.setattr(akv._api.lib, "akv_engine_destroy", counted)
-    return freed
-
-
 # ------------------------------------------------------------ rows
 
 

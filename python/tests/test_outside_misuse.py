@@ -19,22 +19,6 @@ L, H, D = 3, 2, 8
 
 
 @pytest.fixture
-def destroys(monkeypatch):
-    """Handles akv_engine_destroy freed, in order."""
-    real = akv._api.lib.akv_engine_destroy
-    freed = []
-
-    def counted(h):
-        st = real(h)
-        if st == 0:
-            freed.append(h)
-        return st
-
-    monkeypatch.setattr(akv._api.lib, "akv_engine_destroy", counted)
-    return freed
-
-
-@pytest.fixture
 def unraisable(monkeypatch):
     """Exceptions Python reported as unraisable (sys.unraisablehook)."""
     seen = []
