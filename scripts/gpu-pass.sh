@@ -52,6 +52,9 @@
 #   AKV_BENCH_PROGRAMS  which of the build's bench programs the bench step runs
 #                 (e.g. "akv_cudart_cost"); unset: all of them
 #   AKV_JOBS      parallel build jobs, default 16
+#   AKV_COMMIT    the commit the reports name (hf_compare's --commit); unset:
+#                 git's HEAD here, which may be stale in a copied tree (the
+#                 collect script stamps its own COMMIT argument anyway)
 #   AKV_BENCH_VARIANTS  "label:WARPS:LOADS[:STAGES[:PDL[:PIECE[:KERNEL[:MINB[:COMBINE[:EXTRA]]]]]]] ...",
 #                 default "k3s8:8:8:0:0:256:3:1:16 k3w1l8:1:8:0:0:0:3:8:16
 #                  w8l4:8:4:0:0:0:1:0:16"
@@ -122,7 +125,7 @@ log() { echo "[$(($(date +%s) - T0))s] $*"; }
   nvcc --version 2>&1 | tail -2
   cmake --version 2>&1 | head -1
   command -v compute-sanitizer || echo "compute-sanitizer not on PATH"
-  echo "git: $(git rev-parse --short HEAD 2>/dev/null || echo none) $(git status --short 2>/dev/null | wc -l) changed files"
+  echo "git: $(git rev-parse --short HEAD 2>/dev/null || echo none) $(git status --short 2>/dev/null | wc -l) changed files${AKV_COMMIT:+ (AKV_COMMIT=$AKV_COMMIT)}"
 } >>"$BUILD_LOG" 2>&1
 
 # ------------------------------------------------------------------ deps
@@ -595,7 +598,7 @@ if has_step python; then
       PYTHONPATH=$PWD/python ACTIVEKV_LIBRARY=$lib PYTHONUNBUFFERED=1 \
         CUBLAS_WORKSPACE_CONFIG=:4096:8 timeout "${AKV_HF_TIMEOUT:-400}" \
         python3 examples/hf_compare.py --preset "$preset" --steps "${AKV_HF_STEPS:-32}" \
-        --commit "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" \
+        --commit "${AKV_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" \
         ${AKV_HF_ARGS:-} --json "$OUT/hf_$preset.json" >"$OUT/hf_$preset.log" 2>&1
       rc=$?
       record "hf_compare $preset" "$([ $rc = 0 ] && echo ok || echo FAIL)" \
