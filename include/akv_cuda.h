@@ -57,6 +57,12 @@ static inline cudaStream_t akv_stream_to_cuda(akv_stream stream) {
  * Bits: identical on every run for identical inputs; identical to
  * akv_attention_paged_cuda over the same rows with page_tokens == chunk_tokens;
  * within a relative L2 error of 1e-5 of akv_attention_ref_bf16 (bf16 and FP8).
+ * Grid limits: kv_heads * ceil(n_heads / kv_heads / 8) (query heads go to
+ * blocks in subgroups of up to 8) must not exceed 65535, and that figure
+ * times the piece slots (the longest history's chunks times the pieces per
+ * chunk, akv_attention.h "Algorithm"; paged: max_pages times the pieces per
+ * page) must not exceed 2^31 - 1; a call beyond either is refused as bad
+ * geometry.
  * Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT (NULL, bad geometry, misaligned
  * pointer or stride, workspace too small, page overrides incomplete, scales
  * missing for FP8, only one scale array, a scale not finite and positive,

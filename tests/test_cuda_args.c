@@ -183,10 +183,64 @@ static void test_cuda_misaligned_arrays_refused(void **state) {
   assert_int_equal(akv_attention_paged_cuda(&pa, t, 0), AKV_ERR_INVALID_ARGUMENT);
 }
 
+/* The grid limits akv_cuda.h states: the call just inside each passes the
+ * checks (no device: the launch fails), the one just past it is refused. */
+static void test_cuda_grid_limits(void **state) {
+  (void)state;
+  const int dev = have_device();
+  akv_attention_args a = contig();
+  a.workspace_bytes = SIZE_MAX;
+  /* kv_heads * ceil(group / 8): 65535 * 1, then 65536 * 1 and 32768 * 2. */
+  a.kv_heads = a.n_heads = 65535;
+  a.row_bytes = (uint64_t)a.kv_heads * HEAD_DIM * 2u;
+  a.context_stride = 8 * a.row_bytes;
+  if (!dev) assert_int_equal(akv_attention_decode_cuda(&a, 0), AKV_ERR_BACKEND);
+  a.kv_heads = a.n_heads = 65536;
+  a.row_bytes = (uint64_t)a.kv_heads * HEAD_DIM * 2u;
+  a.context_stride = 8 * a.row_bytes;
+  assert_int_equal(akv_attention_decode_cuda(&a, 0), AKV_ERR_INVALID_ARGUMENT);
+  a.kv_heads = 32768;
+  a.n_heads = 32768 * 9;
+  a.row_bytes = (uint64_t)a.kv_heads * HEAD_DIM * 2u;
+  a.context_stride = 8 * a.row_bytes;
+  assert_int_equal(akv_attention_decode_cuda(&a, 0), AKV_ERR_INVALID_ARGUMENT);
+  a.n_heads = 32768 * 8; /* ceil(8 / 8) = 1 */
+  if (!dev) assert_int_equal(akv_attention_decode_cuda(&a, 0), AKV_ERR_BACKEND);
+
+  /* Piece slots times that figure: chunks of one row. */
+  uint32_t len[1] = {0x7FFFFFFFu};
+  a = contig();
+  a.workspace_bytes = SIZE_MAX;
+  a.n_contexts = 1;
+  a.n_heads = a.kv_heads = 1;
+  a.row_bytes = a.context_stride = HEAD_DIM * 2u;
+  a.chunk_tokens = 1;
+  a.len = len;
+  if (!dev) assert_int_equal(akv_attention_decode_cuda(&a, 0), AKV_ERR_BACKEND);
+  len[0] = 0x80000000u;
+  assert_int_equal(akv_attention_decode_cuda(&a, 0), AKV_ERR_INVALID_ARGUMENT);
+  len[0] = 0x40000000u; /* 2^30 slots times 2 kv heads: 2^31 */
+  a.n_heads = a.kv_heads = 2;
+  a.row_bytes = a.context_stride = 2u * HEAD_DIM * 2u;
+  assert_int_equal(akv_attention_decode_cuda(&a, 0), AKV_ERR_INVALID_ARGUMENT);
+
+  akv_page_table t;
+  akv_attention_paged_args pa = paged(&t);
+  pa.workspace_bytes = SIZE_MAX;
+  pa.n_heads = pa.kv_heads = 1;
+  t.row_bytes = HEAD_DIM * 2u;
+  t.page_tokens = 1;
+  t.max_pages = 0x7FFFFFFFu;
+  if (!dev) assert_int_equal(akv_attention_paged_cuda(&pa, t, 0), AKV_ERR_BACKEND);
+  t.max_pages = 0x80000000u;
+  assert_int_equal(akv_attention_paged_cuda(&pa, t, 0), AKV_ERR_INVALID_ARGUMENT);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_cuda_score_factor_overflow_refused),
       cmocka_unit_test(test_cuda_misaligned_arrays_refused),
+      cmocka_unit_test(test_cuda_grid_limits),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
