@@ -1445,6 +1445,11 @@ static void op_attention(input *in) {
     case 15: a.workspace_bytes = 0; a.workspace = NULL; if (ws == 0) hide = 99; break;
     default: hide = 99; break;
   }
+  /* A clean call whose score factor (scale * log2(e) * k_scale[g]) overflows
+   * fp32 is hostile too (pick_scale's 3e38 with head_dim 1). */
+  if (hide == 99 && a.k_scale != NULL)
+    for (uint32_t g = 0; g < kv; g++)
+      if (!isfinite(a.scale * 1.44269504088896340736f * a.k_scale[g])) hide = 16;
   if (!supported && hide == 99) hide = 98;
   for (uint32_t i = 0; i < nc; i++) need_len = len[i] > need_len ? len[i] : need_len;
   st = akv_attention_ref_bf16(&a);

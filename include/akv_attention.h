@@ -96,8 +96,9 @@
  * offset belongs to the caller's buffers is the caller's business.
  *
  * Alignment (reference): q is 2-byte aligned, out and workspace 4-byte
- * aligned; K/V rows, strides and pages take any alignment. CUDA asks for more
- * (akv_cuda.h).
+ * aligned, and so are the uint32 and float arrays (len, page_map, the page
+ * table's indptr, indices and last_page_len, k_scale, v_scale); K/V rows,
+ * strides and pages take any alignment. CUDA asks for more (akv_cuda.h).
  *
  * Thread safety: every function is reentrant; concurrent calls are safe as
  * long as they do not share an output or a workspace.
@@ -137,7 +138,9 @@ typedef struct akv_attention_args {
   uint32_t head_dim;      /**< 1..AKV_ATTENTION_MAX_HEAD_DIM (CUDA: 64, 128 or 256) */
   uint32_t chunk_tokens;  /**< rows per chunk, >= 1: pass the page size */
   float scale;            /**< softmax scale, usually 1/sqrt(head_dim); finite (0 and
-                               negative values are taken) */
+                               negative values are taken), and so is every score
+                               factor it makes: scale * log2(e) in fp32, times
+                               k_scale[g] where scales are set */
   const void *q;          /**< [n_contexts][n_heads][head_dim] bf16 */
   const void *k_base;     /**< K row 0 of context 0 */
   const void *v_base;     /**< V row 0 of context 0 */
@@ -223,7 +226,8 @@ typedef struct akv_attention_paged_args {
   uint32_t n_heads;       /**< query heads, a multiple of kv_heads */
   uint32_t kv_heads;      /**< >= 1 */
   uint32_t head_dim;      /**< as for akv_attention_args */
-  float scale;            /**< softmax scale, finite: as for akv_attention_args */
+  float scale;            /**< softmax scale, finite with finite score factors: as for
+                               akv_attention_args */
   const void *q;          /**< [batch][n_heads][head_dim] bf16 */
   float *out;             /**< [batch][n_heads][head_dim] fp32 */
   void *workspace;        /**< partials; >= akv_attention_workspace_bytes(batch, n_heads,
@@ -260,8 +264,10 @@ AKV_API akv_status akv_attention_workspace_bytes(uint32_t n_contexts, uint32_t n
  * of 0, row_bytes too small, workspace too small, FP8 without both scales,
  * only one scale array, a scale that is not finite and positive (subnormal
  * scales are taken), scales with more than AKV_ATTENTION_MAX_SCALE_HEADS
- * kv_heads, a softmax scale that is not finite, q, out or workspace
- * misaligned, a row offset outside ptrdiff_t (see "Addressing")),
+ * kv_heads, a softmax scale that is not finite or whose score factor
+ * (scale * log2(e), times a K scale) overflows fp32, q, out, workspace or
+ * one of the arrays misaligned (see "Alignment"), a row offset outside
+ * ptrdiff_t (see "Addressing")),
  * AKV_ERR_NOT_SUPPORTED (dtype other than bf16, FP8 E4M3 and FP8 E5M2).
  */
 AKV_API akv_status akv_attention_ref_bf16(const akv_attention_args *args);

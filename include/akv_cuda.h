@@ -47,20 +47,28 @@ static inline cudaStream_t akv_stream_to_cuda(akv_stream stream) {
  * them as soon as the call returns. dtype: bf16, FP8 E4M3 or FP8 E5M2 K/V
  * (bf16 queries always); FP8 needs both scale arrays (akv_attention.h).
  * head_dim must be 64, 128 or 256. q, k_base, v_base, workspace, row_bytes
- * and context_stride must be multiples of 16 bytes. Page overrides (the
- * paged route; akv_attention_args_from_view fills them from a view): the
- * page map is a device array read by the kernel, and k_pages, v_pages and
- * page_stride must be multiples of 16 bytes as well. The workspace is
+ * and context_stride must be multiples of 16 bytes; out, len and the scales
+ * multiples of 4. Page overrides (the paged route;
+ * akv_attention_args_from_view fills them from a view): the page map is a
+ * device array read by the kernel, 4-byte aligned, and k_pages, v_pages and
+ * page_stride must be multiples of 16 bytes. The workspace is
  * overwritten; it and out must not be read or written by other work until
  * the enqueued kernels have run.
  * Bits: identical on every run for identical inputs; identical to
  * akv_attention_paged_cuda over the same rows with page_tokens == chunk_tokens;
  * within a relative L2 error of 1e-5 of akv_attention_ref_bf16 (bf16 and FP8).
+ * Grid limits: kv_heads * ceil(n_heads / kv_heads / 8) (query heads go to
+ * blocks in subgroups of up to 8) must not exceed 65535, and that figure
+ * times the piece slots (the longest history's chunks times the pieces per
+ * chunk, akv_attention.h "Algorithm"; paged: max_pages times the pieces per
+ * page) must not exceed 2^31 - 1; a call beyond either is refused as bad
+ * geometry.
  * Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT (NULL, bad geometry, misaligned
  * pointer or stride, workspace too small, page overrides incomplete, scales
  * missing for FP8, only one scale array, a scale not finite and positive,
  * scales with more than AKV_ATTENTION_MAX_SCALE_HEADS kv_heads, a softmax
- * scale that is not finite, a contiguous row offset outside ptrdiff_t:
+ * scale that is not finite or whose score factor (scale * log2(e), times a
+ * K scale) overflows fp32, a contiguous row offset outside ptrdiff_t:
  * akv_attention.h, "Addressing"),
  * AKV_ERR_NOT_SUPPORTED (dtype other than bf16, FP8 E4M3 and FP8 E5M2;
  * head_dim other than 64/128/256), AKV_ERR_BACKEND (a launch failed;
@@ -73,12 +81,15 @@ AKV_API akv_status akv_attention_decode_cuda(const akv_attention_args *args, cud
  * value; its arrays and pages must be readable by the device until the
  * kernels have run (the host never dereferences them). args->q, args->out,
  * args->workspace, table.k_pages and table.v_pages are device pointers;
- * k_pages, v_pages, page_stride and row_bytes must be multiples of 16 bytes.
+ * k_pages, v_pages, page_stride and row_bytes must be multiples of 16 bytes,
+ * indptr, indices and last_page_len multiples of 4.
  * The workspace must hold akv_attention_workspace_bytes(table.batch, n_heads,
  * head_dim, table.max_pages * table.page_tokens, table.page_tokens) bytes.
  * The table's contents cannot be checked from the host: a context with more
  * than max_pages pages, or a decreasing indptr, gets NaN in every element of
- * its output; a last_page_len above page_tokens is clamped to page_tokens.
+ * its output; a last_page_len above page_tokens is clamped to page_tokens,
+ * and one of 0 leaves the last page out (the context attends over the rows
+ * of its other pages). Page ids are not range-checked.
  * Same statuses as akv_attention_decode_cuda.
  */
 AKV_API akv_status akv_attention_paged_cuda(const akv_attention_paged_args *args,

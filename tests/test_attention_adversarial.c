@@ -372,6 +372,105 @@ static void test_workspace_bytes_hostile(void **state) {
   free(f);
 }
 
+/* A finite softmax scale, or finite K scales, whose score factor
+ * c_g = (scale * log2(e)) * k_scale[g] overflows fp32 makes every score
+ * infinite or NaN, exactly as a non-finite scale does: refused too. */
+static void test_score_factor_overflow_refused(void **state) {
+  (void)state;
+  fixture *f = fixture_new();
+  const float huge[2] = {3e38f, -3e38f}; /* finite; times log2(e): +-inf */
+  for (int i = 0; i < 2; ++i) {
+    akv_attention_args a = contig_args(f, 2, 4);
+    a.scale = huge[i];
+    assert_int_equal(akv_attention_ref_bf16(&a), AKV_ERR_INVALID_ARGUMENT);
+    assert_out_untouched(f);
+    const uint32_t indptr[2] = {0, 2}, indices[2] = {0, 1}, last[1] = {3};
+    const akv_page_table t = one_ctx_table(f, 4, indptr, indices, last, 4 * ROW_BYTES);
+    akv_attention_paged_args pa = paged_args(f);
+    pa.scale = huge[i];
+    assert_int_equal(akv_attention_paged_ref_bf16(&pa, t), AKV_ERR_INVALID_ARGUMENT);
+    assert_out_untouched(f);
+  }
+  /* FP8: each factor finite alone, their product not. */
+  float ks[KV_HEADS], vs[KV_HEADS];
+  for (uint32_t g = 0; g < KV_HEADS; ++g) ks[g] = vs[g] = 1.0f;
+  ks[KV_HEADS - 1] = 1e30f;
+  akv_attention_args a = contig_args(f, 2, 4);
+  a.dtype = AKV_DTYPE_FP8_E4M3;
+  a.k_scale = ks;
+  a.v_scale = vs;
+  a.scale = 1e10f;
+  assert_int_equal(akv_attention_ref_bf16(&a), AKV_ERR_INVALID_ARGUMENT);
+  assert_out_untouched(f);
+  /* The same factors one step smaller are finite and taken. */
+  a.scale = 1e8f;
+  assert_int_equal(akv_attention_ref_bf16(&a), AKV_OK);
+  a = contig_args(f, 2, 4);
+  a.scale = 2e38f; /* times log2(e): 2.9e38, finite */
+  assert_int_equal(akv_attention_ref_bf16(&a), AKV_OK);
+  free(f);
+}
+
+/* The uint32 and float arrays of a call are read as such: one that is not
+ * 4-byte aligned is refused, not dereferenced. */
+static void test_misaligned_arrays_refused(void **state) {
+  (void)state;
+  fixture *f = fixture_new();
+  _Alignas(16) unsigned char buf[4][64];
+  memset(buf, 0, sizeof buf);
+  /* Copies of valid arrays, 1 byte past a 16-byte boundary. */
+#define MISALIGNED(i, src, bytes) \
+  (memcpy(buf[i] + 1, (src), (bytes)), (const void *)(buf[i] + 1))
+
+  akv_attention_args a = contig_args(f, 2, 4);
+  a.len = (const uint32_t *)MISALIGNED(0, f->len, 2 * sizeof(uint32_t));
+  assert_int_equal(akv_attention_ref_bf16(&a), AKV_ERR_INVALID_ARGUMENT);
+  assert_out_untouched(f);
+
+  const uint32_t map[2] = {AKV_PAGE_STAGED, 0};
+  a = contig_args(f, 2, 4);
+  a.page_map = (const uint32_t *)MISALIGNED(0, map, sizeof map);
+  a.page_map_stride = 1;
+  a.k_pages = f->kv[0];
+  a.v_pages = f->kv[1];
+  a.page_stride = 4 * ROW_BYTES;
+  assert_int_equal(akv_attention_ref_bf16(&a), AKV_ERR_INVALID_ARGUMENT);
+  assert_out_untouched(f);
+  a.page_map = map; /* the aligned map is taken */
+  assert_int_equal(akv_attention_ref_bf16(&a), AKV_OK);
+  memcpy(f->keep, f->out, sizeof f->out);
+
+  float ks[KV_HEADS], vs[KV_HEADS];
+  for (uint32_t g = 0; g < KV_HEADS; ++g) ks[g] = vs[g] = 1.0f;
+  a = contig_args(f, 2, 4);
+  a.dtype = AKV_DTYPE_FP8_E4M3;
+  a.k_scale = (const float *)MISALIGNED(1, ks, sizeof ks);
+  a.v_scale = vs;
+  assert_int_equal(akv_attention_ref_bf16(&a), AKV_ERR_INVALID_ARGUMENT);
+  a.k_scale = ks;
+  a.v_scale = (const float *)MISALIGNED(1, vs, sizeof vs);
+  assert_int_equal(akv_attention_ref_bf16(&a), AKV_ERR_INVALID_ARGUMENT);
+  assert_out_untouched(f);
+
+  /* The page table's three arrays. */
+  const uint32_t indptr[2] = {0, 2}, indices[2] = {0, 1}, last[1] = {3};
+  const akv_attention_paged_args pa = paged_args(f);
+  akv_page_table t = one_ctx_table(f, 4, indptr, indices, last, 4 * ROW_BYTES);
+  t.indptr = (const uint32_t *)MISALIGNED(0, indptr, sizeof indptr);
+  assert_int_equal(akv_attention_paged_ref_bf16(&pa, t), AKV_ERR_INVALID_ARGUMENT);
+  t = one_ctx_table(f, 4, indptr, indices, last, 4 * ROW_BYTES);
+  t.indices = (const uint32_t *)MISALIGNED(2, indices, sizeof indices);
+  assert_int_equal(akv_attention_paged_ref_bf16(&pa, t), AKV_ERR_INVALID_ARGUMENT);
+  t = one_ctx_table(f, 4, indptr, indices, last, 4 * ROW_BYTES);
+  t.last_page_len = (const uint32_t *)MISALIGNED(3, last, sizeof last);
+  assert_int_equal(akv_attention_paged_ref_bf16(&pa, t), AKV_ERR_INVALID_ARGUMENT);
+  assert_out_untouched(f);
+  t = one_ctx_table(f, 4, indptr, indices, last, 4 * ROW_BYTES);
+  assert_int_equal(akv_attention_paged_ref_bf16(&pa, t), AKV_OK);
+#undef MISALIGNED
+  free(f);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_misaligned_pointers_refused),
@@ -383,6 +482,8 @@ int main(void) {
       cmocka_unit_test(test_fp8_scale_edges),
       cmocka_unit_test(test_args_from_bogus_view),
       cmocka_unit_test(test_workspace_bytes_hostile),
+      cmocka_unit_test(test_score_factor_overflow_refused),
+      cmocka_unit_test(test_misaligned_arrays_refused),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

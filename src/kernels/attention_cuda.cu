@@ -1199,6 +1199,8 @@ CombineFn<Loc> pick_combine(uint32_t head_dim) {
 
 static bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 static bool aligned16(uint64_t v) { return (v & 15u) == 0; }
+/* uint32 and float arrays (NULL is aligned; the callers check NULL apart). */
+static bool aligned4(const void *p) { return ((uintptr_t)p & 3u) == 0; }
 
 static uint32_t div_up(uint32_t a, uint32_t b) { return a / b + (a % b != 0); }
 
@@ -1249,13 +1251,22 @@ static akv_status check_common(akv_dtype dtype, uint32_t n_heads, uint32_t kv_he
   if (esize == 1 && k_scale == nullptr) return AKV_ERR_INVALID_ARGUMENT;
   if (k_scale != nullptr) {
     if (kv_heads > AKV_ATTENTION_MAX_SCALE_HEADS) return AKV_ERR_INVALID_ARGUMENT;
+    if (!aligned4(k_scale) || !aligned4(v_scale)) return AKV_ERR_INVALID_ARGUMENT;
     for (uint32_t g = 0; g < kv_heads; ++g)
       if (!(isfinite(k_scale[g]) && k_scale[g] > 0.0f && isfinite(v_scale[g]) &&
             v_scale[g] > 0.0f))
         return AKV_ERR_INVALID_ARGUMENT;
   }
-  /* A non-finite softmax scale makes every score infinite or NaN. */
+  /* A non-finite softmax scale makes every score infinite or NaN, and so
+   * does a finite one whose score factor overflows: the check forms the
+   * products the kernels use (scale_log2 in launch_params, times k_scale[g]
+   * in the chunk kernel), so every factor a launch computes is finite. */
   if (!isfinite(scale)) return AKV_ERR_INVALID_ARGUMENT;
+  const float scale_log2 = scale * kLog2e;
+  if (!isfinite(scale_log2)) return AKV_ERR_INVALID_ARGUMENT;
+  if (k_scale != nullptr)
+    for (uint32_t g = 0; g < kv_heads; ++g)
+      if (!isfinite(scale_log2 * k_scale[g])) return AKV_ERR_INVALID_ARGUMENT;
   if (!aligned16(q) || !aligned16(row_bytes) || !aligned16(workspace) ||
       ((uintptr_t)out & 3u) != 0)
     return AKV_ERR_INVALID_ARGUMENT;
@@ -1402,6 +1413,9 @@ extern "C" AKV_API akv_status akv_attention_decode_cuda(const akv_attention_args
       a->v_base == nullptr)
     goto fail;
   if (!aligned16(a->k_base) || !aligned16(a->v_base) || !aligned16(a->context_stride)) goto fail;
+  /* len is read here through its type; the page map by the kernel, 4 bytes
+   * at a time (a misaligned one would fault on the device). */
+  if (!aligned4(a->len) || !aligned4(a->page_map)) goto fail;
   if (a->page_map != nullptr &&
       (a->page_map_stride == 0 || a->k_pages == nullptr || a->v_pages == nullptr ||
        !aligned16(a->k_pages) || !aligned16(a->v_pages) || !aligned16(a->page_stride)))
@@ -1484,6 +1498,8 @@ extern "C" AKV_API akv_status akv_attention_paged_cuda(const akv_attention_paged
       t.last_page_len == nullptr || t.k_pages == nullptr || t.v_pages == nullptr)
     goto fail;
   if (!aligned16(t.k_pages) || !aligned16(t.v_pages) || !aligned16(t.page_stride)) goto fail;
+  /* The kernels read the table's arrays 4 bytes at a time. */
+  if (!aligned4(t.indptr) || !aligned4(t.indices) || !aligned4(t.last_page_len)) goto fail;
   slots = (uint64_t)t.max_pages * akv_attn_pieces(t.page_tokens);
   if (!grid_fits(slots, a->n_heads, a->kv_heads)) goto fail;
   if (!ws_layout(t.batch, a->n_heads, a->head_dim, (uint32_t)slots, &acc_bytes, &total))

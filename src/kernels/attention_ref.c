@@ -89,6 +89,10 @@ static void decode_row(akv_dtype dtype, const char *p, float *dst, uint32_t d) {
   }
 }
 
+/* Whether a uint32_t or float array may be read through its type (NULL is
+ * aligned; the callers check NULL apart). */
+static int aligned4(const void *p) { return (uintptr_t)p % 4u == 0; }
+
 static size_t align_up(size_t x) { return (x + AKV_WS_ALIGN - 1) & ~(AKV_WS_ALIGN - 1); }
 
 /* Multiplies with an overflow check; returns 0 on overflow. */
@@ -177,14 +181,23 @@ static akv_status geom_check(akv_dtype dtype, uint32_t n_heads, uint32_t kv_head
   if (esize == 1 && k_scale == NULL) return AKV_ERR_INVALID_ARGUMENT;
   if (k_scale != NULL) {
     if (kv_heads > AKV_ATTENTION_MAX_SCALE_HEADS) return AKV_ERR_INVALID_ARGUMENT;
+    if (!aligned4(k_scale) || !aligned4(v_scale)) return AKV_ERR_INVALID_ARGUMENT;
     for (uint32_t g = 0; g < kv_heads; ++g)
       if (!(isfinite(k_scale[g]) && k_scale[g] > 0.0f && isfinite(v_scale[g]) &&
             v_scale[g] > 0.0f))
         return AKV_ERR_INVALID_ARGUMENT;
   }
   /* A non-finite softmax scale makes every score infinite or NaN: NaN
-   * outputs, or zeros over a non-empty history. */
+   * outputs, or zeros over a non-empty history. So does a finite one whose
+   * score factor c_g = (scale * log2(e)) * k_scale[g] overflows: the check
+   * forms the very products chunk_partial() uses, so every factor a call
+   * computes is finite. */
   if (!isfinite(scale)) return AKV_ERR_INVALID_ARGUMENT;
+  const float scale_log2 = scale * AKV_LOG2E_F;
+  if (!isfinite(scale_log2)) return AKV_ERR_INVALID_ARGUMENT;
+  if (k_scale != NULL)
+    for (uint32_t g = 0; g < kv_heads; ++g)
+      if (!isfinite(scale_log2 * k_scale[g])) return AKV_ERR_INVALID_ARGUMENT;
   /* q is read as bf16, out and the workspace are written as fp32. */
   if ((uintptr_t)q % _Alignof(uint16_t) != 0 || (uintptr_t)out % _Alignof(float) != 0 ||
       (uintptr_t)workspace % _Alignof(float) != 0)
@@ -330,6 +343,7 @@ akv_status akv_attention_ref_bf16(const akv_attention_args *a) {
     goto fail;
   if (a->page_map != NULL && (a->page_map_stride == 0 || a->k_pages == NULL || a->v_pages == NULL))
     goto fail;
+  if (!aligned4(a->len) || !aligned4(a->page_map)) goto fail;
   {
     /* Every row offset the call forms fits ptrdiff_t: rows 0..len-1 of every
      * context at k_base/v_base (also those a page override redirects), and
@@ -442,6 +456,7 @@ akv_status akv_attention_paged_ref_bf16(const akv_attention_paged_args *a, akv_p
   if (t.batch == 0 || t.page_tokens == 0 || t.indptr == NULL || t.last_page_len == NULL ||
       t.k_pages == NULL || t.v_pages == NULL)
     goto fail;
+  if (!aligned4(t.indptr) || !aligned4(t.indices) || !aligned4(t.last_page_len)) goto fail;
   /* The table is checked whole before anything is written. */
   if (t.indptr[0] != 0) goto fail;
   for (uint32_t i = 0; i < t.batch; ++i) {

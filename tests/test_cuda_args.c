@@ -1,0 +1,246 @@
+/*
+ * test_cuda_args.c - the CUDA launchers' argument checks (akv_cuda.h) that
+ * refuse a call before it touches the device, so they run on a machine
+ * without a GPU (label cpu). Every pointer is a fake, aligned, non-NULL
+ * device address that a refused call never dereferences.
+ *
+ * Teeth: each refused call differs from a baseline in one field. Without a
+ * CUDA device the baseline passes every check and fails at the launch
+ * (AKV_ERR_BACKEND), which proves the refusals come from the field under
+ * test; with a device the baseline is not called (the fake pointers would be
+ * launched on) and tests/gpu/test_gpu_attention.cu covers the launches.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "akv_cuda.h"
+
+#define KV_HEADS 2u
+#define N_HEADS 4u
+#define HEAD_DIM 64u
+#define ROW_BYTES ((uint64_t)KV_HEADS * HEAD_DIM * 2u)
+
+/* Fake device addresses, 256-byte aligned; never dereferenced. */
+#define FAKE(n) ((void *)(uintptr_t)(0x7f0000000000ull + (uint64_t)(n) * 0x100000ull))
+
+static int have_device(void) {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+static uint32_t g_len[2] = {5, 3};
+static float g_ks[KV_HEADS] = {1.0f, 1.0f}, g_vs[KV_HEADS] = {1.0f, 1.0f};
+
+static akv_attention_args contig(void) {
+  akv_attention_args a;
+  memset(&a, 0, sizeof a);
+  a.dtype = AKV_DTYPE_BF16;
+  a.n_contexts = 2;
+  a.n_heads = N_HEADS;
+  a.kv_heads = KV_HEADS;
+  a.head_dim = HEAD_DIM;
+  a.chunk_tokens = 4;
+  a.scale = 0.125f;
+  a.q = FAKE(1);
+  a.k_base = FAKE(2);
+  a.v_base = FAKE(3);
+  a.context_stride = 8 * ROW_BYTES;
+  a.row_bytes = ROW_BYTES;
+  a.len = g_len;
+  a.out = (float *)FAKE(4);
+  a.workspace = FAKE(5);
+  a.workspace_bytes = (size_t)1 << 20;
+  return a;
+}
+
+static akv_attention_paged_args paged(akv_page_table *t) {
+  akv_attention_paged_args pa;
+  memset(&pa, 0, sizeof pa);
+  pa.dtype = AKV_DTYPE_BF16;
+  pa.n_heads = N_HEADS;
+  pa.kv_heads = KV_HEADS;
+  pa.head_dim = HEAD_DIM;
+  pa.scale = 0.125f;
+  pa.q = FAKE(1);
+  pa.out = (float *)FAKE(4);
+  pa.workspace = FAKE(5);
+  pa.workspace_bytes = (size_t)1 << 20;
+  memset(t, 0, sizeof *t);
+  t->batch = 2;
+  t->page_tokens = 4;
+  t->max_pages = 2;
+  t->indptr = (const uint32_t *)FAKE(6);
+  t->indices = (const uint32_t *)FAKE(7);
+  t->last_page_len = (const uint32_t *)FAKE(8);
+  t->k_pages = FAKE(9);
+  t->v_pages = FAKE(10);
+  t->page_stride = 4 * ROW_BYTES;
+  t->row_bytes = ROW_BYTES;
+  return pa;
+}
+
+/* The baselines pass every check (no device: the launch fails). */
+static void baselines(void) {
+  if (have_device()) {
+    print_message("CUDA device present: baselines not launched on fake pointers\n");
+    return;
+  }
+  akv_attention_args a = contig();
+  assert_int_equal(akv_attention_decode_cuda(&a, 0), AKV_ERR_BACKEND);
+  a.dtype = AKV_DTYPE_FP8_E4M3;
+  a.row_bytes = a.context_stride = 16 * KV_HEADS * HEAD_DIM;
+  a.k_scale = g_ks;
+  a.v_scale = g_vs;
+  assert_int_equal(akv_attention_decode_cuda(&a, 0), AKV_ERR_BACKEND);
+  akv_page_table t;
+  akv_attention_paged_args pa = paged(&t);
+  assert_int_equal(akv_attention_paged_cuda(&pa, t, 0), AKV_ERR_BACKEND);
+}
+
+/* A finite softmax scale (or finite K scales) whose score factor
+ * scale * log2(e) * k_scale[g] overflows fp32 is refused, as in the
+ * reference. */
+static void test_cuda_score_factor_overflow_refused(void **state) {
+  (void)state;
+  baselines();
+  akv_attention_args a = contig();
+  a.scale = 3e38f;
+  assert_int_equal(akv_attention_decode_cuda(&a, 0), AKV_ERR_INVALID_ARGUMENT);
+  a.scale = -3e38f;
+  assert_int_equal(akv_attention_decode_cuda(&a, 0), AKV_ERR_INVALID_ARGUMENT);
+  akv_page_table t;
+  akv_attention_paged_args pa = paged(&t);
+  pa.scale = 3e38f;
+  assert_int_equal(akv_attention_paged_cuda(&pa, t, 0), AKV_ERR_INVALID_ARGUMENT);
+
+  float ks[KV_HEADS] = {1.0f, 1e30f};
+  a = contig();
+  a.dtype = AKV_DTYPE_FP8_E4M3;
+  a.k_scale = ks;
+  a.v_scale = g_vs;
+  a.scale = 1e10f;
+  assert_int_equal(akv_attention_decode_cuda(&a, 0), AKV_ERR_INVALID_ARGUMENT);
+  pa = paged(&t);
+  pa.k_scale = ks;
+  pa.v_scale = g_vs;
+  pa.scale = 1e10f;
+  assert_int_equal(akv_attention_paged_cuda(&pa, t, 0), AKV_ERR_INVALID_ARGUMENT);
+  if (!have_device()) {
+    a.scale = 1e8f; /* the factor is finite: past the checks */
+    assert_int_equal(akv_attention_decode_cuda(&a, 0), AKV_ERR_BACKEND);
+  }
+}
+
+/* The device's uint32 arrays (page map, page table) are read 4 bytes at a
+ * time by the kernels: a misaligned one would fault on the device (a sticky
+ * error that ends the CUDA context). The host arrays (len, scales) are read
+ * through their types too. All are refused. */
+static void test_cuda_misaligned_arrays_refused(void **state) {
+  (void)state;
+  baselines();
+  akv_attention_args a = contig();
+  a.page_map = (const uint32_t *)((char *)FAKE(11) + 2);
+  a.page_map_stride = 2;
+  a.k_pages = FAKE(9);
+  a.v_pages = FAKE(10);
+  a.page_stride = 4 * ROW_BYTES;
+  assert_int_equal(akv_attention_decode_cuda(&a, 0), AKV_ERR_INVALID_ARGUMENT);
+  if (!have_device()) {
+    a.page_map = (const uint32_t *)FAKE(11);
+    assert_int_equal(akv_attention_decode_cuda(&a, 0), AKV_ERR_BACKEND);
+  }
+
+  _Alignas(16) unsigned char buf[2][32];
+  memcpy(buf[0] + 1, g_len, sizeof g_len);
+  a = contig();
+  a.len = (const uint32_t *)(void *)(buf[0] + 1);
+  assert_int_equal(akv_attention_decode_cuda(&a, 0), AKV_ERR_INVALID_ARGUMENT);
+
+  memcpy(buf[1] + 2, g_ks, sizeof g_ks);
+  a = contig();
+  a.dtype = AKV_DTYPE_FP8_E4M3;
+  a.k_scale = (const float *)(void *)(buf[1] + 2);
+  a.v_scale = g_vs;
+  assert_int_equal(akv_attention_decode_cuda(&a, 0), AKV_ERR_INVALID_ARGUMENT);
+  a.k_scale = g_ks;
+  a.v_scale = (const float *)(void *)(buf[1] + 2);
+  assert_int_equal(akv_attention_decode_cuda(&a, 0), AKV_ERR_INVALID_ARGUMENT);
+
+  akv_page_table t;
+  akv_attention_paged_args pa = paged(&t);
+  t.indptr = (const uint32_t *)((char *)FAKE(6) + 1);
+  assert_int_equal(akv_attention_paged_cuda(&pa, t, 0), AKV_ERR_INVALID_ARGUMENT);
+  pa = paged(&t);
+  t.indices = (const uint32_t *)((char *)FAKE(7) + 2);
+  assert_int_equal(akv_attention_paged_cuda(&pa, t, 0), AKV_ERR_INVALID_ARGUMENT);
+  pa = paged(&t);
+  t.last_page_len = (const uint32_t *)((char *)FAKE(8) + 3);
+  assert_int_equal(akv_attention_paged_cuda(&pa, t, 0), AKV_ERR_INVALID_ARGUMENT);
+}
+
+/* The grid limits akv_cuda.h states: the call just inside each passes the
+ * checks (no device: the launch fails), the one just past it is refused. */
+static void test_cuda_grid_limits(void **state) {
+  (void)state;
+  const int dev = have_device();
+  akv_attention_args a = contig();
+  a.workspace_bytes = SIZE_MAX;
+  /* kv_heads * ceil(group / 8): 65535 * 1, then 65536 * 1 and 32768 * 2. */
+  a.kv_heads = a.n_heads = 65535;
+  a.row_bytes = (uint64_t)a.kv_heads * HEAD_DIM * 2u;
+  a.context_stride = 8 * a.row_bytes;
+  if (!dev) assert_int_equal(akv_attention_decode_cuda(&a, 0), AKV_ERR_BACKEND);
+  a.kv_heads = a.n_heads = 65536;
+  a.row_bytes = (uint64_t)a.kv_heads * HEAD_DIM * 2u;
+  a.context_stride = 8 * a.row_bytes;
+  assert_int_equal(akv_attention_decode_cuda(&a, 0), AKV_ERR_INVALID_ARGUMENT);
+  a.kv_heads = 32768;
+  a.n_heads = 32768 * 9;
+  a.row_bytes = (uint64_t)a.kv_heads * HEAD_DIM * 2u;
+  a.context_stride = 8 * a.row_bytes;
+  assert_int_equal(akv_attention_decode_cuda(&a, 0), AKV_ERR_INVALID_ARGUMENT);
+  a.n_heads = 32768 * 8; /* ceil(8 / 8) = 1 */
+  if (!dev) assert_int_equal(akv_attention_decode_cuda(&a, 0), AKV_ERR_BACKEND);
+
+  /* Piece slots times that figure: chunks of one row. */
+  uint32_t len[1] = {0x7FFFFFFFu};
+  a = contig();
+  a.workspace_bytes = SIZE_MAX;
+  a.n_contexts = 1;
+  a.n_heads = a.kv_heads = 1;
+  a.row_bytes = a.context_stride = HEAD_DIM * 2u;
+  a.chunk_tokens = 1;
+  a.len = len;
+  if (!dev) assert_int_equal(akv_attention_decode_cuda(&a, 0), AKV_ERR_BACKEND);
+  len[0] = 0x80000000u;
+  assert_int_equal(akv_attention_decode_cuda(&a, 0), AKV_ERR_INVALID_ARGUMENT);
+  len[0] = 0x40000000u; /* 2^30 slots times 2 kv heads: 2^31 */
+  a.n_heads = a.kv_heads = 2;
+  a.row_bytes = a.context_stride = 2u * HEAD_DIM * 2u;
+  assert_int_equal(akv_attention_decode_cuda(&a, 0), AKV_ERR_INVALID_ARGUMENT);
+
+  akv_page_table t;
+  akv_attention_paged_args pa = paged(&t);
+  pa.workspace_bytes = SIZE_MAX;
+  pa.n_heads = pa.kv_heads = 1;
+  t.row_bytes = HEAD_DIM * 2u;
+  t.page_tokens = 1;
+  t.max_pages = 0x7FFFFFFFu;
+  if (!dev) assert_int_equal(akv_attention_paged_cuda(&pa, t, 0), AKV_ERR_BACKEND);
+  t.max_pages = 0x80000000u;
+  assert_int_equal(akv_attention_paged_cuda(&pa, t, 0), AKV_ERR_INVALID_ARGUMENT);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_cuda_score_factor_overflow_refused),
+      cmocka_unit_test(test_cuda_misaligned_arrays_refused),
+      cmocka_unit_test(test_cuda_grid_limits),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
