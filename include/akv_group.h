@@ -54,7 +54,12 @@
  * call decides, between its two collectives: a group call made there on the
  * same group that is an agreement point, or akv_group_destroy, returns
  * AKV_ERR_IN_USE and enters no collective (it is not one of the rank's
- * sequence); the agreement in progress goes on.
+ * sequence); the agreement in progress goes on. Outside an agreement, an
+ * agreement point that decides (context open or close, step begin) called
+ * from the engine's log callback is one of the rank's sequence, but the
+ * engine refuses every change from inside its callback (akv_log_fn): it is
+ * a local state error, and every rank returns AKV_ERR_IN_USE with nothing
+ * changed (akv_group_check goes on as usual).
  * Streams: the collectives run on the group's own queue (NCCL: a stream the
  * group created on the engine's device); the caller's compute stream is
  * never touched.
@@ -207,7 +212,9 @@ AKV_API akv_status akv_group_engine(const akv_group *group, akv_engine **out);
  * gets the same id on every rank. Blocks until every rank arrived.
  * Returns, on every rank: AKV_OK, AKV_ERR_INVALID_ARGUMENT, AKV_ERR_CONFIG,
  * AKV_ERR_STEP_STATE, AKV_ERR_REFUSED_QUEUE, AKV_ERR_ADMISSION_REFUSED (as
- * akv_context_open), AKV_ERR_QUARANTINED, AKV_ERR_TIMEOUT, AKV_ERR_COMM;
+ * akv_context_open), AKV_ERR_IN_USE (called from the engine's log callback
+ * on any rank, outside an agreement; nothing changed on any rank),
+ * AKV_ERR_QUARANTINED, AKV_ERR_TIMEOUT, AKV_ERR_COMM;
  * AKV_ERR_BAD_HANDLE (this rank only, without entering the agreement);
  * AKV_ERR_IN_USE (this rank only, without entering the agreement: called
  * from the engine's log callback while an agreement of this group decides,
@@ -221,7 +228,8 @@ AKV_API akv_status akv_group_context_open(akv_group *group, const akv_context_co
  * Returns, on every rank: AKV_OK, AKV_ERR_BAD_HANDLE (a context not open on
  * this rank's engine), AKV_ERR_DISAGREE (different contexts), AKV_ERR_IN_USE
  * (the context is in an open step, or has host page leases, on any rank:
- * akv_step_end is not an agreement point; nothing changed on any rank),
+ * akv_step_end is not an agreement point; or the call came from the
+ * engine's log callback on any rank; nothing changed on any rank),
  * AKV_ERR_QUARANTINED, AKV_ERR_TIMEOUT, AKV_ERR_COMM; AKV_ERR_IN_USE (this
  * rank only, as for akv_group_context_open).
  */
@@ -234,7 +242,9 @@ AKV_API akv_status akv_group_context_close(akv_group *group, akv_context *contex
  * Returns, on every rank: AKV_OK, AKV_ERR_INVALID_ARGUMENT, AKV_ERR_BAD_HANDLE
  * (a context not open here), AKV_ERR_STEP_STATE, AKV_ERR_CAPACITY (as
  * akv_step_begin), AKV_ERR_UNEVEN_LAYERS (a context's layers hold different
- * row counts on any rank; nothing changed on any rank), AKV_ERR_DISAGREE,
+ * row counts on any rank; nothing changed on any rank), AKV_ERR_IN_USE
+ * (called from the engine's log callback on any rank, outside an
+ * agreement; nothing changed on any rank), AKV_ERR_DISAGREE,
  * AKV_ERR_QUARANTINED, AKV_ERR_TIMEOUT, AKV_ERR_COMM; AKV_ERR_IN_USE (this
  * rank only, as for akv_group_context_open).
  */

@@ -1015,6 +1015,117 @@ static void test_nested_agreement_from_engine_log(void **state) {
   assert_int_equal(akv_group_world_destroy(world), AKV_OK);
 }
 
+/* An agreement call made from the ENGINE's log callback outside any
+ * agreement (the engine logs a refusal of a direct engine call, here
+ * akv_step_end with no step open), on one rank only; the other rank makes
+ * the same agreement call from its own code. The engine refuses every call
+ * that changes it from inside its callback (akv_log_fn: AKV_ERR_IN_USE), so
+ * that rank's decision could never be taken. Before, the rank entered the
+ * agreement with no local refusal, its decision failed with AKV_ERR_IN_USE
+ * where the others opened (or stepped, or closed), every rank stopped as
+ * diverged, and the calling rank's engine could not even be quarantined
+ * (again from inside its callback). It is a local state refusal: every rank
+ * returns AKV_ERR_IN_USE, nothing changed on any rank, the group goes on. */
+typedef struct cb_rank {
+  akv_group_world *world;
+  uint32_t rank;
+  akv_group *g;
+  int from_cb;            /* 1: this rank makes its calls from the callback */
+  int armed;              /* 0: none, 1: open, 2: step, 3: close */
+  akv_context *ctx;
+  akv_status open_st, step_st, close_st, check, destroy;
+  uint64_t digest_before, digest_after, steps_after;
+  double wait_s;
+  akv_group_info info;
+} cb_rank;
+
+static void cb_rank_call(cb_rank *r, int which) {
+  akv_context *c = NULL;
+  if (which == 1) {
+    r->open_st = akv_group_context_open(r->g, NULL, &c);
+    if (r->open_st == AKV_OK) akv_group_context_close(r->g, c); /* never on a fixed group */
+  } else if (which == 2) {
+    r->step_st = akv_group_step_begin(r->g, &r->ctx, 1);
+  } else {
+    r->close_st = akv_group_context_close(r->g, r->ctx);
+  }
+}
+
+static void cb_log_fn(void *user, akv_log_level level, const char *message) {
+  cb_rank *r = user;
+  int which = r->armed;
+  (void)level;
+  if (which == 0 || strncmp(message, "group rank", 10) == 0) return;
+  r->armed = 0;
+  cb_rank_call(r, which);
+}
+
+static void *cb_rank_main(void *arg) {
+  cb_rank *r = arg;
+  akv_engine_config ec = shard_config(1, 1, 4);
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  akv_engine *e = NULL;
+  akv_engine_info ei;
+  double t0 = now_s();
+  ec.log_fn = cb_log_fn;
+  ec.log_user = r;
+  ec.log_level = AKV_LOG_DEBUG; /* the engine logs a refusal at DEBUG */
+  gc.rank = r->rank;
+  gc.size = 2;
+  gc.timeout_ms = 3000;
+  if (akv_group_create_inproc(&ec, &gc, r->world, &r->g) != AKV_OK) return NULL;
+  akv_group_engine(r->g, &e);
+  if (akv_group_context_open(r->g, NULL, &r->ctx) != AKV_OK) return NULL;
+  prefill(r->ctx, 3);
+  r->digest_before = akv_engine_plan_digest(e);
+  for (int which = 1; which <= 3; which++) {
+    if (r->from_cb) {
+      r->armed = which;
+      akv_step_end(e); /* refused (no step open): the engine logs */
+      r->armed = 0;
+    } else {
+      cb_rank_call(r, which);
+    }
+  }
+  akv_engine_info_get(e, &ei);
+  r->steps_after = ei.steps;
+  r->digest_after = akv_engine_plan_digest(e);
+  r->check = akv_group_check(r->g);
+  akv_group_info_get(r->g, &r->info);
+  akv_group_context_close(r->g, r->ctx);
+  r->destroy = akv_group_destroy(r->g);
+  r->wait_s = now_s() - t0;
+  return NULL;
+}
+
+static void test_agreement_from_engine_log_one_rank(void **state) {
+  (void)state;
+  akv_group_world *world;
+  cb_rank r[2];
+  pthread_t th[2];
+  assert_int_equal(akv_group_world_create(2, 4, &world), AKV_OK);
+  for (uint32_t i = 0; i < 2; i++) {
+    memset(&r[i], 0, sizeof(r[i]));
+    r[i].world = world;
+    r[i].rank = i;
+    r[i].from_cb = i == 0;
+    assert_int_equal(pthread_create(&th[i], NULL, cb_rank_main, &r[i]), 0);
+  }
+  for (uint32_t i = 0; i < 2; i++) pthread_join(th[i], NULL);
+  for (uint32_t i = 0; i < 2; i++) {
+    assert_int_equal(r[i].open_st, AKV_ERR_IN_USE);
+    assert_int_equal(r[i].step_st, AKV_ERR_IN_USE);
+    assert_int_equal(r[i].close_st, AKV_ERR_IN_USE);
+    assert_int_equal(r[i].digest_after, r[i].digest_before); /* nothing changed */
+    assert_int_equal(r[i].steps_after, 0);
+    assert_int_equal(r[i].check, AKV_OK);
+    assert_false(r[i].info.stopped);
+    assert_int_equal(r[i].destroy, AKV_OK);
+    assert_true(r[i].wait_s < 2.5); /* nobody waited out the timeout */
+  }
+  assert_int_equal(akv_group_world_destroy(world), AKV_OK);
+}
+
 /* A world (and an NCCL group's buffers, src/nccl/coll_nccl.c) is sized from
  * max_contexts, a caller's number: a world of UINT32_MAX contexts asked for
  * two vectors of 2^34 uint64 (and every group another), and failed with
@@ -1313,6 +1424,7 @@ int main(void) {
       cmocka_unit_test(test_log_callback_reentry),
       cmocka_unit_test(test_group_lines_never_nest_in_the_callback),
       cmocka_unit_test(test_nested_agreement_from_engine_log),
+      cmocka_unit_test(test_agreement_from_engine_log_one_rank),
       cmocka_unit_test(test_world_of_unbounded_contexts),
       cmocka_unit_test(test_group_config_digest_enum),
       cmocka_unit_test(test_world_abort_after_timeout),

@@ -299,6 +299,16 @@ static akv_status akv_group_enter(akv_group *g) {
              "group: refused, no collective");
     return AKV_ERR_IN_USE;
   }
+  /* Invariant: a rank whose engine's log callback is running (an agreement
+   * call from that callback outside any agreement of this group, e.g. on a
+   * line of a direct engine call) refuses the point's decision as a local
+   * state error, AKV_ERR_IN_USE through the header's local status: the
+   * engine refuses every change from inside its callback (akv_log_fn), so
+   * its decision would fail on this rank alone, the outcomes would differ
+   * and every rank would stop. Refused in the agreement instead, every rank
+   * returns AKV_ERR_IN_USE and nothing changes on any of them (checked by
+   * each decision point with akv_engine_in_log). akv_group_check decides
+   * nothing and goes on. */
   return AKV_OK;
 }
 
@@ -506,6 +516,8 @@ AKV_API akv_status akv_group_context_open(akv_group *g, const akv_context_config
            (akv_config_merge(&akv_context_config_layout, &cc, config, NULL, 0) != AKV_OK ||
             cc.version == 0 || cc.version > AKV_CONFIG_VERSION))
     local = AKV_ERR_CONFIG;
+  else if (akv_engine_in_log(akv_group_own(g)))
+    local = AKV_ERR_IN_USE; /* see akv_group_enter */
   else if (akv_engine_step_open(akv_group_own(g)))
     local = AKV_ERR_STEP_STATE;
   akv_group_put_header(g, AKV_POINT_OPEN, local);
@@ -534,6 +546,8 @@ AKV_API akv_status akv_group_context_close(akv_group *g, akv_context *context) {
   e = akv_group_own(g); /* NULL (engine destroyed directly): owns nothing */
   if (!akv_engine_owns_context(e, context) || akv_context_id(context, &id) != AKV_OK)
     local = AKV_ERR_BAD_HANDLE;
+  else if (akv_engine_in_log(e))
+    local = AKV_ERR_IN_USE; /* see akv_group_enter */
   else if (akv_engine_context_in_use(e, context))
     /* This rank's state (step_end is not an agreement point): refused on
      * every rank before any of them closes, so the outcomes never differ
@@ -568,6 +582,7 @@ AKV_API akv_status akv_group_step_begin(akv_group *g, akv_context *const *contex
      * outcomes never differ over it. */
     for (uint32_t i = 0; i < n && local == AKV_OK; i++)
       if (akv_engine_context_uneven(e, contexts[i])) local = AKV_ERR_UNEVEN_LAYERS;
+    if (local == AKV_OK && akv_engine_in_log(e)) local = AKV_ERR_IN_USE; /* see akv_group_enter */
     if (local == AKV_OK && akv_engine_step_open(e)) local = AKV_ERR_STEP_STATE;
   }
   akv_group_put_header(g, AKV_POINT_STEP, local);
