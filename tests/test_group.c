@@ -1126,6 +1126,106 @@ static void test_agreement_from_engine_log_one_rank(void **state) {
   assert_int_equal(akv_group_world_destroy(world), AKV_OK);
 }
 
+/* A group stopped by an agreement call made from the engine's log callback:
+ * rank 1's transport failed in a lease, then rank 1 learns it at an
+ * akv_group_check made from its engine's callback (on the line of a refused
+ * akv_step_end), rank 0 at a plain akv_group_check. The group stops on both
+ * ranks as PEER_FAILED and every rank must quarantine its engine, but the
+ * engine refuses a quarantine from inside its callback (akv_log_fn). Before,
+ * rank 1's group stopped with its engine never quarantined and no way for
+ * the group to do it later: akv_group_destroy answered AKV_ERR_BUSY
+ * ("transport failed: quarantine first") for ever, and the world could not
+ * be destroyed. The quarantine is deferred to the rank's next group call
+ * made outside the callback. */
+typedef struct late_q_rank {
+  akv_group_world *world;
+  uint32_t rank;
+  akv_group *g;
+  int armed;
+  akv_status first, nested, second, destroy;
+  int quarantined_in_cb, quarantined_after;
+  akv_group_info info;
+} late_q_rank;
+
+static void late_q_log_fn(void *user, akv_log_level level, const char *message) {
+  late_q_rank *r = user;
+  (void)level;
+  if (!r->armed || strncmp(message, "group rank", 10) == 0) return;
+  r->armed = 0;
+  r->nested = akv_group_check(r->g);
+}
+
+static void *late_q_rank_main(void *arg) {
+  late_q_rank *r = arg;
+  akv_engine_config ec = shard_config(1, 0, 4);
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  akv_engine *e = NULL;
+  akv_stream s = NULL;
+  akv_context *c = NULL;
+  akv_engine_info ei;
+  ec.route = AKV_ROUTE_STAGE;
+  ec.log_fn = late_q_log_fn;
+  ec.log_user = r;
+  ec.log_level = AKV_LOG_DEBUG; /* the engine logs a refusal at DEBUG */
+  if (r->rank == 1) {
+    ec.fault_fail_nth = 1; /* the first copy: layer 0's lease of the step */
+    ec.fault_kind = AKV_OP_COPY;
+  }
+  gc.rank = r->rank;
+  gc.size = 2;
+  gc.timeout_ms = 3000;
+  if (akv_group_create_inproc(&ec, &gc, r->world, &r->g) != AKV_OK) return NULL;
+  akv_group_engine(r->g, &e);
+  akv_stream_create(e, &s);
+  if (akv_group_context_open(r->g, NULL, &c) != AKV_OK) return NULL;
+  prefill(c, 5);
+  r->first = akv_group_step_begin(r->g, &c, 1);
+  (void)run_layers(e, s); /* fails on rank 1: its transport failed */
+  if (r->rank == 1) {
+    r->armed = 1;
+    akv_step_end(e); /* refused (transport failed): the engine logs */
+    r->armed = 0;
+    akv_engine_info_get(e, &ei);
+    r->quarantined_in_cb = ei.quarantined;
+  } else {
+    r->nested = akv_group_check(r->g);
+  }
+  r->second = akv_group_check(r->g);
+  akv_engine_info_get(e, &ei);
+  r->quarantined_after = ei.quarantined;
+  akv_group_info_get(r->g, &r->info);
+  akv_stream_destroy(e, s);
+  r->destroy = akv_group_destroy(r->g);
+  return NULL;
+}
+
+static void test_stop_from_engine_log_quarantines_later(void **state) {
+  (void)state;
+  akv_group_world *world;
+  late_q_rank r[2];
+  pthread_t th[2];
+  assert_int_equal(akv_group_world_create(2, 4, &world), AKV_OK);
+  for (uint32_t i = 0; i < 2; i++) {
+    memset(&r[i], 0, sizeof(r[i]));
+    r[i].world = world;
+    r[i].rank = i;
+    assert_int_equal(pthread_create(&th[i], NULL, late_q_rank_main, &r[i]), 0);
+  }
+  for (uint32_t i = 0; i < 2; i++) pthread_join(th[i], NULL);
+  assert_int_equal(r[1].quarantined_in_cb, 0); /* refused there: the premise */
+  for (uint32_t i = 0; i < 2; i++) {
+    assert_int_equal(r[i].first, AKV_OK);
+    assert_int_equal(r[i].nested, AKV_ERR_QUARANTINED);
+    assert_int_equal(r[i].second, AKV_ERR_QUARANTINED);
+    assert_int_equal(r[i].quarantined_after, 1);
+    assert_true(r[i].info.stopped);
+    assert_int_equal(r[i].info.reason, AKV_GROUP_PEER_FAILED);
+    assert_int_equal(r[i].info.failed_rank, 1);
+    assert_int_equal(r[i].destroy, AKV_OK);
+  }
+  assert_int_equal(akv_group_world_destroy(world), AKV_OK);
+}
+
 /* A world (and an NCCL group's buffers, src/nccl/coll_nccl.c) is sized from
  * max_contexts, a caller's number: a world of UINT32_MAX contexts asked for
  * two vectors of 2^34 uint64 (and every group another), and failed with
@@ -1425,6 +1525,7 @@ int main(void) {
       cmocka_unit_test(test_group_lines_never_nest_in_the_callback),
       cmocka_unit_test(test_nested_agreement_from_engine_log),
       cmocka_unit_test(test_agreement_from_engine_log_one_rank),
+      cmocka_unit_test(test_stop_from_engine_log_quarantines_later),
       cmocka_unit_test(test_world_of_unbounded_contexts),
       cmocka_unit_test(test_group_config_digest_enum),
       cmocka_unit_test(test_world_abort_after_timeout),

@@ -66,6 +66,7 @@ struct akv_group {
   int stopped;
   int in_log;               /* 1 while the log callback runs (see akv_group_log) */
   int deciding;             /* 1 while the engine decides between two collectives */
+  int quarantine_due;       /* 1: stopped from the engine's log callback (akv_group_settle) */
   akv_group_reason reason;
   uint32_t failed_rank;
   char last_error[512];
@@ -159,6 +160,13 @@ static akv_status akv_group_stop(akv_group *g, akv_group_reason reason, uint32_t
   g->stopped = 1;
   g->reason = reason;
   g->failed_rank = failed_rank;
+  if (e != NULL && akv_engine_in_log(e)) {
+    /* The engine refuses a quarantine from inside its log callback: owed,
+     * see akv_group_settle. */
+    g->quarantine_due = 1;
+    return akv_group_fail(g, st, "%s; engine quarantine deferred to this rank's next group call "
+                          "outside the engine's log callback", why);
+  }
   if (e != NULL) {
     akv_quarantine_report rep;
     akv_status q = akv_engine_quarantine(e, &rep);
@@ -167,6 +175,28 @@ static akv_status akv_group_stop(akv_group *g, akv_group_reason reason, uint32_t
   if (akv_group_engine_lost(g))
     return akv_group_fail(g, st, "%s; this rank's engine was destroyed directly", why);
   return akv_group_fail(g, st, "%s", why);
+}
+
+/* Invariant: every rank whose group stopped quarantines its engine
+ * (akv_group.h). A stop reached by an agreement call made from the engine's
+ * own log callback cannot (the engine refuses it there: akv_log_fn), so it
+ * is owed and made here, at the rank's next group call outside the callback
+ * that may change the engine (every agreement call, akv_group_destroy):
+ * before the group refuses the call, and before destroy, which an engine
+ * whose transport failed refuses until it is quarantined. */
+static void akv_group_settle(akv_group *g) {
+  akv_engine *e;
+  if (!g->quarantine_due) return;
+  e = akv_group_own(g);
+  if (e == NULL) {
+    g->quarantine_due = 0; /* destroyed directly: nothing left to quarantine */
+  } else if (!akv_engine_in_log(e)) {
+    akv_quarantine_report rep;
+    akv_status q = akv_engine_quarantine(e, &rep);
+    g->quarantine_due = 0;
+    snprintf(g->last_error, sizeof(g->last_error), "deferred engine quarantine: %s",
+             akv_status_string(q));
+  }
 }
 
 /* ---------------------------------------------------------------- vector */
@@ -284,6 +314,7 @@ static akv_status akv_group_outcome(akv_group *g, akv_status st) {
 
 static akv_status akv_group_enter(akv_group *g) {
   if (!akv_group_ok(g)) return AKV_ERR_BAD_HANDLE;
+  akv_group_settle(g);
   if (g->stopped)
     return akv_group_fail(g, AKV_ERR_QUARANTINED, "the group stopped earlier; only info, "
                           "engine diagnostics and destroy remain");
@@ -666,6 +697,7 @@ AKV_API akv_status akv_group_destroy(akv_group *g) {
   /* From the engine's log callback during an agreement: the agreement still
    * uses the vector and the collective (see akv_group_enter). */
   if (g->deciding) return AKV_ERR_IN_USE;
+  akv_group_settle(g);
   /* The engine's destroy never waits; with live work it frees nothing and
    * neither does the group. An engine the caller already destroyed (it is
    * the group's, but akv_group_engine hands it out) is not destroyed again,
