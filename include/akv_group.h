@@ -162,7 +162,9 @@ AKV_API akv_status akv_group_world_create(uint32_t size, uint32_t max_contexts,
  * rank and size, a rank, size or max_contexts the world does not take, or a
  * rank that already has a live group in this world
  * (a rank is taken from the create until its group's akv_group_destroy), and
- * AKV_ERR_INVALID_ARGUMENT for a NULL argument or a destroyed world.
+ * AKV_ERR_INVALID_ARGUMENT (this rank only, without entering the agreement)
+ * for a NULL config or world or a destroyed world. A NULL shard or out
+ * meets the others: AKV_ERR_INVALID_ARGUMENT on every rank.
  */
 AKV_API akv_status akv_group_create_inproc(const akv_engine_config *shard,
                                            const akv_group_config *config,

@@ -1226,6 +1226,68 @@ static void test_stop_from_engine_log_quarantines_later(void **state) {
   assert_int_equal(akv_group_world_destroy(world), AKV_OK);
 }
 
+/* A NULL shard or out on one rank at create. Before, that rank returned
+ * AKV_ERR_INVALID_ARGUMENT at once, without meeting the others: they waited
+ * out their timeout, returned AKV_ERR_TIMEOUT, and the timeout aborted the
+ * world for good (no group could be made in it again), though akv_group.h
+ * promises the same create status on every rank (akv_nccl.h: "on every rank
+ * alike ... AKV_ERR_INVALID_ARGUMENT (NULL)"). The argument is a local
+ * refusal that meets the others: every rank returns
+ * AKV_ERR_INVALID_ARGUMENT at once and the world lives on. */
+typedef struct null_rank {
+  akv_group_world *world;
+  uint32_t rank;
+  int null_what;   /* on rank 1: 1 = out NULL, 2 = shard NULL, 0 = none */
+  akv_status st;
+  double wait_s;
+} null_rank;
+
+static void *null_rank_main(void *arg) {
+  null_rank *r = arg;
+  akv_engine_config ec = shard_config(1, 1, 4);
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  akv_group *g = NULL;
+  const int what = r->rank == 1 ? r->null_what : 0;
+  double t0 = now_s();
+  gc.rank = r->rank;
+  gc.size = 2;
+  gc.timeout_ms = 2000;
+  r->st = akv_group_create_inproc(what == 2 ? NULL : &ec, &gc, r->world, what == 1 ? NULL : &g);
+  r->wait_s = now_s() - t0;
+  if (r->st == AKV_OK && g != NULL) akv_group_destroy(g);
+  return NULL;
+}
+
+static void run_null_ranks(akv_group_world *world, int null_what, null_rank r[2]) {
+  pthread_t th[2];
+  for (uint32_t i = 0; i < 2; i++) {
+    memset(&r[i], 0, sizeof(r[i]));
+    r[i].world = world;
+    r[i].rank = i;
+    r[i].null_what = null_what;
+    assert_int_equal(pthread_create(&th[i], NULL, null_rank_main, &r[i]), 0);
+  }
+  for (uint32_t i = 0; i < 2; i++) pthread_join(th[i], NULL);
+}
+
+static void test_create_null_argument_on_one_rank(void **state) {
+  (void)state;
+  akv_group_world *world;
+  null_rank r[2];
+  assert_int_equal(akv_group_world_create(2, 4, &world), AKV_OK);
+  for (int what = 1; what <= 2; what++) {
+    run_null_ranks(world, what, r);
+    for (uint32_t i = 0; i < 2; i++) {
+      assert_int_equal(r[i].st, AKV_ERR_INVALID_ARGUMENT);
+      assert_true(r[i].wait_s < 1.5); /* nobody waited out the timeout */
+    }
+  }
+  /* The world was not aborted: a group is still made in it. */
+  run_null_ranks(world, 0, r);
+  for (uint32_t i = 0; i < 2; i++) assert_int_equal(r[i].st, AKV_OK);
+  assert_int_equal(akv_group_world_destroy(world), AKV_OK);
+}
+
 /* A world (and an NCCL group's buffers, src/nccl/coll_nccl.c) is sized from
  * max_contexts, a caller's number: a world of UINT32_MAX contexts asked for
  * two vectors of 2^34 uint64 (and every group another), and failed with
@@ -1526,6 +1588,7 @@ int main(void) {
       cmocka_unit_test(test_nested_agreement_from_engine_log),
       cmocka_unit_test(test_agreement_from_engine_log_one_rank),
       cmocka_unit_test(test_stop_from_engine_log_quarantines_later),
+      cmocka_unit_test(test_create_null_argument_on_one_rank),
       cmocka_unit_test(test_world_of_unbounded_contexts),
       cmocka_unit_test(test_group_config_digest_enum),
       cmocka_unit_test(test_world_abort_after_timeout),

@@ -376,9 +376,16 @@ akv_status akv_group_create_with(const akv_engine_config *shard, const akv_group
   akv_status local = AKV_OK, st, agreed_local;
   uint64_t v;
   int same = 1;
-  if (coll == NULL || coll->ops == NULL || out == NULL || config == NULL || shard == NULL)
-    return AKV_ERR_INVALID_ARGUMENT;
+  /* Without a collective this rank cannot meet the others. */
+  if (coll == NULL || coll->ops == NULL) return AKV_ERR_INVALID_ARGUMENT;
   if (coll->max_n < AKV_GROUP_FIXED_LEN) return AKV_ERR_INVALID_ARGUMENT;
+  /* Invariant: every create status but a missing collective is every
+   * rank's (akv_group.h). A NULL shard, config or out is this rank's
+   * argument error like any other: it meets the others (defaults in place
+   * of what is missing, rank and size the collective's) and every rank
+   * returns AKV_ERR_INVALID_ARGUMENT, instead of the others waiting out
+   * their timeout, which aborts the communicator for good. */
+  const int args_ok = shard != NULL && config != NULL && out != NULL;
   /* The caller's structs are read only up to their struct_size: an older,
    * smaller engine config gives its fields and the rest keep their
    * defaults (akv.h, ABI); a group config smaller than this library's (it
@@ -388,9 +395,10 @@ akv_status akv_group_create_with(const akv_engine_config *shard, const akv_group
   akv_engine_config sh = AKV_ENGINE_CONFIG_INIT;
   akv_group_config gc = AKV_GROUP_CONFIG_INIT;
   const int sizes_ok =
-      config->struct_size >= sizeof(akv_group_config) &&
+      args_ok && config->struct_size >= sizeof(akv_group_config) &&
       akv_config_merge(&akv_engine_config_layout, &sh, shard, NULL, 0) == AKV_OK;
-  if (config->struct_size >= sizeof(akv_group_config)) gc = *config;
+  if (config != NULL && config->struct_size >= sizeof(akv_group_config)) gc = *config;
+  if (shard == NULL) sh.log_level = AKV_LOG_ERROR; /* no caller's sink: no stderr warning */
   shard = &sh;
   config = &gc;
   g = akv_rec_take(&akv_group_records);
@@ -408,7 +416,10 @@ akv_status akv_group_create_with(const akv_engine_config *shard, const akv_group
   g->vec_len = AKV_GROUP_FIXED_LEN;
   /* Local checks travel as the header's status: a rank that refuses its own
    * arguments still meets the others, so none of them waits for it. */
-  if (!sizes_ok || config->version != AKV_CONFIG_VERSION || shard->version != AKV_CONFIG_VERSION)
+  if (!args_ok)
+    local = AKV_ERR_INVALID_ARGUMENT;
+  else if (!sizes_ok || config->version != AKV_CONFIG_VERSION ||
+           shard->version != AKV_CONFIG_VERSION)
     local = AKV_ERR_CONFIG;
   else if (config->size != coll->size || config->rank != coll->rank || config->timeout_ms == 0)
     local = AKV_ERR_CONFIG;
