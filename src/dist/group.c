@@ -394,9 +394,9 @@ akv_status akv_group_create_with(const akv_engine_config *shard, const akv_group
    * ranks with the defaults in their place. */
   akv_engine_config sh = AKV_ENGINE_CONFIG_INIT;
   akv_group_config gc = AKV_GROUP_CONFIG_INIT;
-  const int sizes_ok =
-      args_ok && config->struct_size >= sizeof(akv_group_config) &&
-      akv_config_merge(&akv_engine_config_layout, &sh, shard, NULL, 0) == AKV_OK;
+  const int merged =
+      shard != NULL && akv_config_merge(&akv_engine_config_layout, &sh, shard, NULL, 0) == AKV_OK;
+  const int sizes_ok = args_ok && merged && config->struct_size >= sizeof(akv_group_config);
   if (config != NULL && config->struct_size >= sizeof(akv_group_config)) gc = *config;
   if (shard == NULL) sh.log_level = AKV_LOG_ERROR; /* no caller's sink: no stderr warning */
   shard = &sh;
