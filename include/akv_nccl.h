@@ -61,7 +61,10 @@ extern "C" {
  * takes it),
  * AKV_ERR_DISAGREE (geometry differs), AKV_ERR_NOT_SUPPORTED (headroom_gib
  * set on any rank: headroom is not agreed yet), the statuses of akv_engine_create
- * (the largest over ranks), AKV_ERR_TIMEOUT, AKV_ERR_COMM; AKV_ERR_NOT_SUPPORTED
+ * (the largest over ranks), AKV_ERR_QUARANTINED (ranks at different
+ * agreement points: this create met a call another rank made on its
+ * earlier group of the same ranks, which stops as diverged; nothing of the
+ * new group is left), AKV_ERR_TIMEOUT, AKV_ERR_COMM; AKV_ERR_NOT_SUPPORTED
  * (this rank only: no libnccl.so.2 could be loaded); AKV_ERR_INVALID_ARGUMENT
  * (this rank only: comm NULL; the others time out); AKV_ERR_BACKEND (this rank only: the
  * group's stream or buffers could not be made; the others time out).

@@ -1288,6 +1288,65 @@ static void test_create_null_argument_on_one_rank(void **state) {
   assert_int_equal(akv_group_world_destroy(world), AKV_OK);
 }
 
+/* Calls out of order across ranks: rank 1 destroys its group and creates a
+ * new one in the same world while rank 0 makes its next call (a check) on
+ * the first. The create meets the check: the ranks are at different kinds
+ * of agreement point, so both stop as diverged. The create answers
+ * AKV_ERR_QUARANTINED, like the check, and leaves nothing behind (the rank
+ * is free again); akv_group.h listed no such status for a create. */
+typedef struct reborn_rank {
+  akv_group_world *world;
+  uint32_t rank;
+  akv_status create, second, check, destroy;
+  akv_group_info info;
+} reborn_rank;
+
+static void *reborn_rank_main(void *arg) {
+  reborn_rank *r = arg;
+  akv_engine_config ec = shard_config(1, 1, 4);
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  akv_group *g = NULL, *g2 = NULL;
+  gc.rank = r->rank;
+  gc.size = 2;
+  gc.timeout_ms = 3000;
+  r->create = akv_group_create_inproc(&ec, &gc, r->world, &g);
+  if (r->create != AKV_OK) return NULL;
+  if (r->rank == 1) {
+    r->destroy = akv_group_destroy(g);
+    r->second = akv_group_create_inproc(&ec, &gc, r->world, &g2);
+    if (r->second == AKV_OK) akv_group_destroy(g2);
+  } else {
+    r->check = akv_group_check(g);
+    akv_group_info_get(g, &r->info);
+    r->destroy = akv_group_destroy(g);
+  }
+  return NULL;
+}
+
+static void test_create_meets_another_call(void **state) {
+  (void)state;
+  akv_group_world *world;
+  reborn_rank r[2];
+  pthread_t th[2];
+  assert_int_equal(akv_group_world_create(2, 4, &world), AKV_OK);
+  for (uint32_t i = 0; i < 2; i++) {
+    memset(&r[i], 0, sizeof(r[i]));
+    r[i].world = world;
+    r[i].rank = i;
+    assert_int_equal(pthread_create(&th[i], NULL, reborn_rank_main, &r[i]), 0);
+  }
+  for (uint32_t i = 0; i < 2; i++) pthread_join(th[i], NULL);
+  for (uint32_t i = 0; i < 2; i++) {
+    assert_int_equal(r[i].create, AKV_OK);
+    assert_int_equal(r[i].destroy, AKV_OK);
+  }
+  assert_int_equal(r[0].check, AKV_ERR_QUARANTINED);
+  assert_true(r[0].info.stopped);
+  assert_int_equal(r[0].info.reason, AKV_GROUP_DIVERGED);
+  assert_int_equal(r[1].second, AKV_ERR_QUARANTINED);
+  assert_int_equal(akv_group_world_destroy(world), AKV_OK); /* nothing left behind */
+}
+
 /* A world (and an NCCL group's buffers, src/nccl/coll_nccl.c) is sized from
  * max_contexts, a caller's number: a world of UINT32_MAX contexts asked for
  * two vectors of 2^34 uint64 (and every group another), and failed with
@@ -1589,6 +1648,7 @@ int main(void) {
       cmocka_unit_test(test_agreement_from_engine_log_one_rank),
       cmocka_unit_test(test_stop_from_engine_log_quarantines_later),
       cmocka_unit_test(test_create_null_argument_on_one_rank),
+      cmocka_unit_test(test_create_meets_another_call),
       cmocka_unit_test(test_world_of_unbounded_contexts),
       cmocka_unit_test(test_group_config_digest_enum),
       cmocka_unit_test(test_world_abort_after_timeout),
