@@ -30,8 +30,8 @@
  *    every rank quarantines its engine (akv_engine_quarantine) and returns
  *    AKV_ERR_QUARANTINED; akv_group_info_get says why and which rank failed.
  *    (A rank whose call came from its engine's log callback, where the
- *    engine refuses a quarantine, quarantines it at its next group call
- *    made outside the callback, akv_group_destroy included.)
+ *    engine refuses a quarantine, quarantines it at its next agreement
+ *    call or akv_group_destroy made outside the callback.)
  *  - A rank does not arrive within timeout_ms: the ranks that did arrive
  *    abort the communicator, quarantine their engines and return
  *    AKV_ERR_TIMEOUT within timeout_ms (plus a poll interval); the late rank
