@@ -121,7 +121,8 @@ typedef enum akv_group_reason {
 typedef struct akv_group_info {
   uint32_t rank, size;
   uint64_t agreements;     /**< collectives this rank completed */
-  uint64_t digest;         /**< the plan digest at the last agreement point */
+  uint64_t digest;         /**< digests compared: the plan digest at the last agreement
+                                point; else the engine's plan digest now */
   int digest_checked;      /**< 1 when digests are compared */
   int stopped;             /**< 1 once the group quarantined or its communicator failed */
   akv_group_reason reason;
