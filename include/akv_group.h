@@ -31,7 +31,8 @@
  *    AKV_ERR_QUARANTINED; akv_group_info_get says why and which rank failed.
  *    (A rank whose call came from its engine's log callback, where the
  *    engine refuses a quarantine, quarantines it at its next agreement
- *    call or akv_group_destroy made outside the callback.)
+ *    call made outside the callback; until then akv_group_destroy, which
+ *    never waits, answers AKV_ERR_BUSY if this rank's transport failed.)
  *  - A rank does not arrive within timeout_ms: the ranks that did arrive
  *    abort the communicator, quarantine their engines and return
  *    AKV_ERR_TIMEOUT within timeout_ms (plus a poll interval); the late rank

@@ -1135,7 +1135,7 @@ static void test_agreement_from_engine_log_one_rank(void **state) {
  * rank 1's group stopped with its engine never quarantined and no way for
  * the group to do it later: akv_group_destroy answered AKV_ERR_BUSY
  * ("transport failed: quarantine first") for ever, and the world could not
- * be destroyed. The quarantine is deferred to the rank's next group call
+ * be destroyed. The quarantine is deferred to the rank's next agreement call
  * made outside the callback. */
 typedef struct late_q_rank {
   akv_group_world *world;

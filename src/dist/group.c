@@ -164,8 +164,8 @@ static akv_status akv_group_stop(akv_group *g, akv_group_reason reason, uint32_t
     /* The engine refuses a quarantine from inside its log callback: owed,
      * see akv_group_settle. */
     g->quarantine_due = 1;
-    return akv_group_fail(g, st, "%s; engine quarantine deferred to this rank's next group call "
-                          "outside the engine's log callback", why);
+    return akv_group_fail(g, st, "%s; engine quarantine deferred to this rank's next agreement "
+                          "call outside the engine's log callback", why);
   }
   if (e != NULL) {
     akv_quarantine_report rep;
@@ -180,10 +180,8 @@ static akv_status akv_group_stop(akv_group *g, akv_group_reason reason, uint32_t
 /* Invariant: every rank whose group stopped quarantines its engine
  * (akv_group.h). A stop reached by an agreement call made from the engine's
  * own log callback cannot (the engine refuses it there: akv_log_fn), so it
- * is owed and made here, at the rank's next group call outside the callback
- * that may change the engine (every agreement call, akv_group_destroy):
- * before the group refuses the call, and before destroy, which an engine
- * whose transport failed refuses until it is quarantined. */
+ * is owed and made here, at the rank's next agreement call outside the
+ * callback (which blocks anyway), before the group refuses that call. */
 static void akv_group_settle(akv_group *g) {
   akv_engine *e;
   if (!g->quarantine_due) return;
@@ -708,7 +706,9 @@ AKV_API akv_status akv_group_destroy(akv_group *g) {
   /* From the engine's log callback during an agreement: the agreement still
    * uses the vector and the collective (see akv_group_enter). */
   if (g->deciding) return AKV_ERR_IN_USE;
-  akv_group_settle(g);
+  /* No akv_group_settle here: a quarantine waits on the engine's queues,
+   * and destroy never waits. An owed one leaves an engine whose transport
+   * failed busy (akv_group.h says what to do). */
   /* The engine's destroy never waits; with live work it frees nothing and
    * neither does the group. An engine the caller already destroyed (it is
    * the group's, but akv_group_engine hands it out) is not destroyed again,
