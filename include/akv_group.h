@@ -29,6 +29,10 @@
  *    point), the outcome differs between ranks, or the plan digests differ:
  *    every rank quarantines its engine (akv_engine_quarantine) and returns
  *    AKV_ERR_QUARANTINED; akv_group_info_get says why and which rank failed.
+ *    (A rank whose call came from its engine's log callback, where the
+ *    engine refuses a quarantine, quarantines it at its next agreement
+ *    call made outside the callback; until then akv_group_destroy, which
+ *    never waits, answers AKV_ERR_BUSY if this rank's transport failed.)
  *  - A rank does not arrive within timeout_ms: the ranks that did arrive
  *    abort the communicator, quarantine their engines and return
  *    AKV_ERR_TIMEOUT within timeout_ms (plus a poll interval); the late rank
@@ -54,7 +58,12 @@
  * call decides, between its two collectives: a group call made there on the
  * same group that is an agreement point, or akv_group_destroy, returns
  * AKV_ERR_IN_USE and enters no collective (it is not one of the rank's
- * sequence); the agreement in progress goes on.
+ * sequence); the agreement in progress goes on. Outside an agreement, an
+ * agreement point that decides (context open or close, step begin) called
+ * from the engine's log callback is one of the rank's sequence, but the
+ * engine refuses every change from inside its callback (akv_log_fn): it is
+ * a local state error, and every rank returns AKV_ERR_IN_USE with nothing
+ * changed (akv_group_check goes on as usual).
  * Streams: the collectives run on the group's own queue (NCCL: a stream the
  * group created on the engine's device); the caller's compute stream is
  * never touched.
@@ -113,7 +122,8 @@ typedef enum akv_group_reason {
 typedef struct akv_group_info {
   uint32_t rank, size;
   uint64_t agreements;     /**< collectives this rank completed */
-  uint64_t digest;         /**< the plan digest at the last agreement point */
+  uint64_t digest;         /**< digests compared: the plan digest at the last agreement
+                                point; else the engine's plan digest now */
   int digest_checked;      /**< 1 when digests are compared */
   int stopped;             /**< 1 once the group quarantined or its communicator failed */
   akv_group_reason reason;
@@ -154,7 +164,9 @@ AKV_API akv_status akv_group_world_create(uint32_t size, uint32_t max_contexts,
  * rank and size, a rank, size or max_contexts the world does not take, or a
  * rank that already has a live group in this world
  * (a rank is taken from the create until its group's akv_group_destroy), and
- * AKV_ERR_INVALID_ARGUMENT for a NULL argument or a destroyed world.
+ * AKV_ERR_INVALID_ARGUMENT (this rank only, without entering the agreement)
+ * for a NULL config or world or a destroyed world. A NULL shard or out
+ * meets the others: AKV_ERR_INVALID_ARGUMENT on every rank.
  */
 AKV_API akv_status akv_group_create_inproc(const akv_engine_config *shard,
                                            const akv_group_config *config,
@@ -207,7 +219,9 @@ AKV_API akv_status akv_group_engine(const akv_group *group, akv_engine **out);
  * gets the same id on every rank. Blocks until every rank arrived.
  * Returns, on every rank: AKV_OK, AKV_ERR_INVALID_ARGUMENT, AKV_ERR_CONFIG,
  * AKV_ERR_STEP_STATE, AKV_ERR_REFUSED_QUEUE, AKV_ERR_ADMISSION_REFUSED (as
- * akv_context_open), AKV_ERR_QUARANTINED, AKV_ERR_TIMEOUT, AKV_ERR_COMM;
+ * akv_context_open), AKV_ERR_IN_USE (called from the engine's log callback
+ * on any rank, outside an agreement; nothing changed on any rank),
+ * AKV_ERR_QUARANTINED, AKV_ERR_TIMEOUT, AKV_ERR_COMM;
  * AKV_ERR_BAD_HANDLE (this rank only, without entering the agreement);
  * AKV_ERR_IN_USE (this rank only, without entering the agreement: called
  * from the engine's log callback while an agreement of this group decides,
@@ -221,7 +235,8 @@ AKV_API akv_status akv_group_context_open(akv_group *group, const akv_context_co
  * Returns, on every rank: AKV_OK, AKV_ERR_BAD_HANDLE (a context not open on
  * this rank's engine), AKV_ERR_DISAGREE (different contexts), AKV_ERR_IN_USE
  * (the context is in an open step, or has host page leases, on any rank:
- * akv_step_end is not an agreement point; nothing changed on any rank),
+ * akv_step_end is not an agreement point; or the call came from the
+ * engine's log callback on any rank; nothing changed on any rank),
  * AKV_ERR_QUARANTINED, AKV_ERR_TIMEOUT, AKV_ERR_COMM; AKV_ERR_IN_USE (this
  * rank only, as for akv_group_context_open).
  */
@@ -234,7 +249,9 @@ AKV_API akv_status akv_group_context_close(akv_group *group, akv_context *contex
  * Returns, on every rank: AKV_OK, AKV_ERR_INVALID_ARGUMENT, AKV_ERR_BAD_HANDLE
  * (a context not open here), AKV_ERR_STEP_STATE, AKV_ERR_CAPACITY (as
  * akv_step_begin), AKV_ERR_UNEVEN_LAYERS (a context's layers hold different
- * row counts on any rank; nothing changed on any rank), AKV_ERR_DISAGREE,
+ * row counts on any rank; nothing changed on any rank), AKV_ERR_IN_USE
+ * (called from the engine's log callback on any rank, outside an
+ * agreement; nothing changed on any rank), AKV_ERR_DISAGREE,
  * AKV_ERR_QUARANTINED, AKV_ERR_TIMEOUT, AKV_ERR_COMM; AKV_ERR_IN_USE (this
  * rank only, as for akv_group_context_open).
  */

@@ -51,7 +51,8 @@ extern "C" {
  * entry points from the libnccl.so.2 the process already loaded (the one
  * that made comm: a framework's bundled copy or the toolkit's), else loads
  * libnccl.so.2 from the library path.
- * Returns, on every rank alike: AKV_OK, AKV_ERR_INVALID_ARGUMENT (NULL),
+ * Returns, on every rank alike: AKV_OK, AKV_ERR_INVALID_ARGUMENT (a NULL
+ * shard, config or out on any rank),
  * AKV_ERR_CONFIG (rank or size differ from comm's, a size above
  * AKV_GROUP_MAX_RANKS, timeout_ms 0, a digest
  * outside akv_group_digest, bad struct sizes: a
@@ -60,8 +61,12 @@ extern "C" {
  * takes it),
  * AKV_ERR_DISAGREE (geometry differs), AKV_ERR_NOT_SUPPORTED (headroom_gib
  * set on any rank: headroom is not agreed yet), the statuses of akv_engine_create
- * (the largest over ranks), AKV_ERR_TIMEOUT, AKV_ERR_COMM; AKV_ERR_NOT_SUPPORTED
- * (this rank only: no libnccl.so.2 could be loaded); AKV_ERR_BACKEND (this rank only: the
+ * (the largest over ranks), AKV_ERR_QUARANTINED (ranks at different
+ * agreement points: this create met a call another rank made on its
+ * earlier group of the same ranks, which stops as diverged; nothing of the
+ * new group is left), AKV_ERR_TIMEOUT, AKV_ERR_COMM; AKV_ERR_NOT_SUPPORTED
+ * (this rank only: no libnccl.so.2 could be loaded); AKV_ERR_INVALID_ARGUMENT
+ * (this rank only: comm NULL; the others time out); AKV_ERR_BACKEND (this rank only: the
  * group's stream or buffers could not be made; the others time out).
  */
 AKV_API akv_status akv_nccl_group_create(const akv_engine_config *shard,

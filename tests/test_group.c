@@ -1015,6 +1015,338 @@ static void test_nested_agreement_from_engine_log(void **state) {
   assert_int_equal(akv_group_world_destroy(world), AKV_OK);
 }
 
+/* An agreement call made from the ENGINE's log callback outside any
+ * agreement (the engine logs a refusal of a direct engine call, here
+ * akv_step_end with no step open), on one rank only; the other rank makes
+ * the same agreement call from its own code. The engine refuses every call
+ * that changes it from inside its callback (akv_log_fn: AKV_ERR_IN_USE), so
+ * that rank's decision could never be taken. Before, the rank entered the
+ * agreement with no local refusal, its decision failed with AKV_ERR_IN_USE
+ * where the others opened (or stepped, or closed), every rank stopped as
+ * diverged, and the calling rank's engine could not even be quarantined
+ * (again from inside its callback). It is a local state refusal: every rank
+ * returns AKV_ERR_IN_USE, nothing changed on any rank, the group goes on. */
+typedef struct cb_rank {
+  akv_group_world *world;
+  uint32_t rank;
+  akv_group *g;
+  int from_cb;            /* 1: this rank makes its calls from the callback */
+  int armed;              /* 0: none, 1: open, 2: step, 3: close */
+  akv_context *ctx;
+  akv_status open_st, step_st, close_st, check, destroy;
+  uint64_t digest_before, digest_after, steps_after;
+  double wait_s;
+  akv_group_info info;
+} cb_rank;
+
+static void cb_rank_call(cb_rank *r, int which) {
+  akv_context *c = NULL;
+  if (which == 1) {
+    r->open_st = akv_group_context_open(r->g, NULL, &c);
+    if (r->open_st == AKV_OK) akv_group_context_close(r->g, c); /* never on a fixed group */
+  } else if (which == 2) {
+    r->step_st = akv_group_step_begin(r->g, &r->ctx, 1);
+  } else {
+    r->close_st = akv_group_context_close(r->g, r->ctx);
+  }
+}
+
+static void cb_log_fn(void *user, akv_log_level level, const char *message) {
+  cb_rank *r = user;
+  int which = r->armed;
+  (void)level;
+  if (which == 0 || strncmp(message, "group rank", 10) == 0) return;
+  r->armed = 0;
+  cb_rank_call(r, which);
+}
+
+static void *cb_rank_main(void *arg) {
+  cb_rank *r = arg;
+  akv_engine_config ec = shard_config(1, 1, 4);
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  akv_engine *e = NULL;
+  akv_engine_info ei;
+  double t0 = now_s();
+  ec.log_fn = cb_log_fn;
+  ec.log_user = r;
+  ec.log_level = AKV_LOG_DEBUG; /* the engine logs a refusal at DEBUG */
+  gc.rank = r->rank;
+  gc.size = 2;
+  gc.timeout_ms = 3000;
+  if (akv_group_create_inproc(&ec, &gc, r->world, &r->g) != AKV_OK) return NULL;
+  akv_group_engine(r->g, &e);
+  if (akv_group_context_open(r->g, NULL, &r->ctx) != AKV_OK) return NULL;
+  prefill(r->ctx, 3);
+  r->digest_before = akv_engine_plan_digest(e);
+  for (int which = 1; which <= 3; which++) {
+    if (r->from_cb) {
+      r->armed = which;
+      akv_step_end(e); /* refused (no step open): the engine logs */
+      r->armed = 0;
+    } else {
+      cb_rank_call(r, which);
+    }
+  }
+  akv_engine_info_get(e, &ei);
+  r->steps_after = ei.steps;
+  r->digest_after = akv_engine_plan_digest(e);
+  r->check = akv_group_check(r->g);
+  akv_group_info_get(r->g, &r->info);
+  akv_group_context_close(r->g, r->ctx);
+  r->destroy = akv_group_destroy(r->g);
+  r->wait_s = now_s() - t0;
+  return NULL;
+}
+
+static void test_agreement_from_engine_log_one_rank(void **state) {
+  (void)state;
+  akv_group_world *world;
+  cb_rank r[2];
+  pthread_t th[2];
+  assert_int_equal(akv_group_world_create(2, 4, &world), AKV_OK);
+  for (uint32_t i = 0; i < 2; i++) {
+    memset(&r[i], 0, sizeof(r[i]));
+    r[i].world = world;
+    r[i].rank = i;
+    r[i].from_cb = i == 0;
+    assert_int_equal(pthread_create(&th[i], NULL, cb_rank_main, &r[i]), 0);
+  }
+  for (uint32_t i = 0; i < 2; i++) pthread_join(th[i], NULL);
+  for (uint32_t i = 0; i < 2; i++) {
+    assert_int_equal(r[i].open_st, AKV_ERR_IN_USE);
+    assert_int_equal(r[i].step_st, AKV_ERR_IN_USE);
+    assert_int_equal(r[i].close_st, AKV_ERR_IN_USE);
+    assert_int_equal(r[i].digest_after, r[i].digest_before); /* nothing changed */
+    assert_int_equal(r[i].steps_after, 0);
+    assert_int_equal(r[i].check, AKV_OK);
+    assert_false(r[i].info.stopped);
+    assert_int_equal(r[i].destroy, AKV_OK);
+    assert_true(r[i].wait_s < 2.5); /* nobody waited out the timeout */
+  }
+  assert_int_equal(akv_group_world_destroy(world), AKV_OK);
+}
+
+/* A group stopped by an agreement call made from the engine's log callback:
+ * rank 1's transport failed in a lease, then rank 1 learns it at an
+ * akv_group_check made from its engine's callback (on the line of a refused
+ * akv_step_end), rank 0 at a plain akv_group_check. The group stops on both
+ * ranks as PEER_FAILED and every rank must quarantine its engine, but the
+ * engine refuses a quarantine from inside its callback (akv_log_fn). Before,
+ * rank 1's group stopped with its engine never quarantined and no way for
+ * the group to do it later: akv_group_destroy answered AKV_ERR_BUSY
+ * ("transport failed: quarantine first") for ever, and the world could not
+ * be destroyed. The quarantine is deferred to the rank's next agreement call
+ * made outside the callback. */
+typedef struct late_q_rank {
+  akv_group_world *world;
+  uint32_t rank;
+  akv_group *g;
+  int armed;
+  akv_status first, nested, second, destroy;
+  int quarantined_in_cb, quarantined_after;
+  akv_group_info info;
+} late_q_rank;
+
+static void late_q_log_fn(void *user, akv_log_level level, const char *message) {
+  late_q_rank *r = user;
+  (void)level;
+  if (!r->armed || strncmp(message, "group rank", 10) == 0) return;
+  r->armed = 0;
+  r->nested = akv_group_check(r->g);
+}
+
+static void *late_q_rank_main(void *arg) {
+  late_q_rank *r = arg;
+  akv_engine_config ec = shard_config(1, 0, 4);
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  akv_engine *e = NULL;
+  akv_stream s = NULL;
+  akv_context *c = NULL;
+  akv_engine_info ei;
+  ec.route = AKV_ROUTE_STAGE;
+  ec.log_fn = late_q_log_fn;
+  ec.log_user = r;
+  ec.log_level = AKV_LOG_DEBUG; /* the engine logs a refusal at DEBUG */
+  if (r->rank == 1) {
+    ec.fault_fail_nth = 1; /* the first copy: layer 0's lease of the step */
+    ec.fault_kind = AKV_OP_COPY;
+  }
+  gc.rank = r->rank;
+  gc.size = 2;
+  gc.timeout_ms = 3000;
+  if (akv_group_create_inproc(&ec, &gc, r->world, &r->g) != AKV_OK) return NULL;
+  akv_group_engine(r->g, &e);
+  akv_stream_create(e, &s);
+  if (akv_group_context_open(r->g, NULL, &c) != AKV_OK) return NULL;
+  prefill(c, 5);
+  r->first = akv_group_step_begin(r->g, &c, 1);
+  (void)run_layers(e, s); /* fails on rank 1: its transport failed */
+  if (r->rank == 1) {
+    r->armed = 1;
+    akv_step_end(e); /* refused (transport failed): the engine logs */
+    r->armed = 0;
+    akv_engine_info_get(e, &ei);
+    r->quarantined_in_cb = ei.quarantined;
+  } else {
+    r->nested = akv_group_check(r->g);
+  }
+  r->second = akv_group_check(r->g);
+  akv_engine_info_get(e, &ei);
+  r->quarantined_after = ei.quarantined;
+  akv_group_info_get(r->g, &r->info);
+  akv_stream_destroy(e, s);
+  r->destroy = akv_group_destroy(r->g);
+  return NULL;
+}
+
+static void test_stop_from_engine_log_quarantines_later(void **state) {
+  (void)state;
+  akv_group_world *world;
+  late_q_rank r[2];
+  pthread_t th[2];
+  assert_int_equal(akv_group_world_create(2, 4, &world), AKV_OK);
+  for (uint32_t i = 0; i < 2; i++) {
+    memset(&r[i], 0, sizeof(r[i]));
+    r[i].world = world;
+    r[i].rank = i;
+    assert_int_equal(pthread_create(&th[i], NULL, late_q_rank_main, &r[i]), 0);
+  }
+  for (uint32_t i = 0; i < 2; i++) pthread_join(th[i], NULL);
+  assert_int_equal(r[1].quarantined_in_cb, 0); /* refused there: the premise */
+  for (uint32_t i = 0; i < 2; i++) {
+    assert_int_equal(r[i].first, AKV_OK);
+    assert_int_equal(r[i].nested, AKV_ERR_QUARANTINED);
+    assert_int_equal(r[i].second, AKV_ERR_QUARANTINED);
+    assert_int_equal(r[i].quarantined_after, 1);
+    assert_true(r[i].info.stopped);
+    assert_int_equal(r[i].info.reason, AKV_GROUP_PEER_FAILED);
+    assert_int_equal(r[i].info.failed_rank, 1);
+    assert_int_equal(r[i].destroy, AKV_OK);
+  }
+  assert_int_equal(akv_group_world_destroy(world), AKV_OK);
+}
+
+/* A NULL shard or out on one rank at create. Before, that rank returned
+ * AKV_ERR_INVALID_ARGUMENT at once, without meeting the others: they waited
+ * out their timeout, returned AKV_ERR_TIMEOUT, and the timeout aborted the
+ * world for good (no group could be made in it again), though akv_group.h
+ * promises the same create status on every rank (akv_nccl.h: "on every rank
+ * alike ... AKV_ERR_INVALID_ARGUMENT (NULL)"). The argument is a local
+ * refusal that meets the others: every rank returns
+ * AKV_ERR_INVALID_ARGUMENT at once and the world lives on. */
+typedef struct null_rank {
+  akv_group_world *world;
+  uint32_t rank;
+  int null_what;   /* on rank 1: 1 = out NULL, 2 = shard NULL, 0 = none */
+  akv_status st;
+  double wait_s;
+} null_rank;
+
+static void *null_rank_main(void *arg) {
+  null_rank *r = arg;
+  akv_engine_config ec = shard_config(1, 1, 4);
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  akv_group *g = NULL;
+  const int what = r->rank == 1 ? r->null_what : 0;
+  double t0 = now_s();
+  gc.rank = r->rank;
+  gc.size = 2;
+  gc.timeout_ms = 2000;
+  r->st = akv_group_create_inproc(what == 2 ? NULL : &ec, &gc, r->world, what == 1 ? NULL : &g);
+  r->wait_s = now_s() - t0;
+  if (r->st == AKV_OK && g != NULL) akv_group_destroy(g);
+  return NULL;
+}
+
+static void run_null_ranks(akv_group_world *world, int null_what, null_rank r[2]) {
+  pthread_t th[2];
+  for (uint32_t i = 0; i < 2; i++) {
+    memset(&r[i], 0, sizeof(r[i]));
+    r[i].world = world;
+    r[i].rank = i;
+    r[i].null_what = null_what;
+    assert_int_equal(pthread_create(&th[i], NULL, null_rank_main, &r[i]), 0);
+  }
+  for (uint32_t i = 0; i < 2; i++) pthread_join(th[i], NULL);
+}
+
+static void test_create_null_argument_on_one_rank(void **state) {
+  (void)state;
+  akv_group_world *world;
+  null_rank r[2];
+  assert_int_equal(akv_group_world_create(2, 4, &world), AKV_OK);
+  for (int what = 1; what <= 2; what++) {
+    run_null_ranks(world, what, r);
+    for (uint32_t i = 0; i < 2; i++) {
+      assert_int_equal(r[i].st, AKV_ERR_INVALID_ARGUMENT);
+      assert_true(r[i].wait_s < 1.5); /* nobody waited out the timeout */
+    }
+  }
+  /* The world was not aborted: a group is still made in it. */
+  run_null_ranks(world, 0, r);
+  for (uint32_t i = 0; i < 2; i++) assert_int_equal(r[i].st, AKV_OK);
+  assert_int_equal(akv_group_world_destroy(world), AKV_OK);
+}
+
+/* Calls out of order across ranks: rank 1 destroys its group and creates a
+ * new one in the same world while rank 0 makes its next call (a check) on
+ * the first. The create meets the check: the ranks are at different kinds
+ * of agreement point, so both stop as diverged. The create answers
+ * AKV_ERR_QUARANTINED, like the check, and leaves nothing behind (the rank
+ * is free again); akv_group.h listed no such status for a create. */
+typedef struct reborn_rank {
+  akv_group_world *world;
+  uint32_t rank;
+  akv_status create, second, check, destroy;
+  akv_group_info info;
+} reborn_rank;
+
+static void *reborn_rank_main(void *arg) {
+  reborn_rank *r = arg;
+  akv_engine_config ec = shard_config(1, 1, 4);
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  akv_group *g = NULL, *g2 = NULL;
+  gc.rank = r->rank;
+  gc.size = 2;
+  gc.timeout_ms = 3000;
+  r->create = akv_group_create_inproc(&ec, &gc, r->world, &g);
+  if (r->create != AKV_OK) return NULL;
+  if (r->rank == 1) {
+    r->destroy = akv_group_destroy(g);
+    r->second = akv_group_create_inproc(&ec, &gc, r->world, &g2);
+    if (r->second == AKV_OK) akv_group_destroy(g2);
+  } else {
+    r->check = akv_group_check(g);
+    akv_group_info_get(g, &r->info);
+    r->destroy = akv_group_destroy(g);
+  }
+  return NULL;
+}
+
+static void test_create_meets_another_call(void **state) {
+  (void)state;
+  akv_group_world *world;
+  reborn_rank r[2];
+  pthread_t th[2];
+  assert_int_equal(akv_group_world_create(2, 4, &world), AKV_OK);
+  for (uint32_t i = 0; i < 2; i++) {
+    memset(&r[i], 0, sizeof(r[i]));
+    r[i].world = world;
+    r[i].rank = i;
+    assert_int_equal(pthread_create(&th[i], NULL, reborn_rank_main, &r[i]), 0);
+  }
+  for (uint32_t i = 0; i < 2; i++) pthread_join(th[i], NULL);
+  for (uint32_t i = 0; i < 2; i++) {
+    assert_int_equal(r[i].create, AKV_OK);
+    assert_int_equal(r[i].destroy, AKV_OK);
+  }
+  assert_int_equal(r[0].check, AKV_ERR_QUARANTINED);
+  assert_true(r[0].info.stopped);
+  assert_int_equal(r[0].info.reason, AKV_GROUP_DIVERGED);
+  assert_int_equal(r[1].second, AKV_ERR_QUARANTINED);
+  assert_int_equal(akv_group_world_destroy(world), AKV_OK); /* nothing left behind */
+}
+
 /* A world (and an NCCL group's buffers, src/nccl/coll_nccl.c) is sized from
  * max_contexts, a caller's number: a world of UINT32_MAX contexts asked for
  * two vectors of 2^34 uint64 (and every group another), and failed with
@@ -1313,6 +1645,10 @@ int main(void) {
       cmocka_unit_test(test_log_callback_reentry),
       cmocka_unit_test(test_group_lines_never_nest_in_the_callback),
       cmocka_unit_test(test_nested_agreement_from_engine_log),
+      cmocka_unit_test(test_agreement_from_engine_log_one_rank),
+      cmocka_unit_test(test_stop_from_engine_log_quarantines_later),
+      cmocka_unit_test(test_create_null_argument_on_one_rank),
+      cmocka_unit_test(test_create_meets_another_call),
       cmocka_unit_test(test_world_of_unbounded_contexts),
       cmocka_unit_test(test_group_config_digest_enum),
       cmocka_unit_test(test_world_abort_after_timeout),

@@ -50,6 +50,8 @@ uint64_t akv_engine_plan_digest(const akv_engine *e) {
 
 int akv_engine_step_open(const akv_engine *e) { return akv_engine_ok(e) && e->step_open; }
 
+int akv_engine_in_log(const akv_engine *e) { return akv_engine_ok(e) && e->log_depth > 0; }
+
 int akv_engine_owns_context(const akv_engine *e, const akv_context *c) {
   return akv_engine_ok(e) && akv_context_ok(c) && c->engine == e;
 }

@@ -66,6 +66,7 @@ struct akv_group {
   int stopped;
   int in_log;               /* 1 while the log callback runs (see akv_group_log) */
   int deciding;             /* 1 while the engine decides between two collectives */
+  int quarantine_due;       /* 1: stopped from the engine's log callback (akv_group_settle) */
   akv_group_reason reason;
   uint32_t failed_rank;
   char last_error[512];
@@ -159,6 +160,13 @@ static akv_status akv_group_stop(akv_group *g, akv_group_reason reason, uint32_t
   g->stopped = 1;
   g->reason = reason;
   g->failed_rank = failed_rank;
+  if (e != NULL && akv_engine_in_log(e)) {
+    /* The engine refuses a quarantine from inside its log callback: owed,
+     * see akv_group_settle. */
+    g->quarantine_due = 1;
+    return akv_group_fail(g, st, "%s; engine quarantine deferred to this rank's next agreement "
+                          "call outside the engine's log callback", why);
+  }
   if (e != NULL) {
     akv_quarantine_report rep;
     akv_status q = akv_engine_quarantine(e, &rep);
@@ -167,6 +175,26 @@ static akv_status akv_group_stop(akv_group *g, akv_group_reason reason, uint32_t
   if (akv_group_engine_lost(g))
     return akv_group_fail(g, st, "%s; this rank's engine was destroyed directly", why);
   return akv_group_fail(g, st, "%s", why);
+}
+
+/* Invariant: every rank whose group stopped quarantines its engine
+ * (akv_group.h). A stop reached by an agreement call made from the engine's
+ * own log callback cannot (the engine refuses it there: akv_log_fn), so it
+ * is owed and made here, at the rank's next agreement call outside the
+ * callback (which blocks anyway), before the group refuses that call. */
+static void akv_group_settle(akv_group *g) {
+  akv_engine *e;
+  if (!g->quarantine_due) return;
+  e = akv_group_own(g);
+  if (e == NULL) {
+    g->quarantine_due = 0; /* destroyed directly: nothing left to quarantine */
+  } else if (!akv_engine_in_log(e)) {
+    akv_quarantine_report rep;
+    akv_status q = akv_engine_quarantine(e, &rep);
+    g->quarantine_due = 0;
+    snprintf(g->last_error, sizeof(g->last_error), "deferred engine quarantine: %s",
+             akv_status_string(q));
+  }
 }
 
 /* ---------------------------------------------------------------- vector */
@@ -284,6 +312,7 @@ static akv_status akv_group_outcome(akv_group *g, akv_status st) {
 
 static akv_status akv_group_enter(akv_group *g) {
   if (!akv_group_ok(g)) return AKV_ERR_BAD_HANDLE;
+  akv_group_settle(g);
   if (g->stopped)
     return akv_group_fail(g, AKV_ERR_QUARANTINED, "the group stopped earlier; only info, "
                           "engine diagnostics and destroy remain");
@@ -299,6 +328,16 @@ static akv_status akv_group_enter(akv_group *g) {
              "group: refused, no collective");
     return AKV_ERR_IN_USE;
   }
+  /* Invariant: a rank whose engine's log callback is running (an agreement
+   * call from that callback outside any agreement of this group, e.g. on a
+   * line of a direct engine call) refuses the point's decision as a local
+   * state error, AKV_ERR_IN_USE through the header's local status: the
+   * engine refuses every change from inside its callback (akv_log_fn), so
+   * its decision would fail on this rank alone, the outcomes would differ
+   * and every rank would stop. Refused in the agreement instead, every rank
+   * returns AKV_ERR_IN_USE and nothing changes on any of them (checked by
+   * each decision point with akv_engine_in_log). akv_group_check decides
+   * nothing and goes on. */
   return AKV_OK;
 }
 
@@ -335,9 +374,16 @@ akv_status akv_group_create_with(const akv_engine_config *shard, const akv_group
   akv_status local = AKV_OK, st, agreed_local;
   uint64_t v;
   int same = 1;
-  if (coll == NULL || coll->ops == NULL || out == NULL || config == NULL || shard == NULL)
-    return AKV_ERR_INVALID_ARGUMENT;
+  /* Without a collective this rank cannot meet the others. */
+  if (coll == NULL || coll->ops == NULL) return AKV_ERR_INVALID_ARGUMENT;
   if (coll->max_n < AKV_GROUP_FIXED_LEN) return AKV_ERR_INVALID_ARGUMENT;
+  /* Invariant: every create status but a missing collective is every
+   * rank's (akv_group.h). A NULL shard, config or out is this rank's
+   * argument error like any other: it meets the others (defaults in place
+   * of what is missing, rank and size the collective's) and every rank
+   * returns AKV_ERR_INVALID_ARGUMENT, instead of the others waiting out
+   * their timeout, which aborts the communicator for good. */
+  const int args_ok = shard != NULL && config != NULL && out != NULL;
   /* The caller's structs are read only up to their struct_size: an older,
    * smaller engine config gives its fields and the rest keep their
    * defaults (akv.h, ABI); a group config smaller than this library's (it
@@ -346,10 +392,11 @@ akv_status akv_group_create_with(const akv_engine_config *shard, const akv_group
    * ranks with the defaults in their place. */
   akv_engine_config sh = AKV_ENGINE_CONFIG_INIT;
   akv_group_config gc = AKV_GROUP_CONFIG_INIT;
-  const int sizes_ok =
-      config->struct_size >= sizeof(akv_group_config) &&
-      akv_config_merge(&akv_engine_config_layout, &sh, shard, NULL, 0) == AKV_OK;
-  if (config->struct_size >= sizeof(akv_group_config)) gc = *config;
+  const int merged =
+      shard != NULL && akv_config_merge(&akv_engine_config_layout, &sh, shard, NULL, 0) == AKV_OK;
+  const int sizes_ok = args_ok && merged && config->struct_size >= sizeof(akv_group_config);
+  if (config != NULL && config->struct_size >= sizeof(akv_group_config)) gc = *config;
+  if (shard == NULL) sh.log_level = AKV_LOG_ERROR; /* no caller's sink: no stderr warning */
   shard = &sh;
   config = &gc;
   g = akv_rec_take(&akv_group_records);
@@ -367,7 +414,10 @@ akv_status akv_group_create_with(const akv_engine_config *shard, const akv_group
   g->vec_len = AKV_GROUP_FIXED_LEN;
   /* Local checks travel as the header's status: a rank that refuses its own
    * arguments still meets the others, so none of them waits for it. */
-  if (!sizes_ok || config->version != AKV_CONFIG_VERSION || shard->version != AKV_CONFIG_VERSION)
+  if (!args_ok)
+    local = AKV_ERR_INVALID_ARGUMENT;
+  else if (!sizes_ok || config->version != AKV_CONFIG_VERSION ||
+           shard->version != AKV_CONFIG_VERSION)
     local = AKV_ERR_CONFIG;
   else if (config->size != coll->size || config->rank != coll->rank || config->timeout_ms == 0)
     local = AKV_ERR_CONFIG;
@@ -506,6 +556,8 @@ AKV_API akv_status akv_group_context_open(akv_group *g, const akv_context_config
            (akv_config_merge(&akv_context_config_layout, &cc, config, NULL, 0) != AKV_OK ||
             cc.version == 0 || cc.version > AKV_CONFIG_VERSION))
     local = AKV_ERR_CONFIG;
+  else if (akv_engine_in_log(akv_group_own(g)))
+    local = AKV_ERR_IN_USE; /* see akv_group_enter */
   else if (akv_engine_step_open(akv_group_own(g)))
     local = AKV_ERR_STEP_STATE;
   akv_group_put_header(g, AKV_POINT_OPEN, local);
@@ -534,6 +586,8 @@ AKV_API akv_status akv_group_context_close(akv_group *g, akv_context *context) {
   e = akv_group_own(g); /* NULL (engine destroyed directly): owns nothing */
   if (!akv_engine_owns_context(e, context) || akv_context_id(context, &id) != AKV_OK)
     local = AKV_ERR_BAD_HANDLE;
+  else if (akv_engine_in_log(e))
+    local = AKV_ERR_IN_USE; /* see akv_group_enter */
   else if (akv_engine_context_in_use(e, context))
     /* This rank's state (step_end is not an agreement point): refused on
      * every rank before any of them closes, so the outcomes never differ
@@ -568,6 +622,7 @@ AKV_API akv_status akv_group_step_begin(akv_group *g, akv_context *const *contex
      * outcomes never differ over it. */
     for (uint32_t i = 0; i < n && local == AKV_OK; i++)
       if (akv_engine_context_uneven(e, contexts[i])) local = AKV_ERR_UNEVEN_LAYERS;
+    if (local == AKV_OK && akv_engine_in_log(e)) local = AKV_ERR_IN_USE; /* see akv_group_enter */
     if (local == AKV_OK && akv_engine_step_open(e)) local = AKV_ERR_STEP_STATE;
   }
   akv_group_put_header(g, AKV_POINT_STEP, local);
@@ -651,6 +706,9 @@ AKV_API akv_status akv_group_destroy(akv_group *g) {
   /* From the engine's log callback during an agreement: the agreement still
    * uses the vector and the collective (see akv_group_enter). */
   if (g->deciding) return AKV_ERR_IN_USE;
+  /* No akv_group_settle here: a quarantine waits on the engine's queues,
+   * and destroy never waits. An owed one leaves an engine whose transport
+   * failed busy (akv_group.h says what to do). */
   /* The engine's destroy never waits; with live work it frees nothing and
    * neither does the group. An engine the caller already destroyed (it is
    * the group's, but akv_group_engine hands it out) is not destroyed again,

@@ -100,8 +100,9 @@ akv_status akv_group_create_inproc(const akv_engine_config *shard, const akv_gro
                                    akv_group_world *world, akv_group **out) {
   akv_coll *coll = NULL;
   akv_status st;
-  if (shard == NULL || config == NULL || world == NULL || out == NULL)
-    return AKV_ERR_INVALID_ARGUMENT;
+  /* Without a config (its rank) or a world this rank cannot meet the
+   * others; a NULL shard or out meets them (akv_group_create_with). */
+  if (config == NULL || world == NULL) return AKV_ERR_INVALID_ARGUMENT;
   pthread_mutex_lock(&akv_world_mu);
   if (!akv_world_ok(world)) {
     pthread_mutex_unlock(&akv_world_mu);
@@ -111,7 +112,7 @@ akv_status akv_group_create_inproc(const akv_engine_config *shard, const akv_gro
    * akv_group_create_with refuses sizes it does not take on every rank. */
   if (config->struct_size < offsetof(akv_group_config, size) + sizeof(config->size) ||
       config->size != world->size || config->rank >= world->size ||
-      (shard->struct_size >= offsetof(akv_engine_config, max_contexts) + sizeof(uint32_t) &&
+      (shard != NULL && shard->struct_size >= offsetof(akv_engine_config, max_contexts) + sizeof(uint32_t) &&
        shard->max_contexts > world->max_contexts)) {
     pthread_mutex_unlock(&akv_world_mu);
     return AKV_ERR_CONFIG;

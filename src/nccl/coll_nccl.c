@@ -182,13 +182,14 @@ AKV_API akv_status akv_nccl_group_create(const akv_engine_config *shard,
   int count = 0, rank = -1;
   akv_status st;
   akv_engine_config sh = AKV_ENGINE_CONFIG_INIT;
-  if (shard == NULL || config == NULL || comm == NULL || out == NULL)
-    return AKV_ERR_INVALID_ARGUMENT;
+  /* Without comm this rank cannot meet the others; a NULL shard, config or
+   * out meets them and is refused on every rank (akv_group_create_with). */
+  if (comm == NULL) return AKV_ERR_INVALID_ARGUMENT;
   /* The caller's config is read only up to its struct_size (an older,
    * smaller struct keeps the defaults for the rest); one below its oldest
    * layout leaves the defaults, and akv_group_create_with refuses it with
    * AKV_ERR_CONFIG after meeting the other ranks. */
-  (void)akv_config_merge(&akv_engine_config_layout, &sh, shard, NULL, 0);
+  if (shard != NULL) (void)akv_config_merge(&akv_engine_config_layout, &sh, shard, NULL, 0);
   pthread_once(&akv_nccl_once, akv_nccl_load);
   if (!akv_nccl_loaded) return AKV_ERR_NOT_SUPPORTED; /* no libnccl.so.2 in this process */
   if (akv_nccl.comm_count(comm, &count) != ncclSuccess ||
