@@ -166,7 +166,9 @@ AKV_API akv_status akv_group_world_create(uint32_t size, uint32_t max_contexts,
  * (a rank is taken from the create until its group's akv_group_destroy), and
  * AKV_ERR_INVALID_ARGUMENT (this rank only, without entering the agreement)
  * for a NULL config or world or a destroyed world. A NULL shard or out
- * meets the others: AKV_ERR_INVALID_ARGUMENT on every rank.
+ * meets the others: AKV_ERR_INVALID_ARGUMENT on every rank (like any
+ * create, it waits for them: a rank calling alone gets AKV_ERR_TIMEOUT
+ * and the world is aborted).
  */
 AKV_API akv_status akv_group_create_inproc(const akv_engine_config *shard,
                                            const akv_group_config *config,
