@@ -54,6 +54,24 @@ static void quiet(void *user, akv_log_level level, const char *message) {
   (void)message;
 }
 
+/* Two ranks on their own threads: fn(a) and fn(b), both joined before it
+ * returns (the tests with a rank record of their own type). */
+static void run_two_ranks(void *(*fn)(void *), void *a, void *b) {
+  pthread_t th[2];
+  assert_int_equal(pthread_create(&th[0], NULL, fn, a), 0);
+  assert_int_equal(pthread_create(&th[1], NULL, fn, b), 0);
+  pthread_join(th[0], NULL);
+  pthread_join(th[1], NULL);
+}
+
+/* Zeroes the two rank records of `r` and names their world and rank. */
+#define INIT_TWO_RANKS(r, world_)                  \
+  for (uint32_t i_ = 0; i_ < 2; i_++) {            \
+    memset(&(r)[i_], 0, sizeof((r)[i_]));          \
+    (r)[i_].world = (world_);                      \
+    (r)[i_].rank = i_;                             \
+  }
+
 static akv_engine_config shard_config(uint32_t host_gib, uint32_t dev_gib, uint32_t max_contexts) {
   akv_engine_config c = AKV_ENGINE_CONFIG_INIT;
   c.backend = AKV_BACKEND_HOST;
@@ -560,13 +578,9 @@ static void test_world_duplicate_rank(void **state) {
   (void)state;
   akv_group_world *world;
   dup_rank d[2];
-  pthread_t th[2];
   assert_int_equal(akv_group_world_create(2, 4, &world), AKV_OK);
-  for (int i = 0; i < 2; i++) {
-    d[i].world = world;
-    assert_int_equal(pthread_create(&th[i], NULL, dup_rank_main, &d[i]), 0);
-  }
-  for (int i = 0; i < 2; i++) pthread_join(th[i], NULL);
+  d[0].world = d[1].world = world;
+  run_two_ranks(dup_rank_main, &d[0], &d[1]);
   assert_true((d[0].st == AKV_ERR_CONFIG && d[1].st == AKV_ERR_TIMEOUT) ||
               (d[0].st == AKV_ERR_TIMEOUT && d[1].st == AKV_ERR_CONFIG));
   for (int i = 0; i < 2; i++) assert_null(d[i].g);
@@ -990,16 +1004,10 @@ static void test_nested_agreement_from_engine_log(void **state) {
   (void)state;
   akv_group_world *world;
   nested_rank r[2];
-  pthread_t th[2];
   assert_int_equal(akv_group_world_create(2, 4, &world), AKV_OK);
-  for (uint32_t i = 0; i < 2; i++) {
-    memset(&r[i], 0, sizeof(r[i]));
-    r[i].world = world;
-    r[i].rank = i;
-    r[i].nest = i == 0;
-    assert_int_equal(pthread_create(&th[i], NULL, nested_rank_main, &r[i]), 0);
-  }
-  for (uint32_t i = 0; i < 2; i++) pthread_join(th[i], NULL);
+  INIT_TWO_RANKS(r, world);
+  r[0].nest = 1;
+  run_two_ranks(nested_rank_main, &r[0], &r[1]);
   assert_int_equal(r[0].nested, 1);
   assert_int_equal(r[0].nested_st, AKV_ERR_IN_USE);      /* no collective */
   assert_int_equal(r[0].nested_destroy, AKV_ERR_IN_USE); /* nothing freed */
@@ -1102,16 +1110,10 @@ static void test_agreement_from_engine_log_one_rank(void **state) {
   (void)state;
   akv_group_world *world;
   cb_rank r[2];
-  pthread_t th[2];
   assert_int_equal(akv_group_world_create(2, 4, &world), AKV_OK);
-  for (uint32_t i = 0; i < 2; i++) {
-    memset(&r[i], 0, sizeof(r[i]));
-    r[i].world = world;
-    r[i].rank = i;
-    r[i].from_cb = i == 0;
-    assert_int_equal(pthread_create(&th[i], NULL, cb_rank_main, &r[i]), 0);
-  }
-  for (uint32_t i = 0; i < 2; i++) pthread_join(th[i], NULL);
+  INIT_TWO_RANKS(r, world);
+  r[0].from_cb = 1;
+  run_two_ranks(cb_rank_main, &r[0], &r[1]);
   for (uint32_t i = 0; i < 2; i++) {
     assert_int_equal(r[i].open_st, AKV_ERR_IN_USE);
     assert_int_equal(r[i].step_st, AKV_ERR_IN_USE);
@@ -1203,15 +1205,9 @@ static void test_stop_from_engine_log_quarantines_later(void **state) {
   (void)state;
   akv_group_world *world;
   late_q_rank r[2];
-  pthread_t th[2];
   assert_int_equal(akv_group_world_create(2, 4, &world), AKV_OK);
-  for (uint32_t i = 0; i < 2; i++) {
-    memset(&r[i], 0, sizeof(r[i]));
-    r[i].world = world;
-    r[i].rank = i;
-    assert_int_equal(pthread_create(&th[i], NULL, late_q_rank_main, &r[i]), 0);
-  }
-  for (uint32_t i = 0; i < 2; i++) pthread_join(th[i], NULL);
+  INIT_TWO_RANKS(r, world);
+  run_two_ranks(late_q_rank_main, &r[0], &r[1]);
   assert_int_equal(r[1].quarantined_in_cb, 0); /* refused there: the premise */
   for (uint32_t i = 0; i < 2; i++) {
     assert_int_equal(r[i].first, AKV_OK);
@@ -1259,15 +1255,9 @@ static void *null_rank_main(void *arg) {
 }
 
 static void run_null_ranks(akv_group_world *world, int null_what, null_rank r[2]) {
-  pthread_t th[2];
-  for (uint32_t i = 0; i < 2; i++) {
-    memset(&r[i], 0, sizeof(r[i]));
-    r[i].world = world;
-    r[i].rank = i;
-    r[i].null_what = null_what;
-    assert_int_equal(pthread_create(&th[i], NULL, null_rank_main, &r[i]), 0);
-  }
-  for (uint32_t i = 0; i < 2; i++) pthread_join(th[i], NULL);
+  INIT_TWO_RANKS(r, world);
+  r[0].null_what = r[1].null_what = null_what;
+  run_two_ranks(null_rank_main, &r[0], &r[1]);
 }
 
 static void test_create_null_argument_on_one_rank(void **state) {
@@ -1327,15 +1317,9 @@ static void test_create_meets_another_call(void **state) {
   (void)state;
   akv_group_world *world;
   reborn_rank r[2];
-  pthread_t th[2];
   assert_int_equal(akv_group_world_create(2, 4, &world), AKV_OK);
-  for (uint32_t i = 0; i < 2; i++) {
-    memset(&r[i], 0, sizeof(r[i]));
-    r[i].world = world;
-    r[i].rank = i;
-    assert_int_equal(pthread_create(&th[i], NULL, reborn_rank_main, &r[i]), 0);
-  }
-  for (uint32_t i = 0; i < 2; i++) pthread_join(th[i], NULL);
+  INIT_TWO_RANKS(r, world);
+  run_two_ranks(reborn_rank_main, &r[0], &r[1]);
   for (uint32_t i = 0; i < 2; i++) {
     assert_int_equal(r[i].create, AKV_OK);
     assert_int_equal(r[i].destroy, AKV_OK);
@@ -1380,17 +1364,12 @@ static void test_world_of_unbounded_contexts(void **state) {
   (void)state;
   akv_group_world *world;
   huge_rank r[2];
-  pthread_t th[2];
   /* The bound: lengths stop growing at the engine's limit. */
   assert_int_equal(akv_group_vector_len(UINT32_MAX), akv_group_vector_len(1u << 20));
   assert_true(akv_group_vector_len(1u << 20) > akv_group_vector_len((1u << 20) - 1));
   assert_int_equal(akv_group_world_create(2, UINT32_MAX, &world), AKV_OK);
-  for (uint32_t i = 0; i < 2; i++) {
-    r[i].world = world;
-    r[i].rank = i;
-    assert_int_equal(pthread_create(&th[i], NULL, huge_rank_main, &r[i]), 0);
-  }
-  for (uint32_t i = 0; i < 2; i++) pthread_join(th[i], NULL);
+  INIT_TWO_RANKS(r, world);
+  run_two_ranks(huge_rank_main, &r[0], &r[1]);
   for (uint32_t i = 0; i < 2; i++) assert_int_equal(r[i].create, AKV_ERR_CONFIG);
   assert_int_equal(akv_group_world_destroy(world), AKV_OK);
 }
