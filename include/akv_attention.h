@@ -206,13 +206,24 @@ AKV_API akv_status akv_attention_args_from_view(const akv_view *view, akv_attent
  * Memory: for the reference every pointer is a host pointer; for CUDA every
  * pointer (arrays included) must be readable by the device (device memory or
  * mapped pinned memory).
+ *
+ * Empty arrays: indptr and last_page_len always have elements (batch >= 1)
+ * and must be set; indices has indptr[batch] elements and may be NULL when
+ * that is 0 (every context empty; max_pages may still be above 0, and the
+ * workspace is sized from it as for any call). Both implementations take such
+ * a table and write zeros for every context. A NULL indices with pages is
+ * the caller's error: the reference refuses it (it reads the table); CUDA
+ * cannot see indptr from the host and gives every context that has pages NaN
+ * (akv_cuda.h), reading no page.
  */
 typedef struct akv_page_table {
   uint32_t batch;               /**< contexts, >= 1 */
   uint32_t page_tokens;         /**< rows per page, >= 1; the chunk size */
   uint32_t max_pages;           /**< bound on indptr[i+1]-indptr[i]: sizes grid and workspace */
   const uint32_t *indptr;       /**< [batch + 1], non-decreasing, indptr[0] = 0 */
-  const uint32_t *indices;      /**< [indptr[batch]] physical page ids */
+  const uint32_t *indices;      /**< [indptr[batch]] physical page ids; NULL is taken
+                                     for a table without pages (indptr[batch] == 0: every
+                                     context empty), like any array of 0 elements */
   const uint32_t *last_page_len; /**< [batch], in 1..page_tokens where the context has pages */
   const void *k_pages;          /**< K of physical page 0 */
   const void *v_pages;          /**< V of physical page 0 */
@@ -275,8 +286,10 @@ AKV_API akv_status akv_attention_ref_bf16(const akv_attention_args *args);
 /**
  * Paged decode attention on the CPU. Same contract as akv_attention_ref_bf16;
  * additionally checks the page table: AKV_ERR_INVALID_ARGUMENT when indptr is
- * not non-decreasing from 0, a context has more than max_pages pages, or a
- * last_page_len is outside 1..page_tokens. Page ids are not range-checked
+ * not non-decreasing from 0, a context has more than max_pages pages, a
+ * last_page_len is outside 1..page_tokens, or indices is NULL while
+ * indptr[batch] > 0 (NULL is taken for a table without pages: see
+ * "Empty arrays" at akv_page_table). Page ids are not range-checked
  * (the table does not know the pool's size), but the byte offsets of their
  * rows must fit ptrdiff_t (see "Addressing").
  */

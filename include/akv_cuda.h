@@ -89,7 +89,10 @@ AKV_API akv_status akv_attention_decode_cuda(const akv_attention_args *args, cud
  * than max_pages pages, or a decreasing indptr, gets NaN in every element of
  * its output; a last_page_len above page_tokens is clamped to page_tokens,
  * and one of 0 leaves the last page out (the context attends over the rows
- * of its other pages). Page ids are not range-checked.
+ * of its other pages). Page ids are not range-checked. indices may be NULL
+ * (akv_attention.h, "Empty arrays"): no page is then read, every empty
+ * context gets zeros and every context with pages NaN; indptr and
+ * last_page_len must be set.
  * Same statuses as akv_attention_decode_cuda.
  */
 AKV_API akv_status akv_attention_paged_cuda(const akv_attention_paged_args *args,

@@ -471,6 +471,39 @@ static void test_misaligned_arrays_refused(void **state) {
   free(f);
 }
 
+/* A table without pages may leave indices NULL (akv_attention.h, "Empty
+ * arrays"; the CUDA launcher takes it too, tests/test_cuda_args.c): every
+ * context gets zeros, whatever max_pages says. With pages it is refused. */
+static void test_paged_null_indices_without_pages(void **state) {
+  (void)state;
+  fixture *f = fixture_new();
+  const uint32_t indptr[3] = {0, 0, 0}, last[2] = {0, 0};
+  const akv_attention_paged_args pa = paged_args(f);
+  akv_page_table t = one_ctx_table(f, 4, indptr, NULL, last, 4 * ROW_BYTES);
+  t.batch = 2;
+  assert_int_equal(akv_attention_paged_ref_bf16(&pa, t), AKV_OK);
+  for (uint32_t i = 0; i < 2 * N_HEADS * HEAD_DIM; ++i) assert_true(f->out[i] == 0.0f);
+  memcpy(f->keep, f->out, sizeof f->out);
+  /* max_pages 0: a workspace of 0 bytes, NULL included, is enough. */
+  akv_attention_paged_args pz = pa;
+  pz.workspace = NULL;
+  pz.workspace_bytes = 0;
+  t.max_pages = 0;
+  assert_int_equal(akv_attention_paged_ref_bf16(&pz, t), AKV_OK);
+  /* max_pages 2 still sizes the workspace: 0 bytes are too few. */
+  t.max_pages = 2;
+  assert_int_equal(akv_attention_paged_ref_bf16(&pz, t), AKV_ERR_INVALID_ARGUMENT);
+  /* Pages without indices: refused, the output untouched. */
+  for (size_t i = 0; i < sizeof f->out / sizeof f->out[0]; ++i) f->out[i] = -12345.0f;
+  memcpy(f->keep, f->out, sizeof f->out);
+  const uint32_t some[3] = {0, 0, 1}, last1[2] = {0, 3};
+  t = one_ctx_table(f, 4, some, NULL, last1, 4 * ROW_BYTES);
+  t.batch = 2;
+  assert_int_equal(akv_attention_paged_ref_bf16(&pa, t), AKV_ERR_INVALID_ARGUMENT);
+  assert_out_untouched(f);
+  free(f);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_misaligned_pointers_refused),
@@ -484,6 +517,7 @@ int main(void) {
       cmocka_unit_test(test_workspace_bytes_hostile),
       cmocka_unit_test(test_score_factor_overflow_refused),
       cmocka_unit_test(test_misaligned_arrays_refused),
+      cmocka_unit_test(test_paged_null_indices_without_pages),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -236,11 +236,40 @@ static void test_cuda_grid_limits(void **state) {
   assert_int_equal(akv_attention_paged_cuda(&pa, t, 0), AKV_ERR_INVALID_ARGUMENT);
 }
 
+/* A table without pages may leave indices NULL (akv_attention.h, "Empty
+ * arrays"), as the reference takes it: the launcher cannot read indptr, so it
+ * takes a NULL indices whatever max_pages says and then reads no page (a
+ * context that has pages gets NaN). No device: the calls pass every check
+ * and fail at the launch. */
+static void test_cuda_paged_null_indices_taken(void **state) {
+  (void)state;
+  baselines();
+  if (have_device()) return; /* tests/gpu/test_gpu_attention.cu runs it */
+  akv_page_table t;
+  akv_attention_paged_args pa = paged(&t);
+  t.indices = NULL;
+  assert_int_equal(akv_attention_paged_cuda(&pa, t, 0), AKV_ERR_BACKEND);
+  t.max_pages = 0;
+  pa.workspace = NULL;
+  pa.workspace_bytes = 0;
+  assert_int_equal(akv_attention_paged_cuda(&pa, t, 0), AKV_ERR_BACKEND);
+  /* The other arrays always have elements: NULL stays refused. */
+  pa = paged(&t);
+  t.indices = NULL;
+  t.indptr = NULL;
+  assert_int_equal(akv_attention_paged_cuda(&pa, t, 0), AKV_ERR_INVALID_ARGUMENT);
+  pa = paged(&t);
+  t.indices = NULL;
+  t.last_page_len = NULL;
+  assert_int_equal(akv_attention_paged_cuda(&pa, t, 0), AKV_ERR_INVALID_ARGUMENT);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_cuda_score_factor_overflow_refused),
       cmocka_unit_test(test_cuda_misaligned_arrays_refused),
       cmocka_unit_test(test_cuda_grid_limits),
+      cmocka_unit_test(test_cuda_paged_null_indices_taken),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

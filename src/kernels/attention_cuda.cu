@@ -1494,7 +1494,12 @@ extern "C" AKV_API akv_status akv_attention_paged_cuda(const akv_attention_paged
                     a->out, a->workspace, a->k_scale, a->v_scale);
   if (st != AKV_OK) goto fail;
   st = AKV_ERR_INVALID_ARGUMENT;
-  if (t.batch == 0 || t.page_tokens == 0 || t.indptr == nullptr || t.indices == nullptr ||
+  /* indices may be NULL: a table without pages has none (akv_attention.h,
+   * "Empty arrays"), and indptr, device memory, cannot tell the host whether
+   * the table has pages. Then no chunk kernel runs (nothing would read a
+   * page id) and the combine sees max_pages 0: an empty context gets zeros,
+   * one with pages NaN, as any context beyond max_pages does. */
+  if (t.batch == 0 || t.page_tokens == 0 || t.indptr == nullptr ||
       t.last_page_len == nullptr || t.k_pages == nullptr || t.v_pages == nullptr)
     goto fail;
   if (!aligned16(t.k_pages) || !aligned16(t.v_pages) || !aligned16(t.page_stride)) goto fail;
@@ -1521,12 +1526,13 @@ extern "C" AKV_API akv_status akv_attention_paged_cuda(const akv_attention_paged
       loc.indices = t.indices;
       loc.last_page_len = t.last_page_len + c0;
       loc.page_tokens = t.page_tokens;
-      loc.max_pages = t.max_pages;
+      loc.max_pages = t.indices != nullptr ? t.max_pages : 0u;
       ChunkParams cp;
       CombineParams pp;
       launch_params(a->n_heads, a->kv_heads, a->head_dim, a->scale, a->q, a->out, a->workspace,
                     acc_bytes, stride, t.page_tokens, a->k_scale, a->v_scale, c0, &cp, &pp);
-      st = launch_pair<PagedLoc>(a->dtype, a->head_dim, gt, dim3(stride * cp.kv_slots, nc, 1), cp,
+      const uint32_t grid_x = t.indices != nullptr ? stride : 0u; /* no page ids: no pages read */
+      st = launch_pair<PagedLoc>(a->dtype, a->head_dim, gt, dim3(grid_x * cp.kv_slots, nc, 1), cp,
                                  dim3(a->n_heads * (a->head_dim / 32u), nc, 1), pp, loc, stream);
       if (st != AKV_OK) goto fail;
     }

@@ -453,6 +453,8 @@ akv_status akv_attention_paged_ref_bf16(const akv_attention_paged_args *a, akv_p
                   a->out, a->workspace, a->k_scale, a->v_scale);
   if (st != AKV_OK) goto fail;
   st = AKV_ERR_INVALID_ARGUMENT;
+  /* indices may be NULL for a table without pages (akv_attention.h, "Empty
+   * arrays"): checked below, once indptr[batch] is known. */
   if (t.batch == 0 || t.page_tokens == 0 || t.indptr == NULL || t.last_page_len == NULL ||
       t.k_pages == NULL || t.v_pages == NULL)
     goto fail;
