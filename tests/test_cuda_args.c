@@ -264,12 +264,62 @@ static void test_cuda_paged_null_indices_taken(void **state) {
   assert_int_equal(akv_attention_paged_cuda(&pa, t, 0), AKV_ERR_INVALID_ARGUMENT);
 }
 
+/* The refusals below come before the reference reads anything but len (a
+ * host array here too), so it runs on the same fake pointers: both give the
+ * same status. */
+static void expect_both_refuse(const akv_attention_args *a) {
+  assert_int_equal(akv_attention_decode_cuda(a, 0), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_attention_ref_bf16(a), AKV_ERR_INVALID_ARGUMENT);
+}
+static void expect_both_refuse_paged(const akv_attention_paged_args *pa, akv_page_table t) {
+  assert_int_equal(akv_attention_paged_cuda(pa, t, 0), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_attention_paged_ref_bf16(pa, t), AKV_ERR_INVALID_ARGUMENT);
+}
+
+/* AKV_ATTENTION_MAX_CHUNK_TOKENS: piece row offsets within a chunk are 32
+ * bits in the kernels; a larger chunk is refused whatever the lengths (here
+ * all 0: nothing would be read), the largest one is taken. */
+static void test_cuda_chunk_tokens_limit(void **state) {
+  (void)state;
+  const int dev = have_device();
+  static uint32_t none[2] = {0, 0};
+  akv_attention_args a = contig();
+  a.len = none;
+  a.workspace = NULL;
+  a.workspace_bytes = 0;
+  a.chunk_tokens = AKV_ATTENTION_MAX_CHUNK_TOKENS;
+  if (!dev) assert_int_equal(akv_attention_decode_cuda(&a, 0), AKV_ERR_BACKEND);
+  a.chunk_tokens = AKV_ATTENTION_MAX_CHUNK_TOKENS + 1u;
+  expect_both_refuse(&a);
+  a.chunk_tokens = UINT32_MAX;
+  expect_both_refuse(&a);
+  /* With rows: a context of UINT32_MAX rows in one chunk, refused before the
+   * rows' offsets are even looked at. */
+  static uint32_t full[2] = {UINT32_MAX, 1};
+  a = contig();
+  a.len = full;
+  a.workspace_bytes = SIZE_MAX;
+  a.chunk_tokens = UINT32_MAX;
+  expect_both_refuse(&a);
+
+  akv_page_table t;
+  akv_attention_paged_args pa = paged(&t);
+  pa.workspace_bytes = SIZE_MAX;
+  t.page_tokens = AKV_ATTENTION_MAX_CHUNK_TOKENS;
+  if (!dev) assert_int_equal(akv_attention_paged_cuda(&pa, t, 0), AKV_ERR_BACKEND);
+  t.page_tokens = AKV_ATTENTION_MAX_CHUNK_TOKENS + 1u;
+  expect_both_refuse_paged(&pa, t);
+  t.page_tokens = UINT32_MAX;
+  expect_both_refuse_paged(&pa, t);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_cuda_score_factor_overflow_refused),
       cmocka_unit_test(test_cuda_misaligned_arrays_refused),
       cmocka_unit_test(test_cuda_grid_limits),
       cmocka_unit_test(test_cuda_paged_null_indices_taken),
+      cmocka_unit_test(test_cuda_chunk_tokens_limit),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -659,6 +659,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks3())
   const char *vp = nullptr;
   uint32_t n = 0; /* rows of this warp's piece; 0: past the context's end */
   if (loc.locate(ctx, chunk, kp, vp, n)) {
+    /* piece * piece_rows < 2^32: the launchers take no chunk beyond
+     * akv_attn_chunk_ok. */
     const uint32_t first = piece * p.piece_rows;
     if (first >= n) {
       n = 0;
@@ -1409,8 +1411,11 @@ extern "C" AKV_API akv_status akv_attention_decode_cuda(const akv_attention_args
                     a->out, a->workspace, a->k_scale, a->v_scale);
   if (st != AKV_OK) goto fail;
   st = AKV_ERR_INVALID_ARGUMENT;
-  if (a->n_contexts == 0 || a->chunk_tokens == 0 || a->len == nullptr || a->k_base == nullptr ||
-      a->v_base == nullptr)
+  /* The chunk bound keeps every piece's first row (piece * piece_rows, a
+   * uint32_t in the chunk kernels) within 32 bits: akv_attn_chunk_ok, the
+   * reference's rule. */
+  if (a->n_contexts == 0 || !akv_attn_chunk_ok(a->chunk_tokens) || a->len == nullptr ||
+      a->k_base == nullptr || a->v_base == nullptr)
     goto fail;
   if (!aligned16(a->k_base) || !aligned16(a->v_base) || !aligned16(a->context_stride)) goto fail;
   /* len is read here through its type; the page map by the kernel, 4 bytes
@@ -1499,7 +1504,7 @@ extern "C" AKV_API akv_status akv_attention_paged_cuda(const akv_attention_paged
    * the table has pages. Then no chunk kernel runs (nothing would read a
    * page id) and the combine sees max_pages 0: an empty context gets zeros,
    * one with pages NaN, as any context beyond max_pages does. */
-  if (t.batch == 0 || t.page_tokens == 0 || t.indptr == nullptr ||
+  if (t.batch == 0 || !akv_attn_chunk_ok(t.page_tokens) || t.indptr == nullptr ||
       t.last_page_len == nullptr || t.k_pages == nullptr || t.v_pages == nullptr)
     goto fail;
   if (!aligned16(t.k_pages) || !aligned16(t.v_pages) || !aligned16(t.page_stride)) goto fail;
