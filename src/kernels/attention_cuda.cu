@@ -1452,9 +1452,12 @@ extern "C" AKV_API akv_status akv_attention_decode_cuda(const akv_attention_args
     const int gt = pick_gt(a->n_heads / a->kv_heads);
     const uint32_t stride = (uint32_t)slots;
 
-    for (uint32_t c0 = 0; c0 < a->n_contexts; c0 += kMaxLaunchContexts) {
-      const uint32_t nc = a->n_contexts - c0 < kMaxLaunchContexts ? a->n_contexts - c0
-                                                                   : kMaxLaunchContexts;
+    /* c0 is 64 bits: past the last group of a batch above 2^32 - 256
+     * contexts, a uint32_t would wrap to 0 and launch forever. */
+    for (uint64_t c0 = 0; c0 < a->n_contexts; c0 += kMaxLaunchContexts) {
+      const uint32_t nc = a->n_contexts - c0 < kMaxLaunchContexts
+                              ? (uint32_t)(a->n_contexts - c0)
+                              : kMaxLaunchContexts;
       ContigLoc loc = {};
       loc.k = static_cast<const char *>(a->k_base) + (size_t)c0 * a->context_stride;
       loc.v = static_cast<const char *>(a->v_base) + (size_t)c0 * a->context_stride;
@@ -1478,7 +1481,8 @@ extern "C" AKV_API akv_status akv_attention_decode_cuda(const akv_attention_args
       ChunkParams cp;
       CombineParams pp;
       launch_params(a->n_heads, a->kv_heads, a->head_dim, a->scale, a->q, a->out, a->workspace,
-                    acc_bytes, stride, a->chunk_tokens, a->k_scale, a->v_scale, c0, &cp, &pp);
+                    acc_bytes, stride, a->chunk_tokens, a->k_scale, a->v_scale, (uint32_t)c0, &cp,
+                    &pp);
       st = launch_pair<ContigLoc>(a->dtype, a->head_dim, gt, dim3(grid_x * cp.kv_slots, nc, 1), cp,
                                   dim3(a->n_heads * (a->head_dim / 32u), nc, 1), pp, loc, stream);
       if (st != AKV_OK) goto fail;
@@ -1520,8 +1524,9 @@ extern "C" AKV_API akv_status akv_attention_paged_cuda(const akv_attention_paged
     const int gt = pick_gt(a->n_heads / a->kv_heads);
     const uint32_t stride = (uint32_t)slots;
 
-    for (uint32_t c0 = 0; c0 < t.batch; c0 += kMaxLaunchContexts) {
-      const uint32_t nc = t.batch - c0 < kMaxLaunchContexts ? t.batch - c0 : kMaxLaunchContexts;
+    for (uint64_t c0 = 0; c0 < t.batch; c0 += kMaxLaunchContexts) { /* 64 bits: see above */
+      const uint32_t nc =
+          t.batch - c0 < kMaxLaunchContexts ? (uint32_t)(t.batch - c0) : kMaxLaunchContexts;
       PagedLoc loc = {};
       loc.k = static_cast<const char *>(t.k_pages);
       loc.v = static_cast<const char *>(t.v_pages);
@@ -1535,7 +1540,8 @@ extern "C" AKV_API akv_status akv_attention_paged_cuda(const akv_attention_paged
       ChunkParams cp;
       CombineParams pp;
       launch_params(a->n_heads, a->kv_heads, a->head_dim, a->scale, a->q, a->out, a->workspace,
-                    acc_bytes, stride, t.page_tokens, a->k_scale, a->v_scale, c0, &cp, &pp);
+                    acc_bytes, stride, t.page_tokens, a->k_scale, a->v_scale, (uint32_t)c0, &cp,
+                    &pp);
       const uint32_t grid_x = t.indices != nullptr ? stride : 0u; /* no page ids: no pages read */
       st = launch_pair<PagedLoc>(a->dtype, a->head_dim, gt, dim3(grid_x * cp.kv_slots, nc, 1), cp,
                                  dim3(a->n_heads * (a->head_dim / 32u), nc, 1), pp, loc, stream);
