@@ -125,6 +125,15 @@ extern "C" {
  *  the scales in the kernel parameters). */
 #define AKV_ATTENTION_MAX_SCALE_HEADS 256u
 
+/** Largest chunk_tokens (paged: page_tokens) the calls and
+ *  akv_attention_workspace_bytes accept: 255 * 2^24 rows. The first row of
+ *  every piece of a chunk and the end of its last piece (see "Algorithm")
+ *  are 32-bit row numbers in both implementations; up to this size they fit
+ *  (the pieces of a chunk of c rows end before row c + c / 256). A larger
+ *  chunk is refused with AKV_ERR_INVALID_ARGUMENT by the reference and by
+ *  CUDA alike, whatever the lengths, before anything is read. */
+#define AKV_ATTENTION_MAX_CHUNK_TOKENS 0xFF000000u
+
 /**
  * Contiguous decode attention over n_contexts histories (see the layout above).
  * Plain arguments, owning nothing; every pointer is borrowed for the call
@@ -136,7 +145,8 @@ typedef struct akv_attention_args {
   uint32_t n_heads;       /**< query heads, a multiple of kv_heads */
   uint32_t kv_heads;      /**< >= 1 */
   uint32_t head_dim;      /**< 1..AKV_ATTENTION_MAX_HEAD_DIM (CUDA: 64, 128 or 256) */
-  uint32_t chunk_tokens;  /**< rows per chunk, >= 1: pass the page size */
+  uint32_t chunk_tokens;  /**< rows per chunk, 1..AKV_ATTENTION_MAX_CHUNK_TOKENS: pass the
+                               page size */
   float scale;            /**< softmax scale, usually 1/sqrt(head_dim); finite (0 and
                                negative values are taken), and so is every score
                                factor it makes: scale * log2(e) in fp32, times
@@ -206,13 +216,25 @@ AKV_API akv_status akv_attention_args_from_view(const akv_view *view, akv_attent
  * Memory: for the reference every pointer is a host pointer; for CUDA every
  * pointer (arrays included) must be readable by the device (device memory or
  * mapped pinned memory).
+ *
+ * Empty arrays: indptr and last_page_len always have elements (batch >= 1)
+ * and must be set; indices has indptr[batch] elements and may be NULL when
+ * that is 0 (every context empty; max_pages may still be above 0, and the
+ * workspace is sized from it as for any call). Both implementations take such
+ * a table and write zeros for every context. A NULL indices with pages is
+ * the caller's error: the reference refuses it (it reads the table); CUDA
+ * cannot see indptr from the host and gives every context that has pages NaN
+ * (akv_cuda.h), reading no page.
  */
 typedef struct akv_page_table {
   uint32_t batch;               /**< contexts, >= 1 */
-  uint32_t page_tokens;         /**< rows per page, >= 1; the chunk size */
+  uint32_t page_tokens;         /**< rows per page, 1..AKV_ATTENTION_MAX_CHUNK_TOKENS; the
+                                     chunk size */
   uint32_t max_pages;           /**< bound on indptr[i+1]-indptr[i]: sizes grid and workspace */
   const uint32_t *indptr;       /**< [batch + 1], non-decreasing, indptr[0] = 0 */
-  const uint32_t *indices;      /**< [indptr[batch]] physical page ids */
+  const uint32_t *indices;      /**< [indptr[batch]] physical page ids; NULL is taken
+                                     for a table without pages (indptr[batch] == 0: every
+                                     context empty), like any array of 0 elements */
   const uint32_t *last_page_len; /**< [batch], in 1..page_tokens where the context has pages */
   const void *k_pages;          /**< K of physical page 0 */
   const void *v_pages;          /**< V of physical page 0 */
@@ -249,7 +271,8 @@ typedef struct akv_attention_paged_args {
  * workspace here. Thread-safe, pure.
  * Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT (NULL out, n_contexts, n_heads,
  * head_dim or chunk_tokens of 0, head_dim above AKV_ATTENTION_MAX_HEAD_DIM,
- * or a size that overflows size_t; *out is untouched then).
+ * chunk_tokens above AKV_ATTENTION_MAX_CHUNK_TOKENS, or a size that
+ * overflows size_t; *out is untouched then).
  */
 AKV_API akv_status akv_attention_workspace_bytes(uint32_t n_contexts, uint32_t n_heads,
                                                  uint32_t head_dim, uint32_t max_tokens,
@@ -261,10 +284,11 @@ AKV_API akv_status akv_attention_workspace_bytes(uint32_t n_contexts, uint32_t n
  * synchronously on the calling thread; writes args->out and args->workspace
  * and nothing else; reads everything else. On failure args->out is untouched.
  * Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT (NULL pointer, bad geometry, chunk
- * of 0, row_bytes too small, workspace too small, FP8 without both scales,
- * only one scale array, a scale that is not finite and positive (subnormal
- * scales are taken), scales with more than AKV_ATTENTION_MAX_SCALE_HEADS
- * kv_heads, a softmax scale that is not finite or whose score factor
+ * of 0 or above AKV_ATTENTION_MAX_CHUNK_TOKENS, row_bytes too small,
+ * workspace too small, FP8 without both scales, only one scale array, a
+ * scale that is not finite and positive (subnormal scales are taken), scales
+ * with more than AKV_ATTENTION_MAX_SCALE_HEADS kv_heads, a softmax scale
+ * that is not finite or whose score factor
  * (scale * log2(e), times a K scale) overflows fp32, q, out, workspace or
  * one of the arrays misaligned (see "Alignment"), a row offset outside
  * ptrdiff_t (see "Addressing")),
@@ -275,8 +299,10 @@ AKV_API akv_status akv_attention_ref_bf16(const akv_attention_args *args);
 /**
  * Paged decode attention on the CPU. Same contract as akv_attention_ref_bf16;
  * additionally checks the page table: AKV_ERR_INVALID_ARGUMENT when indptr is
- * not non-decreasing from 0, a context has more than max_pages pages, or a
- * last_page_len is outside 1..page_tokens. Page ids are not range-checked
+ * not non-decreasing from 0, a context has more than max_pages pages, a
+ * last_page_len is outside 1..page_tokens, or indices is NULL while
+ * indptr[batch] > 0 (NULL is taken for a table without pages: see
+ * "Empty arrays" at akv_page_table). Page ids are not range-checked
  * (the table does not know the pool's size), but the byte offsets of their
  * rows must fit ptrdiff_t (see "Addressing").
  */

@@ -63,8 +63,9 @@ static inline cudaStream_t akv_stream_to_cuda(akv_stream stream) {
  * chunk, akv_attention.h "Algorithm"; paged: max_pages times the pieces per
  * page) must not exceed 2^31 - 1; a call beyond either is refused as bad
  * geometry.
- * Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT (NULL, bad geometry, misaligned
- * pointer or stride, workspace too small, page overrides incomplete, scales
+ * Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT (NULL, bad geometry, chunk_tokens
+ * of 0 or above AKV_ATTENTION_MAX_CHUNK_TOKENS, misaligned pointer or
+ * stride, workspace too small, page overrides incomplete, scales
  * missing for FP8, only one scale array, a scale not finite and positive,
  * scales with more than AKV_ATTENTION_MAX_SCALE_HEADS kv_heads, a softmax
  * scale that is not finite or whose score factor (scale * log2(e), times a
@@ -89,7 +90,10 @@ AKV_API akv_status akv_attention_decode_cuda(const akv_attention_args *args, cud
  * than max_pages pages, or a decreasing indptr, gets NaN in every element of
  * its output; a last_page_len above page_tokens is clamped to page_tokens,
  * and one of 0 leaves the last page out (the context attends over the rows
- * of its other pages). Page ids are not range-checked.
+ * of its other pages). Page ids are not range-checked. indices may be NULL
+ * (akv_attention.h, "Empty arrays"): no page is then read, every empty
+ * context gets zeros and every context with pages NaN; indptr and
+ * last_page_len must be set. page_tokens is bounded as chunk_tokens is.
  * Same statuses as akv_attention_decode_cuda.
  */
 AKV_API akv_status akv_attention_paged_cuda(const akv_attention_paged_args *args,

@@ -471,6 +471,103 @@ static void test_misaligned_arrays_refused(void **state) {
   free(f);
 }
 
+/* A table without pages may leave indices NULL (akv_attention.h, "Empty
+ * arrays"; the CUDA launcher takes it too, tests/test_cuda_args.c): every
+ * context gets zeros, whatever max_pages says. With pages it is refused. */
+static void test_paged_null_indices_without_pages(void **state) {
+  (void)state;
+  fixture *f = fixture_new();
+  const uint32_t indptr[3] = {0, 0, 0}, last[2] = {0, 0};
+  const akv_attention_paged_args pa = paged_args(f);
+  akv_page_table t = one_ctx_table(f, 4, indptr, NULL, last, 4 * ROW_BYTES);
+  t.batch = 2;
+  assert_int_equal(akv_attention_paged_ref_bf16(&pa, t), AKV_OK);
+  for (uint32_t i = 0; i < 2 * N_HEADS * HEAD_DIM; ++i) assert_true(f->out[i] == 0.0f);
+  memcpy(f->keep, f->out, sizeof f->out);
+  /* max_pages 0: a workspace of 0 bytes, NULL included, is enough. */
+  akv_attention_paged_args pz = pa;
+  pz.workspace = NULL;
+  pz.workspace_bytes = 0;
+  t.max_pages = 0;
+  assert_int_equal(akv_attention_paged_ref_bf16(&pz, t), AKV_OK);
+  /* max_pages 2 still sizes the workspace: 0 bytes are too few. */
+  t.max_pages = 2;
+  assert_int_equal(akv_attention_paged_ref_bf16(&pz, t), AKV_ERR_INVALID_ARGUMENT);
+  /* Pages without indices: refused, the output untouched. */
+  for (size_t i = 0; i < sizeof f->out / sizeof f->out[0]; ++i) f->out[i] = -12345.0f;
+  memcpy(f->keep, f->out, sizeof f->out);
+  const uint32_t some[3] = {0, 0, 1}, last1[2] = {0, 3};
+  t = one_ctx_table(f, 4, some, NULL, last1, 4 * ROW_BYTES);
+  t.batch = 2;
+  assert_int_equal(akv_attention_paged_ref_bf16(&pa, t), AKV_ERR_INVALID_ARGUMENT);
+  assert_out_untouched(f);
+  free(f);
+}
+
+/* AKV_ATTENTION_MAX_CHUNK_TOKENS: the first row of a piece within a chunk is
+ * a uint32_t (attention_pieces.h); a larger chunk is refused whatever the
+ * lengths, before anything is read, and the largest one is taken. The
+ * limit's two sides use contexts of 0 rows (a chunk that large would need a
+ * workspace of gigabytes for any row) and a workspace of 0 bytes. */
+static void test_chunk_tokens_limit(void **state) {
+  (void)state;
+  fixture *f = fixture_new();
+  size_t b = 12345;
+  assert_int_equal(
+      akv_attention_workspace_bytes(3, N_HEADS, HEAD_DIM, 0, AKV_ATTENTION_MAX_CHUNK_TOKENS, &b),
+      AKV_OK);
+  assert_int_equal(b, 0);
+  b = 12345;
+  assert_int_equal(akv_attention_workspace_bytes(3, N_HEADS, HEAD_DIM, 0,
+                                                 AKV_ATTENTION_MAX_CHUNK_TOKENS + 1u, &b),
+                   AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_attention_workspace_bytes(3, N_HEADS, HEAD_DIM, 8, UINT32_MAX, &b),
+                   AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(b, 12345);
+
+  akv_attention_args a = contig_args(f, 3, AKV_ATTENTION_MAX_CHUNK_TOKENS + 1u);
+  for (uint32_t i = 0; i < MAX_CTX; ++i) f->len[i] = 0;
+  a.workspace = NULL;
+  a.workspace_bytes = 0;
+  assert_int_equal(akv_attention_ref_bf16(&a), AKV_ERR_INVALID_ARGUMENT);
+  a.chunk_tokens = UINT32_MAX;
+  assert_int_equal(akv_attention_ref_bf16(&a), AKV_ERR_INVALID_ARGUMENT);
+  assert_out_untouched(f);
+  /* A context of UINT32_MAX rows in one chunk of as many, over a K/V base
+   * nothing may read: refused by the chunk size before any row. */
+  f->len[0] = UINT32_MAX;
+  a.k_base = (const void *)(uintptr_t)0x1000;
+  a.v_base = (const void *)(uintptr_t)0x2000;
+  a.row_bytes = ROW_BYTES;
+  a.workspace = f->ws;
+  a.workspace_bytes = SIZE_MAX;
+  assert_int_equal(akv_attention_ref_bf16(&a), AKV_ERR_INVALID_ARGUMENT);
+  assert_out_untouched(f);
+  a = contig_args(f, 3, AKV_ATTENTION_MAX_CHUNK_TOKENS);
+  for (uint32_t i = 0; i < MAX_CTX; ++i) f->len[i] = 0;
+  a.workspace = NULL;
+  a.workspace_bytes = 0;
+  assert_int_equal(akv_attention_ref_bf16(&a), AKV_OK);
+  for (uint32_t i = 0; i < OUT_FLOATS; ++i) assert_true(f->out[i] == 0.0f);
+  for (size_t i = 0; i < sizeof f->out / sizeof f->out[0]; ++i) f->out[i] = -12345.0f;
+
+  const uint32_t indptr[2] = {0, 0}, last[1] = {0};
+  akv_attention_paged_args pa = paged_args(f);
+  pa.workspace = NULL;
+  pa.workspace_bytes = 0;
+  akv_page_table t = one_ctx_table(f, AKV_ATTENTION_MAX_CHUNK_TOKENS + 1u, indptr, NULL, last,
+                                   4 * ROW_BYTES);
+  t.max_pages = 0;
+  assert_int_equal(akv_attention_paged_ref_bf16(&pa, t), AKV_ERR_INVALID_ARGUMENT);
+  t.page_tokens = UINT32_MAX;
+  assert_int_equal(akv_attention_paged_ref_bf16(&pa, t), AKV_ERR_INVALID_ARGUMENT);
+  assert_out_untouched(f);
+  t.page_tokens = AKV_ATTENTION_MAX_CHUNK_TOKENS;
+  assert_int_equal(akv_attention_paged_ref_bf16(&pa, t), AKV_OK);
+  for (uint32_t i = 0; i < N_HEADS * HEAD_DIM; ++i) assert_true(f->out[i] == 0.0f);
+  free(f);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_misaligned_pointers_refused),
@@ -484,6 +581,8 @@ int main(void) {
       cmocka_unit_test(test_workspace_bytes_hostile),
       cmocka_unit_test(test_score_factor_overflow_refused),
       cmocka_unit_test(test_misaligned_arrays_refused),
+      cmocka_unit_test(test_paged_null_indices_without_pages),
+      cmocka_unit_test(test_chunk_tokens_limit),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

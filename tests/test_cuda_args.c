@@ -9,7 +9,12 @@
  * (AKV_ERR_BACKEND), which proves the refusals come from the field under
  * test; with a device the baseline is not called (the fake pointers would be
  * launched on) and tests/gpu/test_gpu_attention.cu covers the launches.
+ *
+ * Parity: where the reference refuses a call before it reads a row, it runs
+ * on the same arguments and must return the same status
+ * (test_cuda_same_status_as_reference).
  */
+#include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -236,11 +241,169 @@ static void test_cuda_grid_limits(void **state) {
   assert_int_equal(akv_attention_paged_cuda(&pa, t, 0), AKV_ERR_INVALID_ARGUMENT);
 }
 
+/* A table without pages may leave indices NULL (akv_attention.h, "Empty
+ * arrays"), as the reference takes it: the launcher cannot read indptr, so it
+ * takes a NULL indices whatever max_pages says and then reads no page (a
+ * context that has pages gets NaN). No device: the calls pass every check
+ * and fail at the launch. */
+static void test_cuda_paged_null_indices_taken(void **state) {
+  (void)state;
+  baselines();
+  if (have_device()) return; /* tests/gpu/test_gpu_attention.cu runs it */
+  akv_page_table t;
+  akv_attention_paged_args pa = paged(&t);
+  t.indices = NULL;
+  assert_int_equal(akv_attention_paged_cuda(&pa, t, 0), AKV_ERR_BACKEND);
+  t.max_pages = 0;
+  pa.workspace = NULL;
+  pa.workspace_bytes = 0;
+  assert_int_equal(akv_attention_paged_cuda(&pa, t, 0), AKV_ERR_BACKEND);
+  /* The other arrays always have elements: NULL stays refused. */
+  pa = paged(&t);
+  t.indices = NULL;
+  t.indptr = NULL;
+  assert_int_equal(akv_attention_paged_cuda(&pa, t, 0), AKV_ERR_INVALID_ARGUMENT);
+  pa = paged(&t);
+  t.indices = NULL;
+  t.last_page_len = NULL;
+  assert_int_equal(akv_attention_paged_cuda(&pa, t, 0), AKV_ERR_INVALID_ARGUMENT);
+}
+
+/* The refusals below come before the reference reads anything but len (a
+ * host array here too), so it runs on the same fake pointers: both give the
+ * same status. */
+static void expect_both_refuse(const akv_attention_args *a) {
+  assert_int_equal(akv_attention_decode_cuda(a, 0), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_attention_ref_bf16(a), AKV_ERR_INVALID_ARGUMENT);
+}
+static void expect_both_refuse_paged(const akv_attention_paged_args *pa, akv_page_table t) {
+  assert_int_equal(akv_attention_paged_cuda(pa, t, 0), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_attention_paged_ref_bf16(pa, t), AKV_ERR_INVALID_ARGUMENT);
+}
+
+/* AKV_ATTENTION_MAX_CHUNK_TOKENS: piece row offsets within a chunk are 32
+ * bits in the kernels; a larger chunk is refused whatever the lengths (here
+ * all 0: nothing would be read), the largest one is taken. */
+static void test_cuda_chunk_tokens_limit(void **state) {
+  (void)state;
+  const int dev = have_device();
+  static uint32_t none[2] = {0, 0};
+  akv_attention_args a = contig();
+  a.len = none;
+  a.workspace = NULL;
+  a.workspace_bytes = 0;
+  a.chunk_tokens = AKV_ATTENTION_MAX_CHUNK_TOKENS;
+  if (!dev) assert_int_equal(akv_attention_decode_cuda(&a, 0), AKV_ERR_BACKEND);
+  a.chunk_tokens = AKV_ATTENTION_MAX_CHUNK_TOKENS + 1u;
+  expect_both_refuse(&a);
+  a.chunk_tokens = UINT32_MAX;
+  expect_both_refuse(&a);
+  /* With rows: a context of UINT32_MAX rows in one chunk, refused before the
+   * rows' offsets are even looked at. */
+  static uint32_t full[2] = {UINT32_MAX, 1};
+  a = contig();
+  a.len = full;
+  a.workspace_bytes = SIZE_MAX;
+  a.chunk_tokens = UINT32_MAX;
+  expect_both_refuse(&a);
+
+  akv_page_table t;
+  akv_attention_paged_args pa = paged(&t);
+  pa.workspace_bytes = SIZE_MAX;
+  t.page_tokens = AKV_ATTENTION_MAX_CHUNK_TOKENS;
+  if (!dev) assert_int_equal(akv_attention_paged_cuda(&pa, t, 0), AKV_ERR_BACKEND);
+  t.page_tokens = AKV_ATTENTION_MAX_CHUNK_TOKENS + 1u;
+  expect_both_refuse_paged(&pa, t);
+  t.page_tokens = UINT32_MAX;
+  expect_both_refuse_paged(&pa, t);
+}
+
+/* Status parity: every refusal the reference makes before it reads a row
+ * (here: before it reads anything but len and the scales, host arrays on
+ * both sides) is made by the launcher with the same status, one field off
+ * the baseline at a time. Shared rules only: what CUDA alone asks for
+ * (alignment to 16 bytes, head_dim 64/128/256, the grid limits) is tested
+ * above, and the table's contents, device memory to the launcher, are the
+ * reference's alone (akv_cuda.h says what CUDA does with them). */
+static void test_cuda_same_status_as_reference(void **state) {
+  (void)state;
+  baselines();
+  static uint32_t huge_len[2] = {UINT32_MAX, 3};
+  size_t wsb = 0;
+  assert_int_equal(akv_attention_workspace_bytes(2, N_HEADS, HEAD_DIM, 5, 4, &wsb), AKV_OK);
+  float nan_scale[KV_HEADS] = {1.0f, NAN}, zero_scale[KV_HEADS] = {1.0f, 0.0f};
+#define SAME(mutation, status)                                        \
+  do {                                                                \
+    akv_attention_args a = contig();                                  \
+    mutation;                                                         \
+    assert_int_equal(akv_attention_ref_bf16(&a), status);             \
+    assert_int_equal(akv_attention_decode_cuda(&a, 0), status);       \
+  } while (0)
+  SAME(a.q = NULL, AKV_ERR_INVALID_ARGUMENT);
+  SAME(a.out = NULL, AKV_ERR_INVALID_ARGUMENT);
+  SAME(a.n_heads = 0, AKV_ERR_INVALID_ARGUMENT);
+  SAME(a.kv_heads = 0, AKV_ERR_INVALID_ARGUMENT);
+  SAME(a.n_heads = 3, AKV_ERR_INVALID_ARGUMENT);
+  SAME(a.head_dim = 0, AKV_ERR_INVALID_ARGUMENT);
+  SAME(a.head_dim = AKV_ATTENTION_MAX_HEAD_DIM + 16u, AKV_ERR_INVALID_ARGUMENT);
+  SAME(a.dtype = AKV_DTYPE_F32, AKV_ERR_NOT_SUPPORTED);
+  SAME(a.dtype = (akv_dtype)77, AKV_ERR_NOT_SUPPORTED);
+  SAME(a.row_bytes = ROW_BYTES - 16u, AKV_ERR_INVALID_ARGUMENT);
+  SAME(a.k_scale = g_ks, AKV_ERR_INVALID_ARGUMENT);
+  SAME(a.v_scale = g_vs, AKV_ERR_INVALID_ARGUMENT);
+  SAME(a.dtype = AKV_DTYPE_FP8_E5M2, AKV_ERR_INVALID_ARGUMENT);
+  SAME((a.k_scale = nan_scale, a.v_scale = g_vs), AKV_ERR_INVALID_ARGUMENT);
+  SAME((a.k_scale = g_ks, a.v_scale = zero_scale), AKV_ERR_INVALID_ARGUMENT);
+  SAME(a.scale = INFINITY, AKV_ERR_INVALID_ARGUMENT);
+  SAME(a.scale = NAN, AKV_ERR_INVALID_ARGUMENT);
+  SAME(a.n_contexts = 0, AKV_ERR_INVALID_ARGUMENT);
+  SAME(a.chunk_tokens = 0, AKV_ERR_INVALID_ARGUMENT);
+  SAME(a.chunk_tokens = AKV_ATTENTION_MAX_CHUNK_TOKENS + 1u, AKV_ERR_INVALID_ARGUMENT);
+  SAME(a.len = NULL, AKV_ERR_INVALID_ARGUMENT);
+  SAME(a.k_base = NULL, AKV_ERR_INVALID_ARGUMENT);
+  SAME(a.v_base = NULL, AKV_ERR_INVALID_ARGUMENT);
+  SAME((a.page_map = (const uint32_t *)FAKE(11), a.page_map_stride = 0),
+       AKV_ERR_INVALID_ARGUMENT);
+  SAME((a.page_map = (const uint32_t *)FAKE(11), a.page_map_stride = 2, a.v_pages = FAKE(10)),
+       AKV_ERR_INVALID_ARGUMENT);
+  SAME(a.context_stride = UINT64_MAX - 15u, AKV_ERR_INVALID_ARGUMENT);
+  SAME((a.len = huge_len, a.row_bytes = a.context_stride = (uint64_t)1 << 40),
+       AKV_ERR_INVALID_ARGUMENT);
+  SAME(a.workspace_bytes = wsb - 1u, AKV_ERR_INVALID_ARGUMENT);
+  SAME((a.workspace = NULL, a.workspace_bytes = wsb), AKV_ERR_INVALID_ARGUMENT);
+#undef SAME
+  /* The paged variants refuse these before the reference reads the table. */
+#define SAME_PAGED(mutation, status)                                  \
+  do {                                                                \
+    akv_page_table t;                                                 \
+    akv_attention_paged_args pa = paged(&t);                          \
+    mutation;                                                         \
+    assert_int_equal(akv_attention_paged_ref_bf16(&pa, t), status);   \
+    assert_int_equal(akv_attention_paged_cuda(&pa, t, 0), status);    \
+  } while (0)
+  SAME_PAGED(pa.q = NULL, AKV_ERR_INVALID_ARGUMENT);
+  SAME_PAGED(pa.dtype = AKV_DTYPE_F16, AKV_ERR_NOT_SUPPORTED);
+  SAME_PAGED(t.row_bytes = ROW_BYTES - 16u, AKV_ERR_INVALID_ARGUMENT);
+  SAME_PAGED(pa.scale = -INFINITY, AKV_ERR_INVALID_ARGUMENT);
+  SAME_PAGED(t.batch = 0, AKV_ERR_INVALID_ARGUMENT);
+  SAME_PAGED(t.page_tokens = 0, AKV_ERR_INVALID_ARGUMENT);
+  SAME_PAGED(t.page_tokens = UINT32_MAX, AKV_ERR_INVALID_ARGUMENT);
+  SAME_PAGED(t.indptr = NULL, AKV_ERR_INVALID_ARGUMENT);
+  SAME_PAGED(t.last_page_len = NULL, AKV_ERR_INVALID_ARGUMENT);
+  SAME_PAGED(t.k_pages = NULL, AKV_ERR_INVALID_ARGUMENT);
+  SAME_PAGED(t.v_pages = NULL, AKV_ERR_INVALID_ARGUMENT);
+  SAME_PAGED(t.indptr = (const uint32_t *)((char *)FAKE(6) + 2), AKV_ERR_INVALID_ARGUMENT);
+#undef SAME_PAGED
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_cuda_score_factor_overflow_refused),
       cmocka_unit_test(test_cuda_misaligned_arrays_refused),
       cmocka_unit_test(test_cuda_grid_limits),
+      cmocka_unit_test(test_cuda_paged_null_indices_taken),
+      cmocka_unit_test(test_cuda_chunk_tokens_limit),
+      cmocka_unit_test(test_cuda_same_status_as_reference),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -659,6 +659,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks3())
   const char *vp = nullptr;
   uint32_t n = 0; /* rows of this warp's piece; 0: past the context's end */
   if (loc.locate(ctx, chunk, kp, vp, n)) {
+    /* piece * piece_rows < 2^32: the launchers take no chunk beyond
+     * akv_attn_chunk_ok. */
     const uint32_t first = piece * p.piece_rows;
     if (first >= n) {
       n = 0;
@@ -1409,8 +1411,11 @@ extern "C" AKV_API akv_status akv_attention_decode_cuda(const akv_attention_args
                     a->out, a->workspace, a->k_scale, a->v_scale);
   if (st != AKV_OK) goto fail;
   st = AKV_ERR_INVALID_ARGUMENT;
-  if (a->n_contexts == 0 || a->chunk_tokens == 0 || a->len == nullptr || a->k_base == nullptr ||
-      a->v_base == nullptr)
+  /* The chunk bound keeps every piece's first row (piece * piece_rows, a
+   * uint32_t in the chunk kernels) within 32 bits: akv_attn_chunk_ok, the
+   * reference's rule. */
+  if (a->n_contexts == 0 || !akv_attn_chunk_ok(a->chunk_tokens) || a->len == nullptr ||
+      a->k_base == nullptr || a->v_base == nullptr)
     goto fail;
   if (!aligned16(a->k_base) || !aligned16(a->v_base) || !aligned16(a->context_stride)) goto fail;
   /* len is read here through its type; the page map by the kernel, 4 bytes
@@ -1447,9 +1452,12 @@ extern "C" AKV_API akv_status akv_attention_decode_cuda(const akv_attention_args
     const int gt = pick_gt(a->n_heads / a->kv_heads);
     const uint32_t stride = (uint32_t)slots;
 
-    for (uint32_t c0 = 0; c0 < a->n_contexts; c0 += kMaxLaunchContexts) {
-      const uint32_t nc = a->n_contexts - c0 < kMaxLaunchContexts ? a->n_contexts - c0
-                                                                   : kMaxLaunchContexts;
+    /* c0 is 64 bits: past the last group of a batch above 2^32 - 256
+     * contexts, a uint32_t would wrap to 0 and launch forever. */
+    for (uint64_t c0 = 0; c0 < a->n_contexts; c0 += kMaxLaunchContexts) {
+      const uint32_t nc = a->n_contexts - c0 < kMaxLaunchContexts
+                              ? (uint32_t)(a->n_contexts - c0)
+                              : kMaxLaunchContexts;
       ContigLoc loc = {};
       loc.k = static_cast<const char *>(a->k_base) + (size_t)c0 * a->context_stride;
       loc.v = static_cast<const char *>(a->v_base) + (size_t)c0 * a->context_stride;
@@ -1473,7 +1481,8 @@ extern "C" AKV_API akv_status akv_attention_decode_cuda(const akv_attention_args
       ChunkParams cp;
       CombineParams pp;
       launch_params(a->n_heads, a->kv_heads, a->head_dim, a->scale, a->q, a->out, a->workspace,
-                    acc_bytes, stride, a->chunk_tokens, a->k_scale, a->v_scale, c0, &cp, &pp);
+                    acc_bytes, stride, a->chunk_tokens, a->k_scale, a->v_scale, (uint32_t)c0, &cp,
+                    &pp);
       st = launch_pair<ContigLoc>(a->dtype, a->head_dim, gt, dim3(grid_x * cp.kv_slots, nc, 1), cp,
                                   dim3(a->n_heads * (a->head_dim / 32u), nc, 1), pp, loc, stream);
       if (st != AKV_OK) goto fail;
@@ -1494,7 +1503,12 @@ extern "C" AKV_API akv_status akv_attention_paged_cuda(const akv_attention_paged
                     a->out, a->workspace, a->k_scale, a->v_scale);
   if (st != AKV_OK) goto fail;
   st = AKV_ERR_INVALID_ARGUMENT;
-  if (t.batch == 0 || t.page_tokens == 0 || t.indptr == nullptr || t.indices == nullptr ||
+  /* indices may be NULL: a table without pages has none (akv_attention.h,
+   * "Empty arrays"), and indptr, device memory, cannot tell the host whether
+   * the table has pages. Then no chunk kernel runs (nothing would read a
+   * page id) and the combine sees max_pages 0: an empty context gets zeros,
+   * one with pages NaN, as any context beyond max_pages does. */
+  if (t.batch == 0 || !akv_attn_chunk_ok(t.page_tokens) || t.indptr == nullptr ||
       t.last_page_len == nullptr || t.k_pages == nullptr || t.v_pages == nullptr)
     goto fail;
   if (!aligned16(t.k_pages) || !aligned16(t.v_pages) || !aligned16(t.page_stride)) goto fail;
@@ -1510,8 +1524,9 @@ extern "C" AKV_API akv_status akv_attention_paged_cuda(const akv_attention_paged
     const int gt = pick_gt(a->n_heads / a->kv_heads);
     const uint32_t stride = (uint32_t)slots;
 
-    for (uint32_t c0 = 0; c0 < t.batch; c0 += kMaxLaunchContexts) {
-      const uint32_t nc = t.batch - c0 < kMaxLaunchContexts ? t.batch - c0 : kMaxLaunchContexts;
+    for (uint64_t c0 = 0; c0 < t.batch; c0 += kMaxLaunchContexts) { /* 64 bits: see above */
+      const uint32_t nc =
+          t.batch - c0 < kMaxLaunchContexts ? (uint32_t)(t.batch - c0) : kMaxLaunchContexts;
       PagedLoc loc = {};
       loc.k = static_cast<const char *>(t.k_pages);
       loc.v = static_cast<const char *>(t.v_pages);
@@ -1521,12 +1536,14 @@ extern "C" AKV_API akv_status akv_attention_paged_cuda(const akv_attention_paged
       loc.indices = t.indices;
       loc.last_page_len = t.last_page_len + c0;
       loc.page_tokens = t.page_tokens;
-      loc.max_pages = t.max_pages;
+      loc.max_pages = t.indices != nullptr ? t.max_pages : 0u;
       ChunkParams cp;
       CombineParams pp;
       launch_params(a->n_heads, a->kv_heads, a->head_dim, a->scale, a->q, a->out, a->workspace,
-                    acc_bytes, stride, t.page_tokens, a->k_scale, a->v_scale, c0, &cp, &pp);
-      st = launch_pair<PagedLoc>(a->dtype, a->head_dim, gt, dim3(stride * cp.kv_slots, nc, 1), cp,
+                    acc_bytes, stride, t.page_tokens, a->k_scale, a->v_scale, (uint32_t)c0, &cp,
+                    &pp);
+      const uint32_t grid_x = t.indices != nullptr ? stride : 0u; /* no page ids: no pages read */
+      st = launch_pair<PagedLoc>(a->dtype, a->head_dim, gt, dim3(grid_x * cp.kv_slots, nc, 1), cp,
                                  dim3(a->n_heads * (a->head_dim / 32u), nc, 1), pp, loc, stream);
       if (st != AKV_OK) goto fail;
     }

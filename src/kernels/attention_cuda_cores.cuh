@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks(GT))
    * pieces that hold rows (akv_attn_context_slots). */
   if (!loc.locate(ctx, chunk, kp, vp, n)) return;
   {
-    const uint32_t first = piece * p.piece_rows;
+    const uint32_t first = piece * p.piece_rows; /* < 2^32: akv_attn_chunk_ok */
     if (first >= n) return;
     const uint32_t rest = n - first;
     n = rest < p.piece_rows ? rest : p.piece_rows;
@@ -419,7 +419,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks2(GT))
   uint32_t n = 0;
   if (!loc.locate(ctx, chunk, kp, vp, n)) return;
   {
-    const uint32_t first = piece * p.piece_rows;
+    const uint32_t first = piece * p.piece_rows; /* < 2^32: akv_attn_chunk_ok */
     if (first >= n) return;
     const uint32_t rest = n - first;
     n = rest < p.piece_rows ? rest : p.piece_rows;

@@ -51,6 +51,23 @@ static inline uint32_t akv_attn_piece_rows(uint32_t chunk_tokens) {
   return chunk_tokens / s + (chunk_tokens % s != 0);
 }
 
+/* Whether a chunk of chunk_tokens rows is one the calls take (akv_attention.h,
+ * AKV_ATTENTION_MAX_CHUNK_TOKENS): 1..AKV_ATTENTION_MAX_CHUNK_TOKENS rows,
+ * and the row after its last piece, pieces * piece_rows, fits 32 bits, so
+ * that the first row of every piece (piece * piece_rows, a uint32_t in
+ * attention_ref.c's chunk_partials() and in the chunk kernels) and the
+ * loops that step past the last piece never wrap. With the library's
+ * AKV_ATTN_PIECE_TOKENS the bound implies the second test (pieces end before
+ * c + c / 256 <= 0xFFFF0000); it stays for the benchmark's variants (128:
+ * the pieces of chunks above about 4.26e9 rows end past 2^32). Checked on
+ * the host by every call and by akv_attention_workspace_bytes, before
+ * anything is read. */
+static inline int akv_attn_chunk_ok(uint32_t chunk_tokens) {
+  if (chunk_tokens == 0 || chunk_tokens > AKV_ATTENTION_MAX_CHUNK_TOKENS) return 0;
+  return (uint64_t)akv_attn_pieces(chunk_tokens) * akv_attn_piece_rows(chunk_tokens) <=
+         UINT32_MAX;
+}
+
 /* Partials of a context whose history is n_chunks chunks, the last holding
  * last_rows rows (1..chunk_tokens): every piece of the full chunks, then the
  * non-empty pieces of the last one. 0 for an empty history. */

@@ -140,8 +140,8 @@ akv_status akv_attention_workspace_bytes(uint32_t n_contexts, uint32_t n_heads,
   akv_status st = AKV_ERR_INVALID_ARGUMENT;
   size_t acc_bytes, total;
   uint32_t slots;
-  if (out == NULL || n_contexts == 0 || n_heads == 0 || head_dim == 0 || chunk_tokens == 0 ||
-      head_dim > AKV_ATTENTION_MAX_HEAD_DIM)
+  if (out == NULL || n_contexts == 0 || n_heads == 0 || head_dim == 0 ||
+      !akv_attn_chunk_ok(chunk_tokens) || head_dim > AKV_ATTENTION_MAX_HEAD_DIM)
     goto fail;
   if (!slots_for(max_tokens, chunk_tokens, &slots) ||
       !ws_layout(n_contexts, n_heads, head_dim, slots, &acc_bytes, &total))
@@ -290,6 +290,8 @@ static void chunk_partial(const ref_geom *g, uint32_t ctx, uint32_t kvh, uint32_
 /*
  * Stage 1 for one chunk of n rows (1..chunk_tokens) at k_chunk/v_chunk:
  * every kv head of every piece, the pieces into slots chunk * pieces + j.
+ * j * prow never wraps: pieces * prow fits 32 bits for every chunk size the
+ * calls take (akv_attn_chunk_ok).
  */
 static void chunk_partials(const ref_geom *g, uint32_t ctx, uint32_t chunk, uint32_t chunk_tokens,
                            const char *k_chunk, const char *v_chunk, uint64_t row_bytes,
@@ -338,8 +340,10 @@ akv_status akv_attention_ref_bf16(const akv_attention_args *a) {
                   a->out, a->workspace, a->k_scale, a->v_scale);
   if (st != AKV_OK) goto fail;
   st = AKV_ERR_INVALID_ARGUMENT;
-  if (a->n_contexts == 0 || a->chunk_tokens == 0 || a->len == NULL || a->k_base == NULL ||
-      a->v_base == NULL)
+  /* The chunk bound keeps every piece's first row within 32 bits
+   * (chunk_partials; attention_pieces.h), whatever the lengths. */
+  if (a->n_contexts == 0 || !akv_attn_chunk_ok(a->chunk_tokens) || a->len == NULL ||
+      a->k_base == NULL || a->v_base == NULL)
     goto fail;
   if (a->page_map != NULL && (a->page_map_stride == 0 || a->k_pages == NULL || a->v_pages == NULL))
     goto fail;
@@ -453,8 +457,10 @@ akv_status akv_attention_paged_ref_bf16(const akv_attention_paged_args *a, akv_p
                   a->out, a->workspace, a->k_scale, a->v_scale);
   if (st != AKV_OK) goto fail;
   st = AKV_ERR_INVALID_ARGUMENT;
-  if (t.batch == 0 || t.page_tokens == 0 || t.indptr == NULL || t.last_page_len == NULL ||
-      t.k_pages == NULL || t.v_pages == NULL)
+  /* indices may be NULL for a table without pages (akv_attention.h, "Empty
+   * arrays"): checked below, once indptr[batch] is known. */
+  if (t.batch == 0 || !akv_attn_chunk_ok(t.page_tokens) || t.indptr == NULL ||
+      t.last_page_len == NULL || t.k_pages == NULL || t.v_pages == NULL)
     goto fail;
   if (!aligned4(t.indptr) || !aligned4(t.indices) || !aligned4(t.last_page_len)) goto fail;
   /* The table is checked whole before anything is written. */

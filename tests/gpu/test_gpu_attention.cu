@@ -633,8 +633,8 @@ static void test_invalid_arguments(void **state) {
   t = pg.t;
   t.page_stride += 4;
   assert_int_equal(akv_attention_paged_cuda(&pa, t, 0), AKV_ERR_INVALID_ARGUMENT);
-  t = pg.t;
-  t.indices = NULL;
+  t = pg.t; /* indices may be NULL (test_paged_null_indices); indptr may not */
+  t.indptr = NULL;
   assert_int_equal(akv_attention_paged_cuda(&pa, t, 0), AKV_ERR_INVALID_ARGUMENT);
   t = pg.t;
   t.page_tokens = 0;
@@ -685,6 +685,67 @@ static void test_paged_overflow_marks_context(void **state) {
   CUDA_OK(cudaFree(d_ws));
   dpaged_free(&pg);
   free(ref);
+  free(got);
+  problem_free(&p);
+}
+
+/* A table without pages may leave indices NULL (akv_attention.h, "Empty
+ * arrays"), as the reference takes it: every context gets zeros, whatever
+ * max_pages says. A NULL indices in a table with pages reads no page: the
+ * contexts with pages get NaN, the empty ones zeros. */
+static void test_paged_null_indices(void **state) {
+  (void)state;
+  const uint32_t none[2] = {0, 0};
+  problem e;
+  problem_init(&e, 2, 8, 2, 64, 16, none, 1.0f);
+  dpaged pe;
+  dpaged_build(&pe, &e);
+  const size_t ne = out_elems(&e);
+  float *got = (float *)xmalloc(ne * sizeof(float));
+  size_t wsb = 0;
+  assert_int_equal(akv_attention_workspace_bytes(2, 8, 64, 2 * 16, 16, &wsb), AKV_OK);
+  float *d_out;
+  void *d_ws;
+  CUDA_OK(cudaMalloc((void **)&d_out, 3 * 8 * 64 * sizeof(float)));
+  CUDA_OK(cudaMalloc(&d_ws, wsb));
+  pe.t.indices = NULL;
+  pe.t.max_pages = 2;
+  run_cuda_paged(&e, &pe, d_out, d_ws, wsb, got);
+  for (size_t i = 0; i < ne; ++i) assert_true(got[i] == 0.0f);
+  pe.t.max_pages = 0; /* no partials: a workspace of 0 bytes, NULL included */
+  CUDA_OK(cudaMemset(d_out, 0xFF, ne * sizeof(float)));
+  akv_attention_paged_args pa = make_paged_args(&e, d_out, NULL, 0);
+  assert_int_equal(akv_attention_paged_cuda(&pa, pe.t, 0), AKV_OK);
+  CUDA_OK(cudaDeviceSynchronize());
+  CUDA_OK(cudaMemcpy(got, d_out, ne * sizeof(float), cudaMemcpyDeviceToHost));
+  for (size_t i = 0; i < ne; ++i) assert_true(got[i] == 0.0f);
+  free(got);
+  dpaged_free(&pe);
+  problem_free(&e);
+
+  const uint32_t len[3] = {0, 40, 0};
+  problem p;
+  problem_init(&p, 3, 8, 2, 64, 16, len, 1.0f);
+  dpaged pg;
+  dpaged_build(&pg, &p); /* pages: 0, 3, 0 */
+  const size_t n = out_elems(&p), per = (size_t)8 * 64;
+  got = (float *)xmalloc(n * sizeof(float));
+  size_t wsb3 = 0;
+  assert_int_equal(akv_attention_workspace_bytes(3, 8, 64, pg.t.max_pages * 16, 16, &wsb3),
+                   AKV_OK);
+  void *d_ws3;
+  CUDA_OK(cudaMalloc(&d_ws3, wsb3));
+  pg.t.indices = NULL;
+  run_cuda_paged(&p, &pg, d_out, d_ws3, wsb3, got);
+  for (size_t e2 = 0; e2 < per; ++e2) {
+    assert_true(got[e2] == 0.0f);
+    assert_true(isnan(got[per + e2]));
+    assert_true(got[2 * per + e2] == 0.0f);
+  }
+  CUDA_OK(cudaFree(d_out));
+  CUDA_OK(cudaFree(d_ws));
+  CUDA_OK(cudaFree(d_ws3));
+  dpaged_free(&pg);
   free(got);
   problem_free(&p);
 }
@@ -784,6 +845,7 @@ int main(void) {
       cmocka_unit_test(test_zero_lengths_and_many_contexts),
       cmocka_unit_test(test_invalid_arguments),
       cmocka_unit_test(test_paged_overflow_marks_context),
+      cmocka_unit_test(test_paged_null_indices),
       cmocka_unit_test(test_long_history),
       cmocka_unit_test(test_fp8),
       cmocka_unit_test(test_fp8_invalid_arguments),
