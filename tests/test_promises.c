@@ -2,7 +2,9 @@
  * test_promises.c - promises of the public headers that no other test file
  * pins, each checked so that it fails when the promise is broken: the ABI
  * rules a caller built against one header relies on when it runs against
- * the library of the same soname.
+ * the library of the same soname, and "a failing call changes nothing"
+ * (akv.h, conventions) for every call outside the lease state machine
+ * (test_reentry.c sweeps the lease calls), refused in every engine state.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -16,6 +18,8 @@
 #include "akv.h"
 #include "akv_attention.h"
 #include "akv_group.h"
+#include "internal.h"
+#include "records.h"
 #include "testutil.h"
 
 /* ------------------------------------------------ structs the library fills */
@@ -79,9 +83,243 @@ static void test_filled_structs_keep_their_size_within_the_soname(void **state) 
   assert_int_equal(now.group_info, row->group_info);
 }
 
+
+/* ------------------------------------------- refused calls change nothing */
+
+#define LAYERS 3 /* akvt_small_config */
+#define ROW_ELEMS 16
+
+/* Everything of an engine a caller (or the engine's own bookkeeping) could
+ * see change, except the last error, which a refusal sets. */
+typedef struct snapshot {
+  akv_engine_info info;
+  uint64_t counters[AKV_ADM_RULE_COUNT];
+  akv_adm_decision log[AKV_ADM_LOG_ENTRIES];
+  size_t n_log;
+  akv_headroom_info headroom;
+  char explain[1024];
+  char explain_ctx[4][1024];
+  uint32_t len[4], id[4], layer_len[4][LAYERS], host_leases[4];
+  bool in_step[4];
+  uint64_t generation[4];
+  bool step_open, transport_failed, quarantined, retained;
+  uint64_t step;
+  uint32_t next_layer, leases_live, lease_head, lease_free, open_contexts, next_context_id,
+      streams_live, hr_pending, step_n;
+  uint32_t lease_state[LAYERS];
+  size_t free_engines, free_contexts, free_leases, free_streams;
+} snapshot;
+
+static void take_snapshot(akv_engine *e, akv_context *const *c, uint32_t n, snapshot *s) {
+  memset(s, 0, sizeof *s);
+  assert_int_equal(akv_engine_info_get(e, &s->info), AKV_OK);
+  assert_int_equal(akv_admission_counters(e, s->counters, AKV_ADM_RULE_COUNT), AKV_OK);
+  assert_int_equal(akv_admission_log(e, s->log, AKV_ADM_LOG_ENTRIES, &s->n_log), AKV_OK);
+  assert_int_equal(akv_headroom_get(e, &s->headroom), AKV_OK);
+  assert_int_equal(akv_admission_explain(e, NULL, s->explain, sizeof s->explain), AKV_OK);
+  for (uint32_t i = 0; i < n; i++) {
+    assert_int_equal(akv_context_length(c[i], &s->len[i]), AKV_OK);
+    assert_int_equal(akv_context_id(c[i], &s->id[i]), AKV_OK);
+    assert_int_equal(akv_admission_explain(e, c[i], s->explain_ctx[i], sizeof s->explain_ctx[i]),
+                     AKV_OK);
+    memcpy(s->layer_len[i], c[i]->layer_len, sizeof s->layer_len[i]);
+    s->host_leases[i] = c[i]->host_leases;
+    s->in_step[i] = c[i]->in_step;
+    s->generation[i] = c[i]->generation;
+  }
+  s->step_open = e->step_open;
+  s->transport_failed = e->transport_failed;
+  s->quarantined = e->quarantined;
+  s->retained = e->retained;
+  s->step = e->step;
+  s->step_n = e->step_n;
+  s->next_layer = e->next_layer;
+  s->leases_live = e->leases_live;
+  s->lease_head = e->lease_head;
+  s->lease_free = e->lease_free;
+  s->open_contexts = e->open_contexts;
+  s->next_context_id = e->next_context_id;
+  s->hr_pending = e->hr_pending_chunks;
+  for (size_t i = 0; i < sizeof e->streams / sizeof e->streams[0]; i++)
+    s->streams_live += e->streams[i].live;
+  for (uint32_t l = 0; l < LAYERS; l++) s->lease_state[l] = e->leases[l].state;
+  s->free_engines = akv_rec_free_count(&akv_engine_records);
+  s->free_contexts = akv_rec_free_count(&akv_context_records);
+  s->free_leases = akv_rec_free_count(&akv_lease_records);
+  s->free_streams = akv_rec_free_count(&akv_stream_records);
+}
+
+typedef enum state_kind {
+  ST_IDLE,       /* contexts open, no step */
+  ST_STEP,       /* a step over c[0] open, no lease begun */
+  ST_BEGUN,      /* layer 0's lease begun */
+  ST_SEALED,     /* layer 0's lease sealed, not retired */
+  ST_FAILED,     /* a copy of layer 0's begin failed: transport failed */
+  ST_QUARANTINED /* ST_FAILED, then quarantined */
+} state_kind;
+
+static const char *const state_names[] = {"idle", "step", "begun", "sealed", "failed",
+                                          "quarantined"};
+
+typedef struct machine {
+  akv_engine *e;
+  akv_stream s;
+  akv_context *c[2];
+  akv_lease *lease;
+} machine;
+
+static void machine_open(machine *m, state_kind k) {
+  static uint16_t rows[20 * ROW_ELEMS];
+  const void *r[LAYERS] = {rows, rows, rows};
+  akv_engine_config ec = akvt_small_config(AKV_ROUTE_ARENA, 1);
+  memset(m, 0, sizeof *m);
+  if (k == ST_FAILED || k == ST_QUARANTINED) {
+    ec.fault_kind = AKV_OP_COPY;
+    ec.fault_fail_nth = 2; /* the step's page fills are the first */
+  }
+  assert_int_equal(akv_engine_create(&ec, &m->e), AKV_OK);
+  assert_int_equal(akv_stream_create(m->e, &m->s), AKV_OK);
+  for (int i = 0; i < 2; i++) {
+    assert_int_equal(akv_context_open(m->e, NULL, &m->c[i]), AKV_OK);
+    assert_int_equal(akv_context_append(m->c[i], 20, r, r), AKV_OK);
+  }
+  if (k == ST_IDLE) return;
+  assert_int_equal(akv_step_begin(m->e, m->c, 1), AKV_OK);
+  if (k == ST_STEP) return;
+  if (k == ST_FAILED || k == ST_QUARANTINED) {
+    assert_int_equal(akv_lease_begin(m->e, 0, &m->lease), AKV_ERR_BACKEND);
+    if (k == ST_QUARANTINED) assert_int_equal(akv_engine_quarantine(m->e, NULL), AKV_OK);
+    return;
+  }
+  assert_int_equal(akv_lease_begin(m->e, 0, &m->lease), AKV_OK);
+  if (k == ST_BEGUN) return;
+  akv_fence attn, tail;
+  assert_int_equal(akv_lease_attend(m->lease, m->s, akvt_noop_hook, NULL, &attn), AKV_OK);
+  assert_int_equal(akv_lease_write_back(m->lease, NULL, 0, &tail), AKV_OK);
+  assert_int_equal(akv_lease_seal(m->lease, tail, attn), AKV_OK);
+}
+
+static void machine_close(machine *m, state_kind k) {
+  if (k == ST_BEGUN || k == ST_SEALED) {
+    if (k == ST_BEGUN) assert_int_equal(akvt_lease_through(m->lease, m->s), AKV_OK);
+    else assert_int_equal(akv_lease_retire(m->lease, NULL), AKV_OK);
+    assert_int_equal(akvt_null_layers_from(m->e, m->s, 1, LAYERS), AKV_OK);
+  } else if (k == ST_STEP) {
+    assert_int_equal(akvt_null_layers(m->e, m->s, LAYERS), AKV_OK);
+  } else if (k == ST_FAILED) {
+    assert_int_equal(akv_engine_quarantine(m->e, NULL), AKV_OK);
+  }
+  assert_int_equal(akv_stream_destroy(m->e, m->s), AKV_OK);
+  assert_int_equal(akv_engine_destroy(m->e), AKV_OK);
+}
+
+static void noop_fn(void *arg) { (void)arg; }
+
+/* One refused call: its status is not AKV_OK, and nothing the snapshot sees
+ * moved. */
+#define REFUSE(call)                                                                   \
+  do {                                                                                 \
+    snapshot before_, after_;                                                          \
+    take_snapshot(m.e, m.c, 2, &before_);                                              \
+    akv_status st_ = (call);                                                           \
+    take_snapshot(m.e, m.c, 2, &after_);                                               \
+    if (st_ == AKV_OK || memcmp(&before_, &after_, sizeof before_) != 0) {             \
+      fprintf(stderr, "state %s: %s returned %s%s\n", state_names[k], #call,           \
+              akv_status_string(st_),                                                  \
+              st_ == AKV_OK ? "" : " and changed the engine");                         \
+      fail();                                                                          \
+    }                                                                                  \
+  } while (0)
+
+static void test_refused_calls_change_nothing_in_any_state(void **state) {
+  static uint16_t rows[64 * ROW_ELEMS], out_k[64 * ROW_ELEMS], out_v[64 * ROW_ELEMS];
+  const void *r[LAYERS] = {rows, rows, rows};
+  const void *r_null[LAYERS] = {rows, NULL, rows};
+  (void)state;
+  for (state_kind k = ST_IDLE; k <= ST_QUARANTINED; k++) {
+    machine m, other;
+    akv_context *c = NULL, *dup[2], *foreign[2];
+    akv_lease *l = NULL;
+    akv_context_config bad_version = AKV_CONTEXT_CONFIG_INIT, small = AKV_CONTEXT_CONFIG_INIT;
+    uint64_t u64 = 0, counters[AKV_ADM_RULE_COUNT];
+    size_t n_log = 0;
+    char buf[16];
+    int junk = 0;
+    bad_version.version = AKV_CONFIG_VERSION + 1;
+    small.struct_size = 7;
+    machine_open(&m, k);
+    machine_open(&other, ST_IDLE);
+    dup[0] = dup[1] = m.c[0];
+    foreign[0] = m.c[0];
+    foreign[1] = other.c[0];
+    /* contexts */
+    REFUSE(akv_context_open(m.e, NULL, NULL));
+    REFUSE(akv_context_open(m.e, &bad_version, &c));
+    REFUSE(akv_context_open(m.e, &small, &c));
+    REFUSE(akv_context_append(m.c[0], 1, NULL, r));
+    REFUSE(akv_context_append(m.c[0], 1, r, r_null));
+    REFUSE(akv_context_append(m.c[0], 64, r, r));
+    REFUSE(akv_context_append(m.c[1], UINT32_MAX, r, r));
+    REFUSE(akv_context_append_layer(m.c[1], LAYERS, 0, NULL, NULL));
+    REFUSE(akv_context_append_layer(m.c[1], UINT32_MAX, 1, rows, rows));
+    REFUSE(akv_context_append_layer(m.c[1], 0, 1, NULL, rows));
+    REFUSE(akv_context_append_layer(m.c[1], 2, 45, rows, rows));
+    REFUSE(akv_context_append_layer(m.c[0], 0, UINT32_MAX, rows, rows));
+    REFUSE(akv_context_read(m.c[1], 0, UINT32_MAX, 2, out_k, out_v));
+    REFUSE(akv_context_read(m.c[1], LAYERS, 0, 0, NULL, NULL));
+    REFUSE(akv_context_read(m.c[1], 0, 0, 1, NULL, out_v));
+    REFUSE(akv_context_read(m.c[1], 0, 20, 1, out_k, out_v));
+    REFUSE(akv_context_length(m.c[0], NULL));
+    REFUSE(akv_context_id(m.c[0], NULL));
+    /* steps and leases */
+    REFUSE(akv_step_begin(m.e, NULL, 1));
+    REFUSE(akv_step_begin(m.e, m.c, 0));
+    REFUSE(akv_step_begin(m.e, m.c, UINT32_MAX));
+    REFUSE(akv_step_begin(m.e, dup, 2));
+    REFUSE(akv_step_begin(m.e, foreign, 2));
+    REFUSE(akv_lease_begin(m.e, 0, NULL));
+    REFUSE(akv_lease_begin(m.e, LAYERS, &l));
+    REFUSE(akv_lease_begin(m.e, UINT32_MAX, &l));
+    if (k != ST_IDLE) REFUSE(akv_context_close(m.c[0]));
+    if (k != ST_IDLE && k != ST_QUARANTINED) REFUSE(akv_step_end(m.e));
+    /* headroom is not enabled */
+    REFUSE(akv_headroom_release(m.e, 1, &u64, &u64));
+    REFUSE(akv_headroom_take(m.e, UINT64_MAX, &u64));
+    /* streams */
+    REFUSE(akv_stream_create(m.e, NULL));
+    REFUSE(akv_stream_destroy(m.e, NULL));
+    REFUSE(akv_stream_destroy(m.e, (akv_stream)&junk));
+    REFUSE(akv_stream_destroy(m.e, other.s));
+    REFUSE(akv_stream_synchronize(m.e, other.s));
+    REFUSE(akv_stream_launch_host(m.e, m.s, NULL, NULL));
+    REFUSE(akv_stream_launch_host(m.e, other.s, noop_fn, NULL));
+    if (k == ST_SEALED) REFUSE(akv_stream_destroy(m.e, m.s)); /* its lease used it */
+    for (int i = 0; i < 8 && k != ST_FAILED && k != ST_QUARANTINED; i++) {
+      akv_stream more = NULL;
+      if (akv_stream_create(m.e, &more) != AKV_OK) break;
+      assert_int_equal(akv_stream_destroy(m.e, more), AKV_OK);
+    }
+    /* diagnostics */
+    REFUSE(akv_admission_counters(m.e, NULL, 1));
+    REFUSE(akv_admission_counters(m.e, counters, 0));
+    REFUSE(akv_admission_log(m.e, NULL, 1, &n_log));
+    REFUSE(akv_admission_log(m.e, NULL, 0, NULL));
+    REFUSE(akv_admission_explain(m.e, NULL, NULL, 8));
+    REFUSE(akv_admission_explain(m.e, NULL, buf, 0));
+    REFUSE(akv_admission_explain(m.e, other.c[0], buf, sizeof buf));
+    REFUSE(akv_engine_info_get(m.e, NULL));
+    REFUSE(akv_headroom_get(m.e, NULL));
+    /* teardown with live work */
+    if (k != ST_IDLE && k != ST_QUARANTINED) REFUSE(akv_engine_destroy(m.e));
+    machine_close(&other, ST_IDLE);
+    machine_close(&m, k);
+  }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_filled_structs_keep_their_size_within_the_soname),
+      cmocka_unit_test(test_refused_calls_change_nothing_in_any_state),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
