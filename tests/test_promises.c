@@ -316,10 +316,87 @@ static void test_refused_calls_change_nothing_in_any_state(void **state) {
   }
 }
 
+/* ------------------------------------- diagnostics within the caller's room */
+
+/* akv_admission_counters copies min(n, AKV_ADM_RULE_COUNT) counters,
+ * akv_admission_log at most cap decisions (the newest, oldest first) and
+ * akv_admission_explain at most cap bytes, NUL included: nothing past the
+ * room the caller gave, whatever the engine has to say. */
+static void test_diagnostics_write_within_the_callers_room(void **state) {
+  akv_engine *e = akvt_small_engine(AKV_ROUTE_ARENA, 1);
+  akv_context *c = NULL, *held[4];
+  akv_context_config big = AKV_CONTEXT_CONFIG_INIT;
+  enum { CANARY = 0x5a };
+  (void)state;
+  assert_non_null(e);
+  /* Many decisions (more than the log holds), a refusal and a raised floor,
+   * so that every text is long. */
+  for (int i = 0; i < 200; i++) {
+    assert_int_equal(akv_context_open(e, NULL, &c), AKV_OK);
+    assert_int_equal(akv_context_close(c), AKV_OK);
+  }
+  big.target_pages = 1; /* raised to the floor of 2 */
+  assert_int_equal(akv_context_open(e, &big, &held[0]), AKV_OK);
+  big.target_pages = UINT32_MAX - 1;
+  assert_int_equal(akv_context_open(e, &big, &held[1]), AKV_ERR_ADMISSION_REFUSED);
+
+  uint64_t all[AKV_ADM_RULE_COUNT];
+  assert_int_equal(akv_admission_counters(e, all, AKV_ADM_RULE_COUNT), AKV_OK);
+  for (size_t n = 1; n <= AKV_ADM_RULE_COUNT + 2; n++) {
+    uint64_t out[AKV_ADM_RULE_COUNT + 3];
+    memset(out, CANARY, sizeof out);
+    assert_int_equal(akv_admission_counters(e, out, n), AKV_OK);
+    const size_t copied = n < AKV_ADM_RULE_COUNT ? n : AKV_ADM_RULE_COUNT;
+    assert_memory_equal(out, all, copied * sizeof(uint64_t));
+    for (size_t i = copied; i < AKV_ADM_RULE_COUNT + 3; i++)
+      assert_int_equal(out[i], 0x5a5a5a5a5a5a5a5aull);
+  }
+
+  akv_adm_decision newest[AKV_ADM_LOG_ENTRIES];
+  size_t n_newest = 0;
+  assert_int_equal(akv_admission_log(e, newest, AKV_ADM_LOG_ENTRIES, &n_newest), AKV_OK);
+  assert_int_equal(n_newest, AKV_ADM_LOG_ENTRIES); /* bounded: older ones dropped */
+  for (size_t cap = 0; cap <= 5; cap++) {
+    akv_adm_decision out[8];
+    size_t n = 99;
+    memset(out, CANARY, sizeof out);
+    assert_int_equal(akv_admission_log(e, cap ? out : NULL, cap, &n), AKV_OK);
+    assert_int_equal(n, cap);
+    /* the newest `cap`, oldest first */
+    if (cap > 0)
+      assert_memory_equal(out, newest + AKV_ADM_LOG_ENTRIES - cap, cap * sizeof out[0]);
+    for (const unsigned char *b = (const unsigned char *)(out + cap);
+         b < (const unsigned char *)(out + 8); b++)
+      assert_int_equal(*b, CANARY);
+  }
+
+  const akv_context *subjects[2] = {NULL, held[0]};
+  for (int s = 0; s < 2; s++) {
+    char full[2048];
+    assert_int_equal(akv_admission_explain(e, subjects[s], full, sizeof full), AKV_OK);
+    const size_t len = strlen(full);
+    assert_true(len > 100 && len + 1 < sizeof full);
+    for (size_t cap = 1; cap <= len + 2; cap++) {
+      char out[2048 + 8];
+      memset(out, CANARY, sizeof out);
+      assert_int_equal(akv_admission_explain(e, subjects[s], out, cap), AKV_OK);
+      size_t got = 0;
+      while (got < cap && out[got] != '\0') got++;
+      assert_true(got < cap); /* NUL-terminated within cap */
+      assert_int_equal(got, cap - 1 < len ? cap - 1 : len);
+      assert_memory_equal(out, full, got); /* a prefix of the whole text */
+      for (size_t i = cap; i < sizeof out; i++) assert_int_equal((unsigned char)out[i], CANARY);
+    }
+  }
+  assert_int_equal(akv_context_close(held[0]), AKV_OK);
+  assert_int_equal(akv_engine_destroy(e), AKV_OK);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_filled_structs_keep_their_size_within_the_soname),
       cmocka_unit_test(test_refused_calls_change_nothing_in_any_state),
+      cmocka_unit_test(test_diagnostics_write_within_the_callers_room),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
