@@ -929,6 +929,9 @@ typedef struct akv_adm_decision {
   uint32_t pages;
 } akv_adm_decision;
 
+/** A short name of an admission rule ("own-reuse", "free", ...; the admission
+ *  log's words); never NULL, static storage. Thread-safe. A value outside
+ *  akv_adm_rule gives "unknown". */
 AKV_API const char *akv_adm_rule_string(akv_adm_rule rule);
 /**
  * A context's id as admission decisions and explanations name it. Every open

@@ -392,11 +392,30 @@ static void test_diagnostics_write_within_the_callers_room(void **state) {
   assert_int_equal(akv_engine_destroy(e), AKV_OK);
 }
 
+/* ------------------------------------------------------ names of values */
+
+/* akv_status_string and akv_adm_rule_string never give NULL: a value
+ * outside the enum (negative, the count, far past it) gives "unknown ..." */
+static void test_names_of_values_outside_their_enum(void **state) {
+  const int outside[] = {-1, INT32_MIN, AKV_STATUS_COUNT_, AKV_ADM_RULE_COUNT, 1000, INT32_MAX};
+  (void)state;
+  for (size_t i = 0; i < sizeof outside / sizeof outside[0]; i++) {
+    const char *rule = akv_adm_rule_string((akv_adm_rule)outside[i]);
+    assert_non_null(rule);
+    if (outside[i] < 0 || outside[i] >= AKV_ADM_RULE_COUNT) assert_string_equal(rule, "unknown");
+    const char *status = akv_status_string((akv_status)outside[i]);
+    assert_non_null(status);
+    if (outside[i] < 0 || outside[i] >= AKV_STATUS_COUNT_)
+      assert_string_equal(status, "unknown status");
+  }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_filled_structs_keep_their_size_within_the_soname),
       cmocka_unit_test(test_refused_calls_change_nothing_in_any_state),
       cmocka_unit_test(test_diagnostics_write_within_the_callers_room),
+      cmocka_unit_test(test_names_of_values_outside_their_enum),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
