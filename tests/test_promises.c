@@ -168,16 +168,42 @@ typedef struct machine {
   akv_lease *lease;
 } machine;
 
-static void machine_open(machine *m, state_kind k) {
+/* The engines of the sweep: the arena route without headroom, and the paged
+ * route with two headroom chunks of 2 pages on a modelled device (release
+ * and take are then refused only where akv.h says). */
+typedef enum engine_kind { EK_ARENA, EK_PAGED_HEADROOM } engine_kind;
+
+static akv_engine_config machine_config(engine_kind ek) {
+  akv_engine_config ec = akvt_small_config(ek == EK_ARENA ? AKV_ROUTE_ARENA : AKV_ROUTE_PAGED, 1);
+  if (ek == EK_PAGED_HEADROOM) {
+    akv_engine *probe = NULL;
+    akv_engine_info pi;
+    ec.headroom_gib = 1;
+    ec.headroom_chunk_pages = 2;
+    assert_int_equal(akv_engine_create(&ec, &probe), AKV_OK); /* no free memory: none taken */
+    assert_int_equal(akv_engine_info_get(probe, &pi), AKV_OK);
+    assert_int_equal(akv_engine_destroy(probe), AKV_OK);
+    ec.host_fake_free_bytes = pi.device_bytes_allocated + 2 * (2 + 1) * pi.page_bytes;
+  }
+  return ec;
+}
+
+static void machine_open(machine *m, engine_kind ek, state_kind k) {
   static uint16_t rows[20 * ROW_ELEMS];
   const void *r[LAYERS] = {rows, rows, rows};
-  akv_engine_config ec = akvt_small_config(AKV_ROUTE_ARENA, 1);
+  akv_engine_config ec = machine_config(ek);
   memset(m, 0, sizeof *m);
   if (k == ST_FAILED || k == ST_QUARANTINED) {
+    /* the step's copies come first: its page fills (and page map, paged) */
     ec.fault_kind = AKV_OP_COPY;
-    ec.fault_fail_nth = 2; /* the step's page fills are the first */
+    ec.fault_fail_nth = ek == EK_ARENA ? 2 : 3;
   }
   assert_int_equal(akv_engine_create(&ec, &m->e), AKV_OK);
+  if (ek == EK_PAGED_HEADROOM) {
+    akv_headroom_info hi;
+    assert_int_equal(akv_headroom_get(m->e, &hi), AKV_OK);
+    assert_int_equal(hi.pages, 4); /* both chunks taken at create */
+  }
   assert_int_equal(akv_stream_create(m->e, &m->s), AKV_OK);
   for (int i = 0; i < 2; i++) {
     assert_int_equal(akv_context_open(m->e, NULL, &m->c[i]), AKV_OK);
@@ -224,18 +250,16 @@ static void noop_fn(void *arg) { (void)arg; }
     akv_status st_ = (call);                                                           \
     take_snapshot(m.e, m.c, 2, &after_);                                               \
     if (st_ == AKV_OK || memcmp(&before_, &after_, sizeof before_) != 0) {             \
-      fprintf(stderr, "state %s: %s returned %s%s\n", state_names[k], #call,           \
-              akv_status_string(st_),                                                  \
-              st_ == AKV_OK ? "" : " and changed the engine");                         \
+      fprintf(stderr, "engine %d, state %s: %s returned %s%s\n", (int)ek, state_names[k],     \
+              #call, akv_status_string(st_), st_ == AKV_OK ? "" : " and changed the engine"); \
       fail();                                                                          \
     }                                                                                  \
   } while (0)
 
-static void test_refused_calls_change_nothing_in_any_state(void **state) {
+static void refused_calls_in_every_state(engine_kind ek) {
   static uint16_t rows[64 * ROW_ELEMS], out_k[64 * ROW_ELEMS], out_v[64 * ROW_ELEMS];
   const void *r[LAYERS] = {rows, rows, rows};
   const void *r_null[LAYERS] = {rows, NULL, rows};
-  (void)state;
   for (state_kind k = ST_IDLE; k <= ST_QUARANTINED; k++) {
     machine m, other;
     akv_context *c = NULL, *dup[2], *foreign[2];
@@ -247,8 +271,8 @@ static void test_refused_calls_change_nothing_in_any_state(void **state) {
     int junk = 0;
     bad_version.version = AKV_CONFIG_VERSION + 1;
     small.struct_size = 7;
-    machine_open(&m, k);
-    machine_open(&other, ST_IDLE);
+    machine_open(&m, ek, k);
+    machine_open(&other, EK_ARENA, ST_IDLE);
     dup[0] = dup[1] = m.c[0];
     foreign[0] = m.c[0];
     foreign[1] = other.c[0];
@@ -282,9 +306,14 @@ static void test_refused_calls_change_nothing_in_any_state(void **state) {
     REFUSE(akv_lease_begin(m.e, UINT32_MAX, &l));
     if (k != ST_IDLE) REFUSE(akv_context_close(m.c[0]));
     if (k != ST_IDLE && k != ST_QUARANTINED) REFUSE(akv_step_end(m.e));
-    /* headroom is not enabled */
-    REFUSE(akv_headroom_release(m.e, 1, &u64, &u64));
-    REFUSE(akv_headroom_take(m.e, UINT64_MAX, &u64));
+    if (ek == EK_ARENA) { /* headroom is not enabled */
+      REFUSE(akv_headroom_release(m.e, 1, &u64, &u64));
+      REFUSE(akv_headroom_take(m.e, UINT64_MAX, &u64));
+    } else {
+      if (k != ST_IDLE) REFUSE(akv_headroom_take(m.e, UINT64_MAX, &u64)); /* a step is open */
+      if (k == ST_FAILED || k == ST_QUARANTINED)
+        REFUSE(akv_headroom_release(m.e, UINT64_MAX, &u64, &u64));
+    }
     /* streams */
     REFUSE(akv_stream_create(m.e, NULL));
     REFUSE(akv_stream_destroy(m.e, NULL));
@@ -314,6 +343,12 @@ static void test_refused_calls_change_nothing_in_any_state(void **state) {
     machine_close(&other, ST_IDLE);
     machine_close(&m, k);
   }
+}
+
+static void test_refused_calls_change_nothing_in_any_state(void **state) {
+  (void)state;
+  refused_calls_in_every_state(EK_ARENA);
+  refused_calls_in_every_state(EK_PAGED_HEADROOM);
 }
 
 /* ------------------------------------- diagnostics within the caller's room */
