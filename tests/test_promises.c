@@ -1,10 +1,12 @@
 /*
  * test_promises.c - promises of the public headers that no other test file
  * pins, each checked so that it fails when the promise is broken: the ABI
- * rules a caller built against one header relies on when it runs against
- * the library of the same soname, and "a failing call changes nothing"
- * (akv.h, conventions) for every call outside the lease state machine
- * (test_reentry.c sweeps the lease calls), refused in every engine state.
+ * rule a caller built against one header relies on when it runs against
+ * the library of the same soname (the structs the library fills keep their
+ * size); "a failing call changes nothing" (akv.h, conventions) for every
+ * call outside the lease state machine (test_reentry.c sweeps the lease
+ * calls), refused in every engine state; the admission diagnostics writing
+ * only within the room the caller gave; names of values outside their enum.
  */
 #include <setjmp.h>
 #include <stdarg.h>
