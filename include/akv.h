@@ -48,13 +48,23 @@
  *       and closes);
  *     - any call that logs: for as long as the caller's log callback runs.
  *    No other call blocks. akv_lease_try_retire is the non-blocking retire.
- *  - ABI: within one major version (AKV_VERSION_MAJOR), functions are only
- *    added, enum values only appended, and config structs only grow at their
- *    end; each config carries its size and version so an older caller keeps
- *    working against a newer library: the fields its smaller struct holds
- *    entirely are taken, every later field gets its _INIT default, and any
- *    version from 1 to AKV_CONFIG_VERSION is accepted. (A field appended
- *    later always grows the struct's size.)
+ *  - ABI: within one soname (libactivekv.so.MAJOR; before 1.0 every minor
+ *    version may change the ABI and has its own, libactivekv.so.0.MINOR),
+ *    functions are only added, enum values only appended, and config structs
+ *    only grow at their end; each config carries its size and version so an
+ *    older caller keeps working against a newer library: the fields its
+ *    smaller struct holds entirely are taken, every later field gets its
+ *    _INIT default, and any version from 1 to AKV_CONFIG_VERSION is
+ *    accepted. (A field appended later always grows the struct's size.)
+ *    Structs the library fills in the caller's memory without being told
+ *    their size are written at the library's own size: akv_engine_info,
+ *    akv_headroom_info, akv_fit_report, akv_quarantine_report, akv_receipt,
+ *    akv_view, akv_fence, akv_adm_decision (arrays of them), and
+ *    akv_engine_config as akv_engine_config_init writes it (likewise
+ *    akv_attention_args and akv_group_info in their headers). Their sizes
+ *    never change within a soname, so a caller built against any header of
+ *    its soname has room for every one of them. A binding that loads the
+ *    library by path rather than by soname gives each of them room to spare.
  */
 #ifndef AKV_H
 #define AKV_H
@@ -75,7 +85,7 @@ extern "C" {
 #endif
 
 #define AKV_VERSION_MAJOR 0
-#define AKV_VERSION_MINOR 2
+#define AKV_VERSION_MINOR 3
 #define AKV_VERSION_PATCH 0
 #define AKV_VERSION_NUMBER \
   (AKV_VERSION_MAJOR * 10000 + AKV_VERSION_MINOR * 100 + AKV_VERSION_PATCH)
@@ -919,6 +929,9 @@ typedef struct akv_adm_decision {
   uint32_t pages;
 } akv_adm_decision;
 
+/** A short name of an admission rule ("own-reuse", "free", ...; the admission
+ *  log's words); never NULL, static storage. Thread-safe. A value outside
+ *  akv_adm_rule gives "unknown". */
 AKV_API const char *akv_adm_rule_string(akv_adm_rule rule);
 /**
  * A context's id as admission decisions and explanations name it. Every open

@@ -64,5 +64,5 @@ env -u LD_LIBRARY_PATH "$cli" fit --preset tiny --contexts 2 --tokens 100 --page
   --host-pool-gib 1 | grep -q '^verdict: fits' || fail "$cli fit failed"
 
 # 4. The SONAME is versioned.
-readelf -d "$libdir/libactivekv.so" | grep -q 'SONAME.*libactivekv.so.0.2' || fail "SONAME is not libactivekv.so.0.2"
+readelf -d "$libdir/libactivekv.so" | grep -q 'SONAME.*libactivekv.so.0.3' || fail "SONAME is not libactivekv.so.0.3"
 echo "install consumer: installed to a prefix chosen at install time; cmake and pkg-config builds ran; the installed activekv ran from the prefix"

@@ -43,7 +43,7 @@ static akv_engine *host_engine(uint32_t layers, uint32_t max_tokens) {
 static void test_versions(void **state) {
   (void)state;
   assert_int_equal(akv_version_number(), AKV_VERSION_NUMBER);
-  assert_string_equal(akv_version_string(), "0.2.0");
+  assert_string_equal(akv_version_string(), "0.3.0");
 }
 
 static void test_status_strings_distinct(void **state) {
