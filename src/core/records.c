@@ -4,6 +4,7 @@
  */
 #include "records.h"
 
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -102,6 +103,18 @@ void akv_rec_unreserve(akv_recpool *p, size_t n) {
   pthread_mutex_lock(&p->mu);
   p->reserved -= n;
   pthread_mutex_unlock(&p->mu);
+}
+
+int akv_rec_owns(akv_recpool *p, const void *ptr) {
+  const uintptr_t x = (uintptr_t)ptr;
+  int owns = 0;
+  pthread_mutex_lock(&p->mu);
+  for (size_t i = 0; i < p->n_chunks && !owns; i++) {
+    const uintptr_t lo = (uintptr_t)p->chunks[i];
+    owns = x >= lo && x - lo < p->chunk * p->rec_size;
+  }
+  pthread_mutex_unlock(&p->mu);
+  return owns;
 }
 
 size_t akv_rec_free_count(akv_recpool *p) {

@@ -55,6 +55,9 @@ void akv_rec_give(akv_recpool *p, void *rec);
  * AKV_ERR_OUT_OF_MEMORY (nothing reserved). */
 akv_status akv_rec_reserve(akv_recpool *p, size_t n);
 void akv_rec_unreserve(akv_recpool *p, size_t n);
+/* 1 when ptr points into one of the pool's records, live or given back
+ * (its chunks' address ranges; ptr is never dereferenced), else 0. */
+int akv_rec_owns(akv_recpool *p, const void *ptr);
 /* Free records now (for tests of the reuse bound). */
 size_t akv_rec_free_count(akv_recpool *p);
 

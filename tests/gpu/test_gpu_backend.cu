@@ -514,6 +514,55 @@ static void test_engine_destroy_never_waits(void **state) {
   CUDA_OK(cudaStreamDestroy(caller));
 }
 
+/* A CUDA engine takes a stream argument as the caller's cudaStream_t, but a
+ * handle the library gave out is never one: a host engine's stream, the
+ * engine itself, a context. Before, akv_stream_queue handed any of them to
+ * the CUDA runtime as a stream object (the driver reads our record as its
+ * own: an error at best). Each is AKV_ERR_INVALID_ARGUMENT now, the engine
+ * goes on, and a real stream still works. */
+static void noop_host_fn(void *arg) { (void)arg; }
+
+static void test_library_handles_refused_as_streams(void **state) {
+  (void)state;
+  akv_engine_config cfg = AKV_ENGINE_CONFIG_INIT;
+  akv_engine *eng = NULL, *host = NULL;
+  akv_stream hs = NULL;
+  akv_context *ctx = NULL;
+  akv_engine_info info;
+  cudaStream_t caller;
+  cfg.n_dense_layers = 2;
+  cfg.kv_heads = 2;
+  cfg.head_dim = 64;
+  cfg.max_tokens = 1024;
+  cfg.page_tokens = 256;
+  cfg.max_contexts = 1;
+  cfg.host_pool_gib = 1;
+  cfg.device_pool_gib = 0;
+  cfg.route = AKV_ROUTE_STAGE;
+  cfg.log_level = AKV_LOG_ERROR;
+  cfg.backend = AKV_BACKEND_HOST;
+  assert_int_equal(akv_engine_create(&cfg, &host), AKV_OK);
+  assert_int_equal(akv_stream_create(host, &hs), AKV_OK);
+  cfg.backend = AKV_BACKEND_CUDA;
+  assert_int_equal(akv_engine_create(&cfg, &eng), AKV_OK);
+  assert_int_equal(akv_context_open(eng, NULL, &ctx), AKV_OK);
+  const akv_stream foreign[] = {hs, (akv_stream)eng, (akv_stream)host, (akv_stream)ctx};
+  for (size_t i = 0; i < sizeof foreign / sizeof foreign[0]; i++) {
+    assert_int_equal(akv_stream_synchronize(eng, foreign[i]), AKV_ERR_INVALID_ARGUMENT);
+    assert_int_equal(akv_stream_launch_host(eng, foreign[i], noop_host_fn, NULL),
+                     AKV_ERR_INVALID_ARGUMENT);
+  }
+  assert_int_equal(akv_engine_info_get(eng, &info), AKV_OK);
+  assert_false(info.transport_failed);
+  CUDA_OK(cudaStreamCreateWithFlags(&caller, cudaStreamNonBlocking));
+  assert_int_equal(akv_stream_synchronize(eng, (akv_stream)caller), AKV_OK);
+  CUDA_OK(cudaStreamDestroy(caller));
+  assert_int_equal(akv_context_close(ctx), AKV_OK);
+  assert_int_equal(akv_engine_destroy(eng), AKV_OK);
+  assert_int_equal(akv_stream_destroy(host, hs), AKV_OK);
+  assert_int_equal(akv_engine_destroy(host), AKV_OK);
+}
+
 int main(void) {
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
@@ -533,6 +582,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_current_device_restored, setup, teardown),
       cmocka_unit_test_setup_teardown(test_teardown_never_waits, setup, teardown),
       cmocka_unit_test(test_engine_destroy_never_waits),
+      cmocka_unit_test(test_library_handles_refused_as_streams),
   };
   return cmocka_run_group_tests_name("gpu_backend", tests, NULL, NULL);
 }
