@@ -488,11 +488,12 @@ def _torch_stream_handle(stream: Any) -> int:
 LogFn = Callable[[str, str], None]
 
 
-# Per thread: ``logging``, the engines whose log callback runs on it now
-# (Engine._enter refuses calls on them); ``calls``, how many engine calls it
-# is in (create included); ``interrupt``, a KeyboardInterrupt or SystemExit
-# a log callback raised during one of them, which the call raises once the
-# library returned (Engine._on_log, Engine._leave).
+# Per thread: ``logging``, the log sinks (_LogSink) of the engines whose log
+# callback runs on it now (Engine._enter refuses calls on those engines);
+# ``calls``, how many engine calls it is in (create included);
+# ``interrupt``, a KeyboardInterrupt or SystemExit a log callback raised
+# during one of them, which the call raises once the library returned
+# (_LogSink, Engine._leave).
 _TLS = threading.local()
 
 
@@ -541,6 +542,26 @@ def _guarded(fn: Callable) -> Callable:
     return call
 
 
+class _Box(ctypes.c_void_p):
+    """The storage of one C handle: what the creating call writes through
+    (ctypes.byref) and what its object reads as ``_handle`` (None when
+    NULL). Objects naming the same handle share its box, so clearing it
+    (closed, retired, released) clears it for all of them at once."""
+
+
+class _HandleAttr:
+    """``obj._handle``: the handle in ``obj._box``, None when there is none;
+    assigning sets the box (None: NULL)."""
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        if obj is None:
+            return self
+        return obj._box.value
+
+    def __set__(self, obj: Any, value: Optional[int]) -> None:
+        obj._box.value = value
+
+
 # _Ending: the calls that end a handle (akv_engine_destroy, akv_context_close,
 # akv_stream_destroy, akv_lease_retire / _try_retire, and
 # akv_engine_quarantine for the leases it releases) run with the objects'
@@ -585,6 +606,51 @@ class _ClosedOnExit(_NotCopyable):
                 self.close()
 
 
+class _LogSink:
+    """An engine's log callback (what its C trampoline calls), apart from the
+    engine: the trampoline lives as long as the engine, and a trampoline of
+    a bound method of the engine would put the engine in a reference cycle,
+    freed only by a garbage collection instead of when its last reference
+    goes. It also keeps the error lines of a failed create, which has no
+    engine to hold its message. While it runs, this thread's ``logging``
+    holds it (Engine._enter refuses the engine's own calls there)."""
+
+    __slots__ = ("log", "errors")
+
+    def __init__(self, log: Optional["LogFn"]) -> None:
+        self.log = log
+        self.errors: List[str] = []
+
+    def __call__(self, user: Any, level: int, message: bytes) -> None:
+        text = message.decode(errors="replace") if message else ""
+        name = _inv(LOG_LEVELS).get(level, "debug")
+        if level == 0:
+            self.errors.append(text)
+            del self.errors[:-4]
+        if self.log is None:
+            with contextlib.suppress(Exception):  # stderr closed (interpreter exit)
+                sys.stderr.write(f"activekv {name}: {text}\n")
+            return
+        logging = _TLS.__dict__.setdefault("logging", [])
+        logging.append(self)
+        try:
+            self.log(name, text)
+        except Exception:
+            # Nothing can unwind into C: ctypes reports it (sys.unraisablehook,
+            # "Exception ignored on calling ctypes callback function") and the
+            # library goes on.
+            raise
+        except BaseException as exc:  # KeyboardInterrupt, SystemExit
+            if getattr(_TLS, "calls", 0) <= 0:
+                raise  # a library thread: reported as above
+            # held for the engine call on this thread to raise once the
+            # library returned (Engine._leave; Engine.__init__ for create)
+            if getattr(_TLS, "interrupt", None) is None:
+                _TLS.interrupt = exc
+        finally:
+            logging.pop()
+
+
 class Engine(_ClosedOnExit):
     """One engine (akv_engine): pools, queues, admission.
 
@@ -614,8 +680,14 @@ class Engine(_ClosedOnExit):
     requested but unavailable), Backend.
     """
 
+    _handle = _HandleAttr()
+
     def __init__(self, *, log: Optional[LogFn] = None, **cfg: Any) -> None:
-        self._handle: Optional[int] = None
+        # What the engine holds of the objects made from it is weak (their
+        # boxes, weak sets): they hold the engine, so an engine dropped
+        # without close() is freed when its last reference goes, by its
+        # reference count (__del__), never left to a garbage collection.
+        self._box = _Box()
         self._forks, self._pid = _FORKS[0], os.getpid()  # see _FORKS
         # one call at a time (_enter): the lock and the thread holding it
         self._lock = threading.Lock()
@@ -630,18 +702,20 @@ class Engine(_ClosedOnExit):
         if log is not None and not callable(log):
             raise TypeError(f"Engine: log={log!r} is not callable (level, message)")
         self._lib = lib
-        self._default_stream: Optional[Stream] = None
-        self._streams: List[Stream] = []
-        self._contexts: "set[Context]" = set()
-        self._create_errors: List[str] = []
+        # streams of akv_stream_create not destroyed yet: their boxes (close
+        # destroys them, Stream objects alive or not); the default one's
+        # box, and its Stream while one is alive
+        self._streams: List[_Box] = []
+        self._default_box: Optional[_Box] = None
+        self._default_ref: Optional["weakref.ReferenceType[Stream]"] = None
+        self._contexts: "weakref.WeakSet[Context]" = weakref.WeakSet()
         self._step_open = False  # between a successful step_begin and step_end / quarantine
-        self._log = log
         c, self._cfg_dict = _make_config(cfg)
         self._dtype = self._cfg_dict["dtype"]
         # The trampoline lives as long as the engine (the C side keeps the
-        # function pointer); it also keeps the error lines of a failed create,
-        # which has no engine to hold its message.
-        self._log_cb = L.LOG_FN(self._on_log)
+        # function pointer); see _LogSink.
+        self._sink = _LogSink(log)
+        self._log_cb = L.LOG_FN(self._sink)
         c.log_fn = self._log_cb
         self._cfg = c
         h = ctypes.c_void_p()
@@ -656,40 +730,11 @@ class Engine(_ClosedOnExit):
                 lib.akv_engine_destroy(h.value)
             raise interrupt
         if st != 0:
-            msg = "; ".join(self._create_errors) or lib.akv_status_string(st).decode()
+            msg = "; ".join(self._sink.errors) or lib.akv_status_string(st).decode()
             raise error_for(st, f"engine create: {msg}")
         self._handle = h.value
         info = self.info()
         self._cfg_dict["backend"] = info.backend
-
-    def _on_log(self, user: Any, level: int, message: bytes) -> None:
-        text = message.decode(errors="replace") if message else ""
-        name = _inv(LOG_LEVELS).get(level, "debug")
-        if level == 0:
-            self._create_errors.append(text)
-            del self._create_errors[:-4]
-        if self._log is None:
-            with contextlib.suppress(Exception):  # stderr closed (interpreter exit)
-                sys.stderr.write(f"activekv {name}: {text}\n")
-            return
-        logging = _TLS.__dict__.setdefault("logging", [])
-        logging.append(self)
-        try:
-            self._log(name, text)
-        except Exception:
-            # Nothing can unwind into C: ctypes reports it (sys.unraisablehook,
-            # "Exception ignored on calling ctypes callback function") and the
-            # library goes on.
-            raise
-        except BaseException as exc:  # KeyboardInterrupt, SystemExit
-            if getattr(_TLS, "calls", 0) <= 0:
-                raise  # a library thread: reported as above
-            # held for the engine call on this thread to raise once the
-            # library returned (Engine._leave; Engine.__init__ for create)
-            if getattr(_TLS, "interrupt", None) is None:
-                _TLS.interrupt = exc
-        finally:
-            logging.pop()
 
     # -- one call at a time
     def _enter(self, what: str) -> bool:
@@ -707,7 +752,7 @@ class Engine(_ClosedOnExit):
                                  "(make an engine here)")
         tls = _TLS.__dict__  # this thread's: one dict lookup per key below (hot path)
         logging = tls.get("logging")
-        if logging and any(e is self for e in logging):
+        if logging and any(e is self._sink for e in logging):
             raise Busy.make(f"{what}: called from the engine's log callback; the callback runs "
                             "inside the engine's own calls and must not call it")
         me = threading.get_ident()
@@ -808,8 +853,8 @@ class Engine(_ClosedOnExit):
         if info.transport_failed and not info.quarantined:
             raise Busy.make("engine close: destroy refused: the transport failed, quarantine "
                             "first; nothing was freed")
-        for s in list(self._streams):
-            s.destroy()
+        for box in list(self._streams):
+            self._stream_destroy(box)
         h = self._handle
         if self._exports:
             self._pending_destroy["h"] = h
@@ -1074,12 +1119,24 @@ class Engine(_ClosedOnExit):
     def stream_create(self) -> "Stream":
         """A compute queue of the engine's backend (host: a worker thread;
         CUDA: a non-blocking stream). Destroy it before closing the engine
-        (close does so for streams still live). At most 8 per engine."""
+        (close does so for streams still live, their Stream objects alive or
+        not). At most 8 per engine."""
         h = ctypes.c_void_p()
         _check(lib.akv_stream_create(self._h(), ctypes.byref(h)), self._handle, "stream_create")
-        s = Stream(self, h.value)
-        self._streams.append(s)
+        s = Stream(self, _Box(h.value))
+        self._streams.append(s._box)
         return s
+
+    def _stream_destroy(self, box: _Box) -> None:
+        """Destroys the stream in `box` (see _Ending) and forgets the box."""
+        if box.value is not None:
+            h, box.value = box.value, None
+            st = lib.akv_stream_destroy(self._handle, h)
+            if st != 0:
+                box.value = h
+                _check(st, self._handle, "stream destroy")
+        with contextlib.suppress(ValueError):
+            self._streams.remove(box)
 
     @_guarded
     def default_stream(self) -> Union[int, "Stream"]:
@@ -1093,9 +1150,19 @@ class Engine(_ClosedOnExit):
             # the caller's current device is another GPU)
             return _torch_stream_handle(
                 _torch().cuda.current_stream(int(self._cfg_dict.get("device_ordinal", 0))))
-        if self._default_stream is None or self._default_stream._handle is None:
-            self._default_stream = self.stream_create()
-        return self._default_stream
+        box = self._default_box
+        if box is None or box.value is None:
+            s = self.stream_create()
+            self._default_box = s._box
+            self._default_ref = weakref.ref(s)
+            return s
+        # the engine keeps the stream's box, not its Stream (which holds the
+        # engine): the same Stream while one is alive, else a new one for it
+        s = self._default_ref() if self._default_ref is not None else None
+        if s is None:
+            s = Stream(self, box)
+            self._default_ref = weakref.ref(s)
+        return s
 
     def _stream_arg(self, stream: Any) -> Tuple[Optional[int], Any]:
         """(the akv_stream value, the Stream object or None)."""
@@ -1142,9 +1209,11 @@ class Stream(_NotCopyable):
     """A compute queue from Engine.stream_create (akv_stream). Host backend:
     a worker thread; CUDA: a cudaStream_t (``.handle``)."""
 
-    def __init__(self, engine: Engine, handle: int) -> None:
+    _handle = _HandleAttr()
+
+    def __init__(self, engine: Engine, box: _Box) -> None:
         self._engine = engine
-        self._handle: Optional[int] = handle
+        self._box = box  # shared with the engine's list (Engine._streams)
 
     def _h(self) -> int:
         self._engine._h()
@@ -1170,13 +1239,7 @@ class Stream(_NotCopyable):
         if self._handle is None or self._engine._handle is None:
             self._handle = None
             return
-        h, self._handle = self._handle, None  # see _Ending
-        st = lib.akv_stream_destroy(self._engine._handle, h)
-        if st != 0:
-            self._handle = h
-            _check(st, self._engine._handle, "stream destroy")
-        with contextlib.suppress(ValueError):
-            self._engine._streams.remove(self)
+        self._engine._stream_destroy(self._box)  # the handle goes first: see _Ending
 
     def __enter__(self) -> "Stream":
         return self
