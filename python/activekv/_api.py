@@ -13,6 +13,12 @@ destroyed stream do the same. "One thread at a time" is enforced: a call
 from a second thread while one is in flight raises Busy (Engine._enter).
 Zero-copy arrays keep the engine's memory alive (_Export): close() defers
 freeing it until the last one is gone.
+
+Lifetimes: every object made from an engine holds it; the engine holds
+them only weakly, so an engine dropped without close() is freed when its
+last reference goes (a dropped context is closed likewise). A call that
+makes a handle writes it into the object that owns it (_Owning): cut short
+as it returns (Ctrl-C, MemoryError), it loses nothing.
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ import contextlib
 import ctypes
 import dataclasses
 import functools
+import operator
 import os
 import sys
 import threading
@@ -542,6 +549,19 @@ def _guarded(fn: Callable) -> Callable:
     return call
 
 
+# _Owning: a call that makes a handle (akv_engine_create, akv_context_open,
+# akv_stream_create, akv_lease_begin) writes it (*out) straight into the
+# _Box of the object that owns it, built and registered with its engine
+# before the call: no Python code runs between the library returning and the
+# object owning the handle, so an exception raised as the call returns (a
+# KeyboardInterrupt lands at the first bytecode after it, a MemoryError in
+# the bookkeeping) cannot lose it. The library writes *out only on success:
+# a NULL box after the call means nothing was made. A create whose object
+# cannot reach the caller after all is undone (the engine destroyed, the
+# context closed, the stream destroyed); a lease cannot be undone, and
+# lease_begin of its layer hands it out again (Engine.lease_begin).
+
+
 class _Box(ctypes.c_void_p):
     """The storage of one C handle: what the creating call writes through
     (ctypes.byref) and what its object reads as ``_handle`` (None when
@@ -549,17 +569,22 @@ class _Box(ctypes.c_void_p):
     (closed, retired, released) clears it for all of them at once."""
 
 
-class _HandleAttr:
-    """``obj._handle``: the handle in ``obj._box``, None when there is none;
-    assigning sets the box (None: NULL)."""
+def _as_box(handle: Any) -> _Box:
+    """A box of its own for a handle given as an int (None: a dead one), as
+    objects were made before boxes; the package passes boxes."""
+    return handle if isinstance(handle, _Box) else _Box(handle)
 
-    def __get__(self, obj: Any, objtype: Any = None) -> Any:
-        if obj is None:
-            return self
-        return obj._box.value
 
-    def __set__(self, obj: Any, value: Optional[int]) -> None:
-        obj._box.value = value
+def _set_handle(obj: Any, value: Optional[int]) -> None:
+    obj._box.value = value
+
+
+# ``obj._handle``: the handle in ``obj._box``, None when there is none. Read
+# through C (attrgetter), so reading runs no Python frame; the package
+# writes ``obj._box.value`` itself for the same reason (a Python setter's
+# frame is a point where an interrupt lands, between clearing a handle and
+# the call that ends it, or after a refusal and before the handle is back).
+_HandleAttr = functools.partial(property, operator.attrgetter("_box.value"), _set_handle)
 
 
 # _Ending: the calls that end a handle (akv_engine_destroy, akv_context_close,
@@ -696,7 +721,10 @@ class Engine(_ClosedOnExit):
         # and the C handle whose destroy waits for the last of them
         self._exports: List[None] = []
         self._pending_destroy: Dict[str, int] = {}
-        self._leases: "weakref.WeakSet[Lease]" = weakref.WeakSet()
+        # the boxes of the leases begun and not known dead (retired or
+        # released): a lease whose Lease object was lost is still here, for
+        # lease_begin to hand out again and for quarantine and close to end
+        self._lease_boxes: List[_Box] = []
         self._retained = False  # an uncertain quarantine retains everything
         self._quarantined = False  # a quarantine established completion
         if log is not None and not callable(log):
@@ -718,23 +746,28 @@ class Engine(_ClosedOnExit):
         self._log_cb = L.LOG_FN(self._sink)
         c.log_fn = self._log_cb
         self._cfg = c
-        h = ctypes.c_void_p()
-        _tls_calls(+1)
+        cref, out = ctypes.byref(c), ctypes.byref(self._box)  # the engine owns it: _Owning
         try:
-            st = lib.akv_engine_create(ctypes.byref(c), ctypes.byref(h))
-        finally:
-            _tls_calls(-1)
-        interrupt = _take_interrupt()
-        if interrupt is not None:  # Ctrl-C in the log callback: no engine for the caller
-            if st == 0:
-                lib.akv_engine_destroy(h.value)
-            raise interrupt
-        if st != 0:
-            msg = "; ".join(self._sink.errors) or lib.akv_status_string(st).decode()
-            raise error_for(st, f"engine create: {msg}")
-        self._handle = h.value
-        info = self.info()
-        self._cfg_dict["backend"] = info.backend
+            _tls_calls(+1)
+            try:
+                st = lib.akv_engine_create(cref, out)
+            finally:
+                _tls_calls(-1)
+            interrupt = _take_interrupt()
+            if interrupt is not None:  # Ctrl-C in the log callback: no engine for the caller
+                raise interrupt
+            if st != 0:
+                msg = "; ".join(self._sink.errors) or lib.akv_status_string(st).decode()
+                raise error_for(st, f"engine create: {msg}")
+            info = self.info()
+            self._cfg_dict["backend"] = info.backend
+        except BaseException:
+            # no engine reaches the caller: destroy the one the call made (a
+            # fresh engine, nothing to refuse); cut short too, __del__ does it
+            h, self._box.value = self._box.value, None
+            if h is not None:
+                lib.akv_engine_destroy(h)
+            raise
 
     # -- one call at a time
     def _enter(self, what: str) -> bool:
@@ -862,17 +895,18 @@ class Engine(_ClosedOnExit):
                 self._destroy_pending()
         else:
             # the handle goes before the call (see _Ending), back only on a refusal
-            self._handle = None
+            self._box.value = None
             st = lib.akv_engine_destroy(h)
             if st != 0:
-                self._handle = h
+                self._box.value = h
                 _check(st, h, "engine close")
-        self._handle = None
+        self._box.value = None
         for ctx in list(self._contexts):
-            ctx._handle = None
+            ctx._box.value = None
         self._contexts.clear()
-        for lease in list(self._leases):
-            lease._handle = None
+        for box in self._lease_boxes:
+            box.value = None
+        self._lease_boxes = []
 
     def _close_abandoning(self) -> None:
         """close() for an engine nobody can finish any more: a ``with``
@@ -1029,16 +1063,16 @@ class Engine(_ClosedOnExit):
         # What a quarantine that establishes completion does (the leases
         # released, their handles dead; the step ended) is recorded before the
         # call and undone only when it did not (see _Ending).
-        held = [(lease, lease._handle) for lease in list(self._leases)]
+        held = [(box, box.value) for box in self._lease_boxes if box.value is not None]
         before = (self._step_open, self._quarantined)
-        for lease, _ in held:
-            lease._handle = None
+        for box, _ in held:
+            box.value = None
         self._step_open, self._quarantined = False, True
         st = lib.akv_engine_quarantine(h, ctypes.byref(r))
         if st != 0:
             self._step_open, self._quarantined = before
-            for lease, lh in held:
-                lease._handle = lh
+            for box, lh in held:
+                box.value = lh
         self._retained = st == STATUS_VALUES["AKV_ERR_UNCERTAIN_FENCE"]
         report = QuarantineReport(bool(r.h2d_ok), bool(r.d2h_ok), bool(r.d2d_ok),
                                   bool(r.device_ok), r.leases_released, r.tickets_released,
@@ -1060,11 +1094,18 @@ class Engine(_ClosedOnExit):
         burst = _uint(burst_pages, "open_context: burst_pages")
         cc = L.akv_context_config(ctypes.sizeof(L.akv_context_config), L.AKV_CONFIG_VERSION,
                                   target, burst)
-        h = ctypes.c_void_p()
-        _check(lib.akv_context_open(self._h(), ctypes.byref(cc), ctypes.byref(h)), self._handle,
-               "open_context")
-        ctx = Context(self, h.value)
+        h = self._h()
+        ctx = Context(self, _Box())  # owns the handle the call writes: _Owning
         self._contexts.add(ctx)
+        try:
+            _check(lib.akv_context_open(h, ctypes.byref(cc), ctypes.byref(ctx._box)),
+                   self._handle, "open_context")
+            interrupt = _take_interrupt()
+            if interrupt is not None:  # Ctrl-C in the log callback: no context for the caller
+                raise interrupt
+        except BaseException:
+            ctx._discard()  # undone: closed (and when cut short, closed as it is dropped)
+            raise
         return ctx
 
     @_guarded
@@ -1105,13 +1146,30 @@ class Engine(_ClosedOnExit):
     def lease_begin(self, layer: int) -> "Lease":
         """Begins the lease of dense layer `layer` of the open step (layers in
         order 0..n_dense_layers-1); enqueues its history copies. Raises
-        InvalidArgument, StepState, LeaseOrder, Backend, Quarantined."""
+        InvalidArgument, StepState, LeaseOrder, Backend, Quarantined.
+
+        A begun lease cannot be undone: when its Lease object was lost (a
+        KeyboardInterrupt or MemoryError raised as lease_begin returned, or
+        the object dropped) and the lease is neither retired nor released,
+        lease_begin(layer) returns it again instead of calling the library
+        (which would refuse the layer), so the step can still be finished;
+        mark_consumed(None) then uses the stream wait_ready was given."""
         layer = _uint(layer, "lease_begin: layer")
-        h = ctypes.c_void_p()
-        _check(lib.akv_lease_begin(self._h(), layer, ctypes.byref(h)), self._handle,
-               "lease_begin")
-        lease = Lease(self, h.value, layer)
-        self._leases.add(lease)
+        h = self._h()
+        boxes = [b for b in self._lease_boxes if b.value is not None]
+        for box in boxes:
+            owner = box.owner
+            if box.layer == layer and (owner is None or owner() is None):
+                # begun in this step, its Lease lost (cut short as it was
+                # made, or dropped): a lease cannot be undone, so it is this
+                # layer's lease and is handed out again
+                return Lease(self, box)
+        box = _Box()
+        box.layer, box.stream, box.owner = layer, None, None
+        lease = Lease(self, box)  # owns the handle the call writes: _Owning
+        boxes.append(box)
+        self._lease_boxes = boxes
+        _check(lib.akv_lease_begin(h, layer, ctypes.byref(box)), self._handle, "lease_begin")
         return lease
 
     # -- streams
@@ -1121,10 +1179,27 @@ class Engine(_ClosedOnExit):
         CUDA: a non-blocking stream). Destroy it before closing the engine
         (close does so for streams still live, their Stream objects alive or
         not). At most 8 per engine."""
-        h = ctypes.c_void_p()
-        _check(lib.akv_stream_create(self._h(), ctypes.byref(h)), self._handle, "stream_create")
-        s = Stream(self, _Box(h.value))
+        return self._stream_new(False)
+
+    def _stream_new(self, default: bool) -> "Stream":
+        """stream_create; `default`: as the engine's default stream."""
+        h = self._h()
+        s = Stream(self, _Box())  # owns the handle the call writes: _Owning
         self._streams.append(s._box)
+        if default:
+            self._default_box, self._default_ref = s._box, weakref.ref(s)
+        try:
+            _check(lib.akv_stream_create(h, ctypes.byref(s._box)), self._handle,
+                   "stream_create")
+            interrupt = _take_interrupt()
+            if interrupt is not None:  # Ctrl-C in the log callback: no stream for the caller
+                raise interrupt
+        except BaseException:
+            # undone: destroyed (a new stream, no lease uses it); cut short
+            # too, close destroys it
+            with contextlib.suppress(ActiveKVError):
+                self._stream_destroy(s._box)
+            raise
         return s
 
     def _stream_destroy(self, box: _Box) -> None:
@@ -1152,10 +1227,7 @@ class Engine(_ClosedOnExit):
                 _torch().cuda.current_stream(int(self._cfg_dict.get("device_ordinal", 0))))
         box = self._default_box
         if box is None or box.value is None:
-            s = self.stream_create()
-            self._default_box = s._box
-            self._default_ref = weakref.ref(s)
-            return s
+            return self._stream_new(True)
         # the engine keeps the stream's box, not its Stream (which holds the
         # engine): the same Stream while one is alive, else a new one for it
         s = self._default_ref() if self._default_ref is not None else None
@@ -1211,9 +1283,9 @@ class Stream(_NotCopyable):
 
     _handle = _HandleAttr()
 
-    def __init__(self, engine: Engine, box: _Box) -> None:
+    def __init__(self, engine: Engine, box: Union[_Box, int, None]) -> None:
         self._engine = engine
-        self._box = box  # shared with the engine's list (Engine._streams)
+        self._box = _as_box(box)  # shared with the engine's list (Engine._streams)
 
     def _h(self) -> int:
         self._engine._h()
@@ -1237,7 +1309,7 @@ class Stream(_NotCopyable):
         """Drains (host backend) and destroys the stream. Destroying twice is
         a no-op."""
         if self._handle is None or self._engine._handle is None:
-            self._handle = None
+            self._box.value = None
             return
         self._engine._stream_destroy(self._box)  # the handle goes first: see _Ending
 
@@ -1254,17 +1326,33 @@ class Stream(_NotCopyable):
 
 class Context(_ClosedOnExit):
     """One request's history (akv_context). Made by Engine.open_context; a
-    context manager that closes it."""
+    context manager that closes it. A context dropped without close() is
+    closed when its last reference goes; one the open step holds (InUse),
+    or dropped while another thread is in a call on its engine, is freed
+    with its engine instead."""
 
-    def __init__(self, engine: Engine, handle: int) -> None:
+    _handle = _HandleAttr()
+
+    def __init__(self, engine: Engine, box: Union[_Box, int, None]) -> None:
         self._engine = engine
-        self._handle: Optional[int] = handle
+        self._box = _as_box(box)
 
     def _h(self) -> int:
         self._engine._h()
         if self._handle is None:
             raise BadHandle.make("the context is closed")
         return self._handle
+
+    def _discard(self) -> None:
+        """Closes the context where it can (a dropped or undone one); where
+        it cannot (part of the open step, another thread in a call, a
+        forked child), the engine's destroy frees it."""
+        if self.__dict__.get("_box") is not None and self._handle is not None:
+            with contextlib.suppress(Exception):
+                self.close()
+
+    def __del__(self) -> None:
+        self._discard()
 
     def __hash__(self) -> int:
         return id(self)
@@ -1375,12 +1463,12 @@ class Context(_ClosedOnExit):
         """Closes the context and releases its host slot and device pages.
         Raises InUse (part of the open step). Closing twice is a no-op."""
         if self._handle is None or self._engine._handle is None:
-            self._handle = None
+            self._box.value = None
             return
-        h, self._handle = self._handle, None  # see _Ending
+        h, self._box.value = self._box.value, None  # see _Ending
         st = lib.akv_context_close(h)
         if st != 0:
-            self._handle = h
+            self._box.value = h
             _check(st, self._engine._handle, "context close")
         self._engine._contexts.discard(self)
 
@@ -1400,10 +1488,19 @@ class Lease(_NotCopyable):
     """One staged layer, begin..retire (akv_lease). Made by
     Engine.lease_begin. After retire the object is dead (BadHandle)."""
 
-    def __init__(self, engine: Engine, handle: int, layer: int) -> None:
+    _handle = _HandleAttr()
+
+    def __init__(self, engine: Engine, box: Union[_Box, int, None],
+                 layer: Optional[int] = None) -> None:
         self._engine = engine
-        self._handle: Optional[int] = handle
-        self.layer = layer
+        if not isinstance(box, _Box):
+            box = _as_box(box)
+            box.layer, box.stream = layer, None
+        self._box = box  # shared with the engine's list (Engine._lease_boxes)
+        box.owner = weakref.ref(self)
+        self.layer: int = box.layer
+        # the stream given to wait_ready, as given (the box keeps its raw
+        # value only: a Stream there would hold the engine from the engine)
         self._stream: Any = None
 
     def _h(self) -> int:
@@ -1422,9 +1519,13 @@ class Lease(_NotCopyable):
         h = self._h()
         s, sobj = self._engine._stream_arg(stream)
         v = L.akv_view()
+        # recorded before the call, for mark_consumed(None): the lease keeps
+        # the stream from here (a refused wait_ready leaves the lease begun,
+        # and the next one records its own)
+        self._stream = stream if stream is not None else (sobj if sobj is not None else s)
+        self._box.stream = s
         _check(lib.akv_lease_wait_ready(h, s, ctypes.byref(v)), self._engine._handle,
                "wait_ready")
-        self._stream = stream if stream is not None else (sobj if sobj is not None else s)
         if self._engine.backend == "host":
             # the stream as a Stream or as its raw handle (Stream.handle) alike
             _check(lib.akv_stream_synchronize(self._engine._handle, s), self._engine._handle,
@@ -1436,7 +1537,11 @@ class Lease(_NotCopyable):
         """Records the attention-consumed event on `stream` (None: the stream
         given to wait_ready) and returns its fence."""
         h = self._h()
-        s, _ = self._engine._stream_arg(stream if stream is not None else self._stream)
+        if stream is None:
+            # as given to wait_ready; a lease handed out again by lease_begin
+            # has that stream's raw value only
+            stream = self._stream if self._stream is not None else self._box.stream
+        s, _ = self._engine._stream_arg(stream)
         f = L.akv_fence()
         _check(lib.akv_lease_mark_consumed(h, s, ctypes.byref(f)), self._engine._handle,
                "mark_consumed")
@@ -1477,10 +1582,10 @@ class Lease(_NotCopyable):
         Backend (nothing released), Quarantined."""
         h = self._h()
         r = L.akv_receipt()
-        self._handle = None  # see _Ending
+        self._box.value = None  # see _Ending
         st = lib.akv_lease_retire(h, ctypes.byref(r))
         if st != 0:
-            self._handle = h
+            self._box.value = h
             _check(st, self._engine._handle, "retire")
         return _receipt(r)
 
@@ -1496,10 +1601,10 @@ class Lease(_NotCopyable):
         h = self._h()
         _need("akv_lease_try_retire")
         r = L.akv_receipt()
-        self._handle = None  # see _Ending
+        self._box.value = None  # see _Ending
         st = lib.akv_lease_try_retire(h, ctypes.byref(r))
         if st != 0:
-            self._handle = h
+            self._box.value = h
             if st == _NOT_READY:
                 return None
             _check(st, self._engine._handle, "try_retire")

@@ -178,3 +178,197 @@ def test_dropped_cache_frees_its_engine_by_its_reference_count(destroys, hybrid,
         assert full
         del cache
         assert destroys == [h]
+
+
+# ------------------------------------------------------------ interrupted creates
+
+
+def raise_after(monkeypatch, name, exc=KeyboardInterrupt, times=1):
+    """Makes the package's `name` call raise `exc` right after the real call
+    returned AKV_OK, the first `times` times it does (where a Ctrl-C lands
+    at the first bytecode after it). Returns the statuses of the real
+    calls."""
+    real = getattr(_api.lib, name)
+    statuses = []
+
+    def call(*args):
+        st = real(*args)
+        statuses.append(st)
+        if st == 0 and statuses.count(0) <= times:
+            raise exc()
+        return st
+
+    monkeypatch.setattr(_api.lib, name, call)
+    return statuses
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, MemoryError])
+def test_interrupted_engine_create_frees_the_engine(monkeypatch, destroys, exc):
+    statuses = raise_after(monkeypatch, "akv_engine_create", exc)
+    with no_collector(destroys):
+        with pytest.raises(exc):
+            akv.Engine(**small())
+        assert statuses == [0]  # the library made the engine
+        assert len(destroys) == 1  # and it was destroyed at once
+        with akv.Engine(**small()):
+            pass
+        assert len(destroys) == 2
+
+
+def test_engine_create_interrupted_after_the_call_frees_the_engine(monkeypatch, destroys):
+    """The rest of the create (its first info) cut short: destroyed too."""
+    raise_after(monkeypatch, "akv_engine_info_get", MemoryError)
+    with no_collector(destroys):
+        with pytest.raises(MemoryError):
+            akv.Engine(**small())
+        assert len(destroys) == 1
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, MemoryError])
+def test_interrupted_open_context_closes_the_context(monkeypatch, engine, exc):
+    """The context a cut-short open made is closed again: its host slot is
+    free (small(): two), and nothing is left for the engine's close."""
+    statuses = raise_after(monkeypatch, "akv_context_open", exc, times=3)
+    for _ in range(3):
+        with pytest.raises(exc):
+            engine.open_context()
+    assert statuses == [0, 0, 0]
+    assert engine.admission_counters()["release"] == 3
+    a, b = engine.open_context(), engine.open_context()  # both slots free
+    with pytest.raises(akv.RefusedQueue):
+        engine.open_context()
+    assert len(engine._contexts) == 2
+    a.close()
+    b.close()
+
+
+def test_dropped_context_is_closed(engine):
+    """A context whose object goes without close() (also one a Ctrl-C took
+    from the caller as open_context returned) is closed then."""
+    a = engine.open_context()
+    engine.open_context()  # dropped at once
+    b = engine.open_context()  # the slot is free again
+    with pytest.raises(akv.RefusedQueue):
+        engine.open_context()
+    assert engine.admission_counters()["release"] == 1
+    a.close()
+    b.close()
+
+
+def test_dropped_context_of_the_open_step_stays_until_the_engine_closes(destroys):
+    rng = np.random.default_rng(5)
+    with no_collector(destroys):
+        eng = akv.Engine(**small())
+        ctx = eng.open_context()
+        ctx.append(rows(rng, 2), rows(rng, 2))
+        eng.step_begin([ctx])
+        del ctx  # InUse: cannot close now, and is not lost
+        for layer in range(L):
+            run_layer(eng, eng.lease_begin(layer))
+        eng.step_end()
+        assert eng.info().steps == 1
+        eng.close()
+        assert len(destroys) == 1
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, MemoryError])
+@pytest.mark.parametrize("default", [False, True])
+def test_interrupted_stream_create_destroys_the_stream(monkeypatch, destroys, exc, default):
+    """At most 8 streams per engine: nine cut-short creates leave every one
+    free, and the engine closes."""
+    statuses = raise_after(monkeypatch, "akv_stream_create", exc, times=9)
+    with no_collector(destroys):
+        eng = akv.Engine(**small())
+        for _ in range(9):
+            with pytest.raises(exc):
+                eng.default_stream() if default else eng.stream_create()
+        assert statuses == [0] * 9
+        assert not any(box.value for box in eng._streams)
+        streams = [eng.stream_create() for _ in range(7)]
+        s = eng.default_stream()
+        assert eng.default_stream() is s
+        with pytest.raises(akv.OutOfMemory):
+            eng.stream_create()
+        del streams, s
+        eng.close()
+        assert len(destroys) == 1
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, MemoryError])
+def test_interrupted_lease_begin_hands_the_lease_out_again(monkeypatch, exc):
+    """A begun lease cannot be undone, and one lost blocked step_end until a
+    quarantine: lease_begin of its layer hands it out again, and the step
+    ends as any other."""
+    rng = np.random.default_rng(6)
+    statuses = raise_after(monkeypatch, "akv_lease_begin", exc, times=2)
+    with akv.Engine(**small()) as eng:
+        ctx = eng.open_context()
+        k, v = rows(rng, 2), rows(rng, 2)
+        ctx.append(k, v)
+        eng.step_begin([ctx])
+        with pytest.raises(exc):
+            eng.lease_begin(0)
+        receipts = [run_layer(eng, eng.lease_begin(0))]
+        with pytest.raises(exc):
+            eng.lease_begin(1)
+        receipts += [run_layer(eng, eng.lease_begin(layer)) for layer in (1, 2)]
+        assert statuses == [0, 0, 0]  # one begin each
+        assert [r.layer for r in receipts] == [0, 1, 2]
+        eng.step_end()
+        info = eng.info()
+        assert info.steps == 1 and not info.quarantined and info.leases_retired == 3
+        got_k, got_v = ctx.read(0, 0, 3)
+        assert (got_k[:2] == k[0]).all() and (got_k[2] == 1.0).all() and (got_v[2] == 2.0).all()
+        ctx.close()
+
+
+def test_dropped_ready_lease_is_handed_out_with_its_stream(engine):
+    rng = np.random.default_rng(7)
+    ctx = engine.open_context()
+    ctx.append(rows(rng, 1), rows(rng, 1))
+    stream = engine.stream_create()
+    engine.step_begin([ctx])
+    lease = engine.lease_begin(0)
+    lease.wait_ready(stream)
+    handle = lease._handle
+    del lease
+    lease = engine.lease_begin(0)
+    assert lease._handle == handle and lease.layer == 0
+    attn = lease.mark_consumed()  # on the stream wait_ready was given
+    lease.seal(lease.write_back(), attn)
+    lease.retire()
+    with pytest.raises((akv.InvalidArgument, akv.StepState)):
+        engine.lease_begin(0)  # retired: not handed out again
+    for layer in (1, 2):
+        run_layer(engine, engine.lease_begin(layer), stream)
+    engine.step_end()
+    stream.destroy()
+    ctx.close()
+
+
+def test_live_lease_is_not_handed_out_twice(engine):
+    rng = np.random.default_rng(8)
+    ctx = engine.open_context()
+    ctx.append(rows(rng, 1), rows(rng, 1))
+    engine.step_begin([ctx])
+    lease = engine.lease_begin(0)
+    with pytest.raises(akv.InvalidArgument):
+        engine.lease_begin(0)  # the library's answer: layer 0 is begun
+    for layer in range(L):
+        run_layer(engine, lease if layer == 0 else engine.lease_begin(layer))
+    engine.step_end()
+    ctx.close()
+
+
+def test_quarantine_releases_a_lost_lease(engine):
+    """A lease lost and not taken again: the quarantine kills its handle too,
+    so a later lease_begin never hands out a dead one."""
+    rng = np.random.default_rng(9)
+    ctx = engine.open_context()
+    ctx.append(rows(rng, 1), rows(rng, 1))
+    engine.step_begin([ctx])
+    engine.lease_begin(0)  # dropped
+    engine.quarantine()
+    assert not any(box.value for box in engine._lease_boxes)
+    with pytest.raises(akv.Quarantined):
+        engine.lease_begin(0)
