@@ -460,7 +460,10 @@ class _Export:
         else:
             self.__array_interface__ = iface
         self._engine = engine
-        engine._export_add()
+        # counted inline: with a method call, an exception landing at the
+        # method's start left an export uncounted that __del__ then dropped,
+        # freeing the engine's memory under another live array
+        engine._exports.append(None)
 
     def __del__(self) -> None:
         eng = self.__dict__.get("_engine")
@@ -544,7 +547,15 @@ def _guarded(fn: Callable) -> Callable:
             return fn(self, *args, **kwargs)
         finally:
             if held:
-                eng._leave()
+                # Engine._leave, inline: the engine is released before any
+                # point where an exception could land (a frame's start)
+                tls = _TLS.__dict__
+                tls["calls"] -= 1
+                del eng._slot["owner"]
+                if "interrupt" in tls:
+                    interrupt = tls.pop("interrupt")
+                    if interrupt is not None:
+                        raise interrupt
 
     return call
 
@@ -596,6 +607,13 @@ _HandleAttr = functools.partial(property, operator.attrgetter("_box.value"), _se
 # it) so leaves a dead object, never one holding a dead handle: the library
 # hands dead handle records out again ("Handle lifetimes" in akv.h), and the
 # object would later close, retire or destroy whatever newer object got it.
+#
+# _Recorded: state the package mirrors from the library (Engine._step_open)
+# is set the same way: to what the call does, before the call, and back
+# only on a refusal. The status of a call cut short as it returns is lost
+# with the exception, so a flag set after the call would say otherwise than
+# the library (a step read as closed: close destroyed the streams, then was
+# refused; one read as open after step_end: close refused for good).
 
 
 class _NotCopyable:
@@ -714,9 +732,8 @@ class Engine(_ClosedOnExit):
         # reference count (__del__), never left to a garbage collection.
         self._box = _Box()
         self._forks, self._pid = _FORKS[0], os.getpid()  # see _FORKS
-        # one call at a time (_enter): the lock and the thread holding it
-        self._lock = threading.Lock()
-        self._owner: Optional[int] = None
+        # one call at a time (_enter): {"owner": the thread in a call}
+        self._slot: Dict[str, int] = {}
         # live zero-copy arrays (_Export; list ops are atomic under the GIL)
         # and the C handle whose destroy waits for the last of them
         self._exports: List[None] = []
@@ -789,32 +806,35 @@ class Engine(_ClosedOnExit):
             raise Busy.make(f"{what}: called from the engine's log callback; the callback runs "
                             "inside the engine's own calls and must not call it")
         me = threading.get_ident()
-        if self._owner == me:
+        slot = self._slot
+        if slot.get("owner") == me:
             return False
-        if not self._lock.acquire(blocking=False):
+        calls = tls.get("calls", 0)
+        # Taken by one atomic dict operation whose effect outlives an
+        # exception raised as it returns (a Ctrl-C there): the engine is
+        # then this thread's, whose later calls run as nested ones, instead
+        # of a lock taken with no owner, which refused every later call and
+        # the engine's own close (Busy) for good.
+        if slot.setdefault("owner", me) != me:
             raise Busy.make(f"{what}: the engine is in a call on another thread; an engine and "
                             "everything made from it are used from one thread at a time")
-        self._owner = me
-        tls["calls"] = tls.get("calls", 0) + 1  # _tls_calls(+1), inline
+        tls["calls"] = calls + 1  # _tls_calls(+1), inline
         return True
 
     def _leave(self) -> None:
         """Ends the call _enter began. Raises the KeyboardInterrupt (or
         SystemExit) a log callback raised during the call, now that the
-        library returned."""
-        self._owner = None
-        self._lock.release()
+        library returned. (_guarded does the same inline: no Python frame
+        between the call's end and the engine's release.)"""
         tls = _TLS.__dict__  # _tls_calls(-1) and _take_interrupt(), inline (hot path)
         tls["calls"] -= 1
+        del self._slot["owner"]
         if "interrupt" in tls:
             interrupt = tls.pop("interrupt")
             if interrupt is not None:
                 raise interrupt
 
     # -- zero-copy exports (see _Export)
-    def _export_add(self) -> None:
-        self._exports.append(None)
-
     def _export_drop(self) -> None:
         self._exports.pop()
         if not self._exports:
@@ -890,6 +910,10 @@ class Engine(_ClosedOnExit):
             self._stream_destroy(box)
         h = self._handle
         if self._exports:
+            # closed for every call before the destroy is deferred (no point
+            # between the two where an exception can land): never a deferred
+            # destroy behind an engine that reads as open
+            self._box.value = None
             self._pending_destroy["h"] = h
             if not self._exports:  # the last one went meanwhile
                 self._destroy_pending()
@@ -1065,10 +1089,19 @@ class Engine(_ClosedOnExit):
         # call and undone only when it did not (see _Ending).
         held = [(box, box.value) for box in self._lease_boxes if box.value is not None]
         before = (self._step_open, self._quarantined)
-        for box, _ in held:
-            box.value = None
-        self._step_open, self._quarantined = False, True
-        st = lib.akv_engine_quarantine(h, ctypes.byref(r))
+        fn, ref, called = lib.akv_engine_quarantine, ctypes.byref(r), False
+        try:
+            for box, _ in held:
+                box.value = None
+            self._step_open, self._quarantined = False, True
+            called = True  # nothing can raise from here to the call
+            st = fn(h, ref)
+        except BaseException:
+            if not called:  # cut short before the call: the library did nothing
+                self._step_open, self._quarantined = before
+                for box, lh in held:
+                    box.value = lh
+            raise
         if st != 0:
             self._step_open, self._quarantined = before
             for box, lh in held:
@@ -1118,15 +1151,24 @@ class Engine(_ClosedOnExit):
             raise InvalidArgument.make(f"step_begin: {contexts!r}: expected a sequence of Contexts")
         hs = [self._ctx_handle(c, "step_begin") for c in contexts]
         arr = (ctypes.c_void_p * max(1, len(hs)))(*hs)
-        _check(lib.akv_step_begin(self._h(), arr, len(hs)), self._handle, "step_begin")
+        h, n, before = self._h(), len(hs), self._step_open
+        # recorded before the call, undone only on a refusal (_Recorded)
         self._step_open = True
+        st = lib.akv_step_begin(h, arr, n)
+        if st != 0:
+            self._step_open = before
+            _check(st, self._handle, "step_begin")
 
     @_guarded
     def step_end(self) -> None:
         """Closes the step; every layer's lease must be retired. Each
         context grows by one row. Raises StepState, Quarantined."""
-        _check(lib.akv_step_end(self._h()), self._handle, "step_end")
-        self._step_open = False
+        h, before = self._h(), self._step_open
+        self._step_open = False  # _Recorded
+        st = lib.akv_step_end(h)
+        if st != 0:
+            self._step_open = before
+            _check(st, self._handle, "step_end")
 
     @contextlib.contextmanager
     def step(self, contexts: Sequence["Context"]) -> Iterator["Engine"]:

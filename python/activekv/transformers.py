@@ -424,8 +424,10 @@ class _Driver:
             raise BadHandle.make("ActiveKVCache is closed")
         self.forget_quarantined()
         if self.failed is not None:
+            failed = self.failed
+            what = str(failed) or type(failed).__name__  # a bare KeyboardInterrupt says ""
             raise Quarantined.make("ActiveKVCache is unusable after an earlier failure (%s); "
-                                   "close it" % (self.failed,)) from self.failed
+                                   "close it" % (what,)) from failed
         if self.engine._handle is None:
             raise BadHandle.make("ActiveKVCache: its engine was closed")
 
@@ -587,7 +589,7 @@ class _Driver:
             raise ValueError("ActiveKVCache: a new row exceeds max_cache_len=%d" % self.max_tokens)
         # begin_step's refusals: the previous step interrupted between layers, a prefill
         # that did not reach every full-attention layer
-        if self.step_open and self.next_dense != self.n_dense:
+        if self.step_open and self.next_dense != self.n_dense and not self.step_untouched():
             raise StepState.make(
                 "ActiveKVCache: the open step updated %d of %d full-attention layers"
                 % (self.next_dense, self.n_dense))
@@ -601,18 +603,34 @@ class _Driver:
 
     # -- decode -------------------------------------------------------------
 
+    def step_untouched(self) -> bool:
+        """A step is open and nothing of it leased yet: one whose begin_step was cut short
+        (an interrupt as the engine's step_begin returned) is taken as this step."""
+        return (self.step_open and self.next_dense == 0 and self.pending is None
+                and not self.sealed)
+
     def begin_step(self) -> None:
-        """The step boundary: retire what is left of the previous step, end it, begin this one."""
+        """The step boundary: retire what is left of the previous step, end it, begin this one.
+
+        step_open is set before the engine's call and back only on its refusal (and
+        end_step clears it the same way): an interrupt landing as the call returns leaves
+        it saying what the engine did, so the update can be retried."""
         if self.step_open:
+            if self.step_untouched():
+                return
             self.end_step()
         for d in range(self.n_dense):
             if self.layer_len[d] != self.layer_len[0]:
                 raise UnevenLayers.make(
                     "ActiveKVCache: full-attention layers hold different lengths (%s); a "
                     "prefill did not reach every layer" % (self.layer_len,))
-        self.engine.step_begin(self.contexts)
         self.step_open = True
         self.next_dense = 0
+        try:
+            self.engine.step_begin(self.contexts)
+        except ActiveKVError:
+            self.step_open = False  # refused: no step
+            raise
 
     def end_step(self) -> None:
         """Seals the pending lease, retires every lease of the step (blocking), ends the step."""
@@ -624,8 +642,12 @@ class _Driver:
                 "ActiveKVCache: the open step updated %d of %d full-attention layers"
                 % (self.next_dense, self.n_dense))
         self.retire_all()
-        self.engine.step_end()
-        self.step_open = False
+        self.step_open = False  # as begin_step: before the call, back on a refusal
+        try:
+            self.engine.step_end()
+        except ActiveKVError:
+            self.step_open = True
+            raise
 
     def stage(self, d: int, key_states: torch.Tensor, value_states: torch.Tensor):
         """Leases dense layer d, writes the step's row, returns the K/V views for attention.
@@ -648,25 +670,28 @@ class _Driver:
         length = self.layer_len[d]  # the row fits: ActiveKVLayer.update checked it
         stream = self.host_stream_raw if self.host_stream is not None else self.torch_stream()
         lease_box = self.lease_box
-        st = api.begin(self.eng, d, self.lease_ref)
-        if st != 0:
-            self.check(st, "lease_begin")
-        lease = lease_box.value
-        self.leases += 1
-        st = api.wait_ready(lease, stream, self.view_ref)
-        if st != 0:
-            self.failed = error_for(st, "lease_wait_ready failed")
-            self.check(st, "lease_wait_ready")
-        self.pending = (d, lease, stream)
-        self.next_dense = d + 1
+        lease_box.value = None  # the library writes the lease here only when it begins one
         try:
+            st = api.begin(self.eng, d, self.lease_ref)
+            if st != 0:
+                self.check(st, "lease_begin")
+            lease = lease_box.value
+            self.leases += 1
+            st = api.wait_ready(lease, stream, self.view_ref)
+            if st != 0:
+                self.failed = error_for(st, "lease_wait_ready failed")
+                self.check(st, "lease_wait_ready")
+            self.pending = (d, lease, stream)
+            self.next_dense = d + 1
             return self._write_row(d, length, stream, key_states, value_states)
         except BaseException as exc:
-            # The lease is begun, but the row is not written or not counted (an interrupt,
-            # a failure): sealing it would write back whatever the staging row holds, and
-            # the layer's length would be one short. Nothing recovers that; close()
-            # quarantines the engine and frees it.
-            if self.failed is None:
+            # The lease is begun (from the moment the call returned: an interrupt landing
+            # right after it included), but not recorded, its row not written or not
+            # counted: sealing it would write back whatever the staging row holds, and the
+            # layer's length would be one short. Nothing recovers that; close()
+            # quarantines the engine and frees it. A begin the library refused changed
+            # nothing (a failed transport sets failed in check).
+            if lease_box.value is not None and self.failed is None:
                 self.failed = exc
             raise
 
@@ -742,16 +767,24 @@ class _Driver:
         attn = self.attn_refs[d]
         tail = self.tail[d]
         self.pending = None
-        st = api.mark_consumed(lease, stream, attn)
-        if st != 0:
-            self.check(st, "lease_mark_consumed")
-        st = api.write_back(lease, None, 0, self.tail_refs[d])
-        if st != 0:
-            self.check(st, "lease_write_back")
-        st = api.seal(lease, tail, self.attn[d])
-        if st != 0:
-            self.check(st, "lease_seal")
-        self.sealed.append(lease)
+        try:
+            st = api.mark_consumed(lease, stream, attn)
+            if st != 0:
+                self.check(st, "lease_mark_consumed")
+            st = api.write_back(lease, None, 0, self.tail_refs[d])
+            if st != 0:
+                self.check(st, "lease_write_back")
+            st = api.seal(lease, tail, self.attn[d])
+            if st != 0:
+                self.check(st, "lease_seal")
+            self.sealed.append(lease)
+        except BaseException as exc:
+            # The lease is off `pending` and not on `sealed` (an interrupt or a refusal
+            # part way): nothing retires it, and step_end would refuse for good. The
+            # cache is unusable; close() quarantines the engine, which releases it.
+            if self.failed is None:
+                self.failed = exc
+            raise
 
     def after_attention(self, d: int) -> None:
         """Forward hook of full-attention layer d's attention module."""

@@ -372,3 +372,156 @@ def test_quarantine_releases_a_lost_lease(engine):
     assert not any(box.value for box in engine._lease_boxes)
     with pytest.raises(akv.Quarantined):
         engine.lease_begin(0)
+
+
+# ------------------------------------------------------------ the open step
+
+
+def test_interrupted_step_begin_leaves_the_step_open(monkeypatch, destroys):
+    """A step_begin cut short as it returned left the engine reading as if no
+    step were open: close() destroyed its streams, then was refused."""
+    rng = np.random.default_rng(10)
+    raise_after(monkeypatch, "akv_step_begin")
+    with no_collector(destroys):
+        eng = akv.Engine(**small())
+        ctx = eng.open_context()
+        ctx.append(rows(rng, 1), rows(rng, 1))
+        stream = eng.stream_create()
+        with pytest.raises(KeyboardInterrupt):
+            eng.step_begin([ctx])
+        with pytest.raises(akv.Busy):
+            eng.close()  # refused first: the stream is left as it was
+        stream.synchronize()
+        for layer in range(L):
+            run_layer(eng, eng.lease_begin(layer), stream)
+        eng.step_end()
+        stream.destroy()
+        ctx.close()
+        eng.close()
+        assert len(destroys) == 1
+
+
+def test_interrupted_step_end_leaves_the_step_ended(monkeypatch, destroys):
+    """A step_end cut short as it returned left the step reading as open:
+    close() was refused (Busy) for good, and so was step_end."""
+    rng = np.random.default_rng(11)
+    raise_after(monkeypatch, "akv_step_end")
+    with no_collector(destroys):
+        eng = akv.Engine(**small())
+        ctx = eng.open_context()
+        ctx.append(rows(rng, 1), rows(rng, 1))
+        eng.step_begin([ctx])
+        for layer in range(L):
+            run_layer(eng, eng.lease_begin(layer))
+        with pytest.raises(KeyboardInterrupt):
+            eng.step_end()
+        assert eng.info().steps == 1 and len(ctx) == 2
+        ctx.close()
+        eng.close()
+        assert len(destroys) == 1
+
+
+def test_refused_step_calls_change_nothing(engine):
+    rng = np.random.default_rng(12)
+    ctx = engine.open_context()
+    ctx.append(rows(rng, 1), rows(rng, 1))
+    with pytest.raises(akv.StepState):
+        engine.step_end()  # no step
+    engine.close()  # not read as open
+
+
+# ------------------------------------------------------------ ActiveKVCache
+
+
+def _decode(cache, torch, steps, seed=0, hook=None):
+    """Prefill 3 tokens, then `steps` decode steps over every layer; hook(step,
+    layer) runs before each decode update and may arm an interrupt (the
+    update it interrupts is then retried)."""
+    from test_misuse import _kv
+
+    n = len(cache.layers)
+    for layer in range(n):
+        cache.update(*_kv(torch, 1, 3, seed=seed + layer), layer)
+    for step in range(steps):
+        for layer in range(n):
+            kv = _kv(torch, 1, 1, seed=seed + 100 * (step + 1) + layer)
+            if hook is not None and hook(step, layer):
+                with pytest.raises(KeyboardInterrupt):
+                    cache.update(*kv, layer)
+            cache.update(*kv, layer)
+
+
+def _rows(cache, n):
+    cache.finish()
+    ctx = cache.contexts[0]
+    return [ctx.read(d, 0, n) for d in range(len(cache.dense_layers))]
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+@pytest.mark.parametrize("call,at", [("akv_step_begin", 0), ("akv_step_begin", 2),
+                                     ("akv_step_end", 1), ("akv_step_end", 2)])
+def test_cache_update_cut_short_at_the_step_boundary_can_be_retried(monkeypatch, call, at,
+                                                                    hybrid):
+    """An interrupt as the engine's step_begin or step_end returned, inside a
+    decode update: the retried update goes on, and the rows are those of an
+    uninterrupted run (the cache read the step as not begun, or not ended,
+    and refused every later update)."""
+    from test_misuse import _cache
+
+    torch, ref = _cache(hybrid=hybrid)
+    with ref:
+        _decode(ref, torch, 3)
+        want = _rows(ref, 6)
+    torch, cache = _cache(hybrid=hybrid)
+    first = cache.dense_layers[0]  # the update that moves the step boundary
+    real = getattr(_api.lib, call)
+    armed = []
+
+    def interrupting(*args):
+        st = real(*args)
+        if armed and st == 0:
+            armed.clear()
+            raise KeyboardInterrupt
+        return st
+
+    monkeypatch.setattr(_api.lib, call, interrupting)
+
+    def hook(step, layer):
+        if (step, layer) == (at, first):
+            armed.append(True)
+            return True
+        return False
+
+    with cache:
+        _decode(cache, torch, 3, hook=hook)
+        assert not armed  # the interrupt was raised
+        got = _rows(cache, 6)
+    for (wk, wv), (gk, gv) in zip(want, got):
+        assert np.array_equal(wk, gk) and np.array_equal(wv, gv)
+
+
+def test_cache_update_cut_short_after_a_lease_began_is_unusable_and_closes(destroys):
+    """An interrupt as the lease's begin returned: the lease was lost and the
+    retried update raised StepState; now the cache says why it is unusable
+    and close() frees the engine (a quarantine releases the lease)."""
+    from test_misuse import _cache, _kv
+
+    torch, cache = _cache()
+    for layer in range(2):
+        cache.update(*_kv(torch, 1, 3, seed=layer), layer)
+    api = cache._driver.api
+    real = api.begin
+
+    def interrupting(*args):
+        api.begin = real
+        st = real(*args)
+        raise KeyboardInterrupt
+
+    api.begin = interrupting
+    with pytest.raises(KeyboardInterrupt):
+        cache.update(*_kv(torch, 1, 1), 0)
+    with pytest.raises(akv.Quarantined, match="KeyboardInterrupt"):
+        cache.update(*_kv(torch, 1, 1), 0)
+    h = cache.engine._handle
+    cache.close()
+    assert h in destroys
