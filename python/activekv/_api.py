@@ -468,7 +468,13 @@ class _Export:
     def __del__(self) -> None:
         eng = self.__dict__.get("_engine")
         if eng is not None:
-            eng._export_drop()
+            # uncounted with no frame before it (see __init__); an exception
+            # landing at _destroy_pending's start leaves the destroy to the
+            # engine's own end (Engine.__del__)
+            exports = eng._exports
+            del exports[-1]
+            if not exports and eng._pending_destroy:
+                eng._destroy_pending()
 
 
 def _export_array(engine: "Engine", ptr: int, shape: Tuple[int, ...], strides: Tuple[int, ...],
@@ -732,8 +738,10 @@ class Engine(_ClosedOnExit):
         # reference count (__del__), never left to a garbage collection.
         self._box = _Box()
         self._forks, self._pid = _FORKS[0], os.getpid()  # see _FORKS
-        # one call at a time (_enter): {"owner": the thread in a call}
+        # one call at a time (_enter): {"owner": the thread in a call};
+        # _release gives it back with no Python frame (see _leave)
         self._slot: Dict[str, int] = {}
+        self._release = functools.partial(dict.__delitem__, self._slot, "owner")
         # live zero-copy arrays (_Export; list ops are atomic under the GIL)
         # and the C handle whose destroy waits for the last of them
         self._exports: List[None] = []
@@ -810,12 +818,18 @@ class Engine(_ClosedOnExit):
         if slot.get("owner") == me:
             return False
         calls = tls.get("calls", 0)
-        # Taken by one atomic dict operation whose effect outlives an
-        # exception raised as it returns (a Ctrl-C there): the engine is
-        # then this thread's, whose later calls run as nested ones, instead
-        # of a lock taken with no owner, which refused every later call and
-        # the engine's own close (Busy) for good.
-        if slot.setdefault("owner", me) != me:
+        # Taken by one atomic dict operation, which says afterwards who took
+        # it: an exception landing as it returns (a Ctrl-C there) gives back
+        # what it took. (A lock taken there had no owner recorded, and every
+        # later call, the engine's close and its release included, was
+        # refused with Busy for good.)
+        try:
+            owner = slot.setdefault("owner", me)
+        except BaseException:
+            if slot.get("owner") == me:  # not nested (checked above): taken by this call
+                del slot["owner"]
+            raise
+        if owner != me:
             raise Busy.make(f"{what}: the engine is in a call on another thread; an engine and "
                             "everything made from it are used from one thread at a time")
         tls["calls"] = calls + 1  # _tls_calls(+1), inline
@@ -824,28 +838,35 @@ class Engine(_ClosedOnExit):
     def _leave(self) -> None:
         """Ends the call _enter began. Raises the KeyboardInterrupt (or
         SystemExit) a log callback raised during the call, now that the
-        library returned. (_guarded does the same inline: no Python frame
-        between the call's end and the engine's release.)"""
+        library returned.
+
+        An exception landing at this method's start would leave the engine
+        taken: callers that must not (the adapter's finally blocks) call
+        ``_release()`` (C, no frame) and then ``_left()`` instead; _guarded
+        does the same inline."""
+        self._release()
+        self._left()
+
+    def _left(self) -> None:
+        """The rest of _leave once the engine is released."""
         tls = _TLS.__dict__  # _tls_calls(-1) and _take_interrupt(), inline (hot path)
         tls["calls"] -= 1
-        del self._slot["owner"]
         if "interrupt" in tls:
             interrupt = tls.pop("interrupt")
             if interrupt is not None:
                 raise interrupt
 
     # -- zero-copy exports (see _Export)
-    def _export_drop(self) -> None:
-        self._exports.pop()
-        if not self._exports:
-            self._destroy_pending()
-
     def _destroy_pending(self) -> None:
         if self._forks != _FORKS[0]:
             return  # the parent's engine (see _FORKS): nothing to free here
-        h = self._pending_destroy.pop("h", None)
-        if h is None:
+        pending = self._pending_destroy
+        if "h" not in pending:
             return
+        # taken with no point between it and the call where an exception can
+        # land (pop is a call, and one landing after it lost the destroy)
+        h = pending["h"]
+        del pending["h"]
         try:
             st = lib.akv_engine_destroy(h)
         except Exception:  # at interpreter exit lib may be gone
@@ -959,6 +980,8 @@ class Engine(_ClosedOnExit):
         if getattr(self, "_handle", None) is not None:
             with contextlib.suppress(Exception):
                 self._close_abandoning()
+        elif self.__dict__.get("_pending_destroy") and not self._exports:
+            self._destroy_pending()  # the last array's end was cut short before it
 
     # -- diagnostics
     @property
@@ -1624,8 +1647,17 @@ class Lease(_NotCopyable):
         Backend (nothing released), Quarantined."""
         h = self._h()
         r = L.akv_receipt()
+        fn, ref = lib.akv_lease_retire, ctypes.byref(r)  # nothing that can raise between the two lines below
         self._box.value = None  # see _Ending
-        st = lib.akv_lease_retire(h, ctypes.byref(r))
+        try:
+            st = fn(h, ref)
+        except BaseException:
+            # cut short as it returned: the library fills the receipt only
+            # when it retired the lease (step >= 1), so the receipt says
+            # which it was (for try_retire, "not ready" is a common answer)
+            if r.step == 0:
+                self._box.value = h
+            raise
         if st != 0:
             self._box.value = h
             _check(st, self._engine._handle, "retire")
@@ -1643,8 +1675,17 @@ class Lease(_NotCopyable):
         h = self._h()
         _need("akv_lease_try_retire")
         r = L.akv_receipt()
+        fn, ref = lib.akv_lease_try_retire, ctypes.byref(r)  # nothing that can raise between the two lines below
         self._box.value = None  # see _Ending
-        st = lib.akv_lease_try_retire(h, ctypes.byref(r))
+        try:
+            st = fn(h, ref)
+        except BaseException:
+            # cut short as it returned: the library fills the receipt only
+            # when it retired the lease (step >= 1), so the receipt says
+            # which it was (for try_retire, "not ready" is a common answer)
+            if r.step == 0:
+                self._box.value = h
+            raise
         if st != 0:
             self._box.value = h
             if st == _NOT_READY:

@@ -355,7 +355,6 @@ class _Driver:
         self.contexts: list | None = None
         self.batch = 0
         self.layer_len = [0] * n_dense  # rows each dense layer holds, this step's included
-        self.step_open = False
         self.next_dense = 0  # the dense layer the open step leases next
         # The one lease begun but not sealed yet: (dense index, handle, stream).
         self.pending: tuple[int, int, int] | None = None
@@ -388,6 +387,15 @@ class _Driver:
         self.hook_seals = 0
         self.fallback_seals = 0
 
+    @property
+    def step_open(self) -> bool:
+        """The engine's step is open: read from the engine, which records it right at its
+        call (Engine.step_begin / step_end), so an interrupt landing anywhere in between
+        leaves both agreeing (a flag of the cache's own, set around those calls, could
+        not be set at the library's call itself)."""
+        engine = self.engine
+        return engine is not None and engine._step_open
+
     def torch_stream(self) -> int:
         """torch's current CUDA stream as an akv_stream. torch's default stream is the legacy
         default stream, whose cudaStream_t is 0; the engine refuses a NULL stream, so it is
@@ -417,7 +425,6 @@ class _Driver:
             self.failed = Quarantined.make("ActiveKVCache: its engine was quarantined")
             self.pending = None
             self.sealed.clear()
-            self.step_open = False
 
     def usable(self) -> None:
         if self.engine is None:
@@ -536,7 +543,10 @@ class _Driver:
             for b, ctx in enumerate(self.contexts):
                 ctx.append_layer(d, k_host[b], v_host[b])
                 done += 1
+            self.layer_len[d] += n
         except BaseException as exc:
+            if done < len(self.contexts) and self._appended(self.contexts[done], d):
+                done += 1  # its append happened (an interrupt landed as it returned)
             if done:
                 # Rows appended cannot be taken back: the rows before the failure hold this
                 # layer's prompt, the others not, and the same prefill again would append
@@ -545,7 +555,18 @@ class _Driver:
                     "ActiveKVCache: the prefill of full-attention layer %d failed after %d of "
                     "%d rows were appended (%r)" % (d, done, len(self.contexts), exc))
             raise
-        self.layer_len[d] += n
+
+    def _appended(self, ctx, d: int) -> bool:
+        """Whether the context's layer d holds a row past the cache's count: its append
+        happened though the cache did not count it. Asked of the library (a read of that
+        row, which it refuses past the layer's rows); True when it cannot tell."""
+        try:
+            ctx.read(d, self.layer_len[d], 1)
+        except akv.InvalidArgument:
+            return False
+        except Exception:  # noqa: BLE001 - unknown: taken as appended (the safe side)
+            return True
+        return True
 
     def check_forward(self, key_states: Any, value_states: Any, at_boundary: bool) -> None:
         """What the full-attention layers of a forward will refuse, checked at one of the
@@ -612,9 +633,8 @@ class _Driver:
     def begin_step(self) -> None:
         """The step boundary: retire what is left of the previous step, end it, begin this one.
 
-        step_open is set before the engine's call and back only on its refusal (and
-        end_step clears it the same way): an interrupt landing as the call returns leaves
-        it saying what the engine did, so the update can be retried."""
+        step_open is the engine's (see there): an interrupt landing in between leaves it
+        saying what the engine did, so the update can be retried."""
         if self.step_open:
             if self.step_untouched():
                 return
@@ -624,13 +644,8 @@ class _Driver:
                 raise UnevenLayers.make(
                     "ActiveKVCache: full-attention layers hold different lengths (%s); a "
                     "prefill did not reach every layer" % (self.layer_len,))
-        self.step_open = True
         self.next_dense = 0
-        try:
-            self.engine.step_begin(self.contexts)
-        except ActiveKVError:
-            self.step_open = False  # refused: no step
-            raise
+        self.engine.step_begin(self.contexts)
 
     def end_step(self) -> None:
         """Seals the pending lease, retires every lease of the step (blocking), ends the step."""
@@ -642,12 +657,7 @@ class _Driver:
                 "ActiveKVCache: the open step updated %d of %d full-attention layers"
                 % (self.next_dense, self.n_dense))
         self.retire_all()
-        self.step_open = False  # as begin_step: before the call, back on a refusal
-        try:
-            self.engine.step_end()
-        except ActiveKVError:
-            self.step_open = True
-            raise
+        self.engine.step_end()
 
     def stage(self, d: int, key_states: torch.Tensor, value_states: torch.Tensor):
         """Leases dense layer d, writes the step's row, returns the K/V views for attention.
@@ -809,7 +819,8 @@ class _Driver:
                 self.try_retire()
         finally:
             if held:
-                engine._leave()
+                engine._release()  # no frame before the engine is given back
+                engine._left()
 
     def try_retire(self) -> None:
         """Retires the oldest sealed leases whose fences have all passed; never waits."""
@@ -818,7 +829,8 @@ class _Driver:
         fn = self.api.try_retire
         sealed = self.sealed
         while sealed:
-            lease = sealed.pop(0)  # off the list before the call: see retire_all
+            lease = sealed[0]  # off the list before the call: see retire_all
+            del sealed[0]
             st = fn(lease, self.receipt_ref)
             if st != 0:
                 sealed.insert(0, lease)
@@ -831,10 +843,13 @@ class _Driver:
         """Retires the sealed leases, oldest first (blocking). Each is taken off the list
         before its call and put back only when the library refused: a KeyboardInterrupt
         raised as a retire returns (a Ctrl-C during the wait) leaves no retired lease on the
-        list, whose dead handle the library hands to a newer lease later."""
+        list, whose dead handle the library hands to a newer lease later. Taken off by
+        index and del, not pop: pop is a call, and an interrupt landing as it returned lost
+        a lease not yet retired (step_end then refused for good)."""
         sealed = self.sealed
         while sealed:
-            lease = sealed.pop(0)
+            lease = sealed[0]
+            del sealed[0]
             st = self.api.retire(lease, self.receipt_ref)
             if st != 0:
                 sealed.insert(0, lease)
@@ -863,7 +878,6 @@ class _Driver:
             self.seal_pending()
         self.retire_all()
         self.engine.step_end()
-        self.step_open = False
 
     def close(self) -> None:
         """Brings an open step to its end (abandon_step; after a failure, or when that
@@ -885,7 +899,6 @@ class _Driver:
             if self.step_open:
                 with contextlib.suppress(ActiveKVError):
                     self.engine.quarantine()
-                self.step_open = False
                 self.pending = None
                 self.sealed.clear()
         self.views.clear()
@@ -894,6 +907,11 @@ class _Driver:
             with contextlib.suppress(ActiveKVError):
                 ctx.close()
         self.contexts = None
+        # The failure's traceback holds the frames it passed through, and so the tensors
+        # over the staging buffers they held (an update cut short in _views): kept, they
+        # would defer the engine's destroy (zero-copy arrays keep its memory) until the
+        # cache itself goes. Closed, the cache needs it no more.
+        self.failed = None
         engine, self.engine = self.engine, None
         engine.close()
         if interrupt is not None:
@@ -942,7 +960,8 @@ class ActiveKVLayer(CacheLayerMixin):
             return self._update(drv, key_states, value_states)
         finally:
             if held:
-                drv.engine._leave()
+                drv.engine._release()  # no frame before the engine is given back
+                drv.engine._left()
 
     def _update(self, drv: _Driver, key_states: torch.Tensor, value_states: torch.Tensor):
         if not isinstance(key_states, torch.Tensor) or not isinstance(value_states, torch.Tensor):
@@ -1184,7 +1203,8 @@ class ActiveKVCache(Cache):
                 drv.end_step()
         finally:
             if held:
-                engine._leave()
+                engine._release()  # no frame before the engine is given back
+                engine._left()
 
     def close(self) -> None:
         """Ends the open step, closes contexts and engine, removes the hooks. Idempotent.
@@ -1199,7 +1219,8 @@ class ActiveKVCache(Cache):
             self._driver.close()
         finally:
             if held:
-                engine._leave()
+                engine._release()  # no frame before the engine is given back
+                engine._left()
 
     # A cache names C handles (its engine, contexts and leases) as the engine does: a copy
     # would drive the same engine and step (rows decoded through it land in both) and close
@@ -1253,7 +1274,8 @@ class ActiveKVCache(Cache):
                                                 *args, **kwargs)
         finally:
             if held:
-                drv.engine._leave()
+                drv.engine._release()  # no frame before the engine is given back
+                drv.engine._left()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs):
@@ -1279,7 +1301,8 @@ class ActiveKVCache(Cache):
             return super().update(key_states, value_states, int(layer_idx), *args, **kwargs)
         finally:
             if held:
-                drv.engine._leave()
+                drv.engine._release()  # no frame before the engine is given back
+                drv.engine._left()
 
     # -- unsupported Cache operations ----------------------------------------
 

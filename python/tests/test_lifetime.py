@@ -18,13 +18,14 @@ chance). Host backend, no GPU needed.
 """
 import contextlib
 import gc
+import threading
 import weakref
 
 import numpy as np
 import pytest
 
 import activekv as akv
-from activekv import _api
+from activekv import _api, _lib
 
 from conftest import small
 
@@ -525,3 +526,69 @@ def test_cache_update_cut_short_after_a_lease_began_is_unusable_and_closes(destr
     h = cache.engine._handle
     cache.close()
     assert h in destroys
+
+
+def test_try_retire_cut_short_while_not_ready_keeps_the_lease(monkeypatch):
+    """try_retire clears the handle before its call (a retire cut short must
+    not leave a dead handle behind) and gave it back only when the library
+    answered "not ready": an interrupt landing after that answer left the
+    lease dead to Python and alive in the library (step_end refused for
+    good). The receipt, filled only by a retire, now tells the two apart."""
+    rng = np.random.default_rng(13)
+    real = _api.lib.akv_lease_try_retire
+    statuses = []
+
+    def interrupted(*args):
+        st = real(*args)
+        statuses.append(st)
+        if st == 24 and statuses.count(24) == 1:  # AKV_ERR_NOT_READY
+            raise KeyboardInterrupt
+        return st
+
+    monkeypatch.setattr(_api.lib, "akv_lease_try_retire", interrupted)
+    gate = threading.Event()
+    hook = _lib.HOST_FN(lambda _arg: gate.wait(30))
+    with akv.Engine(**small()) as eng:
+        ctx = eng.open_context()
+        ctx.append(rows(rng, 1), rows(rng, 1))
+        eng.step_begin([ctx])
+        lease = eng.lease_begin(0)
+        s = eng.default_stream()
+        lease.wait_ready(s)
+        try:
+            # the attention event, and the write-back behind it, wait for the gate
+            assert _lib.lib.akv_stream_launch_host(eng._handle, s.handle, hook, None) == 0
+            attn = lease.mark_consumed()
+            lease.seal(lease.write_back(), attn)
+            with pytest.raises(KeyboardInterrupt):
+                lease.try_retire()
+        finally:
+            gate.set()
+        assert statuses == [24]
+        assert lease._handle is not None  # alive, as in the library
+        lease.retire()
+        for layer in (1, 2):
+            run_layer(eng, eng.lease_begin(layer))
+        eng.step_end()
+        ctx.close()
+
+
+def test_retire_cut_short_after_retiring_leaves_the_lease_dead(monkeypatch, engine):
+    rng = np.random.default_rng(14)
+    raise_after(monkeypatch, "akv_lease_retire")
+    ctx = engine.open_context()
+    ctx.append(rows(rng, 1), rows(rng, 1))
+    engine.step_begin([ctx])
+    lease = engine.lease_begin(0)
+    lease.wait_ready()
+    attn = lease.mark_consumed()
+    lease.seal(lease.write_back(), attn)
+    with pytest.raises(KeyboardInterrupt):
+        lease.retire()
+    assert lease._handle is None
+    with pytest.raises(akv.BadHandle):
+        lease.retire()
+    for layer in (1, 2):
+        run_layer(engine, engine.lease_begin(layer))
+    engine.step_end()
+    ctx.close()
