@@ -41,6 +41,7 @@ from .errors import (
     ActiveKVError,
     BadHandle,
     Busy,
+    InUse,
     InvalidArgument,
     NotSupported,
     STATUS_VALUES,
@@ -601,7 +602,7 @@ def _set_handle(obj: Any, value: Optional[int]) -> None:
 # writes ``obj._box.value`` itself for the same reason (a Python setter's
 # frame is a point where an interrupt lands, between clearing a handle and
 # the call that ends it, or after a refusal and before the handle is back).
-_HandleAttr = functools.partial(property, operator.attrgetter("_box.value"), _set_handle)
+_handle_attr = functools.partial(property, operator.attrgetter("_box.value"), _set_handle)
 
 
 # _Ending: the calls that end a handle (akv_engine_destroy, akv_context_close,
@@ -613,6 +614,9 @@ _HandleAttr = functools.partial(property, operator.attrgetter("_box.value"), _se
 # it) so leaves a dead object, never one holding a dead handle: the library
 # hands dead handle records out again ("Handle lifetimes" in akv.h), and the
 # object would later close, retire or destroy whatever newer object got it.
+# Lease.retire and try_retire know better: the library fills the receipt
+# only when it retired the lease, so one cut short gives the handle back
+# when the receipt is untouched (try_retire's "not ready" is common).
 #
 # _Recorded: state the package mirrors from the library (Engine._step_open)
 # is set the same way: to what the call does, before the call, and back
@@ -729,7 +733,7 @@ class Engine(_ClosedOnExit):
     requested but unavailable), Backend.
     """
 
-    _handle = _HandleAttr()
+    _handle = _handle_attr()
 
     def __init__(self, *, log: Optional[LogFn] = None, **cfg: Any) -> None:
         # What the engine holds of the objects made from it is weak (their
@@ -762,6 +766,9 @@ class Engine(_ClosedOnExit):
         self._default_box: Optional[_Box] = None
         self._default_ref: Optional["weakref.ReferenceType[Stream]"] = None
         self._contexts: "weakref.WeakSet[Context]" = weakref.WeakSet()
+        # boxes of contexts dropped while the open step held them (InUse):
+        # closed when the step ends (_close_orphans)
+        self._orphans: List[_Box] = []
         self._step_open = False  # between a successful step_begin and step_end / quarantine
         c, self._cfg_dict = _make_config(cfg)
         self._dtype = self._cfg_dict["dtype"]
@@ -1192,6 +1199,19 @@ class Engine(_ClosedOnExit):
         if st != 0:
             self._step_open = before
             _check(st, self._handle, "step_end")
+        if self._orphans:
+            self._close_orphans()
+
+    def _close_orphans(self) -> None:
+        """Closes the contexts dropped while the step held them (see _Ending)."""
+        orphans, self._orphans = self._orphans, []
+        for box in orphans:
+            if box.value is not None:
+                h, box.value = box.value, None
+                st = lib.akv_context_close(h)
+                if st != 0:  # still held (a later step): at the next end, or the destroy
+                    box.value = h
+                    self._orphans.append(box)
 
     @contextlib.contextmanager
     def step(self, contexts: Sequence["Context"]) -> Iterator["Engine"]:
@@ -1346,7 +1366,7 @@ class Stream(_NotCopyable):
     """A compute queue from Engine.stream_create (akv_stream). Host backend:
     a worker thread; CUDA: a cudaStream_t (``.handle``)."""
 
-    _handle = _HandleAttr()
+    _handle = _handle_attr()
 
     def __init__(self, engine: Engine, box: Union[_Box, int, None]) -> None:
         self._engine = engine
@@ -1392,11 +1412,11 @@ class Stream(_NotCopyable):
 class Context(_ClosedOnExit):
     """One request's history (akv_context). Made by Engine.open_context; a
     context manager that closes it. A context dropped without close() is
-    closed when its last reference goes; one the open step holds (InUse),
-    or dropped while another thread is in a call on its engine, is freed
-    with its engine instead."""
+    closed when its last reference goes, or when the step that holds it
+    ends; one dropped while another thread is in a call on its engine is
+    freed with its engine."""
 
-    _handle = _HandleAttr()
+    _handle = _handle_attr()
 
     def __init__(self, engine: Engine, box: Union[_Box, int, None]) -> None:
         self._engine = engine
@@ -1409,12 +1429,17 @@ class Context(_ClosedOnExit):
         return self._handle
 
     def _discard(self) -> None:
-        """Closes the context where it can (a dropped or undone one); where
-        it cannot (part of the open step, another thread in a call, a
-        forked child), the engine's destroy frees it."""
+        """Closes the context where it can (a dropped or undone one); one the
+        open step holds (InUse) is closed when the step ends; where it
+        cannot be (another thread in a call, a forked child), the engine's
+        destroy frees it."""
         if self.__dict__.get("_box") is not None and self._handle is not None:
-            with contextlib.suppress(Exception):
+            try:
                 self.close()
+            except InUse:
+                self._engine._orphans.append(self._box)
+            except Exception:  # noqa: BLE001 - a finalizer: left to the engine's destroy
+                pass
 
     def __del__(self) -> None:
         self._discard()
@@ -1553,7 +1578,7 @@ class Lease(_NotCopyable):
     """One staged layer, begin..retire (akv_lease). Made by
     Engine.lease_begin. After retire the object is dead (BadHandle)."""
 
-    _handle = _HandleAttr()
+    _handle = _handle_attr()
 
     def __init__(self, engine: Engine, box: Union[_Box, int, None],
                  layer: Optional[int] = None) -> None:

@@ -256,18 +256,22 @@ def test_dropped_context_is_closed(engine):
     b.close()
 
 
-def test_dropped_context_of_the_open_step_stays_until_the_engine_closes(destroys):
+def test_dropped_context_of_the_open_step_is_closed_at_its_end(destroys):
     rng = np.random.default_rng(5)
     with no_collector(destroys):
         eng = akv.Engine(**small())
         ctx = eng.open_context()
         ctx.append(rows(rng, 2), rows(rng, 2))
         eng.step_begin([ctx])
-        del ctx  # InUse: cannot close now, and is not lost
+        del ctx  # InUse: cannot be closed now, and is not lost
+        assert eng.admission_counters()["release"] == 0
         for layer in range(L):
             run_layer(eng, eng.lease_begin(layer))
         eng.step_end()
         assert eng.info().steps == 1
+        assert eng.admission_counters()["release"] == 1  # closed at the step's end
+        a, b = eng.open_context(), eng.open_context()  # both slots free
+        del a, b
         eng.close()
         assert len(destroys) == 1
 
