@@ -531,12 +531,6 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forked)
 
 
-def _tls_calls(delta: int) -> int:
-    n = getattr(_TLS, "calls", 0) + delta
-    _TLS.calls = n
-    return n
-
-
 def _take_interrupt() -> Optional[BaseException]:
     return _TLS.__dict__.pop("interrupt", None)
 
@@ -779,12 +773,13 @@ class Engine(_ClosedOnExit):
         c.log_fn = self._log_cb
         self._cfg = c
         cref, out = ctypes.byref(c), ctypes.byref(self._box)  # the engine owns it: _Owning
+        tls = _TLS.__dict__
         try:
-            _tls_calls(+1)
+            tls["calls"] = tls.get("calls", 0) + 1  # counted inline: no frame here
             try:
                 st = lib.akv_engine_create(cref, out)
             finally:
-                _tls_calls(-1)
+                tls["calls"] -= 1
             interrupt = _take_interrupt()
             if interrupt is not None:  # Ctrl-C in the log callback: no engine for the caller
                 raise interrupt
@@ -839,7 +834,7 @@ class Engine(_ClosedOnExit):
         if owner != me:
             raise Busy.make(f"{what}: the engine is in a call on another thread; an engine and "
                             "everything made from it are used from one thread at a time")
-        tls["calls"] = calls + 1  # _tls_calls(+1), inline
+        tls["calls"] = calls + 1
         return True
 
     def _leave(self) -> None:
@@ -856,7 +851,7 @@ class Engine(_ClosedOnExit):
 
     def _left(self) -> None:
         """The rest of _leave once the engine is released."""
-        tls = _TLS.__dict__  # _tls_calls(-1) and _take_interrupt(), inline (hot path)
+        tls = _TLS.__dict__  # the count and _take_interrupt(), inline (hot path)
         tls["calls"] -= 1
         if "interrupt" in tls:
             interrupt = tls.pop("interrupt")
@@ -1127,10 +1122,14 @@ class Engine(_ClosedOnExit):
             called = True  # nothing can raise from here to the call
             st = fn(h, ref)
         except BaseException:
-            if not called:  # cut short before the call: the library did nothing
+            # Cut short before the call, the library did nothing; as it
+            # returned, the report (filled either way) says whether it
+            # established completion: if not, everything stays retained.
+            if not called or not (r.h2d_ok and r.d2h_ok and r.d2d_ok and r.device_ok):
                 self._step_open, self._quarantined = before
                 for box, lh in held:
                     box.value = lh
+                self._retained = self._retained or called
             raise
         if st != 0:
             self._step_open, self._quarantined = before

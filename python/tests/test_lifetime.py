@@ -17,6 +17,7 @@ raises right after the real call returned (a real signal lands there only by
 chance). Host backend, no GPU needed.
 """
 import contextlib
+import ctypes
 import gc
 import threading
 import weakref
@@ -596,3 +597,41 @@ def test_retire_cut_short_after_retiring_leaves_the_lease_dead(monkeypatch, engi
         run_layer(engine, engine.lease_begin(layer))
     engine.step_end()
     ctx.close()
+
+
+def test_quarantine_cut_short_after_an_uncertain_fence_retains_everything(monkeypatch):
+    """An uncertain quarantine (completion not established) retains every
+    lease; one cut short as it returned was taken as a success (leases dead,
+    step ended, nothing retained). The report, filled either way, decides
+    now."""
+    rng = np.random.default_rng(15)
+    k = rows(rng, 1)
+
+    def begun(eng):
+        ctx = eng.open_context()
+        ctx.append(k, k)
+        eng.step_begin([ctx])
+        return ctx, eng.lease_begin(0)
+
+    with akv.Engine(**small()) as probe:  # the synchronisations before the quarantine
+        ctx, lease = begun(probe)
+        n = probe.info().backend_ops["sync"]
+        probe.quarantine()
+    del ctx, lease
+    eng = akv.Engine(**small(fault_fail_nth=n + 1, fault_kind="sync"))
+    ctx, lease = begun(eng)
+    statuses = raise_after(monkeypatch, "akv_engine_quarantine", times=0)
+    real = _api.lib.akv_engine_quarantine
+
+    def interrupted(*args):
+        real(*args)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_api.lib, "akv_engine_quarantine", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        eng.quarantine()  # its first synchronise is the injected failure
+    assert statuses == [17]  # AKV_ERR_UNCERTAIN_FENCE
+    assert eng._retained and eng._step_open and lease._handle is not None
+    with pytest.raises(akv.Busy):
+        eng.close()  # retained: nothing freed
+    eng._box.value = None  # retained on purpose; leave it to the process
