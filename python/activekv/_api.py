@@ -461,21 +461,28 @@ class _Export:
         else:
             self.__array_interface__ = iface
         self._engine = engine
-        # counted inline: with a method call, an exception landing at the
-        # method's start left an export uncounted that __del__ then dropped,
-        # freeing the engine's memory under another live array
-        engine._exports.append(None)
+        # Counted by a weak reference in the engine's list, which the export's
+        # end takes out again through its callback, list.remove: C, no Python
+        # frame, so no exception can land between the export's end and its
+        # count (a __del__ that counted could be cut short at its start, and
+        # the engine's memory was then never freed). Appended with no frame
+        # before it; cut short before, the export is not counted, and no
+        # array was made over it either.
+        exports = engine._exports
+        ref = weakref.ref(self, exports.remove)
+        self._ref = ref
+        exports.append(ref)
 
     def __del__(self) -> None:
+        # The last export gone (its own reference, still listed until its
+        # callback runs just after this, aside): the deferred destroy. Cut
+        # short, the engine's close() or its own end does it
+        # (Engine._destroy_pending).
         eng = self.__dict__.get("_engine")
-        if eng is not None:
-            # uncounted with no frame before it (see __init__); an exception
-            # landing at _destroy_pending's start leaves the destroy to the
-            # engine's own end (Engine.__del__)
+        if eng is not None and eng._pending_destroy:
             exports = eng._exports
-            del exports[-1]
-            if not exports and eng._pending_destroy:
-                eng._destroy_pending()
+            if not exports or (len(exports) == 1 and exports[0] is self.__dict__.get("_ref")):
+                eng._destroy_pending(ending=self.__dict__.get("_ref"))
 
 
 def _export_array(engine: "Engine", ptr: int, shape: Tuple[int, ...], strides: Tuple[int, ...],
@@ -740,9 +747,9 @@ class Engine(_ClosedOnExit):
         # _release gives it back with no Python frame (see _leave)
         self._slot: Dict[str, int] = {}
         self._release = functools.partial(dict.__delitem__, self._slot, "owner")
-        # live zero-copy arrays (_Export; list ops are atomic under the GIL)
-        # and the C handle whose destroy waits for the last of them
-        self._exports: List[None] = []
+        # live zero-copy arrays (_Export: a weak reference each, removed by
+        # its callback) and the C handle whose destroy waits for the last
+        self._exports: List["weakref.ReferenceType[_Export]"] = []
         self._pending_destroy: Dict[str, int] = {}
         # the boxes of the leases begun and not known dead (retired or
         # released): a lease whose Lease object was lost is still here, for
@@ -859,11 +866,14 @@ class Engine(_ClosedOnExit):
                 raise interrupt
 
     # -- zero-copy exports (see _Export)
-    def _destroy_pending(self) -> None:
+    def _destroy_pending(self, ending: Any = None) -> None:
+        """The destroy close() deferred behind live arrays, once none is left
+        (`ending`: the reference of an export ending now, still listed)."""
         if self._forks != _FORKS[0]:
             return  # the parent's engine (see _FORKS): nothing to free here
         pending = self._pending_destroy
-        if "h" not in pending:
+        exports = self._exports
+        if "h" not in pending or (exports and exports != [ending]):
             return
         # taken with no point between it and the call where an exception can
         # land (pop is a call, and one landing after it lost the destroy)
@@ -913,6 +923,8 @@ class Engine(_ClosedOnExit):
         at once, but its memory is freed only when the last of them is
         gone, so an array kept past close never reads freed memory."""
         if self._handle is None:
+            if self._pending_destroy:
+                self._destroy_pending()  # the last array's end was cut short before it
             return
         if self._step_open:
             # Checked before the streams: a stream an unretired lease used
@@ -982,7 +994,7 @@ class Engine(_ClosedOnExit):
         if getattr(self, "_handle", None) is not None:
             with contextlib.suppress(Exception):
                 self._close_abandoning()
-        elif self.__dict__.get("_pending_destroy") and not self._exports:
+        elif self.__dict__.get("_pending_destroy"):
             self._destroy_pending()  # the last array's end was cut short before it
 
     # -- diagnostics

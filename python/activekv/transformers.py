@@ -360,6 +360,7 @@ class _Driver:
         self.pending: tuple[int, int, int] | None = None
         self.sealed: list[int] = []  # sealed, unretired leases, oldest first
         self.failed: BaseException | None = None
+        self.closing = False  # close() began: unusable, and close() again finishes it
         self.host_stream = None
         self.host_stream_raw = 0
         if self.backend == "host":
@@ -427,7 +428,7 @@ class _Driver:
             self.sealed.clear()
 
     def usable(self) -> None:
-        if self.engine is None:
+        if self.engine is None or self.closing:
             raise BadHandle.make("ActiveKVCache is closed")
         self.forget_quarantined()
         if self.failed is not None:
@@ -886,6 +887,7 @@ class _Driver:
         (Busy: quarantine could not establish completion) or for an interrupt."""
         if self.engine is None:
             return
+        self.closing = True
         interrupt = None
         self.forget_quarantined()
         if self.step_open:
@@ -912,8 +914,16 @@ class _Driver:
         # would defer the engine's destroy (zero-copy arrays keep its memory) until the
         # cache itself goes. Closed, the cache needs it no more.
         self.failed = None
-        engine, self.engine = self.engine, None
-        engine.close()
+        self.host_stream = None  # a Stream holds the engine; close destroys it
+        # Forgotten once closed: cut short before (an interrupt landing at close's start),
+        # the cache keeps it and a second close() frees it, instead of holding it unclosed.
+        engine = self.engine
+        try:
+            engine.close()
+        except ActiveKVError:
+            self.engine = None  # cannot be freed (Busy: everything retained); closed to us
+            raise
+        self.engine = None
         if interrupt is not None:
             raise interrupt
 

@@ -99,6 +99,10 @@ class Interrupter:
         one was)."""
         self.n, self.seen, self.fired = n, 0, False
         self.armed_now = True
+        # An interrupt landing in a finalizer is reported as unraisable and
+        # dropped, as Python's own hook does (pytest's keeps its traceback,
+        # whose frames would hold the finalized object alive)
+        hook, sys.unraisablehook = sys.unraisablehook, lambda args: None
         sys.setprofile(self._profile)
         try:
             yield
@@ -106,6 +110,7 @@ class Interrupter:
             assert self.fired
         finally:
             sys.setprofile(None)
+            sys.unraisablehook = hook
             self.armed_now = False
 
 
@@ -401,6 +406,49 @@ def test_cache_update(monkeypatch, hybrid, at):
             for (wk, wv), (gk, gv) in zip(want, got):
                 assert np.array_equal(wk, gk) and np.array_equal(wv, gv)
         assert not cache.engine._slot
+        cache.close()
+        assert len(it.destroyed) == len(it.creates)
+
+    every_point(monkeypatch, scenario)
+
+
+def test_engine_abandoned_mid_step(monkeypatch):
+    """A with block left by an exception mid-step quarantines and frees the
+    engine (_close_abandoning); cut short, closing again frees it."""
+    def scenario(it, n):
+        eng, ctx = _stepping(n)
+        eng.step_begin([ctx])
+        eng.lease_begin(0).wait_ready()
+        with it.at(n):
+            eng._close_abandoning()
+        if eng._handle is not None:
+            eng._close_abandoning()
+        assert len(it.destroyed) == len(it.creates)
+
+    every_point(monkeypatch, scenario)
+
+
+@pytest.mark.parametrize("call", ["close", "finish"])
+def test_cache_close_and_finish(monkeypatch, call):
+    """ActiveKVCache.close() or finish() mid-decode, cut short at each point:
+    calling it again completes it, and close() frees the engine."""
+    pytest.importorskip("transformers")
+    from test_misuse import _cache, _kv
+
+    def scenario(it, n):
+        torch, cache = _cache()
+        for step in range(-1, 2):
+            for layer in range(2):
+                cache.update(*_kv(torch, 1, 3 if step < 0 else 1, seed=step + layer), layer)
+        with it.at(n):
+            getattr(cache, call)()
+        if call == "finish" and cache.engine is not None and not cache._driver.failed:
+            try:
+                cache.finish()
+            except akv.StepState:
+                pass  # a step cut short between its layers: close() ends it
+        assert cache.engine is None or not cache.engine._slot
+        cache.close()
         cache.close()
         assert len(it.destroyed) == len(it.creates)
 
