@@ -453,3 +453,50 @@ def test_cache_close_and_finish(monkeypatch, call):
         assert len(it.destroyed) == len(it.creates)
 
     every_point(monkeypatch, scenario)
+
+
+def test_cache_forward_hook(monkeypatch):
+    """The forward hook's seal (hooks=True), cut short at each point: the
+    run goes on (the next update seals what the hook did not) with the rows
+    of an uninterrupted run, or the cache says it is unusable; close()
+    frees the engine either way."""
+    pytest.importorskip("transformers")
+    from test_misuse import _cache, _kv
+
+    def run(cache, torch, it=None, n=0):
+        for step in range(-1, 3):
+            for layer in range(2):
+                cache.update(*_kv(torch, 1, 3 if step < 0 else 1, seed=10 * step + layer), layer)
+                if step >= 0:
+                    if it is not None and (step, layer) == (1, 0):
+                        with it.at(n):
+                            cache._driver.after_attention(0)
+                    else:
+                        cache._driver.after_attention(layer)
+        try:
+            cache.finish()
+        except akv.Quarantined as exc:
+            assert "KeyboardInterrupt" in str(exc)
+            return None
+        ctx = cache.contexts[0]
+        return [ctx.read(d, 0, 6) for d in range(2)]
+
+    torch, ref = _cache()
+    with ref:
+        want = run(ref, torch)
+
+    def scenario(it, n):
+        torch, cache = _cache()
+        try:
+            got = run(cache, torch, it, n)
+        except akv.Quarantined as exc:
+            assert "KeyboardInterrupt" in str(exc)
+            got = None
+        if got is not None:
+            for (wk, wv), (gk, gv) in zip(want, got):
+                assert np.array_equal(wk, gk) and np.array_equal(wv, gv)
+        assert not cache.engine._slot
+        cache.close()
+        assert len(it.destroyed) == len(it.creates)
+
+    every_point(monkeypatch, scenario)
