@@ -5,8 +5,9 @@ A KeyboardInterrupt is raised by the interpreter at a function's start and
 right after a builtin or foreign call returns. Each test runs one
 operation with an interrupt injected at the n-th such point (n = 1, 2, ...
 until the operation completes uninterrupted): a profile hook raises it at
-the n-th Python function start or builtin return, and a wrapper of every
-library function right after the real call returns. After each interrupt
+a function of the package starting or a builtin it called returning (not
+inside a log callback, whose exceptions cannot leave it), and a wrapper of
+every library function right after the real call returns. After each interrupt
 the engine must be brought to a normal end, without a quarantine, by what
 a caller can see (the objects it holds, retried calls), and every engine
 the library made must be destroyed: no handle lost, no state read wrong.
@@ -99,9 +100,9 @@ class Interrupter:
         one was)."""
         self.n, self.seen, self.fired = n, 0, False
         self.armed_now = True
-        # An interrupt landing in a finalizer is reported as unraisable and
-        # dropped, as Python's own hook does (pytest's keeps its traceback,
-        # whose frames would hold the finalized object alive)
+        # An interrupt landing in a finalizer is unraisable: Python's own
+        # hook prints it and lets it go; pytest's keeps its traceback, whose
+        # frames would hold the finalized object alive. Let go here.
         hook, sys.unraisablehook = sys.unraisablehook, lambda args: None
         sys.setprofile(self._profile)
         try:
