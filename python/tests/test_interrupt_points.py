@@ -7,11 +7,13 @@ operation with an interrupt injected at the n-th such point (n = 1, 2, ...
 until the operation completes uninterrupted): a profile hook raises it at
 a function of the package starting or a builtin it called returning (not
 inside a log callback, whose exceptions cannot leave it), and a wrapper of
-every library function right after the real call returns. After each interrupt
-the engine must be brought to a normal end, without a quarantine, by what
-a caller can see (the objects it holds, retried calls), and every engine
-the library made must be destroyed: no handle lost, no state read wrong.
-Host backend, no GPU needed.
+every library function right after the real call returns. After each
+interrupt the engine must be brought to its end by what a caller can see
+(the objects it holds, retried calls), without a quarantine except where
+the interrupt took what a call returned (a lease's view or fence) or left
+a cache unusable, and every engine the library made must be destroyed: no
+handle lost, no state read wrong, no rows other than an uninterrupted
+run's. Host backend, no GPU needed.
 """
 import contextlib
 import os
