@@ -1624,14 +1624,61 @@ class Lease(_NotCopyable):
         # the stream from here (a refused wait_ready leaves the lease begun,
         # and the next one records its own)
         self._stream = stream if stream is not None else (sobj if sobj is not None else s)
-        self._box.stream = s
-        _check(lib.akv_lease_wait_ready(h, s, ctypes.byref(v)), self._engine._handle,
-               "wait_ready")
-        if self._engine.backend == "host":
-            # the stream as a Stream or as its raw handle (Stream.handle) alike
-            _check(lib.akv_stream_synchronize(self._engine._handle, s), self._engine._handle,
-                   "wait_ready: stream synchronize")
+        box = self._box
+        box.stream = s
+        # the library fills the lease's own view (Lease.view keeps it); a
+        # refused call (a second one) leaves the first's
+        fn, ref = lib.akv_lease_wait_ready, ctypes.byref(v)
+        prev, box.view = (getattr(box, "view", None), getattr(box, "synced", False)), v
+        box.synced = False
+        st = fn(h, s, ref)
+        if st != 0:
+            box.view, box.synced = prev
+            _check(st, self._engine._handle, "wait_ready")
+        self._sync_view()
         return View(self, v)
+
+    def _sync_view(self) -> None:
+        """Host backend: synchronizes the stream wait_ready was given, once,
+        so that Python code can read and write the view's arrays at once."""
+        box = self._box
+        if self._engine.backend == "host" and not box.synced:
+            # the stream as a Stream or as its raw handle (Stream.handle) alike
+            _check(lib.akv_stream_synchronize(self._engine._handle, box.stream),
+                   self._engine._handle, "wait_ready: stream synchronize")
+        box.synced = True
+
+    # What wait_ready, mark_consumed and write_back return is written by the
+    # library into the lease's own storage (_Owning): one cut short as it
+    # returned (a Ctrl-C) loses nothing, and the library refuses it a second
+    # time (LeaseState). These give it again.
+
+    @property
+    @_guarded
+    def view(self) -> Optional["View"]:
+        """The view wait_ready returned, again; None before one succeeded.
+        (Host backend: the stream is synchronized first, as wait_ready does,
+        if that was cut short.) Valid until the lease retires."""
+        self._h()
+        v = getattr(self._box, "view", None)
+        if v is None or not v.n_contexts:  # filled by the library only on success
+            return None
+        self._sync_view()
+        return View(self, v)
+
+    @property
+    def attention(self) -> Optional[Fence]:
+        """The fence mark_consumed returned, again; None before one
+        succeeded."""
+        f = getattr(self._box, "attn", None)
+        return Fence(f.serial) if f is not None and f.serial else None
+
+    @property
+    def tail(self) -> Optional[Fence]:
+        """The tail fence the last successful write_back returned, again;
+        None before one."""
+        f = getattr(self._box, "tail", None)
+        return Fence(f.serial) if f is not None and f.serial else None
 
     @_guarded
     def mark_consumed(self, stream: Any = None) -> Fence:
@@ -1644,8 +1691,14 @@ class Lease(_NotCopyable):
             stream = self._stream if self._stream is not None else self._box.stream
         s, _ = self._engine._stream_arg(stream)
         f = L.akv_fence()
-        _check(lib.akv_lease_mark_consumed(h, s, ctypes.byref(f)), self._engine._handle,
-               "mark_consumed")
+        # filled by the library on success (Lease.attention); a refused call
+        # (a second one) leaves the first's
+        fn, ref, box = lib.akv_lease_mark_consumed, ctypes.byref(f), self._box
+        prev, box.attn = getattr(box, "attn", None), f
+        st = fn(h, s, ref)
+        if st != 0:
+            box.attn = prev
+            _check(st, self._engine._handle, "mark_consumed")
         return Fence(f.serial)
 
     @_guarded
@@ -1656,14 +1709,20 @@ class Lease(_NotCopyable):
         h = self._h()
         tail = L.akv_fence()
         if owners is None:
-            st = lib.akv_lease_write_back(h, None, 0, ctypes.byref(tail))
+            arr, n = None, 0
         else:
             if isinstance(owners, (Context, str, bytes)) or not hasattr(owners, "__iter__"):
                 raise InvalidArgument.make(f"write_back: owners={owners!r}: expected a sequence "
                                            "of Contexts or None")
             hs = [self._engine._ctx_handle(c, "write_back") for c in owners]
-            arr = (ctypes.c_void_p * max(1, len(hs)))(*hs)
-            st = lib.akv_lease_write_back(h, arr, len(hs), ctypes.byref(tail))
+            arr, n = (ctypes.c_void_p * max(1, len(hs)))(*hs), len(hs)
+        fn, ref, box = lib.akv_lease_write_back, ctypes.byref(tail), self._box
+        # filled by the library on success (Lease.tail); an earlier write_back's
+        # tail stays when this one is refused
+        prev, box.tail = getattr(box, "tail", None), tail
+        st = fn(h, arr, n, ref)
+        if st != 0:
+            box.tail = prev
         _check(st, self._engine._handle, "write_back")
         return Fence(tail.serial)
 

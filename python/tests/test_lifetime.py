@@ -635,3 +635,43 @@ def test_quarantine_cut_short_after_an_uncertain_fence_retains_everything(monkey
     with pytest.raises(akv.Busy):
         eng.close()  # retained: nothing freed
     eng._box.value = None  # retained on purpose; leave it to the process
+
+
+@pytest.mark.parametrize("call", ["akv_lease_wait_ready", "akv_lease_mark_consumed",
+                                  "akv_lease_write_back"])
+def test_lease_call_cut_short_after_it_happened_keeps_its_result(monkeypatch, engine, call):
+    """What wait_ready, mark_consumed and write_back return was lost with an
+    interrupt landing as they returned, and the library refuses them a
+    second time: only a quarantine ended the lease. The lease keeps it now
+    (Lease.view, .attention, .tail) and the step ends normally."""
+    rng = np.random.default_rng(16)
+    k = rows(rng, 2)
+    ctx = engine.open_context()
+    ctx.append(k, k)
+    engine.step_begin([ctx])
+    lease = engine.lease_begin(0)
+    assert lease.view is None and lease.attention is None and lease.tail is None
+    raise_after(monkeypatch, call)
+    steps = [("akv_lease_wait_ready", lease.wait_ready, lambda: lease.view),
+             ("akv_lease_mark_consumed", lease.mark_consumed, lambda: lease.attention),
+             ("akv_lease_write_back", lease.write_back, lambda: lease.tail)]
+    got = []
+    for name, fn, kept in steps:
+        if name == call:
+            with pytest.raises(KeyboardInterrupt):
+                fn()
+            with pytest.raises(akv.LeaseState):
+                fn()  # it happened: refused a second time
+            got.append(kept())
+        else:
+            got.append(fn())
+    view, attn, tail = got
+    assert np.array_equal(view.keys(0)[:2], k[0])  # the staged history, as wait_ready gave it
+    assert attn == lease.attention and tail == lease.tail
+    lease.seal(tail, attn)
+    lease.retire()
+    for layer in (1, 2):
+        run_layer(engine, engine.lease_begin(layer))
+    engine.step_end()
+    assert not engine.info().quarantined
+    ctx.close()
