@@ -9,9 +9,9 @@ a function of the package starting or a builtin it called returning (not
 inside a log callback, whose exceptions cannot leave it), and a wrapper of
 every library function right after the real call returns. After each
 interrupt the engine must be brought to its end by what a caller can see
-(the objects it holds, retried calls), without a quarantine except where
-the interrupt took what a call returned (a lease's view or fence) or left
-a cache unusable, and every engine the library made must be destroyed: no
+(the objects it holds, what a lease kept, retried calls), without a
+quarantine except for a cache that says it is unusable, and every engine
+the library made must be destroyed: no
 handle lost, no state read wrong, no rows other than an uninterrupted
 run's. Host backend, no GPU needed.
 """
