@@ -1742,7 +1742,8 @@ class Lease(_NotCopyable):
         Backend (nothing released), Quarantined."""
         h = self._h()
         r = L.akv_receipt()
-        fn, ref = lib.akv_lease_retire, ctypes.byref(r)  # nothing that can raise between the two lines below
+        # built first: nothing that can raise between clearing and the call
+        fn, ref = lib.akv_lease_retire, ctypes.byref(r)
         self._box.value = None  # see _Ending
         try:
             st = fn(h, ref)
@@ -1770,7 +1771,8 @@ class Lease(_NotCopyable):
         h = self._h()
         _need("akv_lease_try_retire")
         r = L.akv_receipt()
-        fn, ref = lib.akv_lease_try_retire, ctypes.byref(r)  # nothing that can raise between the two lines below
+        # built first: nothing that can raise between clearing and the call
+        fn, ref = lib.akv_lease_try_retire, ctypes.byref(r)
         self._box.value = None  # see _Ending
         try:
             st = fn(h, ref)

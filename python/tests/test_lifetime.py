@@ -17,7 +17,6 @@ raises right after the real call returned (a real signal lands there only by
 chance). Host backend, no GPU needed.
 """
 import contextlib
-import ctypes
 import gc
 import threading
 import weakref
