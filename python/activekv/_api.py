@@ -13,6 +13,12 @@ destroyed stream do the same. "One thread at a time" is enforced: a call
 from a second thread while one is in flight raises Busy (Engine._enter).
 Zero-copy arrays keep the engine's memory alive (_Export): close() defers
 freeing it until the last one is gone.
+
+Lifetimes: every object made from an engine holds it; the engine holds
+them only weakly, so an engine dropped without close() is freed when its
+last reference goes (a dropped context is closed likewise). A call that
+makes a handle writes it into the object that owns it (_Owning): cut short
+as it returns (Ctrl-C, MemoryError), it loses nothing.
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ import contextlib
 import ctypes
 import dataclasses
 import functools
+import operator
 import os
 import sys
 import threading
@@ -34,6 +41,7 @@ from .errors import (
     ActiveKVError,
     BadHandle,
     Busy,
+    InUse,
     InvalidArgument,
     NotSupported,
     STATUS_VALUES,
@@ -453,12 +461,28 @@ class _Export:
         else:
             self.__array_interface__ = iface
         self._engine = engine
-        engine._export_add()
+        # Counted by a weak reference in the engine's list, which the export's
+        # end takes out again through its callback, list.remove: C, no Python
+        # frame, so no exception can land between the export's end and its
+        # count (a __del__ that counted could be cut short at its start, and
+        # the engine's memory was then never freed). Appended with no frame
+        # before it; cut short before, the export is not counted, and no
+        # array was made over it either.
+        exports = engine._exports
+        ref = weakref.ref(self, exports.remove)
+        self._ref = ref
+        exports.append(ref)
 
     def __del__(self) -> None:
+        # The last export gone (its own reference, still listed until its
+        # callback runs just after this, aside): the deferred destroy. Cut
+        # short, the engine's close() or its own end does it
+        # (Engine._destroy_pending).
         eng = self.__dict__.get("_engine")
-        if eng is not None:
-            eng._export_drop()
+        if eng is not None and eng._pending_destroy:
+            exports = eng._exports
+            if not exports or (len(exports) == 1 and exports[0] is self.__dict__.get("_ref")):
+                eng._destroy_pending(ending=self.__dict__.get("_ref"))
 
 
 def _export_array(engine: "Engine", ptr: int, shape: Tuple[int, ...], strides: Tuple[int, ...],
@@ -488,11 +512,12 @@ def _torch_stream_handle(stream: Any) -> int:
 LogFn = Callable[[str, str], None]
 
 
-# Per thread: ``logging``, the engines whose log callback runs on it now
-# (Engine._enter refuses calls on them); ``calls``, how many engine calls it
-# is in (create included); ``interrupt``, a KeyboardInterrupt or SystemExit
-# a log callback raised during one of them, which the call raises once the
-# library returned (Engine._on_log, Engine._leave).
+# Per thread: ``logging``, the log sinks (_LogSink) of the engines whose log
+# callback runs on it now (Engine._enter refuses calls on those engines);
+# ``calls``, how many engine calls it is in (create included);
+# ``interrupt``, a KeyboardInterrupt or SystemExit a log callback raised
+# during one of them, which the call raises once the library returned
+# (_LogSink, Engine._leave).
 _TLS = threading.local()
 
 
@@ -513,12 +538,6 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forked)
 
 
-def _tls_calls(delta: int) -> int:
-    n = getattr(_TLS, "calls", 0) + delta
-    _TLS.calls = n
-    return n
-
-
 def _take_interrupt() -> Optional[BaseException]:
     return _TLS.__dict__.pop("interrupt", None)
 
@@ -536,9 +555,55 @@ def _guarded(fn: Callable) -> Callable:
             return fn(self, *args, **kwargs)
         finally:
             if held:
-                eng._leave()
+                # Engine._leave, inline: the engine is released before any
+                # point where an exception could land (a frame's start)
+                tls = _TLS.__dict__
+                tls["calls"] -= 1
+                del eng._slot["owner"]
+                if "interrupt" in tls:
+                    interrupt = tls.pop("interrupt")
+                    if interrupt is not None:
+                        raise interrupt
 
     return call
+
+
+# _Owning: a call that makes a handle (akv_engine_create, akv_context_open,
+# akv_stream_create, akv_lease_begin) writes it (*out) straight into the
+# _Box of the object that owns it, built and registered with its engine
+# before the call: no Python code runs between the library returning and the
+# object owning the handle, so an exception raised as the call returns (a
+# KeyboardInterrupt lands at the first bytecode after it, a MemoryError in
+# the bookkeeping) cannot lose it. The library writes *out only on success:
+# a NULL box after the call means nothing was made. A create whose object
+# cannot reach the caller after all is undone (the engine destroyed, the
+# context closed, the stream destroyed); a lease cannot be undone, and
+# lease_begin of its layer hands it out again (Engine.lease_begin).
+
+
+class _Box(ctypes.c_void_p):
+    """The storage of one C handle: what the creating call writes through
+    (ctypes.byref) and what its object reads as ``_handle`` (None when
+    NULL). Objects naming the same handle share its box, so clearing it
+    (closed, retired, released) clears it for all of them at once."""
+
+
+def _as_box(handle: Any) -> _Box:
+    """A box of its own for a handle given as an int (None: a dead one), as
+    objects were made before boxes; the package passes boxes."""
+    return handle if isinstance(handle, _Box) else _Box(handle)
+
+
+def _set_handle(obj: Any, value: Optional[int]) -> None:
+    obj._box.value = value
+
+
+# ``obj._handle``: the handle in ``obj._box``, None when there is none. Read
+# through C (attrgetter), so reading runs no Python frame; the package
+# writes ``obj._box.value`` itself for the same reason (a Python setter's
+# frame is a point where an interrupt lands, between clearing a handle and
+# the call that ends it, or after a refusal and before the handle is back).
+_handle_attr = functools.partial(property, operator.attrgetter("_box.value"), _set_handle)
 
 
 # _Ending: the calls that end a handle (akv_engine_destroy, akv_context_close,
@@ -550,6 +615,16 @@ def _guarded(fn: Callable) -> Callable:
 # it) so leaves a dead object, never one holding a dead handle: the library
 # hands dead handle records out again ("Handle lifetimes" in akv.h), and the
 # object would later close, retire or destroy whatever newer object got it.
+# Lease.retire and try_retire know better: the library fills the receipt
+# only when it retired the lease, so one cut short gives the handle back
+# when the receipt is untouched (try_retire's "not ready" is common).
+#
+# _Recorded: state the package mirrors from the library (Engine._step_open)
+# is set the same way: to what the call does, before the call, and back
+# only on a refusal. The status of a call cut short as it returns is lost
+# with the exception, so a flag set after the call would say otherwise than
+# the library (a step read as closed: close destroyed the streams, then was
+# refused; one read as open after step_end: close refused for good).
 
 
 class _NotCopyable:
@@ -585,6 +660,51 @@ class _ClosedOnExit(_NotCopyable):
                 self.close()
 
 
+class _LogSink:
+    """An engine's log callback (what its C trampoline calls), apart from the
+    engine: the trampoline lives as long as the engine, and a trampoline of
+    a bound method of the engine would put the engine in a reference cycle,
+    freed only by a garbage collection instead of when its last reference
+    goes. It also keeps the error lines of a failed create, which has no
+    engine to hold its message. While it runs, this thread's ``logging``
+    holds it (Engine._enter refuses the engine's own calls there)."""
+
+    __slots__ = ("log", "errors")
+
+    def __init__(self, log: Optional["LogFn"]) -> None:
+        self.log = log
+        self.errors: List[str] = []
+
+    def __call__(self, user: Any, level: int, message: bytes) -> None:
+        text = message.decode(errors="replace") if message else ""
+        name = _inv(LOG_LEVELS).get(level, "debug")
+        if level == 0:
+            self.errors.append(text)
+            del self.errors[:-4]
+        if self.log is None:
+            with contextlib.suppress(Exception):  # stderr closed (interpreter exit)
+                sys.stderr.write(f"activekv {name}: {text}\n")
+            return
+        logging = _TLS.__dict__.setdefault("logging", [])
+        logging.append(self)
+        try:
+            self.log(name, text)
+        except Exception:
+            # Nothing can unwind into C: ctypes reports it (sys.unraisablehook,
+            # "Exception ignored on calling ctypes callback function") and the
+            # library goes on.
+            raise
+        except BaseException as exc:  # KeyboardInterrupt, SystemExit
+            if getattr(_TLS, "calls", 0) <= 0:
+                raise  # a library thread: reported as above
+            # held for the engine call on this thread to raise once the
+            # library returned (Engine._leave; Engine.__init__ for create)
+            if getattr(_TLS, "interrupt", None) is None:
+                _TLS.interrupt = exc
+        finally:
+            logging.pop()
+
+
 class Engine(_ClosedOnExit):
     """One engine (akv_engine): pools, queues, admission.
 
@@ -614,82 +734,74 @@ class Engine(_ClosedOnExit):
     requested but unavailable), Backend.
     """
 
+    _handle = _handle_attr()
+
     def __init__(self, *, log: Optional[LogFn] = None, **cfg: Any) -> None:
-        self._handle: Optional[int] = None
+        # What the engine holds of the objects made from it is weak (their
+        # boxes, weak sets): they hold the engine, so an engine dropped
+        # without close() is freed when its last reference goes, by its
+        # reference count (__del__), never left to a garbage collection.
+        self._box = _Box()
         self._forks, self._pid = _FORKS[0], os.getpid()  # see _FORKS
-        # one call at a time (_enter): the lock and the thread holding it
-        self._lock = threading.Lock()
-        self._owner: Optional[int] = None
-        # live zero-copy arrays (_Export; list ops are atomic under the GIL)
-        # and the C handle whose destroy waits for the last of them
-        self._exports: List[None] = []
+        # one call at a time (_enter): {"owner": the thread in a call};
+        # _release gives it back with no Python frame (see _leave)
+        self._slot: Dict[str, int] = {}
+        self._release = functools.partial(dict.__delitem__, self._slot, "owner")
+        # live zero-copy arrays (_Export: a weak reference each, removed by
+        # its callback) and the C handle whose destroy waits for the last
+        self._exports: List["weakref.ReferenceType[_Export]"] = []
         self._pending_destroy: Dict[str, int] = {}
-        self._leases: "weakref.WeakSet[Lease]" = weakref.WeakSet()
+        # the boxes of the leases begun and not known dead (retired or
+        # released): a lease whose Lease object was lost is still here, for
+        # lease_begin to hand out again and for quarantine and close to end
+        self._lease_boxes: List[_Box] = []
         self._retained = False  # an uncertain quarantine retains everything
         self._quarantined = False  # a quarantine established completion
         if log is not None and not callable(log):
             raise TypeError(f"Engine: log={log!r} is not callable (level, message)")
         self._lib = lib
-        self._default_stream: Optional[Stream] = None
-        self._streams: List[Stream] = []
-        self._contexts: "set[Context]" = set()
-        self._create_errors: List[str] = []
+        # streams of akv_stream_create not destroyed yet: their boxes (close
+        # destroys them, Stream objects alive or not); the default one's
+        # box, and its Stream while one is alive
+        self._streams: List[_Box] = []
+        self._default_box: Optional[_Box] = None
+        self._default_ref: Optional["weakref.ReferenceType[Stream]"] = None
+        self._contexts: "weakref.WeakSet[Context]" = weakref.WeakSet()
+        # boxes of contexts dropped while the open step held them (InUse):
+        # closed when the step ends (_close_orphans)
+        self._orphans: List[_Box] = []
         self._step_open = False  # between a successful step_begin and step_end / quarantine
-        self._log = log
         c, self._cfg_dict = _make_config(cfg)
         self._dtype = self._cfg_dict["dtype"]
         # The trampoline lives as long as the engine (the C side keeps the
-        # function pointer); it also keeps the error lines of a failed create,
-        # which has no engine to hold its message.
-        self._log_cb = L.LOG_FN(self._on_log)
+        # function pointer); see _LogSink.
+        self._sink = _LogSink(log)
+        self._log_cb = L.LOG_FN(self._sink)
         c.log_fn = self._log_cb
         self._cfg = c
-        h = ctypes.c_void_p()
-        _tls_calls(+1)
+        cref, out = ctypes.byref(c), ctypes.byref(self._box)  # the engine owns it: _Owning
+        tls = _TLS.__dict__
         try:
-            st = lib.akv_engine_create(ctypes.byref(c), ctypes.byref(h))
-        finally:
-            _tls_calls(-1)
-        interrupt = _take_interrupt()
-        if interrupt is not None:  # Ctrl-C in the log callback: no engine for the caller
-            if st == 0:
-                lib.akv_engine_destroy(h.value)
-            raise interrupt
-        if st != 0:
-            msg = "; ".join(self._create_errors) or lib.akv_status_string(st).decode()
-            raise error_for(st, f"engine create: {msg}")
-        self._handle = h.value
-        info = self.info()
-        self._cfg_dict["backend"] = info.backend
-
-    def _on_log(self, user: Any, level: int, message: bytes) -> None:
-        text = message.decode(errors="replace") if message else ""
-        name = _inv(LOG_LEVELS).get(level, "debug")
-        if level == 0:
-            self._create_errors.append(text)
-            del self._create_errors[:-4]
-        if self._log is None:
-            with contextlib.suppress(Exception):  # stderr closed (interpreter exit)
-                sys.stderr.write(f"activekv {name}: {text}\n")
-            return
-        logging = _TLS.__dict__.setdefault("logging", [])
-        logging.append(self)
-        try:
-            self._log(name, text)
-        except Exception:
-            # Nothing can unwind into C: ctypes reports it (sys.unraisablehook,
-            # "Exception ignored on calling ctypes callback function") and the
-            # library goes on.
+            tls["calls"] = tls.get("calls", 0) + 1  # counted inline: no frame here
+            try:
+                st = lib.akv_engine_create(cref, out)
+            finally:
+                tls["calls"] -= 1
+            interrupt = _take_interrupt()
+            if interrupt is not None:  # Ctrl-C in the log callback: no engine for the caller
+                raise interrupt
+            if st != 0:
+                msg = "; ".join(self._sink.errors) or lib.akv_status_string(st).decode()
+                raise error_for(st, f"engine create: {msg}")
+            info = self.info()
+            self._cfg_dict["backend"] = info.backend
+        except BaseException:
+            # no engine reaches the caller: destroy the one the call made (a
+            # fresh engine, nothing to refuse); cut short too, __del__ does it
+            h, self._box.value = self._box.value, None
+            if h is not None:
+                lib.akv_engine_destroy(h)
             raise
-        except BaseException as exc:  # KeyboardInterrupt, SystemExit
-            if getattr(_TLS, "calls", 0) <= 0:
-                raise  # a library thread: reported as above
-            # held for the engine call on this thread to raise once the
-            # library returned (Engine._leave; Engine.__init__ for create)
-            if getattr(_TLS, "interrupt", None) is None:
-                _TLS.interrupt = exc
-        finally:
-            logging.pop()
 
     # -- one call at a time
     def _enter(self, what: str) -> bool:
@@ -707,26 +819,46 @@ class Engine(_ClosedOnExit):
                                  "(make an engine here)")
         tls = _TLS.__dict__  # this thread's: one dict lookup per key below (hot path)
         logging = tls.get("logging")
-        if logging and any(e is self for e in logging):
+        if logging and any(e is self._sink for e in logging):
             raise Busy.make(f"{what}: called from the engine's log callback; the callback runs "
                             "inside the engine's own calls and must not call it")
         me = threading.get_ident()
-        if self._owner == me:
+        slot = self._slot
+        if slot.get("owner") == me:
             return False
-        if not self._lock.acquire(blocking=False):
+        calls = tls.get("calls", 0)
+        # Taken by one atomic dict operation, which says afterwards who took
+        # it: an exception landing as it returns (a Ctrl-C there) gives back
+        # what it took. (A lock taken there had no owner recorded, and every
+        # later call, the engine's close and its release included, was
+        # refused with Busy for good.)
+        try:
+            owner = slot.setdefault("owner", me)
+        except BaseException:
+            if slot.get("owner") == me:  # not nested (checked above): taken by this call
+                del slot["owner"]
+            raise
+        if owner != me:
             raise Busy.make(f"{what}: the engine is in a call on another thread; an engine and "
                             "everything made from it are used from one thread at a time")
-        self._owner = me
-        tls["calls"] = tls.get("calls", 0) + 1  # _tls_calls(+1), inline
+        tls["calls"] = calls + 1
         return True
 
     def _leave(self) -> None:
         """Ends the call _enter began. Raises the KeyboardInterrupt (or
         SystemExit) a log callback raised during the call, now that the
-        library returned."""
-        self._owner = None
-        self._lock.release()
-        tls = _TLS.__dict__  # _tls_calls(-1) and _take_interrupt(), inline (hot path)
+        library returned.
+
+        An exception landing at this method's start would leave the engine
+        taken: callers that must not (the adapter's finally blocks) call
+        ``_release()`` (C, no frame) and then ``_left()`` instead; _guarded
+        does the same inline."""
+        self._release()
+        self._left()
+
+    def _left(self) -> None:
+        """The rest of _leave once the engine is released."""
+        tls = _TLS.__dict__  # the count and _take_interrupt(), inline (hot path)
         tls["calls"] -= 1
         if "interrupt" in tls:
             interrupt = tls.pop("interrupt")
@@ -734,20 +866,19 @@ class Engine(_ClosedOnExit):
                 raise interrupt
 
     # -- zero-copy exports (see _Export)
-    def _export_add(self) -> None:
-        self._exports.append(None)
-
-    def _export_drop(self) -> None:
-        self._exports.pop()
-        if not self._exports:
-            self._destroy_pending()
-
-    def _destroy_pending(self) -> None:
+    def _destroy_pending(self, ending: Any = None) -> None:
+        """The destroy close() deferred behind live arrays, once none is left
+        (`ending`: the reference of an export ending now, still listed)."""
         if self._forks != _FORKS[0]:
             return  # the parent's engine (see _FORKS): nothing to free here
-        h = self._pending_destroy.pop("h", None)
-        if h is None:
+        pending = self._pending_destroy
+        exports = self._exports
+        if "h" not in pending or (exports and exports != [ending]):
             return
+        # taken with no point between it and the call where an exception can
+        # land (pop is a call, and one landing after it lost the destroy)
+        h = pending["h"]
+        del pending["h"]
         try:
             st = lib.akv_engine_destroy(h)
         except Exception:  # at interpreter exit lib may be gone
@@ -792,6 +923,8 @@ class Engine(_ClosedOnExit):
         at once, but its memory is freed only when the last of them is
         gone, so an array kept past close never reads freed memory."""
         if self._handle is None:
+            if self._pending_destroy:
+                self._destroy_pending()  # the last array's end was cut short before it
             return
         if self._step_open:
             # Checked before the streams: a stream an unretired lease used
@@ -808,26 +941,31 @@ class Engine(_ClosedOnExit):
         if info.transport_failed and not info.quarantined:
             raise Busy.make("engine close: destroy refused: the transport failed, quarantine "
                             "first; nothing was freed")
-        for s in list(self._streams):
-            s.destroy()
+        for box in list(self._streams):
+            self._stream_destroy(box)
         h = self._handle
         if self._exports:
+            # closed for every call before the destroy is deferred (no point
+            # between the two where an exception can land): never a deferred
+            # destroy behind an engine that reads as open
+            self._box.value = None
             self._pending_destroy["h"] = h
             if not self._exports:  # the last one went meanwhile
                 self._destroy_pending()
         else:
             # the handle goes before the call (see _Ending), back only on a refusal
-            self._handle = None
+            self._box.value = None
             st = lib.akv_engine_destroy(h)
             if st != 0:
-                self._handle = h
+                self._box.value = h
                 _check(st, h, "engine close")
-        self._handle = None
+        self._box.value = None
         for ctx in list(self._contexts):
-            ctx._handle = None
+            ctx._box.value = None
         self._contexts.clear()
-        for lease in list(self._leases):
-            lease._handle = None
+        for box in self._lease_boxes:
+            box.value = None
+        self._lease_boxes = []
 
     def _close_abandoning(self) -> None:
         """close() for an engine nobody can finish any more: a ``with``
@@ -856,6 +994,8 @@ class Engine(_ClosedOnExit):
         if getattr(self, "_handle", None) is not None:
             with contextlib.suppress(Exception):
                 self._close_abandoning()
+        elif self.__dict__.get("_pending_destroy"):
+            self._destroy_pending()  # the last array's end was cut short before it
 
     # -- diagnostics
     @property
@@ -984,16 +1124,29 @@ class Engine(_ClosedOnExit):
         # What a quarantine that establishes completion does (the leases
         # released, their handles dead; the step ended) is recorded before the
         # call and undone only when it did not (see _Ending).
-        held = [(lease, lease._handle) for lease in list(self._leases)]
+        held = [(box, box.value) for box in self._lease_boxes if box.value is not None]
         before = (self._step_open, self._quarantined)
-        for lease, _ in held:
-            lease._handle = None
-        self._step_open, self._quarantined = False, True
-        st = lib.akv_engine_quarantine(h, ctypes.byref(r))
+        fn, ref, called = lib.akv_engine_quarantine, ctypes.byref(r), False
+        try:
+            for box, _ in held:
+                box.value = None
+            self._step_open, self._quarantined = False, True
+            called = True  # nothing can raise from here to the call
+            st = fn(h, ref)
+        except BaseException:
+            # Cut short before the call, the library did nothing; as it
+            # returned, the report (filled either way) says whether it
+            # established completion: if not, everything stays retained.
+            if not called or not (r.h2d_ok and r.d2h_ok and r.d2d_ok and r.device_ok):
+                self._step_open, self._quarantined = before
+                for box, lh in held:
+                    box.value = lh
+                self._retained = self._retained or called
+            raise
         if st != 0:
             self._step_open, self._quarantined = before
-            for lease, lh in held:
-                lease._handle = lh
+            for box, lh in held:
+                box.value = lh
         self._retained = st == STATUS_VALUES["AKV_ERR_UNCERTAIN_FENCE"]
         report = QuarantineReport(bool(r.h2d_ok), bool(r.d2h_ok), bool(r.d2d_ok),
                                   bool(r.device_ok), r.leases_released, r.tickets_released,
@@ -1015,11 +1168,18 @@ class Engine(_ClosedOnExit):
         burst = _uint(burst_pages, "open_context: burst_pages")
         cc = L.akv_context_config(ctypes.sizeof(L.akv_context_config), L.AKV_CONFIG_VERSION,
                                   target, burst)
-        h = ctypes.c_void_p()
-        _check(lib.akv_context_open(self._h(), ctypes.byref(cc), ctypes.byref(h)), self._handle,
-               "open_context")
-        ctx = Context(self, h.value)
+        h = self._h()
+        ctx = Context(self, _Box())  # owns the handle the call writes: _Owning
         self._contexts.add(ctx)
+        try:
+            _check(lib.akv_context_open(h, ctypes.byref(cc), ctypes.byref(ctx._box)),
+                   self._handle, "open_context")
+            interrupt = _take_interrupt()
+            if interrupt is not None:  # Ctrl-C in the log callback: no context for the caller
+                raise interrupt
+        except BaseException:
+            ctx._discard()  # undone: closed (and when cut short, closed as it is dropped)
+            raise
         return ctx
 
     @_guarded
@@ -1032,15 +1192,37 @@ class Engine(_ClosedOnExit):
             raise InvalidArgument.make(f"step_begin: {contexts!r}: expected a sequence of Contexts")
         hs = [self._ctx_handle(c, "step_begin") for c in contexts]
         arr = (ctypes.c_void_p * max(1, len(hs)))(*hs)
-        _check(lib.akv_step_begin(self._h(), arr, len(hs)), self._handle, "step_begin")
+        h, n, before = self._h(), len(hs), self._step_open
+        # recorded before the call, undone only on a refusal (_Recorded)
         self._step_open = True
+        st = lib.akv_step_begin(h, arr, n)
+        if st != 0:
+            self._step_open = before
+            _check(st, self._handle, "step_begin")
 
     @_guarded
     def step_end(self) -> None:
         """Closes the step; every layer's lease must be retired. Each
         context grows by one row. Raises StepState, Quarantined."""
-        _check(lib.akv_step_end(self._h()), self._handle, "step_end")
-        self._step_open = False
+        h, before = self._h(), self._step_open
+        self._step_open = False  # _Recorded
+        st = lib.akv_step_end(h)
+        if st != 0:
+            self._step_open = before
+            _check(st, self._handle, "step_end")
+        if self._orphans:
+            self._close_orphans()
+
+    def _close_orphans(self) -> None:
+        """Closes the contexts dropped while the step held them (see _Ending)."""
+        orphans, self._orphans = self._orphans, []
+        for box in orphans:
+            if box.value is not None:
+                h, box.value = box.value, None
+                st = lib.akv_context_close(h)
+                if st != 0:  # still held (a later step): at the next end, or the destroy
+                    box.value = h
+                    self._orphans.append(box)
 
     @contextlib.contextmanager
     def step(self, contexts: Sequence["Context"]) -> Iterator["Engine"]:
@@ -1060,13 +1242,30 @@ class Engine(_ClosedOnExit):
     def lease_begin(self, layer: int) -> "Lease":
         """Begins the lease of dense layer `layer` of the open step (layers in
         order 0..n_dense_layers-1); enqueues its history copies. Raises
-        InvalidArgument, StepState, LeaseOrder, Backend, Quarantined."""
+        InvalidArgument, StepState, LeaseOrder, Backend, Quarantined.
+
+        A begun lease cannot be undone: when its Lease object was lost (a
+        KeyboardInterrupt or MemoryError raised as lease_begin returned, or
+        the object dropped) and the lease is neither retired nor released,
+        lease_begin(layer) returns it again instead of calling the library
+        (which would refuse the layer), so the step can still be finished;
+        mark_consumed(None) then uses the stream wait_ready was given."""
         layer = _uint(layer, "lease_begin: layer")
-        h = ctypes.c_void_p()
-        _check(lib.akv_lease_begin(self._h(), layer, ctypes.byref(h)), self._handle,
-               "lease_begin")
-        lease = Lease(self, h.value, layer)
-        self._leases.add(lease)
+        h = self._h()
+        boxes = [b for b in self._lease_boxes if b.value is not None]
+        for box in boxes:
+            owner = box.owner
+            if box.layer == layer and (owner is None or owner() is None):
+                # begun in this step, its Lease lost (cut short as it was
+                # made, or dropped): a lease cannot be undone, so it is this
+                # layer's lease and is handed out again
+                return Lease(self, box)
+        box = _Box()
+        box.layer, box.stream, box.owner = layer, None, None
+        lease = Lease(self, box)  # owns the handle the call writes: _Owning
+        boxes.append(box)
+        self._lease_boxes = boxes
+        _check(lib.akv_lease_begin(h, layer, ctypes.byref(box)), self._handle, "lease_begin")
         return lease
 
     # -- streams
@@ -1074,12 +1273,41 @@ class Engine(_ClosedOnExit):
     def stream_create(self) -> "Stream":
         """A compute queue of the engine's backend (host: a worker thread;
         CUDA: a non-blocking stream). Destroy it before closing the engine
-        (close does so for streams still live). At most 8 per engine."""
-        h = ctypes.c_void_p()
-        _check(lib.akv_stream_create(self._h(), ctypes.byref(h)), self._handle, "stream_create")
-        s = Stream(self, h.value)
-        self._streams.append(s)
+        (close does so for streams still live, their Stream objects alive or
+        not). At most 8 per engine."""
+        return self._stream_new(False)
+
+    def _stream_new(self, default: bool) -> "Stream":
+        """stream_create; `default`: as the engine's default stream."""
+        h = self._h()
+        s = Stream(self, _Box())  # owns the handle the call writes: _Owning
+        self._streams.append(s._box)
+        if default:
+            self._default_box, self._default_ref = s._box, weakref.ref(s)
+        try:
+            _check(lib.akv_stream_create(h, ctypes.byref(s._box)), self._handle,
+                   "stream_create")
+            interrupt = _take_interrupt()
+            if interrupt is not None:  # Ctrl-C in the log callback: no stream for the caller
+                raise interrupt
+        except BaseException:
+            # undone: destroyed (a new stream, no lease uses it); cut short
+            # too, close destroys it
+            with contextlib.suppress(ActiveKVError):
+                self._stream_destroy(s._box)
+            raise
         return s
+
+    def _stream_destroy(self, box: _Box) -> None:
+        """Destroys the stream in `box` (see _Ending) and forgets the box."""
+        if box.value is not None:
+            h, box.value = box.value, None
+            st = lib.akv_stream_destroy(self._handle, h)
+            if st != 0:
+                box.value = h
+                _check(st, self._handle, "stream destroy")
+        with contextlib.suppress(ValueError):
+            self._streams.remove(box)
 
     @_guarded
     def default_stream(self) -> Union[int, "Stream"]:
@@ -1093,9 +1321,16 @@ class Engine(_ClosedOnExit):
             # the caller's current device is another GPU)
             return _torch_stream_handle(
                 _torch().cuda.current_stream(int(self._cfg_dict.get("device_ordinal", 0))))
-        if self._default_stream is None or self._default_stream._handle is None:
-            self._default_stream = self.stream_create()
-        return self._default_stream
+        box = self._default_box
+        if box is None or box.value is None:
+            return self._stream_new(True)
+        # the engine keeps the stream's box, not its Stream (which holds the
+        # engine): the same Stream while one is alive, else a new one for it
+        s = self._default_ref() if self._default_ref is not None else None
+        if s is None:
+            s = Stream(self, box)
+            self._default_ref = weakref.ref(s)
+        return s
 
     def _stream_arg(self, stream: Any) -> Tuple[Optional[int], Any]:
         """(the akv_stream value, the Stream object or None)."""
@@ -1142,9 +1377,11 @@ class Stream(_NotCopyable):
     """A compute queue from Engine.stream_create (akv_stream). Host backend:
     a worker thread; CUDA: a cudaStream_t (``.handle``)."""
 
-    def __init__(self, engine: Engine, handle: int) -> None:
+    _handle = _handle_attr()
+
+    def __init__(self, engine: Engine, box: Union[_Box, int, None]) -> None:
         self._engine = engine
-        self._handle: Optional[int] = handle
+        self._box = _as_box(box)  # shared with the engine's list (Engine._streams)
 
     def _h(self) -> int:
         self._engine._h()
@@ -1168,15 +1405,9 @@ class Stream(_NotCopyable):
         """Drains (host backend) and destroys the stream. Destroying twice is
         a no-op."""
         if self._handle is None or self._engine._handle is None:
-            self._handle = None
+            self._box.value = None
             return
-        h, self._handle = self._handle, None  # see _Ending
-        st = lib.akv_stream_destroy(self._engine._handle, h)
-        if st != 0:
-            self._handle = h
-            _check(st, self._engine._handle, "stream destroy")
-        with contextlib.suppress(ValueError):
-            self._engine._streams.remove(self)
+        self._engine._stream_destroy(self._box)  # the handle goes first: see _Ending
 
     def __enter__(self) -> "Stream":
         return self
@@ -1191,17 +1422,38 @@ class Stream(_NotCopyable):
 
 class Context(_ClosedOnExit):
     """One request's history (akv_context). Made by Engine.open_context; a
-    context manager that closes it."""
+    context manager that closes it. A context dropped without close() is
+    closed when its last reference goes, or when the step that holds it
+    ends; one dropped while another thread is in a call on its engine is
+    freed with its engine."""
 
-    def __init__(self, engine: Engine, handle: int) -> None:
+    _handle = _handle_attr()
+
+    def __init__(self, engine: Engine, box: Union[_Box, int, None]) -> None:
         self._engine = engine
-        self._handle: Optional[int] = handle
+        self._box = _as_box(box)
 
     def _h(self) -> int:
         self._engine._h()
         if self._handle is None:
             raise BadHandle.make("the context is closed")
         return self._handle
+
+    def _discard(self) -> None:
+        """Closes the context where it can (a dropped or undone one); one the
+        open step holds (InUse) is closed when the step ends; where it
+        cannot be (another thread in a call, a forked child), the engine's
+        destroy frees it."""
+        if self.__dict__.get("_box") is not None and self._handle is not None:
+            try:
+                self.close()
+            except InUse:
+                self._engine._orphans.append(self._box)
+            except Exception:  # noqa: BLE001 - a finalizer: left to the engine's destroy
+                pass
+
+    def __del__(self) -> None:
+        self._discard()
 
     def __hash__(self) -> int:
         return id(self)
@@ -1312,12 +1564,12 @@ class Context(_ClosedOnExit):
         """Closes the context and releases its host slot and device pages.
         Raises InUse (part of the open step). Closing twice is a no-op."""
         if self._handle is None or self._engine._handle is None:
-            self._handle = None
+            self._box.value = None
             return
-        h, self._handle = self._handle, None  # see _Ending
+        h, self._box.value = self._box.value, None  # see _Ending
         st = lib.akv_context_close(h)
         if st != 0:
-            self._handle = h
+            self._box.value = h
             _check(st, self._engine._handle, "context close")
         self._engine._contexts.discard(self)
 
@@ -1337,10 +1589,19 @@ class Lease(_NotCopyable):
     """One staged layer, begin..retire (akv_lease). Made by
     Engine.lease_begin. After retire the object is dead (BadHandle)."""
 
-    def __init__(self, engine: Engine, handle: int, layer: int) -> None:
+    _handle = _handle_attr()
+
+    def __init__(self, engine: Engine, box: Union[_Box, int, None],
+                 layer: Optional[int] = None) -> None:
         self._engine = engine
-        self._handle: Optional[int] = handle
-        self.layer = layer
+        if not isinstance(box, _Box):
+            box = _as_box(box)
+            box.layer, box.stream = layer, None
+        self._box = box  # shared with the engine's list (Engine._lease_boxes)
+        box.owner = weakref.ref(self)
+        self.layer: int = box.layer
+        # the stream given to wait_ready, as given (the box keeps its raw
+        # value only: a Stream there would hold the engine from the engine)
         self._stream: Any = None
 
     def _h(self) -> int:
@@ -1359,24 +1620,85 @@ class Lease(_NotCopyable):
         h = self._h()
         s, sobj = self._engine._stream_arg(stream)
         v = L.akv_view()
-        _check(lib.akv_lease_wait_ready(h, s, ctypes.byref(v)), self._engine._handle,
-               "wait_ready")
+        # recorded before the call, for mark_consumed(None): the lease keeps
+        # the stream from here (a refused wait_ready leaves the lease begun,
+        # and the next one records its own)
         self._stream = stream if stream is not None else (sobj if sobj is not None else s)
-        if self._engine.backend == "host":
-            # the stream as a Stream or as its raw handle (Stream.handle) alike
-            _check(lib.akv_stream_synchronize(self._engine._handle, s), self._engine._handle,
-                   "wait_ready: stream synchronize")
+        box = self._box
+        box.stream = s
+        # the library fills the lease's own view (Lease.view keeps it); a
+        # refused call (a second one) leaves the first's
+        fn, ref = lib.akv_lease_wait_ready, ctypes.byref(v)
+        prev, box.view = (getattr(box, "view", None), getattr(box, "synced", False)), v
+        box.synced = False
+        st = fn(h, s, ref)
+        if st != 0:
+            box.view, box.synced = prev
+            _check(st, self._engine._handle, "wait_ready")
+        self._sync_view()
         return View(self, v)
+
+    def _sync_view(self) -> None:
+        """Host backend: synchronizes the stream wait_ready was given, once,
+        so that Python code can read and write the view's arrays at once."""
+        box = self._box
+        if self._engine.backend == "host" and not box.synced:
+            # the stream as a Stream or as its raw handle (Stream.handle) alike
+            _check(lib.akv_stream_synchronize(self._engine._handle, box.stream),
+                   self._engine._handle, "wait_ready: stream synchronize")
+        box.synced = True
+
+    # What wait_ready, mark_consumed and write_back return is written by the
+    # library into the lease's own storage (_Owning): one cut short as it
+    # returned (a Ctrl-C) loses nothing, and the library refuses it a second
+    # time (LeaseState). These give it again.
+
+    @property
+    @_guarded
+    def view(self) -> Optional["View"]:
+        """The view wait_ready returned, again; None before one succeeded.
+        (Host backend: the stream is synchronized first, as wait_ready does,
+        if that was cut short.) Valid until the lease retires."""
+        self._h()
+        v = getattr(self._box, "view", None)
+        if v is None or not v.n_contexts:  # filled by the library only on success
+            return None
+        self._sync_view()
+        return View(self, v)
+
+    @property
+    def attention(self) -> Optional[Fence]:
+        """The fence mark_consumed returned, again; None before one
+        succeeded."""
+        f = getattr(self._box, "attn", None)
+        return Fence(f.serial) if f is not None and f.serial else None
+
+    @property
+    def tail(self) -> Optional[Fence]:
+        """The tail fence the last successful write_back returned, again;
+        None before one."""
+        f = getattr(self._box, "tail", None)
+        return Fence(f.serial) if f is not None and f.serial else None
 
     @_guarded
     def mark_consumed(self, stream: Any = None) -> Fence:
         """Records the attention-consumed event on `stream` (None: the stream
         given to wait_ready) and returns its fence."""
         h = self._h()
-        s, _ = self._engine._stream_arg(stream if stream is not None else self._stream)
+        if stream is None:
+            # as given to wait_ready; a lease handed out again by lease_begin
+            # has that stream's raw value only
+            stream = self._stream if self._stream is not None else self._box.stream
+        s, _ = self._engine._stream_arg(stream)
         f = L.akv_fence()
-        _check(lib.akv_lease_mark_consumed(h, s, ctypes.byref(f)), self._engine._handle,
-               "mark_consumed")
+        # filled by the library on success (Lease.attention); a refused call
+        # (a second one) leaves the first's
+        fn, ref, box = lib.akv_lease_mark_consumed, ctypes.byref(f), self._box
+        prev, box.attn = getattr(box, "attn", None), f
+        st = fn(h, s, ref)
+        if st != 0:
+            box.attn = prev
+            _check(st, self._engine._handle, "mark_consumed")
         return Fence(f.serial)
 
     @_guarded
@@ -1387,14 +1709,20 @@ class Lease(_NotCopyable):
         h = self._h()
         tail = L.akv_fence()
         if owners is None:
-            st = lib.akv_lease_write_back(h, None, 0, ctypes.byref(tail))
+            arr, n = None, 0
         else:
             if isinstance(owners, (Context, str, bytes)) or not hasattr(owners, "__iter__"):
                 raise InvalidArgument.make(f"write_back: owners={owners!r}: expected a sequence "
                                            "of Contexts or None")
             hs = [self._engine._ctx_handle(c, "write_back") for c in owners]
-            arr = (ctypes.c_void_p * max(1, len(hs)))(*hs)
-            st = lib.akv_lease_write_back(h, arr, len(hs), ctypes.byref(tail))
+            arr, n = (ctypes.c_void_p * max(1, len(hs)))(*hs), len(hs)
+        fn, ref, box = lib.akv_lease_write_back, ctypes.byref(tail), self._box
+        # filled by the library on success (Lease.tail); an earlier write_back's
+        # tail stays when this one is refused
+        prev, box.tail = getattr(box, "tail", None), tail
+        st = fn(h, arr, n, ref)
+        if st != 0:
+            box.tail = prev
         _check(st, self._engine._handle, "write_back")
         return Fence(tail.serial)
 
@@ -1414,10 +1742,20 @@ class Lease(_NotCopyable):
         Backend (nothing released), Quarantined."""
         h = self._h()
         r = L.akv_receipt()
-        self._handle = None  # see _Ending
-        st = lib.akv_lease_retire(h, ctypes.byref(r))
+        # built first: nothing that can raise between clearing and the call
+        fn, ref = lib.akv_lease_retire, ctypes.byref(r)
+        self._box.value = None  # see _Ending
+        try:
+            st = fn(h, ref)
+        except BaseException:
+            # cut short as it returned: the library fills the receipt only
+            # when it retired the lease (step >= 1), so the receipt says
+            # which it was (for try_retire, "not ready" is a common answer)
+            if r.step == 0:
+                self._box.value = h
+            raise
         if st != 0:
-            self._handle = h
+            self._box.value = h
             _check(st, self._engine._handle, "retire")
         return _receipt(r)
 
@@ -1433,10 +1771,20 @@ class Lease(_NotCopyable):
         h = self._h()
         _need("akv_lease_try_retire")
         r = L.akv_receipt()
-        self._handle = None  # see _Ending
-        st = lib.akv_lease_try_retire(h, ctypes.byref(r))
+        # built first: nothing that can raise between clearing and the call
+        fn, ref = lib.akv_lease_try_retire, ctypes.byref(r)
+        self._box.value = None  # see _Ending
+        try:
+            st = fn(h, ref)
+        except BaseException:
+            # cut short as it returned: the library fills the receipt only
+            # when it retired the lease (step >= 1), so the receipt says
+            # which it was (for try_retire, "not ready" is a common answer)
+            if r.step == 0:
+                self._box.value = h
+            raise
         if st != 0:
-            self._handle = h
+            self._box.value = h
             if st == _NOT_READY:
                 return None
             _check(st, self._engine._handle, "try_retire")

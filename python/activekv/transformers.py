@@ -355,12 +355,12 @@ class _Driver:
         self.contexts: list | None = None
         self.batch = 0
         self.layer_len = [0] * n_dense  # rows each dense layer holds, this step's included
-        self.step_open = False
         self.next_dense = 0  # the dense layer the open step leases next
         # The one lease begun but not sealed yet: (dense index, handle, stream).
         self.pending: tuple[int, int, int] | None = None
         self.sealed: list[int] = []  # sealed, unretired leases, oldest first
         self.failed: BaseException | None = None
+        self.closing = False  # close() began: unusable, and close() again finishes it
         self.host_stream = None
         self.host_stream_raw = 0
         if self.backend == "host":
@@ -387,6 +387,15 @@ class _Driver:
         self.retired_blocking = 0
         self.hook_seals = 0
         self.fallback_seals = 0
+
+    @property
+    def step_open(self) -> bool:
+        """The engine's step is open: read from the engine, which records it right at its
+        call (Engine.step_begin / step_end), so an interrupt landing anywhere in between
+        leaves both agreeing (a flag of the cache's own, set around those calls, could
+        not be set at the library's call itself)."""
+        engine = self.engine
+        return engine is not None and engine._step_open
 
     def torch_stream(self) -> int:
         """torch's current CUDA stream as an akv_stream. torch's default stream is the legacy
@@ -417,15 +426,16 @@ class _Driver:
             self.failed = Quarantined.make("ActiveKVCache: its engine was quarantined")
             self.pending = None
             self.sealed.clear()
-            self.step_open = False
 
     def usable(self) -> None:
-        if self.engine is None:
+        if self.engine is None or self.closing:
             raise BadHandle.make("ActiveKVCache is closed")
         self.forget_quarantined()
         if self.failed is not None:
+            failed = self.failed
+            what = str(failed) or type(failed).__name__  # a bare KeyboardInterrupt says ""
             raise Quarantined.make("ActiveKVCache is unusable after an earlier failure (%s); "
-                                   "close it" % (self.failed,)) from self.failed
+                                   "close it" % (what,)) from failed
         if self.engine._handle is None:
             raise BadHandle.make("ActiveKVCache: its engine was closed")
 
@@ -534,7 +544,10 @@ class _Driver:
             for b, ctx in enumerate(self.contexts):
                 ctx.append_layer(d, k_host[b], v_host[b])
                 done += 1
+            self.layer_len[d] += n
         except BaseException as exc:
+            if done < len(self.contexts) and self._appended(self.contexts[done], d):
+                done += 1  # its append happened (an interrupt landed as it returned)
             if done:
                 # Rows appended cannot be taken back: the rows before the failure hold this
                 # layer's prompt, the others not, and the same prefill again would append
@@ -543,7 +556,18 @@ class _Driver:
                     "ActiveKVCache: the prefill of full-attention layer %d failed after %d of "
                     "%d rows were appended (%r)" % (d, done, len(self.contexts), exc))
             raise
-        self.layer_len[d] += n
+
+    def _appended(self, ctx, d: int) -> bool:
+        """Whether the context's layer d holds a row past the cache's count: its append
+        happened though the cache did not count it. Asked of the library (a read of that
+        row, which it refuses past the layer's rows); True when it cannot tell."""
+        try:
+            ctx.read(d, self.layer_len[d], 1)
+        except akv.InvalidArgument:
+            return False
+        except Exception:  # noqa: BLE001 - unknown: taken as appended (the safe side)
+            return True
+        return True
 
     def check_forward(self, key_states: Any, value_states: Any, at_boundary: bool) -> None:
         """What the full-attention layers of a forward will refuse, checked at one of the
@@ -587,7 +611,7 @@ class _Driver:
             raise ValueError("ActiveKVCache: a new row exceeds max_cache_len=%d" % self.max_tokens)
         # begin_step's refusals: the previous step interrupted between layers, a prefill
         # that did not reach every full-attention layer
-        if self.step_open and self.next_dense != self.n_dense:
+        if self.step_open and self.next_dense != self.n_dense and not self.step_untouched():
             raise StepState.make(
                 "ActiveKVCache: the open step updated %d of %d full-attention layers"
                 % (self.next_dense, self.n_dense))
@@ -601,18 +625,28 @@ class _Driver:
 
     # -- decode -------------------------------------------------------------
 
+    def step_untouched(self) -> bool:
+        """A step is open and nothing of it leased yet: one whose begin_step was cut short
+        (an interrupt as the engine's step_begin returned) is taken as this step."""
+        return (self.step_open and self.next_dense == 0 and self.pending is None
+                and not self.sealed)
+
     def begin_step(self) -> None:
-        """The step boundary: retire what is left of the previous step, end it, begin this one."""
+        """The step boundary: retire what is left of the previous step, end it, begin this one.
+
+        step_open is the engine's (see there): an interrupt landing in between leaves it
+        saying what the engine did, so the update can be retried."""
         if self.step_open:
+            if self.step_untouched():
+                return
             self.end_step()
         for d in range(self.n_dense):
             if self.layer_len[d] != self.layer_len[0]:
                 raise UnevenLayers.make(
                     "ActiveKVCache: full-attention layers hold different lengths (%s); a "
                     "prefill did not reach every layer" % (self.layer_len,))
-        self.engine.step_begin(self.contexts)
-        self.step_open = True
         self.next_dense = 0
+        self.engine.step_begin(self.contexts)
 
     def end_step(self) -> None:
         """Seals the pending lease, retires every lease of the step (blocking), ends the step."""
@@ -625,7 +659,6 @@ class _Driver:
                 % (self.next_dense, self.n_dense))
         self.retire_all()
         self.engine.step_end()
-        self.step_open = False
 
     def stage(self, d: int, key_states: torch.Tensor, value_states: torch.Tensor):
         """Leases dense layer d, writes the step's row, returns the K/V views for attention.
@@ -648,25 +681,28 @@ class _Driver:
         length = self.layer_len[d]  # the row fits: ActiveKVLayer.update checked it
         stream = self.host_stream_raw if self.host_stream is not None else self.torch_stream()
         lease_box = self.lease_box
-        st = api.begin(self.eng, d, self.lease_ref)
-        if st != 0:
-            self.check(st, "lease_begin")
-        lease = lease_box.value
-        self.leases += 1
-        st = api.wait_ready(lease, stream, self.view_ref)
-        if st != 0:
-            self.failed = error_for(st, "lease_wait_ready failed")
-            self.check(st, "lease_wait_ready")
-        self.pending = (d, lease, stream)
-        self.next_dense = d + 1
+        lease_box.value = None  # the library writes the lease here only when it begins one
         try:
+            st = api.begin(self.eng, d, self.lease_ref)
+            if st != 0:
+                self.check(st, "lease_begin")
+            lease = lease_box.value
+            self.leases += 1
+            st = api.wait_ready(lease, stream, self.view_ref)
+            if st != 0:
+                self.failed = error_for(st, "lease_wait_ready failed")
+                self.check(st, "lease_wait_ready")
+            self.pending = (d, lease, stream)
+            self.next_dense = d + 1
             return self._write_row(d, length, stream, key_states, value_states)
         except BaseException as exc:
-            # The lease is begun, but the row is not written or not counted (an interrupt,
-            # a failure): sealing it would write back whatever the staging row holds, and
-            # the layer's length would be one short. Nothing recovers that; close()
-            # quarantines the engine and frees it.
-            if self.failed is None:
+            # The lease is begun (from the moment the call returned: an interrupt landing
+            # right after it included), but not recorded, its row not written or not
+            # counted: sealing it would write back whatever the staging row holds, and the
+            # layer's length would be one short. Nothing recovers that; close()
+            # quarantines the engine and frees it. A begin the library refused changed
+            # nothing (a failed transport sets failed in check).
+            if lease_box.value is not None and self.failed is None:
                 self.failed = exc
             raise
 
@@ -742,16 +778,24 @@ class _Driver:
         attn = self.attn_refs[d]
         tail = self.tail[d]
         self.pending = None
-        st = api.mark_consumed(lease, stream, attn)
-        if st != 0:
-            self.check(st, "lease_mark_consumed")
-        st = api.write_back(lease, None, 0, self.tail_refs[d])
-        if st != 0:
-            self.check(st, "lease_write_back")
-        st = api.seal(lease, tail, self.attn[d])
-        if st != 0:
-            self.check(st, "lease_seal")
-        self.sealed.append(lease)
+        try:
+            st = api.mark_consumed(lease, stream, attn)
+            if st != 0:
+                self.check(st, "lease_mark_consumed")
+            st = api.write_back(lease, None, 0, self.tail_refs[d])
+            if st != 0:
+                self.check(st, "lease_write_back")
+            st = api.seal(lease, tail, self.attn[d])
+            if st != 0:
+                self.check(st, "lease_seal")
+            self.sealed.append(lease)
+        except BaseException as exc:
+            # The lease is off `pending` and not on `sealed` (an interrupt or a refusal
+            # part way): nothing retires it, and step_end would refuse for good. The
+            # cache is unusable; close() quarantines the engine, which releases it.
+            if self.failed is None:
+                self.failed = exc
+            raise
 
     def after_attention(self, d: int) -> None:
         """Forward hook of full-attention layer d's attention module."""
@@ -776,7 +820,8 @@ class _Driver:
                 self.try_retire()
         finally:
             if held:
-                engine._leave()
+                engine._release()  # no frame before the engine is given back
+                engine._left()
 
     def try_retire(self) -> None:
         """Retires the oldest sealed leases whose fences have all passed; never waits."""
@@ -785,7 +830,8 @@ class _Driver:
         fn = self.api.try_retire
         sealed = self.sealed
         while sealed:
-            lease = sealed.pop(0)  # off the list before the call: see retire_all
+            lease = sealed[0]  # off the list before the call: see retire_all
+            del sealed[0]
             st = fn(lease, self.receipt_ref)
             if st != 0:
                 sealed.insert(0, lease)
@@ -798,10 +844,13 @@ class _Driver:
         """Retires the sealed leases, oldest first (blocking). Each is taken off the list
         before its call and put back only when the library refused: a KeyboardInterrupt
         raised as a retire returns (a Ctrl-C during the wait) leaves no retired lease on the
-        list, whose dead handle the library hands to a newer lease later."""
+        list, whose dead handle the library hands to a newer lease later. Taken off by
+        index and del, not pop: pop is a call, and an interrupt landing as it returned lost
+        a lease not yet retired (step_end then refused for good)."""
         sealed = self.sealed
         while sealed:
-            lease = sealed.pop(0)
+            lease = sealed[0]
+            del sealed[0]
             st = self.api.retire(lease, self.receipt_ref)
             if st != 0:
                 sealed.insert(0, lease)
@@ -830,7 +879,6 @@ class _Driver:
             self.seal_pending()
         self.retire_all()
         self.engine.step_end()
-        self.step_open = False
 
     def close(self) -> None:
         """Brings an open step to its end (abandon_step; after a failure, or when that
@@ -839,6 +887,7 @@ class _Driver:
         (Busy: quarantine could not establish completion) or for an interrupt."""
         if self.engine is None:
             return
+        self.closing = True
         interrupt = None
         self.forget_quarantined()
         if self.step_open:
@@ -852,7 +901,6 @@ class _Driver:
             if self.step_open:
                 with contextlib.suppress(ActiveKVError):
                     self.engine.quarantine()
-                self.step_open = False
                 self.pending = None
                 self.sealed.clear()
         self.views.clear()
@@ -861,8 +909,21 @@ class _Driver:
             with contextlib.suppress(ActiveKVError):
                 ctx.close()
         self.contexts = None
-        engine, self.engine = self.engine, None
-        engine.close()
+        # The failure's traceback holds the frames it passed through, and so the tensors
+        # over the staging buffers they held (an update cut short in _views): kept, they
+        # would defer the engine's destroy (zero-copy arrays keep its memory) until the
+        # cache itself goes. Closed, the cache needs it no more.
+        self.failed = None
+        self.host_stream = None  # a Stream holds the engine; close destroys it
+        # Forgotten once closed: cut short before (an interrupt landing at close's start),
+        # the cache keeps it and a second close() frees it, instead of holding it unclosed.
+        engine = self.engine
+        try:
+            engine.close()
+        except ActiveKVError:
+            self.engine = None  # cannot be freed (Busy: everything retained); closed to us
+            raise
+        self.engine = None
         if interrupt is not None:
             raise interrupt
 
@@ -909,7 +970,8 @@ class ActiveKVLayer(CacheLayerMixin):
             return self._update(drv, key_states, value_states)
         finally:
             if held:
-                drv.engine._leave()
+                drv.engine._release()  # no frame before the engine is given back
+                drv.engine._left()
 
     def _update(self, drv: _Driver, key_states: torch.Tensor, value_states: torch.Tensor):
         if not isinstance(key_states, torch.Tensor) or not isinstance(value_states, torch.Tensor):
@@ -1151,7 +1213,8 @@ class ActiveKVCache(Cache):
                 drv.end_step()
         finally:
             if held:
-                engine._leave()
+                engine._release()  # no frame before the engine is given back
+                engine._left()
 
     def close(self) -> None:
         """Ends the open step, closes contexts and engine, removes the hooks. Idempotent.
@@ -1166,7 +1229,8 @@ class ActiveKVCache(Cache):
             self._driver.close()
         finally:
             if held:
-                engine._leave()
+                engine._release()  # no frame before the engine is given back
+                engine._left()
 
     # A cache names C handles (its engine, contexts and leases) as the engine does: a copy
     # would drive the same engine and step (rows decoded through it land in both) and close
@@ -1220,7 +1284,8 @@ class ActiveKVCache(Cache):
                                                 *args, **kwargs)
         finally:
             if held:
-                drv.engine._leave()
+                drv.engine._release()  # no frame before the engine is given back
+                drv.engine._left()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs):
@@ -1246,7 +1311,8 @@ class ActiveKVCache(Cache):
             return super().update(key_states, value_states, int(layer_idx), *args, **kwargs)
         finally:
             if held:
-                drv.engine._leave()
+                drv.engine._release()  # no frame before the engine is given back
+                drv.engine._left()
 
     # -- unsupported Cache operations ----------------------------------------
 
