@@ -45,6 +45,7 @@ AKV_TARGET_FAIR_SHARE = 0xFFFFFFFF
 AKV_CONFIG_VERSION = 1
 AKV_ATTENTION_MAX_HEAD_DIM = 256
 AKV_ATTENTION_MAX_SCALE_HEADS = 256
+AKV_ATTENTION_MAX_CHUNK_TOKENS = 0xFF000000
 
 # Numeric macros of the headers mirrored here, by C name: the ABI test
 # compares each with the header's value.
@@ -56,7 +57,13 @@ CONSTANTS = {
     "AKV_CONFIG_VERSION": AKV_CONFIG_VERSION,
     "AKV_ATTENTION_MAX_HEAD_DIM": AKV_ATTENTION_MAX_HEAD_DIM,
     "AKV_ATTENTION_MAX_SCALE_HEADS": AKV_ATTENTION_MAX_SCALE_HEADS,
+    "AKV_ATTENTION_MAX_CHUNK_TOKENS": AKV_ATTENTION_MAX_CHUNK_TOKENS,
 }
+
+# The library version whose structs these mirrors are (akv.h: the structs the
+# library fills keep their size within a soname, libactivekv.so.0.MINOR
+# before 1.0). A newer library may fill larger ones, so it is refused at load.
+MIRRORED_VERSION = (0, 3)
 
 LOG_FN = ctypes.CFUNCTYPE(None, c_void_p, c_enum, c_char_p)
 HOST_FN = ctypes.CFUNCTYPE(None, c_void_p)
@@ -434,6 +441,19 @@ def _torch_first(path: str) -> None:
         pass
 
 
+def check_version(number: int, path: str) -> None:
+    """ImportError unless the library's AKV_VERSION_NUMBER (major * 10000 +
+    minor * 100 + patch) is of an ABI these mirrors cover: the same or an
+    older major.minor. A newer library fills structs (receipts, views, the
+    admission log's entries) that may have grown past the mirrors, and would
+    write past the Python objects."""
+    have = (number // 10000, number // 100 % 100)
+    if have > MIRRORED_VERSION:
+        raise ImportError(
+            "activekv: %s is libactivekv %d.%d, newer than the %d.%d this package mirrors; "
+            "install the activekv package of that library" % ((path,) + have + MIRRORED_VERSION))
+
+
 def _load() -> ctypes.CDLL:
     path = library_path()
     if not os.path.exists(path):
@@ -443,6 +463,9 @@ def _load() -> ctypes.CDLL:
         )
     _torch_first(path)
     dll = ctypes.CDLL(path)
+    dll.akv_version_number.restype = ctypes.c_uint
+    dll.akv_version_number.argtypes = []
+    check_version(int(dll.akv_version_number()), path)
     for name, (res, args) in _PROTOTYPES.items():
         fn = getattr(dll, name)
         fn.restype = res

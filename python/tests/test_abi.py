@@ -229,3 +229,22 @@ def test_version_matches_library():
     assert akv.__version__ == _lib.lib.akv_version_string().decode()
     major, minor, patch = (int(x) for x in akv.__version__.split("."))
     assert _lib.lib.akv_version_number() == major * 10000 + minor * 100 + patch
+
+
+def test_mirrors_are_those_of_the_loaded_library():
+    # The mirrors name the ABI (major.minor) whose structs they copy; the
+    # library this package builds is of that ABI.
+    number = _lib.lib.akv_version_number()
+    assert (number // 10000, number // 100 % 100) == _lib.MIRRORED_VERSION
+
+
+@pytest.mark.parametrize("number,ok", [(300, True), (305, True), (200, True), (10, True),
+                                       (400, False), (10000, False), (10300, False)])
+def test_a_library_newer_than_the_mirrors_is_refused(number, ok):
+    # A newer library may fill larger structs than the mirrors hold (akv.h:
+    # sizes are fixed within a soname only); loading it is an ImportError.
+    if ok:
+        _lib.check_version(number, "libactivekv.so")
+    else:
+        with pytest.raises(ImportError, match="newer than the 0.3"):
+            _lib.check_version(number, "libactivekv.so")
