@@ -16,7 +16,15 @@
  *  - wall: the whole step, per layer.
  * Prints a line per figure and one JSON line.
  *
+ * With a history (argv 4, rows per context before the first step; default
+ * 16) and a device pool (argv 5, GiB; default 0: route stage), the same loop
+ * runs at a real geometry: the begin then plans every retained page and the
+ * arena gathers them, so the figures include the library's per-page work.
+ * The begin and write-back calls are also timed alone (begin_us,
+ * write_back_us per layer).
+ *
  * usage: akv_host_cost [backend: auto|host|cuda] [steps] [mode: try|retire]
+ *                      [history rows] [device pool GiB]
  */
 #define _POSIX_C_SOURCE 200809L
 #include <stdio.h>
@@ -62,8 +70,12 @@ int main(int argc, char **argv) {
   akv_stream s = NULL;
   akv_context *ctx[4];
   akv_engine_info info;
-  static unsigned char rows[16 * 2048];
+  static unsigned char rows[16 * 4096]; /* 16 rows of K (or V) of 8 x 128 bf16 */
   const void *rp[32];
+  const uint32_t history = argc > 4 ? (uint32_t)atoi(argv[4]) : 16;
+  const uint32_t pool_gib = argc > 5 ? (uint32_t)atoi(argv[5]) : 0;
+  double *begin_step = calloc(steps, sizeof(double));
+  double *wb_step = calloc(steps, sizeof(double));
   const int try_mode = !(argc > 3 && strcmp(argv[3], "retire") == 0);
   double *per_step = calloc(steps, sizeof(double));
   double *enq_step = calloc(steps, sizeof(double));
@@ -76,10 +88,16 @@ int main(int argc, char **argv) {
   cfg.n_dense_layers = layers;
   cfg.kv_heads = 8;
   cfg.head_dim = 128;
-  cfg.max_tokens = steps + 64;
+  cfg.max_tokens = history + steps + 64;
   cfg.page_tokens = 256;
   cfg.max_contexts = n_ctx;
-  cfg.host_pool_gib = 4;
+  /* K and V rows of 2 KiB each per layer and token: the pool holds them all. */
+  cfg.host_pool_gib =
+      (uint32_t)(((uint64_t)cfg.max_tokens * layers * n_ctx * 4096u >> 30) + 4u);
+  if (pool_gib > 0) {
+    cfg.route = AKV_ROUTE_ARENA;
+    cfg.device_pool_gib = pool_gib;
+  }
   cfg.log_level = AKV_LOG_WARN;
   TRY(akv_engine_create(&cfg, &e));
   TRY(akv_engine_info_get(e, &info));
@@ -87,18 +105,20 @@ int main(int argc, char **argv) {
   for (uint32_t l = 0; l < layers; l++) rp[l] = rows;
   for (uint32_t i = 0; i < n_ctx; i++) {
     TRY(akv_context_open(e, NULL, &ctx[i]));
-    TRY(akv_context_append(ctx[i], 16, rp, rp));
+    for (uint32_t r = 0; r < history; r += 16)
+      TRY(akv_context_append(ctx[i], history - r < 16 ? history - r : 16, rp, rp));
   }
   for (uint32_t st = 0; st < steps; st++) {
     akv_lease *lease[32];
     uint32_t retired = 0; /* leases [0, retired) are retired */
-    double t0 = now_s(), enq = 0.0, ret = 0.0, d0;
+    double t0 = now_s(), enq = 0.0, ret = 0.0, d0, bg = 0.0, wb = 0.0;
     TRY(akv_step_begin(e, ctx, n_ctx));
     for (uint32_t l = 0; l < layers; l++) {
       akv_fence attn, tail;
       double a = now_s(), b;
       TRY(akv_lease_begin(e, l, &lease[l]));
       b = now_s();
+      bg += b - a;
       if (l >= 2 && !try_mode) {
         TRY(akv_lease_retire(lease[l - 2], NULL));
         retired = l - 1;
@@ -112,7 +132,11 @@ int main(int argc, char **argv) {
       ret += now_s() - b;
       a += now_s() - b; /* the retire is not enqueue work */
       TRY(akv_lease_attend(lease[l], s, null_hook, NULL, &attn));
-      TRY(akv_lease_write_back(lease[l], NULL, 0, &tail));
+      {
+        const double w = now_s();
+        TRY(akv_lease_write_back(lease[l], NULL, 0, &tail));
+        wb += now_s() - w;
+      }
       TRY(akv_lease_seal(lease[l], tail, attn));
       enq += now_s() - a;
     }
@@ -124,7 +148,11 @@ int main(int argc, char **argv) {
     enq_step[st] = enq;
     ret_step[st] = ret;
     host_step[st] = enq + ret;
+    begin_step[st] = bg;
+    wb_step[st] = wb;
   }
+  qsort(begin_step, steps, sizeof(double), cmp_double);
+  qsort(wb_step, steps, sizeof(double), cmp_double);
   qsort(per_step, steps, sizeof(double), cmp_double);
   qsort(enq_step, steps, sizeof(double), cmp_double);
   qsort(ret_step, steps, sizeof(double), cmp_double);
@@ -138,6 +166,7 @@ int main(int argc, char **argv) {
     double hmed = host_step[steps / 2] / layers * 1e6, hp90 = host_step[steps * 9 / 10] / layers * 1e6;
     double dmed = drain_step[steps / 2] / layers * 1e6;
     double wall = per_step[steps / 2] / layers * 1e6;
+    double bmed = begin_step[steps / 2] / layers * 1e6, wmed = wb_step[steps / 2] / layers * 1e6;
     printf("host cost per layer per step (enqueue path): median %.2f us, p90 %.2f us; bound 10 us;"
            " ratio median/bound %.2f (%u steps x %u layers, %u contexts, backend %s)\n",
            med, p90, med / 10.0, steps, layers, n_ctx, bk);
@@ -147,14 +176,20 @@ int main(int argc, char **argv) {
            hmed, hp90);
     printf("blocking retires after the last layer: median %.2f us per layer\n", dmed);
     printf("wall per layer including retire waits on the device chain: median %.2f us\n", wall);
+    printf("of the enqueue path: akv_lease_begin median %.2f us, akv_lease_write_back %.2f us per "
+           "layer (history %u rows per context, device pool %u GiB, route %s)\n",
+           bmed, wmed, history, pool_gib, pool_gib > 0 ? "arena" : "stage");
     printf("{\"bench\":\"host_cost\",\"backend\":\"%s\",\"mode\":\"%s\",\"layers\":%u,"
            "\"contexts\":%u,\"steps\":%u,"
            "\"enqueue_us_per_layer_median\":%.3f,\"enqueue_us_per_layer_p90\":%.3f,"
            "\"retire_us_per_layer_median\":%.3f,\"retire_us_per_layer_p90\":%.3f,"
            "\"host_us_per_layer_median\":%.3f,\"host_us_per_layer_p90\":%.3f,"
            "\"drain_us_per_layer_median\":%.3f,"
-           "\"wall_us_per_layer_median\":%.3f,\"bound_us\":10}\n",
-           bk, mode, layers, n_ctx, steps, med, p90, rmed, rp90, hmed, hp90, dmed, wall);
+           "\"wall_us_per_layer_median\":%.3f,\"bound_us\":10,"
+           "\"begin_us_per_layer_median\":%.3f,\"write_back_us_per_layer_median\":%.3f,"
+           "\"history\":%u,\"device_pool_gib\":%u}\n",
+           bk, mode, layers, n_ctx, steps, med, p90, rmed, rp90, hmed, hp90, dmed, wall, bmed,
+           wmed, history, pool_gib);
   }
   for (uint32_t i = 0; i < n_ctx; i++) TRY(akv_context_close(ctx[i]));
   TRY(akv_stream_destroy(e, s));
@@ -164,5 +199,7 @@ int main(int argc, char **argv) {
   free(ret_step);
   free(host_step);
   free(drain_step);
+  free(begin_step);
+  free(wb_step);
   return 0;
 }
