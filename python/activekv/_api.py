@@ -1740,22 +1740,8 @@ class Lease(_NotCopyable):
         """Waits (blocking) on every consumer event and copy ticket, then
         releases the layer; the lease is dead afterwards. Raises LeaseState,
         Backend (nothing released), Quarantined."""
-        h = self._h()
-        r = L.akv_receipt()
-        # built first: nothing that can raise between clearing and the call
-        fn, ref = lib.akv_lease_retire, ctypes.byref(r)
-        self._box.value = None  # see _Ending
-        try:
-            st = fn(h, ref)
-        except BaseException:
-            # cut short as it returned: the library fills the receipt only
-            # when it retired the lease (step >= 1), so the receipt says
-            # which it was (for try_retire, "not ready" is a common answer)
-            if r.step == 0:
-                self._box.value = h
-            raise
+        st, r = self._retire_with(lib.akv_lease_retire, self._h())
         if st != 0:
-            self._box.value = h
             _check(st, self._engine._handle, "retire")
         return _receipt(r)
 
@@ -1770,25 +1756,33 @@ class Lease(_NotCopyable):
         Quarantined; NotSupported with a library that lacks the call."""
         h = self._h()
         _need("akv_lease_try_retire")
+        st, r = self._retire_with(lib.akv_lease_try_retire, h)
+        if st == _NOT_READY:
+            return None
+        if st != 0:
+            _check(st, self._engine._handle, "try_retire")
+        return _receipt(r)
+
+    def _retire_with(self, fn, h):
+        """(status, receipt) of fn (akv_lease_retire or akv_lease_try_retire)
+        on handle h. The lease's handle is cleared for the call (see _Ending)
+        and put back unless the lease was retired: on a refusal, and when the
+        call is cut short as it returns, in which case the receipt says which
+        it was (the library fills it only when it retired the lease, step >=
+        1; for try_retire "not ready" is a common answer)."""
         r = L.akv_receipt()
         # built first: nothing that can raise between clearing and the call
-        fn, ref = lib.akv_lease_try_retire, ctypes.byref(r)
+        ref = ctypes.byref(r)
         self._box.value = None  # see _Ending
         try:
             st = fn(h, ref)
         except BaseException:
-            # cut short as it returned: the library fills the receipt only
-            # when it retired the lease (step >= 1), so the receipt says
-            # which it was (for try_retire, "not ready" is a common answer)
             if r.step == 0:
                 self._box.value = h
             raise
         if st != 0:
             self._box.value = h
-            if st == _NOT_READY:
-                return None
-            _check(st, self._engine._handle, "try_retire")
-        return _receipt(r)
+        return st, r
 
 
 _EVERY_CONTEXT = object()  # View._check_live: every context of the view
