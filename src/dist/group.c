@@ -22,6 +22,7 @@
  * vector, so each takes the same branch.
  */
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -70,6 +71,8 @@ struct akv_group {
   akv_group_reason reason;
   uint32_t failed_rank;
   char last_error[512];
+  _Atomic(const void *) owner; /* the thread inside a call on this group, or NULL */
+  uint32_t depth;              /* the owner's calls in progress (nested from callbacks) */
   uint32_t magic_end;
 };
 
@@ -79,6 +82,40 @@ static akv_recpool akv_group_records = AKV_RECPOOL_INIT(struct akv_group, 32, 32
 
 static int akv_group_ok(const akv_group *g) {
   return g != NULL && g->magic == AKV_MAGIC_GROUP && g->magic_end == AKV_MAGIC_GROUP;
+}
+
+/* A thread's name for akv_group_claim: the address of a thread-local. */
+static _Thread_local char akv_group_thread;
+
+/* Invariant: at most one thread is inside the calls of a group (akv_group.h,
+ * Thread safety). Every public group call claims the group first and
+ * releases it on return; the thread already inside may claim again (a call
+ * made from a log callback during one of its calls: those rules are the
+ * Logging ones), any other thread is refused with AKV_ERR_IN_USE, before
+ * it reads or writes anything of the group. Without this a second thread
+ * of a rank met the other ranks as one more rank (two threads of rank 0
+ * completed a round of a two-rank group between them), and a destroy from
+ * another thread freed the vector and the collective under a call waiting
+ * at an agreement point. The record is checked to be a group record before
+ * its owner is touched (records are never freed, so a destroyed group's
+ * owner stays writable), and the magic only once claimed: a destroy
+ * poisons it before it releases the group. */
+static akv_status akv_group_claim(const akv_group *cg) {
+  akv_group *g = (akv_group *)cg; /* a record: only the owner word is written */
+  const void *me = &akv_group_thread, *none = NULL;
+  if (cg == NULL || !akv_rec_owns(&akv_group_records, cg)) return AKV_ERR_BAD_HANDLE;
+  if (!atomic_compare_exchange_strong(&g->owner, &none, me) && none != me) return AKV_ERR_IN_USE;
+  g->depth++;
+  if (!akv_group_ok(g)) {
+    if (--g->depth == 0) atomic_store(&g->owner, NULL);
+    return AKV_ERR_BAD_HANDLE;
+  }
+  return AKV_OK;
+}
+
+static void akv_group_release(const akv_group *cg) {
+  akv_group *g = (akv_group *)cg;
+  if (--g->depth == 0) atomic_store(&g->owner, NULL);
 }
 
 /* The group's engine, or NULL before create made it and once the caller
@@ -541,8 +578,8 @@ fail:
 
 /* ---------------------------------------------------------------- points */
 
-AKV_API akv_status akv_group_context_open(akv_group *g, const akv_context_config *config,
-                                          akv_context **out) {
+static akv_status akv_group_context_open_claimed(akv_group *g, const akv_context_config *config,
+                                                  akv_context **out) {
   akv_context_config cc = AKV_CONTEXT_CONFIG_INIT;
   akv_context *c = NULL;
   akv_status st = akv_group_enter(g), local = AKV_OK, agreed_local;
@@ -578,7 +615,7 @@ AKV_API akv_status akv_group_context_open(akv_group *g, const akv_context_config
   return AKV_OK;
 }
 
-AKV_API akv_status akv_group_context_close(akv_group *g, akv_context *context) {
+static akv_status akv_group_context_close_claimed(akv_group *g, akv_context *context) {
   uint32_t id = 0;
   akv_status st = akv_group_enter(g), local = AKV_OK, agreed_local;
   akv_engine *e;
@@ -606,7 +643,7 @@ AKV_API akv_status akv_group_context_close(akv_group *g, akv_context *context) {
   return akv_group_outcome(g, akv_group_decide_close(g, context));
 }
 
-AKV_API akv_status akv_group_step_begin(akv_group *g, akv_context *const *contexts, uint32_t n) {
+static akv_status akv_group_step_begin_claimed(akv_group *g, akv_context *const *contexts, uint32_t n) {
   akv_status st = akv_group_enter(g), local = AKV_OK, agreed_local;
   akv_engine *e;
   int same = 1;
@@ -655,7 +692,7 @@ AKV_API akv_status akv_group_step_begin(akv_group *g, akv_context *const *contex
   return akv_group_outcome(g, akv_group_decide_step(g, contexts, n));
 }
 
-AKV_API akv_status akv_group_check(akv_group *g) {
+static akv_status akv_group_check_claimed(akv_group *g) {
   akv_status st = akv_group_enter(g), local;
   if (st != AKV_OK) return st;
   akv_group_put_header(g, AKV_POINT_CHECK, AKV_OK);
@@ -665,7 +702,7 @@ AKV_API akv_status akv_group_check(akv_group *g) {
 
 /* ---------------------------------------------------------------- others */
 
-AKV_API akv_status akv_group_engine(const akv_group *g, akv_engine **out) {
+static akv_status akv_group_engine_claimed(const akv_group *g, akv_engine **out) {
   if (!akv_group_ok(g)) return AKV_ERR_BAD_HANDLE;
   if (out == NULL) return AKV_ERR_INVALID_ARGUMENT;
   /* NULL once the engine was destroyed directly: the handle may name a
@@ -674,7 +711,7 @@ AKV_API akv_status akv_group_engine(const akv_group *g, akv_engine **out) {
   return AKV_OK;
 }
 
-AKV_API akv_status akv_group_info_get(const akv_group *g, akv_group_info *out) {
+static akv_status akv_group_info_get_claimed(const akv_group *g, akv_group_info *out) {
   if (!akv_group_ok(g)) return AKV_ERR_BAD_HANDLE;
   if (out == NULL) return AKV_ERR_INVALID_ARGUMENT;
   memset(out, 0, sizeof(*out));
@@ -696,16 +733,25 @@ AKV_API akv_status akv_group_info_get(const akv_group *g, akv_group_info *out) {
 }
 
 AKV_API const char *akv_group_last_error(const akv_group *g) {
-  if (!akv_group_ok(g)) return "bad group handle";
-  return g->last_error;
+  const char *msg;
+  akv_status st = akv_group_claim(g);
+  if (st == AKV_ERR_IN_USE) return "group in use by another thread";
+  if (st != AKV_OK) return "bad group handle";
+  msg = g->last_error;
+  akv_group_release(g);
+  return msg;
 }
 
 AKV_API akv_status akv_group_destroy(akv_group *g) {
-  akv_status st;
-  if (!akv_group_ok(g)) return AKV_ERR_BAD_HANDLE;
-  /* From the engine's log callback during an agreement: the agreement still
-   * uses the vector and the collective (see akv_group_enter). */
-  if (g->deciding) return AKV_ERR_IN_USE;
+  akv_status st = akv_group_claim(g);
+  if (st != AKV_OK) return st;
+  /* From a log callback during a call on this group (the engine's while an
+   * agreement decides, or the group's own): the call still uses the vector
+   * and the collective (see akv_group_enter). */
+  if (g->depth > 1 || g->deciding) {
+    akv_group_release(g);
+    return AKV_ERR_IN_USE;
+  }
   /* No akv_group_settle here: a quarantine waits on the engine's queues,
    * and destroy never waits. An owed one leaves an engine whose transport
    * failed busy (akv_group.h says what to do). */
@@ -717,7 +763,11 @@ AKV_API akv_status akv_group_destroy(akv_group *g) {
    * given back. */
   if (akv_group_own(g) != NULL) {
     st = akv_engine_destroy(g->engine);
-    if (st != AKV_OK) return akv_group_fail(g, st, "destroy: the engine is busy; nothing freed");
+    if (st != AKV_OK) {
+      st = akv_group_fail(g, st, "destroy: the engine is busy; nothing freed");
+      akv_group_release(g);
+      return st;
+    }
   }
   g->coll->ops->destroy(g->coll);
   free(g->vec);
@@ -725,6 +775,58 @@ AKV_API akv_status akv_group_destroy(akv_group *g) {
   g->engine = NULL;
   g->coll = NULL;
   g->magic = g->magic_end = AKV_MAGIC_GROUP_DEAD;
+  /* Poisoned before it is released: a thread that claims it next sees a
+   * dead group (akv_group_claim). */
+  akv_group_release(g);
   akv_rec_give(&akv_group_records, g);
   return AKV_OK;
+}
+
+AKV_API akv_status akv_group_context_open(akv_group *g, const akv_context_config *config,
+                                          akv_context **out) {
+  akv_status st = akv_group_claim(g);
+  if (st != AKV_OK) return st;
+  st = akv_group_context_open_claimed(g, config, out);
+  akv_group_release(g);
+  return st;
+}
+
+AKV_API akv_status akv_group_context_close(akv_group *g, akv_context *context) {
+  akv_status st = akv_group_claim(g);
+  if (st != AKV_OK) return st;
+  st = akv_group_context_close_claimed(g, context);
+  akv_group_release(g);
+  return st;
+}
+
+AKV_API akv_status akv_group_step_begin(akv_group *g, akv_context *const *contexts, uint32_t n) {
+  akv_status st = akv_group_claim(g);
+  if (st != AKV_OK) return st;
+  st = akv_group_step_begin_claimed(g, contexts, n);
+  akv_group_release(g);
+  return st;
+}
+
+AKV_API akv_status akv_group_check(akv_group *g) {
+  akv_status st = akv_group_claim(g);
+  if (st != AKV_OK) return st;
+  st = akv_group_check_claimed(g);
+  akv_group_release(g);
+  return st;
+}
+
+AKV_API akv_status akv_group_engine(const akv_group *g, akv_engine **out) {
+  akv_status st = akv_group_claim(g);
+  if (st != AKV_OK) return st;
+  st = akv_group_engine_claimed(g, out);
+  akv_group_release(g);
+  return st;
+}
+
+AKV_API akv_status akv_group_info_get(const akv_group *g, akv_group_info *out) {
+  akv_status st = akv_group_claim(g);
+  if (st != AKV_OK) return st;
+  st = akv_group_info_get_claimed(g, out);
+  akv_group_release(g);
+  return st;
 }
