@@ -227,7 +227,10 @@ AKV_API akv_status akv_group_engine(const akv_group *group, akv_engine **out);
  * Agreement point: opens a context on every rank. The target and burst are
  * the MIN over ranks of the ones given (config may differ per rank; NULL is
  * AKV_CONTEXT_CONFIG_INIT). Every rank opens or refuses alike; the context
- * gets the same id on every rank. Blocks until every rank arrived.
+ * gets the same id on every rank: the ids are compared with the outcome,
+ * and ranks whose engines would number it differently (a context opened
+ * on one rank's engine directly, whether digests are checked or not) all
+ * stop (AKV_ERR_QUARANTINED, reason DIVERGED or DIGEST_MISMATCH). Blocks until every rank arrived.
  * Returns, on every rank: AKV_OK, AKV_ERR_INVALID_ARGUMENT, AKV_ERR_CONFIG,
  * AKV_ERR_STEP_STATE, AKV_ERR_REFUSED_QUEUE, AKV_ERR_ADMISSION_REFUSED (as
  * akv_context_open), AKV_ERR_IN_USE (called from the engine's log callback

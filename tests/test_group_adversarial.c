@@ -407,12 +407,296 @@ static void test_step_begin_bad_arrays(void **state) {
   pair_destroy(&p);
 }
 
+/* ------------------------------------------- engine calls behind the back */
+
+typedef struct behind_rank {
+  pair *p;
+  uint32_t rank;
+  akv_status open, close_direct, close_group, after;
+  uint32_t id;
+  int stopped;
+  akv_group_reason reason;
+  akv_context *c;
+} behind_rank;
+
+static void *behind_rank_main(void *arg) {
+  behind_rank *r = arg;
+  akv_group *g = r->p->g[r->rank];
+  akv_engine *e = NULL;
+  akv_context *direct = NULL, *c = NULL;
+  akv_group_info info;
+  akv_group_engine(g, &e);
+  /* Rank 0 opens a context on its engine directly (akv_group_engine says
+   * not to): its engine's next id is no longer the others'. */
+  if (r->rank == 0) assert_int_equal(akv_context_open(e, NULL, &direct), AKV_OK);
+  r->open = akv_group_context_open(g, NULL, &c);
+  if (r->open == AKV_OK) akv_context_id(c, &r->id);
+  r->c = c;
+  akv_group_info_get(g, &info);
+  r->stopped = info.stopped;
+  r->reason = info.reason;
+  if (direct != NULL) akv_context_close(direct);
+  if (c != NULL) akv_context_close(c);
+  return NULL;
+}
+
+/* Promise (akv_group_context_open): "the context gets the same id on every
+ * rank". With digests not compared (AKV_GROUP_DIGEST_DEFAULT in a release
+ * build) a context opened directly on one rank's engine made the group's
+ * next open hand out different ids on the ranks, every rank answering
+ * AKV_OK; the ids are part of the open's outcome now: the ranks either get
+ * the same id or every rank stops (DIVERGED, or DIGEST_MISMATCH where
+ * digests are compared). */
+static void test_open_ids_agree_or_stop(void **state) {
+  (void)state;
+  akv_group_digest modes[2] = {AKV_GROUP_DIGEST_DEFAULT, AKV_GROUP_DIGEST_ON};
+  for (int m = 0; m < 2; m++) {
+    pair p;
+    behind_rank r[2];
+    pthread_t th[2];
+    pair_create(&p, 3000, modes[m]);
+    memset(r, 0, sizeof(r));
+    for (uint32_t i = 0; i < 2; i++) {
+      r[i].p = &p;
+      r[i].rank = i;
+      assert_int_equal(pthread_create(&th[i], NULL, behind_rank_main, &r[i]), 0);
+    }
+    for (uint32_t i = 0; i < 2; i++) pthread_join(th[i], NULL);
+    assert_int_equal(r[0].open, r[1].open);
+    if (r[0].open == AKV_OK) {
+      assert_int_equal(r[0].id, r[1].id);
+    } else {
+      assert_int_equal(r[0].open, AKV_ERR_QUARANTINED);
+      for (uint32_t i = 0; i < 2; i++) {
+        assert_true(r[i].stopped);
+        assert_true(r[i].reason == AKV_GROUP_DIVERGED ||
+                    r[i].reason == AKV_GROUP_DIGEST_MISMATCH);
+      }
+    }
+    pair_destroy(&p);
+  }
+}
+
+typedef struct close_behind_rank {
+  pair *p;
+  uint32_t rank;
+  akv_status open, direct, group_close, step;
+  uint32_t len;
+  akv_status len_st;
+  int stopped;
+} close_behind_rank;
+
+static void *close_behind_main(void *arg) {
+  close_behind_rank *r = arg;
+  akv_group *g = r->p->g[r->rank];
+  akv_context *c = NULL;
+  akv_group_info info;
+  r->open = akv_group_context_open(g, NULL, &c);
+  if (r->open != AKV_OK) return NULL;
+  if (r->rank == 0) r->direct = akv_context_close(c); /* behind the group's back */
+  r->group_close = akv_group_context_close(g, c);
+  r->step = akv_group_step_begin(g, &c, 1);
+  r->len_st = akv_context_length(c, &r->len);
+  akv_group_info_get(g, &info);
+  r->stopped = info.stopped;
+  if (r->rank == 1) akv_context_close(c);
+  return NULL;
+}
+
+/* A context closed directly on one rank: the group's close and step of it
+ * are refused on every rank (AKV_ERR_BAD_HANDLE, a local state error), and
+ * the other rank's context stays open (nothing changed). */
+static void test_context_closed_behind_the_group(void **state) {
+  (void)state;
+  pair p;
+  close_behind_rank r[2];
+  pthread_t th[2];
+  pair_create(&p, 3000, AKV_GROUP_DIGEST_DEFAULT);
+  memset(r, 0, sizeof(r));
+  for (uint32_t i = 0; i < 2; i++) {
+    r[i].p = &p;
+    r[i].rank = i;
+    assert_int_equal(pthread_create(&th[i], NULL, close_behind_main, &r[i]), 0);
+  }
+  for (uint32_t i = 0; i < 2; i++) pthread_join(th[i], NULL);
+  assert_int_equal(r[0].direct, AKV_OK);
+  for (uint32_t i = 0; i < 2; i++) {
+    assert_int_equal(r[i].open, AKV_OK);
+    assert_int_equal(r[i].group_close, AKV_ERR_BAD_HANDLE);
+    assert_int_equal(r[i].step, AKV_ERR_BAD_HANDLE);
+    assert_false(r[i].stopped);
+  }
+  assert_int_equal(r[0].len_st, AKV_ERR_BAD_HANDLE);
+  assert_int_equal(r[1].len_st, AKV_OK); /* still open on rank 1 */
+  pair_destroy(&p);
+}
+
+/* --------------------------------------------- world teardown mid-call */
+
+/* Promises (akv_group_world_destroy, akv_group_world_abort): destroy is
+ * AKV_ERR_BUSY while a group lives, even one waiting at an agreement
+ * point, and frees nothing; abort wakes the waiting rank at once with
+ * AKV_ERR_COMM (well before its timeout), and every later agreement of
+ * every rank is AKV_ERR_COMM, then AKV_ERR_QUARANTINED without waiting. */
+static void test_world_teardown_mid_agreement(void **state) {
+  (void)state;
+  pair p;
+  call waiting;
+  pthread_t th;
+  akv_group_info info;
+  double t0;
+  pair_create(&p, 2000, AKV_GROUP_DIGEST_ON);
+  memset(&waiting, 0, sizeof(waiting));
+  waiting.g = p.g[0];
+  assert_int_equal(pthread_create(&th, NULL, call_main, &waiting), 0);
+  sleep_ms(100);
+  assert_int_equal(akv_group_world_destroy(p.world), AKV_ERR_BUSY);
+  assert_int_equal(akv_group_world_abort(p.world), AKV_OK);
+  pthread_join(th, NULL);
+  assert_int_equal(waiting.st, AKV_ERR_COMM);
+  assert_true(waiting.took_s < 1.0);
+  assert_int_equal(akv_group_world_abort(p.world), AKV_OK); /* again: no change */
+  t0 = now_s();
+  assert_int_equal(akv_group_check(p.g[1]), AKV_ERR_COMM);
+  assert_int_equal(akv_group_check(p.g[1]), AKV_ERR_QUARANTINED);
+  assert_int_equal(akv_group_check(p.g[0]), AKV_ERR_QUARANTINED);
+  assert_true(now_s() - t0 < 0.5);
+  for (uint32_t i = 0; i < 2; i++) {
+    assert_int_equal(akv_group_info_get(p.g[i], &info), AKV_OK);
+    assert_true(info.stopped);
+    assert_int_equal(info.reason, AKV_GROUP_COMM_FAILED);
+    assert_int_equal(info.failed_rank, UINT32_MAX);
+    assert_true(strlen(akv_group_last_error(p.g[i])) > 0);
+  }
+  assert_int_equal(akv_group_world_destroy(p.world), AKV_ERR_BUSY);
+  pair_destroy(&p);
+}
+
+/* ------------------------------------------------------ handles */
+
+/* Promise (akv_group_destroy, akv_group_world_destroy): a destroyed handle
+ * is refused by every call, and is not handed out again by the next 32
+ * creates; handles of another type are refused as bad handles, never read
+ * as groups or worlds. */
+static void test_dead_and_foreign_handles(void **state) {
+  (void)state;
+  akv_group_world *world, *dead_world;
+  akv_group *g = NULL, *dead = NULL;
+  akv_engine_config ec = shard_config(4);
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  akv_engine *e = NULL, *lone = NULL;
+  akv_context *c = NULL, *lc = NULL;
+  akv_group_info info;
+  assert_int_equal(akv_group_world_create(1, 4, &dead_world), AKV_OK);
+  assert_int_equal(akv_group_world_destroy(dead_world), AKV_OK);
+  assert_int_equal(akv_group_world_create(1, 4, &world), AKV_OK);
+  assert_int_equal(akv_group_create_inproc(&ec, &gc, world, &dead), AKV_OK);
+  assert_int_equal(akv_group_destroy(dead), AKV_OK);
+  for (int i = 0; i < 32; i++) {
+    assert_int_equal(akv_group_create_inproc(&ec, &gc, world, &g), AKV_OK);
+    assert_ptr_not_equal(g, dead);
+    assert_int_equal(akv_group_check(dead), AKV_ERR_BAD_HANDLE);
+    assert_int_equal(akv_group_destroy(dead), AKV_ERR_BAD_HANDLE);
+    assert_int_equal(akv_group_destroy(g), AKV_OK);
+  }
+  assert_int_equal(akv_group_context_open(dead, NULL, &c), AKV_ERR_BAD_HANDLE);
+  assert_null(c);
+  assert_int_equal(akv_group_context_close(dead, NULL), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(akv_group_step_begin(dead, &c, 1), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(akv_group_info_get(dead, &info), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(akv_group_engine(dead, &e), AKV_ERR_BAD_HANDLE);
+  assert_string_equal(akv_group_last_error(dead), "bad group handle");
+  /* Foreign handles: a world, an engine, a context as a group; a group as
+   * a world. */
+  assert_int_equal(akv_group_create_inproc(&ec, &gc, world, &g), AKV_OK);
+  assert_int_equal(akv_engine_create(&ec, &lone), AKV_OK);
+  assert_int_equal(akv_context_open(lone, NULL, &lc), AKV_OK);
+  {
+    akv_group *fakes[3] = {(akv_group *)world, (akv_group *)lone, (akv_group *)lc};
+    for (int i = 0; i < 3; i++) {
+      assert_int_equal(akv_group_check(fakes[i]), AKV_ERR_BAD_HANDLE);
+      assert_int_equal(akv_group_context_open(fakes[i], NULL, &c), AKV_ERR_BAD_HANDLE);
+      assert_int_equal(akv_group_info_get(fakes[i], &info), AKV_ERR_BAD_HANDLE);
+      assert_int_equal(akv_group_engine(fakes[i], &e), AKV_ERR_BAD_HANDLE);
+      assert_string_equal(akv_group_last_error(fakes[i]), "bad group handle");
+      assert_int_equal(akv_group_destroy(fakes[i]), AKV_ERR_BAD_HANDLE);
+    }
+  }
+  assert_int_equal(akv_group_world_abort((akv_group_world *)g), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_group_world_destroy((akv_group_world *)g), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_group_world_destroy((akv_group_world *)lone), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_group_create_inproc(&ec, &gc, (akv_group_world *)g, &dead),
+                   AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_group_create_inproc(&ec, &gc, dead_world, &dead),
+                   AKV_ERR_INVALID_ARGUMENT);
+  /* Another engine's context, closed or open, to the group. */
+  assert_int_equal(akv_group_context_close(g, lc), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(akv_group_step_begin(g, &lc, 1), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(akv_context_close(lc), AKV_OK);
+  assert_int_equal(akv_engine_destroy(lone), AKV_OK);
+  assert_int_equal(akv_group_check(g), AKV_OK);
+  assert_int_equal(akv_group_info_get(g, &info), AKV_OK);
+  assert_false(info.stopped);
+  assert_int_equal(akv_group_destroy(g), AKV_OK);
+  assert_int_equal(akv_group_world_destroy(world), AKV_OK);
+}
+
+/* ----------------------------------------------- destroy from a callback */
+
+typedef struct cb_destroy {
+  akv_group *g;
+  int armed;
+  akv_status destroy, info;
+} cb_destroy;
+
+static void cb_destroy_log(void *user, akv_log_level level, const char *message) {
+  cb_destroy *d = user;
+  akv_group_info info;
+  (void)level;
+  if (!d->armed || strncmp(message, "group rank", 10) != 0) return;
+  d->armed = 0;
+  d->destroy = akv_group_destroy(d->g);
+  d->info = akv_group_info_get(d->g, &info);
+}
+
+/* Promise (akv_group_destroy): nothing is freed while a call of the group
+ * is in progress. From the group's own log callback, inside a group call
+ * (the warning of a stop), a destroy freed the group under the call that
+ * logged; it is AKV_ERR_IN_USE, and the group stays readable. */
+static void test_destroy_from_group_log_in_a_call(void **state) {
+  (void)state;
+  akv_group_world *world;
+  akv_group *g = NULL;
+  akv_engine_config ec = shard_config(4);
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  cb_destroy d;
+  memset(&d, 0, sizeof(d));
+  ec.log_fn = cb_destroy_log;
+  ec.log_user = &d;
+  ec.log_level = AKV_LOG_WARN;
+  assert_int_equal(akv_group_world_create(1, 4, &world), AKV_OK);
+  assert_int_equal(akv_group_create_inproc(&ec, &gc, world, &g), AKV_OK);
+  d.g = g;
+  assert_int_equal(akv_group_world_abort(world), AKV_OK);
+  d.armed = 1;
+  assert_int_equal(akv_group_check(g), AKV_ERR_COMM);
+  assert_int_equal(d.destroy, AKV_ERR_IN_USE);
+  assert_int_equal(d.info, AKV_OK); /* the same thread reads */
+  assert_int_equal(akv_group_destroy(g), AKV_OK);
+  assert_int_equal(akv_group_world_destroy(world), AKV_OK);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_second_thread_of_a_rank_refused),
       cmocka_unit_test(test_destroy_while_another_thread_waits),
       cmocka_unit_test(test_reads_while_another_thread_waits),
       cmocka_unit_test(test_step_begin_bad_arrays),
+      cmocka_unit_test(test_open_ids_agree_or_stop),
+      cmocka_unit_test(test_context_closed_behind_the_group),
+      cmocka_unit_test(test_world_teardown_mid_agreement),
+      cmocka_unit_test(test_dead_and_foreign_handles),
+      cmocka_unit_test(test_destroy_from_group_log_in_a_call),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

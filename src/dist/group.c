@@ -331,14 +331,17 @@ static akv_status akv_group_read_header(akv_group *g, akv_status *local) {
 }
 
 /* The outcome of a decision taken locally from agreed inputs: every rank
- * must have reached the same status and (when checked) the same digest. */
-static akv_status akv_group_outcome(akv_group *g, akv_status st) {
+ * must have reached the same status, the same `made` (what the decision
+ * handed out: an opened context's id) and (when checked) the same
+ * digest. */
+static akv_status akv_group_outcome(akv_group *g, akv_status st, uint64_t made) {
   akv_status local, rc;
   akv_group_put_header(g, AKV_POINT_OUTCOME, AKV_OK);
   akv_put_same(g, (uint64_t)st);
+  akv_put_same(g, made);
   if ((rc = akv_group_exchange(g)) != AKV_OK) return rc;
   if ((rc = akv_group_read_header(g, &local)) != AKV_OK) return rc;
-  if (!akv_get_same(g, NULL))
+  if (!akv_get_same(g, NULL) | !akv_get_same(g, NULL))
     return akv_group_stop(g, AKV_GROUP_DIVERGED, UINT32_MAX, AKV_ERR_QUARANTINED,
                           "the ranks decided differently from agreed inputs");
   if (st != AKV_OK)
@@ -582,6 +585,7 @@ static akv_status akv_group_context_open_claimed(akv_group *g, const akv_context
                                                   akv_context **out) {
   akv_context_config cc = AKV_CONTEXT_CONFIG_INIT;
   akv_context *c = NULL;
+  uint32_t id = 0;
   akv_status st = akv_group_enter(g), local = AKV_OK, agreed_local;
   if (st != AKV_OK) return st;
   if (out == NULL)
@@ -610,7 +614,13 @@ static akv_status akv_group_context_open_claimed(akv_group *g, const akv_context
   cc.target_pages = (uint32_t)akv_get_min(g);
   cc.burst_pages = (uint32_t)akv_get_min(g);
   st = akv_group_decide_open(g, &cc, &c);
-  if ((st = akv_group_outcome(g, st)) != AKV_OK) return st;
+  /* Invariant: an opened context has the same id on every rank
+   * (akv_group_context_open), or every rank stops here. The engine numbers
+   * its contexts itself, so a context opened on one rank's engine directly
+   * shifts that rank's ids; without digest checking nothing else would
+   * tell, and a later close or step would name different contexts. */
+  if (st == AKV_OK) akv_context_id(c, &id);
+  if ((st = akv_group_outcome(g, st, id)) != AKV_OK) return st;
   *out = c;
   return AKV_OK;
 }
@@ -640,7 +650,7 @@ static akv_status akv_group_context_close_claimed(akv_group *g, akv_context *con
   if (!akv_get_same(g, NULL))
     return akv_group_fail(g, AKV_ERR_DISAGREE,
                           "context_close: the ranks named different contexts; nothing changed");
-  return akv_group_outcome(g, akv_group_decide_close(g, context));
+  return akv_group_outcome(g, akv_group_decide_close(g, context), 0);
 }
 
 static akv_status akv_group_step_begin_claimed(akv_group *g, akv_context *const *contexts, uint32_t n) {
@@ -689,7 +699,7 @@ static akv_status akv_group_step_begin_claimed(akv_group *g, akv_context *const 
     return akv_group_fail(g, AKV_ERR_DISAGREE,
                           "step_begin: the ranks step different contexts or lengths; nothing "
                           "changed");
-  return akv_group_outcome(g, akv_group_decide_step(g, contexts, n));
+  return akv_group_outcome(g, akv_group_decide_step(g, contexts, n), 0);
 }
 
 static akv_status akv_group_check_claimed(akv_group *g) {
