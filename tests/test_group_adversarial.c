@@ -622,6 +622,14 @@ static void test_dead_and_foreign_handles(void **state) {
       assert_int_equal(akv_group_destroy(fakes[i]), AKV_ERR_BAD_HANDLE);
     }
   }
+  /* A pointer into the middle of a live group: refused, and nothing of the
+   * group written through it. */
+  {
+    akv_group *mid = (akv_group *)((char *)g + 8);
+    assert_int_equal(akv_group_check(mid), AKV_ERR_BAD_HANDLE);
+    assert_int_equal(akv_group_destroy(mid), AKV_ERR_BAD_HANDLE);
+    assert_string_equal(akv_group_last_error(mid), "bad group handle");
+  }
   assert_int_equal(akv_group_world_abort((akv_group_world *)g), AKV_ERR_INVALID_ARGUMENT);
   assert_int_equal(akv_group_world_destroy((akv_group_world *)g), AKV_ERR_INVALID_ARGUMENT);
   assert_int_equal(akv_group_world_destroy((akv_group_world *)lone), AKV_ERR_INVALID_ARGUMENT);

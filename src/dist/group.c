@@ -84,6 +84,21 @@ static int akv_group_ok(const akv_group *g) {
   return g != NULL && g->magic == AKV_MAGIC_GROUP && g->magic_end == AKV_MAGIC_GROUP;
 }
 
+/* The magic read before the group is claimed, so atomically: a destroy on
+ * the thread that holds the group may be poisoning it (akv_group_poison).
+ * It keeps the claim from writing through a pointer into the middle of a
+ * group record (not a handle, but inside the pool): only a record that
+ * reads as a group has its owner word written. */
+static int akv_group_looks_ok(const akv_group *g) {
+  return __atomic_load_n(&g->magic, __ATOMIC_RELAXED) == AKV_MAGIC_GROUP &&
+         __atomic_load_n(&g->magic_end, __ATOMIC_RELAXED) == AKV_MAGIC_GROUP;
+}
+
+static void akv_group_poison(akv_group *g) {
+  __atomic_store_n(&g->magic, AKV_MAGIC_GROUP_DEAD, __ATOMIC_RELAXED);
+  __atomic_store_n(&g->magic_end, AKV_MAGIC_GROUP_DEAD, __ATOMIC_RELAXED);
+}
+
 /* A thread's name for akv_group_claim: the address of a thread-local. */
 static _Thread_local char akv_group_thread;
 
@@ -103,7 +118,8 @@ static _Thread_local char akv_group_thread;
 static akv_status akv_group_claim(const akv_group *cg) {
   akv_group *g = (akv_group *)cg; /* a record: only the owner word is written */
   const void *me = &akv_group_thread, *none = NULL;
-  if (cg == NULL || !akv_rec_owns(&akv_group_records, cg)) return AKV_ERR_BAD_HANDLE;
+  if (cg == NULL || !akv_rec_owns(&akv_group_records, cg) || !akv_group_looks_ok(cg))
+    return AKV_ERR_BAD_HANDLE;
   if (!atomic_compare_exchange_strong(&g->owner, &none, me) && none != me) return AKV_ERR_IN_USE;
   g->depth++;
   if (!akv_group_ok(g)) {
@@ -784,7 +800,7 @@ AKV_API akv_status akv_group_destroy(akv_group *g) {
   g->vec = NULL;
   g->engine = NULL;
   g->coll = NULL;
-  g->magic = g->magic_end = AKV_MAGIC_GROUP_DEAD;
+  akv_group_poison(g);
   /* Poisoned before it is released: a thread that claims it next sees a
    * dead group (akv_group_claim). */
   akv_group_release(g);
