@@ -216,6 +216,11 @@ static void test_destroy_while_another_thread_waits(void **state) {
   assert_int_equal(info.reason, AKV_GROUP_TIMEOUT);
   assert_int_equal(akv_group_engine(p.g[0], &e), AKV_OK);
   assert_non_null(e);
+  {
+    akv_engine_info einfo;
+    assert_int_equal(akv_engine_info_get(e, &einfo), AKV_OK);
+    assert_true(einfo.quarantined); /* a timeout quarantines the ranks that waited */
+  }
   /* Rank 1, late: the world was aborted by the timeout. */
   assert_int_equal(akv_group_check(p.g[1]), AKV_ERR_TIMEOUT);
   pair_destroy(&p);
@@ -694,6 +699,77 @@ static void test_destroy_from_group_log_in_a_call(void **state) {
   assert_int_equal(akv_group_world_destroy(world), AKV_OK);
 }
 
+/* ------------------------------------------------ a peer that leaves */
+
+typedef struct leaver {
+  pair *p;
+  uint32_t rank;
+  akv_status check, destroy, recreate, open;
+  akv_context *c;
+  double check_s;
+} leaver;
+
+static void *leaver_main(void *arg) {
+  leaver *r = arg;
+  akv_engine_config ec = shard_config(4);
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  akv_group *g2 = NULL;
+  double t0;
+  if (r->rank == 1) {
+    /* Destroys its group instead of making the agreement call, then
+     * comes back with a new one. */
+    r->destroy = akv_group_destroy(r->p->g[1]);
+    r->p->g[1] = NULL;
+    sleep_ms(400);
+    gc.rank = 1;
+    gc.size = 2;
+    gc.timeout_ms = 200;
+    r->recreate = akv_group_create_inproc(&ec, &gc, r->p->world, &g2);
+    if (r->recreate == AKV_OK) akv_group_destroy(g2);
+    return NULL;
+  }
+  t0 = now_s();
+  r->c = (akv_context *)&r->c; /* not NULL: a refused open leaves it */
+  r->open = akv_group_context_open(r->p->g[0], NULL, &r->c);
+  r->check_s = now_s() - t0;
+  r->check = akv_group_check(r->p->g[0]);
+  return NULL;
+}
+
+/* A rank that destroys its group (not a collective) while the other makes
+ * an agreement call: the waiting rank returns AKV_ERR_TIMEOUT within its
+ * timeout (plus a poll interval) with *out untouched, then
+ * AKV_ERR_QUARANTINED at once; the leaver's new group in the aborted world
+ * is refused with the abort's status; the world frees once every group is
+ * gone. */
+static void test_peer_destroys_instead_of_calling(void **state) {
+  (void)state;
+  pair p;
+  leaver r[2];
+  pthread_t th[2];
+  akv_group_info info;
+  pair_create(&p, 200, AKV_GROUP_DIGEST_ON);
+  memset(r, 0, sizeof(r));
+  for (uint32_t i = 0; i < 2; i++) {
+    r[i].p = &p;
+    r[i].rank = i;
+    assert_int_equal(pthread_create(&th[i], NULL, leaver_main, &r[i]), 0);
+  }
+  for (uint32_t i = 0; i < 2; i++) pthread_join(th[i], NULL);
+  assert_int_equal(r[1].destroy, AKV_OK);
+  assert_int_equal(r[0].open, AKV_ERR_TIMEOUT);
+  assert_ptr_equal(r[0].c, (akv_context *)&r[0].c);
+  assert_true(r[0].check_s < 1.0);
+  assert_int_equal(r[0].check, AKV_ERR_QUARANTINED);
+  assert_int_equal(r[1].recreate, AKV_ERR_TIMEOUT);
+  assert_int_equal(akv_group_info_get(p.g[0], &info), AKV_OK);
+  assert_true(info.stopped);
+  assert_int_equal(info.reason, AKV_GROUP_TIMEOUT);
+  assert_int_equal(akv_group_world_destroy(p.world), AKV_ERR_BUSY); /* rank 0's group */
+  assert_int_equal(akv_group_destroy(p.g[0]), AKV_OK);
+  assert_int_equal(akv_group_world_destroy(p.world), AKV_OK);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_second_thread_of_a_rank_refused),
@@ -705,6 +781,7 @@ int main(void) {
       cmocka_unit_test(test_world_teardown_mid_agreement),
       cmocka_unit_test(test_dead_and_foreign_handles),
       cmocka_unit_test(test_destroy_from_group_log_in_a_call),
+      cmocka_unit_test(test_peer_destroys_instead_of_calling),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
