@@ -770,6 +770,61 @@ static void test_peer_destroys_instead_of_calling(void **state) {
   assert_int_equal(akv_group_world_destroy(p.world), AKV_OK);
 }
 
+/* ------------------------------------------------ contention */
+
+typedef struct hammer {
+  akv_group *g;
+  uint32_t ok, in_use, other;
+} hammer;
+
+static void *hammer_main(void *arg) {
+  hammer *h = arg;
+  akv_group_info info;
+  for (int i = 0; i < 2000; i++) {
+    akv_status st = (i & 3) == 3 ? akv_group_info_get(h->g, &info) : akv_group_check(h->g);
+    if (st == AKV_OK && (i & 3) != 3)
+      h->ok++;
+    else if (st == AKV_ERR_IN_USE)
+      h->in_use++;
+    else if (st != AKV_OK)
+      h->other++;
+  }
+  return NULL;
+}
+
+/* Threads hammering one group of a one-rank world (each check completes at
+ * once): every call either runs alone or is refused with AKV_ERR_IN_USE;
+ * no agreement is lost or doubled (the count of agreements is the count of
+ * checks that passed) and the group never stops. Under TSan this is the
+ * claim's race test. */
+static void test_threads_hammer_one_group(void **state) {
+  (void)state;
+  akv_group_world *world;
+  akv_group *g = NULL;
+  akv_engine_config ec = shard_config(4);
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  akv_group_info info;
+  hammer h[3];
+  pthread_t th[3];
+  uint64_t before;
+  assert_int_equal(akv_group_world_create(1, 4, &world), AKV_OK);
+  assert_int_equal(akv_group_create_inproc(&ec, &gc, world, &g), AKV_OK);
+  assert_int_equal(akv_group_info_get(g, &info), AKV_OK);
+  before = info.agreements;
+  memset(h, 0, sizeof(h));
+  for (int i = 0; i < 3; i++) {
+    h[i].g = g;
+    assert_int_equal(pthread_create(&th[i], NULL, hammer_main, &h[i]), 0);
+  }
+  for (int i = 0; i < 3; i++) pthread_join(th[i], NULL);
+  assert_int_equal(akv_group_info_get(g, &info), AKV_OK);
+  assert_false(info.stopped);
+  assert_int_equal(info.agreements - before, h[0].ok + h[1].ok + h[2].ok);
+  for (int i = 0; i < 3; i++) assert_int_equal(h[i].other, 0);
+  assert_int_equal(akv_group_destroy(g), AKV_OK);
+  assert_int_equal(akv_group_world_destroy(world), AKV_OK);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_second_thread_of_a_rank_refused),
@@ -782,6 +837,7 @@ int main(void) {
       cmocka_unit_test(test_dead_and_foreign_handles),
       cmocka_unit_test(test_destroy_from_group_log_in_a_call),
       cmocka_unit_test(test_peer_destroys_instead_of_calling),
+      cmocka_unit_test(test_threads_hammer_one_group),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
