@@ -106,15 +106,15 @@ static _Thread_local char akv_group_thread;
  * Thread safety). Every public group call claims the group first and
  * releases it on return; the thread already inside may claim again (a call
  * made from a log callback during one of its calls: those rules are the
- * Logging ones), any other thread is refused with AKV_ERR_IN_USE, before
- * it reads or writes anything of the group. Without this a second thread
+ * Logging ones), any other thread is refused with AKV_ERR_IN_USE, having
+ * read only the record's magic and written nothing of the group. Without this a second thread
  * of a rank met the other ranks as one more rank (two threads of rank 0
  * completed a round of a two-rank group between them), and a destroy from
  * another thread freed the vector and the collective under a call waiting
- * at an agreement point. The record is checked to be a group record before
- * its owner is touched (records are never freed, so a destroyed group's
- * owner stays writable), and the magic only once claimed: a destroy
- * poisons it before it releases the group. */
+ * at an agreement point. The pointer is checked to be in a group record,
+ * and the record to read as a live group, before its owner word is
+ * written (records are never freed), and the magic again once claimed: a
+ * destroy poisons it before it releases the group. */
 static akv_status akv_group_claim(const akv_group *cg) {
   akv_group *g = (akv_group *)cg; /* a record: only the owner word is written */
   const void *me = &akv_group_thread, *none = NULL;
