@@ -642,6 +642,34 @@ static void test_dead_and_foreign_handles(void **state) {
                    AKV_ERR_INVALID_ARGUMENT);
   assert_int_equal(akv_group_create_inproc(&ec, &gc, dead_world, &dead),
                    AKV_ERR_INVALID_ARGUMENT);
+  /* Never-created handles: memory that reads as a group or a world (their
+   * magic in every word) but was never handed out. Refused, never read as
+   * one (its "engine" and "world" pointers are the magic's bytes). */
+  {
+    static uint32_t forged[512];
+    for (size_t i = 0; i < 512; i++) forged[i] = i & 1 ? 0x57564b41u : 0x474b5641u;
+    for (size_t off = 0; off < 2; off++) {
+      akv_group *fg = (akv_group *)&forged[off];
+      akv_group_world *fw = (akv_group_world *)&forged[off];
+      assert_int_equal(akv_group_check(fg), AKV_ERR_BAD_HANDLE);
+      assert_int_equal(akv_group_info_get(fg, &info), AKV_ERR_BAD_HANDLE);
+      assert_int_equal(akv_group_destroy(fg), AKV_ERR_BAD_HANDLE);
+      assert_int_equal(akv_group_world_abort(fw), AKV_ERR_INVALID_ARGUMENT);
+      assert_int_equal(akv_group_world_destroy(fw), AKV_ERR_INVALID_ARGUMENT);
+      assert_int_equal(akv_group_create_inproc(&ec, &gc, fw, &dead), AKV_ERR_INVALID_ARGUMENT);
+    }
+    for (size_t i = 0; i < 512; i++) forged[i] = 0x474b5641u; /* both magics of a group */
+    assert_int_equal(akv_group_check((akv_group *)forged), AKV_ERR_BAD_HANDLE);
+    assert_int_equal(akv_group_destroy((akv_group *)forged), AKV_ERR_BAD_HANDLE);
+  }
+  /* A destroyed world is not handed out again by the next 32 creates. */
+  for (int i = 0; i < 32; i++) {
+    akv_group_world *w;
+    assert_int_equal(akv_group_world_create(1, 4, &w), AKV_OK);
+    assert_ptr_not_equal(w, dead_world);
+    assert_int_equal(akv_group_world_abort(dead_world), AKV_ERR_INVALID_ARGUMENT);
+    assert_int_equal(akv_group_world_destroy(w), AKV_OK);
+  }
   /* Another engine's context, closed or open, to the group. */
   assert_int_equal(akv_group_context_close(g, lc), AKV_ERR_BAD_HANDLE);
   assert_int_equal(akv_group_step_begin(g, &lc, 1), AKV_ERR_BAD_HANDLE);
