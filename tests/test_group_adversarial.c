@@ -853,6 +853,54 @@ static void test_threads_hammer_one_group(void **state) {
   assert_int_equal(akv_group_world_destroy(world), AKV_OK);
 }
 
+/* ------------------------------------------ an agreement from the callback */
+
+typedef struct cb_check {
+  akv_group *g;
+  int armed;
+  akv_status nested;
+} cb_check;
+
+static void cb_check_log(void *user, akv_log_level level, const char *message) {
+  cb_check *d = user;
+  (void)level;
+  if (!d->armed || strncmp(message, "group rank", 10) != 0) return;
+  d->armed = 0;
+  d->nested = akv_group_check(d->g);
+}
+
+/* Promise (akv_group.h, Logging): an agreement call made from the group's
+ * own log callback is one of the rank's sequence; the claim of the thread
+ * already inside (akv_group_claim) lets it through: it runs its
+ * collective and passes. */
+static void test_agreement_from_group_log_still_runs(void **state) {
+  (void)state;
+  akv_group_world *world;
+  akv_group *g = NULL;
+  akv_engine_config ec = shard_config(4);
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  akv_group_info info;
+  uint64_t before;
+  cb_check d;
+  memset(&d, 0, sizeof(d));
+  ec.log_fn = cb_check_log;
+  ec.log_user = &d;
+  ec.log_level = AKV_LOG_WARN;
+  assert_int_equal(akv_group_world_create(1, 4, &world), AKV_OK);
+  assert_int_equal(akv_group_create_inproc(&ec, &gc, world, &g), AKV_OK);
+  d.g = g;
+  assert_int_equal(akv_group_info_get(g, &info), AKV_OK);
+  before = info.agreements;
+  d.armed = 1;
+  assert_int_equal(akv_group_step_begin(g, NULL, 1), AKV_ERR_INVALID_ARGUMENT); /* warns */
+  assert_int_equal(d.nested, AKV_OK);
+  assert_int_equal(akv_group_info_get(g, &info), AKV_OK);
+  assert_int_equal(info.agreements, before + 2);
+  assert_false(info.stopped);
+  assert_int_equal(akv_group_destroy(g), AKV_OK);
+  assert_int_equal(akv_group_world_destroy(world), AKV_OK);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_second_thread_of_a_rank_refused),
@@ -866,6 +914,7 @@ int main(void) {
       cmocka_unit_test(test_destroy_from_group_log_in_a_call),
       cmocka_unit_test(test_peer_destroys_instead_of_calling),
       cmocka_unit_test(test_threads_hammer_one_group),
+      cmocka_unit_test(test_agreement_from_group_log_still_runs),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
