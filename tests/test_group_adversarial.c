@@ -793,6 +793,9 @@ static void test_peer_destroys_instead_of_calling(void **state) {
   assert_int_equal(akv_group_info_get(p.g[0], &info), AKV_OK);
   assert_true(info.stopped);
   assert_int_equal(info.reason, AKV_GROUP_TIMEOUT);
+  assert_int_equal(info.failed_rank, UINT32_MAX);
+  /* The last error is the later refusal's, which says the group stopped. */
+  assert_non_null(strstr(akv_group_last_error(p.g[0]), "stopped"));
   assert_int_equal(akv_group_world_destroy(p.world), AKV_ERR_BUSY); /* rank 0's group */
   assert_int_equal(akv_group_destroy(p.g[0]), AKV_OK);
   assert_int_equal(akv_group_world_destroy(p.world), AKV_OK);
@@ -901,6 +904,75 @@ static void test_agreement_from_group_log_still_runs(void **state) {
   assert_int_equal(akv_group_world_destroy(world), AKV_OK);
 }
 
+/* ------------------------------------------------ different calls */
+
+typedef enum kind { K_OPEN, K_CLOSE, K_STEP, K_CHECK, K_CLOSE_NULL } kind;
+
+typedef struct mixed_rank {
+  pair *p;
+  uint32_t rank;
+  kind k;
+  akv_status st;
+  double took_s;
+  akv_group_info info;
+  akv_engine_info einfo;
+} mixed_rank;
+
+static void *mixed_main(void *arg) {
+  mixed_rank *r = arg;
+  akv_group *g = r->p->g[r->rank];
+  akv_context *c = NULL, *c2 = NULL;
+  akv_engine *e = NULL;
+  double t0;
+  akv_group_engine(g, &e);
+  assert_int_equal(akv_group_context_open(g, NULL, &c), AKV_OK);
+  t0 = now_s();
+  switch (r->k) {
+    case K_OPEN: r->st = akv_group_context_open(g, NULL, &c2); break;
+    case K_CLOSE: r->st = akv_group_context_close(g, c); break;
+    case K_STEP: r->st = akv_group_step_begin(g, &c, 1); break;
+    case K_CHECK: r->st = akv_group_check(g); break;
+    case K_CLOSE_NULL: r->st = akv_group_context_close(g, NULL); break;
+  }
+  r->took_s = now_s() - t0;
+  akv_group_info_get(g, &r->info);
+  akv_engine_info_get(e, &r->einfo);
+  return NULL;
+}
+
+/* Promise (akv_group.h, Thread safety): a rank that makes a different call
+ * meets the others at a point of another kind, which quarantines all: every
+ * pair of different calls (a local argument error on one side included)
+ * ends with AKV_ERR_QUARANTINED, reason DIVERGED, on both ranks, at once
+ * (no timeout), both engines quarantined. */
+static void test_different_calls_every_pair(void **state) {
+  (void)state;
+  static const kind pairs[][2] = {{K_OPEN, K_CLOSE}, {K_STEP, K_CHECK}, {K_CLOSE, K_STEP},
+                                  {K_OPEN, K_CHECK}, {K_CLOSE_NULL, K_CHECK}};
+  for (size_t i = 0; i < sizeof(pairs) / sizeof(pairs[0]); i++) {
+    pair p;
+    mixed_rank r[2];
+    pthread_t th[2];
+    pair_create(&p, 2000, AKV_GROUP_DIGEST_DEFAULT);
+    memset(r, 0, sizeof(r));
+    for (uint32_t k = 0; k < 2; k++) {
+      r[k].p = &p;
+      r[k].rank = k;
+      r[k].k = pairs[i][k];
+      assert_int_equal(pthread_create(&th[k], NULL, mixed_main, &r[k]), 0);
+    }
+    for (uint32_t k = 0; k < 2; k++) pthread_join(th[k], NULL);
+    for (uint32_t k = 0; k < 2; k++) {
+      assert_int_equal(r[k].st, AKV_ERR_QUARANTINED);
+      assert_true(r[k].took_s < 1.0);
+      assert_true(r[k].info.stopped);
+      assert_int_equal(r[k].info.reason, AKV_GROUP_DIVERGED);
+      assert_true(r[k].einfo.quarantined);
+    }
+    pair_destroy(&p);
+  }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_second_thread_of_a_rank_refused),
@@ -915,6 +987,7 @@ int main(void) {
       cmocka_unit_test(test_peer_destroys_instead_of_calling),
       cmocka_unit_test(test_threads_hammer_one_group),
       cmocka_unit_test(test_agreement_from_group_log_still_runs),
+      cmocka_unit_test(test_different_calls_every_pair),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
