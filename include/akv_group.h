@@ -52,7 +52,12 @@
  * changes nothing; the call in progress goes on. So a second thread of a
  * rank is never counted as another rank, and akv_group_destroy never frees
  * what a call of another thread still uses. (The engine's own calls are
- * not guarded so: akv_group_engine's handle follows akv.h's rules.) Every agreement point is a collective: each rank must make the
+ * not guarded so: akv_group_engine's handle follows akv.h's rules.)
+ * No group call, create included, is a cancellation point: cancellation
+ * (pthread_cancel) is disabled inside each, and a cancel that arrives
+ * while one waits acts at the thread's next cancellation point after the
+ * call returned, so no rank is left blocked on a lock a cancelled thread
+ * held. Every agreement point is a collective: each rank must make the
  * same sequence of agreement calls (a rank that makes a different call
  * meets the others at a point of another kind, which quarantines all).
  * Blocking: agreement calls block the calling thread until every rank

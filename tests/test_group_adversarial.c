@@ -973,6 +973,54 @@ static void test_different_calls_every_pair(void **state) {
   }
 }
 
+/* ------------------------------------------------ cancellation */
+
+typedef struct cancelled {
+  akv_group *g;
+  volatile akv_status st;
+  volatile int returned;
+} cancelled;
+
+static void *cancelled_main(void *arg) {
+  cancelled *c = arg;
+  c->st = akv_group_check(c->g);
+  c->returned = 1;
+  pthread_testcancel(); /* the pending cancel acts here */
+  c->returned = 2;
+  return NULL;
+}
+
+/* Promise (akv_group.h, Thread safety): group calls are not cancellation
+ * points. A rank thread cancelled while it waited at an agreement point
+ * died inside pthread_cond_timedwait holding the in-process world's mutex:
+ * the other rank's next call then blocked on that mutex for good (no
+ * timeout frees it) and the group stayed claimed by the dead thread. The
+ * call now runs to its end (here AKV_ERR_TIMEOUT: rank 1 did not come in
+ * time), the cancel acts at the caller's next cancellation point, the late
+ * rank gets the timeout at once and both groups are destroyed. */
+static void test_cancelled_thread_in_agreement(void **state) {
+  (void)state;
+  pair p;
+  cancelled c;
+  pthread_t th;
+  void *ret = NULL;
+  double t0;
+  pair_create(&p, 300, AKV_GROUP_DIGEST_ON);
+  memset(&c, 0, sizeof(c));
+  c.g = p.g[0];
+  assert_int_equal(pthread_create(&th, NULL, cancelled_main, &c), 0);
+  sleep_ms(100);
+  assert_int_equal(pthread_cancel(th), 0);
+  assert_int_equal(pthread_join(th, &ret), 0);
+  assert_ptr_equal(ret, PTHREAD_CANCELED);
+  assert_int_equal(c.returned, 1);
+  assert_int_equal(c.st, AKV_ERR_TIMEOUT);
+  t0 = now_s();
+  assert_int_equal(akv_group_check(p.g[1]), AKV_ERR_TIMEOUT);
+  assert_true(now_s() - t0 < 0.2);
+  pair_destroy(&p);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_second_thread_of_a_rank_refused),
@@ -988,6 +1036,7 @@ int main(void) {
       cmocka_unit_test(test_threads_hammer_one_group),
       cmocka_unit_test(test_agreement_from_group_log_still_runs),
       cmocka_unit_test(test_different_calls_every_pair),
+      cmocka_unit_test(test_cancelled_thread_in_agreement),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

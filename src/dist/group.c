@@ -21,6 +21,7 @@
  * quarantines every rank at the same point: each rank reads the same reduced
  * vector, so each takes the same branch.
  */
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -73,6 +74,7 @@ struct akv_group {
   char last_error[512];
   _Atomic(const void *) owner; /* the thread inside a call on this group, or NULL */
   uint32_t depth;              /* the owner's calls in progress (nested from callbacks) */
+  int cancel_state;            /* the owner's cancelability before its outermost call */
   uint32_t magic_end;
 };
 
@@ -99,6 +101,8 @@ static void akv_group_poison(akv_group *g) {
   __atomic_store_n(&g->magic_end, AKV_MAGIC_GROUP_DEAD, __ATOMIC_RELAXED);
 }
 
+static void akv_group_release(const akv_group *cg);
+
 /* A thread's name for akv_group_claim: the address of a thread-local. */
 static _Thread_local char akv_group_thread;
 
@@ -121,9 +125,16 @@ static akv_status akv_group_claim(const akv_group *cg) {
   if (cg == NULL || !akv_rec_owns(&akv_group_records, cg) || !akv_group_looks_ok(cg))
     return AKV_ERR_BAD_HANDLE;
   if (!atomic_compare_exchange_strong(&g->owner, &none, me) && none != me) return AKV_ERR_IN_USE;
-  g->depth++;
+  /* Invariant: a group call is not a cancellation point. A thread
+   * cancelled inside one (pthread_cancel while it waits at an agreement
+   * point) died holding the in-process world's mutex, and every other rank
+   * and world call then blocked on it for good (no timeout frees a mutex),
+   * while this group stayed claimed by a dead thread. Cancellation is off
+   * from the outermost claim to its release; a pending cancel acts at the
+   * caller's next cancellation point after the call returned. */
+  if (g->depth++ == 0) pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, &g->cancel_state);
   if (!akv_group_ok(g)) {
-    if (--g->depth == 0) atomic_store(&g->owner, NULL);
+    akv_group_release(g);
     return AKV_ERR_BAD_HANDLE;
   }
   return AKV_OK;
@@ -131,7 +142,11 @@ static akv_status akv_group_claim(const akv_group *cg) {
 
 static void akv_group_release(const akv_group *cg) {
   akv_group *g = (akv_group *)cg;
-  if (--g->depth == 0) atomic_store(&g->owner, NULL);
+  if (--g->depth == 0) {
+    const int cancel = g->cancel_state;
+    atomic_store(&g->owner, NULL);
+    pthread_setcancelstate(cancel, NULL);
+  }
 }
 
 /* The group's engine, or NULL before create made it and once the caller
@@ -424,8 +439,9 @@ static akv_status akv_group_decide_step(akv_group *g, akv_context *const *cs, ui
 
 /* ---------------------------------------------------------------- create */
 
-akv_status akv_group_create_with(const akv_engine_config *shard, const akv_group_config *config,
-                                 akv_coll *coll, akv_group **out) {
+static akv_status akv_group_create_body(const akv_engine_config *shard,
+                                        const akv_group_config *config, akv_coll *coll,
+                                        akv_group **out) {
   akv_group *g = NULL;
   akv_status local = AKV_OK, st, agreed_local;
   uint64_t v;
@@ -592,6 +608,18 @@ fail:
   free(g->vec);
   g->magic = g->magic_end = AKV_MAGIC_GROUP_DEAD;
   akv_rec_untake(&akv_group_records, g);
+  return st;
+}
+
+/* A create is not a cancellation point either (see akv_group_claim): it
+ * waits at two agreement points. */
+akv_status akv_group_create_with(const akv_engine_config *shard, const akv_group_config *config,
+                                 akv_coll *coll, akv_group **out) {
+  int cancel;
+  akv_status st;
+  pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, &cancel);
+  st = akv_group_create_body(shard, config, coll, out);
+  pthread_setcancelstate(cancel, NULL);
   return st;
 }
 
