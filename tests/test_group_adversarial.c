@@ -10,6 +10,7 @@
  */
 #define _POSIX_C_SOURCE 200809L
 #include <pthread.h>
+#include <stdatomic.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -1021,6 +1022,67 @@ static void test_cancelled_thread_in_agreement(void **state) {
   pair_destroy(&p);
 }
 
+/* ------------------------------------------------ stale handles, racing */
+
+typedef struct churn {
+  akv_group_world *world;
+  _Atomic(akv_group *) latest;
+  atomic_int done;
+  uint32_t bad; /* statuses outside the allowed sets */
+  uint32_t calls_ok, refused;
+} churn;
+
+static void *churn_caller_main(void *arg) {
+  churn *c = arg;
+  akv_group_info info;
+  while (!atomic_load(&c->done)) {
+    akv_group *g = atomic_load(&c->latest);
+    akv_status a = akv_group_check(g), b = akv_group_info_get(g, &info);
+    const char *m = akv_group_last_error(g);
+    if (a == AKV_OK) c->calls_ok++;
+    if (a == AKV_ERR_BAD_HANDLE || a == AKV_ERR_IN_USE) c->refused++;
+    if ((a != AKV_OK && a != AKV_ERR_BAD_HANDLE && a != AKV_ERR_IN_USE) ||
+        (b != AKV_OK && b != AKV_ERR_BAD_HANDLE && b != AKV_ERR_IN_USE) || m == NULL)
+      c->bad++;
+  }
+  return NULL;
+}
+
+/* A thread that keeps calling on whatever group handle it last saw while
+ * another creates and destroys groups (a careless caller: calls on a group
+ * being destroyed, on one destroyed, and on its record handed out again):
+ * every call answers OK, AKV_ERR_BAD_HANDLE or AKV_ERR_IN_USE, never reads
+ * freed memory (ASan) or races (TSan); a destroy refused because the other
+ * thread is inside a call succeeds when retried. */
+static void test_calls_racing_create_and_destroy(void **state) {
+  (void)state;
+  churn c;
+  pthread_t th;
+  akv_engine_config ec = shard_config(4);
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  uint32_t destroy_retries = 0;
+  memset(&c, 0, sizeof(c));
+  assert_int_equal(akv_group_world_create(1, 4, &c.world), AKV_OK);
+  atomic_store(&c.latest, NULL);
+  assert_int_equal(pthread_create(&th, NULL, churn_caller_main, &c), 0);
+  for (int i = 0; i < 150; i++) {
+    akv_group *g = NULL;
+    akv_status st = akv_group_create_inproc(&ec, &gc, c.world, &g);
+    assert_int_equal(st, AKV_OK);
+    atomic_store(&c.latest, g);
+    for (int k = 0; k < 3; k++) {
+      st = akv_group_check(g);
+      assert_true(st == AKV_OK || st == AKV_ERR_IN_USE);
+    }
+    while ((st = akv_group_destroy(g)) == AKV_ERR_IN_USE) destroy_retries++;
+    assert_int_equal(st, AKV_OK);
+  }
+  atomic_store(&c.done, 1);
+  pthread_join(th, NULL);
+  assert_int_equal(c.bad, 0);
+  assert_int_equal(akv_group_world_destroy(c.world), AKV_OK);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_second_thread_of_a_rank_refused),
@@ -1037,6 +1099,7 @@ int main(void) {
       cmocka_unit_test(test_agreement_from_group_log_still_runs),
       cmocka_unit_test(test_different_calls_every_pair),
       cmocka_unit_test(test_cancelled_thread_in_agreement),
+      cmocka_unit_test(test_calls_racing_create_and_destroy),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
