@@ -45,7 +45,19 @@
  *
  * Thread safety: a group and its engine are used from one thread at a time;
  * the ranks of a group call concurrently, each from its own thread or
- * process. Every agreement point is a collective: each rank must make the
+ * process. A group call made while another thread is inside a call on the
+ * same group (an agreement waiting for the other ranks, say) is refused:
+ * it returns AKV_ERR_IN_USE at once (akv_group_last_error: a fixed
+ * "group in use by another thread"), enters no collective, reads and
+ * changes nothing; the call in progress goes on. So a second thread of a
+ * rank is never counted as another rank, and akv_group_destroy never frees
+ * what a call of another thread still uses. (The engine's own calls are
+ * not guarded so: akv_group_engine's handle follows akv.h's rules.)
+ * No group call, create included, is a cancellation point: cancellation
+ * (pthread_cancel) is disabled inside each, and a cancel that arrives
+ * while one waits acts at the thread's next cancellation point after the
+ * call returned, so no rank is left blocked on a lock a cancelled thread
+ * held. Every agreement point is a collective: each rank must make the
  * same sequence of agreement calls (a rank that makes a different call
  * meets the others at a point of another kind, which quarantines all).
  * Blocking: agreement calls block the calling thread until every rank
@@ -64,6 +76,12 @@
  * engine refuses every change from inside its callback (akv_log_fn): it is
  * a local state error, and every rank returns AKV_ERR_IN_USE with nothing
  * changed (akv_group_check goes on as usual).
+ * Handles: a group or world handle is checked to lie in the library's pool
+ * of group (world) records before anything of it is read, so a pointer
+ * that was never such a handle (another library handle, the caller's
+ * memory, whatever its bytes) is refused like a destroyed one
+ * (AKV_ERR_BAD_HANDLE; world calls AKV_ERR_INVALID_ARGUMENT) and never
+ * read as one.
  * Streams: the collectives run on the group's own queue (NCCL: a stream the
  * group created on the engine's device); the caller's compute stream is
  * never touched.
@@ -209,8 +227,10 @@ AKV_API akv_status akv_group_world_destroy(akv_group_world *world);
  * lifetimes"): however many engines were created since, no group call acts
  * on an engine the dead handle may name now (none quarantines, destroys or
  * opens, closes or steps contexts on it), and this call then sets *out to
- * NULL. Allowed at any time. Returns AKV_OK,
- * AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (out NULL).
+ * NULL. Allowed at any time (in any state, from the thread using the
+ * group). Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (out
+ * NULL), AKV_ERR_IN_USE (another thread is inside a call on this group;
+ * *out untouched).
  */
 AKV_API akv_status akv_group_engine(const akv_group *group, akv_engine **out);
 
@@ -218,7 +238,10 @@ AKV_API akv_status akv_group_engine(const akv_group *group, akv_engine **out);
  * Agreement point: opens a context on every rank. The target and burst are
  * the MIN over ranks of the ones given (config may differ per rank; NULL is
  * AKV_CONTEXT_CONFIG_INIT). Every rank opens or refuses alike; the context
- * gets the same id on every rank. Blocks until every rank arrived.
+ * gets the same id on every rank: the ids are compared with the outcome,
+ * and ranks whose engines would number it differently (a context opened
+ * on one rank's engine directly, whether digests are checked or not) all
+ * stop (AKV_ERR_QUARANTINED, reason DIVERGED or DIGEST_MISMATCH). Blocks until every rank arrived.
  * Returns, on every rank: AKV_OK, AKV_ERR_INVALID_ARGUMENT, AKV_ERR_CONFIG,
  * AKV_ERR_STEP_STATE, AKV_ERR_REFUSED_QUEUE, AKV_ERR_ADMISSION_REFUSED (as
  * akv_context_open), AKV_ERR_IN_USE (called from the engine's log callback
@@ -269,12 +292,16 @@ AKV_API akv_status akv_group_step_begin(akv_group *group, akv_context *const *co
  */
 AKV_API akv_status akv_group_check(akv_group *group);
 
-/** Fills *out. Allowed at any time. Returns AKV_OK, AKV_ERR_BAD_HANDLE,
- *  AKV_ERR_INVALID_ARGUMENT (out NULL). */
+/** Fills *out. Allowed at any time (in any state, from the thread using
+ *  the group). Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT
+ *  (out NULL), AKV_ERR_IN_USE (another thread is inside a call on this
+ *  group; *out untouched). */
 AKV_API akv_status akv_group_info_get(const akv_group *group, akv_group_info *out);
 
 /** The last error of this rank's group in words ("" before any); owned by
- *  the group. A bad handle gives a static "bad group handle". */
+ *  the group. A bad handle gives a static "bad group handle", a group
+ *  another thread is inside a call on a static "group in use by another
+ *  thread". */
 AKV_API const char *akv_group_last_error(const akv_group *group);
 
 /**
@@ -284,8 +311,9 @@ AKV_API const char *akv_group_last_error(const akv_group *group);
  * a collective: it never waits on peers. The caller's communicator is not
  * destroyed (after AKV_ERR_TIMEOUT or AKV_ERR_COMM it was aborted, which
  * freed it: do not use it again). Returns AKV_OK, AKV_ERR_BAD_HANDLE,
- * AKV_ERR_BUSY, AKV_ERR_IN_USE (called from the engine's log callback;
- * nothing freed). A group handle is a record never freed (akv.h "Handle
+ * AKV_ERR_BUSY, AKV_ERR_IN_USE (called from the engine's log callback, or
+ * from a log callback during a call on this group, or while another thread
+ * is inside a call on this group; nothing freed). A group handle is a record never freed (akv.h "Handle
  * lifetimes"): once destroyed, every group call answers AKV_ERR_BAD_HANDLE
  * until at least 32 later group creates in the process.
  */

@@ -21,7 +21,9 @@
  * quarantines every rank at the same point: each rank reads the same reduced
  * vector, so each takes the same branch.
  */
+#include <pthread.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -70,6 +72,9 @@ struct akv_group {
   akv_group_reason reason;
   uint32_t failed_rank;
   char last_error[512];
+  _Atomic(const void *) owner; /* the thread inside a call on this group, or NULL */
+  uint32_t depth;              /* the owner's calls in progress (nested from callbacks) */
+  int cancel_state;            /* the owner's cancelability before its outermost call */
   uint32_t magic_end;
 };
 
@@ -79,6 +84,69 @@ static akv_recpool akv_group_records = AKV_RECPOOL_INIT(struct akv_group, 32, 32
 
 static int akv_group_ok(const akv_group *g) {
   return g != NULL && g->magic == AKV_MAGIC_GROUP && g->magic_end == AKV_MAGIC_GROUP;
+}
+
+/* The magic read before the group is claimed, so atomically: a destroy on
+ * the thread that holds the group may be poisoning it (akv_group_poison).
+ * It keeps the claim from writing through a pointer into the middle of a
+ * group record (not a handle, but inside the pool): only a record that
+ * reads as a group has its owner word written. */
+static int akv_group_looks_ok(const akv_group *g) {
+  return __atomic_load_n(&g->magic, __ATOMIC_RELAXED) == AKV_MAGIC_GROUP &&
+         __atomic_load_n(&g->magic_end, __ATOMIC_RELAXED) == AKV_MAGIC_GROUP;
+}
+
+static void akv_group_poison(akv_group *g) {
+  __atomic_store_n(&g->magic, AKV_MAGIC_GROUP_DEAD, __ATOMIC_RELAXED);
+  __atomic_store_n(&g->magic_end, AKV_MAGIC_GROUP_DEAD, __ATOMIC_RELAXED);
+}
+
+static void akv_group_release(const akv_group *cg);
+
+/* A thread's name for akv_group_claim: the address of a thread-local. */
+static _Thread_local char akv_group_thread;
+
+/* Invariant: at most one thread is inside the calls of a group (akv_group.h,
+ * Thread safety). Every public group call claims the group first and
+ * releases it on return; the thread already inside may claim again (a call
+ * made from a log callback during one of its calls: those rules are the
+ * Logging ones), any other thread is refused with AKV_ERR_IN_USE, having
+ * read only the record's magic and written nothing of the group. Without this a second thread
+ * of a rank met the other ranks as one more rank (two threads of rank 0
+ * completed a round of a two-rank group between them), and a destroy from
+ * another thread freed the vector and the collective under a call waiting
+ * at an agreement point. The pointer is checked to be in a group record,
+ * and the record to read as a live group, before its owner word is
+ * written (records are never freed), and the magic again once claimed: a
+ * destroy poisons it before it releases the group. */
+static akv_status akv_group_claim(const akv_group *cg) {
+  akv_group *g = (akv_group *)cg; /* a record: only the owner word is written */
+  const void *me = &akv_group_thread, *none = NULL;
+  if (cg == NULL || !akv_rec_owns(&akv_group_records, cg) || !akv_group_looks_ok(cg))
+    return AKV_ERR_BAD_HANDLE;
+  if (!atomic_compare_exchange_strong(&g->owner, &none, me) && none != me) return AKV_ERR_IN_USE;
+  /* Invariant: a group call is not a cancellation point. A thread
+   * cancelled inside one (pthread_cancel while it waits at an agreement
+   * point) died holding the in-process world's mutex, and every other rank
+   * and world call then blocked on it for good (no timeout frees a mutex),
+   * while this group stayed claimed by a dead thread. Cancellation is off
+   * from the outermost claim to its release; a pending cancel acts at the
+   * caller's next cancellation point after the call returned. */
+  if (g->depth++ == 0) pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, &g->cancel_state);
+  if (!akv_group_ok(g)) {
+    akv_group_release(g);
+    return AKV_ERR_BAD_HANDLE;
+  }
+  return AKV_OK;
+}
+
+static void akv_group_release(const akv_group *cg) {
+  akv_group *g = (akv_group *)cg;
+  if (--g->depth == 0) {
+    const int cancel = g->cancel_state;
+    atomic_store(&g->owner, NULL);
+    pthread_setcancelstate(cancel, NULL);
+  }
 }
 
 /* The group's engine, or NULL before create made it and once the caller
@@ -294,14 +362,17 @@ static akv_status akv_group_read_header(akv_group *g, akv_status *local) {
 }
 
 /* The outcome of a decision taken locally from agreed inputs: every rank
- * must have reached the same status and (when checked) the same digest. */
-static akv_status akv_group_outcome(akv_group *g, akv_status st) {
+ * must have reached the same status, the same `made` (what the decision
+ * handed out: an opened context's id) and (when checked) the same
+ * digest. */
+static akv_status akv_group_outcome(akv_group *g, akv_status st, uint64_t made) {
   akv_status local, rc;
   akv_group_put_header(g, AKV_POINT_OUTCOME, AKV_OK);
   akv_put_same(g, (uint64_t)st);
+  akv_put_same(g, made);
   if ((rc = akv_group_exchange(g)) != AKV_OK) return rc;
   if ((rc = akv_group_read_header(g, &local)) != AKV_OK) return rc;
-  if (!akv_get_same(g, NULL))
+  if (!akv_get_same(g, NULL) | !akv_get_same(g, NULL))
     return akv_group_stop(g, AKV_GROUP_DIVERGED, UINT32_MAX, AKV_ERR_QUARANTINED,
                           "the ranks decided differently from agreed inputs");
   if (st != AKV_OK)
@@ -368,8 +439,9 @@ static akv_status akv_group_decide_step(akv_group *g, akv_context *const *cs, ui
 
 /* ---------------------------------------------------------------- create */
 
-akv_status akv_group_create_with(const akv_engine_config *shard, const akv_group_config *config,
-                                 akv_coll *coll, akv_group **out) {
+static akv_status akv_group_create_body(const akv_engine_config *shard,
+                                        const akv_group_config *config, akv_coll *coll,
+                                        akv_group **out) {
   akv_group *g = NULL;
   akv_status local = AKV_OK, st, agreed_local;
   uint64_t v;
@@ -539,12 +611,25 @@ fail:
   return st;
 }
 
+/* A create is not a cancellation point either (see akv_group_claim): it
+ * waits at two agreement points. */
+akv_status akv_group_create_with(const akv_engine_config *shard, const akv_group_config *config,
+                                 akv_coll *coll, akv_group **out) {
+  int cancel;
+  akv_status st;
+  pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, &cancel);
+  st = akv_group_create_body(shard, config, coll, out);
+  pthread_setcancelstate(cancel, NULL);
+  return st;
+}
+
 /* ---------------------------------------------------------------- points */
 
-AKV_API akv_status akv_group_context_open(akv_group *g, const akv_context_config *config,
-                                          akv_context **out) {
+static akv_status akv_group_context_open_claimed(akv_group *g, const akv_context_config *config,
+                                                  akv_context **out) {
   akv_context_config cc = AKV_CONTEXT_CONFIG_INIT;
   akv_context *c = NULL;
+  uint32_t id = 0;
   akv_status st = akv_group_enter(g), local = AKV_OK, agreed_local;
   if (st != AKV_OK) return st;
   if (out == NULL)
@@ -573,12 +658,18 @@ AKV_API akv_status akv_group_context_open(akv_group *g, const akv_context_config
   cc.target_pages = (uint32_t)akv_get_min(g);
   cc.burst_pages = (uint32_t)akv_get_min(g);
   st = akv_group_decide_open(g, &cc, &c);
-  if ((st = akv_group_outcome(g, st)) != AKV_OK) return st;
+  /* Invariant: an opened context has the same id on every rank
+   * (akv_group_context_open), or every rank stops here. The engine numbers
+   * its contexts itself, so a context opened on one rank's engine directly
+   * shifts that rank's ids; without digest checking nothing else would
+   * tell, and a later close or step would name different contexts. */
+  if (st == AKV_OK) akv_context_id(c, &id);
+  if ((st = akv_group_outcome(g, st, id)) != AKV_OK) return st;
   *out = c;
   return AKV_OK;
 }
 
-AKV_API akv_status akv_group_context_close(akv_group *g, akv_context *context) {
+static akv_status akv_group_context_close_claimed(akv_group *g, akv_context *context) {
   uint32_t id = 0;
   akv_status st = akv_group_enter(g), local = AKV_OK, agreed_local;
   akv_engine *e;
@@ -603,10 +694,10 @@ AKV_API akv_status akv_group_context_close(akv_group *g, akv_context *context) {
   if (!akv_get_same(g, NULL))
     return akv_group_fail(g, AKV_ERR_DISAGREE,
                           "context_close: the ranks named different contexts; nothing changed");
-  return akv_group_outcome(g, akv_group_decide_close(g, context));
+  return akv_group_outcome(g, akv_group_decide_close(g, context), 0);
 }
 
-AKV_API akv_status akv_group_step_begin(akv_group *g, akv_context *const *contexts, uint32_t n) {
+static akv_status akv_group_step_begin_claimed(akv_group *g, akv_context *const *contexts, uint32_t n) {
   akv_status st = akv_group_enter(g), local = AKV_OK, agreed_local;
   akv_engine *e;
   int same = 1;
@@ -652,10 +743,10 @@ AKV_API akv_status akv_group_step_begin(akv_group *g, akv_context *const *contex
     return akv_group_fail(g, AKV_ERR_DISAGREE,
                           "step_begin: the ranks step different contexts or lengths; nothing "
                           "changed");
-  return akv_group_outcome(g, akv_group_decide_step(g, contexts, n));
+  return akv_group_outcome(g, akv_group_decide_step(g, contexts, n), 0);
 }
 
-AKV_API akv_status akv_group_check(akv_group *g) {
+static akv_status akv_group_check_claimed(akv_group *g) {
   akv_status st = akv_group_enter(g), local;
   if (st != AKV_OK) return st;
   akv_group_put_header(g, AKV_POINT_CHECK, AKV_OK);
@@ -665,7 +756,7 @@ AKV_API akv_status akv_group_check(akv_group *g) {
 
 /* ---------------------------------------------------------------- others */
 
-AKV_API akv_status akv_group_engine(const akv_group *g, akv_engine **out) {
+static akv_status akv_group_engine_claimed(const akv_group *g, akv_engine **out) {
   if (!akv_group_ok(g)) return AKV_ERR_BAD_HANDLE;
   if (out == NULL) return AKV_ERR_INVALID_ARGUMENT;
   /* NULL once the engine was destroyed directly: the handle may name a
@@ -674,7 +765,7 @@ AKV_API akv_status akv_group_engine(const akv_group *g, akv_engine **out) {
   return AKV_OK;
 }
 
-AKV_API akv_status akv_group_info_get(const akv_group *g, akv_group_info *out) {
+static akv_status akv_group_info_get_claimed(const akv_group *g, akv_group_info *out) {
   if (!akv_group_ok(g)) return AKV_ERR_BAD_HANDLE;
   if (out == NULL) return AKV_ERR_INVALID_ARGUMENT;
   memset(out, 0, sizeof(*out));
@@ -696,16 +787,25 @@ AKV_API akv_status akv_group_info_get(const akv_group *g, akv_group_info *out) {
 }
 
 AKV_API const char *akv_group_last_error(const akv_group *g) {
-  if (!akv_group_ok(g)) return "bad group handle";
-  return g->last_error;
+  const char *msg;
+  akv_status st = akv_group_claim(g);
+  if (st == AKV_ERR_IN_USE) return "group in use by another thread";
+  if (st != AKV_OK) return "bad group handle";
+  msg = g->last_error;
+  akv_group_release(g);
+  return msg;
 }
 
 AKV_API akv_status akv_group_destroy(akv_group *g) {
-  akv_status st;
-  if (!akv_group_ok(g)) return AKV_ERR_BAD_HANDLE;
-  /* From the engine's log callback during an agreement: the agreement still
-   * uses the vector and the collective (see akv_group_enter). */
-  if (g->deciding) return AKV_ERR_IN_USE;
+  akv_status st = akv_group_claim(g);
+  if (st != AKV_OK) return st;
+  /* From a log callback during a call on this group (the engine's while an
+   * agreement decides, or the group's own): the call still uses the vector
+   * and the collective (see akv_group_enter). */
+  if (g->depth > 1 || g->deciding) {
+    akv_group_release(g);
+    return AKV_ERR_IN_USE;
+  }
   /* No akv_group_settle here: a quarantine waits on the engine's queues,
    * and destroy never waits. An owed one leaves an engine whose transport
    * failed busy (akv_group.h says what to do). */
@@ -717,14 +817,70 @@ AKV_API akv_status akv_group_destroy(akv_group *g) {
    * given back. */
   if (akv_group_own(g) != NULL) {
     st = akv_engine_destroy(g->engine);
-    if (st != AKV_OK) return akv_group_fail(g, st, "destroy: the engine is busy; nothing freed");
+    if (st != AKV_OK) {
+      st = akv_group_fail(g, st, "destroy: the engine is busy; nothing freed");
+      akv_group_release(g);
+      return st;
+    }
   }
   g->coll->ops->destroy(g->coll);
   free(g->vec);
   g->vec = NULL;
   g->engine = NULL;
   g->coll = NULL;
-  g->magic = g->magic_end = AKV_MAGIC_GROUP_DEAD;
+  akv_group_poison(g);
+  /* Poisoned before it is released: a thread that claims it next sees a
+   * dead group (akv_group_claim). */
+  akv_group_release(g);
   akv_rec_give(&akv_group_records, g);
   return AKV_OK;
+}
+
+AKV_API akv_status akv_group_context_open(akv_group *g, const akv_context_config *config,
+                                          akv_context **out) {
+  akv_status st = akv_group_claim(g);
+  if (st != AKV_OK) return st;
+  st = akv_group_context_open_claimed(g, config, out);
+  akv_group_release(g);
+  return st;
+}
+
+AKV_API akv_status akv_group_context_close(akv_group *g, akv_context *context) {
+  akv_status st = akv_group_claim(g);
+  if (st != AKV_OK) return st;
+  st = akv_group_context_close_claimed(g, context);
+  akv_group_release(g);
+  return st;
+}
+
+AKV_API akv_status akv_group_step_begin(akv_group *g, akv_context *const *contexts, uint32_t n) {
+  akv_status st = akv_group_claim(g);
+  if (st != AKV_OK) return st;
+  st = akv_group_step_begin_claimed(g, contexts, n);
+  akv_group_release(g);
+  return st;
+}
+
+AKV_API akv_status akv_group_check(akv_group *g) {
+  akv_status st = akv_group_claim(g);
+  if (st != AKV_OK) return st;
+  st = akv_group_check_claimed(g);
+  akv_group_release(g);
+  return st;
+}
+
+AKV_API akv_status akv_group_engine(const akv_group *g, akv_engine **out) {
+  akv_status st = akv_group_claim(g);
+  if (st != AKV_OK) return st;
+  st = akv_group_engine_claimed(g, out);
+  akv_group_release(g);
+  return st;
+}
+
+AKV_API akv_status akv_group_info_get(const akv_group *g, akv_group_info *out) {
+  akv_status st = akv_group_claim(g);
+  if (st != AKV_OK) return st;
+  st = akv_group_info_get_claimed(g, out);
+  akv_group_release(g);
+  return st;
 }
