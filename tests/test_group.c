@@ -57,11 +57,7 @@ static void quiet(void *user, akv_log_level level, const char *message) {
 /* Two ranks on their own threads: fn(a) and fn(b), both joined before it
  * returns (the tests with a rank record of their own type). */
 static void run_two_ranks(void *(*fn)(void *), void *a, void *b) {
-  pthread_t th[2];
-  assert_int_equal(pthread_create(&th[0], NULL, fn, a), 0);
-  assert_int_equal(pthread_create(&th[1], NULL, fn, b), 0);
-  pthread_join(th[0], NULL);
-  pthread_join(th[1], NULL);
+  assert_int_equal(akvt_run_threads(fn, a, (size_t)((char *)b - (char *)a), 2), 0);
 }
 
 /* Zeroes the two rank records of `r` and names their world and rank. */

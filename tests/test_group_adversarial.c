@@ -31,6 +31,17 @@
 #define KV_HEADS 2
 #define HEAD_DIM 8
 
+/* Zeroes the two rank records of `r` and names their pair and rank. */
+#define INIT_PAIR_RANKS(r, pp)                \
+  for (uint32_t i_ = 0; i_ < 2; i_++) {       \
+    memset(&(r)[i_], 0, sizeof((r)[i_]));     \
+    (r)[i_].p = (pp);                         \
+    (r)[i_].rank = i_;                        \
+  }
+
+/* fn on one thread per record of the array `r`, all joined. */
+#define RUN_RANKS(fn, r, n) assert_int_equal(akvt_run_threads((fn), (r), sizeof((r)[0]), (n)), 0)
+
 static void quiet(void *user, akv_log_level level, const char *message) {
   (void)user;
   (void)level;
@@ -94,18 +105,13 @@ static void *pair_create_main(void *arg) {
 
 /* A two-rank world and both ranks' groups, made from two threads. */
 static void pair_create(pair *p, uint32_t timeout_ms, akv_group_digest digest) {
-  pthread_t th[2];
   pair_rank r[2];
   memset(p, 0, sizeof(*p));
   p->timeout_ms = timeout_ms;
   p->digest = digest;
   assert_int_equal(akv_group_world_create(2, 4, &p->world), AKV_OK);
-  for (uint32_t i = 0; i < 2; i++) {
-    r[i].p = p;
-    r[i].rank = i;
-    assert_int_equal(pthread_create(&th[i], NULL, pair_create_main, &r[i]), 0);
-  }
-  for (uint32_t i = 0; i < 2; i++) pthread_join(th[i], NULL);
+  INIT_PAIR_RANKS(r, p);
+  RUN_RANKS(pair_create_main, r, 2);
   for (uint32_t i = 0; i < 2; i++) assert_int_equal(r[i].st, AKV_OK);
 }
 
@@ -140,13 +146,7 @@ static void *call_main(void *arg) {
   return NULL;
 }
 
-static void run_calls(call *calls, uint32_t n) {
-  pthread_t th[8];
-  assert_true(n <= 8);
-  for (uint32_t i = 0; i < n; i++)
-    assert_int_equal(pthread_create(&th[i], NULL, call_main, &calls[i]), 0);
-  for (uint32_t i = 0; i < n; i++) pthread_join(th[i], NULL);
-}
+static void run_calls(call *calls, uint32_t n) { RUN_RANKS(call_main, calls, n); }
 
 /* ------------------------------------------------------------- threads */
 
@@ -367,7 +367,6 @@ static void test_step_begin_bad_arrays(void **state) {
   akv_engine_config ec = shard_config(4);
   akv_group_config gc = AKV_GROUP_CONFIG_INIT;
   arr_rank r[2];
-  pthread_t th[2];
   pthread_barrier_t bar;
   static const akv_status want[12] = {
       AKV_ERR_INVALID_ARGUMENT, AKV_ERR_INVALID_ARGUMENT, AKV_ERR_INVALID_ARGUMENT,
@@ -393,9 +392,7 @@ static void test_step_begin_bad_arrays(void **state) {
     assert_int_equal(akv_group_world_create(1, 4, &w2), AKV_OK);
     assert_int_equal(akv_group_create_inproc(&ec, &gc, w2, &lone[1]), AKV_OK);
     r[1].other = lone[1];
-    for (uint32_t i = 0; i < 2; i++)
-      assert_int_equal(pthread_create(&th[i], NULL, arr_rank_main, &r[i]), 0);
-    for (uint32_t i = 0; i < 2; i++) pthread_join(th[i], NULL);
+    RUN_RANKS(arr_rank_main, r, 2);
     assert_int_equal(akv_group_destroy(lone[1]), AKV_OK);
     assert_int_equal(akv_group_world_destroy(w2), AKV_OK);
   }
@@ -459,15 +456,9 @@ static void test_open_ids_agree_or_stop(void **state) {
   for (int m = 0; m < 2; m++) {
     pair p;
     behind_rank r[2];
-    pthread_t th[2];
     pair_create(&p, 3000, modes[m]);
-    memset(r, 0, sizeof(r));
-    for (uint32_t i = 0; i < 2; i++) {
-      r[i].p = &p;
-      r[i].rank = i;
-      assert_int_equal(pthread_create(&th[i], NULL, behind_rank_main, &r[i]), 0);
-    }
-    for (uint32_t i = 0; i < 2; i++) pthread_join(th[i], NULL);
+    INIT_PAIR_RANKS(r, &p);
+    RUN_RANKS(behind_rank_main, r, 2);
     assert_int_equal(r[0].open, r[1].open);
     if (r[0].open == AKV_OK) {
       assert_int_equal(r[0].id, r[1].id);
@@ -516,15 +507,9 @@ static void test_context_closed_behind_the_group(void **state) {
   (void)state;
   pair p;
   close_behind_rank r[2];
-  pthread_t th[2];
   pair_create(&p, 3000, AKV_GROUP_DIGEST_DEFAULT);
-  memset(r, 0, sizeof(r));
-  for (uint32_t i = 0; i < 2; i++) {
-    r[i].p = &p;
-    r[i].rank = i;
-    assert_int_equal(pthread_create(&th[i], NULL, close_behind_main, &r[i]), 0);
-  }
-  for (uint32_t i = 0; i < 2; i++) pthread_join(th[i], NULL);
+  INIT_PAIR_RANKS(r, &p);
+  RUN_RANKS(close_behind_main, r, 2);
   assert_int_equal(r[0].direct, AKV_OK);
   for (uint32_t i = 0; i < 2; i++) {
     assert_int_equal(r[i].open, AKV_OK);
@@ -775,16 +760,10 @@ static void test_peer_destroys_instead_of_calling(void **state) {
   (void)state;
   pair p;
   leaver r[2];
-  pthread_t th[2];
   akv_group_info info;
   pair_create(&p, 200, AKV_GROUP_DIGEST_ON);
-  memset(r, 0, sizeof(r));
-  for (uint32_t i = 0; i < 2; i++) {
-    r[i].p = &p;
-    r[i].rank = i;
-    assert_int_equal(pthread_create(&th[i], NULL, leaver_main, &r[i]), 0);
-  }
-  for (uint32_t i = 0; i < 2; i++) pthread_join(th[i], NULL);
+  INIT_PAIR_RANKS(r, &p);
+  RUN_RANKS(leaver_main, r, 2);
   assert_int_equal(r[1].destroy, AKV_OK);
   assert_int_equal(r[0].open, AKV_ERR_TIMEOUT);
   assert_ptr_equal(r[0].c, (akv_context *)&r[0].c);
@@ -837,18 +816,14 @@ static void test_threads_hammer_one_group(void **state) {
   akv_group_config gc = AKV_GROUP_CONFIG_INIT;
   akv_group_info info;
   hammer h[3];
-  pthread_t th[3];
   uint64_t before;
   assert_int_equal(akv_group_world_create(1, 4, &world), AKV_OK);
   assert_int_equal(akv_group_create_inproc(&ec, &gc, world, &g), AKV_OK);
   assert_int_equal(akv_group_info_get(g, &info), AKV_OK);
   before = info.agreements;
   memset(h, 0, sizeof(h));
-  for (int i = 0; i < 3; i++) {
-    h[i].g = g;
-    assert_int_equal(pthread_create(&th[i], NULL, hammer_main, &h[i]), 0);
-  }
-  for (int i = 0; i < 3; i++) pthread_join(th[i], NULL);
+  for (int i = 0; i < 3; i++) h[i].g = g;
+  RUN_RANKS(hammer_main, h, 3);
   assert_int_equal(akv_group_info_get(g, &info), AKV_OK);
   assert_false(info.stopped);
   assert_int_equal(info.agreements - before, h[0].ok + h[1].ok + h[2].ok);
@@ -953,16 +928,11 @@ static void test_different_calls_every_pair(void **state) {
   for (size_t i = 0; i < sizeof(pairs) / sizeof(pairs[0]); i++) {
     pair p;
     mixed_rank r[2];
-    pthread_t th[2];
     pair_create(&p, 2000, AKV_GROUP_DIGEST_DEFAULT);
-    memset(r, 0, sizeof(r));
-    for (uint32_t k = 0; k < 2; k++) {
-      r[k].p = &p;
-      r[k].rank = k;
-      r[k].k = pairs[i][k];
-      assert_int_equal(pthread_create(&th[k], NULL, mixed_main, &r[k]), 0);
-    }
-    for (uint32_t k = 0; k < 2; k++) pthread_join(th[k], NULL);
+    INIT_PAIR_RANKS(r, &p);
+    r[0].k = pairs[i][0];
+    r[1].k = pairs[i][1];
+    RUN_RANKS(mixed_main, r, 2);
     for (uint32_t k = 0; k < 2; k++) {
       assert_int_equal(r[k].st, AKV_ERR_QUARANTINED);
       assert_true(r[k].took_s < 1.0);

@@ -7,6 +7,7 @@
 #include "testutil.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -524,4 +525,15 @@ void akvt_fx_open(akvt_fx *f, akv_route route, uint32_t pool_gib, uint32_t n, ui
     fprintf(stderr, "akvt_fx_open: setting up the fixture failed\n");
     abort();
   }
+}
+
+int akvt_run_threads(void *(*fn)(void *), void *recs, size_t stride, size_t n) {
+  pthread_t th[16];
+  size_t started = 0;
+  if (n > 16) return -1;
+  while (started < n &&
+         pthread_create(&th[started], NULL, fn, (char *)recs + started * stride) == 0)
+    started++;
+  for (size_t i = 0; i < started; i++) pthread_join(th[i], NULL);
+  return started == n ? 0 : -1;
 }

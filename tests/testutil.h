@@ -17,6 +17,12 @@ uint16_t akvt_elem(uint32_t ctx, uint32_t layer, uint32_t token, int kv, uint32_
 void akvt_fill_row(uint16_t *row, uint32_t n, uint32_t ctx, uint32_t layer, uint32_t token, int kv);
 float akvt_bf16_to_f32(uint16_t b);
 
+/* Runs fn on n threads (n <= 16), thread i on (char *)recs + i * stride,
+ * and joins them all: a test's ranks or racing callers. Returns 0, or -1
+ * (nothing started) when n is above 16 or a thread could not start (those
+ * started are joined first). */
+int akvt_run_threads(void *(*fn)(void *), void *recs, size_t stride, size_t n);
+
 /* GQA decode attention over `len` rows (fp32 math, fixed order); q is
  * [q_heads][head_dim] floats, out [q_heads][head_dim]. */
 void akvt_attention(const float *q, const uint16_t *k, const uint16_t *v, uint32_t len,
