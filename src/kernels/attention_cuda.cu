@@ -1201,8 +1201,6 @@ CombineFn<Loc> pick_combine(uint32_t head_dim) {
 
 static bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 static bool aligned16(uint64_t v) { return (v & 15u) == 0; }
-/* uint32 and float arrays (NULL is aligned; the callers check NULL apart). */
-static bool aligned4(const void *p) { return ((uintptr_t)p & 3u) == 0; }
 
 static uint32_t div_up(uint32_t a, uint32_t b) { return a / b + (a % b != 0); }
 
@@ -1253,7 +1251,8 @@ static akv_status check_common(akv_dtype dtype, uint32_t n_heads, uint32_t kv_he
   if (esize == 1 && k_scale == nullptr) return AKV_ERR_INVALID_ARGUMENT;
   if (k_scale != nullptr) {
     if (kv_heads > AKV_ATTENTION_MAX_SCALE_HEADS) return AKV_ERR_INVALID_ARGUMENT;
-    if (!aligned4(k_scale) || !aligned4(v_scale)) return AKV_ERR_INVALID_ARGUMENT;
+    if (!akv_attn_aligned4(k_scale) || !akv_attn_aligned4(v_scale))
+      return AKV_ERR_INVALID_ARGUMENT;
     for (uint32_t g = 0; g < kv_heads; ++g)
       if (!(isfinite(k_scale[g]) && k_scale[g] > 0.0f && isfinite(v_scale[g]) &&
             v_scale[g] > 0.0f))
@@ -1420,7 +1419,7 @@ extern "C" AKV_API akv_status akv_attention_decode_cuda(const akv_attention_args
   if (!aligned16(a->k_base) || !aligned16(a->v_base) || !aligned16(a->context_stride)) goto fail;
   /* len is read here through its type; the page map by the kernel, 4 bytes
    * at a time (a misaligned one would fault on the device). */
-  if (!aligned4(a->len) || !aligned4(a->page_map)) goto fail;
+  if (!akv_attn_aligned4(a->len) || !akv_attn_aligned4(a->page_map)) goto fail;
   if (a->page_map != nullptr &&
       (a->page_map_stride == 0 || a->k_pages == nullptr || a->v_pages == nullptr ||
        !aligned16(a->k_pages) || !aligned16(a->v_pages) || !aligned16(a->page_stride)))
@@ -1513,7 +1512,9 @@ extern "C" AKV_API akv_status akv_attention_paged_cuda(const akv_attention_paged
     goto fail;
   if (!aligned16(t.k_pages) || !aligned16(t.v_pages) || !aligned16(t.page_stride)) goto fail;
   /* The kernels read the table's arrays 4 bytes at a time. */
-  if (!aligned4(t.indptr) || !aligned4(t.indices) || !aligned4(t.last_page_len)) goto fail;
+  if (!akv_attn_aligned4(t.indptr) || !akv_attn_aligned4(t.indices) ||
+      !akv_attn_aligned4(t.last_page_len))
+    goto fail;
   slots = (uint64_t)t.max_pages * akv_attn_pieces(t.page_tokens);
   if (!grid_fits(slots, a->n_heads, a->kv_heads)) goto fail;
   if (!ws_layout(t.batch, a->n_heads, a->head_dim, (uint32_t)slots, &acc_bytes, &total))

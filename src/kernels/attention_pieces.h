@@ -51,6 +51,11 @@ static inline uint32_t akv_attn_piece_rows(uint32_t chunk_tokens) {
   return chunk_tokens / s + (chunk_tokens % s != 0);
 }
 
+/* Whether a uint32_t or float array of the arguments may be read through
+ * its type: the same rule in the reference and on CUDA (NULL is aligned;
+ * the callers check NULL apart). */
+static inline int akv_attn_aligned4(const void *p) { return ((uintptr_t)p & 3u) == 0; }
+
 /* Whether a chunk of chunk_tokens rows is one the calls take (akv_attention.h,
  * AKV_ATTENTION_MAX_CHUNK_TOKENS): 1..AKV_ATTENTION_MAX_CHUNK_TOKENS rows,
  * and the row after its last piece, pieces * piece_rows, fits 32 bits, so

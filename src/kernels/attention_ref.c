@@ -89,10 +89,6 @@ static void decode_row(akv_dtype dtype, const char *p, float *dst, uint32_t d) {
   }
 }
 
-/* Whether a uint32_t or float array may be read through its type (NULL is
- * aligned; the callers check NULL apart). */
-static int aligned4(const void *p) { return (uintptr_t)p % 4u == 0; }
-
 static size_t align_up(size_t x) { return (x + AKV_WS_ALIGN - 1) & ~(AKV_WS_ALIGN - 1); }
 
 /* Multiplies with an overflow check; returns 0 on overflow. */
@@ -181,7 +177,8 @@ static akv_status geom_check(akv_dtype dtype, uint32_t n_heads, uint32_t kv_head
   if (esize == 1 && k_scale == NULL) return AKV_ERR_INVALID_ARGUMENT;
   if (k_scale != NULL) {
     if (kv_heads > AKV_ATTENTION_MAX_SCALE_HEADS) return AKV_ERR_INVALID_ARGUMENT;
-    if (!aligned4(k_scale) || !aligned4(v_scale)) return AKV_ERR_INVALID_ARGUMENT;
+    if (!akv_attn_aligned4(k_scale) || !akv_attn_aligned4(v_scale))
+      return AKV_ERR_INVALID_ARGUMENT;
     for (uint32_t g = 0; g < kv_heads; ++g)
       if (!(isfinite(k_scale[g]) && k_scale[g] > 0.0f && isfinite(v_scale[g]) &&
             v_scale[g] > 0.0f))
@@ -347,7 +344,7 @@ akv_status akv_attention_ref_bf16(const akv_attention_args *a) {
     goto fail;
   if (a->page_map != NULL && (a->page_map_stride == 0 || a->k_pages == NULL || a->v_pages == NULL))
     goto fail;
-  if (!aligned4(a->len) || !aligned4(a->page_map)) goto fail;
+  if (!akv_attn_aligned4(a->len) || !akv_attn_aligned4(a->page_map)) goto fail;
   {
     /* Every row offset the call forms fits ptrdiff_t: rows 0..len-1 of every
      * context at k_base/v_base (also those a page override redirects), and
@@ -462,7 +459,9 @@ akv_status akv_attention_paged_ref_bf16(const akv_attention_paged_args *a, akv_p
   if (t.batch == 0 || !akv_attn_chunk_ok(t.page_tokens) || t.indptr == NULL ||
       t.last_page_len == NULL || t.k_pages == NULL || t.v_pages == NULL)
     goto fail;
-  if (!aligned4(t.indptr) || !aligned4(t.indices) || !aligned4(t.last_page_len)) goto fail;
+  if (!akv_attn_aligned4(t.indptr) || !akv_attn_aligned4(t.indices) ||
+      !akv_attn_aligned4(t.last_page_len))
+    goto fail;
   /* The table is checked whole before anything is written. */
   if (t.indptr[0] != 0) goto fail;
   for (uint32_t i = 0; i < t.batch; ++i) {
