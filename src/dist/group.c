@@ -381,8 +381,9 @@ static akv_status akv_group_outcome(akv_group *g, akv_status st, uint64_t made) 
   return AKV_OK;
 }
 
+/* Called by the claimed agreement calls only: the claim checked the handle
+ * (akv_group_claim). */
 static akv_status akv_group_enter(akv_group *g) {
-  if (!akv_group_ok(g)) return AKV_ERR_BAD_HANDLE;
   akv_group_settle(g);
   if (g->stopped)
     return akv_group_fail(g, AKV_ERR_QUARANTINED, "the group stopped earlier; only info, "
@@ -757,7 +758,6 @@ static akv_status akv_group_check_claimed(akv_group *g) {
 /* ---------------------------------------------------------------- others */
 
 static akv_status akv_group_engine_claimed(const akv_group *g, akv_engine **out) {
-  if (!akv_group_ok(g)) return AKV_ERR_BAD_HANDLE;
   if (out == NULL) return AKV_ERR_INVALID_ARGUMENT;
   /* NULL once the engine was destroyed directly: the handle may name a
    * newer engine, never the group's. */
@@ -766,7 +766,6 @@ static akv_status akv_group_engine_claimed(const akv_group *g, akv_engine **out)
 }
 
 static akv_status akv_group_info_get_claimed(const akv_group *g, akv_group_info *out) {
-  if (!akv_group_ok(g)) return AKV_ERR_BAD_HANDLE;
   if (out == NULL) return AKV_ERR_INVALID_ARGUMENT;
   memset(out, 0, sizeof(*out));
   out->rank = g->cfg.rank;
