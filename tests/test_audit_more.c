@@ -4,7 +4,8 @@
  * given back around steps, leases in flight, quarantine and closes (arena
  * and paged routes, extreme byte counts); appends and reads at the edges of
  * max_tokens on one-byte (FP8) and two-byte engines; configs whose sizes
- * overflow 64 bits or name no enum value. Every attention in these tests
+ * overflow 64 bits or name no enum value, and the bookkeeping bound with
+ * one-page headroom chunks. Every attention in these tests
  * checks, on the compute queue, that each history row it is handed holds
  * the bytes appended or written back for it, so a page that went stale or
  * was freed under a view fails here (or under ASan).
@@ -734,6 +735,46 @@ static void test_overflowing_configs(void **state) {
   }
 }
 
+/** Bookkeeping bound (akv.h, akv_fit): the headroom's chunk table, one
+ *  pointer per chunk, is bookkeeping too. One-page chunks of 160 B pages
+ *  (one FP8 element per row, 80 rows per page) make 6.7 million chunks in
+ *  1 GiB of headroom: a 51 MiB table on top of 256 MiB of other bookkeeping,
+ *  past the 272 MiB bound. akv_fit and akv_engine_create refuse it alike;
+ *  chunks of 1 GiB (headroom_chunk_pages 0) fit. An engine never holds more
+ *  chunks than its budget counted. */
+static void test_headroom_chunk_table_counted(void **state) {
+  (void)state;
+  akv_engine_config c = AKV_ENGINE_CONFIG_INIT;
+  akv_fit_report rep;
+  akv_engine *e = NULL;
+  c.backend = AKV_BACKEND_HOST;
+  c.n_dense_layers = 1;
+  c.kv_heads = 1;
+  c.head_dim = 1;
+  c.dtype = AKV_DTYPE_FP8_E4M3;
+  c.max_tokens = 4096;
+  c.page_tokens = 80;
+  c.host_pool_gib = 1;
+  c.max_contexts = 1;
+  c.route = AKV_ROUTE_ARENA;
+  c.headroom_gib = 1;
+  c.log_fn = akvt_silent_log;
+  assert_int_equal(akv_fit(&c, &rep), AKV_OK); /* chunks of 1 GiB */
+  c.headroom_chunk_pages = 1;
+  assert_int_equal(akv_fit(&c, &rep), AKV_ERR_CONFIG);
+  assert_int_equal(akv_engine_create(&c, &e), AKV_ERR_CONFIG);
+  assert_null(e);
+
+  /* A small engine with one-page chunks on a modelled device. */
+  e = hr_engine(AKV_ROUTE_PAGED, 0, 6, 1);
+  assert_int_equal(e->hr_max_chunks, 6);
+  assert_true(e->hr_max_chunks <= e->budget.hr_chunks);
+  assert_true(e->budget.page_table_bytes >=
+              ((uint64_t)e->n_pages + e->hr_max_pages) * (sizeof(uint8_t *) + sizeof(uint32_t)) +
+                  (uint64_t)e->hr_max_chunks * sizeof(void *));
+  assert_int_equal(akv_engine_destroy(e), AKV_OK);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_headroom_release_take_around_steps),
@@ -743,6 +784,7 @@ int main(void) {
       cmocka_unit_test(test_headroom_faults_with_diagnostics_in_the_log),
       cmocka_unit_test(test_max_tokens_edges),
       cmocka_unit_test(test_overflowing_configs),
+      cmocka_unit_test(test_headroom_chunk_table_counted),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
