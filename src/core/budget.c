@@ -154,10 +154,24 @@ akv_status akv_budget_compute(const akv_engine_config *cfg, uint32_t concurrency
     uint64_t without = 0;
     if (!akv_adm_bytes(&ac, &r.adm_bytes) || !akv_adm_bytes(&no_pages, &without)) goto overflow;
     r.adm_page_bytes = r.adm_bytes - without;
+    /* Headroom chunks: chunk_pages pages each (headroom_chunk_pages, else
+     * as many as fit in 1 GiB, at least 1), so at most hr_pages / chunk of
+     * them; one when akv_headroom_setup lowers the chunk to the pages that
+     * fit (a chunk is then all the headroom there is). */
+    if (hr_pages > 0) {
+      uint64_t chunk = cfg->headroom_chunk_pages ? cfg->headroom_chunk_pages
+                                                 : ((uint64_t)1 << 30) / page_bytes;
+      if (chunk == 0) chunk = 1;
+      r.hr_chunks = (uint32_t)(hr_pages / chunk > 0 ? hr_pages / chunk : 1);
+    }
     /* Page address tables (akv_headroom_start): page_ptr and page_entry per
-     * physical page, the pool's and the headroom's. */
+     * physical page, the pool's and the headroom's; and the headroom's chunk
+     * table (akv_headroom_setup), one pointer per chunk. */
+    uint64_t chunk_table = 0;
     if (!akv_budget_mul((uint64_t)r.n_pages + hr_pages, sizeof(uint8_t *) + sizeof(uint32_t),
-                        &r.page_table_bytes))
+                        &r.page_table_bytes) ||
+        !akv_budget_mul(r.hr_chunks, sizeof(void *), &chunk_table) ||
+        !akv_budget_add(&r.page_table_bytes, chunk_table))
       goto overflow;
   }
   /* Context handle records (concurrency of them reserved in the

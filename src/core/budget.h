@@ -67,7 +67,10 @@ typedef struct akv_budget {
   uint64_t adm_page_bytes; /* of which per physical page (device pool and headroom) */
   uint32_t hr_pages;       /* headroom pages at most (headroom_gib of them, capped as
                               akv_headroom_setup caps them) */
-  uint64_t page_table_bytes; /* page_ptr and page_entry per physical page */
+  uint32_t hr_chunks;      /* headroom chunks at most (akv_headroom_setup never takes more:
+                              one device allocation and one table entry each) */
+  uint64_t page_table_bytes; /* page_ptr and page_entry per physical page, and the
+                                headroom's chunk table (one pointer per chunk) */
   uint64_t records_bytes;  /* context records and per-slot arrays */
   uint64_t lease_bytes;    /* per-layer lease records and their per-context arrays */
   uint64_t page_map_bytes; /* paged route: one copy of the page map (pinned and device each) */

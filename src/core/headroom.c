@@ -156,6 +156,11 @@ akv_status akv_headroom_setup(akv_engine *e) {
   const uint64_t page_room =
       e->n_pages < UINT32_MAX / 2 ? (uint64_t)(UINT32_MAX / 2) - e->n_pages : 0;
   if (n_chunks * chunk > page_room) n_chunks = chunk ? page_room / chunk : 0;
+  /* Invariant (akv.h, akv_fit: bookkeeping bounded): the chunk table below
+   * holds at most the chunks akv_budget_compute counted (budget.hr_chunks),
+   * so a config fit accepted never allocates more bookkeeping than it
+   * weighed. The arithmetic above already stays within it; kept as a bound. */
+  if (n_chunks > e->budget.hr_chunks) n_chunks = e->budget.hr_chunks;
   e->hr_chunk_pages = (uint32_t)chunk;
   e->hr_max_chunks = (uint32_t)n_chunks;
   e->hr_max_pages = (uint32_t)(n_chunks * chunk);
