@@ -13,10 +13,46 @@
  *  - A failing call changes nothing, except where it says it marks the
  *    transport failed (AKV_ERR_BACKEND): from then on the engine accepts only
  *    diagnostics, akv_engine_quarantine and akv_engine_destroy.
- *  - Thread safety: an engine and everything made from it (contexts, leases)
- *    are NOT thread-safe; use them from one thread at a time. Functions that
- *    take no engine (akv_status_string, akv_version_*, akv_fit) are safe from
- *    any thread.
+ *  - Thread safety: an engine and everything made from it (contexts, leases,
+ *    streams) are used from one thread at a time, and the engine enforces
+ *    it. Every call that takes an engine, or a context or lease of one,
+ *    claims that engine once the handle is checked and lets go of it when
+ *    it returns (one compare-exchange and one store on the engine, and the
+ *    thread's cancel state set and restored, per call; calls made from
+ *    inside another call only count their depth). While
+ *    one thread is inside a call on an engine, a call from any other thread
+ *    on that engine, on a context or lease of it, or on a stream through it
+ *    (akv_engine_destroy and akv_engine_quarantine included) returns
+ *    AKV_ERR_IN_USE at once, never waits, and changes nothing: no output,
+ *    no counter, no log line, and the engine's last error stays the one the
+ *    call in progress writes (akv_engine_last_error from another thread
+ *    then returns the static string "engine in use by another thread").
+ *    Every call on an engine or its handles may return it so, whether or
+ *    not the list of statuses under its declaration names it (most do).
+ *    Retry it once that call returned; between calls an engine may move
+ *    from thread to thread. Another thread's destroy is thereby never run
+ *    under a call in progress. The thread inside a call may call the engine
+ *    again from the
+ *    code the call runs: the attention hook of akv_lease_attend (every
+ *    call, destroy included) and the log callback (the rules of
+ *    akv_log_fn). A function enqueued with akv_stream_launch_host runs on
+ *    another thread (a worker, or a CUDA runtime thread): its calls on the
+ *    engine are refused with AKV_ERR_IN_USE while a call is in progress,
+ *    among them the akv_stream_synchronize waiting for it (no deadlock:
+ *    the claim never waits). The library calls the log callback only on
+ *    the thread of the call that logs, never on a worker. An engine call
+ *    is no cancellation point: cancellation is disabled from the outermost
+ *    claim to its release (a pending pthread_cancel acts after the call
+ *    returned). Limits: the claim tells threads apart, not callers (code
+ *    that runs on the thread inside a call, a hook or a callback, nests in
+ *    that call instead of being refused); it guards the library's state,
+ *    not the caller's memory a call reads or writes (row buffers, outputs),
+ *    nor a cudaStream_t; and a handle is checked by its magic words as
+ *    before, so a pointer that is no handle at all is still undefined
+ *    behaviour. Functions that take no engine
+ *    (akv_status_string, akv_version_*, akv_fit, akv_engine_config_init,
+ *    akv_engine_create, the attention functions of akv_attention.h and
+ *    akv_cuda.h) are safe from any thread.
  *  - Streams: enqueueing calls return when their work has been enqueued, not
  *    when it has run. The engine owns two copy queues (host->device and
  *    device->host) and one materialisation queue (device->device). The compute
@@ -139,7 +175,9 @@ typedef enum akv_status {
   /** The feature or backend is not available in this build or on this machine. */
   AKV_ERR_NOT_SUPPORTED = 18,
   /** The object is in use by the current step (close a context mid-step, ...),
-   *  or the call came from the engine's own log callback (see akv_log_fn). */
+   *  the call came from the engine's own log callback (see akv_log_fn), or
+   *  another thread is inside a call on the engine (Thread safety, at the
+   *  top); nothing changed. */
   AKV_ERR_IN_USE = 19,
   /** step_begin: a context's dense layers hold different row counts (filled
    *  unevenly through akv_context_append_layer); nothing changed. */
@@ -283,7 +321,11 @@ typedef enum akv_log_level {
  *  lines that would reach the same callback (the same log_fn and log_user)
  *  while it runs on the thread, from akv_engine_create, from calls on
  *  another engine (allowed there) or from a group's calls (akv_group.h),
- *  are dropped: the callback never runs nested in itself. */
+ *  are dropped: the callback never runs nested in itself. It runs on the
+ *  thread of the call that logs, which holds the engine (Thread safety):
+ *  a diagnostic it calls on that engine answers as above, while any other
+ *  thread's call on the engine gets AKV_ERR_IN_USE until the logging call
+ *  returned. The library never logs from its worker threads. */
 typedef void (*akv_log_fn)(void *user, akv_log_level level, const char *message);
 
 /** Backend operation kinds, for fault injection and counters. */
@@ -460,15 +502,19 @@ AKV_API akv_status akv_engine_create(const akv_engine_config *config, akv_engine
  * the engine logs it (warn) at create.
  * Host backend: it joins the engine's own three queue threads, which are
  * idle; no caller stream is waited on (docs/api.md gives the measured cost).
- * Not thread-safe with other calls on the engine.
- * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_BUSY.
+ * From another thread while a call on the engine is in progress it returns
+ * AKV_ERR_IN_USE and frees nothing (Thread safety); from that call's
+ * attention hook it frees (the call then answers AKV_ERR_BAD_HANDLE).
+ * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_BUSY, AKV_ERR_IN_USE.
  */
 AKV_API akv_status akv_engine_destroy(akv_engine *engine);
 
 /**
  * Last error of this engine in words ("" before any); never NULL; the string
  * belongs to the engine and stays valid until the next call on it. A bad
- * handle gives a static "bad engine handle". Allowed at any time.
+ * handle gives a static "bad engine handle", a call from another thread
+ * while one is in progress on the engine the static "engine in use by
+ * another thread" (Thread safety). Allowed at any time.
  */
 AKV_API const char *akv_engine_last_error(const akv_engine *engine);
 
@@ -510,7 +556,8 @@ typedef struct akv_engine_info {
  * nothing and does not wait for queued work (the device peak comes from the
  * backend's memory query, cudaMemGetInfo on CUDA).
  * Allowed at any time, also after a transport failure.
- * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (out NULL).
+ * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (out NULL),
+ * AKV_ERR_IN_USE (another thread's call in progress).
  */
 AKV_API akv_status akv_engine_info_get(const akv_engine *engine, akv_engine_info *out);
 
@@ -529,7 +576,9 @@ typedef struct akv_quarantine_report {
  * report names the uncertain fence. Blocks. Allowed in any state; afterwards
  * the engine accepts only diagnostics and destroy. report may be NULL (the
  * same quarantine, nothing reported).
- * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_UNCERTAIN_FENCE.
+ * Another thread's quarantine while a call is in progress (Thread safety)
+ * returns AKV_ERR_IN_USE, marks nothing and leaves *report alone.
+ * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_UNCERTAIN_FENCE, AKV_ERR_IN_USE.
  */
 AKV_API akv_status akv_engine_quarantine(akv_engine *engine, akv_quarantine_report *report);
 
@@ -543,7 +592,8 @@ AKV_API akv_status akv_engine_quarantine(akv_engine *engine, akv_quarantine_repo
  * caller owns it and must destroy it before the engine (destroy refuses with
  * AKV_ERR_BUSY while one is live). At most 8 per engine.
  * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (out NULL),
- * AKV_ERR_OUT_OF_MEMORY (8 live already), AKV_ERR_BACKEND, AKV_ERR_QUARANTINED.
+ * AKV_ERR_OUT_OF_MEMORY (8 live already), AKV_ERR_BACKEND, AKV_ERR_QUARANTINED,
+ * AKV_ERR_IN_USE.
  */
 AKV_API akv_status akv_stream_create(akv_engine *engine, akv_stream *out);
 /**
@@ -558,23 +608,28 @@ AKV_API akv_status akv_stream_create(akv_engine *engine, akv_stream *out);
  * rule is the caller's for a cudaStream_t it destroys itself.)
  * Allowed also after a transport failure. Returns AKV_OK,
  * AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (not a live stream of this
- * engine), AKV_ERR_IN_USE.
+ * engine), AKV_ERR_IN_USE (also: another thread's call in progress).
  */
 AKV_API akv_status akv_stream_destroy(akv_engine *engine, akv_stream stream);
 /**
  * Blocks until everything enqueued on `stream` ran. On the host backend the
  * stream must be a live one from akv_stream_create. Returns AKV_OK,
  * AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT, AKV_ERR_BACKEND (completion not
- * established: transport marked failed), AKV_ERR_QUARANTINED.
+ * established: transport marked failed), AKV_ERR_QUARANTINED, AKV_ERR_IN_USE
+ * (another thread's call in progress).
  */
 AKV_API akv_status akv_stream_synchronize(akv_engine *engine, akv_stream stream);
 /**
  * Enqueues fn(arg) on `stream`: it runs on the queue's thread (host backend)
  * or a runtime thread (cudaLaunchHostFunc) after all earlier work of the stream.
- * This is how a CPU attention hook runs on the host backend. fn must not call
- * the library or synchronise. Returns AKV_OK, AKV_ERR_BAD_HANDLE,
- * AKV_ERR_INVALID_ARGUMENT (fn NULL, or on the host backend not a live stream
- * of this engine), AKV_ERR_BACKEND, AKV_ERR_QUARANTINED.
+ * This is how a CPU attention hook runs on the host backend. fn must not
+ * synchronise, and should not call the library: it runs on another thread
+ * than the caller's, so its calls on this engine are refused with
+ * AKV_ERR_IN_USE whenever a call on the engine is in progress, among them
+ * an akv_stream_synchronize waiting for fn (Thread safety). Returns AKV_OK,
+ * AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (fn NULL, or on the host
+ * backend not a live stream of this engine), AKV_ERR_BACKEND,
+ * AKV_ERR_QUARANTINED, AKV_ERR_IN_USE.
  */
 AKV_API akv_status akv_stream_launch_host(akv_engine *engine, akv_stream stream,
                                           void (*fn)(void *arg), void *arg);
@@ -609,7 +664,8 @@ typedef struct akv_context_config {
  * AKV_ERR_INVALID_ARGUMENT, AKV_ERR_CONFIG (struct_size below 8, version
  * outside 1..AKV_CONFIG_VERSION), AKV_ERR_REFUSED_QUEUE (no host slot: queue
  * it), AKV_ERR_ADMISSION_REFUSED (device targets do not fit),
- * AKV_ERR_STEP_STATE, AKV_ERR_QUARANTINED.
+ * AKV_ERR_STEP_STATE, AKV_ERR_QUARANTINED, AKV_ERR_IN_USE (another thread's
+ * call in progress).
  */
 AKV_API akv_status akv_context_open(akv_engine *engine, const akv_context_config *config,
                                     akv_context **out);
@@ -621,8 +677,8 @@ AKV_API akv_status akv_context_open(akv_engine *engine, const akv_context_config
  * nothing, also after other contexts take its host slot, for at least
  * AKV_CONTEXT_HANDLE_REUSE_MIN later opens in the process, whatever else
  * stays open ("Handle lifetimes"; do not keep one). Returns AKV_OK,
- * AKV_ERR_BAD_HANDLE, AKV_ERR_IN_USE (part of the open step),
- * AKV_ERR_QUARANTINED.
+ * AKV_ERR_BAD_HANDLE, AKV_ERR_IN_USE (part of the open step, or another
+ * thread's call in progress), AKV_ERR_QUARANTINED.
  */
 AKV_API akv_status akv_context_close(akv_context *context);
 
@@ -687,7 +743,8 @@ AKV_API akv_status akv_context_read(const akv_context *context, uint32_t layer, 
  * Rows held per dense layer (prefill plus one per finished step); after
  * uneven akv_context_append_layer calls, the minimum over the layers. Allowed at
  * any time, also after a transport failure. Returns AKV_OK,
- * AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (out NULL).
+ * AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (out NULL), AKV_ERR_IN_USE
+ * (another thread's call in progress).
  */
 AKV_API akv_status akv_context_length(const akv_context *context, uint32_t *out);
 
@@ -703,7 +760,8 @@ AKV_API akv_status akv_context_length(const akv_context *context, uint32_t *out)
  * AKV_ERR_INVALID_ARGUMENT (n == 0, n > concurrency, duplicates),
  * AKV_ERR_STEP_STATE (a step is open), AKV_ERR_CAPACITY (a context is full),
  * AKV_ERR_UNEVEN_LAYERS (a context's layers hold different row counts; see
- * akv_context_append_layer), AKV_ERR_BACKEND, AKV_ERR_QUARANTINED.
+ * akv_context_append_layer), AKV_ERR_BACKEND, AKV_ERR_QUARANTINED,
+ * AKV_ERR_IN_USE (another thread's call in progress).
  */
 AKV_API akv_status akv_step_begin(akv_engine *engine, akv_context *const *contexts, uint32_t n);
 
@@ -718,7 +776,7 @@ AKV_API akv_status akv_step_begin(akv_engine *engine, akv_context *const *contex
  * AKV_ERR_BAD_HANDLE, AKV_ERR_STEP_STATE (a layer not leased or a lease not
  * retired; nothing changes), AKV_ERR_BACKEND (a page fill's host slot changed
  * generation under it: nothing released or published, transport marked
- * failed), AKV_ERR_QUARANTINED.
+ * failed), AKV_ERR_QUARANTINED, AKV_ERR_IN_USE.
  */
 AKV_API akv_status akv_step_end(akv_engine *engine);
 
@@ -803,7 +861,8 @@ typedef int (*akv_attention_fn)(void *user, const akv_view *view, akv_stream str
  * history-ready events. Layers must be leased in order 0..n_dense_layers-1.
  * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (layer out of
  * range or out of order), AKV_ERR_STEP_STATE (no open step),
- * AKV_ERR_LEASE_ORDER, AKV_ERR_BACKEND, AKV_ERR_QUARANTINED.
+ * AKV_ERR_LEASE_ORDER, AKV_ERR_BACKEND, AKV_ERR_QUARANTINED, AKV_ERR_IN_USE
+ * (another thread's call in progress).
  * *out is a new handle for this begin only: it never names a lease of an
  * earlier or later step of the layer ("Handle lifetimes").
  */
@@ -815,7 +874,7 @@ AKV_API akv_status akv_lease_begin(akv_engine *engine, uint32_t layer, akv_lease
  * cannot be destroyed (akv_stream_destroy answers AKV_ERR_IN_USE).
  * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (view NULL,
  * or stream not a live stream of this engine), AKV_ERR_LEASE_STATE (not just
- * begun), AKV_ERR_BACKEND, AKV_ERR_QUARANTINED.
+ * begun), AKV_ERR_BACKEND, AKV_ERR_QUARANTINED, AKV_ERR_IN_USE.
  */
 AKV_API akv_status akv_lease_wait_ready(akv_lease *lease, akv_stream stream, akv_view *view);
 
@@ -823,12 +882,16 @@ AKV_API akv_status akv_lease_wait_ready(akv_lease *lease, akv_stream stream, akv
  * Two-call form, part 2: records the attention-consumed event on `stream`
  * (the same stream given to wait_ready) and returns its fence.
  * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT,
- * AKV_ERR_LEASE_STATE, AKV_ERR_BACKEND, AKV_ERR_QUARANTINED.
+ * AKV_ERR_LEASE_STATE, AKV_ERR_BACKEND, AKV_ERR_QUARANTINED, AKV_ERR_IN_USE.
  */
 AKV_API akv_status akv_lease_mark_consumed(akv_lease *lease, akv_stream stream,
                                            akv_fence *attention);
 
-/** Hook form: wait_ready, hook(user, view, stream), mark_consumed. Same statuses. */
+/** Hook form: wait_ready, hook(user, view, stream), mark_consumed. Same statuses.
+ *  The hook runs on the calling thread, inside the call: it may call the
+ *  engine again (every call, destroy included), while other threads' calls
+ *  on the engine are refused with AKV_ERR_IN_USE until attend returned
+ *  (Thread safety). */
 AKV_API akv_status akv_lease_attend(akv_lease *lease, akv_stream stream, akv_attention_fn hook,
                                     void *user, akv_fence *attention);
 
@@ -840,7 +903,7 @@ AKV_API akv_status akv_lease_attend(akv_lease *lease, akv_stream stream, akv_att
  * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT,
  * AKV_ERR_LEASE_STATE (attention not consumed, or owner already written),
  * AKV_ERR_OWNER_MISMATCH (an owner the lease did not begin with; nothing
- * enqueued), AKV_ERR_BACKEND, AKV_ERR_QUARANTINED.
+ * enqueued), AKV_ERR_BACKEND, AKV_ERR_QUARANTINED, AKV_ERR_IN_USE.
  */
 AKV_API akv_status akv_lease_write_back(akv_lease *lease, akv_context *const *owners,
                                         uint32_t n_owners, akv_fence *tail);
@@ -849,7 +912,7 @@ AKV_API akv_status akv_lease_write_back(akv_lease *lease, akv_context *const *ow
  * Seals the lease with its current tail fence and its attention fence. Every
  * owner must have been written back. Returns AKV_OK, AKV_ERR_BAD_HANDLE,
  * AKV_ERR_LEASE_STATE, AKV_ERR_FENCE_MISMATCH (a substituted or stale fence),
- * AKV_ERR_QUARANTINED.
+ * AKV_ERR_QUARANTINED, AKV_ERR_IN_USE.
  */
 AKV_API akv_status akv_lease_seal(akv_lease *lease, akv_fence tail, akv_fence attention);
 
@@ -875,7 +938,7 @@ typedef struct akv_receipt {
  * way. Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_LEASE_STATE,
  * AKV_ERR_BACKEND (a wait failed, or a ticket's host slot changed generation
  * under it: nothing released, transport failed),
- * AKV_ERR_QUARANTINED.
+ * AKV_ERR_QUARANTINED, AKV_ERR_IN_USE (another thread's call in progress).
  */
 AKV_API akv_status akv_lease_retire(akv_lease *lease, akv_receipt *receipt);
 
@@ -893,7 +956,7 @@ AKV_API akv_status akv_lease_retire(akv_lease *lease, akv_receipt *receipt);
  * thread-safe with other calls on the engine.
  * Returns AKV_OK, AKV_ERR_NOT_READY, AKV_ERR_BAD_HANDLE, AKV_ERR_LEASE_STATE
  * (not sealed), AKV_ERR_BACKEND (a query failed: nothing released, transport
- * failed), AKV_ERR_QUARANTINED.
+ * failed), AKV_ERR_QUARANTINED, AKV_ERR_IN_USE.
  */
 AKV_API akv_status akv_lease_try_retire(akv_lease *lease, akv_receipt *receipt);
 
@@ -946,21 +1009,22 @@ AKV_API const char *akv_adm_rule_string(akv_adm_rule rule);
  * further attempts; 0 and UINT32_MAX are never issued, and an id stays
  * unique among the engine's open contexts (one an open context holds is
  * skipped). Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT
- * (out NULL).
+ * (out NULL), AKV_ERR_IN_USE (another thread's call in progress).
  */
 AKV_API akv_status akv_context_id(const akv_context *context, uint32_t *out);
 /**
  * Per-rule counters since create, indexed by akv_adm_rule: pages moved for the
  * fill and reclaim rules, events for refuse/admit/release. Copies the first
  * min(n, AKV_ADM_RULE_COUNT). Allowed at any time. Returns AKV_OK,
- * AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (out NULL or n == 0).
+ * AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (out NULL or n == 0),
+ * AKV_ERR_IN_USE (another thread's call in progress).
  */
 AKV_API akv_status akv_admission_counters(const akv_engine *engine, uint64_t *out, size_t n);
 /**
  * Copies up to `cap` of the newest decisions (oldest first) into out and
  * their number into *n_out. The log is bounded (256 entries); older entries
  * are dropped. Allowed at any time. Returns AKV_OK, AKV_ERR_BAD_HANDLE,
- * AKV_ERR_INVALID_ARGUMENT (n_out NULL, or out NULL with cap > 0).
+ * AKV_ERR_INVALID_ARGUMENT (n_out NULL, or out NULL with cap > 0), AKV_ERR_IN_USE.
  */
 AKV_API akv_status akv_admission_log(const akv_engine *engine, akv_adm_decision *out,
                                      size_t cap, size_t *n_out);
@@ -973,7 +1037,7 @@ AKV_API akv_status akv_admission_log(const akv_engine *engine, akv_adm_decision 
  * for other reasons (inside a step, a bad config) are not recorded.
  * Allowed at any time. Returns AKV_OK, AKV_ERR_BAD_HANDLE (engine, or a
  * context not open on this engine), AKV_ERR_INVALID_ARGUMENT (buf NULL or
- * cap == 0).
+ * cap == 0), AKV_ERR_IN_USE.
  */
 AKV_API akv_status akv_admission_explain(const akv_engine *engine, const akv_context *context,
                                          char *buf, size_t cap);
@@ -1004,7 +1068,8 @@ typedef struct akv_headroom_info {
 /**
  * Fills *out with the engine's headroom figures. Enqueues nothing, never
  * blocks; allowed at any time, also after a transport failure.
- * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (out NULL).
+ * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (out NULL),
+ * AKV_ERR_IN_USE.
  */
 AKV_API akv_status akv_headroom_get(const akv_engine *engine, akv_headroom_info *out);
 
@@ -1032,7 +1097,7 @@ AKV_API akv_status akv_headroom_get(const akv_engine *engine, akv_headroom_info 
  * freed_now and pending are optional (NULL), written on AKV_OK only (0 when
  * nothing was released). Returns AKV_OK, AKV_ERR_BAD_HANDLE,
  * AKV_ERR_NOT_SUPPORTED (headroom not enabled), AKV_ERR_QUARANTINED (also
- * after a transport failure: quarantine first); on any error nothing is
+ * after a transport failure: quarantine first), AKV_ERR_IN_USE; on any error nothing is
  * released and the outputs are left as they were.
  */
 AKV_API akv_status akv_headroom_release(akv_engine *engine, uint64_t bytes, uint64_t *freed_now,
@@ -1047,7 +1112,7 @@ AKV_API akv_status akv_headroom_release(akv_engine *engine, uint64_t bytes, uint
  * Returns AKV_OK (also when nothing could be taken: *taken = 0),
  * AKV_ERR_BAD_HANDLE, AKV_ERR_NOT_SUPPORTED (headroom not enabled),
  * AKV_ERR_STEP_STATE (a step is open, or a release is pending),
- * AKV_ERR_QUARANTINED.
+ * AKV_ERR_QUARANTINED, AKV_ERR_IN_USE.
  */
 AKV_API akv_status akv_headroom_take(akv_engine *engine, uint64_t bytes, uint64_t *taken);
 

@@ -51,8 +51,13 @@
  * "group in use by another thread"), enters no collective, reads and
  * changes nothing; the call in progress goes on. So a second thread of a
  * rank is never counted as another rank, and akv_group_destroy never frees
- * what a call of another thread still uses. (The engine's own calls are
- * not guarded so: akv_group_engine's handle follows akv.h's rules.)
+ * what a call of another thread still uses. The engine's own calls claim
+ * the engine the same way (akv.h, Thread safety): a call on
+ * akv_group_engine's handle from another thread while a group call is
+ * inside the engine returns AKV_ERR_IN_USE, and a group call that meets
+ * another thread inside the engine gets that status from it (where that is
+ * the engine's decision inside an agreement, the ranks' outcomes differ
+ * and every rank stops, as for any decision that failed on one rank only).
  * No group call, create included, is a cancellation point: cancellation
  * (pthread_cancel) is disabled inside each, and a cancel that arrives
  * while one waits acts at the thread's next cancellation point after the

@@ -12,8 +12,30 @@
  * an engine record, also never freed: checking a closed handle, or one whose
  * engine was destroyed, reads only live memory. */
 bool akv_context_ok(const akv_context *c) {
-  return c != NULL && c->magic == AKV_MAGIC_CONTEXT && c->magic_end == AKV_MAGIC_CONTEXT &&
-         akv_engine_ok(c->engine) && c->open;
+  return c != NULL && AKV_LOAD(c->magic) == AKV_MAGIC_CONTEXT &&
+         AKV_LOAD(c->magic_end) == AKV_MAGIC_CONTEXT && akv_engine_ok(AKV_LOAD(c->engine)) &&
+         AKV_LOAD(c->open);
+}
+
+/* The claim of a context call (akv_engine_claim): the record reads as a
+ * live context, then its engine is claimed, then the context is checked
+ * again, now as a live context of that engine. Its engine changes only
+ * through a close (under that engine's claim) and a later open of the
+ * record by another engine, so once claimed it holds. */
+akv_status akv_context_claim(const akv_context *c, akv_engine **out) {
+  akv_engine *e;
+  akv_status st;
+  if (c == NULL || AKV_LOAD(c->magic) != AKV_MAGIC_CONTEXT ||
+      AKV_LOAD(c->magic_end) != AKV_MAGIC_CONTEXT)
+    return AKV_ERR_BAD_HANDLE;
+  e = AKV_LOAD(c->engine);
+  if ((st = akv_engine_claim(e)) != AKV_OK) return st;
+  if (!akv_context_ok(c) || AKV_LOAD(c->engine) != e) {
+    akv_engine_release(e);
+    return AKV_ERR_BAD_HANDLE;
+  }
+  *out = e;
+  return AKV_OK;
 }
 
 uint8_t *akv_host_layer(const akv_engine *e, const akv_context *c, uint32_t layer) {
@@ -104,8 +126,8 @@ static uint32_t akv_next_context_id(akv_engine *e) {
   }
 }
 
-AKV_API akv_status akv_context_open(akv_engine *e, const akv_context_config *config,
-                                    akv_context **out) {
+static akv_status akv_context_open_claimed(akv_engine *e, const akv_context_config *config,
+                                           akv_context **out) {
   akv_status st = akv_engine_enter(e);
   akv_context_config cc = AKV_CONTEXT_CONFIG_INIT;
   akv_context *c = NULL;
@@ -177,14 +199,14 @@ AKV_API akv_status akv_context_open(akv_engine *e, const akv_context_config *con
     akv_admission_explain(e, NULL, why, sizeof(why));
     return akv_fail(e, st, "context_open: %s", why);
   }
-  c->engine = e;
+  AKV_STORE(c->engine, e);
   c->slot = slot;
   c->host = e->host_pool + (uint64_t)slot * e->fit.history_bytes;
   c->host_leases = 0;
   c->fill_leases = 0;
   e->slot_owner[slot] = c;
   c->id = id;
-  c->open = true;
+  AKV_STORE(c->open, true);
   c->len = 0;
   c->layer_len = e->slot_layer_len + (uint64_t)slot * e->cfg.n_dense_layers;
   memset(c->layer_len, 0, (size_t)e->cfg.n_dense_layers * sizeof(*c->layer_len));
@@ -195,39 +217,53 @@ AKV_API akv_status akv_context_open(akv_engine *e, const akv_context_config *con
   /* no ticket holds a free slot, so its generation may move */
   c->generation = ++e->slot_generation[slot];
   c->in_step = false;
-  c->magic = c->magic_end = AKV_MAGIC_CONTEXT;
+  AKV_STORE(c->magic_end, AKV_MAGIC_CONTEXT);
+  AKV_STORE(c->magic, AKV_MAGIC_CONTEXT); /* live last */
   e->open_contexts++;
   *out = c;
   return AKV_OK;
 }
 
-AKV_API akv_status akv_context_close(akv_context *c) {
-  akv_engine *e;
+AKV_API akv_status akv_context_open(akv_engine *e, const akv_context_config *config,
+                                    akv_context **out) {
+  akv_status st = akv_engine_claim(e);
+  if (st != AKV_OK) return st;
+  st = akv_context_open_claimed(e, config, out);
+  akv_engine_release(e);
+  return st;
+}
+
+static akv_status akv_context_close_claimed(akv_engine *e, akv_context *c) {
   akv_status st;
-  if (!akv_context_ok(c)) return AKV_ERR_BAD_HANDLE;
-  e = c->engine;
   if ((st = akv_engine_enter(e)) != AKV_OK) return st;
   if (akv_context_in_use(c))
     return akv_fail(e, AKV_ERR_IN_USE, "context_close: context %u is part of the open step",
                     c->id);
   st = akv_adm_release(e->adm, e->step, c->slot);
   if (st != AKV_OK) return akv_fail(e, st, "context_close: admission release failed");
-  c->open = false;
+  AKV_STORE(c->open, false);
   c->len = 0;
   memset(c->layer_len, 0, (size_t)e->cfg.n_dense_layers * sizeof(*c->layer_len));
-  c->magic = c->magic_end = AKV_MAGIC_DEAD;
+  AKV_STORE(c->magic, AKV_MAGIC_DEAD);
+  AKV_STORE(c->magic_end, AKV_MAGIC_DEAD);
   e->slot_owner[c->slot] = NULL;
   e->open_contexts--;
   akv_rec_give(&akv_context_records, c); /* dead, at the tail of the FIFO */
   return AKV_OK;
 }
 
-AKV_API akv_status akv_context_append(akv_context *c, uint32_t n_tokens,
-                                      const void *const *k_rows, const void *const *v_rows) {
+AKV_API akv_status akv_context_close(akv_context *c) {
   akv_engine *e;
+  akv_status st = akv_context_claim(c, &e);
+  if (st != AKV_OK) return st;
+  st = akv_context_close_claimed(e, c);
+  akv_engine_release(e);
+  return st;
+}
+
+static akv_status akv_context_append_claimed(akv_engine *e, akv_context *c, uint32_t n_tokens,
+                                             const void *const *k_rows, const void *const *v_rows) {
   akv_status st;
-  if (!akv_context_ok(c)) return AKV_ERR_BAD_HANDLE;
-  e = c->engine;
   if ((st = akv_engine_enter(e)) != AKV_OK) return st;
   if (k_rows == NULL || v_rows == NULL)
     return akv_fail(e, AKV_ERR_INVALID_ARGUMENT, "context_append: row arrays are NULL");
@@ -251,12 +287,20 @@ AKV_API akv_status akv_context_append(akv_context *c, uint32_t n_tokens,
   return AKV_OK;
 }
 
-AKV_API akv_status akv_context_append_layer(akv_context *c, uint32_t layer, uint32_t n_tokens,
-                                            const void *k_rows, const void *v_rows) {
+AKV_API akv_status akv_context_append(akv_context *c, uint32_t n_tokens,
+                                      const void *const *k_rows, const void *const *v_rows) {
   akv_engine *e;
+  akv_status st = akv_context_claim(c, &e);
+  if (st != AKV_OK) return st;
+  st = akv_context_append_claimed(e, c, n_tokens, k_rows, v_rows);
+  akv_engine_release(e);
+  return st;
+}
+
+static akv_status akv_context_append_layer_claimed(akv_engine *e, akv_context *c, uint32_t layer,
+                                                   uint32_t n_tokens, const void *k_rows,
+                                                   const void *v_rows) {
   akv_status st;
-  if (!akv_context_ok(c)) return AKV_ERR_BAD_HANDLE;
-  e = c->engine;
   if ((st = akv_engine_enter(e)) != AKV_OK) return st;
   if (layer >= e->cfg.n_dense_layers)
     return akv_fail(e, AKV_ERR_INVALID_ARGUMENT,
@@ -278,11 +322,18 @@ AKV_API akv_status akv_context_append_layer(akv_context *c, uint32_t layer, uint
   return AKV_OK;
 }
 
-AKV_API akv_status akv_context_read(const akv_context *c, uint32_t layer, uint32_t first,
-                                    uint32_t n, void *k_out, void *v_out) {
+AKV_API akv_status akv_context_append_layer(akv_context *c, uint32_t layer, uint32_t n_tokens,
+                                            const void *k_rows, const void *v_rows) {
   akv_engine *e;
-  if (!akv_context_ok(c)) return AKV_ERR_BAD_HANDLE;
-  e = c->engine;
+  akv_status st = akv_context_claim(c, &e);
+  if (st != AKV_OK) return st;
+  st = akv_context_append_layer_claimed(e, c, layer, n_tokens, k_rows, v_rows);
+  akv_engine_release(e);
+  return st;
+}
+
+static akv_status akv_context_read_claimed(akv_engine *e, const akv_context *c, uint32_t layer,
+                                           uint32_t first, uint32_t n, void *k_out, void *v_out) {
   if (layer >= e->cfg.n_dense_layers || (uint64_t)first + n > c->layer_len[layer] ||
       (n > 0 && (k_out == NULL || v_out == NULL)))
     return akv_fail(e, AKV_ERR_INVALID_ARGUMENT,
@@ -304,16 +355,44 @@ AKV_API akv_status akv_context_read(const akv_context *c, uint32_t layer, uint32
   return AKV_OK;
 }
 
-AKV_API akv_status akv_context_length(const akv_context *c, uint32_t *out) {
-  if (!akv_context_ok(c)) return AKV_ERR_BAD_HANDLE;
+AKV_API akv_status akv_context_read(const akv_context *c, uint32_t layer, uint32_t first,
+                                    uint32_t n, void *k_out, void *v_out) {
+  akv_engine *e;
+  akv_status st = akv_context_claim(c, &e);
+  if (st != AKV_OK) return st;
+  st = akv_context_read_claimed(e, c, layer, first, n, k_out, v_out);
+  akv_engine_release(e);
+  return st;
+}
+
+static akv_status akv_context_length_claimed(akv_engine *e, const akv_context *c, uint32_t *out) {
+  (void)e;
   if (out == NULL) return AKV_ERR_INVALID_ARGUMENT;
   *out = c->len;
   return AKV_OK;
 }
 
-AKV_API akv_status akv_context_id(const akv_context *c, uint32_t *out) {
-  if (!akv_context_ok(c)) return AKV_ERR_BAD_HANDLE;
+AKV_API akv_status akv_context_length(const akv_context *c, uint32_t *out) {
+  akv_engine *e;
+  akv_status st = akv_context_claim(c, &e);
+  if (st != AKV_OK) return st;
+  st = akv_context_length_claimed(e, c, out);
+  akv_engine_release(e);
+  return st;
+}
+
+static akv_status akv_context_id_claimed(akv_engine *e, const akv_context *c, uint32_t *out) {
+  (void)e;
   if (out == NULL) return AKV_ERR_INVALID_ARGUMENT;
   *out = c->id;
   return AKV_OK;
+}
+
+AKV_API akv_status akv_context_id(const akv_context *c, uint32_t *out) {
+  akv_engine *e;
+  akv_status st = akv_context_claim(c, &e);
+  if (st != AKV_OK) return st;
+  st = akv_context_id_claimed(e, c, out);
+  akv_engine_release(e);
+  return st;
 }

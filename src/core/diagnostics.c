@@ -7,26 +7,40 @@
 
 #include "internal.h"
 
-AKV_API akv_status akv_admission_counters(const akv_engine *e, uint64_t *out, size_t n) {
+static akv_status akv_admission_counters_claimed(const akv_engine *e, uint64_t *out, size_t n) {
   uint64_t all[AKV_ADM_RULE_COUNT];
-  if (!akv_engine_ok(e)) return AKV_ERR_BAD_HANDLE;
   if (out == NULL || n == 0) return AKV_ERR_INVALID_ARGUMENT;
   akv_adm_counters(e->adm, all);
   memcpy(out, all, (n < AKV_ADM_RULE_COUNT ? n : AKV_ADM_RULE_COUNT) * sizeof(uint64_t));
   return AKV_OK;
 }
 
-AKV_API akv_status akv_admission_log(const akv_engine *e, akv_adm_decision *out, size_t cap,
-                                     size_t *n_out) {
-  if (!akv_engine_ok(e)) return AKV_ERR_BAD_HANDLE;
+AKV_API akv_status akv_admission_counters(const akv_engine *e, uint64_t *out, size_t n) {
+  akv_status st = akv_engine_claim(e);
+  if (st != AKV_OK) return st;
+  st = akv_admission_counters_claimed(e, out, n);
+  akv_engine_release(e);
+  return st;
+}
+
+static akv_status akv_admission_log_claimed(const akv_engine *e, akv_adm_decision *out, size_t cap,
+                                            size_t *n_out) {
   if (n_out == NULL || (out == NULL && cap > 0)) return AKV_ERR_INVALID_ARGUMENT;
   *n_out = akv_adm_log_read(e->adm, out, cap);
   return AKV_OK;
 }
 
-AKV_API akv_status akv_admission_explain(const akv_engine *e, const akv_context *c, char *buf,
-                                         size_t cap) {
-  if (!akv_engine_ok(e)) return AKV_ERR_BAD_HANDLE;
+AKV_API akv_status akv_admission_log(const akv_engine *e, akv_adm_decision *out, size_t cap,
+                                     size_t *n_out) {
+  akv_status st = akv_engine_claim(e);
+  if (st != AKV_OK) return st;
+  st = akv_admission_log_claimed(e, out, cap, n_out);
+  akv_engine_release(e);
+  return st;
+}
+
+static akv_status akv_admission_explain_claimed(const akv_engine *e, const akv_context *c,
+                                                char *buf, size_t cap) {
   if (buf == NULL || cap == 0) return AKV_ERR_INVALID_ARGUMENT;
   if (c != NULL && (!akv_context_ok(c) || c->engine != e)) return AKV_ERR_BAD_HANDLE;
   /* Invariant (akv.h): context NULL explains the last refused open, whichever
@@ -64,4 +78,13 @@ AKV_API akv_status akv_admission_explain(const akv_engine *e, const akv_context 
              (unsigned)asked_t, asked_t == 1 ? "" : "s", (unsigned)asked_b, (unsigned)got_t,
              (unsigned)got_b, (unsigned)akv_admission_floor(e));
   return AKV_OK;
+}
+
+AKV_API akv_status akv_admission_explain(const akv_engine *e, const akv_context *c, char *buf,
+                                         size_t cap) {
+  akv_status st = akv_engine_claim(e);
+  if (st != AKV_OK) return st;
+  st = akv_admission_explain_claimed(e, c, buf, cap);
+  akv_engine_release(e);
+  return st;
 }

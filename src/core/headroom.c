@@ -257,8 +257,8 @@ akv_status akv_headroom_apply_pending(akv_engine *e) {
   return st;
 }
 
-AKV_API akv_status akv_headroom_release(akv_engine *e, uint64_t bytes, uint64_t *freed_now,
-                                        uint64_t *pending) {
+static akv_status akv_headroom_release_claimed(akv_engine *e, uint64_t bytes, uint64_t *freed_now,
+                                               uint64_t *pending) {
   akv_status st = akv_engine_enter(e);
   if (st != AKV_OK) return st;
   if (!e->hr_enabled)
@@ -304,7 +304,16 @@ AKV_API akv_status akv_headroom_release(akv_engine *e, uint64_t bytes, uint64_t 
   return AKV_OK;
 }
 
-AKV_API akv_status akv_headroom_take(akv_engine *e, uint64_t bytes, uint64_t *taken) {
+AKV_API akv_status akv_headroom_release(akv_engine *e, uint64_t bytes, uint64_t *freed_now,
+                                        uint64_t *pending) {
+  akv_status st = akv_engine_claim(e);
+  if (st != AKV_OK) return st;
+  st = akv_headroom_release_claimed(e, bytes, freed_now, pending);
+  akv_engine_release(e);
+  return st;
+}
+
+static akv_status akv_headroom_take_claimed(akv_engine *e, uint64_t bytes, uint64_t *taken) {
   akv_status st = akv_engine_enter(e);
   uint64_t free_b = 0, total = 0, peak = 0;
   if (st != AKV_OK) return st;
@@ -339,8 +348,15 @@ AKV_API akv_status akv_headroom_take(akv_engine *e, uint64_t bytes, uint64_t *ta
   return AKV_OK;
 }
 
-AKV_API akv_status akv_headroom_get(const akv_engine *e, akv_headroom_info *out) {
-  if (!akv_engine_ok(e)) return AKV_ERR_BAD_HANDLE;
+AKV_API akv_status akv_headroom_take(akv_engine *e, uint64_t bytes, uint64_t *taken) {
+  akv_status st = akv_engine_claim(e);
+  if (st != AKV_OK) return st;
+  st = akv_headroom_take_claimed(e, bytes, taken);
+  akv_engine_release(e);
+  return st;
+}
+
+static akv_status akv_headroom_get_claimed(const akv_engine *e, akv_headroom_info *out) {
   if (out == NULL) return AKV_ERR_INVALID_ARGUMENT;
   memset(out, 0, sizeof(*out));
   out->enabled = e->hr_enabled;
@@ -358,4 +374,12 @@ AKV_API akv_status akv_headroom_get(const akv_engine *e, akv_headroom_info *out)
   out->releases = e->hr_releases;
   out->takes = e->hr_takes;
   return AKV_OK;
+}
+
+AKV_API akv_status akv_headroom_get(const akv_engine *e, akv_headroom_info *out) {
+  akv_status st = akv_engine_claim(e);
+  if (st != AKV_OK) return st;
+  st = akv_headroom_get_claimed(e, out);
+  akv_engine_release(e);
+  return st;
 }

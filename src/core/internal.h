@@ -63,6 +63,11 @@ typedef enum akv_lease_state {
  * answers AKV_ERR_BAD_HANDLE instead of naming a later lease of its layer. */
 struct akv_lease {
   uint32_t magic;
+  /* The engine that holds this record, from its create to its destroy
+   * (records are taken at create, akv_engine_allocate): what a lease call
+   * claims (akv_lease_claim) before it reads the body, which the engine
+   * allocated and its destroy frees. Read and written atomically. */
+  struct akv_engine *engine;
   struct akv_lease_body *body; /* the layer's lease; read only while magic is live */
   uint64_t serial;             /* body->serial at begin */
   uint32_t magic_end;
@@ -155,6 +160,12 @@ struct akv_stream_rec {
  * record itself is never freed, so a destroyed handle reads as dead. */
 struct akv_engine {
   uint32_t magic;
+  /* The claim (akv_engine_claim): the header of the record, which create
+   * leaves as it finds it (only the fields after it are zeroed) and
+   * destroy never clears. */
+  _Atomic(const void *) owner; /* the thread inside a call on this engine, or NULL */
+  uint32_t depth;              /* the owner's calls in progress (nested from callbacks) */
+  int cancel_state;            /* the owner's cancelability before its outermost call */
   /* Unique in the process, never 0, given at create (akv_engine_serial,
    * plan.h) and set to 0 at destroy: by it a layer that keeps an engine
    * handle (a group) tells whether the record still holds its engine or
@@ -291,8 +302,24 @@ bool akv_engine_ok(const akv_engine *e);
 const char *akv_route_name(akv_route r);
 /* Marks the transport failed after a failed backend op; returns AKV_ERR_BACKEND. */
 akv_status akv_transport_failed(akv_engine *e, akv_status st, const char *where);
-/* Common entry check: valid handle, not failed. */
+/* Common entry check of a claimed engine: not failed, not called from
+ * its log callback for a change. */
 akv_status akv_engine_enter(akv_engine *e);
+/* The claim (engine.c): AKV_OK with the engine claimed by this thread,
+ * AKV_ERR_BAD_HANDLE (not a live engine) or AKV_ERR_IN_USE (another
+ * thread is inside a call on it), both with nothing written. Every public
+ * call that takes an engine, or a handle of one, claims it and releases
+ * it on every return. */
+akv_status akv_engine_claim(const akv_engine *e);
+void akv_engine_release(const akv_engine *e);
+/* The handles' own claims: the engine the handle belongs to, claimed, in
+ * *out (AKV_OK), or the claim's refusal with nothing claimed. */
+akv_status akv_context_claim(const akv_context *c, akv_engine **out);
+akv_status akv_lease_claim(const akv_lease *h, akv_engine **out);
+/* Handle words read before the engine is claimed (magics, a handle's
+ * engine, a context's open flag): atomic on both sides. */
+#define AKV_LOAD(field) __atomic_load_n(&(field), __ATOMIC_ACQUIRE)
+#define AKV_STORE(field, v) __atomic_store_n(&(field), (v), __ATOMIC_RELEASE)
 /* AKV_ERR_IN_USE (last error set, nothing logged) when called from the
  * engine's own log callback, else AKV_OK; the engine handle is live. */
 akv_status akv_engine_reentered(akv_engine *e);

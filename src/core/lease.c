@@ -31,10 +31,35 @@ akv_lease_body *akv_lease_resolve(const akv_lease *h) {
   /* A handle record is never freed (records.h); its body is read only while
    * the record is live, and a live record's engine has not been destroyed
    * (destroy poisons every handle record the engine holds). */
-  if (h == NULL || h->magic != AKV_MAGIC_LEASE || h->magic_end != AKV_MAGIC_LEASE) return NULL;
+  if (h == NULL || AKV_LOAD(h->magic) != AKV_MAGIC_LEASE ||
+      AKV_LOAD(h->magic_end) != AKV_MAGIC_LEASE)
+    return NULL;
   ls = h->body;
-  if (ls->handle != h || ls->serial != h->serial || !akv_engine_ok(ls->engine)) return NULL;
+  if (ls->handle != h || ls->serial != h->serial || !akv_engine_ok(ls->engine) ||
+      ls->engine != AKV_LOAD(h->engine))
+    return NULL;
   return (akv_lease_body *)ls;
+}
+
+/* The claim of a lease call (akv_engine_claim): the record reads as a live
+ * lease handle, then the engine that holds the record is claimed, and only
+ * then is the body read (the engine's destroy frees it). A record's engine
+ * changes only at a destroy (under that engine's claim) and a later
+ * create, so once claimed it holds. */
+akv_status akv_lease_claim(const akv_lease *h, akv_engine **out) {
+  akv_engine *e;
+  akv_status st;
+  if (h == NULL || AKV_LOAD(h->magic) != AKV_MAGIC_LEASE ||
+      AKV_LOAD(h->magic_end) != AKV_MAGIC_LEASE)
+    return AKV_ERR_BAD_HANDLE;
+  e = AKV_LOAD(h->engine);
+  if ((st = akv_engine_claim(e)) != AKV_OK) return st;
+  if (AKV_LOAD(h->engine) != e || akv_lease_resolve(h) == NULL) {
+    akv_engine_release(e);
+    return AKV_ERR_BAD_HANDLE;
+  }
+  *out = e;
+  return AKV_OK;
 }
 
 /* Common entry: live handle, engine usable. */
@@ -54,7 +79,8 @@ static akv_lease *akv_lease_handle_take(akv_engine *e, akv_lease_body *ls) {
   e->lease_free--;
   h->body = ls;
   h->serial = ls->serial;
-  h->magic = h->magic_end = AKV_MAGIC_LEASE;
+  AKV_STORE(h->magic_end, AKV_MAGIC_LEASE);
+  AKV_STORE(h->magic, AKV_MAGIC_LEASE); /* live last */
   ls->handle = h;
   return h;
 }
@@ -67,7 +93,8 @@ static akv_lease *akv_lease_handle_take(akv_engine *e, akv_lease_body *ls) {
 static void akv_lease_handle_give(akv_engine *e, akv_lease_body *ls) {
   akv_lease *h = ls->handle;
   if (h == NULL) return;
-  h->magic = h->magic_end = AKV_MAGIC_DEAD;
+  AKV_STORE(h->magic, AKV_MAGIC_DEAD);
+  AKV_STORE(h->magic_end, AKV_MAGIC_DEAD);
   ls->handle = NULL;
   e->lease_ring[(e->lease_head + e->lease_free) % e->n_lease_recs] = h;
   e->lease_free++;
@@ -189,7 +216,7 @@ static void akv_lease_plan_context(akv_lease_body *ls, uint32_t i, size_t *n_h2d
   ls->bytes_d2d += d2d_bytes;
 }
 
-AKV_API akv_status akv_lease_begin(akv_engine *e, uint32_t layer, akv_lease **out) {
+static akv_status akv_lease_begin_claimed(akv_engine *e, uint32_t layer, akv_lease **out) {
   akv_status st = akv_engine_enter(e);
   akv_lease_body *ls, *pred;
   akv_reader prior[AKV_MAX_PRIOR];
@@ -277,6 +304,14 @@ fail:
   return akv_transport_failed(e, st, "lease_begin");
 }
 
+AKV_API akv_status akv_lease_begin(akv_engine *e, uint32_t layer, akv_lease **out) {
+  akv_status st = akv_engine_claim(e);
+  if (st != AKV_OK) return st;
+  st = akv_lease_begin_claimed(e, layer, out);
+  akv_engine_release(e);
+  return st;
+}
+
 static void akv_lease_view(const akv_lease_body *ls, akv_view *v) {
   const akv_engine *e = ls->engine;
   memset(v, 0, sizeof(*v));
@@ -302,7 +337,8 @@ static void akv_lease_view(const akv_lease_body *ls, akv_view *v) {
   }
 }
 
-AKV_API akv_status akv_lease_wait_ready(akv_lease *handle, akv_stream stream, akv_view *view) {
+static akv_status akv_lease_wait_ready_claimed(akv_lease *handle, akv_stream stream,
+                                               akv_view *view) {
   akv_lease_body *ls = NULL;
   akv_status st = akv_lease_enter(handle, &ls);
   akv_engine *e;
@@ -324,8 +360,17 @@ fail:
   return akv_transport_failed(e, st, "lease_wait_ready");
 }
 
-AKV_API akv_status akv_lease_mark_consumed(akv_lease *handle, akv_stream stream,
-                                           akv_fence *attention) {
+AKV_API akv_status akv_lease_wait_ready(akv_lease *handle, akv_stream stream, akv_view *view) {
+  akv_engine *e;
+  akv_status st = akv_lease_claim(handle, &e);
+  if (st != AKV_OK) return st;
+  st = akv_lease_wait_ready_claimed(handle, stream, view);
+  akv_engine_release(e);
+  return st;
+}
+
+static akv_status akv_lease_mark_consumed_claimed(akv_lease *handle, akv_stream stream,
+                                                  akv_fence *attention) {
   akv_lease_body *ls = NULL;
   akv_status st = akv_lease_enter(handle, &ls);
   akv_engine *e;
@@ -350,8 +395,19 @@ fail:
   return akv_transport_failed(e, st, "lease_mark_consumed");
 }
 
-AKV_API akv_status akv_lease_attend(akv_lease *handle, akv_stream stream, akv_attention_fn hook,
-                                    void *user, akv_fence *attention) {
+AKV_API akv_status akv_lease_mark_consumed(akv_lease *handle, akv_stream stream,
+                                           akv_fence *attention) {
+  akv_engine *e;
+  akv_status st = akv_lease_claim(handle, &e);
+  if (st != AKV_OK) return st;
+  st = akv_lease_mark_consumed_claimed(handle, stream, attention);
+  akv_engine_release(e);
+  return st;
+}
+
+static akv_status akv_lease_attend_claimed(akv_lease *handle, akv_stream stream,
+                                           akv_attention_fn hook, void *user,
+                                           akv_fence *attention) {
   akv_lease_body *ls = NULL;
   akv_status st = akv_lease_enter(handle, &ls);
   akv_view view;
@@ -359,12 +415,15 @@ AKV_API akv_status akv_lease_attend(akv_lease *handle, akv_stream stream, akv_at
   if (hook == NULL || attention == NULL)
     return akv_fail(ls->engine, AKV_ERR_INVALID_ARGUMENT, "lease_attend: hook or attention NULL");
   if (ls->state != AKV_LEASE_BEGUN) return akv_lease_wrong_state(ls, "lease_attend", "begun");
-  if ((st = akv_lease_wait_ready(handle, stream, &view)) != AKV_OK) return st;
+  if ((st = akv_lease_wait_ready_claimed(handle, stream, &view)) != AKV_OK) return st;
   /* What names this begin for the life of the process: the body, its begin's
    * serial (unique per engine) and its engine's serial (unique in the
    * process). Only compared after the hook, never dereferenced. */
   const akv_lease_body *const body = ls;
   const uint64_t lease_serial = ls->serial, engine_serial = ls->engine->serial;
+  /* The hook runs with the engine claimed by this thread (the wrapper's
+   * claim, akv_engine_claim): its calls on the engine nest, other threads'
+   * are refused until attend returns. */
   const int rc = hook(user, &view, stream);
   /* The hook is the caller's code and may have ended the lease meanwhile (a
    * quarantine releases it, a retire ends it; a destroy after that frees the
@@ -383,7 +442,17 @@ AKV_API akv_status akv_lease_attend(akv_lease *handle, akv_stream stream, akv_at
              "attention hook of layer %u returned nonzero", ls->layer);
     return akv_transport_failed(ls->engine, AKV_ERR_BACKEND, "lease_attend");
   }
-  return akv_lease_mark_consumed(handle, stream, attention);
+  return akv_lease_mark_consumed_claimed(handle, stream, attention);
+}
+
+AKV_API akv_status akv_lease_attend(akv_lease *handle, akv_stream stream, akv_attention_fn hook,
+                                    void *user, akv_fence *attention) {
+  akv_engine *e;
+  akv_status st = akv_lease_claim(handle, &e);
+  if (st != AKV_OK) return st;
+  st = akv_lease_attend_claimed(handle, stream, hook, user, attention);
+  akv_engine_release(e);
+  return st;
 }
 
 /* Index of `c` among the lease's owners, or -1. */
@@ -393,8 +462,8 @@ static int akv_lease_owner_index(const akv_lease_body *ls, const akv_context *c)
   return -1;
 }
 
-AKV_API akv_status akv_lease_write_back(akv_lease *handle, akv_context *const *owners,
-                                        uint32_t n_owners, akv_fence *tail) {
+static akv_status akv_lease_write_back_claimed(akv_lease *handle, akv_context *const *owners,
+                                               uint32_t n_owners, akv_fence *tail) {
   akv_lease_body *ls = NULL;
   akv_status st = akv_lease_enter(handle, &ls);
   akv_engine *e;
@@ -461,7 +530,17 @@ fail:
   return akv_transport_failed(e, st, "lease_write_back");
 }
 
-AKV_API akv_status akv_lease_seal(akv_lease *handle, akv_fence tail, akv_fence attention) {
+AKV_API akv_status akv_lease_write_back(akv_lease *handle, akv_context *const *owners,
+                                        uint32_t n_owners, akv_fence *tail) {
+  akv_engine *e;
+  akv_status st = akv_lease_claim(handle, &e);
+  if (st != AKV_OK) return st;
+  st = akv_lease_write_back_claimed(handle, owners, n_owners, tail);
+  akv_engine_release(e);
+  return st;
+}
+
+static akv_status akv_lease_seal_claimed(akv_lease *handle, akv_fence tail, akv_fence attention) {
   akv_lease_body *ls = NULL;
   akv_status st = akv_lease_enter(handle, &ls);
   akv_engine *e;
@@ -482,6 +561,15 @@ AKV_API akv_status akv_lease_seal(akv_lease *handle, akv_fence tail, akv_fence a
                     ls->layer);
   ls->state = AKV_LEASE_SEALED;
   return AKV_OK;
+}
+
+AKV_API akv_status akv_lease_seal(akv_lease *handle, akv_fence tail, akv_fence attention) {
+  akv_engine *e;
+  akv_status st = akv_lease_claim(handle, &e);
+  if (st != AKV_OK) return st;
+  st = akv_lease_seal_claimed(handle, tail, attention);
+  akv_engine_release(e);
+  return st;
 }
 
 /* The common end of retire and try_retire, once every fence is proven:
@@ -512,7 +600,7 @@ static bool akv_lease_finish(akv_lease_body *ls, akv_receipt *receipt) {
   return true;
 }
 
-AKV_API akv_status akv_lease_retire(akv_lease *handle, akv_receipt *receipt) {
+static akv_status akv_lease_retire_claimed(akv_lease *handle, akv_receipt *receipt) {
   akv_lease_body *ls = NULL;
   akv_status st = akv_lease_enter(handle, &ls);
   akv_engine *e;
@@ -533,7 +621,16 @@ fail:
   return akv_transport_failed(e, st, "lease_retire");
 }
 
-AKV_API akv_status akv_lease_try_retire(akv_lease *handle, akv_receipt *receipt) {
+AKV_API akv_status akv_lease_retire(akv_lease *handle, akv_receipt *receipt) {
+  akv_engine *e;
+  akv_status st = akv_lease_claim(handle, &e);
+  if (st != AKV_OK) return st;
+  st = akv_lease_retire_claimed(handle, receipt);
+  akv_engine_release(e);
+  return st;
+}
+
+static akv_status akv_lease_try_retire_claimed(akv_lease *handle, akv_receipt *receipt) {
   akv_lease_body *ls = NULL;
   akv_status st = akv_lease_enter(handle, &ls);
   akv_engine *e;
@@ -566,6 +663,15 @@ AKV_API akv_status akv_lease_try_retire(akv_lease *handle, akv_receipt *receipt)
   return AKV_OK;
 fail:
   return akv_transport_failed(e, st, "lease_try_retire");
+}
+
+AKV_API akv_status akv_lease_try_retire(akv_lease *handle, akv_receipt *receipt) {
+  akv_engine *e;
+  akv_status st = akv_lease_claim(handle, &e);
+  if (st != AKV_OK) return st;
+  st = akv_lease_try_retire_claimed(handle, receipt);
+  akv_engine_release(e);
+  return st;
 }
 
 void akv_leases_release_all(akv_engine *e) {

@@ -14,7 +14,9 @@
  * this thread is dropped, whichever engine (or engine-less create) logs it:
  * a callback that creates an engine of its own config, or calls another
  * engine of the same callback, cannot recurse into itself, let alone without
- * end. Callbacks run on the calling thread only (workers never log), so a
+ * end. Callbacks run on the calling thread only (workers never log: the
+ * host backend's queue threads, CUDA host functions and the caller's
+ * functions from akv_stream_launch_host run no library code that logs), so a
  * per-thread record sees every nesting. Deeper than the record holds, lines
  * are dropped too. */
 #define AKV_LOG_NEST_MAX 16
@@ -64,8 +66,9 @@ void akv_log(const akv_engine *e, akv_log_level level, const char *fmt, ...) {
   /* Invariant: no line reaches an engine's callback while that callback is
    * running on the engine. A call the callback makes (a diagnostic, or one
    * refused with AKV_ERR_IN_USE) returns its status and logs nothing, so a
-   * callback whose call fails cannot recurse without end. Engines are used
-   * from one thread at a time and workers never log, so log_depth > 0 here
+   * callback whose call fails cannot recurse without end. Every call that
+   * logs holds the engine's claim (akv_engine_claim), so only one thread is
+   * ever here for an engine, and workers never log: log_depth > 0 here
    * means "called from inside the callback". */
   if (m != NULL && m->log_depth > 0) return;
   va_start(ap, fmt);

@@ -16,10 +16,14 @@ static uint64_t akv_fnv_u64(uint64_t h, uint64_t v) {
   return h;
 }
 
-uint64_t akv_engine_plan_digest(const akv_engine *e) {
+/* The group's reads of its engine (plan.h) claim it as every public call
+ * does (akv_engine_claim): with another thread inside a call on the engine
+ * (a caller that took it from akv_group_engine to another thread) they
+ * answer as for a dead engine, and the group's next call on the engine is
+ * refused with AKV_ERR_IN_USE. */
+static uint64_t akv_engine_plan_digest_claimed(const akv_engine *e) {
   uint64_t h = AKV_FNV_OFFSET;
   uint64_t counters[AKV_ADM_RULE_COUNT] = {0};
-  if (!akv_engine_ok(e)) return 0;
   h = akv_fnv_u64(h, e->concurrency);
   h = akv_fnv_u64(h, e->n_pages);
   h = akv_fnv_u64(h, e->max_logical_pages);
@@ -48,18 +52,49 @@ uint64_t akv_engine_plan_digest(const akv_engine *e) {
   return h == 0 ? 1 : h;
 }
 
-int akv_engine_step_open(const akv_engine *e) { return akv_engine_ok(e) && e->step_open; }
+uint64_t akv_engine_plan_digest(const akv_engine *e) {
+  uint64_t h;
+  if (akv_engine_claim(e) != AKV_OK) return 0;
+  h = akv_engine_plan_digest_claimed(e);
+  akv_engine_release(e);
+  return h;
+}
 
-int akv_engine_in_log(const akv_engine *e) { return akv_engine_ok(e) && e->log_depth > 0; }
+int akv_engine_step_open(const akv_engine *e) {
+  int open;
+  if (akv_engine_claim(e) != AKV_OK) return 0;
+  open = e->step_open;
+  akv_engine_release(e);
+  return open;
+}
+
+int akv_engine_in_log(const akv_engine *e) {
+  int in_log;
+  if (akv_engine_claim(e) != AKV_OK) return 0;
+  in_log = e->log_depth > 0;
+  akv_engine_release(e);
+  return in_log;
+}
+
+/* The context's checks, with its engine claimed. */
+static int akv_engine_context_test(const akv_engine *e, const akv_context *c, int what) {
+  int r;
+  if (akv_engine_claim(e) != AKV_OK) return 0;
+  r = akv_context_ok(c) && AKV_LOAD(c->engine) == e;
+  if (r && what == 1) r = akv_context_uneven(e, c);
+  if (r && what == 2) r = akv_context_in_use(c);
+  akv_engine_release(e);
+  return r;
+}
 
 int akv_engine_owns_context(const akv_engine *e, const akv_context *c) {
-  return akv_engine_ok(e) && akv_context_ok(c) && c->engine == e;
+  return akv_engine_context_test(e, c, 0);
 }
 
 int akv_engine_context_uneven(const akv_engine *e, const akv_context *c) {
-  return akv_engine_owns_context(e, c) && akv_context_uneven(e, c);
+  return akv_engine_context_test(e, c, 1);
 }
 
 int akv_engine_context_in_use(const akv_engine *e, const akv_context *c) {
-  return akv_engine_owns_context(e, c) && akv_context_in_use(c);
+  return akv_engine_context_test(e, c, 2);
 }

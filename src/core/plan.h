@@ -41,10 +41,11 @@ uint64_t akv_engine_serial(const akv_engine *engine);
  * 0 otherwise or for a bad handle. Reads only. */
 int akv_engine_step_open(const akv_engine *engine);
 
-/* 1 while the engine's log callback runs (on the thread using the engine:
- * an engine is used from one thread at a time), when every call that
- * changes the engine is refused with AKV_ERR_IN_USE (akv_log_fn); 0
- * otherwise or for a bad handle. Reads only. */
+/* 1 while the engine's log callback runs (on the thread inside a call on
+ * the engine: the claim, akv_engine_claim), when every call that changes
+ * the engine is refused with AKV_ERR_IN_USE (akv_log_fn); 0 otherwise, for
+ * a bad handle, or while another thread is inside a call on the engine
+ * (the caller's next call on it is then refused). Reads only. */
 int akv_engine_in_log(const akv_engine *engine);
 
 /* 1 when `context` is an open context of `engine`; 0 otherwise (bad or

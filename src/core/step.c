@@ -103,7 +103,7 @@ fail:
   return akv_transport_failed(e, st, "page map");
 }
 
-AKV_API akv_status akv_step_begin(akv_engine *e, akv_context *const *ctxs, uint32_t n) {
+static akv_status akv_step_begin_claimed(akv_engine *e, akv_context *const *ctxs, uint32_t n) {
   akv_status st = akv_engine_enter(e);
   if (st != AKV_OK) return st;
   if (e->step_open) return akv_fail(e, AKV_ERR_STEP_STATE, "step_begin: a step is already open");
@@ -171,7 +171,15 @@ AKV_API akv_status akv_step_begin(akv_engine *e, akv_context *const *ctxs, uint3
   return AKV_OK;
 }
 
-AKV_API akv_status akv_step_end(akv_engine *e) {
+AKV_API akv_status akv_step_begin(akv_engine *e, akv_context *const *ctxs, uint32_t n) {
+  akv_status st = akv_engine_claim(e);
+  if (st != AKV_OK) return st;
+  st = akv_step_begin_claimed(e, ctxs, n);
+  akv_engine_release(e);
+  return st;
+}
+
+static akv_status akv_step_end_claimed(akv_engine *e) {
   akv_status st = akv_engine_enter(e);
   if (st != AKV_OK) return st;
   if (!e->step_open) return akv_fail(e, AKV_ERR_STEP_STATE, "step_end: no step is open");
@@ -219,4 +227,12 @@ AKV_API akv_status akv_step_end(akv_engine *e) {
   st = akv_headroom_apply_pending(e);
   if (st != AKV_OK) return st;
   return AKV_OK;
+}
+
+AKV_API akv_status akv_step_end(akv_engine *e) {
+  akv_status st = akv_engine_claim(e);
+  if (st != AKV_OK) return st;
+  st = akv_step_end_claimed(e);
+  akv_engine_release(e);
+  return st;
 }

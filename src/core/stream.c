@@ -30,7 +30,7 @@ akv_bqueue *akv_stream_queue(const akv_engine *e, akv_stream s) {
   return NULL;
 }
 
-AKV_API akv_status akv_stream_create(akv_engine *e, akv_stream *out) {
+static akv_status akv_stream_create_claimed(akv_engine *e, akv_stream *out) {
   akv_status st = akv_engine_enter(e);
   if (st != AKV_OK) return st;
   if (out == NULL) return akv_fail(e, AKV_ERR_INVALID_ARGUMENT, "stream_create: out is NULL");
@@ -59,6 +59,14 @@ AKV_API akv_status akv_stream_create(akv_engine *e, akv_stream *out) {
                   AKV_N_STREAMS);
 }
 
+AKV_API akv_status akv_stream_create(akv_engine *e, akv_stream *out) {
+  akv_status st = akv_engine_claim(e);
+  if (st != AKV_OK) return st;
+  st = akv_stream_create_claimed(e, out);
+  akv_engine_release(e);
+  return st;
+}
+
 /* The layer of an unretired lease whose compute stream is s, or -1. */
 static int akv_stream_user(const akv_engine *e, akv_stream s) {
   for (uint32_t l = 0; l < e->cfg.n_dense_layers; l++) {
@@ -70,9 +78,8 @@ static int akv_stream_user(const akv_engine *e, akv_stream s) {
   return -1;
 }
 
-AKV_API akv_status akv_stream_destroy(akv_engine *e, akv_stream s) {
+static akv_status akv_stream_destroy_claimed(akv_engine *e, akv_stream s) {
   int user;
-  if (!akv_engine_ok(e)) return AKV_ERR_BAD_HANDLE;
   if (e->log_depth > 0) return akv_engine_reentered(e);
   for (size_t i = 0; i < AKV_N_STREAMS; i++) {
     if (e->streams[i].live && e->streams[i].handle == s) {
@@ -101,7 +108,15 @@ AKV_API akv_status akv_stream_destroy(akv_engine *e, akv_stream s) {
   return akv_fail(e, AKV_ERR_INVALID_ARGUMENT, "stream_destroy: not a stream of this engine");
 }
 
-AKV_API akv_status akv_stream_synchronize(akv_engine *e, akv_stream s) {
+AKV_API akv_status akv_stream_destroy(akv_engine *e, akv_stream s) {
+  akv_status st = akv_engine_claim(e);
+  if (st != AKV_OK) return st;
+  st = akv_stream_destroy_claimed(e, s);
+  akv_engine_release(e);
+  return st;
+}
+
+static akv_status akv_stream_synchronize_claimed(akv_engine *e, akv_stream s) {
   akv_status st = akv_engine_enter(e);
   akv_bqueue *q;
   if (st != AKV_OK) return st;
@@ -113,8 +128,16 @@ AKV_API akv_status akv_stream_synchronize(akv_engine *e, akv_stream s) {
   return AKV_OK;
 }
 
-AKV_API akv_status akv_stream_launch_host(akv_engine *e, akv_stream s, void (*fn)(void *),
-                                          void *arg) {
+AKV_API akv_status akv_stream_synchronize(akv_engine *e, akv_stream s) {
+  akv_status st = akv_engine_claim(e);
+  if (st != AKV_OK) return st;
+  st = akv_stream_synchronize_claimed(e, s);
+  akv_engine_release(e);
+  return st;
+}
+
+static akv_status akv_stream_launch_host_claimed(akv_engine *e, akv_stream s, void (*fn)(void *),
+                                                 void *arg) {
   akv_status st = akv_engine_enter(e);
   akv_bqueue *q;
   if (st != AKV_OK) return st;
@@ -124,4 +147,13 @@ AKV_API akv_status akv_stream_launch_host(akv_engine *e, akv_stream s, void (*fn
   st = akv_bk_host_fn(&e->bk, q, fn, arg);
   if (st != AKV_OK) return akv_transport_failed(e, st, "stream_launch_host");
   return AKV_OK;
+}
+
+AKV_API akv_status akv_stream_launch_host(akv_engine *e, akv_stream s, void (*fn)(void *),
+                                          void *arg) {
+  akv_status st = akv_engine_claim(e);
+  if (st != AKV_OK) return st;
+  st = akv_stream_launch_host_claimed(e, s, fn, arg);
+  akv_engine_release(e);
+  return st;
 }
