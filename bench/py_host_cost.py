@@ -1,6 +1,7 @@
 """py_host_cost.py - the lease calls' host time per layer as the transformers adapter
 makes them (ctypes, prototypes set once: activekv.transformers._LeaseAPI's shape),
-next to bench/host_cost.c's C loop at the same geometry.
+next to bench/host_cost.c's C loop at the same geometry. Needs torch (the adapter's
+module imports it).
 
 32 layers, 4 contexts of HISTORY rows (8 KV heads x 128, bf16), route arena with a
 device pool holding every page (all retained) or route stage (--pool 0); no attention
@@ -57,21 +58,13 @@ def main() -> None:
             done += n
     stream = eng.stream_create()
 
-    lib = ctypes.CDLL(_lib.library_path())
-    vp, u32, st = ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int
-
-    def proto(name, *args):
-        fn = getattr(lib, name)
-        fn.argtypes = list(args)
-        fn.restype = st
-        return fn
-
-    begin = proto("akv_lease_begin", vp, u32, ctypes.POINTER(vp))
-    wait_ready = proto("akv_lease_wait_ready", vp, vp, ctypes.POINTER(_lib.akv_view))
-    mark = proto("akv_lease_mark_consumed", vp, vp, ctypes.POINTER(_lib.akv_fence))
-    wb = proto("akv_lease_write_back", vp, vp, u32, ctypes.POINTER(_lib.akv_fence))
-    seal = proto("akv_lease_seal", vp, _lib.akv_fence, _lib.akv_fence)
-    retire = proto("akv_lease_retire", vp, ctypes.POINTER(_lib.akv_receipt))
+    # The adapter's own call objects (activekv.transformers._LeaseAPI: a private CDLL
+    # handle, prototypes set once), so the figures are those of its calls.
+    from activekv.transformers import _LeaseAPI
+    api = _LeaseAPI(_lib.library_path())
+    begin, wait_ready, mark = api.begin, api.wait_ready, api.mark_consumed
+    wb, seal, retire = api.write_back, api.seal, api.retire
+    vp = ctypes.c_void_p
 
     thrash = np.zeros((a.thrash << 20) // 8, dtype=np.int64) if a.thrash else None
     h, sh = eng._handle, stream.handle
