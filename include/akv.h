@@ -952,8 +952,8 @@ AKV_API akv_status akv_lease_retire(akv_lease *lease, akv_receipt *receipt);
  * call it again later, or akv_lease_retire to block. Cost: one event query
  * while not ready; when it retires, three (tail, attention, history ready),
  * four for a lease that materialised retained pages device to device (arena
- * route); no allocation, no lock held across calls. Enqueues nothing. Not
- * thread-safe with other calls on the engine.
+ * route); no allocation, no lock held across calls. Enqueues nothing. One
+ * thread at a time, as every engine call (Thread safety, above).
  * Returns AKV_OK, AKV_ERR_NOT_READY, AKV_ERR_BAD_HANDLE, AKV_ERR_LEASE_STATE
  * (not sealed), AKV_ERR_BACKEND (a query failed: nothing released, transport
  * failed), AKV_ERR_QUARANTINED, AKV_ERR_IN_USE.
@@ -1093,7 +1093,7 @@ AKV_API akv_status akv_headroom_get(const akv_engine *engine, akv_headroom_info 
  * When the call (or the step end) has freed the memory, a device allocation of
  * that size by the caller can succeed. Decode goes on bit-identically: the
  * rows come from the authoritative host copy again. Counted in the admission
- * counters (headroom-release) and log. Not thread-safe (engine rule).
+ * counters (headroom-release) and log. One thread at a time (engine rule).
  * freed_now and pending are optional (NULL), written on AKV_OK only (0 when
  * nothing was released). Returns AKV_OK, AKV_ERR_BAD_HANDLE,
  * AKV_ERR_NOT_SUPPORTED (headroom not enabled), AKV_ERR_QUARANTINED (also
