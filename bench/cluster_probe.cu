@@ -12,8 +12,10 @@
  * record their SM (%smid) and the global timer. Occupancy is set by dynamic
  * shared memory (one block per SM: 150 KiB; two: 100 KiB), 256 threads each.
  *
- * build: nvcc -O2 -arch=sm_90 -o cluster_probe bench/cluster_probe.cu
- * usage: ./cluster_probe            (prints one JSON line per configuration)
+ * Built with the project as akv_cluster_probe (the GPU pass's bench step runs
+ * it with the other programs in bench/), or alone:
+ *   nvcc -O2 -arch=sm_90 -o cluster_probe bench/cluster_probe.cu
+ * usage: akv_cluster_probe          (prints one JSON line per configuration)
  */
 #include <cuda_runtime.h>
 
