@@ -608,7 +608,9 @@ AKV_API akv_status akv_stream_create(akv_engine *engine, akv_stream *out);
  * rule is the caller's for a cudaStream_t it destroys itself.)
  * Allowed also after a transport failure. Returns AKV_OK,
  * AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (not a live stream of this
- * engine), AKV_ERR_IN_USE (also: another thread's call in progress).
+ * engine), AKV_ERR_IN_USE (also: another thread's call in progress, or,
+ * host backend, a call from a function akv_stream_launch_host runs on this
+ * very stream, whose worker cannot drain and join itself).
  */
 AKV_API akv_status akv_stream_destroy(akv_engine *engine, akv_stream stream);
 /**

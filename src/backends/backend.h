@@ -101,6 +101,11 @@ typedef struct akv_backend_ops {
    * reaches the free; q may be destroyed right after the call. */
   void (*device_free_async)(void *ctx, void *ptr, akv_bqueue *q);
   void (*host_free_async)(void *ctx, void *ptr, akv_bqueue *q);
+
+  /* Optional (NULL: never): true when the calling thread is the one that
+   * runs q's work (a host function enqueued on q is calling back), where
+   * queue_destroy would have to drain and join the thread it runs on. */
+  bool (*queue_is_current)(void *ctx, akv_bqueue *q);
 } akv_backend_ops;
 
 /* The tables. akv_backend_cuda_ops is NULL-equivalent when CUDA is not built. */

@@ -810,6 +810,15 @@ static void akv_host_queue_destroy(void *ctx, akv_bqueue *q) {
 }
 
 /**
+ * queue_is_current: true on q's own worker (a host function on q calling
+ * back), where queue_destroy would join the thread it runs on.
+ */
+static bool akv_host_queue_is_current(void *ctx, akv_bqueue *q) {
+  return akv_host_ctx_ok(ctx) && akv_host_queue_ok(q) && q->ctx == ctx &&
+         pthread_equal(pthread_self(), q->thread);
+}
+
+/**
  * Blocks until everything enqueued on q so far has run, or the deadline
  * passes. Returns AKV_OK or AKV_ERR_BACKEND.
  */
@@ -1144,4 +1153,5 @@ const akv_backend_ops akv_backend_host_ops = {
     .mem_info = akv_host_mem_info,
     .device_free_async = akv_host_device_free_async,
     .host_free_async = akv_host_host_free_async,
+    .queue_is_current = akv_host_queue_is_current,
 };

@@ -37,6 +37,8 @@ void akv_bk_device_free_async(akv_bk *bk, void *ptr, akv_bqueue *q);
 void akv_bk_host_free_async(akv_bk *bk, void *ptr, akv_bqueue *q);
 akv_status akv_bk_queue_create(akv_bk *bk, akv_bqueue **out);
 void akv_bk_queue_destroy(akv_bk *bk, akv_bqueue *q);
+/* True when the calling thread runs q's work (backend.h, queue_is_current). */
+bool akv_bk_queue_is_current(const akv_bk *bk, akv_bqueue *q);
 akv_status akv_bk_event_create(akv_bk *bk, akv_bevent **out);
 void akv_bk_event_destroy(akv_bk *bk, akv_bevent *e);
 

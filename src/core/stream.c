@@ -87,6 +87,13 @@ static akv_status akv_stream_destroy_claimed(akv_engine *e, akv_stream s) {
        * records on it (mark_consumed) and retire waits on what it recorded
        * there, so every call that takes the lease's stream finds it live.
        * (Quarantine's release counts as a retire.) */
+      /* Invariant: a queue is never destroyed from its own worker. A
+       * function enqueued on the stream (akv_stream_launch_host) that
+       * destroys it would drain and join the thread it runs on, then free
+       * the queue under itself; refused, the stream stays live. */
+      if (akv_bk_queue_is_current(&e->bk, e->streams[i].queue))
+        return akv_fail(e, AKV_ERR_IN_USE,
+                        "stream_destroy: called from a function running on this stream");
       if ((user = akv_stream_user(e, s)) >= 0)
         return akv_fail(e, AKV_ERR_IN_USE,
                         "stream_destroy: the unretired lease of layer %d used this stream; "
