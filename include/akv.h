@@ -618,7 +618,9 @@ AKV_API akv_status akv_stream_destroy(akv_engine *engine, akv_stream stream);
  * stream must be a live one from akv_stream_create. Returns AKV_OK,
  * AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT, AKV_ERR_BACKEND (completion not
  * established: transport marked failed), AKV_ERR_QUARANTINED, AKV_ERR_IN_USE
- * (another thread's call in progress).
+ * (another thread's call in progress, or, host backend, a call from a
+ * function akv_stream_launch_host runs on this very stream, which would wait
+ * for itself; nothing changes).
  */
 AKV_API akv_status akv_stream_synchronize(akv_engine *engine, akv_stream stream);
 /**

@@ -142,6 +142,11 @@ static void destroy_own_stream(void *arg) {
   __atomic_store_n(&sc->destroy, akv_stream_destroy(sc->e, sc->s), __ATOMIC_RELEASE);
 }
 
+static void sync_own_stream(void *arg) {
+  self_call *sc = arg;
+  __atomic_store_n(&sc->sync, akv_stream_synchronize(sc->e, sc->s), __ATOMIC_RELEASE);
+}
+
 static void create_from_worker(void *arg) {
   self_call *sc = arg;
   akv_stream made = NULL;
@@ -173,6 +178,14 @@ static void test_host_fn_destroys_its_own_stream(void **state) {
   const akv_engine_info after = info_of(e);
   assert_int_equal(after.transport_failed, 0);
   /* Still live and usable. */
+  assert_int_equal(akv_stream_synchronize(e, s), AKV_OK);
+  /* A function that synchronises its own stream would wait for itself
+   * until the sync timeout and fail the transport: refused at once. */
+  sc.sync = AKV_STATUS_COUNT_;
+  assert_int_equal(akv_stream_launch_host(e, s, sync_own_stream, &sc), AKV_OK);
+  poll_status(&sc.sync);
+  assert_int_equal(sc.sync, AKV_ERR_IN_USE);
+  assert_int_equal(info_of(e).transport_failed, 0);
   assert_int_equal(akv_stream_synchronize(e, s), AKV_OK);
   sc.create = AKV_STATUS_COUNT_;
   assert_int_equal(akv_stream_launch_host(e, s, create_from_worker, &sc), AKV_OK);

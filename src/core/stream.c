@@ -130,6 +130,13 @@ static akv_status akv_stream_synchronize_claimed(akv_engine *e, akv_stream s) {
   if ((q = akv_stream_queue(e, s)) == NULL)
     return akv_fail(e, AKV_ERR_INVALID_ARGUMENT,
                     "stream_synchronize: not a live stream of this engine");
+  /* Invariant: a queue's worker never waits for its own queue. A function
+   * enqueued on the stream (akv_stream_launch_host) that synchronises it
+   * would wait for itself until the sync timeout and then fail the
+   * transport; refused, nothing changes. */
+  if (akv_bk_queue_is_current(&e->bk, q))
+    return akv_fail(e, AKV_ERR_IN_USE,
+                    "stream_synchronize: called from a function running on this stream");
   st = akv_bk_queue_sync(&e->bk, q);
   if (st != AKV_OK) return akv_transport_failed(e, st, "stream_synchronize");
   return AKV_OK;
