@@ -88,9 +88,8 @@ static int akv_group_ok(const akv_group *g) {
 
 /* The magic read before the group is claimed, so atomically: a destroy on
  * the thread that holds the group may be poisoning it (akv_group_poison).
- * It keeps the claim from writing through a pointer into the middle of a
- * group record (not a handle, but inside the pool): only a record that
- * reads as a group has its owner word written. */
+ * Only a record that reads as a group has its owner word written (a
+ * pointer into the middle of a record is refused before: akv_group_claim). */
 static int akv_group_looks_ok(const akv_group *g) {
   return __atomic_load_n(&g->magic, __ATOMIC_RELAXED) == AKV_MAGIC_GROUP &&
          __atomic_load_n(&g->magic_end, __ATOMIC_RELAXED) == AKV_MAGIC_GROUP;
@@ -115,14 +114,18 @@ static _Thread_local char akv_group_thread;
  * of a rank met the other ranks as one more rank (two threads of rank 0
  * completed a round of a two-rank group between them), and a destroy from
  * another thread freed the vector and the collective under a call waiting
- * at an agreement point. The pointer is checked to be in a group record,
+ * at an agreement point. The pointer is checked to be a group record,
  * and the record to read as a live group, before its owner word is
  * written (records are never freed), and the magic again once claimed: a
  * destroy poisons it before it releases the group. */
 static akv_status akv_group_claim(const akv_group *cg) {
   akv_group *g = (akv_group *)cg; /* a record: only the owner word is written */
   const void *me = &akv_group_thread, *none = NULL;
-  if (cg == NULL || !akv_rec_owns(&akv_group_records, cg) || !akv_group_looks_ok(cg))
+  /* Invariant: a handle is the first byte of a group record. A pointer
+   * into the middle of one would read the caller's own config words (kept
+   * in the record) as the magics, and past the pool's chunk for the last
+   * record; it is refused before anything of it is read. */
+  if (cg == NULL || !akv_rec_holds(&akv_group_records, cg) || !akv_group_looks_ok(cg))
     return AKV_ERR_BAD_HANDLE;
   if (!atomic_compare_exchange_strong(&g->owner, &none, me) && none != me) return AKV_ERR_IN_USE;
   /* Invariant: a group call is not a cancellation point. A thread

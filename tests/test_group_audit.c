@@ -1,0 +1,214 @@
+/*
+ * test_group_audit.c - the group API (akv_group.h) against hostile call
+ * sequences an outside tester writes: pointers into the middle of live
+ * group and world records whose bytes the caller chose, stale handles
+ * racing the reuse of their records, arguments that differ per rank, the
+ * extreme timeouts, and calls after a stop. Each test names the promise it
+ * checks; a refused call returns its exact status and changes nothing.
+ *
+ * Ranks are threads over the in-process world; every wait is bounded by a
+ * group timeout of at most a few hundred ms where a rank is expected to be
+ * missing.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <pthread.h>
+#include <sched.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <cmocka.h>
+
+#include "akv.h"
+#include "akv_group.h"
+#include "testutil.h"
+
+#define LAYERS 8
+#define KV_HEADS 2
+#define HEAD_DIM 8
+
+/* The magic words of a live group and a live world record (group.c,
+ * group_inproc.c): values a caller may put in its own config fields. */
+#define GROUP_MAGIC 0x474b5641u
+#define WORLD_MAGIC 0x57564b41u
+
+/* fn on one thread per record of the array `r`, all joined. */
+#define RUN_RANKS(fn, r, n) assert_int_equal(akvt_run_threads((fn), (r), sizeof((r)[0]), (n)), 0)
+
+static void quiet(void *user, akv_log_level level, const char *message) {
+  (void)user;
+  (void)level;
+  (void)message;
+}
+
+static akv_engine_config shard_config(uint32_t max_contexts) {
+  akv_engine_config c = AKV_ENGINE_CONFIG_INIT;
+  c.backend = AKV_BACKEND_HOST;
+  c.n_dense_layers = LAYERS;
+  c.kv_heads = KV_HEADS;
+  c.head_dim = HEAD_DIM;
+  c.max_tokens = 65536;
+  c.page_tokens = 1024;
+  c.host_pool_gib = 1;
+  c.device_pool_gib = 1;
+  c.max_contexts = max_contexts;
+  c.fit_mode = AKV_FIT_SHRINK;
+  c.route = AKV_ROUTE_ARENA;
+  c.log_fn = quiet;
+  return c;
+}
+
+/* A shard whose harmless fields hold a group record's magic: a delay seed
+ * with no delay (host_delay_max_us 0), a fault on an operation no test
+ * reaches, a log_user the callback ignores. A group keeps its shard config
+ * in its record, so these words lie inside the record. */
+static akv_engine_config magic_shard(void) {
+  akv_engine_config c = shard_config(4);
+  c.host_delay_seed = ((uint64_t)GROUP_MAGIC << 32) | GROUP_MAGIC;
+  c.host_delay_max_us = 0;
+  c.fault_fail_nth = GROUP_MAGIC;
+  c.log_user = (void *)(uintptr_t)(((uint64_t)GROUP_MAGIC << 32) | GROUP_MAGIC);
+  return c;
+}
+
+static void sleep_ms(long ms) {
+  struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* ------------------------------------------------ interior pointers */
+
+/* Every pointer g + off, 0 < off < span, that is not one of the `n` live
+ * handles in `live`, is refused by every group call without reading or
+ * writing the records around it. */
+static void assert_interior_refused(akv_group *g, size_t span, akv_group *const *live, size_t n) {
+  for (size_t off = 1; off < span; off++) {
+    akv_group *p = (akv_group *)((char *)g + off);
+    akv_group_info info;
+    akv_engine *e = NULL;
+    int is_live = 0;
+    for (size_t i = 0; i < n; i++) is_live |= p == live[i];
+    if (is_live) continue;
+    memset(&info, 0x5a, sizeof(info));
+    assert_int_equal(akv_group_info_get(p, &info), AKV_ERR_BAD_HANDLE);
+    assert_int_equal(info.rank, 0x5a5a5a5au); /* untouched */
+    assert_int_equal(akv_group_engine(p, &e), AKV_ERR_BAD_HANDLE);
+    assert_null(e);
+    assert_string_equal(akv_group_last_error(p), "bad group handle");
+  }
+}
+
+/* Promise (akv_group.h, Handles): a pointer that was never a group handle,
+ * whatever its bytes, is refused (AKV_ERR_BAD_HANDLE) and never read as
+ * one. A pointer into the middle of a live group record was taken for a
+ * group when the words where its two magics would lie held the magic: a
+ * group keeps its caller's shard config in its record, so a caller's
+ * fields (a delay seed, a fault index, log_user) put them there. The claim
+ * then wrote its owner word into the next group's record (over that
+ * group's log callback) and the call read the bytes around as a group's
+ * vector and collective; on the last record of a pool chunk the second
+ * magic was read past the chunk (ASan: heap-buffer-overflow). Every group
+ * here must also be intact afterwards. Runs first, on a fresh pool, so
+ * its groups lie next to each other. */
+static void test_interior_pointers_of_groups_refused(void **state) {
+  (void)state;
+  enum { N = 8 };
+  akv_group_world *worlds[N];
+  akv_group *groups[N];
+  akv_engine_config ec = magic_shard();
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  gc.timeout_ms = GROUP_MAGIC; /* a valid timeout, and a magic word in the record */
+  for (int i = 0; i < N; i++) {
+    assert_int_equal(akv_group_world_create(1, 4, &worlds[i]), AKV_OK);
+    assert_int_equal(akv_group_create_inproc(&ec, &gc, worlds[i], &groups[i]), AKV_OK);
+  }
+  for (int i = 0; i < N; i++) assert_interior_refused(groups[i], 2048, groups, N);
+  for (int i = 0; i < N; i++) {
+    akv_group_info info;
+    akv_context *c = NULL;
+    assert_int_equal(akv_group_check(groups[i]), AKV_OK);
+    assert_int_equal(akv_group_context_open(groups[i], NULL, &c), AKV_OK);
+    assert_int_equal(akv_group_context_close(groups[i], c), AKV_OK);
+    assert_int_equal(akv_group_info_get(groups[i], &info), AKV_OK);
+    assert_false(info.stopped);
+    assert_int_equal(info.size, 1);
+    assert_int_equal(info.local_max_contexts, 4);
+    assert_int_equal(info.agreements, 2 + 1 + 2 + 2);
+  }
+  for (int i = 0; i < N; i++) {
+    assert_int_equal(akv_group_destroy(groups[i]), AKV_OK);
+    assert_int_equal(akv_group_world_destroy(worlds[i]), AKV_OK);
+  }
+  /* Every record of the pool in turn (the last of a chunk among them):
+   * one group at a time, its interior scanned. */
+  {
+    akv_group_world *w;
+    assert_int_equal(akv_group_world_create(1, 4, &w), AKV_OK);
+    for (int i = 0; i < 80; i++) {
+      akv_group *g;
+      assert_int_equal(akv_group_create_inproc(&ec, &gc, w, &g), AKV_OK);
+      assert_interior_refused(g, 1024, &g, 1);
+      assert_int_equal(akv_group_check(g), AKV_OK);
+      assert_int_equal(akv_group_destroy(g), AKV_OK);
+    }
+    assert_int_equal(akv_group_world_destroy(w), AKV_OK);
+  }
+}
+
+/* Promise (akv_group.h, Handles; world calls): a pointer that was never a
+ * world handle is refused with AKV_ERR_INVALID_ARGUMENT, never read as one.
+ * A world record holds the caller's max_contexts; one equal to the world
+ * magic made the pointer to that field read as a live world, whose
+ * "in-process world" was the next record's bytes: akv_group_world_abort
+ * answered AKV_OK (or aborted through a garbage pointer) and
+ * akv_group_world_destroy freed one. */
+static void test_interior_pointers_of_worlds_refused(void **state) {
+  (void)state;
+  enum { N = 4 };
+  akv_group_world *worlds[N];
+  akv_engine_config ec = shard_config(4);
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  for (int i = 0; i < N; i++)
+    assert_int_equal(akv_group_world_create(1, WORLD_MAGIC, &worlds[i]), AKV_OK);
+  for (int i = 0; i < N; i++) {
+    for (size_t off = 1; off < 64; off++) {
+      akv_group_world *p = (akv_group_world *)((char *)worlds[i] + off);
+      akv_group *g = NULL;
+      int is_live = 0;
+      for (int k = 0; k < N; k++) is_live |= p == worlds[k];
+      if (is_live) continue;
+      assert_int_equal(akv_group_world_abort(p), AKV_ERR_INVALID_ARGUMENT);
+      assert_int_equal(akv_group_create_inproc(&ec, &gc, p, &g), AKV_ERR_INVALID_ARGUMENT);
+      assert_null(g);
+      assert_int_equal(akv_group_world_destroy(p), AKV_ERR_INVALID_ARGUMENT);
+    }
+  }
+  /* Nothing of the worlds changed: none aborted, each takes its group. */
+  for (int i = 0; i < N; i++) {
+    akv_group *g = NULL;
+    assert_int_equal(akv_group_create_inproc(&ec, &gc, worlds[i], &g), AKV_OK);
+    assert_int_equal(akv_group_check(g), AKV_OK);
+    assert_int_equal(akv_group_destroy(g), AKV_OK);
+    assert_int_equal(akv_group_world_destroy(worlds[i]), AKV_OK);
+  }
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_interior_pointers_of_groups_refused),
+      cmocka_unit_test(test_interior_pointers_of_worlds_refused),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
