@@ -205,10 +205,186 @@ static void test_interior_pointers_of_worlds_refused(void **state) {
   }
 }
 
+/* ------------------------------------------------ stale handles */
+
+typedef struct stale {
+  akv_group *dead[8];
+  uint32_t n_dead;
+  atomic_int done;
+  uint32_t bad; /* statuses outside the allowed sets */
+  uint32_t calls;
+} stale;
+
+/* Calls on handles destroyed before the churn began. Until 32 later creates
+ * they answer AKV_ERR_BAD_HANDLE; after that a record may name a new group
+ * of the other thread (akv_group.h: "at least 32 later group creates"), so
+ * AKV_OK and AKV_ERR_IN_USE are allowed too. Never anything else. */
+static void *stale_caller_main(void *arg) {
+  stale *s = arg;
+  while (!atomic_load(&s->done)) {
+    for (uint32_t i = 0; i < s->n_dead; i++) {
+      akv_group_info info;
+      akv_engine *e = NULL;
+      akv_status a = akv_group_info_get(s->dead[i], &info);
+      akv_status b = akv_group_engine(s->dead[i], &e);
+      const char *m = akv_group_last_error(s->dead[i]);
+      if ((a != AKV_OK && a != AKV_ERR_BAD_HANDLE && a != AKV_ERR_IN_USE) ||
+          (b != AKV_OK && b != AKV_ERR_BAD_HANDLE && b != AKV_ERR_IN_USE) || m == NULL)
+        s->bad++;
+      s->calls++;
+    }
+  }
+  return NULL;
+}
+
+/* Promise (akv_group_destroy; akv_group.h, Handles and Thread safety): a
+ * destroyed handle stays readable and is refused; a thread that keeps
+ * calling on it while its record is handed out again by later creates
+ * reads and writes nothing of the record that races the create building
+ * the new group in it (TSan), and sees either a dead record or a whole
+ * live group. */
+static void test_stale_handles_racing_record_reuse(void **state) {
+  (void)state;
+  stale s;
+  pthread_t th;
+  akv_group_world *w;
+  akv_engine_config ec = shard_config(4);
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  memset(&s, 0, sizeof(s));
+  assert_int_equal(akv_group_world_create(1, 4, &w), AKV_OK);
+  for (uint32_t i = 0; i < 8; i++) {
+    assert_int_equal(akv_group_create_inproc(&ec, &gc, w, &s.dead[i]), AKV_OK);
+    assert_int_equal(akv_group_destroy(s.dead[i]), AKV_OK);
+  }
+  s.n_dead = 8;
+  atomic_store(&s.done, 0);
+  assert_int_equal(pthread_create(&th, NULL, stale_caller_main, &s), 0);
+  for (int i = 0; i < 150; i++) {
+    akv_group *g = NULL;
+    akv_status st;
+    assert_int_equal(akv_group_create_inproc(&ec, &gc, w, &g), AKV_OK);
+    while ((st = akv_group_check(g)) == AKV_ERR_IN_USE) sched_yield();
+    assert_int_equal(st, AKV_OK);
+    while ((st = akv_group_destroy(g)) == AKV_ERR_IN_USE) sched_yield();
+    assert_int_equal(st, AKV_OK);
+  }
+  atomic_store(&s.done, 1);
+  pthread_join(th, NULL);
+  assert_int_equal(s.bad, 0);
+  assert_true(s.calls > 0);
+  assert_int_equal(akv_group_world_destroy(w), AKV_OK);
+}
+
+/* ------------------------------------------------ timeouts per rank */
+
+typedef struct trank {
+  akv_group_world *world;
+  uint32_t rank, size, timeout_ms;
+  int absent;      /* 1: this rank makes no call after create (a missing rank) */
+  long delay_ms;   /* before the check */
+  akv_status create, check, later;
+  double check_s;
+  akv_group_info info;
+} trank;
+
+static void *trank_main(void *arg) {
+  trank *r = arg;
+  akv_engine_config ec = shard_config(4);
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  akv_group *g = NULL;
+  double t0;
+  gc.rank = r->rank;
+  gc.size = r->size;
+  gc.timeout_ms = r->timeout_ms;
+  r->create = akv_group_create_inproc(&ec, &gc, r->world, &g);
+  if (r->create != AKV_OK) return NULL;
+  if (!r->absent) {
+    if (r->delay_ms > 0) sleep_ms(r->delay_ms);
+    t0 = now_s();
+    r->check = akv_group_check(g);
+    r->check_s = now_s() - t0;
+    r->later = akv_group_check(g);
+  }
+  akv_group_info_get(g, &r->info);
+  if (akv_group_destroy(g) != AKV_OK) r->create = AKV_ERR_BUSY; /* seen by the test */
+  return NULL;
+}
+
+static void init_tranks(akv_group_world *world, trank *r, uint32_t n, const uint32_t *timeout_ms) {
+  for (uint32_t i = 0; i < n; i++) {
+    memset(&r[i], 0, sizeof(r[i]));
+    r[i].world = world;
+    r[i].rank = i;
+    r[i].size = n;
+    r[i].timeout_ms = timeout_ms[i];
+  }
+}
+
+/* Promise (akv_group_config.timeout_ms, >= 1; a missing rank times out):
+ * a timeout of 0 on one rank is refused on every rank (AKV_ERR_CONFIG)
+ * without waiting out anyone's timeout and without aborting the world;
+ * the largest timeout (UINT32_MAX ms, 49 days) on one rank is a deadline,
+ * not an overflow: it waits for a late peer, and when a peer never comes
+ * the rank with the huge timeout is woken by another waiting rank's short
+ * timeout (which aborts the world) instead of hanging. The ranks' timeouts
+ * need not agree. */
+static void test_per_rank_timeouts_zero_and_huge(void **state) {
+  (void)state;
+  akv_group_world *world;
+  trank r[3];
+  assert_int_equal(akv_group_world_create(2, 4, &world), AKV_OK);
+  {
+    const uint32_t t[2] = {0, 60000};
+    double t0 = now_s();
+    init_tranks(world, r, 2, t);
+    RUN_RANKS(trank_main, r, 2);
+    assert_int_equal(r[0].create, AKV_ERR_CONFIG);
+    assert_int_equal(r[1].create, AKV_ERR_CONFIG);
+    assert_true(now_s() - t0 < 5.0);
+  }
+  {
+    /* The same world (not aborted): rank 1 waits with the huge timeout for
+     * rank 0, 100 ms late. */
+    const uint32_t t[2] = {300, UINT32_MAX};
+    init_tranks(world, r, 2, t);
+    r[0].delay_ms = 100;
+    RUN_RANKS(trank_main, r, 2);
+    for (uint32_t i = 0; i < 2; i++) {
+      assert_int_equal(r[i].create, AKV_OK);
+      assert_int_equal(r[i].check, AKV_OK);
+      assert_int_equal(r[i].later, AKV_OK);
+      assert_false(r[i].info.stopped);
+    }
+    assert_true(r[1].check_s >= 0.05);
+  }
+  assert_int_equal(akv_group_world_destroy(world), AKV_OK);
+  assert_int_equal(akv_group_world_create(3, 4, &world), AKV_OK);
+  {
+    /* Rank 1 never comes to the check; rank 0 (150 ms) and rank 2 (the
+     * huge timeout) wait for it. */
+    const uint32_t t[3] = {150, 60000, UINT32_MAX};
+    init_tranks(world, r, 3, t);
+    r[1].absent = 1;
+    RUN_RANKS(trank_main, r, 3);
+    for (uint32_t i = 0; i < 3; i++) assert_int_equal(r[i].create, AKV_OK);
+    for (uint32_t i = 0; i < 3; i += 2) {
+      assert_int_equal(r[i].check, AKV_ERR_TIMEOUT);
+      assert_true(r[i].check_s < 5.0);
+      assert_int_equal(r[i].later, AKV_ERR_QUARANTINED); /* no collective after a stop */
+      assert_true(r[i].info.stopped);
+      assert_int_equal(r[i].info.reason, AKV_GROUP_TIMEOUT);
+    }
+    assert_false(r[1].info.stopped); /* it made no call: it learns at its next */
+  }
+  assert_int_equal(akv_group_world_destroy(world), AKV_OK);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_interior_pointers_of_groups_refused),
       cmocka_unit_test(test_interior_pointers_of_worlds_refused),
+      cmocka_unit_test(test_stale_handles_racing_record_reuse),
+      cmocka_unit_test(test_per_rank_timeouts_zero_and_huge),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

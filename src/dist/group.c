@@ -22,6 +22,7 @@
  * vector, so each takes the same branch.
  */
 #include <pthread.h>
+#include <sched.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -150,6 +151,26 @@ static void akv_group_release(const akv_group *cg) {
     atomic_store(&g->owner, NULL);
     pthread_setcancelstate(cancel, NULL);
   }
+}
+
+/* Invariant: a record is built only while its builder holds its claim
+ * words, and made live (its magic) before they are released. A stale
+ * handle's call (a destroyed group's, "at least 32 later group creates")
+ * may claim the record or read its magic meanwhile: it is refused
+ * (AKV_ERR_IN_USE, or a dead magic) until the create is done, and its
+ * claim, which then acquires what the release published, sees a whole
+ * group. Without this, the create's memset and magic stores raced the
+ * stale call's reads of the magic and its claim words. A thread that
+ * claimed the dead record lets go at once (akv_group_claim), so the wait
+ * is short. Cancellation is already off (akv_group_create_with). */
+static void akv_group_claim_record(akv_group *g) {
+  const void *me = &akv_group_thread;
+  for (;;) {
+    const void *none = NULL;
+    if (atomic_compare_exchange_strong(&g->owner, &none, me) || none == me) break;
+    sched_yield();
+  }
+  if (g->depth++ == 0) g->cancel_state = PTHREAD_CANCEL_DISABLE;
 }
 
 /* The group's engine, or NULL before create made it and once the caller
@@ -477,9 +498,14 @@ static akv_status akv_group_create_body(const akv_engine_config *shard,
   config = &gc;
   g = akv_rec_take(&akv_group_records);
   if (g == NULL) return AKV_ERR_OUT_OF_MEMORY;
-  memset(g, 0, sizeof(*g));
+  /* Zeroed between the magic and the claim words, which are the record's
+   * (akv_group_claim_record). */
+  akv_group_claim_record(g);
+  memset((char *)g + offsetof(akv_group, engine), 0,
+         offsetof(akv_group, owner) - offsetof(akv_group, engine));
   g->vec = calloc(coll->max_n, sizeof(uint64_t));
   if (g->vec == NULL) {
+    akv_group_release(g);
     akv_rec_untake(&akv_group_records, g);
     return AKV_ERR_OUT_OF_MEMORY;
   }
@@ -598,7 +624,9 @@ static akv_status akv_group_create_body(const akv_engine_config *shard,
                         coll->max_n, g->vec_len);
     goto fail;
   }
-  g->magic = g->magic_end = AKV_MAGIC_GROUP;
+  __atomic_store_n(&g->magic, AKV_MAGIC_GROUP, __ATOMIC_RELAXED);
+  __atomic_store_n(&g->magic_end, AKV_MAGIC_GROUP, __ATOMIC_RELAXED);
+  akv_group_release(g); /* publishes the group to the next claim */
   *out = g;
   return AKV_OK;
 fail:
@@ -610,7 +638,8 @@ fail:
     }
   }
   free(g->vec);
-  g->magic = g->magic_end = AKV_MAGIC_GROUP_DEAD;
+  akv_group_poison(g);
+  akv_group_release(g);
   akv_rec_untake(&akv_group_records, g);
   return st;
 }
