@@ -379,12 +379,216 @@ static void test_per_rank_timeouts_zero_and_huge(void **state) {
   assert_int_equal(akv_group_world_destroy(world), AKV_OK);
 }
 
+/* ------------------------------------------------ pairs of ranks */
+
+typedef struct prank {
+  akv_group_world *world;
+  uint32_t rank;
+  akv_engine_config ec;
+  uint32_t timeout_ms;
+  akv_group *g;
+  akv_status st;
+} prank;
+
+static void *prank_create_main(void *arg) {
+  prank *r = arg;
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  gc.rank = r->rank;
+  gc.size = 2;
+  gc.timeout_ms = r->timeout_ms;
+  gc.digest = AKV_GROUP_DIGEST_ON;
+  r->g = NULL;
+  r->st = akv_group_create_inproc(&r->ec, &gc, r->world, &r->g);
+  return NULL;
+}
+
+static void init_pranks(prank *r, akv_group_world *world, uint32_t timeout_ms) {
+  for (uint32_t i = 0; i < 2; i++) {
+    memset(&r[i], 0, sizeof(r[i]));
+    r[i].world = world;
+    r[i].rank = i;
+    r[i].ec = shard_config(4);
+    r[i].timeout_ms = timeout_ms;
+  }
+}
+
+/* One agreement call per rank, each from its own thread. */
+typedef enum pcall_kind { P_CHECK, P_OPEN, P_CLOSE, P_STEP } pcall_kind;
+
+typedef struct pcall {
+  akv_group *g;
+  pcall_kind kind;
+  akv_context *c;       /* P_CLOSE: the context; P_OPEN: the one opened */
+  akv_context *cs[2];   /* P_STEP */
+  uint32_t n;
+  akv_status st;
+  double took_s;
+} pcall;
+
+static void *pcall_main(void *arg) {
+  pcall *c = arg;
+  double t0 = now_s();
+  switch (c->kind) {
+    case P_CHECK: c->st = akv_group_check(c->g); break;
+    case P_OPEN: c->st = akv_group_context_open(c->g, NULL, &c->c); break;
+    case P_CLOSE: c->st = akv_group_context_close(c->g, c->c); break;
+    case P_STEP: c->st = akv_group_step_begin(c->g, c->cs, c->n); break;
+  }
+  c->took_s = now_s() - t0;
+  return NULL;
+}
+
+static void run_pcalls(akv_group *g0, akv_group *g1, pcall_kind kind, pcall *c) {
+  memset(c, 0, 2 * sizeof(*c));
+  c[0].g = g0;
+  c[1].g = g1;
+  c[0].kind = c[1].kind = kind;
+  RUN_RANKS(pcall_main, c, 2);
+}
+
+/* Promise (akv_group.h: after a stop every group call returns
+ * AKV_ERR_QUARANTINED without a collective; info, engine and destroy
+ * remain; headroom is not a group feature): the group's engine refuses a
+ * headroom change (AKV_ERR_NOT_SUPPORTED) and the plan stays agreed; a
+ * context opened behind the group's back on one rank stops both ranks at
+ * the next check (digest mismatch); from then on every agreement call on
+ * either rank answers AKV_ERR_QUARANTINED at once, whatever its
+ * arguments (NULL, another rank's context, a bad count), completes no
+ * collective and changes nothing; destroy frees the group with its
+ * contexts still open (ASan: no leak) and the world is then free. */
+static void test_stopped_group_refuses_everything(void **state) {
+  (void)state;
+  akv_group_world *world;
+  prank r[2];
+  pcall c[2];
+  akv_context *ctx[2], *behind = NULL;
+  akv_group_info info[2];
+  assert_int_equal(akv_group_world_create(2, 4, &world), AKV_OK);
+  init_pranks(r, world, 2000);
+  RUN_RANKS(prank_create_main, r, 2);
+  for (uint32_t i = 0; i < 2; i++) assert_int_equal(r[i].st, AKV_OK);
+  run_pcalls(r[0].g, r[1].g, P_OPEN, c);
+  for (uint32_t i = 0; i < 2; i++) {
+    akv_engine *e = NULL;
+    uint64_t bytes = 77;
+    assert_int_equal(c[i].st, AKV_OK);
+    ctx[i] = c[i].c;
+    assert_int_equal(akv_group_engine(r[i].g, &e), AKV_OK);
+    assert_int_equal(akv_headroom_release(e, 1u << 20, &bytes, NULL), AKV_ERR_NOT_SUPPORTED);
+    assert_int_equal(akv_headroom_take(e, 1u << 20, &bytes), AKV_ERR_NOT_SUPPORTED);
+    assert_int_equal(bytes, 77);
+  }
+  run_pcalls(r[0].g, r[1].g, P_CHECK, c);
+  for (uint32_t i = 0; i < 2; i++) assert_int_equal(c[i].st, AKV_OK);
+  {
+    akv_engine *e0 = NULL;
+    assert_int_equal(akv_group_engine(r[0].g, &e0), AKV_OK);
+    assert_int_equal(akv_context_open(e0, NULL, &behind), AKV_OK);
+  }
+  run_pcalls(r[0].g, r[1].g, P_CHECK, c);
+  for (uint32_t i = 0; i < 2; i++) {
+    assert_int_equal(c[i].st, AKV_ERR_QUARANTINED);
+    assert_int_equal(akv_group_info_get(r[i].g, &info[i]), AKV_OK);
+    assert_true(info[i].stopped);
+    assert_int_equal(info[i].reason, AKV_GROUP_DIGEST_MISMATCH);
+  }
+  /* Every agreement call, on one rank alone (no peer waits), at once. */
+  for (uint32_t i = 0; i < 2; i++) {
+    akv_group *g = r[i].g;
+    akv_context *out = (akv_context *)0x1, *mixed[2] = {ctx[0], ctx[1]};
+    akv_group_info now;
+    akv_engine *e = NULL;
+    akv_engine_info einfo;
+    double t0 = now_s();
+    assert_int_equal(akv_group_check(g), AKV_ERR_QUARANTINED);
+    assert_int_equal(akv_group_context_open(g, NULL, &out), AKV_ERR_QUARANTINED);
+    assert_ptr_equal(out, (akv_context *)0x1);
+    assert_int_equal(akv_group_context_open(g, NULL, NULL), AKV_ERR_QUARANTINED);
+    assert_int_equal(akv_group_context_close(g, ctx[i]), AKV_ERR_QUARANTINED);
+    assert_int_equal(akv_group_context_close(g, ctx[1 - i]), AKV_ERR_QUARANTINED);
+    assert_int_equal(akv_group_context_close(g, NULL), AKV_ERR_QUARANTINED);
+    assert_int_equal(akv_group_step_begin(g, &ctx[i], 1), AKV_ERR_QUARANTINED);
+    assert_int_equal(akv_group_step_begin(g, mixed, 2), AKV_ERR_QUARANTINED);
+    assert_int_equal(akv_group_step_begin(g, NULL, UINT32_MAX), AKV_ERR_QUARANTINED);
+    assert_true(now_s() - t0 < 1.0); /* no collective: the timeout is 2 s */
+    assert_int_equal(akv_group_info_get(g, &now), AKV_OK);
+    assert_int_equal(now.agreements, info[i].agreements);
+    assert_int_equal(now.reason, AKV_GROUP_DIGEST_MISMATCH);
+    assert_true(strlen(akv_group_last_error(g)) > 0);
+    assert_int_equal(akv_group_engine(g, &e), AKV_OK);
+    assert_non_null(e);
+    assert_int_equal(akv_engine_info_get(e, &einfo), AKV_OK);
+    assert_true(einfo.quarantined);
+  }
+  /* The world is busy until both groups are gone; destroy frees the
+   * engines with their contexts still open (the one behind the group's
+   * back among them). */
+  assert_int_equal(akv_group_world_destroy(world), AKV_ERR_BUSY);
+  assert_int_equal(akv_group_destroy(r[0].g), AKV_OK);
+  assert_int_equal(akv_group_world_destroy(world), AKV_ERR_BUSY);
+  assert_int_equal(akv_group_destroy(r[1].g), AKV_OK);
+  assert_int_equal(akv_group_destroy(r[1].g), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(akv_group_world_destroy(world), AKV_OK);
+}
+
+/* Promise (create: the same status on every rank; nothing of a failed
+ * create survives): an engine config that only one rank's engine refuses
+ * (log_level outside akv_log_level is not part of the agreed geometry)
+ * fails every rank's create with that rank's status, AKV_ERR_CONFIG; the
+ * other rank's engine, already made, is destroyed (ASan: no leak), its
+ * rank is free again and the world was not aborted: the same ranks then
+ * make a group in it. Likewise a shard that asks for more contexts than
+ * the world takes is this rank's error alone, refused before it meets the
+ * others, which time out (bounded) and abort the world. */
+static void test_create_fails_on_one_rank_only(void **state) {
+  (void)state;
+  akv_group_world *world;
+  prank r[2];
+  for (int round = 0; round < 3; round++) {
+    assert_int_equal(akv_group_world_create(2, 4, &world), AKV_OK);
+    init_pranks(r, world, 2000);
+    r[round & 1].ec.log_level = (akv_log_level)99;
+    RUN_RANKS(prank_create_main, r, 2);
+    for (uint32_t i = 0; i < 2; i++) {
+      assert_int_equal(r[i].st, AKV_ERR_CONFIG);
+      assert_null(r[i].g);
+    }
+    init_pranks(r, world, 2000);
+    RUN_RANKS(prank_create_main, r, 2);
+    for (uint32_t i = 0; i < 2; i++) assert_int_equal(r[i].st, AKV_OK);
+    for (uint32_t i = 0; i < 2; i++) assert_int_equal(akv_group_destroy(r[i].g), AKV_OK);
+    assert_int_equal(akv_group_world_destroy(world), AKV_OK);
+  }
+  assert_int_equal(akv_group_world_create(2, 4, &world), AKV_OK);
+  init_pranks(r, world, 200);
+  r[1].ec.max_contexts = 5; /* the world takes 4 */
+  {
+    double t0 = now_s();
+    RUN_RANKS(prank_create_main, r, 2);
+    assert_int_equal(r[1].st, AKV_ERR_CONFIG);
+    assert_int_equal(r[0].st, AKV_ERR_TIMEOUT);
+    assert_true(now_s() - t0 < 5.0);
+  }
+  for (uint32_t i = 0; i < 2; i++) assert_null(r[i].g);
+  /* Aborted by the timeout: a later create fails at once, leaving nothing. */
+  init_pranks(r, world, 60000);
+  {
+    double t0 = now_s();
+    RUN_RANKS(prank_create_main, r, 2);
+    for (uint32_t i = 0; i < 2; i++) assert_int_equal(r[i].st, AKV_ERR_TIMEOUT);
+    assert_true(now_s() - t0 < 5.0);
+  }
+  assert_int_equal(akv_group_world_destroy(world), AKV_OK);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_interior_pointers_of_groups_refused),
       cmocka_unit_test(test_interior_pointers_of_worlds_refused),
       cmocka_unit_test(test_stale_handles_racing_record_reuse),
       cmocka_unit_test(test_per_rank_timeouts_zero_and_huge),
+      cmocka_unit_test(test_stopped_group_refuses_everything),
+      cmocka_unit_test(test_create_fails_on_one_rank_only),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
