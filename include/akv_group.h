@@ -81,10 +81,11 @@
  * engine refuses every change from inside its callback (akv_log_fn): it is
  * a local state error, and every rank returns AKV_ERR_IN_USE with nothing
  * changed (akv_group_check goes on as usual).
- * Handles: a group or world handle is checked to lie in the library's pool
- * of group (world) records before anything of it is read, so a pointer
- * that was never such a handle (another library handle, the caller's
- * memory, whatever its bytes) is refused like a destroyed one
+ * Handles: a group or world handle is checked to be the start of one of
+ * the library's group (world) records before anything of it is read, so a
+ * pointer that was never such a handle (another library handle, the
+ * caller's memory, a pointer into a record, whatever its bytes) is refused
+ * like a destroyed one
  * (AKV_ERR_BAD_HANDLE; world calls AKV_ERR_INVALID_ARGUMENT) and never
  * read as one.
  * Streams: the collectives run on the group's own queue (NCCL: a stream the

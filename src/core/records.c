@@ -117,6 +117,18 @@ int akv_rec_owns(akv_recpool *p, const void *ptr) {
   return owns;
 }
 
+int akv_rec_holds(akv_recpool *p, const void *ptr) {
+  const uintptr_t x = (uintptr_t)ptr;
+  int holds = 0;
+  pthread_mutex_lock(&p->mu);
+  for (size_t i = 0; i < p->n_chunks && !holds; i++) {
+    const uintptr_t lo = (uintptr_t)p->chunks[i];
+    holds = x >= lo && x - lo < p->chunk * p->rec_size && (x - lo) % p->rec_size == 0;
+  }
+  pthread_mutex_unlock(&p->mu);
+  return holds;
+}
+
 size_t akv_rec_free_count(akv_recpool *p) {
   size_t n;
   pthread_mutex_lock(&p->mu);

@@ -58,6 +58,10 @@ void akv_rec_unreserve(akv_recpool *p, size_t n);
 /* 1 when ptr points into one of the pool's records, live or given back
  * (its chunks' address ranges; ptr is never dereferenced), else 0. */
 int akv_rec_owns(akv_recpool *p, const void *ptr);
+/* 1 when ptr is the first byte of one of the pool's records, live or given
+ * back (ptr is never dereferenced), else 0: a pointer into the middle of a
+ * record is not one. */
+int akv_rec_holds(akv_recpool *p, const void *ptr);
 /* Free records now (for tests of the reuse bound). */
 size_t akv_rec_free_count(akv_recpool *p);
 

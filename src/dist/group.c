@@ -22,6 +22,7 @@
  * vector, so each takes the same branch.
  */
 #include <pthread.h>
+#include <sched.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -88,9 +89,8 @@ static int akv_group_ok(const akv_group *g) {
 
 /* The magic read before the group is claimed, so atomically: a destroy on
  * the thread that holds the group may be poisoning it (akv_group_poison).
- * It keeps the claim from writing through a pointer into the middle of a
- * group record (not a handle, but inside the pool): only a record that
- * reads as a group has its owner word written. */
+ * Only a record that reads as a group has its owner word written (a
+ * pointer into the middle of a record is refused before: akv_group_claim). */
 static int akv_group_looks_ok(const akv_group *g) {
   return __atomic_load_n(&g->magic, __ATOMIC_RELAXED) == AKV_MAGIC_GROUP &&
          __atomic_load_n(&g->magic_end, __ATOMIC_RELAXED) == AKV_MAGIC_GROUP;
@@ -115,14 +115,18 @@ static _Thread_local char akv_group_thread;
  * of a rank met the other ranks as one more rank (two threads of rank 0
  * completed a round of a two-rank group between them), and a destroy from
  * another thread freed the vector and the collective under a call waiting
- * at an agreement point. The pointer is checked to be in a group record,
+ * at an agreement point. The pointer is checked to be a group record,
  * and the record to read as a live group, before its owner word is
  * written (records are never freed), and the magic again once claimed: a
  * destroy poisons it before it releases the group. */
 static akv_status akv_group_claim(const akv_group *cg) {
   akv_group *g = (akv_group *)cg; /* a record: only the owner word is written */
   const void *me = &akv_group_thread, *none = NULL;
-  if (cg == NULL || !akv_rec_owns(&akv_group_records, cg) || !akv_group_looks_ok(cg))
+  /* Invariant: a handle is the first byte of a group record. A pointer
+   * into the middle of one would read the caller's own config words (kept
+   * in the record) as the magics, and past the pool's chunk for the last
+   * record; it is refused before anything of it is read. */
+  if (cg == NULL || !akv_rec_holds(&akv_group_records, cg) || !akv_group_looks_ok(cg))
     return AKV_ERR_BAD_HANDLE;
   if (!atomic_compare_exchange_strong(&g->owner, &none, me) && none != me) return AKV_ERR_IN_USE;
   /* Invariant: a group call is not a cancellation point. A thread
@@ -147,6 +151,26 @@ static void akv_group_release(const akv_group *cg) {
     atomic_store(&g->owner, NULL);
     pthread_setcancelstate(cancel, NULL);
   }
+}
+
+/* Invariant: a record is built only while its builder holds its claim
+ * words, and made live (its magic) before they are released. A stale
+ * handle's call (a destroyed group's, "at least 32 later group creates")
+ * may claim the record or read its magic meanwhile: it is refused
+ * (AKV_ERR_IN_USE, or a dead magic) until the create is done, and its
+ * claim, which then acquires what the release published, sees a whole
+ * group. Without this, the create's memset and magic stores raced the
+ * stale call's reads of the magic and its claim words. A thread that
+ * claimed the dead record lets go at once (akv_group_claim), so the wait
+ * is short. Cancellation is already off (akv_group_create_with). */
+static void akv_group_claim_record(akv_group *g) {
+  const void *me = &akv_group_thread;
+  for (;;) {
+    const void *none = NULL;
+    if (atomic_compare_exchange_strong(&g->owner, &none, me) || none == me) break;
+    sched_yield();
+  }
+  if (g->depth++ == 0) g->cancel_state = PTHREAD_CANCEL_DISABLE;
 }
 
 /* The group's engine, or NULL before create made it and once the caller
@@ -474,9 +498,14 @@ static akv_status akv_group_create_body(const akv_engine_config *shard,
   config = &gc;
   g = akv_rec_take(&akv_group_records);
   if (g == NULL) return AKV_ERR_OUT_OF_MEMORY;
-  memset(g, 0, sizeof(*g));
+  /* Zeroed between the magic and the claim words, which are the record's
+   * (akv_group_claim_record). */
+  akv_group_claim_record(g);
+  memset((char *)g + offsetof(akv_group, engine), 0,
+         offsetof(akv_group, owner) - offsetof(akv_group, engine));
   g->vec = calloc(coll->max_n, sizeof(uint64_t));
   if (g->vec == NULL) {
+    akv_group_release(g);
     akv_rec_untake(&akv_group_records, g);
     return AKV_ERR_OUT_OF_MEMORY;
   }
@@ -595,7 +624,9 @@ static akv_status akv_group_create_body(const akv_engine_config *shard,
                         coll->max_n, g->vec_len);
     goto fail;
   }
-  g->magic = g->magic_end = AKV_MAGIC_GROUP;
+  __atomic_store_n(&g->magic, AKV_MAGIC_GROUP, __ATOMIC_RELAXED);
+  __atomic_store_n(&g->magic_end, AKV_MAGIC_GROUP, __ATOMIC_RELAXED);
+  akv_group_release(g); /* publishes the group to the next claim */
   *out = g;
   return AKV_OK;
 fail:
@@ -607,7 +638,8 @@ fail:
     }
   }
   free(g->vec);
-  g->magic = g->magic_end = AKV_MAGIC_GROUP_DEAD;
+  akv_group_poison(g);
+  akv_group_release(g);
   akv_rec_untake(&akv_group_records, g);
   return st;
 }

@@ -34,10 +34,11 @@ static akv_recpool akv_world_records = AKV_RECPOOL_INIT(struct akv_group_world, 
 static pthread_mutex_t akv_world_mu = PTHREAD_MUTEX_INITIALIZER;
 
 /* Caller holds akv_world_mu. Invariant: a world is read only through a
- * pointer into the pool of world records (so never through a pointer that
- * was never a world handle, whatever its bytes say) whose magic is live. */
+ * pointer to the first byte of a world record (so never through a pointer
+ * that was never a world handle, whatever its bytes say: inside a record,
+ * the caller's max_contexts may read as the magic) whose magic is live. */
 static int akv_world_ok(const akv_group_world *gw) {
-  return gw != NULL && akv_rec_owns(&akv_world_records, gw) && gw->magic == AKV_MAGIC_WORLD;
+  return gw != NULL && akv_rec_holds(&akv_world_records, gw) && gw->magic == AKV_MAGIC_WORLD;
 }
 
 akv_status akv_group_world_create(uint32_t size, uint32_t max_contexts, akv_group_world **out) {
