@@ -126,6 +126,7 @@ typedef struct self_call {
   akv_stream s;
   akv_status destroy, sync, create;
   akv_stream created;
+  int go; /* set once akv_stream_launch_host returned (wait_go) */
 } self_call;
 
 /* Waits (up to 10 s) for a worker to store its status, without a library
@@ -137,19 +138,38 @@ static void poll_status(volatile akv_status *st) {
   }
 }
 
+/* The worker may run the function before akv_stream_launch_host has let go
+ * of the engine, and a call then would be refused as another thread's: the
+ * function waits (up to 10 s) until the caller says the launch returned. */
+static void wait_go(self_call *sc) {
+  for (int i = 0; i < 100000 && !__atomic_load_n(&sc->go, __ATOMIC_ACQUIRE); i++) {
+    struct timespec ts = {0, 100000};
+    nanosleep(&ts, NULL);
+  }
+}
+
+static void launch_and_go(self_call *sc, void (*fn)(void *)) {
+  __atomic_store_n(&sc->go, 0, __ATOMIC_RELEASE);
+  assert_int_equal(akv_stream_launch_host(sc->e, sc->s, fn, sc), AKV_OK);
+  __atomic_store_n(&sc->go, 1, __ATOMIC_RELEASE);
+}
+
 static void destroy_own_stream(void *arg) {
   self_call *sc = arg;
+  wait_go(sc);
   __atomic_store_n(&sc->destroy, akv_stream_destroy(sc->e, sc->s), __ATOMIC_RELEASE);
 }
 
 static void sync_own_stream(void *arg) {
   self_call *sc = arg;
+  wait_go(sc);
   __atomic_store_n(&sc->sync, akv_stream_synchronize(sc->e, sc->s), __ATOMIC_RELEASE);
 }
 
 static void create_from_worker(void *arg) {
   self_call *sc = arg;
   akv_stream made = NULL;
+  wait_go(sc);
   const akv_status st = akv_stream_create(sc->e, &made);
   sc->created = made;
   __atomic_store_n(&sc->create, st, __ATOMIC_RELEASE);
@@ -170,7 +190,7 @@ static void test_host_fn_destroys_its_own_stream(void **state) {
   sc.e = e;
   sc.s = s;
   sc.destroy = AKV_STATUS_COUNT_;
-  assert_int_equal(akv_stream_launch_host(e, s, destroy_own_stream, &sc), AKV_OK);
+  launch_and_go(&sc, destroy_own_stream);
   /* Not synchronised through the library (that call would hold the claim
    * and the function would be refused as another thread's): poll. */
   poll_status(&sc.destroy);
@@ -182,13 +202,13 @@ static void test_host_fn_destroys_its_own_stream(void **state) {
   /* A function that synchronises its own stream would wait for itself
    * until the sync timeout and fail the transport: refused at once. */
   sc.sync = AKV_STATUS_COUNT_;
-  assert_int_equal(akv_stream_launch_host(e, s, sync_own_stream, &sc), AKV_OK);
+  launch_and_go(&sc, sync_own_stream);
   poll_status(&sc.sync);
   assert_int_equal(sc.sync, AKV_ERR_IN_USE);
   assert_int_equal(info_of(e).transport_failed, 0);
   assert_int_equal(akv_stream_synchronize(e, s), AKV_OK);
   sc.create = AKV_STATUS_COUNT_;
-  assert_int_equal(akv_stream_launch_host(e, s, create_from_worker, &sc), AKV_OK);
+  launch_and_go(&sc, create_from_worker);
   poll_status(&sc.create);
   assert_int_equal(sc.create, AKV_OK);
   assert_int_equal(akv_stream_destroy(e, sc.created), AKV_OK);
