@@ -86,6 +86,16 @@ def _enum(table: Dict[str, int], what: str, value: Union[str, int]) -> int:
     raise InvalidArgument.make(f"{what}={value!r}: expected one of {', '.join(table)}")
 
 
+def _index(value: Any) -> Optional[int]:
+    """The int a Python or numpy integer (not a bool) stands for, None for
+    anything else. Read once, by operator.index (an int subclass gives its
+    own value, whatever its __int__ says): the value checked is the value
+    used, so a range check cannot pass one number and C get another."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        return None
+    return operator.index(value)
+
+
 _U64_MAX = (1 << 64) - 1
 
 
@@ -93,10 +103,10 @@ def _u64(value: Optional[int], what: str) -> int:
     """A byte count for a uint64_t argument; None means "all" (UINT64_MAX)."""
     if value is None:
         return _U64_MAX
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or \
-            not 0 <= int(value) <= _U64_MAX:
+    v = _index(value)
+    if v is None or not 0 <= v <= _U64_MAX:
         raise InvalidArgument.make(f"{what}={value!r}: expected an integer in 0..2**64-1 or None")
-    return int(value)
+    return v
 
 
 _U32_MAX = 0xFFFFFFFF
@@ -106,19 +116,19 @@ def _uint(value: Any, what: str, hi: int = _U32_MAX) -> int:
     """An integer argument in 0..hi: Python or numpy ints only (not bool,
     float, str or None), refused with InvalidArgument before reaching C, so
     ctypes never truncates or wraps it."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    v = _index(value)
+    if v is None:
         raise InvalidArgument.make(f"{what}={value!r}: expected an integer")
-    if not 0 <= int(value) <= hi:
+    if not 0 <= v <= hi:
         raise InvalidArgument.make(f"{what}={value!r}: out of range 0..{hi}")
-    return int(value)
+    return v
 
 
 def _target_pages(value: Any, what: str) -> int:
     """An explicit device target in pages: as _uint, but below UINT32_MAX,
     which the library reads as AKV_TARGET_FAIR_SHARE (the fair share is
     asked for with None, never with that number)."""
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and \
-            int(value) == L.AKV_TARGET_FAIR_SHARE:
+    if _index(value) == L.AKV_TARGET_FAIR_SHARE:
         raise InvalidArgument.make(
             f"{what}={value!r}: out of range 0..{L.AKV_TARGET_FAIR_SHARE - 1} (that value is "
             "AKV_TARGET_FAIR_SHARE to the library; pass None for the fair share)")
@@ -203,14 +213,15 @@ def _make_config(cfg: Dict[str, Any]) -> Tuple[L.akv_engine_config, Dict[str, An
             value = _enum(_ENUM_FIELDS[key], key, value)
         elif key == "fault_kind" and isinstance(value, str):
             value = _enum(OP_KINDS, key, value)
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise InvalidArgument.make(f"{key}={value!r}: expected an integer")
+        given, value = value, _index(value)
+        if value is None:
+            raise InvalidArgument.make(f"{key}={given!r}: expected an integer")
         try:
-            setattr(c, key, int(value))
+            setattr(c, key, value)
         except (TypeError, OverflowError) as exc:
-            raise InvalidArgument.make(f"{key}={value!r}: {exc}") from exc
-        if getattr(c, key) != int(value):
-            raise InvalidArgument.make(f"{key}={value!r} does not fit its C field")
+            raise InvalidArgument.make(f"{key}={given!r}: {exc}") from exc
+        if getattr(c, key) != value:
+            raise InvalidArgument.make(f"{key}={given!r} does not fit its C field")
     for key in _CONFIG_FIELDS:
         v = getattr(c, key)
         out[key] = _inv(_ENUM_FIELDS[key])[v] if key in _ENUM_FIELDS else v
@@ -1847,12 +1858,16 @@ class View:
     def _cuda(self) -> bool:
         return self._lease._engine.backend == "cuda"
 
-    def _check_live(self, i: Any = _EVERY_CONTEXT) -> None:
+    def _check_live(self, i: Any = _EVERY_CONTEXT) -> Optional[int]:
+        """Raises unless the lease is live and context `i` (every one by
+        default) is in the staging buffer; returns `i` as the int checked,
+        the one the caller must use (an array's offset is computed from it:
+        an index read again could name memory outside the buffer)."""
         self._lease._h()
         every = i is _EVERY_CONTEXT  # kv_tensors; keys(None) is refused like keys(1.5)
-        ctxs = range(self.n_contexts) if every else [i]
-        if not every and (isinstance(i, bool) or not isinstance(i, (int, np.integer))
-                          or not 0 <= i < self.n_contexts):
+        index = None if every else _index(i)
+        ctxs = range(self.n_contexts) if every else [index]
+        if not every and (index is None or not 0 <= index < self.n_contexts):
             raise InvalidArgument.make(f"context {i!r} of a view of {self.n_contexts}")
         if self._page_map is not None:
             for c in ctxs:
@@ -1862,14 +1877,14 @@ class View:
                     raise NotSupported.make(
                         f"context {c}: retained pages are read in place (paged route); the "
                         "staging buffer does not hold them")
+        return index
 
     def _array(self, offset: int, shape: Tuple[int, ...], strides: Tuple[int, ...]):
         return _export_array(self._lease._engine, self.base + offset, shape, strides,
                              self.dtype, self._cuda)
 
     def _rows(self, i: int, v: bool):
-        self._check_live(i)
-        i = int(i)
+        i = self._check_live(i)
         isz = _ITEMSIZE[self.dtype]
         off = i * self.context_stride + (self.v_offset if v else 0)
         return self._array(off, (self._len[i] + 1, self.kv_heads, self.head_dim),
