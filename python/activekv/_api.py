@@ -14,8 +14,8 @@ from a second thread while one is in flight raises Busy (Engine._enter).
 Zero-copy arrays keep the engine's memory alive (_Export): close() defers
 freeing it until the last one is gone.
 
-Lifetimes: every object made from an engine holds it; the engine holds
-them only weakly, so an engine dropped without close() is freed when its
+Lifetimes: every object made from an engine holds it (a zero-copy array
+holds only its memory, _Memory); the engine holds them only weakly, so an engine dropped without close() is freed when its
 last reference goes (a dropped context is closed likewise). A call that
 makes a handle writes it into the object that owns it (_Owning): cut short
 as it returns (Ctrl-C, MemoryError), it loses nothing.
@@ -457,10 +457,11 @@ class _Export:
     the object numpy (``__array_interface__``) or torch
     (``__cuda_array_interface__``, v3) wraps without a copy, and which the
     array keeps alive as its base. While any export lives, the engine's
-    memory stays allocated: Engine.close() then closes the engine for every
-    call but defers freeing it (akv_engine_destroy) until the last export is
-    gone, so an array kept too long can hold stale rows but never points at
-    freed memory. No 'stream' entry on CUDA: the compute stream already
+    memory stays allocated: Engine.close() (also the one of an Engine dropped
+    or collected: an export holds the engine's _Memory, not the Engine) then
+    closes the engine for every call but defers freeing it
+    (akv_engine_destroy) until the last export is gone, so an array kept too
+    long can hold stale rows but never points at freed memory. No 'stream' entry on CUDA: the compute stream already
     waits for the staged rows on the device."""
 
     def __init__(self, engine: "Engine", ptr: int, shape: Tuple[int, ...],
@@ -471,7 +472,8 @@ class _Export:
             self.__cuda_array_interface__ = iface
         else:
             self.__array_interface__ = iface
-        self._engine = engine
+        # the engine's _Memory, not the Engine (see _Memory)
+        self._mem = engine._mem
         # Counted by a weak reference in the engine's list, which the export's
         # end takes out again through its callback, list.remove: C, no Python
         # frame, so no exception can land between the export's end and its
@@ -488,12 +490,58 @@ class _Export:
         # The last export gone (its own reference, still listed until its
         # callback runs just after this, aside): the deferred destroy. Cut
         # short, the engine's close() or its own end does it
-        # (Engine._destroy_pending).
-        eng = self.__dict__.get("_engine")
-        if eng is not None and eng._pending_destroy:
-            exports = eng._exports
+        # (_Memory.destroy_pending).
+        mem = self.__dict__.get("_mem")
+        if mem is not None and mem.pending:
+            exports = mem.exports
             if not exports or (len(exports) == 1 and exports[0] is self.__dict__.get("_ref")):
-                eng._destroy_pending(ending=self.__dict__.get("_ref"))
+                mem.destroy_pending(ending=self.__dict__.get("_ref"))
+
+
+class _Memory:
+    """What the zero-copy arrays over an engine's memory hold of it (each
+    _Export), in place of the Engine: the live exports, the destroy close()
+    deferred behind them, and the log trampoline the C engine calls until it
+    is destroyed. Invariant: nothing here leads back to the Engine or to the
+    caller's objects (the log sink reaches the caller's callback only through
+    a weak reference to the Engine). An ndarray is invisible to the garbage
+    collector, so a reference cycle through one (an object holding the
+    engine, whose method is the engine's log callback, and a view array) was
+    never collected when the array held the Engine: the engine, its threads
+    and its pinned memory were never freed."""
+
+    __slots__ = ("exports", "pending", "forks", "log_cb")
+
+    def __init__(self, forks: int) -> None:
+        # live zero-copy arrays (_Export: a weak reference each, removed by
+        # its callback) and the C handle whose destroy waits for the last
+        self.exports: List["weakref.ReferenceType[_Export]"] = []
+        self.pending: Dict[str, int] = {}
+        self.forks = forks
+        self.log_cb: Any = None
+
+    def destroy_pending(self, ending: Any = None) -> None:
+        """The destroy close() deferred behind live arrays, once none is left
+        (`ending`: the reference of an export ending now, still listed)."""
+        if self.forks != _FORKS[0]:
+            return  # the parent's engine (see _FORKS): nothing to free here
+        pending = self.pending
+        exports = self.exports
+        if "h" not in pending or (exports and exports != [ending]):
+            return
+        # taken with no point between it and the call where an exception can
+        # land (pop is a call, and one landing after it lost the destroy)
+        h = pending["h"]
+        del pending["h"]
+        try:
+            st = lib.akv_engine_destroy(h)
+        except Exception:  # at interpreter exit lib may be gone
+            return
+        if st != 0:  # close() checked what destroy refuses; say so if it still did
+            warnings.warn(f"activekv: the deferred destroy of a closed engine failed "
+                          f"({lib.akv_status_string(st).decode(errors='replace')}); its "
+                          "memory stays allocated",
+                          ResourceWarning, stacklevel=2)
 
 
 def _export_array(engine: "Engine", ptr: int, shape: Tuple[int, ...], strides: Tuple[int, ...],
@@ -676,14 +724,21 @@ class _LogSink:
     engine: the trampoline lives as long as the engine, and a trampoline of
     a bound method of the engine would put the engine in a reference cycle,
     freed only by a garbage collection instead of when its last reference
-    goes. It also keeps the error lines of a failed create, which has no
-    engine to hold its message. While it runs, this thread's ``logging``
-    holds it (Engine._enter refuses the engine's own calls there)."""
+    goes. It reaches the caller's callback (Engine._log) through a weak
+    reference to the engine: the engine's _Memory, which its arrays hold,
+    keeps the trampoline, and nothing there may lead back to the caller's
+    objects (see _Memory). Lines logged once the Engine object is gone (its
+    deferred destroy, a destroy during a garbage collection) have nobody to
+    go to and are dropped. It also keeps the error lines of a failed create,
+    which has no engine to hold its message. While it runs, this thread's
+    ``logging`` holds it (Engine._enter refuses the engine's own calls
+    there)."""
 
-    __slots__ = ("log", "errors")
+    __slots__ = ("engine", "own", "errors")
 
-    def __init__(self, log: Optional["LogFn"]) -> None:
-        self.log = log
+    def __init__(self, engine: "weakref.ReferenceType[Engine]", own: bool) -> None:
+        self.engine = engine
+        self.own = own  # a callback was given; else the library's stderr lines
         self.errors: List[str] = []
 
     def __call__(self, user: Any, level: int, message: bytes) -> None:
@@ -692,14 +747,18 @@ class _LogSink:
         if level == 0:
             self.errors.append(text)
             del self.errors[:-4]
-        if self.log is None:
+        if not self.own:
             with contextlib.suppress(Exception):  # stderr closed (interpreter exit)
                 sys.stderr.write(f"activekv {name}: {text}\n")
+            return
+        eng = self.engine()
+        log = None if eng is None else eng.__dict__.get("_log")
+        if log is None:
             return
         logging = _TLS.__dict__.setdefault("logging", [])
         logging.append(self)
         try:
-            self.log(name, text)
+            log(name, text)
         except Exception:
             # Nothing can unwind into C: ctypes reports it (sys.unraisablehook,
             # "Exception ignored on calling ctypes callback function") and the
@@ -758,10 +817,11 @@ class Engine(_ClosedOnExit):
         # _release gives it back with no Python frame (see _leave)
         self._slot: Dict[str, int] = {}
         self._release = functools.partial(dict.__delitem__, self._slot, "owner")
-        # live zero-copy arrays (_Export: a weak reference each, removed by
-        # its callback) and the C handle whose destroy waits for the last
-        self._exports: List["weakref.ReferenceType[_Export]"] = []
-        self._pending_destroy: Dict[str, int] = {}
+        # live zero-copy arrays and the C handle whose destroy waits for the
+        # last: the arrays' _Memory, shared
+        self._mem = _Memory(self._forks)
+        self._exports = self._mem.exports
+        self._pending_destroy = self._mem.pending
         # the boxes of the leases begun and not known dead (retired or
         # released): a lease whose Lease object was lost is still here, for
         # lease_begin to hand out again and for quarantine and close to end
@@ -786,8 +846,9 @@ class Engine(_ClosedOnExit):
         self._dtype = self._cfg_dict["dtype"]
         # The trampoline lives as long as the engine (the C side keeps the
         # function pointer); see _LogSink.
-        self._sink = _LogSink(log)
-        self._log_cb = L.LOG_FN(self._sink)
+        self._log = log
+        self._sink = _LogSink(weakref.ref(self), log is not None)
+        self._log_cb = self._mem.log_cb = L.LOG_FN(self._sink)
         c.log_fn = self._log_cb
         self._cfg = c
         cref, out = ctypes.byref(c), ctypes.byref(self._box)  # the engine owns it: _Owning
@@ -879,26 +940,8 @@ class Engine(_ClosedOnExit):
     # -- zero-copy exports (see _Export)
     def _destroy_pending(self, ending: Any = None) -> None:
         """The destroy close() deferred behind live arrays, once none is left
-        (`ending`: the reference of an export ending now, still listed)."""
-        if self._forks != _FORKS[0]:
-            return  # the parent's engine (see _FORKS): nothing to free here
-        pending = self._pending_destroy
-        exports = self._exports
-        if "h" not in pending or (exports and exports != [ending]):
-            return
-        # taken with no point between it and the call where an exception can
-        # land (pop is a call, and one landing after it lost the destroy)
-        h = pending["h"]
-        del pending["h"]
-        try:
-            st = lib.akv_engine_destroy(h)
-        except Exception:  # at interpreter exit lib may be gone
-            return
-        if st != 0:  # close() checked what destroy refuses; say so if it still did
-            warnings.warn(f"activekv: the deferred destroy of a closed engine failed "
-                          f"({lib.akv_status_string(st).decode(errors='replace')}); its "
-                          "memory stays allocated",
-                          ResourceWarning, stacklevel=2)
+        (see _Memory)."""
+        self._mem.destroy_pending(ending)
 
     @property
     def live_arrays(self) -> int:

@@ -344,3 +344,78 @@ def test_forked_child_drops_arrays_and_objects_without_touching_the_parents_engi
     """)
     assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
     assert r.stdout.strip() == "ok"
+
+
+class _Runner:
+    """The usual owner of an engine: the engine's log callback is one of its
+    methods (a reference cycle) and it keeps a view array."""
+
+    def __init__(self, **over):
+        self.lines = []
+        self.eng = akv.Engine(**small(log=self.on_log, **over))
+        self.ctx = self.eng.open_context()
+        self.ctx.append(np.full((L, 3, H, D), 4.0, np.float32),
+                        np.full((L, 3, H, D), 4.0, np.float32))
+
+        def keep(layer, lease, view):
+            if layer == 0:
+                self.k = view.keys(0)
+
+        one_step(self.eng, [self.ctx], keep)
+
+    def on_log(self, level, message):
+        self.lines.append(message)
+
+
+def _collect(until, tries=4):
+    import gc
+
+    for _ in range(tries):
+        gc.collect()
+        if until():
+            return True
+    return False
+
+
+def test_engine_in_a_cycle_through_a_view_array_is_freed_by_the_garbage_collector(destroys):
+    """An object holding an engine whose log callback is its own method, and a
+    view array: the array held the Engine, and the collector cannot see
+    through an ndarray, so the cycle was never collected (the engine, its
+    threads and its memory lived until the process exited). Now the array
+    holds only the engine's memory: the cycle is collected, the engine closed,
+    and its memory freed once the array is gone."""
+    r = _Runner()
+    assert r.lines  # the callback is the owner's method
+    del r
+    assert _collect(lambda: len(destroys) == 1), destroys
+
+
+def test_engine_holding_its_own_view_array_is_freed_by_the_garbage_collector(destroys):
+    with akv.Engine(**small()) as probe:
+        pass
+    destroys.clear()
+    eng = akv.Engine(**small())
+    ctx = eng.open_context()
+    ctx.append(np.ones((L, 2, H, D), np.float32), np.ones((L, 2, H, D), np.float32))
+
+    def keep(layer, lease, view):
+        if layer == 0:
+            eng.kept = view.keys(0)  # engine -> array -> engine
+
+    one_step(eng, [ctx], keep)
+    del eng, ctx, keep
+    assert _collect(lambda: len(destroys) == 1), destroys
+    assert probe._handle is None
+
+
+def test_array_kept_past_its_engines_collection_still_holds_the_memory(destroys):
+    r = _Runner()
+    k = r.k
+    del r
+    _collect(lambda: False, tries=2)
+    assert destroys == []  # the engine object went; its memory stays for k
+    assert float(k[:3].min()) == 4.0
+    k[:] = 1.0
+    assert float(k.sum()) == k.size
+    del k
+    assert len(destroys) == 1
