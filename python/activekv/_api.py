@@ -520,6 +520,16 @@ class _Memory:
         self.forks = forks
         self.log_cb: Any = None
 
+    def __del__(self) -> None:
+        # The last holder gone (the Engine and every export): a destroy that
+        # each export's end missed (two ending at once on two threads each saw
+        # the other still listed) is made here, never lost
+        if getattr(self, "pending", None):  # made in full (an __init__ cut short is not)
+            try:
+                self.destroy_pending()
+            except Exception:  # noqa: BLE001 - a finalizer (interpreter exit)
+                pass
+
     def destroy_pending(self, ending: Any = None) -> None:
         """The destroy close() deferred behind live arrays, once none is left
         (`ending`: the reference of an export ending now, still listed)."""
