@@ -658,9 +658,18 @@ class _Box(ctypes.c_void_p):
 
 
 def _as_box(handle: Any) -> _Box:
-    """A box of its own for a handle given as an int (None: a dead one), as
-    objects were made before boxes; the package passes boxes."""
-    return handle if isinstance(handle, _Box) else _Box(handle)
+    """The box of a new Context, Lease or Stream object: the package passes
+    the box its creating call wrote (_Owning); None gives a dead object
+    (BadHandle). Invariant: an object's handle is one the library made. A
+    number is refused (InvalidArgument): the library reads the record a
+    handle points at, and a forged one (Context(engine, 0x1000)) crashed the
+    process."""
+    if isinstance(handle, _Box):
+        return handle
+    if handle is None:
+        return _Box()
+    raise InvalidArgument.make(f"{handle!r} is not a handle: contexts, leases and streams are "
+                               "made by Engine.open_context, lease_begin and stream_create")
 
 
 def _set_handle(obj: Any, value: Optional[int]) -> None:
@@ -1443,7 +1452,7 @@ class Stream(_NotCopyable):
 
     _handle = _handle_attr()
 
-    def __init__(self, engine: Engine, box: Union[_Box, int, None]) -> None:
+    def __init__(self, engine: Engine, box: Optional[_Box]) -> None:
         self._engine = engine
         self._box = _as_box(box)  # shared with the engine's list (Engine._streams)
 
@@ -1493,7 +1502,7 @@ class Context(_ClosedOnExit):
 
     _handle = _handle_attr()
 
-    def __init__(self, engine: Engine, box: Union[_Box, int, None]) -> None:
+    def __init__(self, engine: Engine, box: Optional[_Box]) -> None:
         self._engine = engine
         self._box = _as_box(box)
 
@@ -1655,7 +1664,7 @@ class Lease(_NotCopyable):
 
     _handle = _handle_attr()
 
-    def __init__(self, engine: Engine, box: Union[_Box, int, None],
+    def __init__(self, engine: Engine, box: Optional[_Box],
                  layer: Optional[int] = None) -> None:
         self._engine = engine
         if not isinstance(box, _Box):

@@ -493,3 +493,40 @@ def test_deferred_destroy_missed_by_two_arrays_ending_at_once_is_made_when_the_m
     assert destroys == []
     del mem
     assert len(destroys) == 1
+
+
+def test_objects_built_from_a_forged_handle_are_refused_not_read():
+    """Context(engine, 0x1000): the classes are public, and a number given as
+    the handle went to C, which read the record at that address (a segfault
+    for an unmapped one). A handle is what the engine made; a number is
+    InvalidArgument, None a dead object."""
+    r = run_py("""
+        import numpy as np, activekv as akv
+        from conftest import small
+        eng = akv.Engine(**small())
+        junk = np.full(4096, 0x41, np.uint8)
+        for h in (0x1000, junk.ctypes.data, eng._handle, -1, 2**70, 1.5, "ctx"):
+            for make in (lambda: akv.Context(eng, h), lambda: akv.Lease(eng, h, 0),
+                         lambda: akv.Stream(eng, h)):
+                try:
+                    obj = make()
+                except akv.InvalidArgument:
+                    continue
+                for call in ("length", "close", "mark_consumed", "synchronize", "retire"):
+                    try:
+                        getattr(obj, call)() if call != "length" else len(obj)
+                    except (akv.ActiveKVError, AttributeError, TypeError):
+                        pass
+                print("made from", h)
+        akv.Context(eng, None).close()  # dead: closing twice is a no-op
+        akv.Stream(eng, None).destroy()
+        try:
+            akv.Lease(eng, None, 0).retire()
+            raise SystemExit("a dead lease retired")
+        except akv.BadHandle:
+            pass
+        eng.close()
+        print("ok")
+    """)
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
+    assert r.stdout.strip() == "ok", r.stdout
