@@ -1883,6 +1883,13 @@ class View:
     (the package uses its own copies)."""
 
     def __init__(self, lease: Lease, v: L.akv_view) -> None:
+        # Invariant: a View describes its lease's own akv_view, the one the
+        # library filled (Lease.wait_ready). The class is public: one built
+        # from any other struct (a base of 0x1000) handed out arrays over
+        # memory that is not the engine's, and reading them crashed.
+        if not isinstance(lease, Lease) or v is not getattr(lease._box, "view", None):
+            raise InvalidArgument.make("View: a view is made by Lease.wait_ready (or Lease.view) "
+                                       "from the view the library filled")
         page_map: Optional[np.ndarray] = None
         if v.page_map_host:
             n = v.n_contexts * v.page_map_stride

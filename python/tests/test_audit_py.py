@@ -530,3 +530,37 @@ def test_objects_built_from_a_forged_handle_are_refused_not_read():
     """)
     assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
     assert r.stdout.strip() == "ok", r.stdout
+
+
+def test_view_built_by_hand_from_a_forged_struct_is_refused():
+    """View is public: View(lease, akv_view(base=0x1000, ...)) handed out
+    arrays over that address (a segfault when read). A View is made from the
+    lease's own view, which the library filled."""
+    r = run_py("""
+        import ctypes, numpy as np, activekv as akv
+        from activekv import _lib as L
+        from conftest import small
+        eng = akv.Engine(**small(n_dense_layers=1))
+        ctx = eng.open_context()
+        ctx.append(np.ones((1, 2, 2, 8), np.float32), np.ones((1, 2, 2, 8), np.float32))
+        eng.step_begin([ctx])
+        lease = eng.lease_begin(0)
+        real = lease.wait_ready()
+        forged = L.akv_view()
+        ctypes.memmove(ctypes.byref(forged), ctypes.byref(real._c), ctypes.sizeof(forged))
+        forged.base = 0x1000
+        for args in ((lease, forged), (None, real._c), (real, real._c), (lease, None)):
+            try:
+                v = akv.View(*args)
+                print("made", float(v.keys(0).sum()))
+            except akv.InvalidArgument:
+                pass
+        assert akv.View(lease, real._c).len == real.len  # its own view: fine
+        np.testing.assert_array_equal(lease.view.keys(0)[:2], 1.0)
+        a = lease.mark_consumed(); lease.seal(lease.write_back(), a); lease.retire()
+        eng.step_end()
+        eng.close()
+        print("ok")
+    """)
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
+    assert r.stdout.strip() == "ok", r.stdout
