@@ -15,10 +15,11 @@ Zero-copy arrays keep the engine's memory alive (_Export): close() defers
 freeing it until the last one is gone.
 
 Lifetimes: every object made from an engine holds it (a zero-copy array
-holds only its memory, _Memory); the engine holds them only weakly, so an engine dropped without close() is freed when its
-last reference goes (a dropped context is closed likewise). A call that
-makes a handle writes it into the object that owns it (_Owning): cut short
-as it returns (Ctrl-C, MemoryError), it loses nothing.
+holds only its memory, _Memory); the engine holds them only weakly, so an
+engine dropped without close() is freed when its last reference goes (a
+dropped context is closed likewise). A call that makes a handle writes it
+into the object that owns it (_Owning): cut short as it returns (Ctrl-C,
+MemoryError), it loses nothing.
 """
 from __future__ import annotations
 
@@ -457,12 +458,13 @@ class _Export:
     the object numpy (``__array_interface__``) or torch
     (``__cuda_array_interface__``, v3) wraps without a copy, and which the
     array keeps alive as its base. While any export lives, the engine's
-    memory stays allocated: Engine.close() (also the one of an Engine dropped
-    or collected: an export holds the engine's _Memory, not the Engine) then
-    closes the engine for every call but defers freeing it
+    memory stays allocated: Engine.close() (also the one of an Engine
+    dropped or collected: an export holds the engine's _Memory, not the
+    Engine) then closes the engine for every call but defers freeing it
     (akv_engine_destroy) until the last export is gone, so an array kept too
-    long can hold stale rows but never points at freed memory. No 'stream' entry on CUDA: the compute stream already
-    waits for the staged rows on the device."""
+    long can hold stale rows but never points at freed memory. No 'stream'
+    entry on CUDA: the compute stream already waits for the staged rows on
+    the device."""
 
     def __init__(self, engine: "Engine", ptr: int, shape: Tuple[int, ...],
                  strides: Optional[Tuple[int, ...]], typestr: str, cuda: bool) -> None:
