@@ -14,11 +14,12 @@ from a second thread while one is in flight raises Busy (Engine._enter).
 Zero-copy arrays keep the engine's memory alive (_Export): close() defers
 freeing it until the last one is gone.
 
-Lifetimes: every object made from an engine holds it; the engine holds
-them only weakly, so an engine dropped without close() is freed when its
-last reference goes (a dropped context is closed likewise). A call that
-makes a handle writes it into the object that owns it (_Owning): cut short
-as it returns (Ctrl-C, MemoryError), it loses nothing.
+Lifetimes: every object made from an engine holds it (a zero-copy array
+holds only its memory, _Memory); the engine holds them only weakly, so an
+engine dropped without close() is freed when its last reference goes (a
+dropped context is closed likewise). A call that makes a handle writes it
+into the object that owns it (_Owning): cut short as it returns (Ctrl-C,
+MemoryError), it loses nothing.
 """
 from __future__ import annotations
 
@@ -86,6 +87,16 @@ def _enum(table: Dict[str, int], what: str, value: Union[str, int]) -> int:
     raise InvalidArgument.make(f"{what}={value!r}: expected one of {', '.join(table)}")
 
 
+def _index(value: Any) -> Optional[int]:
+    """The int a Python or numpy integer (not a bool) stands for, None for
+    anything else. Read once, by operator.index (an int subclass gives its
+    own value, whatever its __int__ says): the value checked is the value
+    used, so a range check cannot pass one number and C get another."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        return None
+    return operator.index(value)
+
+
 _U64_MAX = (1 << 64) - 1
 
 
@@ -93,10 +104,10 @@ def _u64(value: Optional[int], what: str) -> int:
     """A byte count for a uint64_t argument; None means "all" (UINT64_MAX)."""
     if value is None:
         return _U64_MAX
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or \
-            not 0 <= int(value) <= _U64_MAX:
+    v = _index(value)
+    if v is None or not 0 <= v <= _U64_MAX:
         raise InvalidArgument.make(f"{what}={value!r}: expected an integer in 0..2**64-1 or None")
-    return int(value)
+    return v
 
 
 _U32_MAX = 0xFFFFFFFF
@@ -106,19 +117,19 @@ def _uint(value: Any, what: str, hi: int = _U32_MAX) -> int:
     """An integer argument in 0..hi: Python or numpy ints only (not bool,
     float, str or None), refused with InvalidArgument before reaching C, so
     ctypes never truncates or wraps it."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    v = _index(value)
+    if v is None:
         raise InvalidArgument.make(f"{what}={value!r}: expected an integer")
-    if not 0 <= int(value) <= hi:
+    if not 0 <= v <= hi:
         raise InvalidArgument.make(f"{what}={value!r}: out of range 0..{hi}")
-    return int(value)
+    return v
 
 
 def _target_pages(value: Any, what: str) -> int:
     """An explicit device target in pages: as _uint, but below UINT32_MAX,
     which the library reads as AKV_TARGET_FAIR_SHARE (the fair share is
     asked for with None, never with that number)."""
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and \
-            int(value) == L.AKV_TARGET_FAIR_SHARE:
+    if _index(value) == L.AKV_TARGET_FAIR_SHARE:
         raise InvalidArgument.make(
             f"{what}={value!r}: out of range 0..{L.AKV_TARGET_FAIR_SHARE - 1} (that value is "
             "AKV_TARGET_FAIR_SHARE to the library; pass None for the fair share)")
@@ -203,14 +214,15 @@ def _make_config(cfg: Dict[str, Any]) -> Tuple[L.akv_engine_config, Dict[str, An
             value = _enum(_ENUM_FIELDS[key], key, value)
         elif key == "fault_kind" and isinstance(value, str):
             value = _enum(OP_KINDS, key, value)
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise InvalidArgument.make(f"{key}={value!r}: expected an integer")
+        given, value = value, _index(value)
+        if value is None:
+            raise InvalidArgument.make(f"{key}={given!r}: expected an integer")
         try:
-            setattr(c, key, int(value))
+            setattr(c, key, value)
         except (TypeError, OverflowError) as exc:
-            raise InvalidArgument.make(f"{key}={value!r}: {exc}") from exc
-        if getattr(c, key) != int(value):
-            raise InvalidArgument.make(f"{key}={value!r} does not fit its C field")
+            raise InvalidArgument.make(f"{key}={given!r}: {exc}") from exc
+        if getattr(c, key) != value:
+            raise InvalidArgument.make(f"{key}={given!r} does not fit its C field")
     for key in _CONFIG_FIELDS:
         v = getattr(c, key)
         out[key] = _inv(_ENUM_FIELDS[key])[v] if key in _ENUM_FIELDS else v
@@ -446,11 +458,13 @@ class _Export:
     the object numpy (``__array_interface__``) or torch
     (``__cuda_array_interface__``, v3) wraps without a copy, and which the
     array keeps alive as its base. While any export lives, the engine's
-    memory stays allocated: Engine.close() then closes the engine for every
-    call but defers freeing it (akv_engine_destroy) until the last export is
-    gone, so an array kept too long can hold stale rows but never points at
-    freed memory. No 'stream' entry on CUDA: the compute stream already
-    waits for the staged rows on the device."""
+    memory stays allocated: Engine.close() (also the one of an Engine
+    dropped or collected: an export holds the engine's _Memory, not the
+    Engine) then closes the engine for every call but defers freeing it
+    (akv_engine_destroy) until the last export is gone, so an array kept too
+    long can hold stale rows but never points at freed memory. No 'stream'
+    entry on CUDA: the compute stream already waits for the staged rows on
+    the device."""
 
     def __init__(self, engine: "Engine", ptr: int, shape: Tuple[int, ...],
                  strides: Optional[Tuple[int, ...]], typestr: str, cuda: bool) -> None:
@@ -460,7 +474,8 @@ class _Export:
             self.__cuda_array_interface__ = iface
         else:
             self.__array_interface__ = iface
-        self._engine = engine
+        # the engine's _Memory, not the Engine (see _Memory)
+        self._mem = engine._mem
         # Counted by a weak reference in the engine's list, which the export's
         # end takes out again through its callback, list.remove: C, no Python
         # frame, so no exception can land between the export's end and its
@@ -477,12 +492,68 @@ class _Export:
         # The last export gone (its own reference, still listed until its
         # callback runs just after this, aside): the deferred destroy. Cut
         # short, the engine's close() or its own end does it
-        # (Engine._destroy_pending).
-        eng = self.__dict__.get("_engine")
-        if eng is not None and eng._pending_destroy:
-            exports = eng._exports
+        # (_Memory.destroy_pending).
+        mem = self.__dict__.get("_mem")
+        if mem is not None and mem.pending:
+            exports = mem.exports
             if not exports or (len(exports) == 1 and exports[0] is self.__dict__.get("_ref")):
-                eng._destroy_pending(ending=self.__dict__.get("_ref"))
+                mem.destroy_pending(ending=self.__dict__.get("_ref"))
+
+
+class _Memory:
+    """What the zero-copy arrays over an engine's memory hold of it (each
+    _Export), in place of the Engine: the live exports, the destroy close()
+    deferred behind them, and the log trampoline the C engine calls until it
+    is destroyed. Invariant: nothing here leads back to the Engine or to the
+    caller's objects (the log sink reaches the caller's callback only through
+    a weak reference to the Engine). An ndarray is invisible to the garbage
+    collector, so a reference cycle through one (an object holding the
+    engine, whose method is the engine's log callback, and a view array) was
+    never collected when the array held the Engine: the engine, its threads
+    and its pinned memory were never freed."""
+
+    __slots__ = ("exports", "pending", "forks", "log_cb")
+
+    def __init__(self, forks: int) -> None:
+        # live zero-copy arrays (_Export: a weak reference each, removed by
+        # its callback) and the C handle whose destroy waits for the last
+        self.exports: List["weakref.ReferenceType[_Export]"] = []
+        self.pending: Dict[str, int] = {}
+        self.forks = forks
+        self.log_cb: Any = None
+
+    def __del__(self) -> None:
+        # The last holder gone (the Engine and every export): a destroy that
+        # each export's end missed (two ending at once on two threads each saw
+        # the other still listed) is made here, never lost
+        if getattr(self, "pending", None):  # made in full (an __init__ cut short is not)
+            try:
+                self.destroy_pending()
+            except Exception:  # noqa: BLE001 - a finalizer (interpreter exit)
+                pass
+
+    def destroy_pending(self, ending: Any = None) -> None:
+        """The destroy close() deferred behind live arrays, once none is left
+        (`ending`: the reference of an export ending now, still listed)."""
+        if self.forks != _FORKS[0]:
+            return  # the parent's engine (see _FORKS): nothing to free here
+        pending = self.pending
+        exports = self.exports
+        if "h" not in pending or (exports and exports != [ending]):
+            return
+        # taken with no point between it and the call where an exception can
+        # land (pop is a call, and one landing after it lost the destroy)
+        h = pending["h"]
+        del pending["h"]
+        try:
+            st = lib.akv_engine_destroy(h)
+        except Exception:  # at interpreter exit lib may be gone
+            return
+        if st != 0:  # close() checked what destroy refuses; say so if it still did
+            warnings.warn(f"activekv: the deferred destroy of a closed engine failed "
+                          f"({lib.akv_status_string(st).decode(errors='replace')}); its "
+                          "memory stays allocated",
+                          ResourceWarning, stacklevel=2)
 
 
 def _export_array(engine: "Engine", ptr: int, shape: Tuple[int, ...], strides: Tuple[int, ...],
@@ -589,9 +660,18 @@ class _Box(ctypes.c_void_p):
 
 
 def _as_box(handle: Any) -> _Box:
-    """A box of its own for a handle given as an int (None: a dead one), as
-    objects were made before boxes; the package passes boxes."""
-    return handle if isinstance(handle, _Box) else _Box(handle)
+    """The box of a new Context, Lease or Stream object: the package passes
+    the box its creating call wrote (_Owning); None gives a dead object
+    (BadHandle). Invariant: an object's handle is one the library made. A
+    number is refused (InvalidArgument): the library reads the record a
+    handle points at, and a forged one (Context(engine, 0x1000)) crashed the
+    process."""
+    if isinstance(handle, _Box):
+        return handle
+    if handle is None:
+        return _Box()
+    raise InvalidArgument.make(f"{handle!r} is not a handle: contexts, leases and streams are "
+                               "made by Engine.open_context, lease_begin and stream_create")
 
 
 def _set_handle(obj: Any, value: Optional[int]) -> None:
@@ -665,14 +745,21 @@ class _LogSink:
     engine: the trampoline lives as long as the engine, and a trampoline of
     a bound method of the engine would put the engine in a reference cycle,
     freed only by a garbage collection instead of when its last reference
-    goes. It also keeps the error lines of a failed create, which has no
-    engine to hold its message. While it runs, this thread's ``logging``
-    holds it (Engine._enter refuses the engine's own calls there)."""
+    goes. It reaches the caller's callback (Engine._log) through a weak
+    reference to the engine: the engine's _Memory, which its arrays hold,
+    keeps the trampoline, and nothing there may lead back to the caller's
+    objects (see _Memory). Lines logged once the Engine object is gone (its
+    deferred destroy, a destroy during a garbage collection) have nobody to
+    go to and are dropped. It also keeps the error lines of a failed create,
+    which has no engine to hold its message. While it runs, this thread's
+    ``logging`` holds it (Engine._enter refuses the engine's own calls
+    there)."""
 
-    __slots__ = ("log", "errors")
+    __slots__ = ("engine", "own", "errors")
 
-    def __init__(self, log: Optional["LogFn"]) -> None:
-        self.log = log
+    def __init__(self, engine: "weakref.ReferenceType[Engine]", own: bool) -> None:
+        self.engine = engine
+        self.own = own  # a callback was given; else the library's stderr lines
         self.errors: List[str] = []
 
     def __call__(self, user: Any, level: int, message: bytes) -> None:
@@ -681,14 +768,18 @@ class _LogSink:
         if level == 0:
             self.errors.append(text)
             del self.errors[:-4]
-        if self.log is None:
+        if not self.own:
             with contextlib.suppress(Exception):  # stderr closed (interpreter exit)
                 sys.stderr.write(f"activekv {name}: {text}\n")
+            return
+        eng = self.engine()
+        log = None if eng is None else eng.__dict__.get("_log")
+        if log is None:
             return
         logging = _TLS.__dict__.setdefault("logging", [])
         logging.append(self)
         try:
-            self.log(name, text)
+            log(name, text)
         except Exception:
             # Nothing can unwind into C: ctypes reports it (sys.unraisablehook,
             # "Exception ignored on calling ctypes callback function") and the
@@ -747,10 +838,11 @@ class Engine(_ClosedOnExit):
         # _release gives it back with no Python frame (see _leave)
         self._slot: Dict[str, int] = {}
         self._release = functools.partial(dict.__delitem__, self._slot, "owner")
-        # live zero-copy arrays (_Export: a weak reference each, removed by
-        # its callback) and the C handle whose destroy waits for the last
-        self._exports: List["weakref.ReferenceType[_Export]"] = []
-        self._pending_destroy: Dict[str, int] = {}
+        # live zero-copy arrays and the C handle whose destroy waits for the
+        # last: the arrays' _Memory, shared
+        self._mem = _Memory(self._forks)
+        self._exports = self._mem.exports
+        self._pending_destroy = self._mem.pending
         # the boxes of the leases begun and not known dead (retired or
         # released): a lease whose Lease object was lost is still here, for
         # lease_begin to hand out again and for quarantine and close to end
@@ -775,8 +867,9 @@ class Engine(_ClosedOnExit):
         self._dtype = self._cfg_dict["dtype"]
         # The trampoline lives as long as the engine (the C side keeps the
         # function pointer); see _LogSink.
-        self._sink = _LogSink(log)
-        self._log_cb = L.LOG_FN(self._sink)
+        self._log = log
+        self._sink = _LogSink(weakref.ref(self), log is not None)
+        self._log_cb = self._mem.log_cb = L.LOG_FN(self._sink)
         c.log_fn = self._log_cb
         self._cfg = c
         cref, out = ctypes.byref(c), ctypes.byref(self._box)  # the engine owns it: _Owning
@@ -868,26 +961,8 @@ class Engine(_ClosedOnExit):
     # -- zero-copy exports (see _Export)
     def _destroy_pending(self, ending: Any = None) -> None:
         """The destroy close() deferred behind live arrays, once none is left
-        (`ending`: the reference of an export ending now, still listed)."""
-        if self._forks != _FORKS[0]:
-            return  # the parent's engine (see _FORKS): nothing to free here
-        pending = self._pending_destroy
-        exports = self._exports
-        if "h" not in pending or (exports and exports != [ending]):
-            return
-        # taken with no point between it and the call where an exception can
-        # land (pop is a call, and one landing after it lost the destroy)
-        h = pending["h"]
-        del pending["h"]
-        try:
-            st = lib.akv_engine_destroy(h)
-        except Exception:  # at interpreter exit lib may be gone
-            return
-        if st != 0:  # close() checked what destroy refuses; say so if it still did
-            warnings.warn(f"activekv: the deferred destroy of a closed engine failed "
-                          f"({lib.akv_status_string(st).decode(errors='replace')}); its "
-                          "memory stays allocated",
-                          ResourceWarning, stacklevel=2)
+        (see _Memory)."""
+        self._mem.destroy_pending(ending)
 
     @property
     def live_arrays(self) -> int:
@@ -1379,7 +1454,7 @@ class Stream(_NotCopyable):
 
     _handle = _handle_attr()
 
-    def __init__(self, engine: Engine, box: Union[_Box, int, None]) -> None:
+    def __init__(self, engine: Engine, box: Optional[_Box]) -> None:
         self._engine = engine
         self._box = _as_box(box)  # shared with the engine's list (Engine._streams)
 
@@ -1429,7 +1504,7 @@ class Context(_ClosedOnExit):
 
     _handle = _handle_attr()
 
-    def __init__(self, engine: Engine, box: Union[_Box, int, None]) -> None:
+    def __init__(self, engine: Engine, box: Optional[_Box]) -> None:
         self._engine = engine
         self._box = _as_box(box)
 
@@ -1591,7 +1666,7 @@ class Lease(_NotCopyable):
 
     _handle = _handle_attr()
 
-    def __init__(self, engine: Engine, box: Union[_Box, int, None],
+    def __init__(self, engine: Engine, box: Optional[_Box],
                  layer: Optional[int] = None) -> None:
         self._engine = engine
         if not isinstance(box, _Box):
@@ -1810,6 +1885,13 @@ class View:
     (the package uses its own copies)."""
 
     def __init__(self, lease: Lease, v: L.akv_view) -> None:
+        # Invariant: a View describes its lease's own akv_view, the one the
+        # library filled (Lease.wait_ready). The class is public: one built
+        # from any other struct (a base of 0x1000) handed out arrays over
+        # memory that is not the engine's, and reading them crashed.
+        if not isinstance(lease, Lease) or v is not getattr(lease._box, "view", None):
+            raise InvalidArgument.make("View: a view is made by Lease.wait_ready (or Lease.view) "
+                                       "from the view the library filled")
         page_map: Optional[np.ndarray] = None
         if v.page_map_host:
             n = v.n_contexts * v.page_map_stride
@@ -1847,12 +1929,16 @@ class View:
     def _cuda(self) -> bool:
         return self._lease._engine.backend == "cuda"
 
-    def _check_live(self, i: Any = _EVERY_CONTEXT) -> None:
+    def _check_live(self, i: Any = _EVERY_CONTEXT) -> Optional[int]:
+        """Raises unless the lease is live and context `i` (every one by
+        default) is in the staging buffer; returns `i` as the int checked,
+        the one the caller must use (an array's offset is computed from it:
+        an index read again could name memory outside the buffer)."""
         self._lease._h()
         every = i is _EVERY_CONTEXT  # kv_tensors; keys(None) is refused like keys(1.5)
-        ctxs = range(self.n_contexts) if every else [i]
-        if not every and (isinstance(i, bool) or not isinstance(i, (int, np.integer))
-                          or not 0 <= i < self.n_contexts):
+        index = None if every else _index(i)
+        ctxs = range(self.n_contexts) if every else [index]
+        if not every and (index is None or not 0 <= index < self.n_contexts):
             raise InvalidArgument.make(f"context {i!r} of a view of {self.n_contexts}")
         if self._page_map is not None:
             for c in ctxs:
@@ -1862,14 +1948,14 @@ class View:
                     raise NotSupported.make(
                         f"context {c}: retained pages are read in place (paged route); the "
                         "staging buffer does not hold them")
+        return index
 
     def _array(self, offset: int, shape: Tuple[int, ...], strides: Tuple[int, ...]):
         return _export_array(self._lease._engine, self.base + offset, shape, strides,
                              self.dtype, self._cuda)
 
     def _rows(self, i: int, v: bool):
-        self._check_live(i)
-        i = int(i)
+        i = self._check_live(i)
         isz = _ITEMSIZE[self.dtype]
         off = i * self.context_stride + (self.v_offset if v else 0)
         return self._array(off, (self._len[i] + 1, self.kv_heads, self.head_dim),

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import operator
 import weakref
 from typing import Any, Sequence
 
@@ -1295,11 +1296,14 @@ class ActiveKVCache(Cache):
         range; nothing changes."""
         if isinstance(layer_idx, (bool, np.bool_)) or not isinstance(layer_idx, (int, np.integer)):
             raise TypeError("ActiveKVCache.update: layer_idx=%r is not an integer" % (layer_idx,))
+        # read once (an int subclass gives its own value, whatever its __int__ says): the
+        # index checked is the index used
+        layer_idx = operator.index(layer_idx)
         if not 0 <= layer_idx < len(self.layers):
             raise IndexError("ActiveKVCache.update: layer_idx=%d outside the model's %d layers"
                              % (layer_idx, len(self.layers)))
         if isinstance(self.layers[layer_idx], ActiveKVLayer):
-            return super().update(key_states, value_states, int(layer_idx), *args, **kwargs)
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         # A hybrid model's other layer: refused here when the full-attention layers of
         # this forward would refuse it, before this layer takes it; and, like them, one
         # thread at a time (Busy while another thread is in a call on the cache).
@@ -1308,7 +1312,7 @@ class ActiveKVCache(Cache):
         held = drv.engine._enter("ActiveKVCache.update")
         try:
             drv.check_forward(key_states, value_states, layer_idx < self.dense_layers[0])
-            return super().update(key_states, value_states, int(layer_idx), *args, **kwargs)
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         finally:
             if held:
                 drv.engine._release()  # no frame before the engine is given back
