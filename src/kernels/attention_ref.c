@@ -324,7 +324,10 @@ static void combine(const ref_geom *g, uint32_t ctx, uint32_t n_chunks) {
       for (uint32_t j = 0; j < d; ++j) o[j] += w * acc[j];
     }
     const float vs = g->v_scale ? g->v_scale[h / g->group] : 1.0f;
-    for (uint32_t j = 0; j < d; ++j) out[j] = ((l > 0.0f) ? o[j] / l : 0.0f) * vs;
+    /* Zeros only where l == 0: no rows, or every score -inf (akv_attention.h,
+     * "Algorithm"). A NaN l (a NaN score: NaN q or K, an FP8 NaN code, a
+     * score that overflowed) gives NaN, never a plausible 0. */
+    for (uint32_t j = 0; j < d; ++j) out[j] = ((l != 0.0f) ? o[j] / l : 0.0f) * vs;
   }
 }
 
