@@ -1161,8 +1161,8 @@ static void sweep(const dcfg *base, const char *name, sweep_totals *t) {
       continue;
     }
     if (r.status != AKV_ERR_BACKEND || !r.transport_failed ||
-        r.after_status != AKV_ERR_QUARANTINED || r.quarantine2 != AKV_OK || r.rows_bad != 0 || r.len_bad != 0 ||
-        r.stream_destroy != AKV_OK || r.destroy != AKV_OK)
+        r.after_status != AKV_ERR_QUARANTINED || r.quarantine2 != AKV_OK || r.rows_bad != 0 ||
+        r.len_bad != 0 || r.stream_destroy != AKV_OK || r.destroy != AKV_OK)
       fail_msg("%s n=%u: %s answered %s (transport_failed %d, after %s, quarantine %s/%s, "
                "rows bad %llu of %llu, lengths bad %llu, stream destroy %s, destroy %s)",
                name, n, r.call, akv_status_string(r.status), r.transport_failed,
