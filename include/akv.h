@@ -53,6 +53,12 @@
  *    (akv_status_string, akv_version_*, akv_fit, akv_engine_config_init,
  *    akv_engine_create, the attention functions of akv_attention.h and
  *    akv_cuda.h) are safe from any thread.
+ *  - fork: a child forked while other threads are inside calls may create
+ *    and use engines of its own (the process-wide record pools are never
+ *    left locked in it). Engines of the parent, and everything made from
+ *    them, are the parent's: their queue threads are not in the child, so
+ *    the child must not call the library on them (a step there would wait
+ *    for queues that never run).
  *  - Streams: enqueueing calls return when their work has been enqueued, not
  *    when it has run. The engine owns two copy queues (host->device and
  *    device->host) and one materialisation queue (device->device). The compute

@@ -19,6 +19,31 @@ akv_recpool akv_lease_records =
 akv_recpool akv_stream_records =
     AKV_RECPOOL_INIT(struct akv_stream_handle, AKV_STREAM_HANDLE_REUSE_MIN, 64);
 
+/* Invariant: fork() never leaves a pool's mutex held in the child. A thread
+ * inside akv_engine_create or _destroy, akv_context_open or _close, or
+ * akv_stream_create when another thread forks held the mutex in the child
+ * for good (its holder is not there), so the child's own first create
+ * blocked forever. fork waits for every pool (prepare, in a fixed order;
+ * no code holds two pools at once), and parent and child let go of them
+ * after it. Registered once, before any pool is first used. */
+static akv_recpool *const akv_pools[] = {&akv_engine_records, &akv_context_records,
+                                         &akv_lease_records, &akv_stream_records};
+#define AKV_N_POOLS (sizeof(akv_pools) / sizeof(akv_pools[0]))
+
+static void akv_rec_prefork(void) {
+  for (size_t i = 0; i < AKV_N_POOLS; i++) pthread_mutex_lock(&akv_pools[i]->mu);
+}
+
+static void akv_rec_postfork(void) {
+  for (size_t i = AKV_N_POOLS; i-- > 0;) pthread_mutex_unlock(&akv_pools[i]->mu);
+}
+
+static pthread_once_t akv_rec_once = PTHREAD_ONCE_INIT;
+
+static void akv_rec_register_fork(void) {
+  pthread_atfork(akv_rec_prefork, akv_rec_postfork, akv_rec_postfork);
+}
+
 /* Appends a zeroed chunk of records to the tail. Called with p->mu held. */
 static int akv_rec_grow(akv_recpool *p) {
   /* The ring holds every record there will be (all may be free at once). */
@@ -54,6 +79,7 @@ static int akv_rec_grow(akv_recpool *p) {
 
 void *akv_rec_take(akv_recpool *p) {
   void *rec = NULL;
+  pthread_once(&akv_rec_once, akv_rec_register_fork);
   pthread_mutex_lock(&p->mu);
   /* The reuse bound: at least min_free records stay free after this take,
    * so a record given back later has at least min_free records ahead. */
@@ -85,6 +111,7 @@ void akv_rec_give(akv_recpool *p, void *rec) {
 
 akv_status akv_rec_reserve(akv_recpool *p, size_t n) {
   akv_status st = AKV_OK;
+  pthread_once(&akv_rec_once, akv_rec_register_fork);
   pthread_mutex_lock(&p->mu);
   /* Enough free records that the reserved takes never grow the pool: a
    * take then always finds more than min_free free records. */
