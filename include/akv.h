@@ -57,8 +57,10 @@
  *    and use engines of its own (the process-wide record pools are never
  *    left locked in it). Engines of the parent, and everything made from
  *    them, are the parent's: their queue threads are not in the child, so
- *    the child must not call the library on them (a step there would wait
- *    for queues that never run).
+ *    every call the child makes on them (on their contexts, leases and
+ *    streams too, akv_engine_destroy included) returns AKV_ERR_BAD_HANDLE
+ *    at once and changes nothing; the child's copy of their memory goes
+ *    with the child.
  *  - Streams: enqueueing calls return when their work has been enqueued, not
  *    when it has run. The engine owns two copy queues (host->device and
  *    device->host) and one materialisation queue (device->device). The compute

@@ -71,6 +71,13 @@ akv_status akv_engine_claim(const akv_engine *ce) {
   akv_engine *e = (akv_engine *)ce; /* a record: only the claim words are written */
   const void *me = &akv_engine_thread, *none = NULL;
   if (!akv_engine_ok(e)) return AKV_ERR_BAD_HANDLE;
+  /* Invariant: a forked child never runs a call on an engine of its parent
+   * (akv.h, fork). The engine's queue threads stayed in the parent: a step
+   * there waited for queues that never run, and a destroy joined threads
+   * the child does not have. Such a handle is no handle of this process. */
+  if (__atomic_load_n(&e->fork_gen, __ATOMIC_RELAXED) !=
+      atomic_load_explicit(&akv_fork_generation, memory_order_relaxed))
+    return AKV_ERR_BAD_HANDLE;
   if (!atomic_compare_exchange_strong(&e->owner, &none, me) && none != me) return AKV_ERR_IN_USE;
   /* Invariant: an engine call is not a cancellation point (see
    * akv_group_claim). A thread cancelled inside one (in a wait of retire,
@@ -501,6 +508,9 @@ AKV_API akv_status akv_engine_create(const akv_engine_config *caller, akv_engine
   akv_engine_claim_record(e);
   memset((char *)e + offsetof(akv_engine, serial), 0,
          offsetof(akv_engine, magic_end) - offsetof(akv_engine, serial));
+  __atomic_store_n(&e->fork_gen,
+                   atomic_load_explicit(&akv_fork_generation, memory_order_relaxed),
+                   __ATOMIC_RELAXED);
   AKV_STORE(e->magic, AKV_MAGIC_ENGINE);
   AKV_STORE(e->magic_end, AKV_MAGIC_ENGINE);
   __atomic_store_n(&e->serial, atomic_fetch_add(&akv_engine_serials, 1) + 1, __ATOMIC_RELAXED);

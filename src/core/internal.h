@@ -166,6 +166,9 @@ struct akv_engine {
   _Atomic(const void *) owner; /* the thread inside a call on this engine, or NULL */
   uint32_t depth;              /* the owner's calls in progress (nested from callbacks) */
   int cancel_state;            /* the owner's cancelability before its outermost call */
+  /* akv_fork_generation at create (records.h), stored and read atomically:
+   * a stale handle's claim reads it while a create on the record sets it. */
+  uint32_t fork_gen;
   /* Unique in the process, never 0, given at create (akv_engine_serial,
    * plan.h) and set to 0 at destroy: by it a layer that keeps an engine
    * handle (a group) tells whether the record still holds its engine or

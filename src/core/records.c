@@ -4,6 +4,7 @@
  */
 #include "records.h"
 
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -38,10 +39,19 @@ static void akv_rec_postfork(void) {
   for (size_t i = AKV_N_POOLS; i-- > 0;) pthread_mutex_unlock(&akv_pools[i]->mu);
 }
 
+_Atomic uint32_t akv_fork_generation;
+
+/* In the child, the engines made before the fork become the parent's
+ * (akv_engine_claim refuses them): their queue threads did not come along. */
+static void akv_rec_postfork_child(void) {
+  akv_rec_postfork();
+  atomic_fetch_add_explicit(&akv_fork_generation, 1, memory_order_relaxed);
+}
+
 static pthread_once_t akv_rec_once = PTHREAD_ONCE_INIT;
 
 static void akv_rec_register_fork(void) {
-  pthread_atfork(akv_rec_prefork, akv_rec_postfork, akv_rec_postfork);
+  pthread_atfork(akv_rec_prefork, akv_rec_postfork, akv_rec_postfork_child);
 }
 
 /* Appends a zeroed chunk of records to the tail. Called with p->mu held. */

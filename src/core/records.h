@@ -23,6 +23,7 @@
 #define AKV_RECORDS_H
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stddef.h>
 
 #include "akv.h"
@@ -66,6 +67,11 @@ int akv_rec_holds(akv_recpool *p, const void *ptr);
 size_t akv_rec_free_count(akv_recpool *p);
 
 /* The pools (records.c). */
+/* Forks this process went through, counted in the child (records.c): an
+ * engine remembers the count at its create, and a call on an engine of
+ * another count is a call on the parent's engine (akv_engine_claim). */
+extern _Atomic uint32_t akv_fork_generation;
+
 extern akv_recpool akv_engine_records;
 extern akv_recpool akv_context_records;
 extern akv_recpool akv_lease_records;
