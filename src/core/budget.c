@@ -39,6 +39,28 @@ static void akv_budget_say(char *why, size_t cap, const char *fmt, ...) {
   va_end(ap);
 }
 
+/* Invariant (akv.h, device_pool_gib): every page map entry, the paged
+ * grid's offset plus a pool page number, fits its 32 bits below
+ * AKV_PAGE_STAGED. The offset is known only at create (the pool's address,
+ * headroom.c), so the pool is bounded by its largest value before anything
+ * is allocated; without headroom it is 0 and the bound of 2^32 - 1 pages
+ * (numbered below AKV_PAGE_STAGED) holds. */
+akv_status akv_budget_paged_headroom_pages(const akv_engine_config *cfg, uint64_t pages,
+                                           uint32_t page_tokens, char *why, size_t why_cap) {
+  if (cfg->route != AKV_ROUTE_PAGED || cfg->headroom_gib == 0 ||
+      pages <= AKV_PAGED_HEADROOM_MAX_POOL_PAGES)
+    return AKV_OK;
+  akv_budget_say(why, why_cap,
+                 "device_pool_gib=%u holds %llu pages of page_tokens=%u; with headroom_gib "
+                 "on the paged route a page map entry (a grid offset of up to %llu pages "
+                 "plus the page number) must stay below %llu, so at most %llu pages: raise "
+                 "page_tokens, lower device_pool_gib or set headroom_gib=0",
+                 (unsigned)cfg->device_pool_gib, (unsigned long long)pages, (unsigned)page_tokens,
+                 (unsigned long long)AKV_PAGE_GRID_OFFSET_MAX, (unsigned long long)AKV_PAGE_STAGED,
+                 (unsigned long long)AKV_PAGED_HEADROOM_MAX_POOL_PAGES);
+  return AKV_ERR_CONFIG;
+}
+
 /* The smallest page_tokens in (cfg->page_tokens, max_tokens] whose
  * bookkeeping fits, or 0 if none does. Bookkeeping only shrinks as pages
  * grow (fewer logical and physical pages), up to the largest page the device
@@ -93,25 +115,8 @@ akv_status akv_budget_compute(const akv_engine_config *cfg, uint32_t concurrency
                      (unsigned)page_tokens);
       return AKV_ERR_CONFIG;
     }
-    /* Invariant (akv.h, device_pool_gib): every page map entry, the paged
-     * grid's offset plus a pool page number, fits its 32 bits below
-     * AKV_PAGE_STAGED. The offset is known only at create (the pool's
-     * address, headroom.c), so the pool is bounded by its largest value
-     * here, before anything is allocated; without headroom it is 0 and the
-     * bound above (2^32 - 1 pages, numbered below AKV_PAGE_STAGED) holds. */
-    if (cfg->route == AKV_ROUTE_PAGED && cfg->headroom_gib > 0 &&
-        pages > AKV_PAGED_HEADROOM_MAX_POOL_PAGES) {
-      akv_budget_say(why, why_cap,
-                     "device_pool_gib=%u holds %llu pages of page_tokens=%u; with headroom_gib "
-                     "on the paged route a page map entry (a grid offset of up to %llu pages "
-                     "plus the page number) must stay below %llu, so at most %llu pages: raise "
-                     "page_tokens, lower device_pool_gib or set headroom_gib=0",
-                     (unsigned)cfg->device_pool_gib, (unsigned long long)pages,
-                     (unsigned)page_tokens, (unsigned long long)AKV_PAGE_GRID_OFFSET_MAX,
-                     (unsigned long long)AKV_PAGE_STAGED,
-                     (unsigned long long)AKV_PAGED_HEADROOM_MAX_POOL_PAGES);
+    if (akv_budget_paged_headroom_pages(cfg, pages, page_tokens, why, why_cap) != AKV_OK)
       return AKV_ERR_CONFIG;
-    }
     r.n_pages = (uint32_t)pages;
   }
   /* ceil(max_tokens / page_tokens) without forming max_tokens + page_tokens - 1,

@@ -93,6 +93,13 @@ typedef struct akv_budget {
 akv_status akv_budget_compute(const akv_engine_config *cfg, uint32_t concurrency,
                               uint32_t page_tokens, akv_budget *b, char *why, size_t why_cap);
 
+/* AKV_ERR_CONFIG (why says so) when a paged-route pool of `pages` pages of
+ * `page_tokens` with headroom exceeds AKV_PAGED_HEADROOM_MAX_POOL_PAGES,
+ * else AKV_OK. akv_budget_compute and akv_fit_compute both ask it: a config
+ * error whatever the host fit says. */
+akv_status akv_budget_paged_headroom_pages(const akv_engine_config *cfg, uint64_t pages,
+                                           uint32_t page_tokens, char *why, size_t why_cap);
+
 #ifdef __cplusplus
 }
 #endif

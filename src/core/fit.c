@@ -351,24 +351,11 @@ akv_status akv_fit_compute(const akv_engine_config *cfg, akv_fit_report *r, char
                 (unsigned)UINT32_MAX);
     goto fail;
   }
-  /* Invariant (akv.h, device_pool_gib): with headroom on the paged route the
-   * pool holds at most AKV_PAGED_HEADROOM_MAX_POOL_PAGES pages, a config
-   * error like the bound above whatever the host fit says (the bookkeeping
-   * check below runs only for a config that fits; akv_budget_compute
-   * enforces it again). */
-  if (cfg->route == AKV_ROUTE_PAGED && cfg->headroom_gib > 0 &&
-      rep.device_pages > AKV_PAGED_HEADROOM_MAX_POOL_PAGES) {
-    akv_fit_say(why, why_cap,
-                "device_pool_gib=%u holds %llu pages of page_tokens=%u; with headroom_gib on the "
-                "paged route a page map entry (a grid offset of up to %llu pages plus the page "
-                "number) must stay below %llu, so at most %llu pages: raise page_tokens, lower "
-                "device_pool_gib or set headroom_gib=0",
-                (unsigned)cfg->device_pool_gib, (unsigned long long)rep.device_pages,
-                (unsigned)cfg->page_tokens, (unsigned long long)AKV_PAGE_GRID_OFFSET_MAX,
-                (unsigned long long)AKV_PAGE_STAGED,
-                (unsigned long long)AKV_PAGED_HEADROOM_MAX_POOL_PAGES);
-    goto fail;
-  }
+  /* The paged headroom bound is a config error whatever the host fit says
+   * (the bookkeeping check below runs only for a config that fits). */
+  if (akv_budget_paged_headroom_pages(cfg, rep.device_pages, cfg->page_tokens, why, why_cap) !=
+      AKV_OK)
+    goto fail; /* st is AKV_ERR_CONFIG */
   st = AKV_OK;
 
   rep.fits = rep.host_pool_bytes / rep.history_bytes;
