@@ -3,7 +3,6 @@
  * make), destroy (never waits), diagnostics and quarantine (DESIGN §7).
  */
 #include <pthread.h>
-#include <sched.h>
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -114,12 +113,7 @@ void akv_engine_release(const akv_engine *ce) {
  * very thread, still inside a call on the engine the record held (an
  * attention hook that destroyed its engine and creates others). */
 static void akv_engine_claim_record(akv_engine *e) {
-  const void *me = &akv_engine_thread;
-  for (;;) {
-    const void *none = NULL;
-    if (atomic_compare_exchange_strong(&e->owner, &none, me) || none == me) break;
-    sched_yield();
-  }
+  akv_rec_owner_wait(&e->owner, &akv_engine_thread);
   if (e->depth++ == 0) pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, &e->cancel_state);
 }
 

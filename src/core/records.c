@@ -4,6 +4,7 @@
  */
 #include "records.h"
 
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -142,29 +143,31 @@ void akv_rec_unreserve(akv_recpool *p, size_t n) {
   pthread_mutex_unlock(&p->mu);
 }
 
-int akv_rec_owns(akv_recpool *p, const void *ptr) {
-  const uintptr_t x = (uintptr_t)ptr;
-  int owns = 0;
-  pthread_mutex_lock(&p->mu);
-  for (size_t i = 0; i < p->n_chunks && !owns; i++) {
-    const uintptr_t lo = (uintptr_t)p->chunks[i];
-    owns = x >= lo && x - lo < p->chunk * p->rec_size;
+void akv_rec_owner_wait(_Atomic(const void *) *owner, const void *me) {
+  for (;;) {
+    const void *none = NULL;
+    if (atomic_compare_exchange_strong(owner, &none, me) || none == me) return;
+    sched_yield();
   }
-  pthread_mutex_unlock(&p->mu);
-  return owns;
 }
 
-int akv_rec_holds(akv_recpool *p, const void *ptr) {
+/* Whether ptr lies in one of p's chunks, and with `start` also at the first
+ * byte of a record there. */
+static int akv_rec_in(akv_recpool *p, const void *ptr, int start) {
   const uintptr_t x = (uintptr_t)ptr;
-  int holds = 0;
+  int in = 0;
   pthread_mutex_lock(&p->mu);
-  for (size_t i = 0; i < p->n_chunks && !holds; i++) {
+  for (size_t i = 0; i < p->n_chunks && !in; i++) {
     const uintptr_t lo = (uintptr_t)p->chunks[i];
-    holds = x >= lo && x - lo < p->chunk * p->rec_size && (x - lo) % p->rec_size == 0;
+    in = x >= lo && x - lo < p->chunk * p->rec_size && (!start || (x - lo) % p->rec_size == 0);
   }
   pthread_mutex_unlock(&p->mu);
-  return holds;
+  return in;
 }
+
+int akv_rec_owns(akv_recpool *p, const void *ptr) { return akv_rec_in(p, ptr, 0); }
+
+int akv_rec_holds(akv_recpool *p, const void *ptr) { return akv_rec_in(p, ptr, 1); }
 
 size_t akv_rec_free_count(akv_recpool *p) {
   size_t n;

@@ -67,6 +67,12 @@ int akv_rec_holds(akv_recpool *p, const void *ptr);
 size_t akv_rec_free_count(akv_recpool *p);
 
 /* The pools (records.c). */
+/* Takes a record's claim word for `me`, waiting (yielding) while another
+ * thread holds it; returns at once when `me` holds it already. For a create
+ * that builds the record it just took while a stale handle's call may hold
+ * the word a moment (akv_engine_claim_record, akv_group_claim_record). */
+void akv_rec_owner_wait(_Atomic(const void *) *owner, const void *me);
+
 /* Forks this process went through, counted in the child (records.c): an
  * engine remembers the count at its create, and a call on an engine of
  * another count is a call on the parent's engine (akv_engine_claim). */

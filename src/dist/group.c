@@ -22,7 +22,6 @@
  * vector, so each takes the same branch.
  */
 #include <pthread.h>
-#include <sched.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -164,12 +163,7 @@ static void akv_group_release(const akv_group *cg) {
  * claimed the dead record lets go at once (akv_group_claim), so the wait
  * is short. Cancellation is already off (akv_group_create_with). */
 static void akv_group_claim_record(akv_group *g) {
-  const void *me = &akv_group_thread;
-  for (;;) {
-    const void *none = NULL;
-    if (atomic_compare_exchange_strong(&g->owner, &none, me) || none == me) break;
-    sched_yield();
-  }
+  akv_rec_owner_wait(&g->owner, &akv_group_thread);
   if (g->depth++ == 0) g->cancel_state = PTHREAD_CANCEL_DISABLE;
 }
 
