@@ -939,8 +939,11 @@ typedef struct akv_receipt {
 } akv_receipt;
 
 /**
- * Retires a sealed lease: waits (blocking, error-returning) on every consumer
- * event and every copy ticket, fills *receipt (receipt may be NULL: the same
+ * Retires a sealed lease: waits (blocking, error-returning) until every
+ * consumer event and every copy ticket passed (one wait, on the tail
+ * write-back: the lease's events form one chain on the device, each
+ * recorded behind a queue wait on the one before, so the tail passes
+ * last), fills *receipt (receipt may be NULL: the same
  * retire, no receipt), and only then releases the tickets, their host page
  * leases and the layer. The lease handle is dead
  * afterwards: every call with it, a second retire included, returns
@@ -962,9 +965,8 @@ AKV_API akv_status akv_lease_retire(akv_lease *lease, akv_receipt *receipt);
  * returns AKV_ERR_NOT_READY and changes nothing (the lease stays sealed,
  * *receipt untouched, the engine's last error untouched, nothing logged):
  * call it again later, or akv_lease_retire to block. Cost: one event query
- * while not ready; when it retires, three (tail, attention, history ready),
- * four for a lease that materialised retained pages device to device (arena
- * route); no allocation, no lock held across calls. Enqueues nothing. One
+ * (the tail, which passes last: see akv_lease_retire), ready or not; no
+ * allocation, no lock held across calls. Enqueues nothing. One
  * thread at a time, as every engine call (Thread safety, above).
  * Returns AKV_OK, AKV_ERR_NOT_READY, AKV_ERR_BAD_HANDLE, AKV_ERR_LEASE_STATE
  * (not sealed), AKV_ERR_BACKEND (a query failed: nothing released, transport

@@ -1233,7 +1233,10 @@ static void test_faults_every_route_fp8_headroom(void **state) {
     c.release_bytes = UINT64_MAX;
     sweep(&c, "paged/bf16/headroom/close/release-mid", &t);
   }
-  assert_true(t.runs * fault_stride() > 380);
+  /* Every operation of the four clean runs failed in turn: 339 of them since
+   * retire and try_retire prove a lease by its tail alone (one sync or query
+   * instead of three or four per lease). */
+  assert_true(t.runs * fault_stride() > 300);
   printf("faults: %llu runs (%llu failed at create), %llu authoritative rows read back\n",
          (unsigned long long)t.runs, (unsigned long long)t.create_failed,
          (unsigned long long)t.rows);

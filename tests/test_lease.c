@@ -702,6 +702,56 @@ static void test_try_retire(void **state) {
   tr_close(&twin);
 }
 
+/* The chain invariant (lease.c, above akv_lease_finish): a lease's tail
+ * passes last, so try_retire proves a lease with one query of it and retire
+ * with one wait on it, ready or not (akv.h). Each try below issues exactly
+ * one query and nothing else; the retire exactly one synchronise; and the
+ * gated lease answers not ready through that one query while its attention
+ * (and so its tail) is held. */
+static void test_retire_proves_by_the_tail(void **state) {
+  tr_fx f;
+  tr_gate g;
+  akv_lease *ls[3];
+  akv_engine_info a, b;
+  akv_status st;
+  (void)state;
+  memset(&g, 0, sizeof(g));
+  tr_open(&f);
+  g.e = f.e;
+  ls[0] = tr_layer(&f, 0, &g); /* attention held: neither it nor the tail can pass */
+  ls[1] = tr_layer(&f, 1, NULL);
+  ls[2] = tr_layer(&f, 2, NULL);
+  for (int k = 0; k < 20; k++) {
+    assert_int_equal(akv_engine_info_get(f.e, &a), AKV_OK);
+    assert_int_equal(akv_lease_try_retire(ls[0], NULL), AKV_ERR_NOT_READY);
+    assert_int_equal(akv_engine_info_get(f.e, &b), AKV_OK);
+    for (int op = 0; op < AKV_OP_KIND_COUNT; op++)
+      assert_int_equal(b.backend_ops[op] - a.backend_ops[op], op == AKV_OP_QUERY ? 1 : 0);
+  }
+  assert_int_equal(atomic_load(&g.passed), 0);
+  atomic_store(&g.open, 1);
+  {
+    double end = tr_now_ms() + 10000.0;
+    do {
+      assert_int_equal(akv_engine_info_get(f.e, &a), AKV_OK);
+      st = akv_lease_try_retire(ls[0], NULL);
+      assert_int_equal(akv_engine_info_get(f.e, &b), AKV_OK);
+      for (int op = 0; op < AKV_OP_KIND_COUNT; op++)
+        assert_int_equal(b.backend_ops[op] - a.backend_ops[op], op == AKV_OP_QUERY ? 1 : 0);
+    } while (st == AKV_ERR_NOT_READY && tr_now_ms() < end);
+  }
+  assert_int_equal(st, AKV_OK);
+  assert_int_equal(atomic_load(&g.passed), 1); /* retired only after the attention ran */
+  assert_int_equal(akv_engine_info_get(f.e, &a), AKV_OK);
+  assert_int_equal(akv_lease_retire(ls[1], NULL), AKV_OK);
+  assert_int_equal(akv_engine_info_get(f.e, &b), AKV_OK);
+  for (int op = 0; op < AKV_OP_KIND_COUNT; op++)
+    assert_int_equal(b.backend_ops[op] - a.backend_ops[op], op == AKV_OP_SYNC ? 1 : 0);
+  assert_int_equal(akv_lease_retire(ls[2], NULL), AKV_OK);
+  assert_int_equal(akv_step_end(f.e), AKV_OK);
+  tr_close(&f);
+}
+
 /* After a transport failure try_retire answers quarantined, like retire. */
 static void test_try_retire_after_failure(void **state) {
   akv_engine *e = akvt_small_engine(AKV_ROUTE_STAGE, 0);
@@ -745,6 +795,7 @@ int main(void) {
       cmocka_unit_test(test_failed_hook_quarantines),
       cmocka_unit_test(test_try_retire),
       cmocka_unit_test(test_try_retire_after_failure),
+      cmocka_unit_test(test_retire_proves_by_the_tail),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -572,6 +572,25 @@ AKV_API akv_status akv_lease_seal(akv_lease *handle, akv_fence tail, akv_fence a
   return st;
 }
 
+/* Invariant (the proof retire and try_retire rest on): a sealed lease's
+ * tail event passed only after every other event of the lease passed. The
+ * events form one chain on the device, each link a queue wait made before
+ * the next record:
+ *  - history ready (ev_h2d, and ev_d2d when used_d2d) are recorded by begin;
+ *  - wait_ready makes the compute stream wait on both, and mark_consumed
+ *    (or attend) records ev_attn on that same stream after it (mark_consumed
+ *    refuses another stream), so ev_attn passes after the history events;
+ *  - the first write_back makes the D2H queue wait on ev_attn before its
+ *    copies, and every write_back records ev_tail on that queue after them;
+ *    seal requires a write-back of every owner, so a sealed lease's last
+ *    ev_tail record follows the wait.
+ * A queue wait holds everything behind it until the event passed (host
+ * backend: the worker blocks without timeout; CUDA: cudaStreamWaitEvent),
+ * so ev_tail passed proves ev_attn, ev_d2d and ev_h2d passed: one query or
+ * one wait on it proves the lease complete, as begin's prior-reader wait on
+ * the tail already relies on. No event of the lease is recorded again
+ * before its retire (a layer's next lease begins after this one retired). */
+
 /* The common end of retire and try_retire, once every fence is proven:
  * fills the receipt and only then releases the tickets and the layer.
  * Returns false (nothing released) when a ticket's host slot changed
@@ -607,10 +626,8 @@ static akv_status akv_lease_retire_claimed(akv_lease *handle, akv_receipt *recei
   if (st != AKV_OK) return st;
   e = ls->engine;
   if (ls->state != AKV_LEASE_SEALED) return akv_lease_wrong_state(ls, "lease_retire", "sealed");
-  /* Error-returning waits on every copy ticket's event and every consumer. */
-  AKV_CHECK(akv_bk_event_sync(&e->bk, ls->ev_h2d));
-  if (ls->used_d2d) AKV_CHECK(akv_bk_event_sync(&e->bk, ls->ev_d2d));
-  AKV_CHECK(akv_bk_event_sync(&e->bk, ls->ev_attn));
+  /* One error-returning wait covers every copy ticket's event and every
+   * consumer: the tail passed proves the others (the chain invariant above akv_lease_finish). */
   AKV_CHECK(akv_bk_event_sync(&e->bk, ls->ev_tail));
   if (!akv_lease_finish(ls, receipt)) {
     st = AKV_ERR_BACKEND;
@@ -639,22 +656,10 @@ static akv_status akv_lease_try_retire_claimed(akv_lease *handle, akv_receipt *r
   e = ls->engine;
   if (ls->state != AKV_LEASE_SEALED)
     return akv_lease_wrong_state(ls, "lease_try_retire", "sealed");
-  /* Queries only, never a wait. The tail write-back is the last event of
-   * the chain (recorded on D2H behind the attention event, which the
-   * compute stream recorded behind the history-ready events), so it is
-   * asked first: while it has not passed, one query and nothing else.
-   * Nothing is released unless every event retire would wait on is proven
-   * passed by its own query: the same proof as retire, without blocking.
-   * Not ready is no failure: no last error, no log line, nothing changed. */
+  /* Queries only, never a wait: one query of the tail, the same proof as
+   * retire's wait (the chain invariant above akv_lease_finish), without blocking. Not ready is
+   * no failure: no last error, no log line, nothing changed. */
   AKV_CHECK(akv_bk_query(&e->bk, ls->ev_tail, &done));
-  if (!done) return AKV_ERR_NOT_READY;
-  AKV_CHECK(akv_bk_query(&e->bk, ls->ev_attn, &done));
-  if (!done) return AKV_ERR_NOT_READY;
-  if (ls->used_d2d) {
-    AKV_CHECK(akv_bk_query(&e->bk, ls->ev_d2d, &done));
-    if (!done) return AKV_ERR_NOT_READY;
-  }
-  AKV_CHECK(akv_bk_query(&e->bk, ls->ev_h2d, &done));
   if (!done) return AKV_ERR_NOT_READY;
   if (!akv_lease_finish(ls, receipt)) {
     st = AKV_ERR_BACKEND;
