@@ -619,62 +619,48 @@ static bool akv_lease_finish(akv_lease_body *ls, akv_receipt *receipt) {
   return true;
 }
 
-static akv_status akv_lease_retire_claimed(akv_lease *handle, akv_receipt *receipt) {
-  akv_lease_body *ls = NULL;
-  akv_status st = akv_lease_enter(handle, &ls);
-  akv_engine *e;
-  if (st != AKV_OK) return st;
-  e = ls->engine;
-  if (ls->state != AKV_LEASE_SEALED) return akv_lease_wrong_state(ls, "lease_retire", "sealed");
-  /* One error-returning wait covers every copy ticket's event and every
-   * consumer: the tail passed proves the others (the chain invariant above akv_lease_finish). */
-  AKV_CHECK(akv_bk_event_sync(&e->bk, ls->ev_tail));
-  if (!akv_lease_finish(ls, receipt)) {
-    st = AKV_ERR_BACKEND;
-    goto fail;
-  }
-  return AKV_OK;
-fail:
-  return akv_transport_failed(e, st, "lease_retire");
-}
-
-AKV_API akv_status akv_lease_retire(akv_lease *handle, akv_receipt *receipt) {
-  akv_engine *e;
-  akv_status st = akv_lease_claim(handle, &e);
-  if (st != AKV_OK) return st;
-  st = akv_lease_retire_claimed(handle, receipt);
-  akv_engine_release(e);
-  return st;
-}
-
-static akv_status akv_lease_try_retire_claimed(akv_lease *handle, akv_receipt *receipt) {
+/* retire (wait) and try_retire (!wait): one wait on the tail, or one query
+ * of it, proves every event of the lease passed (the chain invariant above
+ * akv_lease_finish). A query that finds the tail pending is no failure: no
+ * last error, no log line, nothing changed. */
+static akv_status akv_lease_retire_claimed(akv_lease *handle, akv_receipt *receipt, bool wait) {
+  const char *what = wait ? "lease_retire" : "lease_try_retire";
   akv_lease_body *ls = NULL;
   akv_status st = akv_lease_enter(handle, &ls);
   akv_engine *e;
   bool done = false;
   if (st != AKV_OK) return st;
   e = ls->engine;
-  if (ls->state != AKV_LEASE_SEALED)
-    return akv_lease_wrong_state(ls, "lease_try_retire", "sealed");
-  /* Queries only, never a wait: one query of the tail, the same proof as
-   * retire's wait (the chain invariant above akv_lease_finish), without blocking. Not ready is
-   * no failure: no last error, no log line, nothing changed. */
-  AKV_CHECK(akv_bk_query(&e->bk, ls->ev_tail, &done));
-  if (!done) return AKV_ERR_NOT_READY;
+  if (ls->state != AKV_LEASE_SEALED) return akv_lease_wrong_state(ls, what, "sealed");
+  if (wait) {
+    AKV_CHECK(akv_bk_event_sync(&e->bk, ls->ev_tail));
+  } else {
+    AKV_CHECK(akv_bk_query(&e->bk, ls->ev_tail, &done));
+    if (!done) return AKV_ERR_NOT_READY;
+  }
   if (!akv_lease_finish(ls, receipt)) {
     st = AKV_ERR_BACKEND;
     goto fail;
   }
   return AKV_OK;
 fail:
-  return akv_transport_failed(e, st, "lease_try_retire");
+  return akv_transport_failed(e, st, what);
+}
+
+AKV_API akv_status akv_lease_retire(akv_lease *handle, akv_receipt *receipt) {
+  akv_engine *e;
+  akv_status st = akv_lease_claim(handle, &e);
+  if (st != AKV_OK) return st;
+  st = akv_lease_retire_claimed(handle, receipt, true);
+  akv_engine_release(e);
+  return st;
 }
 
 AKV_API akv_status akv_lease_try_retire(akv_lease *handle, akv_receipt *receipt) {
   akv_engine *e;
   akv_status st = akv_lease_claim(handle, &e);
   if (st != AKV_OK) return st;
-  st = akv_lease_try_retire_claimed(handle, receipt);
+  st = akv_lease_retire_claimed(handle, receipt, false);
   akv_engine_release(e);
   return st;
 }
