@@ -160,6 +160,7 @@ typedef struct ref_geom {
   float *acc; /* workspace acc region */
   float *ml;  /* workspace ml region */
   uint32_t max_chunks; /* piece slots per (context, head) */
+  size_t ws_used;      /* workspace bytes the call writes (akv_attention_workspace_bytes) */
 } ref_geom;
 
 static akv_status geom_check(akv_dtype dtype, uint32_t n_heads, uint32_t kv_heads,
@@ -229,6 +230,7 @@ static akv_status geom_bind(ref_geom *g, uint32_t n_contexts, void *workspace,
   /* A workspace of 0 bytes (NULL included) serves calls whose lengths are
    * all 0: nothing is then read or written through it, and no offset is
    * formed from a NULL workspace (pointer arithmetic on NULL is undefined). */
+  g->ws_used = total;
   g->acc = (float *)workspace;
   g->ml = total == 0 ? (float *)workspace : (float *)((char *)workspace + acc_bytes);
   return AKV_OK;
@@ -331,6 +333,44 @@ static void combine(const ref_geom *g, uint32_t ctx, uint32_t n_chunks) {
   }
 }
 
+/* Whether what a contiguous call writes (out, the workspace bytes it uses)
+ * is clear of everything it reads and of each other (akv_attention.h,
+ * "Overlap"): q, the scales, len, the page map entries it reads, the rows
+ * of every context and the rows of every overriding page. Runs after the
+ * addressing checks, before anything is written. */
+static int contig_clear(const akv_attention_args *a, const ref_geom *g) {
+  akv_attn_writes w;
+  if (!akv_attn_dense_clear(a->n_contexts, a->n_heads, a->head_dim, a->kv_heads, a->q, a->out,
+                            a->workspace, g->ws_used, a->k_scale, a->v_scale, &w) ||
+      !akv_attn_array_clear(&w, a->len, a->n_contexts, 4u))
+    return 0;
+  const uint64_t extent = (uint64_t)a->kv_heads * a->head_dim * g->esize;
+  for (uint32_t i = 0; i < a->n_contexts; ++i) {
+    const uint32_t len = a->len[i];
+    if (len == 0) continue;
+    if (!akv_attn_rows_clear(&w, a->k_base, i, a->context_stride, len - 1u, a->row_bytes,
+                             extent) ||
+        !akv_attn_rows_clear(&w, a->v_base, i, a->context_stride, len - 1u, a->row_bytes, extent))
+      return 0;
+    if (a->page_map == NULL) continue;
+    const uint32_t n_chunks = div_up(len, a->chunk_tokens);
+    const uint32_t n_map = n_chunks < a->page_map_stride ? n_chunks : a->page_map_stride;
+    const uint32_t *map = a->page_map + (size_t)i * a->page_map_stride;
+    if (!akv_attn_array_clear(&w, map, n_map, 4u)) return 0;
+    for (uint32_t c = 0; c < n_map; ++c) {
+      const uint32_t rem = len - c * a->chunk_tokens;
+      const uint32_t n = rem < a->chunk_tokens ? rem : a->chunk_tokens;
+      if (map[c] != AKV_PAGE_STAGED &&
+          (!akv_attn_rows_clear(&w, a->k_pages, map[c], a->page_stride, n - 1u, a->row_bytes,
+                                extent) ||
+           !akv_attn_rows_clear(&w, a->v_pages, map[c], a->page_stride, n - 1u, a->row_bytes,
+                                extent)))
+        return 0;
+    }
+  }
+  return 1;
+}
+
 akv_status akv_attention_ref_bf16(const akv_attention_args *a) {
   akv_status st = AKV_ERR_INVALID_ARGUMENT;
   ref_geom g;
@@ -348,6 +388,15 @@ akv_status akv_attention_ref_bf16(const akv_attention_args *a) {
   if (a->page_map != NULL && (a->page_map_stride == 0 || a->k_pages == NULL || a->v_pages == NULL))
     goto fail;
   if (!akv_attn_aligned4(a->len) || !akv_attn_aligned4(a->page_map)) goto fail;
+  /* The page map's shape, [n_contexts][page_map_stride] uint32, fits the
+   * address space: every entry's address is formed without wrapping. */
+  if (a->page_map != NULL) {
+    akv_attn_span map;
+    uint64_t map_bytes;
+    if (!akv_attn_mul4(a->n_contexts, a->page_map_stride, 4u, 1u, &map_bytes) ||
+        !akv_attn_span_at(a->page_map, map_bytes, &map))
+      goto fail;
+  }
   {
     /* Every row offset the call forms fits ptrdiff_t: rows 0..len-1 of every
      * context at k_base/v_base (also those a page override redirects), and
@@ -383,6 +432,8 @@ akv_status akv_attention_ref_bf16(const akv_attention_args *a) {
   if (!slots_for(max_len, a->chunk_tokens, &g.max_chunks)) goto fail;
   st = geom_bind(&g, a->n_contexts, a->workspace, a->workspace_bytes);
   if (st != AKV_OK) goto fail;
+  st = AKV_ERR_INVALID_ARGUMENT;
+  if (!contig_clear(a, &g)) goto fail;
 
   for (uint32_t i = 0; i < a->n_contexts; ++i) {
     const uint32_t n_chunks = div_up(a->len[i], a->chunk_tokens);
@@ -449,6 +500,32 @@ akv_status akv_attention_args_from_view(const akv_view *v, akv_attention_args *a
   return AKV_OK;
 }
 
+/* Whether what a paged call writes is clear of everything it reads and of
+ * each other (akv_attention.h, "Overlap"): q, the scales, the table's three
+ * arrays (indices: its indptr[batch] entries) and the rows of every page.
+ * Runs after the table and addressing checks, before anything is written. */
+static int paged_clear(const akv_attention_paged_args *a, const akv_page_table *t,
+                       const ref_geom *g) {
+  akv_attn_writes w;
+  if (!akv_attn_dense_clear(t->batch, a->n_heads, a->head_dim, a->kv_heads, a->q, a->out,
+                            a->workspace, g->ws_used, a->k_scale, a->v_scale, &w) ||
+      !akv_attn_array_clear(&w, t->indptr, (uint64_t)t->batch + 1u, 4u) ||
+      !akv_attn_array_clear(&w, t->last_page_len, t->batch, 4u) ||
+      !akv_attn_array_clear(&w, t->indices, t->indptr[t->batch], 4u))
+    return 0;
+  const uint64_t extent = (uint64_t)a->kv_heads * a->head_dim * g->esize;
+  for (uint32_t i = 0; i < t->batch; ++i)
+    for (uint32_t p = t->indptr[i]; p < t->indptr[i + 1]; ++p) {
+      const uint32_t n = (p + 1 == t->indptr[i + 1]) ? t->last_page_len[i] : t->page_tokens;
+      if (!akv_attn_rows_clear(&w, t->k_pages, t->indices[p], t->page_stride, n - 1u,
+                               t->row_bytes, extent) ||
+          !akv_attn_rows_clear(&w, t->v_pages, t->indices[p], t->page_stride, n - 1u,
+                               t->row_bytes, extent))
+        return 0;
+    }
+  return 1;
+}
+
 akv_status akv_attention_paged_ref_bf16(const akv_attention_paged_args *a, akv_page_table t) {
   akv_status st = AKV_ERR_INVALID_ARGUMENT;
   ref_geom g;
@@ -498,6 +575,8 @@ akv_status akv_attention_paged_ref_bf16(const akv_attention_paged_args *a, akv_p
   }
   st = geom_bind(&g, t.batch, a->workspace, a->workspace_bytes);
   if (st != AKV_OK) goto fail;
+  st = AKV_ERR_INVALID_ARGUMENT;
+  if (!paged_clear(a, &t, &g)) goto fail;
 
   for (uint32_t i = 0; i < t.batch; ++i) {
     const uint32_t np = t.indptr[i + 1] - t.indptr[i];

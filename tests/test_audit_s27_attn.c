@@ -1,0 +1,532 @@
+/*
+ * test_audit_s27_attn.c - a hostile caller's audit of the attention API
+ * (akv_attention.h; the CUDA launchers' host-side checks where built) and of
+ * the engine config's bound that ties a page to an attention chunk.
+ *
+ *  - Overlap (akv_attention.h, "Overlap"): what a call writes (out, the
+ *    workspace bytes it uses) against every array and row range it reads
+ *    and against each other, for the contiguous call (page overrides
+ *    included) and the paged one: every pair is refused with
+ *    AKV_ERR_INVALID_ARGUMENT when one byte is shared (at either end), and
+ *    nothing anywhere is written; exactly adjacent buffers, and an output
+ *    in the bytes between two rows, are taken and give the same bytes as
+ *    separate buffers.
+ *  - Extents: an output, query or page map whose shape passes the end of the
+ *    address space is refused, not written or read.
+ *  - Config: page_tokens above AKV_ATTENTION_MAX_CHUNK_TOKENS is refused by
+ *    akv_fit and akv_engine_create alike (AKV_ERR_CONFIG); the bound itself
+ *    is taken.
+ *
+ * Every buffer of a call lives in one arena at a fixed place, so that a
+ * refused call can be checked byte for byte over the whole arena, and the
+ * written buffers can be moved onto, or right next to, each read one.
+ */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "akv.h"
+#include "akv_attention.h"
+#ifdef AKV_WITH_CUDA
+#include "akv_cuda.h"
+#endif
+
+/* ------------------------------------------------------------------------ */
+/* The arena and the geometry                                                */
+/* ------------------------------------------------------------------------ */
+
+/* One slot per buffer; a read buffer starts in the middle of its slot, so
+ * that a written buffer fits before and after it without reaching another. */
+#define SLOT ((size_t)65536)
+#define N_SLOTS 12u
+#define ARENA (SLOT * N_SLOTS)
+#define AT(k) (SLOT * (size_t)(k) + SLOT / 2)
+
+#define N_CTX 2u
+#define N_HEADS 4u
+#define KV_HEADS 2u
+#define HEAD_DIM 64u
+#define CHUNK 2u
+#define EXTENT ((uint64_t)KV_HEADS * HEAD_DIM * 2u) /* 256 B of bf16 per row */
+#define ROW ((uint64_t)EXTENT + 2048u)              /* 2 KiB between rows: room for out */
+#define CSTRIDE (4u * ROW)
+#define PSTRIDE (2u * ROW)
+#define OUT_BYTES ((size_t)N_CTX * N_HEADS * HEAD_DIM * 4u)
+
+/* Read buffers of the contiguous call, by slot. */
+enum { C_Q, C_K, C_V, C_LEN, C_KS, C_VS, C_MAP, C_KP, C_VP, C_OUT, C_WS, C_N };
+/* Read buffers of the paged call, by slot. */
+enum { P_Q, P_KS, P_VS, P_INDPTR, P_LAST, P_INDICES, P_KP, P_VP, P_OUT, P_WS, P_N };
+
+static const char *const c_names[] = {"q", "K rows", "V rows", "len", "k_scale", "v_scale",
+                                      "page_map", "K pages", "V pages"};
+static const char *const p_names[] = {"q", "k_scale", "v_scale", "indptr", "last_page_len",
+                                      "indices", "K pages", "V pages"};
+
+typedef struct span {
+  size_t lo, hi; /* arena offsets: the first byte read and one past the last */
+} span;
+
+static unsigned char *arena_new(void) {
+  unsigned char *p = (unsigned char *)aligned_alloc(256, ARENA);
+  assert_non_null(p);
+  uint32_t s = 12345u;
+  /* Small bf16 values everywhere (q, rows, pages and the bytes between). */
+  for (size_t i = 0; i < ARENA; i += 2) {
+    s = s * 1664525u + 1013904223u;
+    const float f = (float)((int)((s >> 8) % 64u) - 32) / 32.0f;
+    uint32_t b;
+    memcpy(&b, &f, sizeof b);
+    const uint16_t h = (uint16_t)(b >> 16);
+    memcpy(p + i, &h, 2);
+  }
+  return p;
+}
+
+static void put_u32s(unsigned char *arena, size_t off, const uint32_t *v, size_t n) {
+  memcpy(arena + off, v, n * 4u);
+}
+
+static void put_floats(unsigned char *arena, size_t off, const float *v, size_t n) {
+  memcpy(arena + off, v, n * 4u);
+}
+
+/* The contiguous call: 2 contexts of 3 and 4 rows in chunks of 2, rows
+ * 2 KiB apart; chunk 1 of context 0 and chunk 0 of context 1 are read from
+ * pages 1 and 0. */
+static void contig_fill(unsigned char *arena, span *rd) {
+  static const uint32_t len[N_CTX] = {3, 4};
+  static const float ks[KV_HEADS] = {0.5f, 2.0f}, vs[KV_HEADS] = {1.5f, 0.75f};
+  static const uint32_t map[N_CTX * 2] = {AKV_PAGE_STAGED, 1, 0, AKV_PAGE_STAGED};
+  put_u32s(arena, AT(C_LEN), len, N_CTX);
+  put_floats(arena, AT(C_KS), ks, KV_HEADS);
+  put_floats(arena, AT(C_VS), vs, KV_HEADS);
+  put_u32s(arena, AT(C_MAP), map, N_CTX * 2);
+  rd[C_Q] = (span){AT(C_Q), AT(C_Q) + (size_t)N_CTX * N_HEADS * HEAD_DIM * 2u};
+  /* Rows: context 0 rows 0..2 at 0, context 1 rows 0..3 at CSTRIDE. */
+  rd[C_K] = (span){AT(C_K), AT(C_K) + CSTRIDE + 3u * ROW + EXTENT};
+  rd[C_V] = (span){AT(C_V), AT(C_V) + CSTRIDE + 3u * ROW + EXTENT};
+  rd[C_LEN] = (span){AT(C_LEN), AT(C_LEN) + N_CTX * 4u};
+  rd[C_KS] = (span){AT(C_KS), AT(C_KS) + KV_HEADS * 4u};
+  rd[C_VS] = (span){AT(C_VS), AT(C_VS) + KV_HEADS * 4u};
+  rd[C_MAP] = (span){AT(C_MAP), AT(C_MAP) + N_CTX * 2u * 4u};
+  /* Pages: page 0 rows 0..1, page 1 row 0. */
+  rd[C_KP] = (span){AT(C_KP), AT(C_KP) + PSTRIDE + EXTENT};
+  rd[C_VP] = (span){AT(C_VP), AT(C_VP) + PSTRIDE + EXTENT};
+}
+
+static size_t ws_bytes_needed(void) {
+  size_t n = 0;
+  assert_int_equal(akv_attention_workspace_bytes(N_CTX, N_HEADS, HEAD_DIM, 4, CHUNK, &n), AKV_OK);
+  return n;
+}
+
+static akv_attention_args contig_args(unsigned char *arena, size_t out_off, size_t ws_off) {
+  akv_attention_args a;
+  memset(&a, 0, sizeof a);
+  a.dtype = AKV_DTYPE_BF16;
+  a.n_contexts = N_CTX;
+  a.n_heads = N_HEADS;
+  a.kv_heads = KV_HEADS;
+  a.head_dim = HEAD_DIM;
+  a.chunk_tokens = CHUNK;
+  a.scale = 0.125f;
+  a.q = arena + AT(C_Q);
+  a.k_base = arena + AT(C_K);
+  a.v_base = arena + AT(C_V);
+  a.context_stride = CSTRIDE;
+  a.row_bytes = ROW;
+  a.len = (const uint32_t *)(const void *)(arena + AT(C_LEN));
+  a.out = (float *)(void *)(arena + out_off);
+  a.workspace = arena + ws_off;
+  a.workspace_bytes = ws_bytes_needed();
+  a.page_map = (const uint32_t *)(const void *)(arena + AT(C_MAP));
+  a.page_map_stride = 2;
+  a.k_pages = arena + AT(C_KP);
+  a.v_pages = arena + AT(C_VP);
+  a.page_stride = PSTRIDE;
+  a.k_scale = (const float *)(const void *)(arena + AT(C_KS));
+  a.v_scale = (const float *)(const void *)(arena + AT(C_VS));
+  return a;
+}
+
+/* The paged call: context 0 on pages 3, 1 (3 rows), context 1 on pages 0, 2
+ * (4 rows), pages of 2 rows 2 KiB apart. */
+static void paged_fill(unsigned char *arena, span *rd) {
+  static const uint32_t indptr[N_CTX + 1] = {0, 2, 4}, indices[4] = {3, 1, 0, 2},
+                        last[N_CTX] = {1, 2};
+  static const float ks[KV_HEADS] = {0.5f, 2.0f}, vs[KV_HEADS] = {1.5f, 0.75f};
+  put_u32s(arena, AT(P_INDPTR), indptr, N_CTX + 1);
+  put_u32s(arena, AT(P_INDICES), indices, 4);
+  put_u32s(arena, AT(P_LAST), last, N_CTX);
+  put_floats(arena, AT(P_KS), ks, KV_HEADS);
+  put_floats(arena, AT(P_VS), vs, KV_HEADS);
+  rd[P_Q] = (span){AT(P_Q), AT(P_Q) + (size_t)N_CTX * N_HEADS * HEAD_DIM * 2u};
+  rd[P_KS] = (span){AT(P_KS), AT(P_KS) + KV_HEADS * 4u};
+  rd[P_VS] = (span){AT(P_VS), AT(P_VS) + KV_HEADS * 4u};
+  rd[P_INDPTR] = (span){AT(P_INDPTR), AT(P_INDPTR) + (N_CTX + 1u) * 4u};
+  rd[P_INDICES] = (span){AT(P_INDICES), AT(P_INDICES) + 4u * 4u};
+  rd[P_LAST] = (span){AT(P_LAST), AT(P_LAST) + N_CTX * 4u};
+  /* Page 0 row 0 first, page 3 row 1 last. */
+  rd[P_KP] = (span){AT(P_KP), AT(P_KP) + 3u * PSTRIDE + ROW + EXTENT};
+  rd[P_VP] = (span){AT(P_VP), AT(P_VP) + 3u * PSTRIDE + ROW + EXTENT};
+}
+
+typedef struct paged_call {
+  akv_attention_paged_args a;
+  akv_page_table t;
+} paged_call;
+
+static paged_call paged_args(unsigned char *arena, size_t out_off, size_t ws_off) {
+  paged_call c;
+  memset(&c, 0, sizeof c);
+  c.a.dtype = AKV_DTYPE_BF16;
+  c.a.n_heads = N_HEADS;
+  c.a.kv_heads = KV_HEADS;
+  c.a.head_dim = HEAD_DIM;
+  c.a.scale = 0.125f;
+  c.a.q = arena + AT(P_Q);
+  c.a.out = (float *)(void *)(arena + out_off);
+  c.a.workspace = arena + ws_off;
+  c.a.workspace_bytes = ws_bytes_needed();
+  c.a.k_scale = (const float *)(const void *)(arena + AT(P_KS));
+  c.a.v_scale = (const float *)(const void *)(arena + AT(P_VS));
+  c.t.batch = N_CTX;
+  c.t.page_tokens = CHUNK;
+  c.t.max_pages = 2;
+  c.t.indptr = (const uint32_t *)(const void *)(arena + AT(P_INDPTR));
+  c.t.indices = (const uint32_t *)(const void *)(arena + AT(P_INDICES));
+  c.t.last_page_len = (const uint32_t *)(const void *)(arena + AT(P_LAST));
+  c.t.k_pages = arena + AT(P_KP);
+  c.t.v_pages = arena + AT(P_VP);
+  c.t.page_stride = PSTRIDE;
+  c.t.row_bytes = ROW;
+  return c;
+}
+
+/* ------------------------------------------------------------------------ */
+/* The overlap sweep                                                         */
+/* ------------------------------------------------------------------------ */
+
+/* Which implementation a sweep drives. */
+typedef enum impl { REF, CUDA } impl;
+
+#ifdef AKV_WITH_CUDA
+static int have_device(void) {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+#endif
+
+/* Whether the calls a sweep expects taken are made (see expect_taken). */
+static int takes_run(impl how) {
+#ifdef AKV_WITH_CUDA
+  if (how == CUDA) return !have_device();
+#endif
+  (void)how;
+  return 1;
+}
+
+typedef struct sweep {
+  impl how;
+  int paged;
+  unsigned char *arena, *pristine;
+  span rd[C_N];
+  size_t n_read;        /* read buffers the implementation checks */
+  size_t home_out, home_ws;
+  size_t ws_bytes;
+  unsigned char want[OUT_BYTES]; /* the bytes of out with every buffer apart */
+  unsigned refused, taken;       /* cases run */
+} sweep;
+
+static akv_status run_call(sweep *s, size_t out_off, size_t ws_off) {
+  if (!s->paged) {
+    const akv_attention_args a = contig_args(s->arena, out_off, ws_off);
+#ifdef AKV_WITH_CUDA
+    if (s->how == CUDA) return akv_attention_decode_cuda(&a, 0);
+#endif
+    return akv_attention_ref_bf16(&a);
+  }
+  const paged_call c = paged_args(s->arena, out_off, ws_off);
+#ifdef AKV_WITH_CUDA
+  if (s->how == CUDA) return akv_attention_paged_cuda(&c.a, c.t, 0);
+#endif
+  return akv_attention_paged_ref_bf16(&c.a, c.t);
+}
+
+/* Refused with nothing written anywhere in the arena. */
+static void expect_refused(sweep *s, size_t out_off, size_t ws_off, const char *what) {
+  const akv_status st = run_call(s, out_off, ws_off);
+  if (st != AKV_ERR_INVALID_ARGUMENT)
+    fail_msg("%s %s: %s overlapping: status %d, want AKV_ERR_INVALID_ARGUMENT",
+             s->how == REF ? "reference" : "CUDA", s->paged ? "paged" : "contiguous", what,
+             (int)st);
+  if (memcmp(s->arena, s->pristine, ARENA) != 0)
+    fail_msg("%s: a refused call wrote into the arena", what);
+  s->refused++;
+}
+
+/* Taken: the reference gives the bytes of the call with every buffer apart;
+ * CUDA without a device passes every check and fails at the launch
+ * (AKV_ERR_BACKEND). With a device the CUDA calls are not made (host
+ * memory: the GPU test file checks the same placements on the device). */
+static void expect_taken(sweep *s, size_t out_off, size_t ws_off, const char *what) {
+#ifdef AKV_WITH_CUDA
+  if (s->how == CUDA) {
+    if (have_device()) return;
+    const akv_status st = run_call(s, out_off, ws_off);
+    if (st != AKV_ERR_BACKEND)
+      fail_msg("CUDA %s: %s adjacent: status %d, want AKV_ERR_BACKEND (no device)",
+               s->paged ? "paged" : "contiguous", what, (int)st);
+    s->taken++;
+    return;
+  }
+#endif
+  const akv_status st = run_call(s, out_off, ws_off);
+  if (st != AKV_OK)
+    fail_msg("reference %s: %s adjacent: status %d, want AKV_OK", s->paged ? "paged" : "contiguous",
+             what, (int)st);
+  if (memcmp(s->arena + out_off, s->want, OUT_BYTES) != 0)
+    fail_msg("%s adjacent: other bytes than with the buffers apart", what);
+  memcpy(s->arena, s->pristine, ARENA);
+  s->taken++;
+}
+
+static size_t down(size_t x, size_t a) { return x / a * a; }
+static size_t up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+/* Written buffer w (0 out, 1 workspace) of `bytes` bytes, aligned to `al`,
+ * against span r: sharing r's last byte, sharing its first byte, right
+ * after it and right before it (where the alignment allows). */
+static void sweep_pair(sweep *s, int w, span r, size_t bytes, size_t al, const char *name) {
+  char what[96];
+  snprintf(what, sizeof what, "%s and %s", w == 0 ? "out" : "workspace", name);
+  const size_t other = w == 0 ? s->home_ws : s->home_out;
+#define CALL_AT(fn, off) (w == 0 ? fn(s, (off), other, what) : fn(s, other, (off), what))
+  CALL_AT(expect_refused, down(r.hi - 1u, al));
+  CALL_AT(expect_refused, up(r.lo + 1u, al) - bytes);
+  if (r.hi % al == 0) CALL_AT(expect_taken, r.hi);
+  if ((r.lo - bytes) % al == 0) CALL_AT(expect_taken, r.lo - bytes);
+#undef CALL_AT
+}
+
+static void sweep_run(impl how, int paged) {
+  sweep *s = (sweep *)calloc(1, sizeof *s);
+  assert_non_null(s);
+  s->how = how;
+  s->paged = paged;
+  s->arena = arena_new();
+  s->pristine = (unsigned char *)malloc(ARENA);
+  assert_non_null(s->pristine);
+  const char *const *names;
+  if (!paged) {
+    contig_fill(s->arena, s->rd);
+    s->home_out = AT(C_OUT);
+    s->home_ws = AT(C_WS);
+    /* CUDA does not know the pages a device page map names. */
+    s->n_read = how == CUDA ? C_MAP + 1 : C_VP + 1;
+    names = c_names;
+  } else {
+    paged_fill(s->arena, s->rd);
+    s->home_out = AT(P_OUT);
+    s->home_ws = AT(P_WS);
+    /* CUDA knows neither the indices (indptr is device memory) nor pages. */
+    s->n_read = how == CUDA ? P_LAST + 1 : P_VP + 1;
+    names = p_names;
+  }
+  s->ws_bytes = ws_bytes_needed();
+  memcpy(s->pristine, s->arena, ARENA);
+  /* The baseline: every buffer apart (the reference's bytes serve both). */
+  if (how == REF) {
+    assert_int_equal(run_call(s, s->home_out, s->home_ws), AKV_OK);
+    memcpy(s->want, s->arena + s->home_out, OUT_BYTES);
+    for (size_t i = 0; i < OUT_BYTES / 4; ++i) {
+      float f;
+      memcpy(&f, s->want + 4 * i, 4);
+      assert_true(isfinite(f));
+    }
+    memcpy(s->arena, s->pristine, ARENA);
+  }
+  const size_t out_al = 4, ws_al = how == CUDA ? 16 : 4;
+  for (size_t k = 0; k < s->n_read; ++k) {
+    sweep_pair(s, 0, s->rd[k], OUT_BYTES, out_al, names[k]);
+    sweep_pair(s, 1, s->rd[k], s->ws_bytes, ws_al, names[k]);
+  }
+  /* out against the workspace (at home). */
+  sweep_pair(s, 0, (span){s->home_ws, s->home_ws + s->ws_bytes}, OUT_BYTES, out_al,
+             "the workspace");
+  if (!paged) {
+    /* The 2 KiB between K rows 0 and 1 of context 0 are not read: an
+     * output there is taken; four bytes later it meets row 1. */
+    expect_taken(s, AT(C_K) + EXTENT, s->home_ws, "out between two K rows and K rows");
+    expect_refused(s, AT(C_K) + EXTENT + 4u, s->home_ws, "out and K row 1");
+    /* A page the map does not name (page 1 row 1) is not read. */
+    if (how == REF) expect_taken(s, AT(C_KP) + PSTRIDE + ROW, s->home_ws, "out and K page 1 row 1");
+  }
+  /* Each read buffer: two refusals per written buffer; adjacency where the
+   * alignment allows it, at least one per read buffer and written one. */
+  assert_true(s->refused >= 4u * s->n_read + 2u);
+  if (takes_run(how)) assert_true(s->taken >= 2u * s->n_read);
+  free(s->pristine);
+  free(s->arena);
+  free(s);
+}
+
+static void test_overlap_contig_ref(void **state) {
+  (void)state;
+  sweep_run(REF, 0);
+}
+
+static void test_overlap_paged_ref(void **state) {
+  (void)state;
+  sweep_run(REF, 1);
+}
+
+#ifdef AKV_WITH_CUDA
+static void test_overlap_contig_cuda(void **state) {
+  (void)state;
+  sweep_run(CUDA, 0);
+}
+
+static void test_overlap_paged_cuda(void **state) {
+  (void)state;
+  sweep_run(CUDA, 1);
+}
+#endif
+
+/* ------------------------------------------------------------------------ */
+/* Extents past the end of the address space                                 */
+/* ------------------------------------------------------------------------ */
+
+/* The last bytes of the address space, aligned for every argument: no
+ * buffer of the shapes below can lie there. */
+#define TOP(back) ((void *)(uintptr_t)((UINTPTR_MAX - (uintptr_t)(back)) & ~(uintptr_t)255))
+
+static void test_extents_past_the_address_space(void **state) {
+  (void)state;
+  unsigned char *arena = arena_new();
+  span rd[C_N];
+  contig_fill(arena, rd);
+  unsigned char *keep = (unsigned char *)malloc(ARENA);
+  assert_non_null(keep);
+  memcpy(keep, arena, ARENA);
+  const akv_attention_args base = contig_args(arena, AT(C_OUT), AT(C_WS));
+  akv_attention_args a = base;
+  assert_int_equal(akv_attention_ref_bf16(&a), AKV_OK);
+  memcpy(arena, keep, ARENA);
+  /* out: 2 KiB from 256 bytes before the end (the call writes it all). */
+  a.out = (float *)TOP(0);
+  assert_int_equal(akv_attention_ref_bf16(&a), AKV_ERR_INVALID_ARGUMENT);
+  /* q: 1 KiB read from there. */
+  a = base;
+  a.q = TOP(0);
+  assert_int_equal(akv_attention_ref_bf16(&a), AKV_ERR_INVALID_ARGUMENT);
+  assert_memory_equal(arena, keep, ARENA);
+  /* A page map of shape [2][2^31] uint32 at the top: its entries' addresses
+   * would wrap. */
+  a = base;
+  a.page_map = (const uint32_t *)TOP(0);
+  a.page_map_stride = 0x80000000u;
+  assert_int_equal(akv_attention_ref_bf16(&a), AKV_ERR_INVALID_ARGUMENT);
+  assert_memory_equal(arena, keep, ARENA);
+  /* Paged: out past the end. */
+  paged_fill(arena, rd);
+  memcpy(keep, arena, ARENA);
+  paged_call c = paged_args(arena, AT(P_OUT), AT(P_WS));
+  c.a.out = (float *)TOP(0);
+  assert_int_equal(akv_attention_paged_ref_bf16(&c.a, c.t), AKV_ERR_INVALID_ARGUMENT);
+  assert_memory_equal(arena, keep, ARENA);
+#ifdef AKV_WITH_CUDA
+  a = base;
+  a.out = (float *)TOP(0);
+  assert_int_equal(akv_attention_decode_cuda(&a, 0), AKV_ERR_INVALID_ARGUMENT);
+  a = base;
+  a.page_map = (const uint32_t *)TOP(0);
+  a.page_map_stride = 0x80000000u;
+  assert_int_equal(akv_attention_decode_cuda(&a, 0), AKV_ERR_INVALID_ARGUMENT);
+  assert_int_equal(akv_attention_paged_cuda(&c.a, c.t, 0), AKV_ERR_INVALID_ARGUMENT);
+#endif
+  free(keep);
+  free(arena);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Config: a page is an attention chunk                                      */
+/* ------------------------------------------------------------------------ */
+
+static void silent_log(void *user, akv_log_level level, const char *message) {
+  (void)user, (void)level, (void)message;
+}
+
+/* A config whose page is page_tokens rows of a history of 2^32 - 1 rows of
+ * 1-byte rows: akv_fit answers a verdict (AKV_OK) unless a field is out of
+ * range. */
+static akv_engine_config big_page_cfg(uint32_t page_tokens) {
+  akv_engine_config c;
+  assert_int_equal(akv_engine_config_init(&c), AKV_OK);
+  c.backend = AKV_BACKEND_HOST;
+  c.n_dense_layers = 1;
+  c.kv_heads = 1;
+  c.head_dim = 1;
+  c.dtype = AKV_DTYPE_FP8_E4M3;
+  c.max_tokens = UINT32_MAX;
+  c.page_tokens = page_tokens;
+  c.host_pool_gib = 1;
+  c.max_contexts = 1;
+  c.log_fn = silent_log;
+  return c;
+}
+
+static void test_config_page_beyond_attention_chunk(void **state) {
+  (void)state;
+  akv_fit_report r, keep;
+  /* One row past the bound: refused by both, nothing written. */
+  akv_engine_config c = big_page_cfg(AKV_ATTENTION_MAX_CHUNK_TOKENS + 1u);
+  memset(&r, 0x5A, sizeof r);
+  memcpy(&keep, &r, sizeof r);
+  assert_int_equal(akv_fit(&c, &r), AKV_ERR_CONFIG);
+  assert_memory_equal(&r, &keep, sizeof r);
+  akv_engine *e = (akv_engine *)(uintptr_t)0x1234;
+  assert_int_equal(akv_engine_create(&c, &e), AKV_ERR_CONFIG);
+  assert_true(e == (akv_engine *)(uintptr_t)0x1234);
+  c.page_tokens = UINT32_MAX;
+  assert_int_equal(akv_fit(&c, &r), AKV_ERR_CONFIG);
+  assert_int_equal(akv_engine_create(&c, &e), AKV_ERR_CONFIG);
+  /* Every route: the engine cannot tell whose attention runs. */
+  c.route = AKV_ROUTE_PAGED;
+  assert_int_equal(akv_fit(&c, &r), AKV_ERR_CONFIG);
+  c.route = AKV_ROUTE_ARENA;
+  assert_int_equal(akv_fit(&c, &r), AKV_ERR_CONFIG);
+  /* The bound itself: a verdict (this pool holds no such history). */
+  c = big_page_cfg(AKV_ATTENTION_MAX_CHUNK_TOKENS);
+  assert_int_equal(akv_fit(&c, &r), AKV_OK);
+  assert_int_equal(r.ok, 0);
+  assert_int_equal(akv_engine_create(&c, &e), AKV_ERR_NO_FIT);
+  assert_true(e == (akv_engine *)(uintptr_t)0x1234);
+  /* And the chunk the bound names is one the attention takes. */
+  size_t ws = 0;
+  assert_int_equal(akv_attention_workspace_bytes(1, 1, 64, AKV_ATTENTION_MAX_CHUNK_TOKENS,
+                                                 AKV_ATTENTION_MAX_CHUNK_TOKENS, &ws),
+                   AKV_OK);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_overlap_contig_ref),
+      cmocka_unit_test(test_overlap_paged_ref),
+#ifdef AKV_WITH_CUDA
+      cmocka_unit_test(test_overlap_contig_cuda),
+      cmocka_unit_test(test_overlap_paged_cuda),
+#endif
+      cmocka_unit_test(test_extents_past_the_address_space),
+      cmocka_unit_test(test_config_page_beyond_attention_chunk),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
