@@ -117,7 +117,9 @@
  * buffers are taken. CUDA checks what the host knows: everything above but
  * the pages a page map names (the map is device memory) and, for a page
  * table, its indices and pages (indptr is device memory); overlap there
- * is the caller's error, with undefined results.
+ * is the caller's error, with undefined results. The argument structs
+ * themselves (akv_attention_args, akv_attention_paged_args) are read once,
+ * on entry: they may lie anywhere, in out or the workspace included.
  *
  * Alignment (reference): q is 2-byte aligned, out and workspace 4-byte
  * aligned, and so are the uint32 and float arrays (len, page_map, the page
@@ -222,7 +224,8 @@ typedef struct akv_attention_args {
  * Returns AKV_OK or AKV_ERR_INVALID_ARGUMENT (NULL view or args, or a view no
  * engine makes: base NULL; page_map set without pages, page_tokens or
  * page_map_stride; v_offset moving base or pages past the end of the address
- * space). On failure *args is untouched.
+ * space). On failure *args is untouched. *view is read whole before *args
+ * is written, so the two may share memory.
  */
 AKV_API akv_status akv_attention_args_from_view(const akv_view *view, akv_attention_args *args);
 

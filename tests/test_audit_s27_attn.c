@@ -458,6 +458,112 @@ static void test_extents_past_the_address_space(void **state) {
 }
 
 /* ------------------------------------------------------------------------ */
+/* The argument struct in memory the call writes                             */
+/* ------------------------------------------------------------------------ */
+
+/* akv_attention_args and akv_attention_paged_args are read once, on entry:
+ * a caller that keeps the struct at the start of the workspace or of out
+ * (memory it hands the call to write) gets the bytes of the same call with
+ * the struct apart, not a call that reads its own partials back as
+ * pointers and counts. */
+static void test_args_struct_in_written_memory(void **state) {
+  (void)state;
+  unsigned char *arena = arena_new();
+  span rd[C_N];
+  contig_fill(arena, rd);
+  const akv_attention_args base = contig_args(arena, AT(C_OUT), AT(C_WS));
+  akv_attention_args a = base;
+  assert_int_equal(akv_attention_ref_bf16(&a), AKV_OK);
+  unsigned char want[OUT_BYTES];
+  memcpy(want, arena + AT(C_OUT), OUT_BYTES);
+  memset(arena + AT(C_OUT), 0, OUT_BYTES);
+  /* In the workspace. */
+  assert_true(sizeof base <= base.workspace_bytes);
+  memcpy(arena + AT(C_WS), &base, sizeof base);
+  assert_int_equal(akv_attention_ref_bf16((const akv_attention_args *)(void *)(arena + AT(C_WS))),
+                   AKV_OK);
+  assert_memory_equal(arena + AT(C_OUT), want, OUT_BYTES);
+  /* In out. */
+  memset(arena + AT(C_OUT), 0, OUT_BYTES);
+  assert_true(sizeof base <= OUT_BYTES);
+  memcpy(arena + AT(C_OUT), &base, sizeof base);
+  assert_int_equal(akv_attention_ref_bf16((const akv_attention_args *)(void *)(arena + AT(C_OUT))),
+                   AKV_OK);
+  assert_memory_equal(arena + AT(C_OUT), want, OUT_BYTES);
+
+  /* Paged: the same for akv_attention_paged_args. */
+  paged_fill(arena, rd);
+  paged_call c = paged_args(arena, AT(P_OUT), AT(P_WS));
+  assert_int_equal(akv_attention_paged_ref_bf16(&c.a, c.t), AKV_OK);
+  memcpy(want, arena + AT(P_OUT), OUT_BYTES);
+  memset(arena + AT(P_OUT), 0, OUT_BYTES);
+  memcpy(arena + AT(P_WS), &c.a, sizeof c.a);
+  assert_int_equal(akv_attention_paged_ref_bf16(
+                       (const akv_attention_paged_args *)(void *)(arena + AT(P_WS)), c.t),
+                   AKV_OK);
+  assert_memory_equal(arena + AT(P_OUT), want, OUT_BYTES);
+  memset(arena + AT(P_OUT), 0, OUT_BYTES);
+  memcpy(arena + AT(P_OUT), &c.a, sizeof c.a);
+  assert_int_equal(akv_attention_paged_ref_bf16(
+                       (const akv_attention_paged_args *)(void *)(arena + AT(P_OUT)), c.t),
+                   AKV_OK);
+  assert_memory_equal(arena + AT(P_OUT), want, OUT_BYTES);
+  free(arena);
+}
+
+/* akv_attention_args_from_view with *args over *view (one buffer holding
+ * both): every field it fills is the view's, as with the two apart; the view
+ * is read whole before *args is written. */
+static void test_args_from_view_aliased(void **state) {
+  (void)state;
+  static const uint32_t len[2] = {3, 4}, map[4] = {AKV_PAGE_STAGED, 1, 0, AKV_PAGE_STAGED};
+  static _Alignas(256) unsigned char rows[4096], pages[4096];
+  akv_view v;
+  memset(&v, 0, sizeof v);
+  v.step = 0x1111111111111111ull;
+  v.layer = 3;
+  v.n_contexts = 2;
+  v.kv_heads = KV_HEADS;
+  v.head_dim = HEAD_DIM;
+  v.dtype = AKV_DTYPE_FP8_E5M2;
+  v.row_stride = 2 * EXTENT;
+  v.base = rows;
+  v.context_stride = 4 * 2 * EXTENT;
+  v.v_offset = EXTENT;
+  v.len = len;
+  v.page_tokens = CHUNK;
+  v.page_map_stride = 2;
+  v.page_map = map;
+  v.page_map_host = map;
+  v.pages = pages;
+  v.page_stride = 2 * 2 * EXTENT;
+  akv_attention_args want;
+  memset(&want, 0, sizeof want);
+  assert_int_equal(akv_attention_args_from_view(&v, &want), AKV_OK);
+  union {
+    akv_view v;
+    akv_attention_args a;
+  } u;
+  memset(&u, 0, sizeof u);
+  u.v = v;
+  assert_int_equal(akv_attention_args_from_view(&u.v, &u.a), AKV_OK);
+  assert_int_equal(u.a.dtype, want.dtype);
+  assert_int_equal(u.a.n_contexts, want.n_contexts);
+  assert_int_equal(u.a.kv_heads, want.kv_heads);
+  assert_int_equal(u.a.head_dim, want.head_dim);
+  assert_int_equal(u.a.chunk_tokens, want.chunk_tokens);
+  assert_ptr_equal(u.a.k_base, want.k_base);
+  assert_ptr_equal(u.a.v_base, want.v_base);
+  assert_int_equal(u.a.context_stride, want.context_stride);
+  assert_int_equal(u.a.row_bytes, want.row_bytes);
+  assert_ptr_equal(u.a.page_map, want.page_map);
+  assert_int_equal(u.a.page_map_stride, want.page_map_stride);
+  assert_ptr_equal(u.a.k_pages, want.k_pages);
+  assert_ptr_equal(u.a.v_pages, want.v_pages);
+  assert_int_equal(u.a.page_stride, want.page_stride);
+}
+
+/* ------------------------------------------------------------------------ */
 /* Config: a page is an attention chunk                                      */
 /* ------------------------------------------------------------------------ */
 
@@ -526,6 +632,8 @@ int main(void) {
       cmocka_unit_test(test_overlap_paged_cuda),
 #endif
       cmocka_unit_test(test_extents_past_the_address_space),
+      cmocka_unit_test(test_args_struct_in_written_memory),
+      cmocka_unit_test(test_args_from_view_aliased),
       cmocka_unit_test(test_config_page_beyond_attention_chunk),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -1430,13 +1430,18 @@ extern "C" int akv_attn_bench_trace_read(unsigned long long *dst, size_t count, 
 }
 #endif
 
-extern "C" AKV_API akv_status akv_attention_decode_cuda(const akv_attention_args *a,
+extern "C" AKV_API akv_status akv_attention_decode_cuda(const akv_attention_args *args,
                                                         cudaStream_t stream) {
   akv_status st = AKV_ERR_INVALID_ARGUMENT;
   uint32_t max_len = 0;
   uint64_t slots = 0;
   size_t acc_bytes = 0, total = 0;
-  if (a == nullptr) goto fail;
+  /* *args is read once, here, as the reference reads it (it may lie in
+   * memory the enqueued kernels write: mapped host memory). */
+  akv_attention_args local;
+  const akv_attention_args *a = &local;
+  if (args == nullptr) goto fail;
+  local = *args;
   st = check_common(a->dtype, a->n_heads, a->kv_heads, a->head_dim, a->row_bytes, a->scale, a->q,
                     a->out, a->workspace, a->k_scale, a->v_scale);
   if (st != AKV_OK) goto fail;
@@ -1533,12 +1538,15 @@ fail:
   return st;
 }
 
-extern "C" AKV_API akv_status akv_attention_paged_cuda(const akv_attention_paged_args *a,
+extern "C" AKV_API akv_status akv_attention_paged_cuda(const akv_attention_paged_args *args,
                                                        akv_page_table t, cudaStream_t stream) {
   akv_status st = AKV_ERR_INVALID_ARGUMENT;
   uint64_t slots = 0;
   size_t acc_bytes = 0, total = 0;
-  if (a == nullptr) goto fail;
+  akv_attention_paged_args local; /* read once, as akv_attention_decode_cuda reads its struct */
+  const akv_attention_paged_args *a = &local;
+  if (args == nullptr) goto fail;
+  local = *args;
   st = check_common(a->dtype, a->n_heads, a->kv_heads, a->head_dim, t.row_bytes, a->scale, a->q,
                     a->out, a->workspace, a->k_scale, a->v_scale);
   if (st != AKV_OK) goto fail;

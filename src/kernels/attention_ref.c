@@ -371,11 +371,16 @@ static int contig_clear(const akv_attention_args *a, const ref_geom *g) {
   return 1;
 }
 
-akv_status akv_attention_ref_bf16(const akv_attention_args *a) {
+akv_status akv_attention_ref_bf16(const akv_attention_args *args) {
   akv_status st = AKV_ERR_INVALID_ARGUMENT;
   ref_geom g;
   uint32_t max_len = 0;
-  if (a == NULL) goto fail;
+  /* *args is read once, here: the caller's struct may lie in out or the
+   * workspace, which the call writes (akv_attention.h, "Overlap"). */
+  akv_attention_args local;
+  const akv_attention_args *a = &local;
+  if (args == NULL) goto fail;
+  local = *args;
   st = geom_check(a->dtype, a->n_heads, a->kv_heads, a->head_dim, a->row_bytes, a->scale, a->q,
                   a->out, a->workspace, a->k_scale, a->v_scale);
   if (st != AKV_OK) goto fail;
@@ -466,8 +471,10 @@ fail:
   return st;
 }
 
-akv_status akv_attention_args_from_view(const akv_view *v, akv_attention_args *a) {
-  if (v == NULL || a == NULL) return AKV_ERR_INVALID_ARGUMENT;
+akv_status akv_attention_args_from_view(const akv_view *view, akv_attention_args *a) {
+  if (view == NULL || a == NULL) return AKV_ERR_INVALID_ARGUMENT;
+  /* The view is read whole before *a is written: the two may share memory. */
+  const akv_view copy = *view, *v = &copy;
   /* A view an engine made has its rows, and on the paged route its pages
    * and page size; V sits v_offset past each without wrapping. Anything
    * else is refused before *a is written. */
@@ -526,10 +533,15 @@ static int paged_clear(const akv_attention_paged_args *a, const akv_page_table *
   return 1;
 }
 
-akv_status akv_attention_paged_ref_bf16(const akv_attention_paged_args *a, akv_page_table t) {
+akv_status akv_attention_paged_ref_bf16(const akv_attention_paged_args *args,
+                                        akv_page_table t) {
   akv_status st = AKV_ERR_INVALID_ARGUMENT;
   ref_geom g;
-  if (a == NULL) goto fail;
+  /* Read once, as akv_attention_ref_bf16 reads its struct. */
+  akv_attention_paged_args local;
+  const akv_attention_paged_args *a = &local;
+  if (args == NULL) goto fail;
+  local = *args;
   st = geom_check(a->dtype, a->n_heads, a->kv_heads, a->head_dim, t.row_bytes, a->scale, a->q,
                   a->out, a->workspace, a->k_scale, a->v_scale);
   if (st != AKV_OK) goto fail;
