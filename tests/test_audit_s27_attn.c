@@ -563,6 +563,47 @@ static void test_args_from_view_aliased(void **state) {
   assert_int_equal(u.a.page_stride, want.page_stride);
 }
 
+/* A workspace too small for what the scalars and len promise is refused
+ * before the page map or the page table's indices are read: a call that
+ * names 2^30 chunks of one row, a page map or indices of 4 entries (heap
+ * arrays of exactly that size: the sanitizer build reports a read past
+ * them) and a workspace of 1 KiB is AKV_ERR_INVALID_ARGUMENT, not a read of
+ * 2^30 entries. */
+static void test_workspace_refused_before_arrays_read(void **state) {
+  (void)state;
+  unsigned char *arena = arena_new();
+  span rd[C_N];
+  contig_fill(arena, rd);
+  uint32_t *four = (uint32_t *)malloc(4 * sizeof(uint32_t));
+  assert_non_null(four);
+  for (uint32_t i = 0; i < 4; ++i) four[i] = i;
+  static const uint32_t len[1] = {0x40000000u};
+  akv_attention_args a = contig_args(arena, AT(C_OUT), AT(C_WS));
+  a.n_contexts = 1;
+  a.chunk_tokens = 1;
+  a.len = len;
+  a.context_stride = 0;
+  a.page_map = four;
+  a.page_map_stride = 0x40000000u;
+  a.workspace_bytes = 1024;
+  assert_int_equal(akv_attention_ref_bf16(&a), AKV_ERR_INVALID_ARGUMENT);
+
+  paged_fill(arena, rd);
+  paged_call c = paged_args(arena, AT(P_OUT), AT(P_WS));
+  static const uint32_t indptr[2] = {0, 0x40000000u}, last[1] = {1};
+  c.t.batch = 1;
+  c.t.page_tokens = 1;
+  c.t.max_pages = 0x40000000u;
+  c.t.indptr = indptr;
+  c.t.indices = four;
+  c.t.last_page_len = last;
+  c.t.page_stride = 0;
+  c.a.workspace_bytes = 1024;
+  assert_int_equal(akv_attention_paged_ref_bf16(&c.a, c.t), AKV_ERR_INVALID_ARGUMENT);
+  free(four);
+  free(arena);
+}
+
 /* ------------------------------------------------------------------------ */
 /* Config: a page is an attention chunk                                      */
 /* ------------------------------------------------------------------------ */
@@ -634,6 +675,7 @@ int main(void) {
       cmocka_unit_test(test_extents_past_the_address_space),
       cmocka_unit_test(test_args_struct_in_written_memory),
       cmocka_unit_test(test_args_from_view_aliased),
+      cmocka_unit_test(test_workspace_refused_before_arrays_read),
       cmocka_unit_test(test_config_page_beyond_attention_chunk),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

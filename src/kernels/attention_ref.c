@@ -404,8 +404,8 @@ akv_status akv_attention_ref_bf16(const akv_attention_args *args) {
   }
   {
     /* Every row offset the call forms fits ptrdiff_t: rows 0..len-1 of every
-     * context at k_base/v_base (also those a page override redirects), and
-     * the rows of every overriding page. */
+     * context at k_base/v_base (also those a page override redirects) here,
+     * the rows of every overriding page below. */
     const uint64_t extent = (uint64_t)a->kv_heads * a->head_dim * akv_attn_elem_bytes(a->dtype);
     for (uint32_t i = 0; i < a->n_contexts; ++i) {
       const uint32_t len = a->len[i];
@@ -416,7 +416,24 @@ akv_status akv_attention_ref_bf16(const akv_attention_args *args) {
           !akv_attn_rows_addressable(a->v_base, i, a->context_stride, len - 1u, a->row_bytes,
                                      extent))
         goto fail;
-      if (a->page_map == NULL) continue;
+    }
+  }
+
+  /* The workspace is checked before the page map is read: a call whose
+   * lengths ask for more than the workspace holds is refused without
+   * reading the entries those lengths would look up. */
+  geom_fill(&g, a->dtype, a->n_heads, a->kv_heads, a->head_dim, a->scale, a->q, a->out,
+            a->k_scale, a->v_scale);
+  if (!slots_for(max_len, a->chunk_tokens, &g.max_chunks)) goto fail;
+  st = geom_bind(&g, a->n_contexts, a->workspace, a->workspace_bytes);
+  if (st != AKV_OK) goto fail;
+  st = AKV_ERR_INVALID_ARGUMENT;
+
+  if (a->page_map != NULL) {
+    const uint64_t extent = (uint64_t)a->kv_heads * a->head_dim * akv_attn_elem_bytes(a->dtype);
+    for (uint32_t i = 0; i < a->n_contexts; ++i) {
+      const uint32_t len = a->len[i];
+      if (len == 0) continue;
       const uint32_t n_chunks = div_up(len, a->chunk_tokens);
       for (uint32_t c = 0; c < n_chunks && c < a->page_map_stride; ++c) {
         const uint32_t page = a->page_map[(size_t)i * a->page_map_stride + c];
@@ -431,13 +448,6 @@ akv_status akv_attention_ref_bf16(const akv_attention_args *args) {
       }
     }
   }
-
-  geom_fill(&g, a->dtype, a->n_heads, a->kv_heads, a->head_dim, a->scale, a->q, a->out,
-            a->k_scale, a->v_scale);
-  if (!slots_for(max_len, a->chunk_tokens, &g.max_chunks)) goto fail;
-  st = geom_bind(&g, a->n_contexts, a->workspace, a->workspace_bytes);
-  if (st != AKV_OK) goto fail;
-  st = AKV_ERR_INVALID_ARGUMENT;
   if (!contig_clear(a, &g)) goto fail;
 
   for (uint32_t i = 0; i < a->n_contexts; ++i) {
@@ -563,6 +573,19 @@ akv_status akv_attention_paged_ref_bf16(const akv_attention_paged_args *args,
     if (np > 0 && (t.last_page_len[i] == 0 || t.last_page_len[i] > t.page_tokens)) goto fail;
   }
   if (t.indptr[t.batch] > 0 && t.indices == NULL) goto fail;
+  /* The workspace is checked before indices is read: a table whose
+   * max_pages asks for more than the workspace holds is refused without
+   * reading the page ids its indptr names. */
+  geom_fill(&g, a->dtype, a->n_heads, a->kv_heads, a->head_dim, a->scale, a->q, a->out,
+            a->k_scale, a->v_scale);
+  {
+    const uint64_t slots = (uint64_t)t.max_pages * akv_attn_pieces(t.page_tokens);
+    if (slots > UINT32_MAX) goto fail;
+    g.max_chunks = (uint32_t)slots;
+  }
+  st = geom_bind(&g, t.batch, a->workspace, a->workspace_bytes);
+  if (st != AKV_OK) goto fail;
+  st = AKV_ERR_INVALID_ARGUMENT;
   {
     /* Page ids are not range-checked (the table does not know the pool),
      * but every row offset the call forms fits ptrdiff_t. */
@@ -577,17 +600,6 @@ akv_status akv_attention_paged_ref_bf16(const akv_attention_paged_args *args,
           goto fail;
       }
   }
-
-  geom_fill(&g, a->dtype, a->n_heads, a->kv_heads, a->head_dim, a->scale, a->q, a->out,
-            a->k_scale, a->v_scale);
-  {
-    const uint64_t slots = (uint64_t)t.max_pages * akv_attn_pieces(t.page_tokens);
-    if (slots > UINT32_MAX) goto fail;
-    g.max_chunks = (uint32_t)slots;
-  }
-  st = geom_bind(&g, t.batch, a->workspace, a->workspace_bytes);
-  if (st != AKV_OK) goto fail;
-  st = AKV_ERR_INVALID_ARGUMENT;
   if (!paged_clear(a, &t, &g)) goto fail;
 
   for (uint32_t i = 0; i < t.batch; ++i) {
