@@ -125,6 +125,9 @@
  * aligned, and so are the uint32 and float arrays (len, page_map, the page
  * table's indptr, indices and last_page_len, k_scale, v_scale); K/V rows,
  * strides and pages take any alignment. CUDA asks for more (akv_cuda.h).
+ * Every function here also refuses, with AKV_ERR_INVALID_ARGUMENT and before
+ * any access through it, a struct or size_t pointer (args, view, the
+ * workspace size's out) not aligned for its type.
  *
  * Thread safety: every function is reentrant; concurrent calls are safe as
  * long as they do not share an output or a workspace.
@@ -221,7 +224,8 @@ typedef struct akv_attention_args {
  * view->len[i] + 1, the new row included; FP8: the layer's scales). The page map passed on is view->page_map (device memory on
  * CUDA, host memory on the host backend), so the result suits the CUDA
  * launcher on CUDA and the reference on the host backend. Thread-safe.
- * Returns AKV_OK or AKV_ERR_INVALID_ARGUMENT (NULL view or args, or a view no
+ * Returns AKV_OK or AKV_ERR_INVALID_ARGUMENT (NULL or misaligned view or
+ * args, or a view no
  * engine makes: base NULL; page_map set without pages, page_tokens or
  * page_map_stride; v_offset moving base or pages past the end of the address
  * space). On failure *args is untouched. *view is read whole before *args
@@ -296,7 +300,8 @@ typedef struct akv_attention_paged_args {
  * of 0 bytes, NULL included, serves calls whose lengths are all 0). A paged
  * caller whose max_pages * page_tokens does not fit 32 bits cannot size its
  * workspace here. Thread-safe, pure.
- * Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT (NULL out, n_contexts, n_heads,
+ * Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT (NULL or misaligned out,
+ * n_contexts, n_heads,
  * head_dim or chunk_tokens of 0, head_dim above AKV_ATTENTION_MAX_HEAD_DIM,
  * chunk_tokens above AKV_ATTENTION_MAX_CHUNK_TOKENS, or a size that
  * overflows size_t; *out is untouched then).
@@ -310,7 +315,8 @@ AKV_API akv_status akv_attention_workspace_bytes(uint32_t n_contexts, uint32_t n
  * queries over bf16 or FP8 K/V (the name predates FP8). Runs
  * synchronously on the calling thread; writes args->out and args->workspace
  * and nothing else; reads everything else. On failure args->out is untouched.
- * Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT (NULL pointer, bad geometry, chunk
+ * Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT (NULL pointer, args misaligned,
+ * bad geometry, chunk
  * of 0 or above AKV_ATTENTION_MAX_CHUNK_TOKENS, row_bytes too small,
  * workspace too small, out or the workspace overlapping each other or
  * anything the call reads (see "Overlap"), FP8 without both scales, only

@@ -63,7 +63,8 @@ static inline cudaStream_t akv_stream_to_cuda(akv_stream stream) {
  * chunk, akv_attention.h "Algorithm"; paged: max_pages times the pieces per
  * page) must not exceed 2^31 - 1; a call beyond either is refused as bad
  * geometry.
- * Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT (NULL, bad geometry, chunk_tokens
+ * Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT (NULL, args misaligned for its
+ * type, bad geometry, chunk_tokens
  * of 0 or above AKV_ATTENTION_MAX_CHUNK_TOKENS, misaligned pointer or
  * stride, workspace too small, out or the workspace overlapping each other
  * or what the call reads as far as the host knows it (akv_attention.h,

@@ -604,6 +604,70 @@ static void test_workspace_refused_before_arrays_read(void **state) {
   free(arena);
 }
 
+/* The structs and the size_t the calls take by pointer, misaligned for
+ * their types: AKV_ERR_INVALID_ARGUMENT with nothing read through them or
+ * written, not a misaligned access (which the sanitizer build aborts on). */
+static void test_misaligned_struct_pointers(void **state) {
+  (void)state;
+  unsigned char *arena = arena_new();
+  span rd[C_N];
+  contig_fill(arena, rd);
+  static _Alignas(64) unsigned char buf[512];
+  unsigned char *odd = buf + 4; /* 4-byte aligned: not for 8-byte members */
+  const akv_attention_args a = contig_args(arena, AT(C_OUT), AT(C_WS));
+  memcpy(odd, &a, sizeof a);
+  const unsigned char *keep_out = arena + AT(C_OUT);
+  unsigned char before[OUT_BYTES];
+  memcpy(before, keep_out, OUT_BYTES);
+  assert_int_equal(akv_attention_ref_bf16((const akv_attention_args *)(void *)odd),
+                   AKV_ERR_INVALID_ARGUMENT);
+  assert_memory_equal(keep_out, before, OUT_BYTES);
+#ifdef AKV_WITH_CUDA
+  assert_int_equal(akv_attention_decode_cuda((const akv_attention_args *)(void *)odd, 0),
+                   AKV_ERR_INVALID_ARGUMENT);
+#endif
+  paged_fill(arena, rd);
+  paged_call c = paged_args(arena, AT(P_OUT), AT(P_WS));
+  memcpy(odd, &c.a, sizeof c.a);
+  assert_int_equal(
+      akv_attention_paged_ref_bf16((const akv_attention_paged_args *)(void *)odd, c.t),
+      AKV_ERR_INVALID_ARGUMENT);
+#ifdef AKV_WITH_CUDA
+  assert_int_equal(
+      akv_attention_paged_cuda((const akv_attention_paged_args *)(void *)odd, c.t, 0),
+      AKV_ERR_INVALID_ARGUMENT);
+#endif
+  /* akv_attention_workspace_bytes: *out left as it was. */
+  memset(buf, 0x5A, sizeof buf);
+  assert_int_equal(akv_attention_workspace_bytes(1, 1, 64, 16, 16, (size_t *)(void *)odd),
+                   AKV_ERR_INVALID_ARGUMENT);
+  for (size_t i = 0; i < sizeof buf; ++i) assert_int_equal(buf[i], 0x5A);
+  /* akv_attention_args_from_view: a misaligned view, a misaligned *args. */
+  static _Alignas(256) unsigned char rows[256];
+  akv_view v;
+  memset(&v, 0, sizeof v);
+  v.n_contexts = 1;
+  v.kv_heads = 1;
+  v.head_dim = 64;
+  v.row_stride = 256;
+  v.base = rows;
+  v.v_offset = 128;
+  memcpy(odd, &v, sizeof v);
+  akv_attention_args out;
+  memset(&out, 0x5A, sizeof out);
+  const akv_attention_args out_keep = out;
+  assert_int_equal(akv_attention_args_from_view((const akv_view *)(void *)odd, &out),
+                   AKV_ERR_INVALID_ARGUMENT);
+  assert_memory_equal(&out, &out_keep, sizeof out);
+  memset(buf, 0x5A, sizeof buf);
+  assert_int_equal(akv_attention_args_from_view(&v, (akv_attention_args *)(void *)odd),
+                   AKV_ERR_INVALID_ARGUMENT);
+  for (size_t i = 0; i < sizeof buf; ++i) assert_int_equal(buf[i], 0x5A);
+  /* The same calls aligned are taken. */
+  assert_int_equal(akv_attention_args_from_view(&v, &out), AKV_OK);
+  free(arena);
+}
+
 /* ------------------------------------------------------------------------ */
 /* Config: a page is an attention chunk                                      */
 /* ------------------------------------------------------------------------ */
@@ -676,6 +740,7 @@ int main(void) {
       cmocka_unit_test(test_args_struct_in_written_memory),
       cmocka_unit_test(test_args_from_view_aliased),
       cmocka_unit_test(test_workspace_refused_before_arrays_read),
+      cmocka_unit_test(test_misaligned_struct_pointers),
       cmocka_unit_test(test_config_page_beyond_attention_chunk),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -1440,7 +1440,7 @@ extern "C" AKV_API akv_status akv_attention_decode_cuda(const akv_attention_args
    * memory the enqueued kernels write: mapped host memory). */
   akv_attention_args local;
   const akv_attention_args *a = &local;
-  if (args == nullptr) goto fail;
+  if (args == nullptr || !akv_attn_aligned_to(args, alignof(akv_attention_args))) goto fail;
   local = *args;
   st = check_common(a->dtype, a->n_heads, a->kv_heads, a->head_dim, a->row_bytes, a->scale, a->q,
                     a->out, a->workspace, a->k_scale, a->v_scale);
@@ -1545,7 +1545,8 @@ extern "C" AKV_API akv_status akv_attention_paged_cuda(const akv_attention_paged
   size_t acc_bytes = 0, total = 0;
   akv_attention_paged_args local; /* read once, as akv_attention_decode_cuda reads its struct */
   const akv_attention_paged_args *a = &local;
-  if (args == nullptr) goto fail;
+  if (args == nullptr || !akv_attn_aligned_to(args, alignof(akv_attention_paged_args)))
+    goto fail;
   local = *args;
   st = check_common(a->dtype, a->n_heads, a->kv_heads, a->head_dim, t.row_bytes, a->scale, a->q,
                     a->out, a->workspace, a->k_scale, a->v_scale);

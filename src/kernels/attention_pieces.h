@@ -18,6 +18,7 @@
 #ifndef AKV_ATTENTION_PIECES_H
 #define AKV_ATTENTION_PIECES_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "akv_attention.h"
@@ -55,6 +56,13 @@ static inline uint32_t akv_attn_piece_rows(uint32_t chunk_tokens) {
  * its type: the same rule in the reference and on CUDA (NULL is aligned;
  * the callers check NULL apart). */
 static inline int akv_attn_aligned4(const void *p) { return ((uintptr_t)p & 3u) == 0; }
+
+/* Whether p may be read or written as an object of alignment `align` (a
+ * power of two): the argument structs, the view and the size_t the calls
+ * take by pointer are checked before any access through them. */
+static inline int akv_attn_aligned_to(const void *p, size_t align) {
+  return ((uintptr_t)p & (uintptr_t)(align - 1u)) == 0;
+}
 
 /* Whether a chunk of chunk_tokens rows is one the calls take (akv_attention.h,
  * AKV_ATTENTION_MAX_CHUNK_TOKENS): 1..AKV_ATTENTION_MAX_CHUNK_TOKENS rows,

@@ -136,7 +136,8 @@ akv_status akv_attention_workspace_bytes(uint32_t n_contexts, uint32_t n_heads,
   akv_status st = AKV_ERR_INVALID_ARGUMENT;
   size_t acc_bytes, total;
   uint32_t slots;
-  if (out == NULL || n_contexts == 0 || n_heads == 0 || head_dim == 0 ||
+  if (out == NULL || !akv_attn_aligned_to(out, _Alignof(size_t)) || n_contexts == 0 ||
+      n_heads == 0 || head_dim == 0 ||
       !akv_attn_chunk_ok(chunk_tokens) || head_dim > AKV_ATTENTION_MAX_HEAD_DIM)
     goto fail;
   if (!slots_for(max_tokens, chunk_tokens, &slots) ||
@@ -379,7 +380,7 @@ akv_status akv_attention_ref_bf16(const akv_attention_args *args) {
    * workspace, which the call writes (akv_attention.h, "Overlap"). */
   akv_attention_args local;
   const akv_attention_args *a = &local;
-  if (args == NULL) goto fail;
+  if (args == NULL || !akv_attn_aligned_to(args, _Alignof(akv_attention_args))) goto fail;
   local = *args;
   st = geom_check(a->dtype, a->n_heads, a->kv_heads, a->head_dim, a->row_bytes, a->scale, a->q,
                   a->out, a->workspace, a->k_scale, a->v_scale);
@@ -482,7 +483,9 @@ fail:
 }
 
 akv_status akv_attention_args_from_view(const akv_view *view, akv_attention_args *a) {
-  if (view == NULL || a == NULL) return AKV_ERR_INVALID_ARGUMENT;
+  if (view == NULL || a == NULL || !akv_attn_aligned_to(view, _Alignof(akv_view)) ||
+      !akv_attn_aligned_to(a, _Alignof(akv_attention_args)))
+    return AKV_ERR_INVALID_ARGUMENT;
   /* The view is read whole before *a is written: the two may share memory. */
   const akv_view copy = *view, *v = &copy;
   /* A view an engine made has its rows, and on the paged route its pages
@@ -550,7 +553,7 @@ akv_status akv_attention_paged_ref_bf16(const akv_attention_paged_args *args,
   /* Read once, as akv_attention_ref_bf16 reads its struct. */
   akv_attention_paged_args local;
   const akv_attention_paged_args *a = &local;
-  if (args == NULL) goto fail;
+  if (args == NULL || !akv_attn_aligned_to(args, _Alignof(akv_attention_paged_args))) goto fail;
   local = *args;
   st = geom_check(a->dtype, a->n_heads, a->kv_heads, a->head_dim, t.row_bytes, a->scale, a->q,
                   a->out, a->workspace, a->k_scale, a->v_scale);
