@@ -710,11 +710,17 @@ static void test_config_page_beyond_attention_chunk(void **state) {
   c.page_tokens = UINT32_MAX;
   assert_int_equal(akv_fit(&c, &r), AKV_ERR_CONFIG);
   assert_int_equal(akv_engine_create(&c, &e), AKV_ERR_CONFIG);
-  /* Every route: the engine cannot tell whose attention runs. */
-  c.route = AKV_ROUTE_PAGED;
-  assert_int_equal(akv_fit(&c, &r), AKV_ERR_CONFIG);
-  c.route = AKV_ROUTE_ARENA;
-  assert_int_equal(akv_fit(&c, &r), AKV_ERR_CONFIG);
+  /* Every route (the engine cannot tell whose attention runs), with a device
+   * pool that holds a page: the bound is taken, one row past it is not. */
+  const akv_route routes[2] = {AKV_ROUTE_ARENA, AKV_ROUTE_PAGED};
+  for (int i = 0; i < 2; ++i) {
+    c = big_page_cfg(AKV_ATTENTION_MAX_CHUNK_TOKENS);
+    c.route = routes[i];
+    c.device_pool_gib = 9; /* one page of 2 * 0xFF000000 B */
+    assert_int_equal(akv_fit(&c, &r), AKV_OK);
+    c.page_tokens = AKV_ATTENTION_MAX_CHUNK_TOKENS + 1u;
+    assert_int_equal(akv_fit(&c, &r), AKV_ERR_CONFIG);
+  }
   /* The bound itself: a verdict (this pool holds no such history). */
   c = big_page_cfg(AKV_ATTENTION_MAX_CHUNK_TOKENS);
   assert_int_equal(akv_fit(&c, &r), AKV_OK);
