@@ -401,6 +401,138 @@ static void test_overlap_paged_cuda(void **state) {
 }
 #endif
 
+/* A property over random strides and placements against a byte map of
+ * what the call reads: the reference refuses exactly when out meets a byte
+ * of a K row (rows of random padding, contexts at random strides, pages of
+ * a table at a random stride), and a call it takes gives the bytes of out
+ * kept apart. Small geometry: 2 contexts, 2 heads over 1 kv head of 8 dims
+ * (16-byte rows), chunks of 2 rows. */
+#define PR_HEADS 2u
+#define PR_DIM 8u
+#define PR_EXT 16u
+#define PR_OUT ((size_t)N_CTX * PR_HEADS * PR_DIM * 4u)
+
+static void property_run(int paged, uint32_t seed) {
+  unsigned char *arena = arena_new();
+  unsigned char *pristine = (unsigned char *)malloc(ARENA);
+  unsigned char *rd = (unsigned char *)calloc(ARENA, 1); /* 1: a byte the call reads */
+  assert_non_null(pristine);
+  assert_non_null(rd);
+  memcpy(pristine, arena, ARENA);
+  uint32_t s = seed;
+#define RND(n) ((s = s * 1664525u + 1013904223u), (s >> 8) % (uint32_t)(n))
+  unsigned refused = 0, taken = 0;
+  for (int iter = 0; iter < 200; ++iter) {
+    const uint64_t row = PR_EXT + 4u * RND(12); /* 16..60 */
+    uint32_t len[N_CTX] = {1 + RND(4), RND(5)};
+    uint32_t indptr[N_CTX + 1] = {0}, indices[6], last[N_CTX] = {0};
+    const uint64_t cstride = row * (4u + RND(3)) + 4u * RND(8);
+    const uint64_t pstride = row * 2u + 4u * RND(8);
+    memset(rd, 0, ARENA);
+    const size_t kbase = AT(C_K); /* K rows or pages; V far away in its own slot */
+    if (!paged) {
+      for (uint32_t i = 0; i < N_CTX; ++i)
+        for (uint32_t t = 0; t < len[i]; ++t)
+          memset(rd + kbase + i * cstride + t * row, 1, PR_EXT);
+    } else {
+      for (uint32_t i = 0; i < N_CTX; ++i) {
+        const uint32_t np = (len[i] + CHUNK - 1) / CHUNK;
+        for (uint32_t p = 0; p < np; ++p) {
+          indices[indptr[i] + p] = RND(6); /* pages may repeat: reads only */
+          const uint32_t n = p + 1 == np ? len[i] - p * CHUNK : CHUNK;
+          for (uint32_t t = 0; t < n; ++t)
+            memset(rd + kbase + indices[indptr[i] + p] * pstride + t * row, 1, PR_EXT);
+        }
+        indptr[i + 1] = indptr[i] + np;
+        last[i] = np ? len[i] - (np - 1) * CHUNK : 0;
+      }
+    }
+    size_t wsb = 0;
+    assert_int_equal(akv_attention_workspace_bytes(N_CTX, PR_HEADS, PR_DIM, 4, CHUNK, &wsb),
+                     AKV_OK);
+    akv_attention_args a;
+    memset(&a, 0, sizeof a);
+    a.dtype = AKV_DTYPE_BF16;
+    a.n_contexts = N_CTX;
+    a.n_heads = PR_HEADS;
+    a.kv_heads = 1;
+    a.head_dim = PR_DIM;
+    a.chunk_tokens = CHUNK;
+    a.scale = 0.25f;
+    a.q = arena + AT(C_Q);
+    a.k_base = arena + kbase;
+    a.v_base = arena + AT(C_V);
+    a.context_stride = cstride;
+    a.row_bytes = row;
+    a.len = len;
+    a.workspace = arena + AT(C_WS);
+    a.workspace_bytes = wsb;
+    akv_attention_paged_args pa;
+    memset(&pa, 0, sizeof pa);
+    pa.dtype = AKV_DTYPE_BF16;
+    pa.n_heads = PR_HEADS;
+    pa.kv_heads = 1;
+    pa.head_dim = PR_DIM;
+    pa.scale = 0.25f;
+    pa.q = a.q;
+    pa.workspace = a.workspace;
+    pa.workspace_bytes = wsb;
+    akv_page_table t;
+    memset(&t, 0, sizeof t);
+    t.batch = N_CTX;
+    t.page_tokens = CHUNK;
+    t.max_pages = 2;
+    t.indptr = indptr;
+    t.indices = indices;
+    t.last_page_len = last;
+    t.k_pages = arena + kbase;
+    t.v_pages = arena + AT(C_V);
+    t.page_stride = pstride;
+    t.row_bytes = row;
+    /* The bytes of out kept apart. */
+    unsigned char want[PR_OUT];
+    a.out = (float *)(void *)(arena + AT(C_OUT));
+    pa.out = a.out;
+    assert_int_equal(paged ? akv_attention_paged_ref_bf16(&pa, t) : akv_attention_ref_bf16(&a),
+                     AKV_OK);
+    memcpy(want, arena + AT(C_OUT), PR_OUT);
+    memcpy(arena, pristine, ARENA);
+    /* out somewhere from 160 bytes before the first row to past the last. */
+    const size_t at = kbase - 160u + 4u * RND((6u * pstride + cstride * 2u + 320u) / 4u);
+    int meets = 0;
+    for (size_t b = at; b < at + PR_OUT; ++b) meets |= rd[b];
+    a.out = (float *)(void *)(arena + at);
+    pa.out = a.out;
+    const akv_status st =
+        paged ? akv_attention_paged_ref_bf16(&pa, t) : akv_attention_ref_bf16(&a);
+    if (meets) {
+      if (st != AKV_ERR_INVALID_ARGUMENT)
+        fail_msg("%s iter %d: out at +%td meets a K row read, status %d", paged ? "paged" : "contig",
+                 iter, (ptrdiff_t)at - (ptrdiff_t)kbase, (int)st);
+      assert_memory_equal(arena, pristine, ARENA);
+      refused++;
+    } else {
+      if (st != AKV_OK)
+        fail_msg("%s iter %d: out at +%td between the rows, status %d", paged ? "paged" : "contig",
+                 iter, (ptrdiff_t)at - (ptrdiff_t)kbase, (int)st);
+      assert_memory_equal(arena + at, want, PR_OUT);
+      memcpy(arena, pristine, ARENA);
+      taken++;
+    }
+  }
+#undef RND
+  assert_true(refused >= 20 && taken >= 20); /* both sides of the rule ran */
+  free(rd);
+  free(pristine);
+  free(arena);
+}
+
+static void test_overlap_property(void **state) {
+  (void)state;
+  property_run(0, 0xC0FFEEu);
+  property_run(1, 0xBEEFu);
+}
+
 /* ------------------------------------------------------------------------ */
 /* Extents past the end of the address space                                 */
 /* ------------------------------------------------------------------------ */
@@ -742,6 +874,7 @@ int main(void) {
       cmocka_unit_test(test_overlap_contig_cuda),
       cmocka_unit_test(test_overlap_paged_cuda),
 #endif
+      cmocka_unit_test(test_overlap_property),
       cmocka_unit_test(test_extents_past_the_address_space),
       cmocka_unit_test(test_args_struct_in_written_memory),
       cmocka_unit_test(test_args_from_view_aliased),
