@@ -367,7 +367,11 @@ typedef struct akv_engine_config {
   uint32_t head_dim;
   akv_dtype dtype;
   uint32_t max_tokens;  /**< per context, including the tokens decode adds */
-  uint32_t page_tokens; /**< tokens per device page and attention chunk; 1..max_tokens */
+  uint32_t page_tokens; /**< tokens per device page and attention chunk; 1..max_tokens and
+                             at most AKV_ATTENTION_MAX_CHUNK_TOKENS (akv_attention.h: the
+                             largest chunk the library's attention takes; a larger page is
+                             refused with AKV_ERR_CONFIG by akv_fit and akv_engine_create
+                             alike, whichever attention the caller runs) */
 
   /* Memory, explicit whole GiB, never sized from free memory. */
   uint32_t host_pool_gib;   /**< pinned host pool */

@@ -55,8 +55,11 @@
  *  length 0 gets an output of zeros.
  *  Values are not checked: a NaN or infinite q, K or V element, an FP8 NaN
  *  code, or a score s_t that overflows fp32 makes that context's output
- *  meaningless (in the reference: NaN, or zeros where every score is -inf),
- *  with status AKV_OK. The scale arguments are checked (see the fields).
+ *  meaningless, with status AKV_OK. Both implementations write zeros only
+ *  where the denominator sum_c w_c l_c is exactly 0 (no rows, or every
+ *  score -inf); a NaN denominator (a NaN score: NaN q or K element, FP8 NaN
+ *  code, a score that overflowed) gives NaN in the heads it reaches, never a
+ *  plausible 0. The scale arguments are checked (see the fields).
  *
  * Equality guarantees:
  *  - Contiguous arguments with page overrides (the paged route of an engine,
@@ -95,10 +98,36 @@
  * page tables are device memory there). Whether the memory behind a valid
  * offset belongs to the caller's buffers is the caller's business.
  *
+ * Overlap: the bytes a call writes, out and the first
+ * akv_attention_workspace_bytes(...) bytes of the workspace (the figure for
+ * the call's own geometry: its longest len, or max_pages * page_tokens),
+ * must not be bytes it reads, nor each other's. Read are q, len, k_scale,
+ * v_scale, the rows of "Addressing" (rows 0..len-1 of every context at
+ * k_base and v_base, overridden or not, each its kv_heads*head_dim
+ * elements; the rows of every overriding page; the rows of every page of a
+ * page table), the page map entries the call looks up (chunks 0..
+ * min(chunks, page_map_stride)-1 of every context that has rows) and the
+ * page table's indptr, last_page_len and indices[0..indptr[batch]). Bytes
+ * between rows (row_bytes beyond a row's elements, context_stride beyond a
+ * context's rows) are not read: an output there is taken. A call whose
+ * written bytes meet any of these, or one of whose arrays (q, out, len,
+ * the scales, the page map's [n_contexts][page_map_stride], the page
+ * table's arrays) would run past the end of the address space, is refused with
+ * AKV_ERR_INVALID_ARGUMENT before anything is written; exactly adjacent
+ * buffers are taken. CUDA checks what the host knows: everything above but
+ * the pages a page map names (the map is device memory) and, for a page
+ * table, its indices and pages (indptr is device memory); overlap there
+ * is the caller's error, with undefined results. The argument structs
+ * themselves (akv_attention_args, akv_attention_paged_args) are read once,
+ * on entry: they may lie anywhere, in out or the workspace included.
+ *
  * Alignment (reference): q is 2-byte aligned, out and workspace 4-byte
  * aligned, and so are the uint32 and float arrays (len, page_map, the page
  * table's indptr, indices and last_page_len, k_scale, v_scale); K/V rows,
  * strides and pages take any alignment. CUDA asks for more (akv_cuda.h).
+ * Every function here also refuses, with AKV_ERR_INVALID_ARGUMENT and before
+ * any access through it, a struct or size_t pointer (args, view, the
+ * workspace size's out) not aligned for its type.
  *
  * Thread safety: every function is reentrant; concurrent calls are safe as
  * long as they do not share an output or a workspace.
@@ -195,10 +224,12 @@ typedef struct akv_attention_args {
  * view->len[i] + 1, the new row included; FP8: the layer's scales). The page map passed on is view->page_map (device memory on
  * CUDA, host memory on the host backend), so the result suits the CUDA
  * launcher on CUDA and the reference on the host backend. Thread-safe.
- * Returns AKV_OK or AKV_ERR_INVALID_ARGUMENT (NULL view or args, or a view no
+ * Returns AKV_OK or AKV_ERR_INVALID_ARGUMENT (NULL or misaligned view or
+ * args, or a view no
  * engine makes: base NULL; page_map set without pages, page_tokens or
  * page_map_stride; v_offset moving base or pages past the end of the address
- * space). On failure *args is untouched.
+ * space). On failure *args is untouched. *view is read whole before *args
+ * is written, so the two may share memory.
  */
 AKV_API akv_status akv_attention_args_from_view(const akv_view *view, akv_attention_args *args);
 
@@ -269,7 +300,8 @@ typedef struct akv_attention_paged_args {
  * of 0 bytes, NULL included, serves calls whose lengths are all 0). A paged
  * caller whose max_pages * page_tokens does not fit 32 bits cannot size its
  * workspace here. Thread-safe, pure.
- * Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT (NULL out, n_contexts, n_heads,
+ * Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT (NULL or misaligned out,
+ * n_contexts, n_heads,
  * head_dim or chunk_tokens of 0, head_dim above AKV_ATTENTION_MAX_HEAD_DIM,
  * chunk_tokens above AKV_ATTENTION_MAX_CHUNK_TOKENS, or a size that
  * overflows size_t; *out is untouched then).
@@ -283,9 +315,12 @@ AKV_API akv_status akv_attention_workspace_bytes(uint32_t n_contexts, uint32_t n
  * queries over bf16 or FP8 K/V (the name predates FP8). Runs
  * synchronously on the calling thread; writes args->out and args->workspace
  * and nothing else; reads everything else. On failure args->out is untouched.
- * Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT (NULL pointer, bad geometry, chunk
+ * Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT (NULL pointer, args misaligned,
+ * bad geometry, chunk
  * of 0 or above AKV_ATTENTION_MAX_CHUNK_TOKENS, row_bytes too small,
- * workspace too small, FP8 without both scales, only one scale array, a
+ * workspace too small, out or the workspace overlapping each other or
+ * anything the call reads (see "Overlap"), FP8 without both scales, only
+ * one scale array, a
  * scale that is not finite and positive (subnormal scales are taken), scales
  * with more than AKV_ATTENTION_MAX_SCALE_HEADS kv_heads, a softmax scale
  * that is not finite or whose score factor

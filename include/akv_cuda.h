@@ -63,9 +63,12 @@ static inline cudaStream_t akv_stream_to_cuda(akv_stream stream) {
  * chunk, akv_attention.h "Algorithm"; paged: max_pages times the pieces per
  * page) must not exceed 2^31 - 1; a call beyond either is refused as bad
  * geometry.
- * Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT (NULL, bad geometry, chunk_tokens
+ * Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT (NULL, args misaligned for its
+ * type, bad geometry, chunk_tokens
  * of 0 or above AKV_ATTENTION_MAX_CHUNK_TOKENS, misaligned pointer or
- * stride, workspace too small, page overrides incomplete, scales
+ * stride, workspace too small, out or the workspace overlapping each other
+ * or what the call reads as far as the host knows it (akv_attention.h,
+ * "Overlap"), page overrides incomplete, scales
  * missing for FP8, only one scale array, a scale not finite and positive,
  * scales with more than AKV_ATTENTION_MAX_SCALE_HEADS kv_heads, a softmax
  * scale that is not finite or whose score factor (scale * log2(e), times a

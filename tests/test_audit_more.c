@@ -704,9 +704,10 @@ static void test_overflowing_configs(void **state) {
   /* history = layers x max_tokens x row pair overflows */
   c = base; c.n_dense_layers = 65536; c.kv_heads = 65536; c.head_dim = 65536;
   c.dtype = AKV_DTYPE_F32; c.max_tokens = UINT32_MAX; cfgs[n++] = c;
-  /* page_bytes overflows */
+  /* page_bytes overflows (with the largest page taken: a page is an
+   * attention chunk, AKV_ATTENTION_MAX_CHUNK_TOKENS = 0xFF000000 rows) */
   c = base; c.n_dense_layers = 65536; c.kv_heads = 65536; c.head_dim = 65536;
-  c.max_tokens = UINT32_MAX; c.page_tokens = UINT32_MAX; cfgs[n++] = c;
+  c.max_tokens = UINT32_MAX; c.page_tokens = 0xFF000000u; cfgs[n++] = c;
   /* enums out of range */
   c = base; c.dtype = (akv_dtype)5; cfgs[n++] = c;
   c = base; c.dtype = (akv_dtype)-1; cfgs[n++] = c;

@@ -32,6 +32,10 @@
 
 /* Fake device addresses, 256-byte aligned; never dereferenced. */
 #define FAKE(n) ((void *)(uintptr_t)(0x7f0000000000ull + (uint64_t)(n) * 0x100000ull))
+/* Fake addresses of what a call writes, 16 TiB apart and below FAKE(0):
+ * the workspaces and outputs of the largest geometries below (about 1 TiB)
+ * meet nothing the call reads (akv_attention.h, "Overlap"). */
+#define FAR(n) ((void *)(uintptr_t)((uint64_t)(n) * 0x100000000000ull))
 
 static int have_device(void) {
   int n = 0;
@@ -57,8 +61,8 @@ static akv_attention_args contig(void) {
   a.context_stride = 8 * ROW_BYTES;
   a.row_bytes = ROW_BYTES;
   a.len = g_len;
-  a.out = (float *)FAKE(4);
-  a.workspace = FAKE(5);
+  a.out = (float *)FAR(2);
+  a.workspace = FAR(1);
   a.workspace_bytes = (size_t)1 << 20;
   return a;
 }
@@ -72,8 +76,8 @@ static akv_attention_paged_args paged(akv_page_table *t) {
   pa.head_dim = HEAD_DIM;
   pa.scale = 0.125f;
   pa.q = FAKE(1);
-  pa.out = (float *)FAKE(4);
-  pa.workspace = FAKE(5);
+  pa.out = (float *)FAR(2);
+  pa.workspace = FAR(1);
   pa.workspace_bytes = (size_t)1 << 20;
   memset(t, 0, sizeof *t);
   t->batch = 2;

@@ -27,6 +27,7 @@
 #include <cmocka.h>
 
 #include "akv.h"
+#include "akv_attention.h"
 #include "testutil.h"
 
 /* ------------------------------------------------------------- log sink */
@@ -179,7 +180,10 @@ static void test_page_fills_at_the_largest_layer_count_paged(void **state) {
 /* ceil(max_tokens / page_tokens) formed as (max_tokens + page_tokens - 1) /
  * page_tokens wraps in 32 bits: with page_tokens = max_tokens = 2^32 - 1 it
  * gave 0 logical pages and create failed with AKV_ERR_INVALID_ARGUMENT,
- * although akv_fit accepted the geometry. */
+ * although akv_fit accepted the geometry. A page is an attention chunk, at
+ * most AKV_ATTENTION_MAX_CHUNK_TOKENS rows (akv.h, page_tokens): 2^32 - 1
+ * is now a config error, and the largest page taken, 255 * 2^24 rows under
+ * max_tokens 2^32 - 1, still wraps the 32-bit sum (2 logical pages). */
 static void test_max_tokens_near_uint32_max(void **state) {
   logbuf lb;
   akv_engine_config ec = host_config(&lb);
@@ -195,6 +199,11 @@ static void test_max_tokens_near_uint32_max(void **state) {
   ec.max_contexts = 1;
   ec.host_pool_gib = 16;
   ec.route = AKV_ROUTE_STAGE;
+  assert_int_equal(akv_fit(&ec, &rep), AKV_ERR_CONFIG);
+  assert_int_equal(akv_engine_create(&ec, &e), AKV_ERR_CONFIG);
+  assert_null(e);
+  lb.errors = 0; /* the refusal's line */
+  ec.page_tokens = AKV_ATTENTION_MAX_CHUNK_TOKENS;
   assert_int_equal(akv_fit(&ec, &rep), AKV_OK);
   assert_int_equal(rep.ok, 1);
   assert_int_equal(akv_engine_create(&ec, &e), AKV_OK);

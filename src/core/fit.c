@@ -7,6 +7,8 @@
  */
 #include "fit.h"
 
+#include "akv_attention.h"
+
 #include "budget.h"
 #include "config.h"
 
@@ -171,6 +173,20 @@ static akv_status akv_fit_validate(const akv_engine_config *cfg, char *why, size
   if (st != AKV_OK) goto fail;
   st = akv_fit_check_range("page_tokens", cfg->page_tokens, UINT32_MAX, why, cap);
   if (st != AKV_OK) goto fail;
+  /* page_tokens is the attention chunk (akv.h): a page is what
+   * akv_attention_args_from_view hands the library's attention as
+   * chunk_tokens, and those take at most AKV_ATTENTION_MAX_CHUNK_TOKENS
+   * rows. The engine cannot tell whose attention the caller runs, so a page
+   * no built-in attention could attend over is refused for every engine,
+   * here, where akv_fit and akv_engine_create both check it. */
+  if (cfg->page_tokens > AKV_ATTENTION_MAX_CHUNK_TOKENS) {
+    akv_fit_say(why, cap,
+                "page_tokens=%u exceeds %u (AKV_ATTENTION_MAX_CHUNK_TOKENS), the largest chunk "
+                "the library's attention takes; a page is an attention chunk",
+                (unsigned)cfg->page_tokens, (unsigned)AKV_ATTENTION_MAX_CHUNK_TOKENS);
+    st = AKV_ERR_CONFIG;
+    goto fail;
+  }
   st = akv_fit_check_range("max_contexts", cfg->max_contexts, AKV_FIT_MAX_CONTEXTS, why, cap);
   if (st != AKV_OK) goto fail;
   if (cfg->host_pool_gib == 0) {

@@ -1118,7 +1118,10 @@ __global__ void __launch_bounds__(kCombWarps * 32)
       sum = fmaf(wgt, s_o[w][lane], sum);
       lsum = fmaf(wgt, s_l[w], lsum);
     }
-    float r = (lsum > 0.0f) ? sum / lsum : 0.0f;
+    /* Zeros only where lsum == 0 (no rows, or every score -inf), as in the
+     * reference's combine (akv_attention.h, "Algorithm"): a NaN lsum (a NaN
+     * score, or one that overflowed) gives NaN, never a plausible 0. */
+    float r = (lsum != 0.0f) ? sum / lsum : 0.0f;
     if (p.has_scales) r *= p.v_scale[head / p.group];
     if (bad) r = __int_as_float(0x7FC00000);
     p.out[((size_t)ctx * p.n_heads + head) * D + d] = r;
@@ -1373,6 +1376,34 @@ akv_status launch_pair(akv_dtype dtype, uint32_t head_dim, int gt, dim3 grid_chu
   return AKV_OK;
 }
 
+/* Whether what a contiguous launch writes (out, the workspace bytes it uses)
+ * is clear of what it reads and of each other (akv_attention.h, "Overlap"),
+ * as far as the host knows it: q, the scales, len, the rows of every
+ * context and the page map entries the kernels read. The pages the map
+ * names are device data: not checked. Runs after the addressing checks. */
+static bool contig_clear(const akv_attention_args *a, size_t ws_used) {
+  akv_attn_writes w;
+  if (!akv_attn_dense_clear(a->n_contexts, a->n_heads, a->head_dim, a->kv_heads, a->q, a->out,
+                            a->workspace, ws_used, a->k_scale, a->v_scale, &w) ||
+      !akv_attn_array_clear(&w, a->len, a->n_contexts, 4u))
+    return false;
+  const uint64_t extent = (uint64_t)a->kv_heads * a->head_dim * akv_attn_elem_bytes(a->dtype);
+  for (uint32_t i = 0; i < a->n_contexts; ++i) {
+    const uint32_t len = a->len[i];
+    if (len == 0) continue;
+    if (!akv_attn_rows_clear(&w, a->k_base, i, a->context_stride, len - 1u, a->row_bytes,
+                             extent) ||
+        !akv_attn_rows_clear(&w, a->v_base, i, a->context_stride, len - 1u, a->row_bytes, extent))
+      return false;
+    if (a->page_map == nullptr) continue;
+    const uint32_t n_chunks = div_up(len, a->chunk_tokens);
+    const uint32_t n_map = n_chunks < a->page_map_stride ? n_chunks : a->page_map_stride;
+    if (!akv_attn_array_clear(&w, a->page_map + (size_t)i * a->page_map_stride, n_map, 4u))
+      return false;
+  }
+  return true;
+}
+
 } // namespace
 
 #if AKV_ATTN_BENCH_TRACE
@@ -1399,13 +1430,18 @@ extern "C" int akv_attn_bench_trace_read(unsigned long long *dst, size_t count, 
 }
 #endif
 
-extern "C" AKV_API akv_status akv_attention_decode_cuda(const akv_attention_args *a,
+extern "C" AKV_API akv_status akv_attention_decode_cuda(const akv_attention_args *args,
                                                         cudaStream_t stream) {
   akv_status st = AKV_ERR_INVALID_ARGUMENT;
   uint32_t max_len = 0;
   uint64_t slots = 0;
   size_t acc_bytes = 0, total = 0;
-  if (a == nullptr) goto fail;
+  /* *args is read once, here, as the reference reads it (it may lie in
+   * memory the enqueued kernels write: mapped host memory). */
+  akv_attention_args local;
+  const akv_attention_args *a = &local;
+  if (args == nullptr || !akv_attn_aligned_to(args, alignof(akv_attention_args))) goto fail;
+  local = *args;
   st = check_common(a->dtype, a->n_heads, a->kv_heads, a->head_dim, a->row_bytes, a->scale, a->q,
                     a->out, a->workspace, a->k_scale, a->v_scale);
   if (st != AKV_OK) goto fail;
@@ -1424,6 +1460,15 @@ extern "C" AKV_API akv_status akv_attention_decode_cuda(const akv_attention_args
       (a->page_map_stride == 0 || a->k_pages == nullptr || a->v_pages == nullptr ||
        !aligned16(a->k_pages) || !aligned16(a->v_pages) || !aligned16(a->page_stride)))
     goto fail;
+  /* The page map's shape, [n_contexts][page_map_stride] uint32, fits the
+   * address space (the launches offset it per group of contexts). */
+  if (a->page_map != nullptr) {
+    akv_attn_span map;
+    uint64_t map_bytes;
+    if (!akv_attn_mul4(a->n_contexts, a->page_map_stride, 4u, 1u, &map_bytes) ||
+        !akv_attn_span_at(a->page_map, map_bytes, &map))
+      goto fail;
+  }
   {
     /* Rows 0..len-1 of every context at k_base/v_base have offsets that fit
      * ptrdiff_t (akv_attn_rows_addressable). The page map is device memory:
@@ -1446,6 +1491,7 @@ extern "C" AKV_API akv_status akv_attention_decode_cuda(const akv_attention_args
   if (!ws_layout(a->n_contexts, a->n_heads, a->head_dim, (uint32_t)slots, &acc_bytes, &total))
     goto fail;
   if (a->workspace_bytes < total || (total != 0 && a->workspace == nullptr)) goto fail;
+  if (!contig_clear(a, total)) goto fail;
 
   {
     const int gt = pick_gt(a->n_heads / a->kv_heads);
@@ -1492,12 +1538,16 @@ fail:
   return st;
 }
 
-extern "C" AKV_API akv_status akv_attention_paged_cuda(const akv_attention_paged_args *a,
+extern "C" AKV_API akv_status akv_attention_paged_cuda(const akv_attention_paged_args *args,
                                                        akv_page_table t, cudaStream_t stream) {
   akv_status st = AKV_ERR_INVALID_ARGUMENT;
   uint64_t slots = 0;
   size_t acc_bytes = 0, total = 0;
-  if (a == nullptr) goto fail;
+  akv_attention_paged_args local; /* read once, as akv_attention_decode_cuda reads its struct */
+  const akv_attention_paged_args *a = &local;
+  if (args == nullptr || !akv_attn_aligned_to(args, alignof(akv_attention_paged_args)))
+    goto fail;
+  local = *args;
   st = check_common(a->dtype, a->n_heads, a->kv_heads, a->head_dim, t.row_bytes, a->scale, a->q,
                     a->out, a->workspace, a->k_scale, a->v_scale);
   if (st != AKV_OK) goto fail;
@@ -1520,6 +1570,16 @@ extern "C" AKV_API akv_status akv_attention_paged_cuda(const akv_attention_paged
   if (!ws_layout(t.batch, a->n_heads, a->head_dim, (uint32_t)slots, &acc_bytes, &total))
     goto fail;
   if (a->workspace_bytes < total || (total != 0 && a->workspace == nullptr)) goto fail;
+  {
+    /* akv_attention.h, "Overlap": the table's indices and pages are not
+     * known on the host (indptr is device memory); the rest is checked. */
+    akv_attn_writes w;
+    if (!akv_attn_dense_clear(t.batch, a->n_heads, a->head_dim, a->kv_heads, a->q, a->out,
+                              a->workspace, total, a->k_scale, a->v_scale, &w) ||
+        !akv_attn_array_clear(&w, t.indptr, (uint64_t)t.batch + 1u, 4u) ||
+        !akv_attn_array_clear(&w, t.last_page_len, t.batch, 4u))
+      goto fail;
+  }
 
   {
     const int gt = pick_gt(a->n_heads / a->kv_heads);

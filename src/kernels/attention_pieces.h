@@ -18,6 +18,7 @@
 #ifndef AKV_ATTENTION_PIECES_H
 #define AKV_ATTENTION_PIECES_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "akv_attention.h"
@@ -55,6 +56,13 @@ static inline uint32_t akv_attn_piece_rows(uint32_t chunk_tokens) {
  * its type: the same rule in the reference and on CUDA (NULL is aligned;
  * the callers check NULL apart). */
 static inline int akv_attn_aligned4(const void *p) { return ((uintptr_t)p & 3u) == 0; }
+
+/* Whether p may be read or written as an object of alignment `align` (a
+ * power of two): the argument structs, the view and the size_t the calls
+ * take by pointer are checked before any access through them. */
+static inline int akv_attn_aligned_to(const void *p, size_t align) {
+  return ((uintptr_t)p & (uintptr_t)(align - 1u)) == 0;
+}
 
 /* Whether a chunk of chunk_tokens rows is one the calls take (akv_attention.h,
  * AKV_ATTENTION_MAX_CHUNK_TOKENS): 1..AKV_ATTENTION_MAX_CHUNK_TOKENS rows,
@@ -99,6 +107,122 @@ static inline int akv_attn_rows_addressable(const void *base, uint64_t index, ui
   const uint64_t a = index * stride, b = last_row * row_bytes;
   if (a > lim - b || extent > lim - (a + b)) return 0;
   return a + b + extent <= (uint64_t)(UINTPTR_MAX - (uintptr_t)base);
+}
+
+/* ------------------------------------------------------------------------
+ * Overlap (akv_attention.h, "Overlap"): the bytes a call writes (out and the
+ * part of the workspace it uses) may not be bytes it reads or other bytes it
+ * writes. Checked on the host with pointer comparisons over extents formed
+ * without wrapping, before anything is written.
+ */
+
+/* The bytes [lo, hi) of the address space; lo == hi: none. */
+typedef struct akv_attn_span {
+  uintptr_t lo, hi;
+} akv_attn_span;
+
+/* Whether a * b * c * d fits 64 bits (*out: the product). */
+static inline int akv_attn_mul4(uint64_t a, uint64_t b, uint64_t c, uint64_t d, uint64_t *out) {
+  uint64_t x = a;
+  if (b != 0 && x > UINT64_MAX / b) return 0;
+  x *= b;
+  if (c != 0 && x > UINT64_MAX / c) return 0;
+  x *= c;
+  if (d != 0 && x > UINT64_MAX / d) return 0;
+  *out = x * d;
+  return 1;
+}
+
+/* The n bytes at p as a span (NULL or n == 0: none); 0 when they would pass
+ * the end of the address space (no buffer of the argument's shape can lie
+ * there). */
+static inline int akv_attn_span_at(const void *p, uint64_t n, akv_attn_span *s) {
+  const uintptr_t a = (uintptr_t)p;
+  s->lo = s->hi = a;
+  if (p == NULL || n == 0) return 1;
+  if (n > (uint64_t)(UINTPTR_MAX - a)) return 0;
+  s->hi = a + (uintptr_t)n;
+  return 1;
+}
+
+/* Whether two spans share a byte (adjacent spans do not). */
+static inline int akv_attn_spans_meet(akv_attn_span a, akv_attn_span b) {
+  return a.lo < a.hi && b.lo < b.hi && a.lo < b.hi && b.lo < a.hi;
+}
+
+/* What a call writes: out and the workspace bytes it uses. */
+typedef struct akv_attn_writes {
+  akv_attn_span out, ws;
+} akv_attn_writes;
+
+/* Whether span r (bytes the call reads) shares a byte with what it writes. */
+static inline int akv_attn_writes_meet(const akv_attn_writes *w, akv_attn_span r) {
+  return akv_attn_spans_meet(w->out, r) || akv_attn_spans_meet(w->ws, r);
+}
+
+/* Whether the n elements of `esize` bytes at p (a read array) are clear of
+ * what the call writes; 0 also when they would pass the end of the address
+ * space. */
+static inline int akv_attn_array_clear(const akv_attn_writes *w, const void *p, uint64_t n,
+                                       uint64_t esize) {
+  akv_attn_span s;
+  uint64_t bytes;
+  return akv_attn_mul4(n, esize, 1, 1, &bytes) && akv_attn_span_at(p, bytes, &s) &&
+         !akv_attn_writes_meet(w, s);
+}
+
+/* Whether span w shares a byte with one of rows 0..last_row at first +
+ * t*row_bytes, each `extent` bytes (the bytes between rows are not read, so
+ * a span that lies between them does not meet them). The rows are
+ * addressable (akv_attn_rows_addressable): nothing below wraps. */
+static inline int akv_attn_rows_meet(akv_attn_span w, uintptr_t first, uint64_t last_row,
+                                     uint64_t row_bytes, uint64_t extent) {
+  if (w.lo >= w.hi || extent == 0) return 0;
+  const uintptr_t end = first + (uintptr_t)(last_row * row_bytes + extent);
+  if (w.hi <= first || w.lo >= end) return 0;
+  /* The first row that ends past w.lo; rows start in order, so w meets a
+   * row exactly when that one starts before w.hi. */
+  uint64_t t = 0;
+  if (w.lo > first && (uint64_t)(w.lo - first) >= extent) {
+    if (row_bytes == 0) return 0;
+    t = ((uint64_t)(w.lo - first) - extent) / row_bytes + 1u;
+  }
+  return t <= last_row && first + (uintptr_t)(t * row_bytes) < w.hi;
+}
+
+/* Whether rows 0..last_row of slot `index` at base + index*stride +
+ * r*row_bytes, each `extent` bytes (akv_attn_rows_addressable, which the
+ * caller has checked for them), are clear of what the call writes. */
+static inline int akv_attn_rows_clear(const akv_attn_writes *w, const void *base, uint64_t index,
+                                      uint64_t stride, uint64_t last_row, uint64_t row_bytes,
+                                      uint64_t extent) {
+  const uintptr_t first = (uintptr_t)base + (uintptr_t)(index * stride);
+  return !akv_attn_rows_meet(w->out, first, last_row, row_bytes, extent) &&
+         !akv_attn_rows_meet(w->ws, first, last_row, row_bytes, extent);
+}
+
+/* The spans both variants share: out ([n_contexts][n_heads][head_dim] fp32)
+ * and the ws_used bytes of the workspace into *w, then the checks that they
+ * fit the address space, that out and the workspace do not meet, and that
+ * neither meets q ([n_contexts][n_heads][head_dim] bf16) or the scales
+ * ([kv_heads] floats each, where set). */
+static inline int akv_attn_dense_clear(uint32_t n_contexts, uint32_t n_heads, uint32_t head_dim,
+                                       uint32_t kv_heads, const void *q, const float *out,
+                                       const void *workspace, uint64_t ws_used,
+                                       const float *k_scale, const float *v_scale,
+                                       akv_attn_writes *w) {
+  uint64_t out_bytes;
+  if (!akv_attn_mul4(n_contexts, n_heads, head_dim, 4u, &out_bytes) ||
+      !akv_attn_span_at(out, out_bytes, &w->out) || !akv_attn_span_at(workspace, ws_used, &w->ws))
+    return 0;
+  if (akv_attn_spans_meet(w->out, w->ws)) return 0;
+  if (!akv_attn_array_clear(w, q, (uint64_t)n_contexts * n_heads, (uint64_t)head_dim * 2u))
+    return 0;
+  if (k_scale != NULL &&
+      (!akv_attn_array_clear(w, k_scale, kv_heads, 4u) ||
+       !akv_attn_array_clear(w, v_scale, kv_heads, 4u)))
+    return 0;
+  return 1;
 }
 
 /* Bytes of one element of a dtype the reference attention reads, 0 for a

@@ -136,7 +136,8 @@ akv_status akv_attention_workspace_bytes(uint32_t n_contexts, uint32_t n_heads,
   akv_status st = AKV_ERR_INVALID_ARGUMENT;
   size_t acc_bytes, total;
   uint32_t slots;
-  if (out == NULL || n_contexts == 0 || n_heads == 0 || head_dim == 0 ||
+  if (out == NULL || !akv_attn_aligned_to(out, _Alignof(size_t)) || n_contexts == 0 ||
+      n_heads == 0 || head_dim == 0 ||
       !akv_attn_chunk_ok(chunk_tokens) || head_dim > AKV_ATTENTION_MAX_HEAD_DIM)
     goto fail;
   if (!slots_for(max_tokens, chunk_tokens, &slots) ||
@@ -160,6 +161,7 @@ typedef struct ref_geom {
   float *acc; /* workspace acc region */
   float *ml;  /* workspace ml region */
   uint32_t max_chunks; /* piece slots per (context, head) */
+  size_t ws_used;      /* workspace bytes the call writes (akv_attention_workspace_bytes) */
 } ref_geom;
 
 static akv_status geom_check(akv_dtype dtype, uint32_t n_heads, uint32_t kv_heads,
@@ -229,6 +231,7 @@ static akv_status geom_bind(ref_geom *g, uint32_t n_contexts, void *workspace,
   /* A workspace of 0 bytes (NULL included) serves calls whose lengths are
    * all 0: nothing is then read or written through it, and no offset is
    * formed from a NULL workspace (pointer arithmetic on NULL is undefined). */
+  g->ws_used = total;
   g->acc = (float *)workspace;
   g->ml = total == 0 ? (float *)workspace : (float *)((char *)workspace + acc_bytes);
   return AKV_OK;
@@ -331,11 +334,54 @@ static void combine(const ref_geom *g, uint32_t ctx, uint32_t n_chunks) {
   }
 }
 
-akv_status akv_attention_ref_bf16(const akv_attention_args *a) {
+/* Whether what a contiguous call writes (out, the workspace bytes it uses)
+ * is clear of everything it reads and of each other (akv_attention.h,
+ * "Overlap"): q, the scales, len, the page map entries it reads, the rows
+ * of every context and the rows of every overriding page. Runs after the
+ * addressing checks, before anything is written. */
+static int contig_clear(const akv_attention_args *a, const ref_geom *g) {
+  akv_attn_writes w;
+  if (!akv_attn_dense_clear(a->n_contexts, a->n_heads, a->head_dim, a->kv_heads, a->q, a->out,
+                            a->workspace, g->ws_used, a->k_scale, a->v_scale, &w) ||
+      !akv_attn_array_clear(&w, a->len, a->n_contexts, 4u))
+    return 0;
+  const uint64_t extent = (uint64_t)a->kv_heads * a->head_dim * g->esize;
+  for (uint32_t i = 0; i < a->n_contexts; ++i) {
+    const uint32_t len = a->len[i];
+    if (len == 0) continue;
+    if (!akv_attn_rows_clear(&w, a->k_base, i, a->context_stride, len - 1u, a->row_bytes,
+                             extent) ||
+        !akv_attn_rows_clear(&w, a->v_base, i, a->context_stride, len - 1u, a->row_bytes, extent))
+      return 0;
+    if (a->page_map == NULL) continue;
+    const uint32_t n_chunks = div_up(len, a->chunk_tokens);
+    const uint32_t n_map = n_chunks < a->page_map_stride ? n_chunks : a->page_map_stride;
+    const uint32_t *map = a->page_map + (size_t)i * a->page_map_stride;
+    if (!akv_attn_array_clear(&w, map, n_map, 4u)) return 0;
+    for (uint32_t c = 0; c < n_map; ++c) {
+      const uint32_t rem = len - c * a->chunk_tokens;
+      const uint32_t n = rem < a->chunk_tokens ? rem : a->chunk_tokens;
+      if (map[c] != AKV_PAGE_STAGED &&
+          (!akv_attn_rows_clear(&w, a->k_pages, map[c], a->page_stride, n - 1u, a->row_bytes,
+                                extent) ||
+           !akv_attn_rows_clear(&w, a->v_pages, map[c], a->page_stride, n - 1u, a->row_bytes,
+                                extent)))
+        return 0;
+    }
+  }
+  return 1;
+}
+
+akv_status akv_attention_ref_bf16(const akv_attention_args *args) {
   akv_status st = AKV_ERR_INVALID_ARGUMENT;
   ref_geom g;
   uint32_t max_len = 0;
-  if (a == NULL) goto fail;
+  /* *args is read once, here: the caller's struct may lie in out or the
+   * workspace, which the call writes (akv_attention.h, "Overlap"). */
+  akv_attention_args local;
+  const akv_attention_args *a = &local;
+  if (args == NULL || !akv_attn_aligned_to(args, _Alignof(akv_attention_args))) goto fail;
+  local = *args;
   st = geom_check(a->dtype, a->n_heads, a->kv_heads, a->head_dim, a->row_bytes, a->scale, a->q,
                   a->out, a->workspace, a->k_scale, a->v_scale);
   if (st != AKV_OK) goto fail;
@@ -348,10 +394,19 @@ akv_status akv_attention_ref_bf16(const akv_attention_args *a) {
   if (a->page_map != NULL && (a->page_map_stride == 0 || a->k_pages == NULL || a->v_pages == NULL))
     goto fail;
   if (!akv_attn_aligned4(a->len) || !akv_attn_aligned4(a->page_map)) goto fail;
+  /* The page map's shape, [n_contexts][page_map_stride] uint32, fits the
+   * address space: every entry's address is formed without wrapping. */
+  if (a->page_map != NULL) {
+    akv_attn_span map;
+    uint64_t map_bytes;
+    if (!akv_attn_mul4(a->n_contexts, a->page_map_stride, 4u, 1u, &map_bytes) ||
+        !akv_attn_span_at(a->page_map, map_bytes, &map))
+      goto fail;
+  }
   {
     /* Every row offset the call forms fits ptrdiff_t: rows 0..len-1 of every
-     * context at k_base/v_base (also those a page override redirects), and
-     * the rows of every overriding page. */
+     * context at k_base/v_base (also those a page override redirects) here,
+     * the rows of every overriding page below. */
     const uint64_t extent = (uint64_t)a->kv_heads * a->head_dim * akv_attn_elem_bytes(a->dtype);
     for (uint32_t i = 0; i < a->n_contexts; ++i) {
       const uint32_t len = a->len[i];
@@ -362,7 +417,24 @@ akv_status akv_attention_ref_bf16(const akv_attention_args *a) {
           !akv_attn_rows_addressable(a->v_base, i, a->context_stride, len - 1u, a->row_bytes,
                                      extent))
         goto fail;
-      if (a->page_map == NULL) continue;
+    }
+  }
+
+  /* The workspace is checked before the page map is read: a call whose
+   * lengths ask for more than the workspace holds is refused without
+   * reading the entries those lengths would look up. */
+  geom_fill(&g, a->dtype, a->n_heads, a->kv_heads, a->head_dim, a->scale, a->q, a->out,
+            a->k_scale, a->v_scale);
+  if (!slots_for(max_len, a->chunk_tokens, &g.max_chunks)) goto fail;
+  st = geom_bind(&g, a->n_contexts, a->workspace, a->workspace_bytes);
+  if (st != AKV_OK) goto fail;
+  st = AKV_ERR_INVALID_ARGUMENT;
+
+  if (a->page_map != NULL) {
+    const uint64_t extent = (uint64_t)a->kv_heads * a->head_dim * akv_attn_elem_bytes(a->dtype);
+    for (uint32_t i = 0; i < a->n_contexts; ++i) {
+      const uint32_t len = a->len[i];
+      if (len == 0) continue;
       const uint32_t n_chunks = div_up(len, a->chunk_tokens);
       for (uint32_t c = 0; c < n_chunks && c < a->page_map_stride; ++c) {
         const uint32_t page = a->page_map[(size_t)i * a->page_map_stride + c];
@@ -377,12 +449,7 @@ akv_status akv_attention_ref_bf16(const akv_attention_args *a) {
       }
     }
   }
-
-  geom_fill(&g, a->dtype, a->n_heads, a->kv_heads, a->head_dim, a->scale, a->q, a->out,
-            a->k_scale, a->v_scale);
-  if (!slots_for(max_len, a->chunk_tokens, &g.max_chunks)) goto fail;
-  st = geom_bind(&g, a->n_contexts, a->workspace, a->workspace_bytes);
-  if (st != AKV_OK) goto fail;
+  if (!contig_clear(a, &g)) goto fail;
 
   for (uint32_t i = 0; i < a->n_contexts; ++i) {
     const uint32_t n_chunks = div_up(a->len[i], a->chunk_tokens);
@@ -415,8 +482,12 @@ fail:
   return st;
 }
 
-akv_status akv_attention_args_from_view(const akv_view *v, akv_attention_args *a) {
-  if (v == NULL || a == NULL) return AKV_ERR_INVALID_ARGUMENT;
+akv_status akv_attention_args_from_view(const akv_view *view, akv_attention_args *a) {
+  if (view == NULL || a == NULL || !akv_attn_aligned_to(view, _Alignof(akv_view)) ||
+      !akv_attn_aligned_to(a, _Alignof(akv_attention_args)))
+    return AKV_ERR_INVALID_ARGUMENT;
+  /* The view is read whole before *a is written: the two may share memory. */
+  const akv_view copy = *view, *v = &copy;
   /* A view an engine made has its rows, and on the paged route its pages
    * and page size; V sits v_offset past each without wrapping. Anything
    * else is refused before *a is written. */
@@ -449,10 +520,41 @@ akv_status akv_attention_args_from_view(const akv_view *v, akv_attention_args *a
   return AKV_OK;
 }
 
-akv_status akv_attention_paged_ref_bf16(const akv_attention_paged_args *a, akv_page_table t) {
+/* Whether what a paged call writes is clear of everything it reads and of
+ * each other (akv_attention.h, "Overlap"): q, the scales, the table's three
+ * arrays (indices: its indptr[batch] entries) and the rows of every page.
+ * Runs after the table and addressing checks, before anything is written. */
+static int paged_clear(const akv_attention_paged_args *a, const akv_page_table *t,
+                       const ref_geom *g) {
+  akv_attn_writes w;
+  if (!akv_attn_dense_clear(t->batch, a->n_heads, a->head_dim, a->kv_heads, a->q, a->out,
+                            a->workspace, g->ws_used, a->k_scale, a->v_scale, &w) ||
+      !akv_attn_array_clear(&w, t->indptr, (uint64_t)t->batch + 1u, 4u) ||
+      !akv_attn_array_clear(&w, t->last_page_len, t->batch, 4u) ||
+      !akv_attn_array_clear(&w, t->indices, t->indptr[t->batch], 4u))
+    return 0;
+  const uint64_t extent = (uint64_t)a->kv_heads * a->head_dim * g->esize;
+  for (uint32_t i = 0; i < t->batch; ++i)
+    for (uint32_t p = t->indptr[i]; p < t->indptr[i + 1]; ++p) {
+      const uint32_t n = (p + 1 == t->indptr[i + 1]) ? t->last_page_len[i] : t->page_tokens;
+      if (!akv_attn_rows_clear(&w, t->k_pages, t->indices[p], t->page_stride, n - 1u,
+                               t->row_bytes, extent) ||
+          !akv_attn_rows_clear(&w, t->v_pages, t->indices[p], t->page_stride, n - 1u,
+                               t->row_bytes, extent))
+        return 0;
+    }
+  return 1;
+}
+
+akv_status akv_attention_paged_ref_bf16(const akv_attention_paged_args *args,
+                                        akv_page_table t) {
   akv_status st = AKV_ERR_INVALID_ARGUMENT;
   ref_geom g;
-  if (a == NULL) goto fail;
+  /* Read once, as akv_attention_ref_bf16 reads its struct. */
+  akv_attention_paged_args local;
+  const akv_attention_paged_args *a = &local;
+  if (args == NULL || !akv_attn_aligned_to(args, _Alignof(akv_attention_paged_args))) goto fail;
+  local = *args;
   st = geom_check(a->dtype, a->n_heads, a->kv_heads, a->head_dim, t.row_bytes, a->scale, a->q,
                   a->out, a->workspace, a->k_scale, a->v_scale);
   if (st != AKV_OK) goto fail;
@@ -474,6 +576,19 @@ akv_status akv_attention_paged_ref_bf16(const akv_attention_paged_args *a, akv_p
     if (np > 0 && (t.last_page_len[i] == 0 || t.last_page_len[i] > t.page_tokens)) goto fail;
   }
   if (t.indptr[t.batch] > 0 && t.indices == NULL) goto fail;
+  /* The workspace is checked before indices is read: a table whose
+   * max_pages asks for more than the workspace holds is refused without
+   * reading the page ids its indptr names. */
+  geom_fill(&g, a->dtype, a->n_heads, a->kv_heads, a->head_dim, a->scale, a->q, a->out,
+            a->k_scale, a->v_scale);
+  {
+    const uint64_t slots = (uint64_t)t.max_pages * akv_attn_pieces(t.page_tokens);
+    if (slots > UINT32_MAX) goto fail;
+    g.max_chunks = (uint32_t)slots;
+  }
+  st = geom_bind(&g, t.batch, a->workspace, a->workspace_bytes);
+  if (st != AKV_OK) goto fail;
+  st = AKV_ERR_INVALID_ARGUMENT;
   {
     /* Page ids are not range-checked (the table does not know the pool),
      * but every row offset the call forms fits ptrdiff_t. */
@@ -488,16 +603,7 @@ akv_status akv_attention_paged_ref_bf16(const akv_attention_paged_args *a, akv_p
           goto fail;
       }
   }
-
-  geom_fill(&g, a->dtype, a->n_heads, a->kv_heads, a->head_dim, a->scale, a->q, a->out,
-            a->k_scale, a->v_scale);
-  {
-    const uint64_t slots = (uint64_t)t.max_pages * akv_attn_pieces(t.page_tokens);
-    if (slots > UINT32_MAX) goto fail;
-    g.max_chunks = (uint32_t)slots;
-  }
-  st = geom_bind(&g, t.batch, a->workspace, a->workspace_bytes);
-  if (st != AKV_OK) goto fail;
+  if (!paged_clear(a, &t, &g)) goto fail;
 
   for (uint32_t i = 0; i < t.batch; ++i) {
     const uint32_t np = t.indptr[i + 1] - t.indptr[i];

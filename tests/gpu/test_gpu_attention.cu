@@ -18,7 +18,12 @@
  *  - argument checks refuse without enqueueing anything;
  *  - a page table that overflows max_pages marks only its context with NaN;
  *  - a launch captured in a CUDA graph gives the same bits on every replay,
- *    and one workspace serves calls of different lengths.
+ *    and one workspace serves calls of different lengths;
+ *  - NaN q or K elements, FP8 NaN codes and overflowing scores give NaN in
+ *    exactly the reference's places, and zeros (the reference's bytes)
+ *    where every score is -inf or a context is empty;
+ *  - workspace, out and q exactly adjacent in one allocation give the bits
+ *    of separate buffers; overlapping ones are refused.
  * Exits 77 (ctest: skipped) when no CUDA device is usable.
  */
 #include <setjmp.h>
@@ -831,6 +836,183 @@ static void test_graph_replay_and_workspace_reuse(void **state) {
   problem_free(&p);
 }
 
+/* ------------------------------------------------ non-finite values, bytes */
+
+/* Element j of kv head g of row t of context i of K (which 0) or V (1). */
+static char *elem_at(problem *p, uint32_t i, uint32_t t, int which, uint32_t g, uint32_t j) {
+  const uint32_t es = attn_elem_bytes(p->dtype);
+  return p->base + i * p->context_stride + t * p->row_bytes + (which ? p->v_offset : 0u) +
+         ((size_t)g * p->head_dim + j) * es;
+}
+
+static void set_elem(problem *p, char *at, uint16_t bf16, uint8_t fp8) {
+  if (p->dtype == AKV_DTYPE_BF16) memcpy(at, &bf16, 2);
+  else *(uint8_t *)at = fp8;
+}
+
+/*
+ * akv_attention.h, "Algorithm": a NaN q or K element, an FP8 NaN code or a
+ * score that overflows gives NaN (the reference's combine writes zeros only
+ * for a denominator of exactly 0: no rows, or every score -inf). The CUDA
+ * combine keeps the same promise: NaN in exactly the reference's places,
+ * the reference's bytes where it writes zeros, and the usual bound
+ * elsewhere; the paged launcher gives the contiguous one's bytes. Contexts
+ * (8 heads over 2 kv heads, heads 0-3 read kv head 0, chunks of 256):
+ *  0: clean; 1: NaN in q of head 3; 2: NaN (bf16 NaN, FP8 NaN code) in K
+ *  row 299 of kv head 1 (heads 4-7); 3: q of head 2 and K row 100 of kv
+ *  head 0 both 2^127 (bf16) or the largest code (FP8) in dim 0: that score
+ *  overflows to +inf (head 2); 4: bf16: q of head 5 is 2^127 in dim 0 and 0
+ *  elsewhere, every K row of kv head 1 -2^127 in dim 0: every score of head
+ *  5 is -inf (zeros); FP8: a NaN code in K row 255 of kv head 0 (the last
+ *  row of a piece; heads 0-3); 5: empty (zeros).
+ */
+static void check_nonfinite(akv_dtype dt) {
+  const uint32_t len[6] = {37, 300, 600, 530, 1030, 0};
+  problem p;
+  problem_init_dt(&p, dt, 6, 8, 2, 128, 256, len, 1.0f);
+  const uint32_t d = p.head_dim, per = p.n_heads * d;
+  const uint16_t BF_NAN = 0x7FC0u, BF_BIG = 0x7F00u /* 2^127 */, BF_NBIG = 0xFF00u;
+  const uint8_t F8_NAN = 0x7Fu; /* NaN in E4M3 and in E5M2 */
+  const uint8_t F8_MAX = dt == AKV_DTYPE_FP8_E4M3 ? 0x7Eu : 0x7Bu; /* 448, 57344 */
+  p.q[(size_t)1 * per + 3 * d + 5] = BF_NAN;
+  set_elem(&p, elem_at(&p, 2, 299, 0, 1, 7), BF_NAN, F8_NAN);
+  /* Dim 0 of q is 0 for the other heads of the huge K elements' kv head,
+   * so that only the planted head's scores leave the usual range. */
+  for (uint32_t h = 0; h < 4; ++h) p.q[(size_t)3 * per + h * d] = 0u;
+  for (uint32_t h = 4; h < 8; ++h) p.q[(size_t)4 * per + h * d] = 0u;
+  p.q[(size_t)3 * per + 2 * d + 0] = BF_BIG;
+  set_elem(&p, elem_at(&p, 3, 100, 0, 0, 0), BF_BIG, F8_MAX);
+  if (dt == AKV_DTYPE_BF16) {
+    for (uint32_t j = 0; j < d; ++j) p.q[(size_t)4 * per + 5 * d + j] = j == 0 ? BF_BIG : 0u;
+    for (uint32_t t = 0; t < len[4]; ++t) set_elem(&p, elem_at(&p, 4, t, 0, 1, 0), BF_NBIG, 0);
+  } else {
+    set_elem(&p, elem_at(&p, 4, 255, 0, 0, 3), 0, F8_NAN);
+  }
+  CUDA_OK(cudaMemcpy(p.d_base, p.base, (size_t)p.n_ctx * p.context_stride,
+                     cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(p.d_q, p.q, out_elems(&p) * 2u, cudaMemcpyHostToDevice));
+
+  const size_t n = out_elems(&p);
+  float *ref = (float *)xmalloc(n * sizeof(float));
+  float *got = (float *)xmalloc(n * sizeof(float));
+  float *paged = (float *)xmalloc(n * sizeof(float));
+  run_reference(&p, ref);
+  /* The planted values reach the reference as the header says. */
+  const struct {
+    uint32_t ctx, h0, h1;
+    int nan;
+  } want[] = {{1, 3, 4, 1}, {2, 4, 8, 1}, {3, 2, 3, 1}, {4, dt == AKV_DTYPE_BF16 ? 5u : 0u,
+                                                          dt == AKV_DTYPE_BF16 ? 6u : 4u,
+                                                          dt != AKV_DTYPE_BF16}};
+  for (size_t w = 0; w < sizeof want / sizeof want[0]; ++w)
+    for (uint32_t h = want[w].h0; h < want[w].h1; ++h)
+      for (uint32_t j = 0; j < d; ++j) {
+        const float r = ref[(size_t)want[w].ctx * per + h * d + j];
+        assert_true(want[w].nan ? isnan(r) : r == 0.0f);
+      }
+  for (size_t e = 0; e < (size_t)per; ++e) assert_true(ref[5 * (size_t)per + e] == 0.0f);
+
+  const size_t wsb = ws_bytes_for(&p, max_len(&p), p.chunk);
+  float *d_out;
+  void *d_ws;
+  CUDA_OK(cudaMalloc((void **)&d_out, n * sizeof(float)));
+  CUDA_OK(cudaMalloc(&d_ws, wsb));
+  run_cuda_contig(&p, d_out, d_ws, wsb, got);
+  for (uint32_t i = 0; i < p.n_ctx; ++i) {
+    double num = 0.0, den = 0.0;
+    for (uint32_t e = 0; e < per; ++e) {
+      const float r = ref[(size_t)i * per + e], g = got[(size_t)i * per + e];
+      /* A head the reference zeroed whole (no rows, every score -inf):
+       * the same bytes. */
+      bool zero_head = true;
+      const float *head = ref + (size_t)i * per + e / d * d;
+      for (uint32_t j = 0; j < d; ++j) zero_head = zero_head && head[j] == 0.0f;
+      if (isnan(r) != isnan(g) || (zero_head && memcmp(&r, &g, sizeof r) != 0))
+        print_error("dtype %d ctx %u head %u dim %u: CUDA %g, reference %g\n", (int)dt, i,
+                    e / d, e % d, (double)g, (double)r);
+      assert_int_equal(isnan(r) != 0, isnan(g) != 0);
+      if (zero_head) assert_memory_equal(&r, &g, sizeof r);
+      if (isnan(r)) continue;
+      num += ((double)g - r) * ((double)g - r);
+      den += (double)r * r;
+    }
+    assert_true(den == 0.0 ? num == 0.0 : sqrt(num / den) <= REL_L2_TOL);
+  }
+  dpaged pg;
+  dpaged_build(&pg, &p);
+  size_t pwsb = 0;
+  assert_int_equal(akv_attention_workspace_bytes(p.n_ctx, p.n_heads, d, pg.t.max_pages * p.chunk,
+                                                 p.chunk, &pwsb),
+                   AKV_OK);
+  void *d_pws;
+  CUDA_OK(cudaMalloc(&d_pws, pwsb ? pwsb : 16));
+  run_cuda_paged(&p, &pg, d_out, d_pws, pwsb, paged);
+  assert_memory_equal(got, paged, n * sizeof(float));
+  CUDA_OK(cudaFree(d_pws));
+  dpaged_free(&pg);
+  CUDA_OK(cudaFree(d_out));
+  CUDA_OK(cudaFree(d_ws));
+  free(ref);
+  free(got);
+  free(paged);
+  problem_free(&p);
+}
+
+static void test_nonfinite_matches_reference(void **state) {
+  (void)state;
+  check_nonfinite(AKV_DTYPE_BF16);
+  check_nonfinite(AKV_DTYPE_FP8_E4M3);
+  check_nonfinite(AKV_DTYPE_FP8_E5M2);
+}
+
+/* akv_attention.h, "Overlap", on device memory: workspace, out and q in
+ * one allocation, each right after the other, give the bytes of separate
+ * buffers; out one element into the workspace, or q one element into out,
+ * is refused before anything is enqueued (both keep their poison). */
+static void test_adjacent_device_buffers(void **state) {
+  (void)state;
+  const uint32_t len[3] = {700, 5, 300};
+  problem p;
+  problem_init(&p, 3, 8, 2, 128, 256, len, 1.0f);
+  const size_t n = out_elems(&p), wsb = ws_bytes_for(&p, max_len(&p), p.chunk);
+  assert_true(wsb % 256 == 0);
+  float *want = (float *)xmalloc(n * sizeof(float));
+  float *got = (float *)xmalloc(n * sizeof(float));
+  float *d_out;
+  void *d_ws;
+  CUDA_OK(cudaMalloc((void **)&d_out, n * sizeof(float)));
+  CUDA_OK(cudaMalloc(&d_ws, wsb));
+  run_cuda_contig(&p, d_out, d_ws, wsb, want);
+  /* [workspace | out | q] */
+  const size_t out_bytes = n * sizeof(float), q_bytes = n * 2u;
+  char *d_all;
+  CUDA_OK(cudaMalloc((void **)&d_all, wsb + out_bytes + q_bytes));
+  CUDA_OK(cudaMemcpy(d_all + wsb + out_bytes, p.q, q_bytes, cudaMemcpyHostToDevice));
+  uint16_t *d_q_keep = p.d_q;
+  p.d_q = (uint16_t *)(void *)(d_all + wsb + out_bytes);
+  run_cuda_contig(&p, (float *)(void *)(d_all + wsb), d_all, wsb, got);
+  assert_memory_equal(got, want, out_bytes);
+  /* Overlapping: refused, nothing enqueued (the poison stays). */
+  CUDA_OK(cudaMemset(d_all, 0xFF, wsb + out_bytes));
+  akv_attention_args a = make_args(&p, true, (float *)(void *)(d_all + wsb - 16), d_all, wsb);
+  assert_int_equal(akv_attention_decode_cuda(&a, 0), AKV_ERR_INVALID_ARGUMENT);
+  a = make_args(&p, true, (float *)(void *)(d_all + wsb), d_all, wsb);
+  a.q = d_all + wsb + out_bytes - 16;
+  assert_int_equal(akv_attention_decode_cuda(&a, 0), AKV_ERR_INVALID_ARGUMENT);
+  CUDA_OK(cudaDeviceSynchronize());
+  unsigned char *back = (unsigned char *)xmalloc(wsb + out_bytes);
+  CUDA_OK(cudaMemcpy(back, d_all, wsb + out_bytes, cudaMemcpyDeviceToHost));
+  for (size_t i = 0; i < wsb + out_bytes; ++i) assert_int_equal(back[i], 0xFF);
+  free(back);
+  p.d_q = d_q_keep;
+  CUDA_OK(cudaFree(d_all));
+  CUDA_OK(cudaFree(d_out));
+  CUDA_OK(cudaFree(d_ws));
+  free(want);
+  free(got);
+  problem_free(&p);
+}
+
 int main(void) {
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
@@ -850,6 +1032,8 @@ int main(void) {
       cmocka_unit_test(test_fp8),
       cmocka_unit_test(test_fp8_invalid_arguments),
       cmocka_unit_test(test_graph_replay_and_workspace_reuse),
+      cmocka_unit_test(test_nonfinite_matches_reference),
+      cmocka_unit_test(test_adjacent_device_buffers),
   };
   return cmocka_run_group_tests_name("gpu_attention", tests, NULL, NULL);
 }
