@@ -707,6 +707,44 @@ _handle_attr = functools.partial(property, operator.attrgetter("_box.value"), _s
 # refused; one read as open after step_end: close refused for good).
 
 
+# A refusal cut short: an ending call (_Ending) or a _Recorded one refused,
+# with nothing changed, and a KeyboardInterrupt raised as it returned loses
+# the refusal with its status; the handle cleared or the state recorded for
+# the call would stay so (a context, stream or engine the library kept read
+# as closed and could never be closed again; a step read as open that the
+# library never opened, and close refused for good). Such a call is made
+# inside try; cut short, the library is asked what the call did (the probes
+# below change nothing) and the object follows its answer. These run only
+# on that path: the calls themselves cost nothing more.
+
+_BAD_HANDLE = STATUS_VALUES["AKV_ERR_BAD_HANDLE"]
+_INVALID_ARGUMENT = STATUS_VALUES["AKV_ERR_INVALID_ARGUMENT"]
+_STEP_STATE = STATUS_VALUES["AKV_ERR_STEP_STATE"]
+
+
+def _engine_alive(h: int) -> bool:
+    """Whether engine handle h still names a live engine: a destroyed one
+    answers AKV_ERR_BAD_HANDLE to every call and changes nothing ("Handle
+    lifetimes" in akv.h)."""
+    info = L.out_struct(L.akv_engine_info)
+    return lib.akv_engine_info_get(h, ctypes.byref(info)) != _BAD_HANDLE
+
+
+def _context_alive(h: int) -> bool:
+    """As _engine_alive, for a context handle."""
+    return lib.akv_context_id(h, ctypes.byref(ctypes.c_uint32())) != _BAD_HANDLE
+
+
+def _step_open_now(h: int, default: bool) -> bool:
+    """Whether the engine has a step open, as the library says: a step_begin
+    of no contexts is refused with AKV_ERR_STEP_STATE inside a step and
+    AKV_ERR_INVALID_ARGUMENT outside one (the step is checked first), and
+    changes nothing either way. `default` where it answers neither (a
+    quarantined engine)."""
+    st = lib.akv_step_begin(h, None, 0)
+    return True if st == _STEP_STATE else False if st == _INVALID_ARGUMENT else default
+
+
 class _NotCopyable:
     """Objects that name a C handle are not copied: a copy would keep the
     handle after the original closed, retired or destroyed it, and the
@@ -1030,7 +1068,12 @@ class Engine(_ClosedOnExit):
         else:
             # the handle goes before the call (see _Ending), back only on a refusal
             self._box.value = None
-            st = lib.akv_engine_destroy(h)
+            try:
+                st = lib.akv_engine_destroy(h)
+            except BaseException:  # cut short as it returned (see _BAD_HANDLE)
+                if _engine_alive(h):
+                    self._box.value = h
+                raise
             if st != 0:
                 self._box.value = h
                 _check(st, h, "engine close")
@@ -1270,7 +1313,11 @@ class Engine(_ClosedOnExit):
         h, n, before = self._h(), len(hs), self._step_open
         # recorded before the call, undone only on a refusal (_Recorded)
         self._step_open = True
-        st = lib.akv_step_begin(h, arr, n)
+        try:
+            st = lib.akv_step_begin(h, arr, n)
+        except BaseException:  # cut short as it returned (see _BAD_HANDLE)
+            self._step_open = _step_open_now(h, before)
+            raise
         if st != 0:
             self._step_open = before
             _check(st, self._handle, "step_begin")
@@ -1281,7 +1328,11 @@ class Engine(_ClosedOnExit):
         context grows by one row. Raises StepState, Quarantined."""
         h, before = self._h(), self._step_open
         self._step_open = False  # _Recorded
-        st = lib.akv_step_end(h)
+        try:
+            st = lib.akv_step_end(h)
+        except BaseException:  # cut short as it returned (see _BAD_HANDLE)
+            self._step_open = _step_open_now(h, before)
+            raise
         if st != 0:
             self._step_open = before
             _check(st, self._handle, "step_end")
@@ -1294,7 +1345,13 @@ class Engine(_ClosedOnExit):
         for box in orphans:
             if box.value is not None:
                 h, box.value = box.value, None
-                st = lib.akv_context_close(h)
+                try:
+                    st = lib.akv_context_close(h)
+                except BaseException:  # cut short as it returned (see _BAD_HANDLE)
+                    if _context_alive(h):
+                        box.value = h
+                        self._orphans.append(box)
+                    raise
                 if st != 0:  # still held (a later step): at the next end, or the destroy
                     box.value = h
                     self._orphans.append(box)
@@ -1377,7 +1434,17 @@ class Engine(_ClosedOnExit):
         """Destroys the stream in `box` (see _Ending) and forgets the box."""
         if box.value is not None:
             h, box.value = box.value, None
-            st = lib.akv_stream_destroy(self._handle, h)
+            eh = self._handle
+            try:
+                st = lib.akv_stream_destroy(eh, h)
+            except BaseException:
+                # cut short as it returned (see _BAD_HANDLE): the destroy again
+                # says what it did; a destroyed stream is refused as none of
+                # the engine's (AKV_ERR_INVALID_ARGUMENT), changing nothing, a
+                # refused one is refused again
+                if lib.akv_stream_destroy(eh, h) not in (0, _INVALID_ARGUMENT):
+                    box.value = h
+                raise
             if st != 0:
                 box.value = h
                 _check(st, self._handle, "stream destroy")
@@ -1642,7 +1709,12 @@ class Context(_ClosedOnExit):
             self._box.value = None
             return
         h, self._box.value = self._box.value, None  # see _Ending
-        st = lib.akv_context_close(h)
+        try:
+            st = lib.akv_context_close(h)
+        except BaseException:  # cut short as it returned (see _BAD_HANDLE)
+            if _context_alive(h):
+                self._box.value = h
+            raise
         if st != 0:
             self._box.value = h
             _check(st, self._engine._handle, "context close")

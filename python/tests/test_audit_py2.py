@@ -1,0 +1,358 @@
+"""A second outside audit of the Python package: a refused call cut short
+by a KeyboardInterrupt as it returns (the status it answered is lost with
+the exception), and misuse from outside.
+
+A Ctrl-C is raised by the interpreter right after a foreign call returns;
+here a wrapper of the library function raises KeyboardInterrupt right
+after the real call (or in place of a refusal the library would have made
+with nothing changed). After it the object must still own its handle where
+the library kept it, and read as dead only where the library ended it.
+Host backend, no GPU needed.
+"""
+import numpy as np
+import pytest
+
+import activekv as akv
+from activekv import _api
+from activekv.errors import STATUS_VALUES as ST
+
+from conftest import small
+
+L, H, D = 3, 2, 8
+
+
+def rows(n, value=1.0):
+    return np.full((L, n, H, D), value, np.float32)
+
+
+def interrupt_after(monkeypatch, name, answer=None):
+    """The next call of library function `name` runs (or, with `answer`,
+    answers that status without running: a refusal, nothing changed) and is
+    cut short as it returns by a KeyboardInterrupt."""
+    real = getattr(_api.lib, name)
+    seen = []
+
+    def call(*args):
+        monkeypatch.setattr(_api.lib, name, real)
+        seen.append(real(*args) if answer is None else answer)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_api.lib, name, call)
+    return seen
+
+
+def finish(eng, streams=None):
+    """Runs every layer of the open step and ends it."""
+    for layer in range(L):
+        lease = eng.lease_begin(layer)
+        lease.wait_ready(None if streams is None else streams[layer])
+        attn = lease.mark_consumed()
+        lease.seal(lease.write_back(), attn)
+        lease.retire()
+    eng.step_end()
+
+
+# ------------------------------------------- a refusal cut short as it returns
+
+
+def test_refused_context_close_cut_short_keeps_the_context(monkeypatch, destroys):
+    """Context.close of a context the open step holds is refused (InUse),
+    nothing changed; cut short as the refusal returned, the context read as
+    closed (its handle gone from the object) while the library kept it: its
+    rows were lost to the caller, and it stayed open until the engine went."""
+    eng = akv.Engine(**small())
+    ctx = eng.open_context()
+    ctx.append(rows(2), rows(2))
+    eng.step_begin([ctx])
+    seen = interrupt_after(monkeypatch, "akv_context_close")
+    with pytest.raises(KeyboardInterrupt):
+        ctx.close()
+    assert seen == [ST["AKV_ERR_IN_USE"]]
+    assert ctx._handle is not None  # the library kept it: so does the object
+    finish(eng)
+    assert len(ctx) == 3
+    ctx.close()
+    assert ctx._handle is None
+    a, b = eng.open_context(), eng.open_context()  # both host slots free again
+    del a, b
+    eng.close()
+    assert len(destroys) == 1
+
+
+def test_context_close_cut_short_after_closing_leaves_it_dead(monkeypatch):
+    """The other side: a close that happened, cut short, reads as closed."""
+    with akv.Engine(**small()) as eng:
+        ctx = eng.open_context()
+        seen = interrupt_after(monkeypatch, "akv_context_close")
+        with pytest.raises(KeyboardInterrupt):
+            ctx.close()
+        assert seen == [0]
+        assert ctx._handle is None
+        with pytest.raises(akv.BadHandle):
+            len(ctx)
+        eng.open_context().close()
+        eng.open_context().close()
+
+
+def test_refused_stream_destroy_cut_short_keeps_the_stream(monkeypatch, destroys):
+    """Stream.destroy of a stream an unretired lease used is refused
+    (InUse); cut short as it returned, the stream read as destroyed while
+    the library kept it live, and akv_engine_destroy refuses an engine with
+    a live stream: close() was refused for good (Busy), the engine, its
+    threads and its memory leaked until the process ended."""
+    eng = akv.Engine(**small())
+    ctx = eng.open_context()
+    ctx.append(rows(2), rows(2))
+    s = eng.stream_create()
+    eng.step_begin([ctx])
+    lease = eng.lease_begin(0)
+    lease.wait_ready(s)
+    seen = interrupt_after(monkeypatch, "akv_stream_destroy")
+    with pytest.raises(KeyboardInterrupt):
+        s.destroy()
+    assert seen == [ST["AKV_ERR_IN_USE"]]
+    assert s._handle is not None
+    attn = lease.mark_consumed()
+    lease.seal(lease.write_back(), attn)
+    lease.retire()
+    for layer in range(1, L):
+        lz = eng.lease_begin(layer)
+        lz.wait_ready(s)
+        attn = lz.mark_consumed()
+        lz.seal(lz.write_back(), attn)
+        lz.retire()
+    eng.step_end()
+    s.synchronize()
+    del lease, lz
+    eng.close()
+    assert len(destroys) == 1
+
+
+def test_stream_destroy_cut_short_after_destroying_leaves_it_dead(monkeypatch, destroys):
+    eng = akv.Engine(**small())
+    s = eng.stream_create()
+    seen = interrupt_after(monkeypatch, "akv_stream_destroy")
+    with pytest.raises(KeyboardInterrupt):
+        s.destroy()
+    assert seen == [0]
+    assert s._handle is None
+    got = [eng.stream_create() for _ in range(8)]  # all 8 free again
+    del got
+    eng.close()
+    assert len(destroys) == 1
+
+
+def test_refused_engine_destroy_cut_short_keeps_the_engine(monkeypatch, destroys):
+    """akv_engine_destroy refusing (Busy, nothing freed) as close() calls it,
+    cut short as it returned: the engine read as closed with its C engine
+    alive, and nothing could free it any more."""
+    eng = akv.Engine(**small())
+    ctx = eng.open_context()
+    interrupt_after(monkeypatch, "akv_engine_destroy", answer=ST["AKV_ERR_BUSY"])
+    with pytest.raises(KeyboardInterrupt):
+        eng.close()
+    assert eng._handle is not None
+    assert len(ctx) == 0  # still usable
+    eng.close()
+    assert len(destroys) == 1
+
+
+def test_engine_destroy_cut_short_after_destroying_leaves_it_closed(monkeypatch, destroys):
+    eng = akv.Engine(**small())
+    seen = interrupt_after(monkeypatch, "akv_engine_destroy")
+    with pytest.raises(KeyboardInterrupt):
+        eng.close()
+    assert seen == [0] and len(destroys) == 1
+    assert eng._handle is None
+    with pytest.raises(akv.BadHandle):
+        eng.info()
+    eng.close()  # a no-op, never a second destroy
+
+
+def test_refused_step_begin_cut_short_leaves_no_step_read_as_open(monkeypatch, destroys):
+    """step_begin of a context with uneven layers is refused
+    (UnevenLayers); cut short as it returned, the engine read as inside a
+    step the library never opened: close() was refused (Busy, "a step is
+    open") and step_end refused (StepState), for good."""
+    eng = akv.Engine(**small())
+    ctx = eng.open_context()
+    ctx.append_layer(0, rows(1)[0], rows(1)[0])
+    seen = interrupt_after(monkeypatch, "akv_step_begin")
+    with pytest.raises(KeyboardInterrupt):
+        eng.step_begin([ctx])
+    assert seen == [ST["AKV_ERR_UNEVEN_LAYERS"]]
+    assert not eng._step_open
+    del ctx
+    eng.close()
+    assert len(destroys) == 1
+
+
+def test_step_begin_cut_short_after_opening_reads_as_open(monkeypatch, destroys):
+    eng = akv.Engine(**small())
+    ctx = eng.open_context()
+    ctx.append(rows(1), rows(1))
+    seen = interrupt_after(monkeypatch, "akv_step_begin")
+    with pytest.raises(KeyboardInterrupt):
+        eng.step_begin([ctx])
+    assert seen == [0] and eng._step_open
+    with pytest.raises(akv.Busy):
+        eng.close()
+    finish(eng)
+    assert len(ctx) == 2
+    del ctx
+    eng.close()
+    assert len(destroys) == 1
+
+
+def test_refused_step_end_cut_short_keeps_the_step_open(monkeypatch, destroys):
+    """step_end with a lease unretired is refused (StepState); cut short as
+    it returned, the engine read as outside a step: close() then destroyed
+    the caller's streams before the library refused the destroy (a refused
+    close changed things: the caller's Stream was dead)."""
+    eng = akv.Engine(**small())
+    ctx = eng.open_context()
+    ctx.append(rows(1), rows(1))
+    spare = eng.stream_create()
+    eng.step_begin([ctx])
+    lease = eng.lease_begin(0)
+    lease.wait_ready()
+    seen = interrupt_after(monkeypatch, "akv_step_end")
+    with pytest.raises(KeyboardInterrupt):
+        eng.step_end()
+    assert seen == [ST["AKV_ERR_STEP_STATE"]]
+    assert eng._step_open
+    with pytest.raises(akv.Busy):
+        eng.close()
+    assert spare._handle is not None
+    spare.synchronize()
+    attn = lease.mark_consumed()
+    lease.seal(lease.write_back(), attn)
+    lease.retire()
+    for layer in range(1, L):
+        lz = eng.lease_begin(layer)
+        lz.wait_ready()
+        attn = lz.mark_consumed()
+        lz.seal(lz.write_back(), attn)
+        lz.retire()
+    eng.step_end()
+    del lease, lz, ctx
+    eng.close()
+    assert len(destroys) == 1
+
+
+def test_step_end_cut_short_after_ending_reads_as_closed(monkeypatch, destroys):
+    eng = akv.Engine(**small())
+    ctx = eng.open_context()
+    ctx.append(rows(1), rows(1))
+    eng.step_begin([ctx])
+    for layer in range(L):
+        lease = eng.lease_begin(layer)
+        lease.wait_ready()
+        attn = lease.mark_consumed()
+        lease.seal(lease.write_back(), attn)
+        lease.retire()
+    seen = interrupt_after(monkeypatch, "akv_step_end")
+    with pytest.raises(KeyboardInterrupt):
+        eng.step_end()
+    assert seen == [0] and not eng._step_open
+    assert len(ctx) == 2
+    del ctx, lease
+    eng.close()
+    assert len(destroys) == 1
+
+
+# ------------------------------------- the same refusals, cut short anywhere
+
+
+def _stepping():
+    eng = akv.Engine(**small())
+    ctx = eng.open_context()
+    ctx.append(rows(1), rows(1))
+    return eng, ctx
+
+
+def _refusal_scenarios():
+    """name -> (set up, the refused call, check after it, finish): every
+    refusal changes nothing, so after an interrupt anywhere in it the
+    engine is what it was before the call."""
+
+    def ctx_close_in_step():
+        eng, ctx = _stepping()
+        eng.step_begin([ctx])
+        return eng, {"ctx": ctx}, ctx.close
+
+    def stream_in_use():
+        eng, ctx = _stepping()
+        s = eng.stream_create()
+        eng.step_begin([ctx])
+        lease = eng.lease_begin(0)
+        lease.wait_ready(s)
+        return eng, {"ctx": ctx, "s": s, "lease": lease}, s.destroy
+
+    def uneven_step_begin():
+        eng = akv.Engine(**small())
+        ctx = eng.open_context()
+        ctx.append_layer(0, rows(1)[0], rows(1)[0])
+        return eng, {"ctx": ctx}, lambda: eng.step_begin([ctx])
+
+    def early_step_end():
+        eng, ctx = _stepping()
+        spare = eng.stream_create()
+        eng.step_begin([ctx])
+        lease = eng.lease_begin(0)
+        lease.wait_ready()
+        return eng, {"ctx": ctx, "spare": spare, "lease": lease}, eng.step_end
+
+    def close_in_step():
+        eng, ctx = _stepping()
+        spare = eng.stream_create()
+        eng.step_begin([ctx])
+        return eng, {"ctx": ctx, "spare": spare}, eng.close
+
+    return {"context_close": ctx_close_in_step, "stream_destroy": stream_in_use,
+            "step_begin": uneven_step_begin, "step_end": early_step_end,
+            "engine_close": close_in_step}
+
+
+@pytest.mark.parametrize("what", ["context_close", "stream_destroy", "step_begin", "step_end",
+                                  "engine_close"])
+def test_a_refusal_cut_short_anywhere_changes_nothing(monkeypatch, what):
+    from test_interrupt_points import every_point
+
+    make = _refusal_scenarios()[what]
+
+    def scenario(it, n):
+        eng, objs, call = make()
+        step_open = eng._step_open
+        with it.at(n):
+            with pytest.raises(akv.ActiveKVError):
+                call()
+        # refused, cut short or not: every object keeps what it had
+        assert eng._handle is not None and eng._step_open == step_open
+        for name in ("ctx", "s", "spare"):
+            if name in objs:
+                assert objs[name]._handle is not None, name
+        assert not eng._slot
+        if "s" in objs or "spare" in objs:
+            (objs.get("s") or objs["spare"]).synchronize()
+        ctx = objs["ctx"]
+        if what == "step_begin":
+            ctx.append_layer(1, rows(1)[0], rows(1)[0])
+            ctx.append_layer(2, rows(1)[0], rows(1)[0])
+            eng.step_begin([ctx])
+        lease = objs.pop("lease", None)
+        for layer in range(L):
+            lz = lease if (layer == 0 and lease is not None) else eng.lease_begin(layer)
+            if lz is not lease:
+                lz.wait_ready(objs.get("s"))
+            attn = lz.mark_consumed()
+            lz.seal(lz.write_back(), attn)
+            lz.retire()
+        eng.step_end()
+        assert len(ctx) == 2
+        objs.clear()
+        del lease, lz, ctx
+        eng.close()
+        assert len(it.destroyed) == len(it.creates)
+
+    every_point(monkeypatch, scenario)
