@@ -1778,7 +1778,12 @@ class Lease(_NotCopyable):
         fn, ref = lib.akv_lease_wait_ready, ctypes.byref(v)
         prev, box.view = (getattr(box, "view", None), getattr(box, "synced", False)), v
         box.synced = False
-        st = fn(h, s, ref)
+        try:
+            st = fn(h, s, ref)
+        except BaseException:  # cut short as it returned: filled only on success
+            if not v.n_contexts:
+                box.view, box.synced = prev
+            raise
         if st != 0:
             box.view, box.synced = prev
             _check(st, self._engine._handle, "wait_ready")
@@ -1842,7 +1847,12 @@ class Lease(_NotCopyable):
         # (a second one) leaves the first's
         fn, ref, box = lib.akv_lease_mark_consumed, ctypes.byref(f), self._box
         prev, box.attn = getattr(box, "attn", None), f
-        st = fn(h, s, ref)
+        try:
+            st = fn(h, s, ref)
+        except BaseException:  # cut short as it returned: filled only on success
+            if not f.serial:
+                box.attn = prev
+            raise
         if st != 0:
             box.attn = prev
             _check(st, self._engine._handle, "mark_consumed")
@@ -1867,7 +1877,12 @@ class Lease(_NotCopyable):
         # filled by the library on success (Lease.tail); an earlier write_back's
         # tail stays when this one is refused
         prev, box.tail = getattr(box, "tail", None), tail
-        st = fn(h, arr, n, ref)
+        try:
+            st = fn(h, arr, n, ref)
+        except BaseException:  # cut short as it returned: filled only on success
+            if not tail.serial:
+                box.tail = prev
+            raise
         if st != 0:
             box.tail = prev
         _check(st, self._engine._handle, "write_back")

@@ -356,3 +356,43 @@ def test_a_refusal_cut_short_anywhere_changes_nothing(monkeypatch, what):
         assert len(it.destroyed) == len(it.creates)
 
     every_point(monkeypatch, scenario)
+
+
+@pytest.mark.parametrize("call", ["wait_ready", "mark_consumed", "write_back"])
+def test_a_refused_second_lease_call_cut_short_keeps_the_first_result(monkeypatch, call):
+    """A second wait_ready / mark_consumed / write_back is refused
+    (LeaseState) and leaves what the first returned for Lease.view,
+    .attention and .tail; cut short as the refusal returned, the lease
+    gave None instead (the unfilled struct of the refused call), and a
+    caller that lost the first result (an earlier interrupt) could no
+    longer seal the lease."""
+    with akv.Engine(**small()) as eng:
+        ctx = eng.open_context()
+        ctx.append(rows(1), rows(1))
+        eng.step_begin([ctx])
+        lease = eng.lease_begin(0)
+        view = lease.wait_ready()
+        attn = lease.mark_consumed()
+        tail = lease.write_back()
+        fn = {"wait_ready": "akv_lease_wait_ready", "mark_consumed": "akv_lease_mark_consumed",
+              "write_back": "akv_lease_write_back"}[call]
+        seen = interrupt_after(monkeypatch, fn)
+        with pytest.raises(KeyboardInterrupt):
+            getattr(lease, call)()
+        assert seen == [ST["AKV_ERR_LEASE_STATE"]]
+        assert lease.view is not None and lease.view.len == view.len
+        assert lease.attention == attn and lease.tail == tail
+        lease.seal(lease.tail, lease.attention)
+        lease.retire()
+        finish_from(eng, 1)
+        assert len(ctx) == 2
+
+
+def finish_from(eng, first):
+    for layer in range(first, L):
+        lease = eng.lease_begin(layer)
+        lease.wait_ready()
+        attn = lease.mark_consumed()
+        lease.seal(lease.write_back(), attn)
+        lease.retire()
+    eng.step_end()
