@@ -105,6 +105,7 @@ _GRAD_REFUSED = ("ActiveKVCache: a decode update with K/V that require grad whil
 
 # akv_lease_try_retire's "not yet" (AKV_ERR_NOT_READY, 24): fences pending, nothing changed.
 _NOT_READY = STATUS_VALUES["AKV_ERR_NOT_READY"]
+_BAD_HANDLE = STATUS_VALUES["AKV_ERR_BAD_HANDLE"]
 
 
 # Sealed leases gathered before akv_lease_try_retire is tried: each try queries the
@@ -833,7 +834,11 @@ class _Driver:
         while sealed:
             lease = sealed[0]  # off the list before the call: see retire_all
             del sealed[0]
-            st = fn(lease, self.receipt_ref)
+            try:
+                st = fn(lease, self.receipt_ref)
+            except BaseException:
+                self._cut_short(fn, lease)
+                raise
             if st != 0:
                 sealed.insert(0, lease)
                 if st != _NOT_READY:
@@ -852,11 +857,29 @@ class _Driver:
         while sealed:
             lease = sealed[0]
             del sealed[0]
-            st = self.api.retire(lease, self.receipt_ref)
+            try:
+                st = self.api.retire(lease, self.receipt_ref)
+            except BaseException:
+                self._cut_short(self.api.retire, lease)
+                raise
             if st != 0:
                 sealed.insert(0, lease)
                 self.check(st, "lease_retire")
             self.retired_blocking += 1
+
+    def _cut_short(self, fn, lease: int) -> None:
+        """A retire or try_retire of `lease` cut short as it returned (a KeyboardInterrupt
+        there): its status is lost, and the lease, off ``sealed`` for the call, would stay
+        off it unretired when the call refused (try_retire's "not ready" is common): the
+        step could never end. The call again says what the first did: a retired lease's
+        handle is dead and answers AKV_ERR_BAD_HANDLE, changing nothing; one the first
+        refused is retired now (counted) or refused again and goes back on the list. Only
+        this path pays for it."""
+        st = fn(lease, self.receipt_ref)
+        if st == 0:
+            self.retired_blocking += 1
+        elif st != _BAD_HANDLE:
+            self.sealed.insert(0, lease)
 
     # -- teardown -----------------------------------------------------------
 

@@ -16,7 +16,7 @@ import activekv as akv
 from activekv import _api
 from activekv.errors import STATUS_VALUES as ST
 
-from conftest import small
+from conftest import quiet, small
 
 L, H, D = 3, 2, 8
 
@@ -396,3 +396,83 @@ def finish_from(eng, first):
         lease.seal(lease.write_back(), attn)
         lease.retire()
     eng.step_end()
+
+
+# ------------------------------------------------------ the transformers adapter
+
+
+def _deep_cache(layers=6, **kw):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig
+
+    from activekv.transformers import ActiveKVCache
+
+    cfg = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8)
+    kw = dict(dict(device="cpu", dtype=torch.float32, max_cache_len=16, page_tokens=4,
+                   log=quiet), **kw)
+    return torch, ActiveKVCache(config=cfg, **kw)
+
+
+def _decode(cache, torch, steps, seed=0):
+    """Prefill and `steps` decode steps; an update cut short by a
+    KeyboardInterrupt is made again unless the layer's length shows it
+    happened. Returns how many were cut short."""
+    n, cut = len(cache.layers), 0
+    for step in range(steps):
+        for layer in range(n):
+            g = torch.Generator().manual_seed(seed + 100 * step + layer)
+            before = cache.layers[layer].get_seq_length()
+            t = 3 if before == 0 else 1
+            k, v = torch.randn(1, 2, t, 8, generator=g), torch.randn(1, 2, t, 8, generator=g)
+            try:
+                cache.update(k, v, layer)
+            except KeyboardInterrupt:
+                cut += 1
+                if cache.layers[layer].get_seq_length() == before:
+                    cache.update(k, v, layer)
+    return cut
+
+
+@pytest.mark.parametrize("call", ["try_retire", "retire"])
+@pytest.mark.parametrize("answer", ["refused", "done"])
+def test_cache_retire_cut_short_loses_no_lease(call, answer):
+    """The adapter takes a sealed lease off its list before akv_lease_try_retire
+    (or akv_lease_retire at the step boundary) and puts it back when the call
+    refused ("not ready", common for try_retire); cut short as such a refusal
+    returned, the lease stayed off the list unretired, and every later step
+    boundary was refused (StepState) until the cache was closed."""
+    from activekv.transformers import _NOT_READY
+
+    torch, cache = _deep_cache()
+    with cache:
+        drv = cache._driver
+        if call == "try_retire" and not drv.try_retire_ok:
+            pytest.skip("a library without akv_lease_try_retire")
+        real = getattr(drv.api, call)
+        fired = []
+
+        def once(lease, ref):
+            if fired:  # the interrupt is injected once
+                return real(lease, ref)
+            setattr(drv.api, call, real)
+            if answer == "done":
+                fired.append(real(lease, ref))
+            else:
+                # refused, nothing changed: "not ready", or for retire a lease
+                # state the library would refuse (here answered without the call)
+                fired.append(_NOT_READY if call == "try_retire" else ST["AKV_ERR_LEASE_STATE"])
+            raise KeyboardInterrupt
+
+        setattr(drv.api, call, once)
+        assert _decode(cache, torch, 4) == 1
+        assert len(fired) == 1
+        leases = drv.leases
+        assert drv.failed is None
+        # every lease begun is retired or on the list: the step can end
+        cache.finish()
+        assert not cache.engine._step_open and not drv.sealed
+        assert [len(c) for c in cache.contexts] == [cache.layers[0].get_seq_length()]
+        assert drv.leases == leases
