@@ -713,9 +713,11 @@ _handle_attr = functools.partial(property, operator.attrgetter("_box.value"), _s
 # the call would stay so (a context, stream or engine the library kept read
 # as closed and could never be closed again; a step read as open that the
 # library never opened, and close refused for good). Such a call is made
-# inside try; cut short, the library is asked what the call did (the probes
-# below change nothing) and the object follows its answer. These run only
-# on that path: the calls themselves cost nothing more.
+# inside try, with everything from the clearing (or recording) to the
+# putting back; cut short anywhere there (an exception other than the
+# refusal's own), the library is asked what the call did (the probes below
+# change nothing) and the object follows its answer. These run only on that
+# path: the calls themselves cost nothing more.
 
 _BAD_HANDLE = STATUS_VALUES["AKV_ERR_BAD_HANDLE"]
 _INVALID_ARGUMENT = STATUS_VALUES["AKV_ERR_INVALID_ARGUMENT"]
@@ -733,6 +735,23 @@ def _engine_alive(h: int) -> bool:
 def _context_alive(h: int) -> bool:
     """As _engine_alive, for a context handle."""
     return lib.akv_context_id(h, ctypes.byref(ctypes.c_uint32())) != _BAD_HANDLE
+
+
+def _stream_alive(eh: int, h: int, backend: str) -> bool:
+    """Whether stream h is still one of engine eh's. Host backend: a
+    destroyed stream is refused by every call that takes one
+    (AKV_ERR_INVALID_ARGUMENT), and a synchronize of a live one only waits
+    for its work. Where that cannot tell (a quarantined engine refuses the
+    synchronize first) and on CUDA (a cudaStream_t, which the library
+    cannot check): the destroy again, which looks it up in the engine's own
+    list first and refuses one it no longer holds (AKV_ERR_INVALID_ARGUMENT),
+    one it refused the same way as before (and destroys one the first call
+    never reached: then it is not alive)."""
+    if backend == "host":
+        st = lib.akv_stream_synchronize(eh, h)
+        if st in (0, _INVALID_ARGUMENT):
+            return st == 0
+    return lib.akv_stream_destroy(eh, h) not in (0, _INVALID_ARGUMENT)
 
 
 def _step_open_now(h: int, default: bool) -> bool:
@@ -1061,22 +1080,28 @@ class Engine(_ClosedOnExit):
             # closed for every call before the destroy is deferred (no point
             # between the two where an exception can land): never a deferred
             # destroy behind an engine that reads as open
-            self._box.value = None
-            self._pending_destroy["h"] = h
+            try:
+                self._box.value = None
+                self._pending_destroy["h"] = h
+            except BaseException:  # cut short between the two: still open
+                if "h" not in self._pending_destroy:
+                    self._box.value = h
+                raise
             if not self._exports:  # the last one went meanwhile
                 self._destroy_pending()
         else:
             # the handle goes before the call (see _Ending), back only on a refusal
-            self._box.value = None
             try:
+                self._box.value = None
                 st = lib.akv_engine_destroy(h)
-            except BaseException:  # cut short as it returned (see _BAD_HANDLE)
-                if _engine_alive(h):
+                if st != 0:
                     self._box.value = h
+                    _check(st, h, "engine close")
+            except ActiveKVError:
+                raise  # the refusal: the handle is back
+            except BaseException:  # cut short anywhere here (see _BAD_HANDLE)
+                self._box.value = h if _engine_alive(h) else None
                 raise
-            if st != 0:
-                self._box.value = h
-                _check(st, h, "engine close")
         self._box.value = None
         for ctx in list(self._contexts):
             ctx._box.value = None
@@ -1312,30 +1337,34 @@ class Engine(_ClosedOnExit):
         arr = (ctypes.c_void_p * max(1, len(hs)))(*hs)
         h, n, before = self._h(), len(hs), self._step_open
         # recorded before the call, undone only on a refusal (_Recorded)
-        self._step_open = True
         try:
+            self._step_open = True
             st = lib.akv_step_begin(h, arr, n)
-        except BaseException:  # cut short as it returned (see _BAD_HANDLE)
+            if st != 0:
+                self._step_open = before
+                _check(st, self._handle, "step_begin")
+        except ActiveKVError:
+            raise  # the refusal: the state is back
+        except BaseException:  # cut short anywhere here (see _BAD_HANDLE)
             self._step_open = _step_open_now(h, before)
             raise
-        if st != 0:
-            self._step_open = before
-            _check(st, self._handle, "step_begin")
 
     @_guarded
     def step_end(self) -> None:
         """Closes the step; every layer's lease must be retired. Each
         context grows by one row. Raises StepState, Quarantined."""
         h, before = self._h(), self._step_open
-        self._step_open = False  # _Recorded
         try:
+            self._step_open = False  # _Recorded
             st = lib.akv_step_end(h)
-        except BaseException:  # cut short as it returned (see _BAD_HANDLE)
+            if st != 0:
+                self._step_open = before
+                _check(st, self._handle, "step_end")
+        except ActiveKVError:
+            raise  # the refusal: the state is back
+        except BaseException:  # cut short anywhere here (see _BAD_HANDLE)
             self._step_open = _step_open_now(h, before)
             raise
-        if st != 0:
-            self._step_open = before
-            _check(st, self._handle, "step_end")
         if self._orphans:
             self._close_orphans()
 
@@ -1344,17 +1373,18 @@ class Engine(_ClosedOnExit):
         orphans, self._orphans = self._orphans, []
         for box in orphans:
             if box.value is not None:
-                h, box.value = box.value, None
+                h = box.value
                 try:
+                    box.value = None
                     st = lib.akv_context_close(h)
-                except BaseException:  # cut short as it returned (see _BAD_HANDLE)
-                    if _context_alive(h):
+                    if st != 0:  # still held (a later step): at the next end, or the destroy
                         box.value = h
                         self._orphans.append(box)
+                except BaseException:  # cut short anywhere here (see _BAD_HANDLE)
+                    box.value = h if _context_alive(h) else None
+                    if box.value is not None and box not in self._orphans:
+                        self._orphans.append(box)
                     raise
-                if st != 0:  # still held (a later step): at the next end, or the destroy
-                    box.value = h
-                    self._orphans.append(box)
 
     @contextlib.contextmanager
     def step(self, contexts: Sequence["Context"]) -> Iterator["Engine"]:
@@ -1433,21 +1463,19 @@ class Engine(_ClosedOnExit):
     def _stream_destroy(self, box: _Box) -> None:
         """Destroys the stream in `box` (see _Ending) and forgets the box."""
         if box.value is not None:
-            h, box.value = box.value, None
-            eh = self._handle
+            h, eh = box.value, self._handle
             try:
+                box.value = None
                 st = lib.akv_stream_destroy(eh, h)
-            except BaseException:
-                # cut short as it returned (see _BAD_HANDLE): the destroy again
-                # says what it did; a destroyed stream is refused as none of
-                # the engine's (AKV_ERR_INVALID_ARGUMENT), changing nothing, a
-                # refused one is refused again
-                if lib.akv_stream_destroy(eh, h) not in (0, _INVALID_ARGUMENT):
+                if st != 0:
                     box.value = h
+                    _check(st, eh, "stream destroy")
+            except ActiveKVError:
+                raise  # the refusal: the handle is back
+            except BaseException:
+                # cut short anywhere here (see _BAD_HANDLE)
+                box.value = h if _stream_alive(eh, h, self.backend) else None
                 raise
-            if st != 0:
-                box.value = h
-                _check(st, self._handle, "stream destroy")
         with contextlib.suppress(ValueError):
             self._streams.remove(box)
 
@@ -1708,16 +1736,18 @@ class Context(_ClosedOnExit):
         if self._handle is None or self._engine._handle is None:
             self._box.value = None
             return
-        h, self._box.value = self._box.value, None  # see _Ending
+        h = self._box.value
         try:
+            self._box.value = None  # see _Ending
             st = lib.akv_context_close(h)
-        except BaseException:  # cut short as it returned (see _BAD_HANDLE)
-            if _context_alive(h):
+            if st != 0:
                 self._box.value = h
+                _check(st, self._engine._handle, "context close")
+        except ActiveKVError:
+            raise  # the refusal: the handle is back
+        except BaseException:  # cut short anywhere here (see _BAD_HANDLE)
+            self._box.value = h if _context_alive(h) else None
             raise
-        if st != 0:
-            self._box.value = h
-            _check(st, self._engine._handle, "context close")
         self._engine._contexts.discard(self)
 
     def __repr__(self) -> str:
@@ -1776,17 +1806,19 @@ class Lease(_NotCopyable):
         # the library fills the lease's own view (Lease.view keeps it); a
         # refused call (a second one) leaves the first's
         fn, ref = lib.akv_lease_wait_ready, ctypes.byref(v)
-        prev, box.view = (getattr(box, "view", None), getattr(box, "synced", False)), v
-        box.synced = False
+        prev = (getattr(box, "view", None), getattr(box, "synced", False))
         try:
+            box.view, box.synced = v, False
             st = fn(h, s, ref)
-        except BaseException:  # cut short as it returned: filled only on success
+            if st != 0:
+                box.view, box.synced = prev
+                _check(st, self._engine._handle, "wait_ready")
+        except ActiveKVError:
+            raise  # the refusal: the first's view is back
+        except BaseException:  # cut short anywhere here: filled only on success
             if not v.n_contexts:
                 box.view, box.synced = prev
             raise
-        if st != 0:
-            box.view, box.synced = prev
-            _check(st, self._engine._handle, "wait_ready")
         self._sync_view()
         return View(self, v)
 
@@ -1846,16 +1878,19 @@ class Lease(_NotCopyable):
         # filled by the library on success (Lease.attention); a refused call
         # (a second one) leaves the first's
         fn, ref, box = lib.akv_lease_mark_consumed, ctypes.byref(f), self._box
-        prev, box.attn = getattr(box, "attn", None), f
+        prev = getattr(box, "attn", None)
         try:
+            box.attn = f
             st = fn(h, s, ref)
-        except BaseException:  # cut short as it returned: filled only on success
+            if st != 0:
+                box.attn = prev
+                _check(st, self._engine._handle, "mark_consumed")
+        except ActiveKVError:
+            raise  # the refusal: the first's fence is back
+        except BaseException:  # cut short anywhere here: filled only on success
             if not f.serial:
                 box.attn = prev
             raise
-        if st != 0:
-            box.attn = prev
-            _check(st, self._engine._handle, "mark_consumed")
         return Fence(f.serial)
 
     @_guarded
@@ -1876,16 +1911,19 @@ class Lease(_NotCopyable):
         fn, ref, box = lib.akv_lease_write_back, ctypes.byref(tail), self._box
         # filled by the library on success (Lease.tail); an earlier write_back's
         # tail stays when this one is refused
-        prev, box.tail = getattr(box, "tail", None), tail
+        prev = getattr(box, "tail", None)
         try:
+            box.tail = tail
             st = fn(h, arr, n, ref)
-        except BaseException:  # cut short as it returned: filled only on success
+            if st != 0:
+                box.tail = prev
+                _check(st, self._engine._handle, "write_back")
+        except ActiveKVError:
+            raise  # the refusal: the earlier tail is back
+        except BaseException:  # cut short anywhere here: filled only on success
             if not tail.serial:
                 box.tail = prev
             raise
-        if st != 0:
-            box.tail = prev
-        _check(st, self._engine._handle, "write_back")
         return Fence(tail.serial)
 
     @_guarded
@@ -1935,15 +1973,14 @@ class Lease(_NotCopyable):
         r = L.akv_receipt()
         # built first: nothing that can raise between clearing and the call
         ref = ctypes.byref(r)
-        self._box.value = None  # see _Ending
         try:
+            self._box.value = None  # see _Ending
             st = fn(h, ref)
-        except BaseException:
-            if r.step == 0:
+            if st != 0:
                 self._box.value = h
+        except BaseException:
+            self._box.value = h if r.step == 0 else None
             raise
-        if st != 0:
-            self._box.value = h
         return st, r
 
 

@@ -832,18 +832,20 @@ class _Driver:
         fn = self.api.try_retire
         sealed = self.sealed
         while sealed:
-            lease = sealed[0]  # off the list before the call: see retire_all
-            del sealed[0]
+            lease = sealed[0]
             try:
+                del sealed[0]  # off the list before the call: see retire_all
                 st = fn(lease, self.receipt_ref)
+                if st != 0:
+                    sealed.insert(0, lease)
+                    if st != _NOT_READY:
+                        self.check(st, "lease_try_retire")
+                    return  # fences pending: nothing changed; retire() at the boundary waits
+            except ActiveKVError:
+                raise  # the refusal: the lease is back on the list
             except BaseException:
-                self._cut_short(fn, lease)
+                self._cut_short(lease)
                 raise
-            if st != 0:
-                sealed.insert(0, lease)
-                if st != _NOT_READY:
-                    self.check(st, "lease_try_retire")
-                return  # fences pending: nothing changed; retire() at the boundary waits
             self.retired_early += 1
 
     def retire_all(self) -> None:
@@ -856,29 +858,32 @@ class _Driver:
         sealed = self.sealed
         while sealed:
             lease = sealed[0]
-            del sealed[0]
             try:
+                del sealed[0]
                 st = self.api.retire(lease, self.receipt_ref)
+                if st != 0:
+                    sealed.insert(0, lease)
+                    self.check(st, "lease_retire")
+            except ActiveKVError:
+                raise  # the refusal: the lease is back on the list
             except BaseException:
-                self._cut_short(self.api.retire, lease)
+                self._cut_short(lease)
                 raise
-            if st != 0:
-                sealed.insert(0, lease)
-                self.check(st, "lease_retire")
             self.retired_blocking += 1
 
-    def _cut_short(self, fn, lease: int) -> None:
-        """A retire or try_retire of `lease` cut short as it returned (a KeyboardInterrupt
-        there): its status is lost, and the lease, off ``sealed`` for the call, would stay
-        off it unretired when the call refused (try_retire's "not ready" is common): the
-        step could never end. The call again says what the first did: a retired lease's
-        handle is dead and answers AKV_ERR_BAD_HANDLE, changing nothing; one the first
-        refused is retired now (counted) or refused again and goes back on the list. Only
+    def _cut_short(self, lease: int) -> None:
+        """A retire or try_retire of `lease` cut short (a KeyboardInterrupt anywhere from
+        taking it off ``sealed`` to putting it back): its status is lost, and the lease
+        would stay off the list unretired when the call refused (try_retire's "not ready"
+        is common) or was not made: the step could never end. Back on the list, it was
+        refused. Else the library says whether it retired it: a retired lease's handle is
+        dead and answers AKV_ERR_BAD_HANDLE to everything, changing nothing; a seal with
+        no fences is asked (refused either way); a live one goes back on the list. Only
         this path pays for it."""
-        st = fn(lease, self.receipt_ref)
-        if st == 0:
-            self.retired_blocking += 1
-        elif st != _BAD_HANDLE:
+        if lease in self.sealed:
+            return
+        zero = _Fence()
+        if self.api.seal(lease, zero, zero) != _BAD_HANDLE:
             self.sealed.insert(0, lease)
 
     # -- teardown -----------------------------------------------------------

@@ -9,6 +9,8 @@ with nothing changed). After it the object must still own its handle where
 the library kept it, and read as dead only where the library ended it.
 Host backend, no GPU needed.
 """
+import sys
+
 import numpy as np
 import pytest
 
@@ -476,3 +478,230 @@ def test_cache_retire_cut_short_loses_no_lease(call, answer):
         assert not cache.engine._step_open and not drv.sealed
         assert [len(c) for c in cache.contexts] == [cache.layers[0].get_seq_length()]
         assert drv.leases == leases
+
+
+# ------------------------------------- cut short between any two bytecodes
+
+
+class OpcodeInterrupter:
+    """Raises KeyboardInterrupt before the n-th bytecode executed in the
+    given functions of the package (their own frames): stricter than the
+    points where the interpreter raises one (test_interrupt_points), so
+    every bytecode between clearing a handle and putting it back is tried."""
+
+    def __init__(self, codes):
+        self.codes = {c.__code__ if hasattr(c, "__code__") else c for c in codes}
+        self.n = self.seen = 0
+        self.fired = False
+
+    def _local(self, frame, event, arg):
+        if event == "opcode":
+            self.seen += 1
+            if self.seen == self.n:
+                sys.settrace(None)
+                frame.f_trace = None
+                self.fired = True
+                raise KeyboardInterrupt
+        return self._local
+
+    def _global(self, frame, event, arg):
+        if frame.f_code in self.codes:
+            frame.f_trace_opcodes = True
+            return self._local
+        return None
+
+    def run(self, n, fn):
+        self.n, self.seen, self.fired = n, 0, False
+        sys.settrace(self._global)
+        try:
+            fn()
+        except KeyboardInterrupt:
+            assert self.fired
+        except akv.ActiveKVError:
+            pass  # the refusal itself
+        finally:
+            sys.settrace(None)
+
+
+def _unwrap(fn):
+    return getattr(fn, "__wrapped__", fn)
+
+
+def _stream_alive(eng, h):
+    return _api.lib.akv_stream_synchronize(eng._handle, h) != ST["AKV_ERR_INVALID_ARGUMENT"]
+
+
+def _ending_cases():
+    """name -> (the functions swept, set up -> (engine, call, check)); check
+    asserts that the objects agree with the library after the call, cut
+    short or not, and brings the engine to where it closes."""
+
+    def context(refused):
+        eng, ctx = _stepping()
+        if refused:
+            eng.step_begin([ctx])
+        h = ctx._handle
+
+        def check():
+            assert (ctx._handle is not None) == _api._context_alive(h)
+            if refused:
+                assert ctx._handle is not None
+                finish(eng)
+                ctx.close()
+        return eng, ctx.close, check
+
+    def stream(refused):
+        eng, ctx = _stepping()
+        s = eng.stream_create()
+        lease = None
+        if refused:
+            eng.step_begin([ctx])
+            lease = eng.lease_begin(0)
+            lease.wait_ready(s)
+        h = s._handle
+
+        def check():
+            assert (s._handle is not None) == _stream_alive(eng, h)
+            if refused:
+                assert s._handle is not None
+                attn = lease.mark_consumed()
+                lease.seal(lease.write_back(), attn)
+                lease.retire()
+                finish_from(eng, 1)
+        return eng, s.destroy, check
+
+    def step_begin(refused):
+        eng, ctx = _stepping()
+        if refused:
+            ctx.append_layer(0, rows(1)[0], rows(1)[0])
+
+        def check():
+            assert eng._step_open == _api._step_open_now(eng._handle, None)
+            if eng._step_open:
+                finish(eng)
+        return eng, lambda: eng.step_begin([ctx]), check
+
+    def step_end(refused):
+        eng, ctx = _stepping()
+        eng.step_begin([ctx])
+        first = 1 if refused else L
+        for layer in range(first):
+            lease = eng.lease_begin(layer)
+            lease.wait_ready()
+            attn = lease.mark_consumed()
+            lease.seal(lease.write_back(), attn)
+            lease.retire()
+
+        def check():
+            assert eng._step_open == _api._step_open_now(eng._handle, None)
+            if eng._step_open:
+                finish_from(eng, first)
+        return eng, eng.step_end, check
+
+    def retire(refused):
+        eng, ctx = _stepping()
+        eng.step_begin([ctx])
+        lease = eng.lease_begin(0)
+        lease.wait_ready()
+        if not refused:
+            attn = lease.mark_consumed()
+            lease.seal(lease.write_back(), attn)
+        h = lease._handle
+
+        def check():
+            # a seal with no fences: refused either way, changing nothing
+            zero = _api.L.akv_fence(0)
+            dead = _api.lib.akv_lease_seal(h, zero, zero) == ST["AKV_ERR_BAD_HANDLE"]
+            assert (lease._handle is None) == dead
+            if not dead:
+                if refused:
+                    attn = lease.mark_consumed()
+                    lease.seal(lease.write_back(), attn)
+                lease.retire()
+            finish_from(eng, 1)
+        return eng, lease.retire, check
+
+    return {
+        "context_close": ([_unwrap(akv.Context.close)], context),
+        "stream_destroy": ([_unwrap(akv.Stream.destroy), akv.Engine._stream_destroy], stream),
+        "step_begin": ([_unwrap(akv.Engine.step_begin)], step_begin),
+        "step_end": ([_unwrap(akv.Engine.step_end)], step_end),
+        "retire": ([_unwrap(akv.Lease.retire), akv.Lease._retire_with], retire),
+    }
+
+
+@pytest.mark.parametrize("refused", [True, False], ids=["refused", "done"])
+@pytest.mark.parametrize("what", ["context_close", "stream_destroy", "step_begin", "step_end",
+                                  "retire"])
+def test_an_ending_call_cut_short_at_any_bytecode_agrees_with_the_library(what, refused):
+    codes, make = _ending_cases()[what]
+    it = OpcodeInterrupter(codes)
+    for n in range(1, 2000):
+        eng, call, check = make(refused)
+        it.run(n, call)
+        check()
+        eng.close()
+        assert eng._handle is None
+        if not it.fired:
+            assert n > 10
+            return
+    pytest.fail("never completed")
+
+
+@pytest.mark.parametrize("refused", [True, False], ids=["refused", "done"])
+def test_engine_close_cut_short_at_any_bytecode_agrees_with_the_library(refused, monkeypatch):
+    """Engine.close's own bytecodes, with akv_engine_destroy refusing (the
+    library's answer with nothing changed) or destroying."""
+    it = OpcodeInterrupter([_unwrap(akv.Engine.close)])
+    real = _api.lib.akv_engine_destroy
+    for n in range(1, 2000):
+        eng = akv.Engine(**small())
+        eng.stream_create()
+        h = eng._handle
+        if refused:
+            monkeypatch.setattr(_api.lib, "akv_engine_destroy", lambda h: ST["AKV_ERR_BUSY"])
+        it.run(n, eng.close)
+        monkeypatch.setattr(_api.lib, "akv_engine_destroy", real)
+        assert (eng._handle is not None) == _api._engine_alive(h)
+        eng.close()
+        assert eng._handle is None and not _api._engine_alive(h)
+        if not it.fired:
+            assert n > 10
+            return
+    pytest.fail("never completed")
+
+
+@pytest.mark.parametrize("what", ["finish", "try_retire", "try_retire_not_ready"])
+def test_cache_retires_cut_short_at_any_bytecode_lose_no_lease(what):
+    """The adapter's retire_all (at finish) and try_retire, cut short between
+    any two of their bytecodes: every lease is retired or still listed, so
+    the step ends and the cache goes on."""
+    from activekv.transformers import _Driver, _NOT_READY
+
+    it = OpcodeInterrupter([_Driver.retire_all, _Driver.try_retire, _Driver.end_step])
+    for n in range(1, 3000):
+        torch, cache = _deep_cache()
+        with cache:
+            drv = cache._driver
+            if what != "finish" and not drv.try_retire_ok:
+                pytest.skip("a library without akv_lease_try_retire")
+            _decode(cache, torch, 2)
+            drv.seal_pending()
+            assert len(drv.sealed) >= 2
+            if what == "finish":
+                it.run(n, cache.finish)
+            else:
+                if what == "try_retire_not_ready":
+                    drv.api.try_retire = lambda lease, ref: _NOT_READY
+                it.run(n, drv.try_retire)
+            drv.api = type(drv.api)(akv.library_path())  # the real calls again
+            assert drv.failed is None
+            cache.finish()
+            assert not cache.engine._step_open and not drv.sealed
+            assert [len(c) for c in cache.contexts] == [cache.layers[0].get_seq_length()]
+            _decode(cache, torch, 2, seed=7)  # and it goes on
+            cache.finish()
+        if not it.fired:
+            assert n > 10
+            return
+    pytest.fail("never completed")
