@@ -539,6 +539,11 @@ class _Driver:
                              % (self.layer_len[d] + n, self.max_tokens))
         # [B, H, T, D] on the model's device -> [B, T, H, D] contiguous there (token-major
         # rows, the host pool's layout), then one device-to-host transfer each for K and V.
+        # A sparse or mkldnn K/V (contiguous() refuses them) by its dense values.
+        if key_states.layout is not torch.strided:
+            key_states = key_states.to_dense()
+        if value_states.layout is not torch.strided:
+            value_states = value_states.to_dense()
         k_host = key_states.detach().transpose(1, 2).contiguous().cpu()
         v_host = value_states.detach().transpose(1, 2).contiguous().cpu()
         done = 0
@@ -731,8 +736,16 @@ class _Driver:
             views = self._views(view, key)
         _, keys, values, k_row, v_row = views
         # The step's new row at index len, written on torch's stream before attention.
-        k_row.copy_(key_states)
-        v_row.copy_(value_states)
+        try:
+            k_row.copy_(key_states)
+            v_row.copy_(value_states)
+        except RuntimeError:
+            # copy_ reads strided tensors only: a sparse or mkldnn K/V of the right shape,
+            # dtype and device passes the checks, and refused here, after the lease began,
+            # it left the cache unusable. Taken by its dense values, as the prefill takes
+            # it (this path costs nothing until copy_ refuses).
+            k_row.copy_(key_states.to_dense())
+            v_row.copy_(value_states.to_dense())
         self.layer_len[d] = length + 1
         return keys, values
 

@@ -705,3 +705,35 @@ def test_cache_retires_cut_short_at_any_bytecode_lose_no_lease(what):
             assert n > 10
             return
     pytest.fail("never completed")
+
+
+@pytest.mark.parametrize("layout", ["sparse", "mkldnn"])
+def test_cache_takes_sparse_and_mkldnn_kv_by_their_values(layout):
+    """A sparse (or mkldnn) K/V of the right shape, dtype and device passes
+    the decode checks; copy_ then refused it after the lease began, with a
+    RuntimeError, and the cache was unusable for good (Quarantined). The
+    prefill refused it with torch's RuntimeError. Both now take its dense
+    values: the rows are those of the dense tensors."""
+    torch = pytest.importorskip("torch")
+    conv = {"sparse": lambda t: t.to_sparse(), "mkldnn": lambda t: t.to_mkldnn()}[layout]
+    if layout == "mkldnn" and not torch.backends.mkldnn.is_available():
+        pytest.skip("no mkldnn")
+
+    def run(odd):
+        _, cache = _deep_cache(layers=2)
+        with cache:
+            g = torch.Generator().manual_seed(3)
+            for step in range(3):
+                for layer in range(2):
+                    t = 3 if step == 0 else 1
+                    k, v = torch.randn(1, 2, t, 8, generator=g), torch.randn(1, 2, t, 8, generator=g)
+                    if odd:
+                        k, v = conv(k), conv(v)
+                    out_k, out_v = cache.update(k, v, layer)
+                    assert out_k.shape[2] == cache.layers[layer].get_seq_length()
+            cache.finish()
+            return [cache.contexts[0].read(d, 0, 5) for d in range(2)]
+
+    want, got = run(False), run(True)
+    for (wk, wv), (gk, gv) in zip(want, got):
+        assert np.array_equal(wk, gk) and np.array_equal(wv, gv)
