@@ -716,8 +716,9 @@ _handle_attr = functools.partial(property, operator.attrgetter("_box.value"), _s
 # inside try, with everything from the clearing (or recording) to the
 # putting back; cut short anywhere there (an exception other than the
 # refusal's own), the library is asked what the call did (the probes below
-# change nothing) and the object follows its answer. These run only on that
-# path: the calls themselves cost nothing more.
+# change nothing but the engine's last_error, and log a debug line, as any
+# refusal) and the object follows its answer. These run only on that path:
+# the calls themselves cost nothing more.
 
 _BAD_HANDLE = STATUS_VALUES["AKV_ERR_BAD_HANDLE"]
 _INVALID_ARGUMENT = STATUS_VALUES["AKV_ERR_INVALID_ARGUMENT"]
