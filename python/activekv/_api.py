@@ -1371,8 +1371,10 @@ class Engine(_ClosedOnExit):
 
     def _close_orphans(self) -> None:
         """Closes the contexts dropped while the step held them (see _Ending)."""
-        orphans, self._orphans = self._orphans, []
-        for box in orphans:
+        # Each leaves the list only once closed: one cut short stays for the
+        # next step's end (the engine's destroy frees it otherwise).
+        orphans = self._orphans
+        for box in list(orphans):
             if box.value is not None:
                 h = box.value
                 try:
@@ -1380,12 +1382,11 @@ class Engine(_ClosedOnExit):
                     st = lib.akv_context_close(h)
                     if st != 0:  # still held (a later step): at the next end, or the destroy
                         box.value = h
-                        self._orphans.append(box)
                 except BaseException:  # cut short anywhere here (see _BAD_HANDLE)
                     box.value = h if _context_alive(h) else None
-                    if box.value is not None and box not in self._orphans:
-                        self._orphans.append(box)
                     raise
+            if box.value is None:
+                orphans.remove(box)
 
     @contextlib.contextmanager
     def step(self, contexts: Sequence["Context"]) -> Iterator["Engine"]:
@@ -1615,13 +1616,22 @@ class Context(_ClosedOnExit):
         open step holds (InUse) is closed when the step ends; where it
         cannot be (another thread in a call, a forked child), the engine's
         destroy frees it."""
-        if self.__dict__.get("_box") is not None and self._handle is not None:
+        box = self.__dict__.get("_box")
+        if box is not None and box.value is not None:
             try:
                 self.close()
             except InUse:
-                self._engine._orphans.append(self._box)
+                self._engine._orphans.append(box)
             except Exception:  # noqa: BLE001 - a finalizer: left to the engine's destroy
                 pass
+            except BaseException:
+                # cut short (a Ctrl-C landing in the finalizer): a context still
+                # open is closed when the step ends, as a refused one (nobody
+                # else can close it any more: its host slot was lost until the
+                # engine went)
+                if box.value is not None and box not in self._engine._orphans:
+                    self._engine._orphans.append(box)
+                raise
 
     def __del__(self) -> None:
         self._discard()

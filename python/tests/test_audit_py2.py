@@ -737,3 +737,27 @@ def test_cache_takes_sparse_and_mkldnn_kv_by_their_values(layout):
     want, got = run(False), run(True)
     for (wk, wv), (gk, gv) in zip(want, got):
         assert np.array_equal(wk, gk) and np.array_equal(wv, gv)
+
+
+def test_a_dropped_context_whose_refused_close_is_cut_short_is_closed_at_the_step_end(
+        monkeypatch):
+    """A context dropped while the open step holds it is closed when the step
+    ends (its refused close puts it on the engine's orphans). A Ctrl-C
+    landing as that refusal returned, in the finalizer, skipped the orphans:
+    nothing could close it any more and its host slot was lost until the
+    engine went (open_context refused with RefusedQueue)."""
+    with akv.Engine(**small()) as eng:
+        ctx = eng.open_context()
+        ctx.append(rows(1), rows(1))
+        eng.step_begin([ctx])
+        seen = interrupt_after(monkeypatch, "akv_context_close")
+        hook, sys.unraisablehook = sys.unraisablehook, lambda args: None
+        try:
+            del ctx  # its finalizer: refused (InUse), cut short
+        finally:
+            sys.unraisablehook = hook
+        assert seen == [ST["AKV_ERR_IN_USE"]]
+        finish(eng)
+        a, b = eng.open_context(), eng.open_context()  # both host slots free again
+        a.close()
+        b.close()
