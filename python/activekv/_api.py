@@ -544,11 +544,17 @@ class _Memory:
         # taken with no point between it and the call where an exception can
         # land (pop is a call, and one landing after it lost the destroy)
         h = pending["h"]
-        del pending["h"]
         try:
+            del pending["h"]
             st = lib.akv_engine_destroy(h)
         except Exception:  # at interpreter exit lib may be gone
             return
+        except BaseException:
+            # cut short anywhere here (see _BAD_HANDLE): a destroy not made
+            # stays pending, for the next end (_Memory.__del__ at the latest)
+            if "h" not in pending and _engine_alive(h):
+                pending["h"] = h
+            raise
         if st != 0:  # close() checked what destroy refuses; say so if it still did
             warnings.warn(f"activekv: the deferred destroy of a closed engine failed "
                           f"({lib.akv_status_string(st).decode(errors='replace')}); its "

@@ -761,3 +761,39 @@ def test_a_dropped_context_whose_refused_close_is_cut_short_is_closed_at_the_ste
         a, b = eng.open_context(), eng.open_context()  # both host slots free again
         a.close()
         b.close()
+
+
+def test_the_deferred_destroy_cut_short_at_any_bytecode_is_not_lost():
+    """close() with a zero-copy array alive defers the engine's destroy to
+    the array's end (_Memory.destroy_pending); cut short between taking the
+    pending handle and the destroy, the engine was never freed."""
+    it = OpcodeInterrupter([_api._Memory.destroy_pending, _api._Export.__del__])
+    for n in range(1, 2000):
+        eng, ctx = _stepping()
+        eng.step_begin([ctx])
+        lease = eng.lease_begin(0)
+        keys = lease.wait_ready().keys(0)
+        attn = lease.mark_consumed()
+        lease.seal(lease.write_back(), attn)
+        lease.retire()
+        finish_from(eng, 1)
+        del lease, ctx
+        eng.close()
+        h, mem = eng._pending_destroy["h"], eng._mem
+        assert _api._engine_alive(h)
+        held = [keys]
+        del keys
+        hook, sys.unraisablehook = sys.unraisablehook, lambda args: None
+        try:
+            it.run(n, held.clear)  # the array's end: the deferred destroy
+        finally:
+            sys.unraisablehook = hook
+        # destroyed, or still pending (made at the memory's end at the latest)
+        assert (not _api._engine_alive(h)) or mem.pending.get("h") == h
+        del eng
+        mem.destroy_pending()
+        assert not _api._engine_alive(h)
+        if not it.fired:
+            assert n > 5
+            return
+    pytest.fail("never completed")
