@@ -1319,6 +1319,8 @@ class Engine(_ClosedOnExit):
         cc = L.akv_context_config(ctypes.sizeof(L.akv_context_config), L.AKV_CONFIG_VERSION,
                                   target, burst)
         h = self._h()
+        if self._orphans and not self._step_open:
+            self._close_orphans()  # dropped contexts still open: their host slots first
         ctx = Context(self, _Box())  # owns the handle the call writes: _Owning
         self._contexts.add(ctx)
         try:
@@ -1603,7 +1605,8 @@ class Context(_ClosedOnExit):
     context manager that closes it. A context dropped without close() is
     closed when its last reference goes, or when the step that holds it
     ends; one dropped while another thread is in a call on its engine is
-    freed with its engine."""
+    closed at the engine's next step end or open_context (its host slot is
+    free again for that open)."""
 
     _handle = _handle_attr()
 
@@ -1619,14 +1622,17 @@ class Context(_ClosedOnExit):
 
     def _discard(self) -> None:
         """Closes the context where it can (a dropped or undone one); one the
-        open step holds (InUse) is closed when the step ends; where it
-        cannot be (another thread in a call, a forked child), the engine's
+        open step holds (InUse), or dropped while another thread is in a call
+        on the engine (Busy), is closed when the step ends or at the next
+        open_context (Engine._orphans); in a forked child, the engine's
         destroy frees it."""
         box = self.__dict__.get("_box")
         if box is not None and box.value is not None:
             try:
                 self.close()
-            except InUse:
+            except (InUse, Busy):
+                # held by the open step, or another thread is in a call on the
+                # engine: closed at the step's end or the next open_context
                 self._engine._orphans.append(box)
             except Exception:  # noqa: BLE001 - a finalizer: left to the engine's destroy
                 pass

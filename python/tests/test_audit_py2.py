@@ -797,3 +797,20 @@ def test_the_deferred_destroy_cut_short_at_any_bytecode_is_not_lost():
             assert n > 5
             return
     pytest.fail("never completed")
+
+
+def test_a_context_dropped_while_another_thread_is_in_a_call_gives_its_slot_back():
+    """A context dropped (its finalizer) while another thread is in a call
+    on the engine cannot close then (Busy); it was left to the engine's
+    destroy, and its host slot stayed taken for the engine's whole life
+    (open_context refused, RefusedQueue, with nobody holding a context)."""
+    from conftest import held_by_another_thread
+
+    with akv.Engine(**small()) as eng:
+        ctx = eng.open_context()
+        with held_by_another_thread(eng):
+            del ctx
+        a, b = eng.open_context(), eng.open_context()  # both host slots free
+        a.close()
+        b.close()
+        assert not eng._orphans
