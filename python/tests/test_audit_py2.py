@@ -726,7 +726,8 @@ def test_cache_takes_sparse_and_mkldnn_kv_by_their_values(layout):
             for step in range(3):
                 for layer in range(2):
                     t = 3 if step == 0 else 1
-                    k, v = torch.randn(1, 2, t, 8, generator=g), torch.randn(1, 2, t, 8, generator=g)
+                    k = torch.randn(1, 2, t, 8, generator=g)
+                    v = torch.randn(1, 2, t, 8, generator=g)
                     if odd:
                         k, v = conv(k), conv(v)
                     out_k, out_v = cache.update(k, v, layer)
