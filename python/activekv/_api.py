@@ -544,11 +544,17 @@ class _Memory:
         # taken with no point between it and the call where an exception can
         # land (pop is a call, and one landing after it lost the destroy)
         h = pending["h"]
-        del pending["h"]
         try:
+            del pending["h"]
             st = lib.akv_engine_destroy(h)
         except Exception:  # at interpreter exit lib may be gone
             return
+        except BaseException:
+            # cut short anywhere here (see _BAD_HANDLE): a destroy not made
+            # stays pending, for the next end (_Memory.__del__ at the latest)
+            if "h" not in pending and _engine_alive(h):
+                pending["h"] = h
+            raise
         if st != 0:  # close() checked what destroy refuses; say so if it still did
             warnings.warn(f"activekv: the deferred destroy of a closed engine failed "
                           f"({lib.akv_status_string(st).decode(errors='replace')}); its "
@@ -705,6 +711,64 @@ _handle_attr = functools.partial(property, operator.attrgetter("_box.value"), _s
 # with the exception, so a flag set after the call would say otherwise than
 # the library (a step read as closed: close destroyed the streams, then was
 # refused; one read as open after step_end: close refused for good).
+
+
+# A refusal cut short: an ending call (_Ending) or a _Recorded one refused,
+# with nothing changed, and a KeyboardInterrupt raised as it returned loses
+# the refusal with its status; the handle cleared or the state recorded for
+# the call would stay so (a context, stream or engine the library kept read
+# as closed and could never be closed again; a step read as open that the
+# library never opened, and close refused for good). Such a call is made
+# inside try, with everything from the clearing (or recording) to the
+# putting back; cut short anywhere there (an exception other than the
+# refusal's own), the library is asked what the call did (the probes below
+# change nothing but the engine's last_error, and log a debug line, as any
+# refusal) and the object follows its answer. These run only on that path:
+# the calls themselves cost nothing more.
+
+_BAD_HANDLE = STATUS_VALUES["AKV_ERR_BAD_HANDLE"]
+_INVALID_ARGUMENT = STATUS_VALUES["AKV_ERR_INVALID_ARGUMENT"]
+_STEP_STATE = STATUS_VALUES["AKV_ERR_STEP_STATE"]
+
+
+def _engine_alive(h: int) -> bool:
+    """Whether engine handle h still names a live engine: a destroyed one
+    answers AKV_ERR_BAD_HANDLE to every call and changes nothing ("Handle
+    lifetimes" in akv.h)."""
+    info = L.out_struct(L.akv_engine_info)
+    return lib.akv_engine_info_get(h, ctypes.byref(info)) != _BAD_HANDLE
+
+
+def _context_alive(h: int) -> bool:
+    """As _engine_alive, for a context handle."""
+    return lib.akv_context_id(h, ctypes.byref(ctypes.c_uint32())) != _BAD_HANDLE
+
+
+def _stream_alive(eh: int, h: int, backend: str) -> bool:
+    """Whether stream h is still one of engine eh's. Host backend: a
+    destroyed stream is refused by every call that takes one
+    (AKV_ERR_INVALID_ARGUMENT), and a synchronize of a live one only waits
+    for its work. Where that cannot tell (a quarantined engine refuses the
+    synchronize first) and on CUDA (a cudaStream_t, which the library
+    cannot check): the destroy again, which looks it up in the engine's own
+    list first and refuses one it no longer holds (AKV_ERR_INVALID_ARGUMENT),
+    one it refused the same way as before (and destroys one the first call
+    never reached: then it is not alive)."""
+    if backend == "host":
+        st = lib.akv_stream_synchronize(eh, h)
+        if st in (0, _INVALID_ARGUMENT):
+            return st == 0
+    return lib.akv_stream_destroy(eh, h) not in (0, _INVALID_ARGUMENT)
+
+
+def _step_open_now(h: int, default: bool) -> bool:
+    """Whether the engine has a step open, as the library says: a step_begin
+    of no contexts is refused with AKV_ERR_STEP_STATE inside a step and
+    AKV_ERR_INVALID_ARGUMENT outside one (the step is checked first), and
+    changes nothing either way. `default` where it answers neither (a
+    quarantined engine)."""
+    st = lib.akv_step_begin(h, None, 0)
+    return True if st == _STEP_STATE else False if st == _INVALID_ARGUMENT else default
 
 
 class _NotCopyable:
@@ -1023,17 +1087,28 @@ class Engine(_ClosedOnExit):
             # closed for every call before the destroy is deferred (no point
             # between the two where an exception can land): never a deferred
             # destroy behind an engine that reads as open
-            self._box.value = None
-            self._pending_destroy["h"] = h
+            try:
+                self._box.value = None
+                self._pending_destroy["h"] = h
+            except BaseException:  # cut short between the two: still open
+                if "h" not in self._pending_destroy:
+                    self._box.value = h
+                raise
             if not self._exports:  # the last one went meanwhile
                 self._destroy_pending()
         else:
             # the handle goes before the call (see _Ending), back only on a refusal
-            self._box.value = None
-            st = lib.akv_engine_destroy(h)
-            if st != 0:
-                self._box.value = h
-                _check(st, h, "engine close")
+            try:
+                self._box.value = None
+                st = lib.akv_engine_destroy(h)
+                if st != 0:
+                    self._box.value = h
+                    _check(st, h, "engine close")
+            except ActiveKVError:
+                raise  # the refusal: the handle is back
+            except BaseException:  # cut short anywhere here (see _BAD_HANDLE)
+                self._box.value = h if _engine_alive(h) else None
+                raise
         self._box.value = None
         for ctx in list(self._contexts):
             ctx._box.value = None
@@ -1244,6 +1319,8 @@ class Engine(_ClosedOnExit):
         cc = L.akv_context_config(ctypes.sizeof(L.akv_context_config), L.AKV_CONFIG_VERSION,
                                   target, burst)
         h = self._h()
+        if self._orphans and not self._step_open:
+            self._close_orphans()  # dropped contexts still open: their host slots first
         ctx = Context(self, _Box())  # owns the handle the call writes: _Owning
         self._contexts.add(ctx)
         try:
@@ -1269,35 +1346,55 @@ class Engine(_ClosedOnExit):
         arr = (ctypes.c_void_p * max(1, len(hs)))(*hs)
         h, n, before = self._h(), len(hs), self._step_open
         # recorded before the call, undone only on a refusal (_Recorded)
-        self._step_open = True
-        st = lib.akv_step_begin(h, arr, n)
-        if st != 0:
-            self._step_open = before
-            _check(st, self._handle, "step_begin")
+        try:
+            self._step_open = True
+            st = lib.akv_step_begin(h, arr, n)
+            if st != 0:
+                self._step_open = before
+                _check(st, self._handle, "step_begin")
+        except ActiveKVError:
+            raise  # the refusal: the state is back
+        except BaseException:  # cut short anywhere here (see _BAD_HANDLE)
+            self._step_open = _step_open_now(h, before)
+            raise
 
     @_guarded
     def step_end(self) -> None:
         """Closes the step; every layer's lease must be retired. Each
         context grows by one row. Raises StepState, Quarantined."""
         h, before = self._h(), self._step_open
-        self._step_open = False  # _Recorded
-        st = lib.akv_step_end(h)
-        if st != 0:
-            self._step_open = before
-            _check(st, self._handle, "step_end")
+        try:
+            self._step_open = False  # _Recorded
+            st = lib.akv_step_end(h)
+            if st != 0:
+                self._step_open = before
+                _check(st, self._handle, "step_end")
+        except ActiveKVError:
+            raise  # the refusal: the state is back
+        except BaseException:  # cut short anywhere here (see _BAD_HANDLE)
+            self._step_open = _step_open_now(h, before)
+            raise
         if self._orphans:
             self._close_orphans()
 
     def _close_orphans(self) -> None:
         """Closes the contexts dropped while the step held them (see _Ending)."""
-        orphans, self._orphans = self._orphans, []
-        for box in orphans:
+        # Each leaves the list only once closed: one cut short stays for the
+        # next step's end (the engine's destroy frees it otherwise).
+        orphans = self._orphans
+        for box in list(orphans):
             if box.value is not None:
-                h, box.value = box.value, None
-                st = lib.akv_context_close(h)
-                if st != 0:  # still held (a later step): at the next end, or the destroy
-                    box.value = h
-                    self._orphans.append(box)
+                h = box.value
+                try:
+                    box.value = None
+                    st = lib.akv_context_close(h)
+                    if st != 0:  # still held (a later step): at the next end, or the destroy
+                        box.value = h
+                except BaseException:  # cut short anywhere here (see _BAD_HANDLE)
+                    box.value = h if _context_alive(h) else None
+                    raise
+            if box.value is None:
+                orphans.remove(box)
 
     @contextlib.contextmanager
     def step(self, contexts: Sequence["Context"]) -> Iterator["Engine"]:
@@ -1376,11 +1473,19 @@ class Engine(_ClosedOnExit):
     def _stream_destroy(self, box: _Box) -> None:
         """Destroys the stream in `box` (see _Ending) and forgets the box."""
         if box.value is not None:
-            h, box.value = box.value, None
-            st = lib.akv_stream_destroy(self._handle, h)
-            if st != 0:
-                box.value = h
-                _check(st, self._handle, "stream destroy")
+            h, eh = box.value, self._handle
+            try:
+                box.value = None
+                st = lib.akv_stream_destroy(eh, h)
+                if st != 0:
+                    box.value = h
+                    _check(st, eh, "stream destroy")
+            except ActiveKVError:
+                raise  # the refusal: the handle is back
+            except BaseException:
+                # cut short anywhere here (see _BAD_HANDLE)
+                box.value = h if _stream_alive(eh, h, self.backend) else None
+                raise
         with contextlib.suppress(ValueError):
             self._streams.remove(box)
 
@@ -1500,7 +1605,8 @@ class Context(_ClosedOnExit):
     context manager that closes it. A context dropped without close() is
     closed when its last reference goes, or when the step that holds it
     ends; one dropped while another thread is in a call on its engine is
-    freed with its engine."""
+    closed at the engine's next step end or open_context (its host slot is
+    free again for that open)."""
 
     _handle = _handle_attr()
 
@@ -1516,16 +1622,28 @@ class Context(_ClosedOnExit):
 
     def _discard(self) -> None:
         """Closes the context where it can (a dropped or undone one); one the
-        open step holds (InUse) is closed when the step ends; where it
-        cannot be (another thread in a call, a forked child), the engine's
+        open step holds (InUse), or dropped while another thread is in a call
+        on the engine (Busy), is closed when the step ends or at the next
+        open_context (Engine._orphans); in a forked child, the engine's
         destroy frees it."""
-        if self.__dict__.get("_box") is not None and self._handle is not None:
+        box = self.__dict__.get("_box")
+        if box is not None and box.value is not None:
             try:
                 self.close()
-            except InUse:
-                self._engine._orphans.append(self._box)
+            except (InUse, Busy):
+                # held by the open step, or another thread is in a call on the
+                # engine: closed at the step's end or the next open_context
+                self._engine._orphans.append(box)
             except Exception:  # noqa: BLE001 - a finalizer: left to the engine's destroy
                 pass
+            except BaseException:
+                # cut short (a Ctrl-C landing in the finalizer): a context still
+                # open is closed when the step ends, as a refused one (nobody
+                # else can close it any more: its host slot was lost until the
+                # engine went)
+                if box.value is not None and box not in self._engine._orphans:
+                    self._engine._orphans.append(box)
+                raise
 
     def __del__(self) -> None:
         self._discard()
@@ -1641,11 +1759,18 @@ class Context(_ClosedOnExit):
         if self._handle is None or self._engine._handle is None:
             self._box.value = None
             return
-        h, self._box.value = self._box.value, None  # see _Ending
-        st = lib.akv_context_close(h)
-        if st != 0:
-            self._box.value = h
-            _check(st, self._engine._handle, "context close")
+        h = self._box.value
+        try:
+            self._box.value = None  # see _Ending
+            st = lib.akv_context_close(h)
+            if st != 0:
+                self._box.value = h
+                _check(st, self._engine._handle, "context close")
+        except ActiveKVError:
+            raise  # the refusal: the handle is back
+        except BaseException:  # cut short anywhere here (see _BAD_HANDLE)
+            self._box.value = h if _context_alive(h) else None
+            raise
         self._engine._contexts.discard(self)
 
     def __repr__(self) -> str:
@@ -1704,12 +1829,19 @@ class Lease(_NotCopyable):
         # the library fills the lease's own view (Lease.view keeps it); a
         # refused call (a second one) leaves the first's
         fn, ref = lib.akv_lease_wait_ready, ctypes.byref(v)
-        prev, box.view = (getattr(box, "view", None), getattr(box, "synced", False)), v
-        box.synced = False
-        st = fn(h, s, ref)
-        if st != 0:
-            box.view, box.synced = prev
-            _check(st, self._engine._handle, "wait_ready")
+        prev = (getattr(box, "view", None), getattr(box, "synced", False))
+        try:
+            box.view, box.synced = v, False
+            st = fn(h, s, ref)
+            if st != 0:
+                box.view, box.synced = prev
+                _check(st, self._engine._handle, "wait_ready")
+        except ActiveKVError:
+            raise  # the refusal: the first's view is back
+        except BaseException:  # cut short anywhere here: filled only on success
+            if not v.n_contexts:
+                box.view, box.synced = prev
+            raise
         self._sync_view()
         return View(self, v)
 
@@ -1769,11 +1901,19 @@ class Lease(_NotCopyable):
         # filled by the library on success (Lease.attention); a refused call
         # (a second one) leaves the first's
         fn, ref, box = lib.akv_lease_mark_consumed, ctypes.byref(f), self._box
-        prev, box.attn = getattr(box, "attn", None), f
-        st = fn(h, s, ref)
-        if st != 0:
-            box.attn = prev
-            _check(st, self._engine._handle, "mark_consumed")
+        prev = getattr(box, "attn", None)
+        try:
+            box.attn = f
+            st = fn(h, s, ref)
+            if st != 0:
+                box.attn = prev
+                _check(st, self._engine._handle, "mark_consumed")
+        except ActiveKVError:
+            raise  # the refusal: the first's fence is back
+        except BaseException:  # cut short anywhere here: filled only on success
+            if not f.serial:
+                box.attn = prev
+            raise
         return Fence(f.serial)
 
     @_guarded
@@ -1794,11 +1934,19 @@ class Lease(_NotCopyable):
         fn, ref, box = lib.akv_lease_write_back, ctypes.byref(tail), self._box
         # filled by the library on success (Lease.tail); an earlier write_back's
         # tail stays when this one is refused
-        prev, box.tail = getattr(box, "tail", None), tail
-        st = fn(h, arr, n, ref)
-        if st != 0:
-            box.tail = prev
-        _check(st, self._engine._handle, "write_back")
+        prev = getattr(box, "tail", None)
+        try:
+            box.tail = tail
+            st = fn(h, arr, n, ref)
+            if st != 0:
+                box.tail = prev
+                _check(st, self._engine._handle, "write_back")
+        except ActiveKVError:
+            raise  # the refusal: the earlier tail is back
+        except BaseException:  # cut short anywhere here: filled only on success
+            if not tail.serial:
+                box.tail = prev
+            raise
         return Fence(tail.serial)
 
     @_guarded
@@ -1848,15 +1996,14 @@ class Lease(_NotCopyable):
         r = L.akv_receipt()
         # built first: nothing that can raise between clearing and the call
         ref = ctypes.byref(r)
-        self._box.value = None  # see _Ending
         try:
+            self._box.value = None  # see _Ending
             st = fn(h, ref)
-        except BaseException:
-            if r.step == 0:
+            if st != 0:
                 self._box.value = h
+        except BaseException:
+            self._box.value = h if r.step == 0 else None
             raise
-        if st != 0:
-            self._box.value = h
         return st, r
 
 

@@ -105,6 +105,7 @@ _GRAD_REFUSED = ("ActiveKVCache: a decode update with K/V that require grad whil
 
 # akv_lease_try_retire's "not yet" (AKV_ERR_NOT_READY, 24): fences pending, nothing changed.
 _NOT_READY = STATUS_VALUES["AKV_ERR_NOT_READY"]
+_BAD_HANDLE = STATUS_VALUES["AKV_ERR_BAD_HANDLE"]
 
 
 # Sealed leases gathered before akv_lease_try_retire is tried: each try queries the
@@ -538,6 +539,11 @@ class _Driver:
                              % (self.layer_len[d] + n, self.max_tokens))
         # [B, H, T, D] on the model's device -> [B, T, H, D] contiguous there (token-major
         # rows, the host pool's layout), then one device-to-host transfer each for K and V.
+        # A sparse or mkldnn K/V (contiguous() refuses them) by its dense values.
+        if key_states.layout is not torch.strided:
+            key_states = key_states.to_dense()
+        if value_states.layout is not torch.strided:
+            value_states = value_states.to_dense()
         k_host = key_states.detach().transpose(1, 2).contiguous().cpu()
         v_host = value_states.detach().transpose(1, 2).contiguous().cpu()
         done = 0
@@ -730,8 +736,16 @@ class _Driver:
             views = self._views(view, key)
         _, keys, values, k_row, v_row = views
         # The step's new row at index len, written on torch's stream before attention.
-        k_row.copy_(key_states)
-        v_row.copy_(value_states)
+        try:
+            k_row.copy_(key_states)
+            v_row.copy_(value_states)
+        except RuntimeError:
+            # copy_ reads strided tensors only: a sparse or mkldnn K/V of the right shape,
+            # dtype and device passes the checks, and refused here, after the lease began,
+            # it left the cache unusable. Taken by its dense values, as the prefill takes
+            # it (this path costs nothing until copy_ refuses).
+            k_row.copy_(key_states.to_dense())
+            v_row.copy_(value_states.to_dense())
         self.layer_len[d] = length + 1
         return keys, values
 
@@ -831,14 +845,20 @@ class _Driver:
         fn = self.api.try_retire
         sealed = self.sealed
         while sealed:
-            lease = sealed[0]  # off the list before the call: see retire_all
-            del sealed[0]
-            st = fn(lease, self.receipt_ref)
-            if st != 0:
-                sealed.insert(0, lease)
-                if st != _NOT_READY:
-                    self.check(st, "lease_try_retire")
-                return  # fences pending: nothing changed; retire() at the boundary waits
+            lease = sealed[0]
+            try:
+                del sealed[0]  # off the list before the call: see retire_all
+                st = fn(lease, self.receipt_ref)
+                if st != 0:
+                    sealed.insert(0, lease)
+                    if st != _NOT_READY:
+                        self.check(st, "lease_try_retire")
+                    return  # fences pending: nothing changed; retire() at the boundary waits
+            except ActiveKVError:
+                raise  # the refusal: the lease is back on the list
+            except BaseException:
+                self._cut_short(lease)
+                raise
             self.retired_early += 1
 
     def retire_all(self) -> None:
@@ -851,12 +871,33 @@ class _Driver:
         sealed = self.sealed
         while sealed:
             lease = sealed[0]
-            del sealed[0]
-            st = self.api.retire(lease, self.receipt_ref)
-            if st != 0:
-                sealed.insert(0, lease)
-                self.check(st, "lease_retire")
+            try:
+                del sealed[0]
+                st = self.api.retire(lease, self.receipt_ref)
+                if st != 0:
+                    sealed.insert(0, lease)
+                    self.check(st, "lease_retire")
+            except ActiveKVError:
+                raise  # the refusal: the lease is back on the list
+            except BaseException:
+                self._cut_short(lease)
+                raise
             self.retired_blocking += 1
+
+    def _cut_short(self, lease: int) -> None:
+        """A retire or try_retire of `lease` cut short (a KeyboardInterrupt anywhere from
+        taking it off ``sealed`` to putting it back): its status is lost, and the lease
+        would stay off the list unretired when the call refused (try_retire's "not ready"
+        is common) or was not made: the step could never end. Back on the list, it was
+        refused. Else the library says whether it retired it: a retired lease's handle is
+        dead and answers AKV_ERR_BAD_HANDLE to everything, changing nothing; a seal with
+        no fences is asked (refused either way); a live one goes back on the list. Only
+        this path pays for it."""
+        if lease in self.sealed:
+            return
+        zero = _Fence()
+        if self.api.seal(lease, zero, zero) != _BAD_HANDLE:
+            self.sealed.insert(0, lease)
 
     # -- teardown -----------------------------------------------------------
 
