@@ -589,7 +589,8 @@ if has_step python; then
   if [ -f "$lib" ]; then
     log "python package tests (CUDA)"
     (PYTHONPATH=$PWD/python ACTIVEKV_LIBRARY=$lib timeout 300 python3 -m pytest -q -ra \
-      python/tests/test_cuda.py python/tests/test_abi.py python/tests/test_audit_py.py) \
+      python/tests/test_cuda.py python/tests/test_abi.py python/tests/test_audit_py.py \
+      python/tests/test_audit_py2.py) \
       >"$OUT/python.log" 2>&1
     rc=$?
     record "pytest (CUDA, ABI, audit)" "$([ $rc = 0 ] && echo ok || echo FAIL)" \
