@@ -403,11 +403,19 @@ def finish_from(eng, first):
 # ------------------------------------------------------ the transformers adapter
 
 
+def _needs_adapter():
+    """Skips (shown) where torch or transformers is missing: the adapter's
+    module cannot be imported there."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+
+
 def _deep_cache(layers=6, **kw):
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from transformers import LlamaConfig
 
+    _needs_adapter()
     from activekv.transformers import ActiveKVCache
 
     cfg = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64,
@@ -446,6 +454,7 @@ def test_cache_retire_cut_short_loses_no_lease(call, answer):
     refused ("not ready", common for try_retire); cut short as such a refusal
     returned, the lease stayed off the list unretired, and every later step
     boundary was refused (StepState) until the cache was closed."""
+    _needs_adapter()
     from activekv.transformers import _NOT_READY
 
     torch, cache = _deep_cache()
@@ -487,13 +496,20 @@ class OpcodeInterrupter:
     """Raises KeyboardInterrupt before the n-th bytecode executed in the
     given functions of the package (their own frames): stricter than the
     points where the interpreter raises one (test_interrupt_points), so
-    every bytecode between clearing a handle and putting it back is tried."""
+    every bytecode between clearing a handle and putting it back is tried.
+
+    Python 3.12 and later count instructions through sys.monitoring: there,
+    opcode events asked for from a sys.settrace call event (f_trace_opcodes)
+    are not delivered to a frame entered below the function that installed
+    the trace, so the sweep would never fire and test nothing. 3.11 takes
+    the settrace route."""
 
     def __init__(self, codes):
         self.codes = {c.__code__ if hasattr(c, "__code__") else c for c in codes}
         self.n = self.seen = 0
         self.fired = False
 
+    # -- 3.11: sys.settrace opcode events
     def _local(self, frame, event, arg):
         if event == "opcode":
             self.seen += 1
@@ -510,17 +526,46 @@ class OpcodeInterrupter:
             return self._local
         return None
 
-    def run(self, n, fn):
-        self.n, self.seen, self.fired = n, 0, False
-        sys.settrace(self._global)
+    # -- 3.12+: sys.monitoring instruction events on the given code objects
+    def _instruction(self, code, offset):
+        self.seen += 1
+        if self.seen == self.n:
+            self._monitor(0)
+            self.fired = True
+            raise KeyboardInterrupt
+
+    def _monitor(self, events):
+        for code in self.codes:
+            sys.monitoring.set_local_events(self.tool, code, events)
+
+    def _run(self, fn):
         try:
             fn()
         except KeyboardInterrupt:
             assert self.fired
         except akv.ActiveKVError:
             pass  # the refusal itself
+
+    def run(self, n, fn):
+        self.n, self.seen, self.fired = n, 0, False
+        mon = getattr(sys, "monitoring", None)
+        if mon is None:
+            sys.settrace(self._global)
+            try:
+                self._run(fn)
+            finally:
+                sys.settrace(None)
+            return
+        self.tool = next(t for t in (3, 4, 0, 1, 2, 5) if mon.get_tool(t) is None)
+        mon.use_tool_id(self.tool, "activekv-opcode-interrupter")
+        try:
+            mon.register_callback(self.tool, mon.events.INSTRUCTION, self._instruction)
+            self._monitor(mon.events.INSTRUCTION)
+            self._run(fn)
         finally:
-            sys.settrace(None)
+            self._monitor(0)
+            mon.register_callback(self.tool, mon.events.INSTRUCTION, None)
+            mon.free_tool_id(self.tool)
 
 
 def _unwrap(fn):
@@ -676,6 +721,7 @@ def test_cache_retires_cut_short_at_any_bytecode_lose_no_lease(what):
     """The adapter's retire_all (at finish) and try_retire, cut short between
     any two of their bytecodes: every lease is retired or still listed, so
     the step ends and the cache goes on."""
+    _needs_adapter()
     from activekv.transformers import _Driver, _NOT_READY
 
     it = OpcodeInterrupter([_Driver.retire_all, _Driver.try_retire, _Driver.end_step])
