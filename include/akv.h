@@ -860,6 +860,13 @@ typedef struct akv_view {
  * handle's record was handed out again ("Handle lifetimes") to a later lease
  * of this engine or of a newer one: that lease and its engine are left as
  * they were (not marked consumed, not failed by a nonzero return).
+ * A hook that takes its own lease on without ending it (its own
+ * akv_lease_mark_consumed, perhaps akv_lease_write_back and akv_lease_seal
+ * after it) makes akv_lease_attend return AKV_OK, with *attention the fence
+ * that mark_consumed gave, and leaves the lease where the hook left it
+ * (a nonzero return still fails it: AKV_ERR_BACKEND). The attention event
+ * is then the one the hook recorded: work the hook enqueued after its
+ * mark_consumed is not ordered before the write-back.
  */
 typedef int (*akv_attention_fn)(void *user, const akv_view *view, akv_stream stream);
 

@@ -442,6 +442,19 @@ static akv_status akv_lease_attend_claimed(akv_lease *handle, akv_stream stream,
              "attention hook of layer %u returned nonzero", ls->layer);
     return akv_transport_failed(ls->engine, AKV_ERR_BACKEND, "lease_attend");
   }
+  /* Invariant: attend reports what became of its lease (akv.h,
+   * akv_attention_fn). A hook that took its own lease on without ending it
+   * (its akv_lease_mark_consumed, perhaps its write-back and seal too) left
+   * it consumed or sealed, with the attention event recorded by that call:
+   * attend then hands out that call's fence and returns AKV_OK. Without
+   * this attend's own mark_consumed was refused (AKV_ERR_LEASE_STATE, a
+   * warning and a last error) for a lease that had advanced, so the caller
+   * took a step that went on for one that failed. Only mark_consumed moves
+   * a ready lease on, so a lease not ready here has its attention fence. */
+  if (ls->state != AKV_LEASE_READY) {
+    attention->serial = ls->fence_attn;
+    return AKV_OK;
+  }
   return akv_lease_mark_consumed_claimed(handle, stream, attention);
 }
 

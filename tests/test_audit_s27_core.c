@@ -1,0 +1,327 @@
+/*
+ * test_audit_s27_core.c - the core and the group layer against hostile call
+ * sequences an outside tester writes: fork() while another thread is inside
+ * group and world calls (the group layer's own locks), an attention hook
+ * that takes its own lease on, and whatever else this audit found. Each test
+ * names the promise of akv.h or akv_group.h it checks; a refused call returns
+ * its exact status and changes nothing.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "akv.h"
+#include "akv_group.h"
+#include "testutil.h"
+
+#define LAYERS 3 /* akvt_small_config */
+
+#if defined(__SANITIZE_THREAD__)
+#define AKVT_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define AKVT_TSAN 1
+#endif
+#endif
+
+static uint64_t now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+static void sleep_ms(unsigned ms) {
+  struct timespec ts = {0, (long)ms * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
+static akv_engine_config shard_config(void) {
+  akv_engine_config c = akvt_small_config(AKV_ROUTE_STAGE, 0);
+  c.max_contexts = 2;
+  return c;
+}
+
+/* A one-rank group on a world of its own (the rank agrees with itself). */
+static akv_status one_rank_group(akv_group_world **w, akv_group **g) {
+  akv_engine_config ec = shard_config();
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  akv_status st;
+  gc.timeout_ms = 5000;
+  if ((st = akv_group_world_create(1, 2, w)) != AKV_OK) return st;
+  if ((st = akv_group_create_inproc(&ec, &gc, *w, g)) != AKV_OK) akv_group_world_destroy(*w);
+  return st;
+}
+
+/* ------------------------------------------------ fork under group churn */
+
+#ifndef AKVT_TSAN
+typedef struct gchurn {
+  atomic_int stop;
+  atomic_int ready;
+  akv_group *mine; /* the churning thread's own group, claimed by it often */
+  uint64_t rounds;
+  akv_status st;
+} gchurn;
+
+/* Group calls (each claim checks the handle against the group records under
+ * their pool's mutex) and world calls on a pointer that is no world (the
+ * world mutex and the world records' mutex), none of which allocates: a
+ * sanitizer's allocator keeps locks of its own that fork does not take, and
+ * a child forked inside its malloc may hang there, which is no part of
+ * this. */
+static void *gchurn_main(void *arg) {
+  gchurn *ch = arg;
+  akv_group_world *w = NULL;
+  uint64_t junk[8] = {0};
+  ch->st = one_rank_group(&w, &ch->mine);
+  atomic_store(&ch->ready, 1);
+  while (ch->st == AKV_OK && !atomic_load(&ch->stop)) {
+    akv_group_info info;
+    if ((ch->st = akv_group_info_get(ch->mine, &info)) != AKV_OK) break;
+    if (akv_group_world_abort((akv_group_world *)junk) != AKV_ERR_INVALID_ARGUMENT) {
+      ch->st = (akv_status)999;
+      break;
+    }
+    if (ch->rounds % 64 == 0 && (ch->st = akv_group_check(ch->mine)) != AKV_OK) break;
+    ch->rounds++;
+  }
+  if (ch->mine != NULL && akv_group_destroy(ch->mine) != AKV_OK) ch->st = (akv_status)999;
+  if (w != NULL && akv_group_world_destroy(w) != AKV_OK) ch->st = (akv_status)999;
+  return NULL;
+}
+
+/* The child: a world and a group of its own work (a create, an agreement
+ * that opens and closes a context, destroy), and the parent's groups and
+ * worlds are refused at once with nothing written. */
+static int group_child_work(akv_group *parent_g, akv_group *churn_g, akv_group_world *parent_w) {
+  akv_group_world *w = NULL;
+  akv_group *g = NULL, *g3 = NULL;
+  akv_context *c = NULL;
+  akv_engine *e = (akv_engine *)(uintptr_t)0x1;
+  akv_group_info info, before;
+  akv_engine_config ec = shard_config();
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  if (one_rank_group(&w, &g) != AKV_OK) return 10;
+  if (akv_group_context_open(g, NULL, &c) != AKV_OK || akv_group_context_close(g, c) != AKV_OK)
+    return 11;
+  if (akv_group_destroy(g) != AKV_OK || akv_group_world_destroy(w) != AKV_OK) return 12;
+  c = NULL;
+  memset(&info, 0xA5, sizeof info);
+  memcpy(&before, &info, sizeof info);
+  akv_group *const theirs[2] = {parent_g, churn_g};
+  for (int i = 0; i < 2; i++) {
+    akv_group *pg = theirs[i];
+    if (akv_group_info_get(pg, &info) != AKV_ERR_BAD_HANDLE ||
+        memcmp(&info, &before, sizeof info) != 0)
+      return 20 + i;
+    if (akv_group_check(pg) != AKV_ERR_BAD_HANDLE) return 22 + i;
+    if (akv_group_context_open(pg, NULL, &c) != AKV_ERR_BAD_HANDLE || c != NULL) return 24 + i;
+    if (akv_group_engine(pg, &e) != AKV_ERR_BAD_HANDLE || e != (akv_engine *)(uintptr_t)0x1)
+      return 26 + i;
+    if (strcmp(akv_group_last_error(pg), "bad group handle") != 0) return 28 + i;
+    if (akv_group_destroy(pg) != AKV_ERR_BAD_HANDLE) return 30 + i;
+  }
+  gc.timeout_ms = 200;
+  if (akv_group_create_inproc(&ec, &gc, parent_w, &g3) != AKV_ERR_INVALID_ARGUMENT || g3 != NULL)
+    return 40;
+  if (akv_group_world_abort(parent_w) != AKV_ERR_INVALID_ARGUMENT) return 41;
+  if (akv_group_world_destroy(parent_w) != AKV_ERR_INVALID_ARGUMENT) return 42;
+  return 0;
+}
+#endif
+
+/* Promise (akv_group.h, fork): a child forked while another thread is
+ * inside group and world calls may make and use worlds and groups of its
+ * own, and every call it makes on the parent's groups and worlds is refused
+ * (AKV_ERR_BAD_HANDLE; world calls AKV_ERR_INVALID_ARGUMENT) and changes
+ * nothing. Before the group layer had fork handlers a child could start
+ * with the group records' mutex or akv_world_mu held by the churning thread
+ * and hang in its first create, and the parent's groups answered the child
+ * (info, an agreement on a one-rank world, even destroy). */
+static void test_fork_under_group_churn(void **state) {
+  (void)state;
+#ifdef AKVT_TSAN
+  skip(); /* TSan does not support threads in a child forked from threads */
+#else
+  akv_group_world *w = NULL;
+  akv_group *g = NULL;
+  akv_group_info before, after;
+  gchurn ch;
+  pthread_t th;
+  assert_int_equal(one_rank_group(&w, &g), AKV_OK);
+  assert_int_equal(akv_group_info_get(g, &before), AKV_OK);
+  memset(&ch, 0, sizeof ch);
+  assert_int_equal(pthread_create(&th, NULL, gchurn_main, &ch), 0);
+  while (!atomic_load(&ch.ready)) sleep_ms(1);
+  int bad = 0, hung = 0;
+  for (int i = 0; i < 192 && hung == 0 && bad == 0; i++) {
+    const pid_t pid = fork();
+    if (pid == 0) {
+      alarm(20); /* a child that hangs dies, and the parent sees it */
+      _exit(group_child_work(g, ch.mine, w));
+    }
+    assert_true(pid > 0);
+    int ws = 0;
+    const uint64_t t0 = now_ms();
+    pid_t r;
+    while ((r = waitpid(pid, &ws, WNOHANG)) == 0 && now_ms() - t0 < 25000) sleep_ms(1);
+    if (r == 0) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &ws, 0);
+      hung++;
+    } else if (!WIFEXITED(ws) || WEXITSTATUS(ws) != 0) {
+      fprintf(stderr, "fork child %d: %s %d\n", i, WIFEXITED(ws) ? "exit" : "signal",
+              WIFEXITED(ws) ? WEXITSTATUS(ws) : WTERMSIG(ws));
+      bad++;
+    }
+  }
+  atomic_store(&ch.stop, 1);
+  pthread_join(th, NULL);
+  assert_int_equal(hung, 0);
+  assert_int_equal(bad, 0);
+  assert_int_equal(ch.st, AKV_OK);
+  /* The parent's group is untouched by its children, and goes on. */
+  assert_int_equal(akv_group_info_get(g, &after), AKV_OK);
+  assert_memory_equal(&after, &before, sizeof after);
+  {
+    akv_context *c = NULL;
+    assert_int_equal(akv_group_context_open(g, NULL, &c), AKV_OK);
+    assert_int_equal(akv_group_context_close(g, c), AKV_OK);
+  }
+  assert_int_equal(akv_group_destroy(g), AKV_OK);
+  assert_int_equal(akv_group_world_destroy(w), AKV_OK);
+#endif
+}
+
+/* -------------------------------------- a hook that advances its own lease */
+
+typedef struct advancer {
+  akv_lease *self;
+  int how; /* 1: mark consumed; 2: and write back and seal; 3: mark, then return 1 */
+  akv_fence attn, tail;
+  akv_status mark, wb, seal;
+} advancer;
+
+static int advancer_hook(void *user, const akv_view *view, akv_stream stream) {
+  advancer *a = user;
+  (void)view;
+  a->mark = akv_lease_mark_consumed(a->self, stream, &a->attn);
+  if (a->how == 2) {
+    a->wb = akv_lease_write_back(a->self, NULL, 0, &a->tail);
+    a->seal = akv_lease_seal(a->self, a->tail, a->attn);
+  }
+  return a->how == 3;
+}
+
+static void count_log(void *user, akv_log_level level, const char *message) {
+  (void)level;
+  (void)message;
+  (*(int *)user)++;
+}
+
+/* Promise (akv.h, akv_attention_fn): a hook that takes its own lease on
+ * without ending it (its own mark_consumed; or that, write-back and seal)
+ * makes akv_lease_attend return AKV_OK with *attention the fence its
+ * mark_consumed gave; the lease is where the hook left it, the step goes on,
+ * no warning is logged and the last error is not touched. attend's own
+ * mark_consumed used to be refused (AKV_ERR_LEASE_STATE, a warning) for a
+ * lease that had advanced. A nonzero return still fails it. */
+static void attend_with_advancing_hook(int how) {
+  akvt_fx f;
+  advancer a;
+  akv_lease *ls = NULL;
+  akv_fence attn = {77}, tail = {0};
+  akv_engine_info info;
+  int lines = 0;
+  akv_engine_config cfg = akvt_small_config(AKV_ROUTE_STAGE, 0);
+  cfg.log_fn = count_log;
+  cfg.log_user = &lines;
+  cfg.log_level = AKV_LOG_WARN;
+  memset(&f, 0, sizeof f);
+  assert_int_equal(akv_engine_create(&cfg, &f.e), AKV_OK);
+  assert_int_equal(akv_stream_create(f.e, &f.s), AKV_OK);
+  assert_int_equal(akv_context_open(f.e, NULL, &f.c[0]), AKV_OK);
+  f.n = 1;
+  assert_int_equal(akv_step_begin(f.e, f.c, 1), AKV_OK);
+  assert_int_equal(akv_lease_begin(f.e, 0, &ls), AKV_OK);
+  memset(&a, 0, sizeof a);
+  a.self = ls;
+  a.how = how;
+  const char *err0 = akv_engine_last_error(f.e);
+  char err_before[256];
+  snprintf(err_before, sizeof err_before, "%s", err0);
+  lines = 0;
+  const akv_status st = akv_lease_attend(ls, f.s, advancer_hook, &a, &attn);
+  assert_int_equal(a.mark, AKV_OK);
+  assert_int_not_equal(a.attn.serial, 0);
+  assert_int_equal(akv_engine_info_get(f.e, &info), AKV_OK);
+  if (how == 3) {
+    assert_int_equal(st, AKV_ERR_BACKEND);
+    assert_int_equal(info.transport_failed, 1);
+    assert_int_equal(attn.serial, 77);
+    assert_int_equal(akv_engine_quarantine(f.e, NULL), AKV_OK);
+    assert_int_equal(akv_stream_destroy(f.e, f.s), AKV_OK);
+    assert_int_equal(akv_engine_destroy(f.e), AKV_OK);
+    return;
+  }
+  assert_int_equal(st, AKV_OK);
+  assert_int_equal(attn.serial, a.attn.serial);
+  assert_int_equal(info.transport_failed, 0);
+  assert_int_equal(lines, 0);
+  assert_string_equal(akv_engine_last_error(f.e), err_before);
+  if (how == 1) {
+    assert_int_equal(akv_lease_write_back(ls, NULL, 0, &tail), AKV_OK);
+    assert_int_equal(akv_lease_seal(ls, tail, attn), AKV_OK);
+  } else {
+    assert_int_equal(a.wb, AKV_OK);
+    assert_int_equal(a.seal, AKV_OK);
+  }
+  assert_int_equal(akv_lease_retire(ls, NULL), AKV_OK);
+  assert_int_equal(akvt_null_layers_from(f.e, f.s, 1, LAYERS), AKV_OK);
+  {
+    uint32_t len = 0;
+    assert_int_equal(akv_context_length(f.c[0], &len), AKV_OK);
+    assert_int_equal(len, 1);
+  }
+  assert_int_equal(akv_context_close(f.c[0]), AKV_OK);
+  assert_int_equal(akv_stream_destroy(f.e, f.s), AKV_OK);
+  assert_int_equal(akv_engine_destroy(f.e), AKV_OK);
+}
+
+static void test_hook_marks_its_own_lease_consumed(void **state) {
+  (void)state;
+  attend_with_advancing_hook(1);
+}
+
+static void test_hook_seals_its_own_lease(void **state) {
+  (void)state;
+  attend_with_advancing_hook(2);
+}
+
+static void test_hook_marks_its_own_lease_and_fails(void **state) {
+  (void)state;
+  attend_with_advancing_hook(3);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_fork_under_group_churn),
+      cmocka_unit_test(test_hook_marks_its_own_lease_consumed),
+      cmocka_unit_test(test_hook_seals_its_own_lease),
+      cmocka_unit_test(test_hook_marks_its_own_lease_and_fails),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
