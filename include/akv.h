@@ -585,7 +585,9 @@ typedef struct akv_quarantine_report {
  * the engine accepts only diagnostics and destroy. report may be NULL (the
  * same quarantine, nothing reported).
  * Another thread's quarantine while a call is in progress (Thread safety)
- * returns AKV_ERR_IN_USE, marks nothing and leaves *report alone.
+ * returns AKV_ERR_IN_USE, marks nothing and leaves *report alone; so does a
+ * quarantine from a function running on one of the engine's streams
+ * (akv_stream_launch_host), whose synchronisation would wait for it.
  * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_UNCERTAIN_FENCE, AKV_ERR_IN_USE.
  */
 AKV_API akv_status akv_engine_quarantine(akv_engine *engine, akv_quarantine_report *report);
@@ -638,7 +640,11 @@ AKV_API akv_status akv_stream_synchronize(akv_engine *engine, akv_stream stream)
  * synchronise, and should not call the library: it runs on another thread
  * than the caller's, so its calls on this engine are refused with
  * AKV_ERR_IN_USE whenever a call on the engine is in progress, among them
- * an akv_stream_synchronize waiting for fn (Thread safety). Returns AKV_OK,
+ * an akv_stream_synchronize waiting for fn (Thread safety). A call from fn
+ * that would wait for fn itself is refused with AKV_ERR_IN_USE and changes
+ * nothing: akv_stream_destroy and akv_stream_synchronize of fn's own stream,
+ * akv_engine_quarantine of its engine, and akv_lease_retire of a lease
+ * with an event not passed yet. Returns AKV_OK,
  * AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (fn NULL, or on the host
  * backend not a live stream of this engine), AKV_ERR_BACKEND,
  * AKV_ERR_QUARANTINED, AKV_ERR_IN_USE.
@@ -957,7 +963,9 @@ typedef struct akv_receipt {
  * way. Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_LEASE_STATE,
  * AKV_ERR_BACKEND (a wait failed, or a ticket's host slot changed generation
  * under it: nothing released, transport failed),
- * AKV_ERR_QUARANTINED, AKV_ERR_IN_USE (another thread's call in progress).
+ * AKV_ERR_QUARANTINED, AKV_ERR_IN_USE (another thread's call in progress;
+ * or, from a function running on a stream of this engine, an event not
+ * passed yet, which may be behind that function: nothing changed, no wait).
  */
 AKV_API akv_status akv_lease_retire(akv_lease *lease, akv_receipt *receipt);
 

@@ -48,6 +48,7 @@ static void sleep_ms(unsigned ms) {
   nanosleep(&ts, NULL);
 }
 
+#ifndef AKVT_TSAN /* the group helpers serve the fork test only */
 static akv_engine_config shard_config(void) {
   akv_engine_config c = akvt_small_config(AKV_ROUTE_STAGE, 0);
   c.max_contexts = 2;
@@ -67,7 +68,6 @@ static akv_status one_rank_group(akv_group_world **w, akv_group **g) {
 
 /* ------------------------------------------------ fork under group churn */
 
-#ifndef AKVT_TSAN
 typedef struct gchurn {
   atomic_int stop;
   atomic_int ready;
@@ -316,12 +316,162 @@ static void test_hook_marks_its_own_lease_and_fails(void **state) {
   attend_with_advancing_hook(3);
 }
 
+/* --------------------------- blocking calls from a function on a stream */
+
+/* A function enqueued with akv_stream_launch_host that calls back. It
+ * waits (up to 10 s) until the caller's launch returned and the caller
+ * says go, so that no call of the caller is in progress when it calls (one
+ * would refuse it as another thread's), and stores its statuses. */
+typedef struct stream_fn {
+  akv_engine *e;
+  akv_lease *lease;
+  atomic_int go, done;
+  akv_status quarantine, retire;
+  akv_quarantine_report rep;
+  akv_receipt receipt;
+  uint64_t ms; /* how long its call took */
+} stream_fn;
+
+static void wait_flag_ms(atomic_int *f, unsigned max_ms) {
+  const uint64_t t0 = now_ms();
+  while (!atomic_load(f) && now_ms() - t0 < max_ms) sleep_ms(1);
+}
+
+static void fn_quarantines(void *arg) {
+  stream_fn *sf = arg;
+  wait_flag_ms(&sf->go, 10000);
+  const uint64_t t0 = now_ms();
+  sf->quarantine = akv_engine_quarantine(sf->e, &sf->rep);
+  sf->ms = now_ms() - t0;
+  atomic_store(&sf->done, 1);
+}
+
+static void fn_retires(void *arg) {
+  stream_fn *sf = arg;
+  wait_flag_ms(&sf->go, 10000);
+  const uint64_t t0 = now_ms();
+  sf->retire = akv_lease_retire(sf->lease, &sf->receipt);
+  sf->ms = now_ms() - t0;
+  atomic_store(&sf->done, 1);
+}
+
+/* An engine whose host queues give up after 3 s (AKV_HOST_SYNC_TIMEOUT_MS,
+ * read at create), so that a call that waits for itself ends in this test. */
+static void short_timeout_fx(akvt_fx *f, uint32_t n) {
+  setenv("AKV_HOST_SYNC_TIMEOUT_MS", "3000", 1);
+  akvt_fx_open(f, AKV_ROUTE_STAGE, 0, n, 2);
+  unsetenv("AKV_HOST_SYNC_TIMEOUT_MS");
+}
+
+/* Promise (akv.h, akv_engine_quarantine; akv_stream_launch_host): a
+ * function running on one of the engine's streams that quarantines the
+ * engine is refused at once with AKV_ERR_IN_USE, marks nothing and leaves
+ * *report alone. Quarantine synchronises the device, every stream of the
+ * engine among them, and so the stream whose worker runs the function: it
+ * waited for itself until the sync timeout, returned
+ * AKV_ERR_UNCERTAIN_FENCE and left the engine closed with everything
+ * retained. Also from a second stream of the same engine. */
+static void quarantine_from_stream_fn(int other_stream) {
+  akvt_fx f;
+  stream_fn sf;
+  akv_stream s2 = NULL, on;
+  akv_engine_info info;
+  short_timeout_fx(&f, 1);
+  memset(&sf, 0, sizeof sf);
+  memset(&sf.rep, 0x5A, sizeof sf.rep);
+  const akv_quarantine_report rep0 = sf.rep;
+  sf.e = f.e;
+  sf.quarantine = AKV_STATUS_COUNT_;
+  on = f.s;
+  if (other_stream) {
+    assert_int_equal(akv_stream_create(f.e, &s2), AKV_OK);
+    on = s2;
+  }
+  assert_int_equal(akv_stream_launch_host(f.e, on, fn_quarantines, &sf), AKV_OK);
+  atomic_store(&sf.go, 1);
+  wait_flag_ms(&sf.done, 20000);
+  assert_true(atomic_load(&sf.done));
+  assert_int_equal(sf.quarantine, AKV_ERR_IN_USE);
+  assert_true(sf.ms < 2000);
+  assert_memory_equal(&sf.rep, &rep0, sizeof rep0);
+  assert_int_equal(akv_engine_info_get(f.e, &info), AKV_OK);
+  assert_int_equal(info.transport_failed, 0);
+  assert_int_equal(info.quarantined, 0);
+  /* Nothing changed: the engine steps on. */
+  assert_int_equal(akv_step_begin(f.e, f.c, 1), AKV_OK);
+  assert_int_equal(akvt_null_layers(f.e, f.s, LAYERS), AKV_OK);
+  if (s2 != NULL) assert_int_equal(akv_stream_destroy(f.e, s2), AKV_OK);
+  assert_int_equal(akv_context_close(f.c[0]), AKV_OK);
+  assert_int_equal(akv_stream_destroy(f.e, f.s), AKV_OK);
+  assert_int_equal(akv_engine_destroy(f.e), AKV_OK);
+}
+
+static void test_stream_fn_quarantines_its_engine(void **state) {
+  (void)state;
+  quarantine_from_stream_fn(0);
+}
+
+static void test_stream_fn_quarantines_from_another_stream(void **state) {
+  (void)state;
+  quarantine_from_stream_fn(1);
+}
+
+/* Promise (akv.h, akv_lease_retire; akv_stream_launch_host): a function
+ * running on a stream of the engine that retires a lease whose events have
+ * not all passed is refused at once with AKV_ERR_IN_USE and changes nothing
+ * (the lease stays sealed; the caller retires it). The function was
+ * enqueued before the lease's mark_consumed on the same stream, so the
+ * attention event is behind it: retire waited for the function itself
+ * until the sync timeout, failed the transport and returned
+ * AKV_ERR_BACKEND. */
+static void test_stream_fn_retires_a_lease_behind_it(void **state) {
+  akvt_fx f;
+  stream_fn sf;
+  akv_lease *ls = NULL;
+  akv_view view;
+  akv_fence attn, tail;
+  akv_engine_info info;
+  (void)state;
+  short_timeout_fx(&f, 1);
+  memset(&sf, 0, sizeof sf);
+  sf.e = f.e;
+  sf.retire = AKV_STATUS_COUNT_;
+  memset(&sf.receipt, 0x5A, sizeof sf.receipt);
+  const akv_receipt receipt0 = sf.receipt;
+  assert_int_equal(akv_step_begin(f.e, f.c, 1), AKV_OK);
+  assert_int_equal(akv_lease_begin(f.e, 0, &ls), AKV_OK);
+  sf.lease = ls;
+  assert_int_equal(akv_lease_wait_ready(ls, f.s, &view), AKV_OK);
+  assert_int_equal(akv_stream_launch_host(f.e, f.s, fn_retires, &sf), AKV_OK);
+  assert_int_equal(akv_lease_mark_consumed(ls, f.s, &attn), AKV_OK);
+  assert_int_equal(akv_lease_write_back(ls, NULL, 0, &tail), AKV_OK);
+  assert_int_equal(akv_lease_seal(ls, tail, attn), AKV_OK);
+  atomic_store(&sf.go, 1);
+  wait_flag_ms(&sf.done, 20000);
+  assert_true(atomic_load(&sf.done));
+  assert_int_equal(sf.retire, AKV_ERR_IN_USE);
+  assert_true(sf.ms < 2000);
+  assert_memory_equal(&sf.receipt, &receipt0, sizeof receipt0);
+  assert_int_equal(akv_engine_info_get(f.e, &info), AKV_OK);
+  assert_int_equal(info.transport_failed, 0);
+  assert_int_equal(info.leases_retired, 0);
+  /* The lease is still sealed: the caller retires it. */
+  assert_int_equal(akv_lease_retire(ls, NULL), AKV_OK);
+  assert_int_equal(akvt_null_layers_from(f.e, f.s, 1, LAYERS), AKV_OK);
+  assert_int_equal(akv_context_close(f.c[0]), AKV_OK);
+  assert_int_equal(akv_stream_destroy(f.e, f.s), AKV_OK);
+  assert_int_equal(akv_engine_destroy(f.e), AKV_OK);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_fork_under_group_churn),
       cmocka_unit_test(test_hook_marks_its_own_lease_consumed),
       cmocka_unit_test(test_hook_seals_its_own_lease),
       cmocka_unit_test(test_hook_marks_its_own_lease_and_fails),
+      cmocka_unit_test(test_stream_fn_quarantines_its_engine),
+      cmocka_unit_test(test_stream_fn_quarantines_from_another_stream),
+      cmocka_unit_test(test_stream_fn_retires_a_lease_behind_it),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

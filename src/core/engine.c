@@ -668,6 +668,16 @@ static akv_status akv_engine_quarantine_claimed(akv_engine *e, akv_quarantine_re
   akv_quarantine_report r;
   akv_status st;
   if (e->log_depth > 0) return akv_engine_reentered(e);
+  /* Invariant: quarantine never waits for the function that calls it. From
+   * a function running on one of this engine's streams
+   * (akv_stream_launch_host) the device synchronisation below waits for
+   * that stream, whose worker is the caller: it waited for itself until the
+   * sync timeout, then left the engine closed and everything retained on
+   * an uncertain fence. Refused at once, nothing marked, *report alone. */
+  if (akv_engine_on_own_stream(e))
+    return akv_fail(e, AKV_ERR_IN_USE,
+                    "quarantine: called from a function running on a stream of this engine, "
+                    "which it would wait for; nothing marked");
   memset(&r, 0, sizeof(r));
   e->transport_failed = true; /* from now on: diagnostics, quarantine, destroy */
   /* Partial submissions quarantine until a drain proves completion: both copy

@@ -362,6 +362,10 @@ akv_status akv_copy_submit(akv_engine *e, akv_bqueue *q, akv_copy_dir dir, size_
  * backend makes it possible (host backend), only a live stream this engine
  * handed out; on CUDA any non-NULL cudaStream_t. */
 akv_bqueue *akv_stream_queue(const akv_engine *e, akv_stream s);
+/* true when the calling thread runs a function enqueued on one of e's live
+ * streams (akv_stream_launch_host; host backend), which calls back: a wait
+ * there may be a wait for that very function (stream.c). */
+bool akv_engine_on_own_stream(const akv_engine *e);
 
 /* headroom.c */
 /* Create, after every other device allocation: profile, log line, sizes. */

@@ -620,6 +620,27 @@ static akv_status akv_lease_retire_claimed(akv_lease *handle, akv_receipt *recei
   if (st != AKV_OK) return st;
   e = ls->engine;
   if (ls->state != AKV_LEASE_SEALED) return akv_lease_wrong_state(ls, "lease_retire", "sealed");
+  /* Invariant: a retire never waits for the function that calls it. From a
+   * function running on a stream of this engine (akv_stream_launch_host,
+   * which must not synchronise) an event not passed yet may be behind that
+   * very function (an attention event recorded on its stream after it, or a
+   * write-back waiting for one): retire waited for itself until the sync
+   * timeout and failed the transport. There it waits for nothing: the
+   * events are queried first, and one not passed refuses the retire at
+   * once with nothing changed (akv_lease_try_retire is the call for it). */
+  if (akv_engine_on_own_stream(e)) {
+    bool done = true;
+    AKV_CHECK(akv_bk_query(&e->bk, ls->ev_tail, &done));
+    if (done) AKV_CHECK(akv_bk_query(&e->bk, ls->ev_attn, &done));
+    if (done && ls->used_d2d) AKV_CHECK(akv_bk_query(&e->bk, ls->ev_d2d, &done));
+    if (done) AKV_CHECK(akv_bk_query(&e->bk, ls->ev_h2d, &done));
+    if (!done)
+      return akv_fail(e, AKV_ERR_IN_USE,
+                      "lease_retire: called from a function running on a stream of this "
+                      "engine while an event of layer %u has not passed (it may be behind the "
+                      "function); nothing changed",
+                      ls->layer);
+  }
   /* Error-returning waits on every copy ticket's event and every consumer. */
   AKV_CHECK(akv_bk_event_sync(&e->bk, ls->ev_h2d));
   if (ls->used_d2d) AKV_CHECK(akv_bk_event_sync(&e->bk, ls->ev_d2d));

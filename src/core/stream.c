@@ -30,6 +30,12 @@ akv_bqueue *akv_stream_queue(const akv_engine *e, akv_stream s) {
   return NULL;
 }
 
+bool akv_engine_on_own_stream(const akv_engine *e) {
+  for (size_t i = 0; i < AKV_N_STREAMS; i++)
+    if (e->streams[i].live && akv_bk_queue_is_current(&e->bk, e->streams[i].queue)) return true;
+  return false;
+}
+
 static akv_status akv_stream_create_claimed(akv_engine *e, akv_stream *out) {
   akv_status st = akv_engine_enter(e);
   if (st != AKV_OK) return st;
