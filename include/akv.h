@@ -84,7 +84,8 @@
  *       akv_lease_wait_ready, akv_lease_mark_consumed, akv_lease_attend,
  *       akv_lease_write_back, akv_stream_launch_host): host backend, while
  *       the target queue's ring is full, until its worker frees a slot (at
- *       most the sync timeout, then AKV_ERR_BACKEND); CUDA, where the runtime
+ *       most the sync timeout, then AKV_ERR_BACKEND; from that worker itself,
+ *       not at all: akv_stream_launch_host); CUDA, where the runtime
  *       itself blocks an enqueue (a full launch queue);
  *     - akv_engine_create, akv_engine_destroy, akv_context_open,
  *       akv_context_close: a process-wide mutex over the handle record pools,
@@ -643,6 +644,7 @@ AKV_API akv_status akv_stream_synchronize(akv_engine *engine, akv_stream stream)
  * an akv_stream_synchronize waiting for fn (Thread safety). A call from fn
  * that would wait for fn itself is refused with AKV_ERR_IN_USE and changes
  * nothing: akv_stream_destroy and akv_stream_synchronize of fn's own stream,
+ * akv_stream_launch_host onto it while its ring is full (host backend),
  * akv_engine_quarantine of its engine, and akv_lease_retire of a lease
  * with an event not passed yet. Returns AKV_OK,
  * AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (fn NULL, or on the host

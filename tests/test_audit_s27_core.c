@@ -463,6 +463,62 @@ static void test_stream_fn_retires_a_lease_behind_it(void **state) {
   assert_int_equal(akv_engine_destroy(f.e), AKV_OK);
 }
 
+/* A function that launches functions on its own stream until one is
+ * refused (at most 8192: the ring holds fewer). */
+typedef struct relauncher {
+  akv_engine *e;
+  akv_stream s;
+  atomic_int go, done, ran;
+  uint32_t launched;
+  akv_status last;
+} relauncher;
+
+static void count_run(void *arg) { atomic_fetch_add(&((relauncher *)arg)->ran, 1); }
+
+static void fn_relaunches(void *arg) {
+  relauncher *r = arg;
+  wait_flag_ms(&r->go, 10000);
+  r->last = AKV_OK;
+  while (r->launched < 8192 &&
+         (r->last = akv_stream_launch_host(r->e, r->s, count_run, r)) == AKV_OK)
+    r->launched++;
+  atomic_store(&r->done, 1);
+}
+
+/* Promise (akv.h, akv_stream_launch_host): a call from a stream function
+ * that would wait for that function is refused with AKV_ERR_IN_USE and
+ * changes nothing. A function that enqueues functions on its own stream
+ * fills the ring behind itself; the launch that finds it full cannot wait
+ * for the worker that runs it. It returned AKV_ERR_BACKEND and failed the
+ * transport (the engine closed to all but quarantine and destroy) over a
+ * refusal that enqueued nothing; now AKV_ERR_IN_USE, the engine healthy,
+ * and every function that was enqueued runs. */
+static void test_stream_fn_fills_its_own_ring(void **state) {
+  akvt_fx f;
+  relauncher r;
+  akv_engine_info info;
+  (void)state;
+  akvt_fx_open(&f, AKV_ROUTE_STAGE, 0, 1, 2);
+  memset(&r, 0, sizeof r);
+  r.e = f.e;
+  r.s = f.s;
+  assert_int_equal(akv_stream_launch_host(f.e, f.s, fn_relaunches, &r), AKV_OK);
+  atomic_store(&r.go, 1);
+  wait_flag_ms(&r.done, 20000);
+  assert_true(atomic_load(&r.done));
+  assert_int_equal(r.last, AKV_ERR_IN_USE);
+  assert_true(r.launched > 0 && r.launched < 8192);
+  assert_int_equal(akv_stream_synchronize(f.e, f.s), AKV_OK);
+  assert_int_equal(atomic_load(&r.ran), (int)r.launched);
+  assert_int_equal(akv_engine_info_get(f.e, &info), AKV_OK);
+  assert_int_equal(info.transport_failed, 0);
+  assert_int_equal(akv_step_begin(f.e, f.c, 1), AKV_OK);
+  assert_int_equal(akvt_null_layers(f.e, f.s, LAYERS), AKV_OK);
+  assert_int_equal(akv_context_close(f.c[0]), AKV_OK);
+  assert_int_equal(akv_stream_destroy(f.e, f.s), AKV_OK);
+  assert_int_equal(akv_engine_destroy(f.e), AKV_OK);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_fork_under_group_churn),
@@ -472,6 +528,7 @@ int main(void) {
       cmocka_unit_test(test_stream_fn_quarantines_its_engine),
       cmocka_unit_test(test_stream_fn_quarantines_from_another_stream),
       cmocka_unit_test(test_stream_fn_retires_a_lease_behind_it),
+      cmocka_unit_test(test_stream_fn_fills_its_own_ring),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
