@@ -872,9 +872,10 @@ typedef struct akv_view {
  * akv_lease_mark_consumed, perhaps akv_lease_write_back and akv_lease_seal
  * after it) makes akv_lease_attend return AKV_OK, with *attention the fence
  * that mark_consumed gave, and leaves the lease where the hook left it
- * (a nonzero return still fails it: AKV_ERR_BACKEND). The attention event
- * is then the one the hook recorded: work the hook enqueued after its
- * mark_consumed is not ordered before the write-back.
+ * (a nonzero return still fails it: AKV_ERR_BACKEND; an engine that failed
+ * during the hook answers AKV_ERR_QUARANTINED, no fence written). The
+ * attention event is then the one the hook recorded: work the hook enqueued
+ * after its mark_consumed is not ordered before the write-back.
  */
 typedef int (*akv_attention_fn)(void *user, const akv_view *view, akv_stream stream);
 

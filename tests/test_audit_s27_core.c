@@ -316,6 +316,72 @@ static void test_hook_marks_its_own_lease_and_fails(void **state) {
   attend_with_advancing_hook(3);
 }
 
+/* The hook marks its lease consumed and writes back; the write-back's copy
+ * fails (an injected fault). */
+typedef struct failing_wb {
+  akv_lease *self;
+  akv_engine *e;
+  uint64_t copies_before; /* copy ops issued before the hook's write-back */
+  akv_fence attn, tail;
+  akv_status mark, wb;
+} failing_wb;
+
+static int failing_wb_hook(void *user, const akv_view *view, akv_stream stream) {
+  failing_wb *w = user;
+  akv_engine_info info;
+  (void)view;
+  w->mark = akv_lease_mark_consumed(w->self, stream, &w->attn);
+  if (akv_engine_info_get(w->e, &info) == AKV_OK) w->copies_before = info.backend_ops[AKV_OP_COPY];
+  w->wb = akv_lease_write_back(w->self, NULL, 0, &w->tail);
+  return 0;
+}
+
+static akv_status run_failing_wb(uint32_t fail_nth, failing_wb *w, akv_fence *attn) {
+  akvt_fx f;
+  akv_lease *ls = NULL;
+  akv_status st;
+  akv_engine_config cfg = akvt_small_config(AKV_ROUTE_STAGE, 0);
+  const uint16_t row[16] = {1, 2, 3};
+  const void *rows[LAYERS] = {row, row, row};
+  cfg.fault_kind = AKV_OP_COPY;
+  cfg.fault_fail_nth = fail_nth;
+  memset(&f, 0, sizeof f);
+  assert_int_equal(akv_engine_create(&cfg, &f.e), AKV_OK);
+  assert_int_equal(akv_stream_create(f.e, &f.s), AKV_OK);
+  assert_int_equal(akv_context_open(f.e, NULL, &f.c[0]), AKV_OK);
+  assert_int_equal(akv_context_append(f.c[0], 1, rows, rows), AKV_OK);
+  assert_int_equal(akv_step_begin(f.e, f.c, 1), AKV_OK);
+  assert_int_equal(akv_lease_begin(f.e, 0, &ls), AKV_OK);
+  memset(w, 0, sizeof *w);
+  w->self = ls;
+  w->e = f.e;
+  st = akv_lease_attend(ls, f.s, failing_wb_hook, w, attn);
+  assert_int_equal(akv_engine_quarantine(f.e, NULL), AKV_OK);
+  assert_int_equal(akv_stream_destroy(f.e, f.s), AKV_OK);
+  assert_int_equal(akv_engine_destroy(f.e), AKV_OK);
+  return st;
+}
+
+/* Promise (akv.h, akv_attention_fn; Thread safety of a failed engine): a
+ * hook that takes its lease on and whose write-back then fails leaves an
+ * engine whose transport failed; attend answers as every call then does,
+ * AKV_ERR_QUARANTINED, and writes no fence (not AKV_OK for a lease on a
+ * failed engine). */
+static void test_hook_advances_its_lease_then_the_engine_fails(void **state) {
+  failing_wb w;
+  akv_fence attn = {88};
+  (void)state;
+  assert_int_equal(run_failing_wb(0, &w, &attn), AKV_OK); /* no fault: counts the copies */
+  assert_int_equal(w.wb, AKV_OK);
+  assert_int_equal(attn.serial, w.attn.serial);
+  const uint32_t nth = (uint32_t)w.copies_before + 1;
+  attn.serial = 88;
+  assert_int_equal(run_failing_wb(nth, &w, &attn), AKV_ERR_QUARANTINED);
+  assert_int_equal(w.mark, AKV_OK);
+  assert_int_equal(w.wb, AKV_ERR_BACKEND);
+  assert_int_equal(attn.serial, 88);
+}
+
 /* --------------------------- blocking calls from a function on a stream */
 
 /* A function enqueued with akv_stream_launch_host that calls back. It
@@ -525,6 +591,7 @@ int main(void) {
       cmocka_unit_test(test_hook_marks_its_own_lease_consumed),
       cmocka_unit_test(test_hook_seals_its_own_lease),
       cmocka_unit_test(test_hook_marks_its_own_lease_and_fails),
+      cmocka_unit_test(test_hook_advances_its_lease_then_the_engine_fails),
       cmocka_unit_test(test_stream_fn_quarantines_its_engine),
       cmocka_unit_test(test_stream_fn_quarantines_from_another_stream),
       cmocka_unit_test(test_stream_fn_retires_a_lease_behind_it),

@@ -452,6 +452,9 @@ static akv_status akv_lease_attend_claimed(akv_lease *handle, akv_stream stream,
    * took a step that went on for one that failed. Only mark_consumed moves
    * a ready lease on, so a lease not ready here has its attention fence. */
   if (ls->state != AKV_LEASE_READY) {
+    /* An engine that failed meanwhile (the hook's write-back failed, say)
+     * answers as it answers every call: nothing written. */
+    if ((st = akv_engine_enter(ls->engine)) != AKV_OK) return st;
     attention->serial = ls->fence_attn;
     return AKV_OK;
   }
