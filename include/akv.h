@@ -630,8 +630,9 @@ AKV_API akv_status akv_stream_destroy(akv_engine *engine, akv_stream stream);
  * AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT, AKV_ERR_BACKEND (completion not
  * established: transport marked failed), AKV_ERR_QUARANTINED, AKV_ERR_IN_USE
  * (another thread's call in progress, or, host backend, a call from a
- * function akv_stream_launch_host runs on this very stream, which would wait
- * for itself; nothing changes).
+ * function akv_stream_launch_host runs on a stream of this engine: this
+ * very stream would wait for itself, another may wait for it through the
+ * engine's queues; nothing changes).
  */
 AKV_API akv_status akv_stream_synchronize(akv_engine *engine, akv_stream stream);
 /**
@@ -643,8 +644,10 @@ AKV_API akv_status akv_stream_synchronize(akv_engine *engine, akv_stream stream)
  * AKV_ERR_IN_USE whenever a call on the engine is in progress, among them
  * an akv_stream_synchronize waiting for fn (Thread safety). A call from fn
  * that would wait for fn itself is refused with AKV_ERR_IN_USE and changes
- * nothing: akv_stream_destroy and akv_stream_synchronize of fn's own stream,
- * akv_stream_launch_host onto it while its ring is full (host backend),
+ * nothing: akv_stream_destroy of fn's own stream, akv_stream_synchronize of
+ * any stream of its engine (one may wait for fn through the engine's
+ * queues), akv_stream_launch_host onto fn's stream while its ring is full
+ * (host backend),
  * akv_engine_quarantine of its engine, and akv_lease_retire of a lease
  * with an event not passed yet. Returns AKV_OK,
  * AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (fn NULL, or on the host

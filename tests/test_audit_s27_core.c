@@ -529,6 +529,81 @@ static void test_stream_fn_retires_a_lease_behind_it(void **state) {
   assert_int_equal(akv_engine_destroy(f.e), AKV_OK);
 }
 
+typedef struct syncer {
+  akv_engine *e;
+  akv_stream other;
+  atomic_int go, done;
+  akv_status sync;
+  uint64_t ms;
+} syncer;
+
+static void fn_syncs_other(void *arg) {
+  syncer *y = arg;
+  wait_flag_ms(&y->go, 10000);
+  const uint64_t t0 = now_ms();
+  y->sync = akv_stream_synchronize(y->e, y->other);
+  y->ms = now_ms() - t0;
+  atomic_store(&y->done, 1);
+}
+
+/* Promise (akv.h, akv_stream_launch_host: a call from fn that would wait
+ * for fn itself is refused): a function on stream S that synchronises the
+ * engine's other stream S2 while S2 waits, through the engine's queues, for
+ * work behind the function on S (layer 2's history waits for layer 0's
+ * write-back, which waits for layer 0's attention event, recorded on S
+ * after the function) waited for itself until the sync timeout and failed
+ * the transport. Every stream of the engine counts, not only the
+ * function's own: refused with AKV_ERR_IN_USE at once, nothing changed,
+ * and the step then completes. */
+static void test_stream_fn_synchronizes_another_stream(void **state) {
+  akvt_fx f;
+  syncer y;
+  akv_stream s2 = NULL;
+  akv_lease *l0 = NULL, *l1 = NULL, *l2 = NULL;
+  akv_view v;
+  akv_fence a0, t0, a1, t1, a2, t2;
+  akv_engine_info info;
+  (void)state;
+  short_timeout_fx(&f, 1);
+  assert_int_equal(akv_stream_create(f.e, &s2), AKV_OK);
+  memset(&y, 0, sizeof y);
+  y.e = f.e;
+  y.other = s2;
+  y.sync = AKV_STATUS_COUNT_;
+  assert_int_equal(akv_step_begin(f.e, f.c, 1), AKV_OK);
+  assert_int_equal(akv_lease_begin(f.e, 0, &l0), AKV_OK);
+  assert_int_equal(akv_lease_wait_ready(l0, f.s, &v), AKV_OK);
+  assert_int_equal(akv_stream_launch_host(f.e, f.s, fn_syncs_other, &y), AKV_OK);
+  assert_int_equal(akv_lease_mark_consumed(l0, f.s, &a0), AKV_OK);
+  assert_int_equal(akv_lease_write_back(l0, NULL, 0, &t0), AKV_OK);
+  assert_int_equal(akv_lease_seal(l0, t0, a0), AKV_OK);
+  assert_int_equal(akv_lease_begin(f.e, 1, &l1), AKV_OK);
+  assert_int_equal(akv_lease_attend(l1, s2, akvt_noop_hook, NULL, &a1), AKV_OK);
+  assert_int_equal(akv_lease_write_back(l1, NULL, 0, &t1), AKV_OK);
+  assert_int_equal(akv_lease_seal(l1, t1, a1), AKV_OK);
+  assert_int_equal(akv_lease_begin(f.e, 2, &l2), AKV_OK);
+  assert_int_equal(akv_lease_wait_ready(l2, s2, &v), AKV_OK);
+  atomic_store(&y.go, 1);
+  wait_flag_ms(&y.done, 20000);
+  assert_true(atomic_load(&y.done));
+  assert_int_equal(y.sync, AKV_ERR_IN_USE);
+  assert_true(y.ms < 2000);
+  assert_int_equal(akv_engine_info_get(f.e, &info), AKV_OK);
+  assert_int_equal(info.transport_failed, 0);
+  assert_int_equal(akv_lease_mark_consumed(l2, s2, &a2), AKV_OK);
+  assert_int_equal(akv_lease_write_back(l2, NULL, 0, &t2), AKV_OK);
+  assert_int_equal(akv_lease_seal(l2, t2, a2), AKV_OK);
+  assert_int_equal(akv_lease_retire(l0, NULL), AKV_OK);
+  assert_int_equal(akv_lease_retire(l1, NULL), AKV_OK);
+  assert_int_equal(akv_lease_retire(l2, NULL), AKV_OK);
+  assert_int_equal(akv_step_end(f.e), AKV_OK);
+  assert_int_equal(akv_stream_synchronize(f.e, s2), AKV_OK);
+  assert_int_equal(akv_stream_destroy(f.e, s2), AKV_OK);
+  assert_int_equal(akv_context_close(f.c[0]), AKV_OK);
+  assert_int_equal(akv_stream_destroy(f.e, f.s), AKV_OK);
+  assert_int_equal(akv_engine_destroy(f.e), AKV_OK);
+}
+
 /* A function that launches functions on its own stream until one is
  * refused (at most 8192: the ring holds fewer). */
 typedef struct relauncher {
@@ -596,6 +671,7 @@ int main(void) {
       cmocka_unit_test(test_stream_fn_quarantines_from_another_stream),
       cmocka_unit_test(test_stream_fn_retires_a_lease_behind_it),
       cmocka_unit_test(test_stream_fn_fills_its_own_ring),
+      cmocka_unit_test(test_stream_fn_synchronizes_another_stream),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
