@@ -59,8 +59,9 @@
  *    them, are the parent's: their queue threads are not in the child, so
  *    every call the child makes on them (on their contexts, leases and
  *    streams too, akv_engine_destroy included) returns AKV_ERR_BAD_HANDLE
- *    at once and changes nothing; the child's copy of their memory goes
- *    with the child.
+ *    at once and changes nothing (so does, in the child, an akv_lease_attend
+ *    whose attention hook forked, once the hook returns); the child's copy
+ *    of their memory goes with the child.
  *  - Streams: enqueueing calls return when their work has been enqueued, not
  *    when it has run. The engine owns two copy queues (host->device and
  *    device->host) and one materialisation queue (device->device). The compute

@@ -382,6 +382,77 @@ static void test_hook_advances_its_lease_then_the_engine_fails(void **state) {
   assert_int_equal(attn.serial, 88);
 }
 
+/* ------------------------------------------------- a hook that forks */
+
+typedef struct forker {
+  pid_t pid;  /* the child's, in the parent; 0 in the child */
+  int forked;
+} forker;
+
+static int forking_hook(void *user, const akv_view *view, akv_stream stream) {
+  forker *k = user;
+  (void)view;
+  (void)stream;
+  k->pid = fork();
+  k->forked = k->pid >= 0;
+  return 0;
+}
+
+/* Promise (akv.h, fork: every call a child makes on the parent's engines
+ * returns AKV_ERR_BAD_HANDLE at once and changes nothing): an attention
+ * hook that forks returns twice, and in the child the attend that ran it is
+ * a call on the parent's engine. It went on there (marked the lease
+ * consumed on a queue whose worker thread stayed in the parent, whose
+ * mutex that thread may hold for good) and returned AKV_OK; now it returns
+ * AKV_ERR_BAD_HANDLE, writes no fence and touches nothing after the hook.
+ * The parent's attend completes as usual. */
+static void test_hook_that_forks(void **state) {
+  (void)state;
+#ifdef AKVT_TSAN
+  skip(); /* TSan does not support threads in a child forked from threads */
+#else
+  akvt_fx f;
+  forker k;
+  akv_lease *ls = NULL;
+  akv_fence attn = {99}, tail;
+  akvt_fx_open(&f, AKV_ROUTE_STAGE, 0, 1, 2);
+  assert_int_equal(akv_step_begin(f.e, f.c, 1), AKV_OK);
+  assert_int_equal(akv_lease_begin(f.e, 0, &ls), AKV_OK);
+  memset(&k, 0, sizeof k);
+  const akv_status st = akv_lease_attend(ls, f.s, forking_hook, &k, &attn);
+  if (k.forked && k.pid == 0) {
+    alarm(20);
+    akv_fence t = {0};
+    /* The child: attend refused, nothing written; later calls refused. */
+    _exit(st != AKV_ERR_BAD_HANDLE ? 10 + (int)st
+          : attn.serial != 99      ? 40
+          : akv_lease_write_back(ls, NULL, 0, &t) != AKV_ERR_BAD_HANDLE ? 41
+                                                                        : 0);
+  }
+  assert_true(k.forked);
+  int ws = 0;
+  const uint64_t t0 = now_ms();
+  pid_t r;
+  while ((r = waitpid(k.pid, &ws, WNOHANG)) == 0 && now_ms() - t0 < 25000) sleep_ms(1);
+  if (r == 0) {
+    kill(k.pid, SIGKILL);
+    waitpid(k.pid, &ws, 0);
+  }
+  assert_int_not_equal(r, 0);
+  assert_true(WIFEXITED(ws));
+  assert_int_equal(WEXITSTATUS(ws), 0);
+  assert_int_equal(st, AKV_OK);
+  assert_int_not_equal(attn.serial, 99);
+  assert_int_equal(akv_lease_write_back(ls, NULL, 0, &tail), AKV_OK);
+  assert_int_equal(akv_lease_seal(ls, tail, attn), AKV_OK);
+  assert_int_equal(akv_lease_retire(ls, NULL), AKV_OK);
+  assert_int_equal(akvt_null_layers_from(f.e, f.s, 1, LAYERS), AKV_OK);
+  assert_int_equal(akv_context_close(f.c[0]), AKV_OK);
+  assert_int_equal(akv_stream_destroy(f.e, f.s), AKV_OK);
+  assert_int_equal(akv_engine_destroy(f.e), AKV_OK);
+#endif
+}
+
 /* --------------------------- blocking calls from a function on a stream */
 
 /* A function enqueued with akv_stream_launch_host that calls back. It
@@ -667,6 +738,7 @@ int main(void) {
       cmocka_unit_test(test_hook_seals_its_own_lease),
       cmocka_unit_test(test_hook_marks_its_own_lease_and_fails),
       cmocka_unit_test(test_hook_advances_its_lease_then_the_engine_fails),
+      cmocka_unit_test(test_hook_that_forks),
       cmocka_unit_test(test_stream_fn_quarantines_its_engine),
       cmocka_unit_test(test_stream_fn_quarantines_from_another_stream),
       cmocka_unit_test(test_stream_fn_retires_a_lease_behind_it),

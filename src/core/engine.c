@@ -42,6 +42,11 @@ static void akv_engine_poison(akv_engine *e) {
 /* A thread's name for akv_engine_claim: the address of a thread-local. */
 static _Thread_local char akv_engine_thread;
 
+bool akv_engine_forked(const akv_engine *e) {
+  return __atomic_load_n(&e->fork_gen, __ATOMIC_RELAXED) !=
+         atomic_load_explicit(&akv_fork_generation, memory_order_relaxed);
+}
+
 /* Invariant: at most one thread is inside the calls of an engine (akv.h,
  * Thread safety), as for a group (akv_group_claim, whose rules these are).
  * Every public call that takes an engine, or a handle that belongs to one
@@ -74,9 +79,7 @@ akv_status akv_engine_claim(const akv_engine *ce) {
    * (akv.h, fork). The engine's queue threads stayed in the parent: a step
    * there waited for queues that never run, and a destroy joined threads
    * the child does not have. Such a handle is no handle of this process. */
-  if (__atomic_load_n(&e->fork_gen, __ATOMIC_RELAXED) !=
-      atomic_load_explicit(&akv_fork_generation, memory_order_relaxed))
-    return AKV_ERR_BAD_HANDLE;
+  if (akv_engine_forked(e)) return AKV_ERR_BAD_HANDLE;
   if (!atomic_compare_exchange_strong(&e->owner, &none, me) && none != me) return AKV_ERR_IN_USE;
   /* Invariant: an engine call is not a cancellation point (see
    * akv_group_claim). A thread cancelled inside one (in a wait of retire,

@@ -326,6 +326,9 @@ akv_status akv_lease_claim(const akv_lease *h, akv_engine **out);
 /* AKV_ERR_IN_USE (last error set, nothing logged) when called from the
  * engine's own log callback, else AKV_OK; the engine handle is live. */
 akv_status akv_engine_reentered(akv_engine *e);
+/* true when e (a record: never freed, so always readable) was created
+ * before this process forked: an engine of the parent (akv_engine_claim). */
+bool akv_engine_forked(const akv_engine *e);
 
 /* context.c */
 bool akv_context_ok(const akv_context *c);

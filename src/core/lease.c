@@ -420,6 +420,7 @@ static akv_status akv_lease_attend_claimed(akv_lease *handle, akv_stream stream,
    * serial (unique per engine) and its engine's serial (unique in the
    * process). Only compared after the hook, never dereferenced. */
   const akv_lease_body *const body = ls;
+  const akv_engine *const engine = ls->engine; /* a record: readable after any destroy */
   const uint64_t lease_serial = ls->serial, engine_serial = ls->engine->serial;
   /* The hook runs with the engine claimed by this thread (the wrapper's
    * claim, akv_engine_claim): its calls on the engine nest, other threads'
@@ -434,6 +435,11 @@ static akv_status akv_lease_attend_claimed(akv_lease *handle, akv_stream stream,
    * engine's lease: "Handle lifetimes"); the record then reads live, but
    * names another begin, which this attend must neither mark consumed nor
    * fail. */
+  /* Invariant (akv.h, fork): a hook that forked returns twice, and in the
+   * child this attend is a call on the parent's engine, whose queue threads
+   * stayed in the parent (one may hold a queue's mutex there for good): it
+   * goes no further than any other call of the child on that engine. */
+  if (akv_engine_forked(engine)) return AKV_ERR_BAD_HANDLE;
   ls = akv_lease_resolve(handle);
   if (ls == NULL || ls != body || ls->serial != lease_serial || ls->engine->serial != engine_serial)
     return AKV_ERR_BAD_HANDLE;
