@@ -71,7 +71,10 @@
  * parent's, as its engines are (akv.h, fork): every call the child makes on
  * a parent's group (akv_group_destroy included) returns AKV_ERR_BAD_HANDLE
  * at once and changes nothing, and every world call on a parent's world
- * refuses it as a destroyed world (AKV_ERR_INVALID_ARGUMENT).
+ * refuses it as a destroyed world (AKV_ERR_INVALID_ARGUMENT). A group call
+ * (create included) in progress on the thread that forked (from a log
+ * callback) enters no collective in the child: it returns
+ * AKV_ERR_BAD_HANDLE at its next agreement point.
  * Blocking: agreement calls block the calling thread until every rank
  * arrived or the timeout passed; nothing else in a group blocks.
  * Logging: a group logs through its engine config's log_fn. A group call

@@ -336,6 +336,15 @@ static void akv_group_put_header(akv_group *g, akv_point op, akv_status local) {
  * collective already aborted the communicator, so no rank hangs). */
 static akv_status akv_group_exchange(akv_group *g) {
   akv_status st;
+  /* Invariant: no collective in a child on a group of its parent
+   * (akv_group.h, fork). A callback that forks during a group call (the
+   * engine's log callback while an agreement decides) returns twice, and
+   * in the child the call went on into the parent's collective: the other
+   * ranks are not there, and a rank thread of the parent may hold an
+   * in-process world's mutex there for good. The call ends here. */
+  if (__atomic_load_n(&g->fork_gen, __ATOMIC_RELAXED) !=
+      atomic_load_explicit(&akv_fork_generation, memory_order_relaxed))
+    return AKV_ERR_BAD_HANDLE;
   /* Invariant: no collective on a stopped group (the other ranks stopped at
    * the same point and will not arrive). */
   if (g->stopped) return AKV_ERR_QUARANTINED;
@@ -510,6 +519,9 @@ static akv_status akv_group_create_body(const akv_engine_config *shard,
   akv_group_claim_record(g);
   memset((char *)g + offsetof(akv_group, engine), 0,
          offsetof(akv_group, owner) - offsetof(akv_group, engine));
+  /* This process's group (akv_group_claim, akv_group_exchange). */
+  __atomic_store_n(&g->fork_gen, atomic_load_explicit(&akv_fork_generation, memory_order_relaxed),
+                   __ATOMIC_RELAXED);
   g->vec = calloc(coll->max_n, sizeof(uint64_t));
   if (g->vec == NULL) {
     akv_group_release(g);
@@ -631,9 +643,6 @@ static akv_status akv_group_create_body(const akv_engine_config *shard,
                         coll->max_n, g->vec_len);
     goto fail;
   }
-  /* This process's group from now on (akv_group_claim). */
-  __atomic_store_n(&g->fork_gen, atomic_load_explicit(&akv_fork_generation, memory_order_relaxed),
-                   __ATOMIC_RELAXED);
   __atomic_store_n(&g->magic, AKV_MAGIC_GROUP, __ATOMIC_RELAXED);
   __atomic_store_n(&g->magic_end, AKV_MAGIC_GROUP, __ATOMIC_RELAXED);
   akv_group_release(g); /* publishes the group to the next claim */
