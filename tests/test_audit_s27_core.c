@@ -450,6 +450,7 @@ static void test_log_callback_forks_during_a_group_call(void **state) {
 
 /* ------------------------------------------------- a hook that forks */
 
+#ifndef AKVT_TSAN
 typedef struct forker {
   pid_t pid;  /* the child's, in the parent; 0 in the child */
   int forked;
@@ -463,6 +464,7 @@ static int forking_hook(void *user, const akv_view *view, akv_stream stream) {
   k->forked = k->pid >= 0;
   return 0;
 }
+#endif
 
 /* Promise (akv.h, fork: every call a child makes on the parent's engines
  * returns AKV_ERR_BAD_HANDLE at once and changes nothing): an attention
