@@ -59,8 +59,9 @@
  *    them, are the parent's: their queue threads are not in the child, so
  *    every call the child makes on them (on their contexts, leases and
  *    streams too, akv_engine_destroy included) returns AKV_ERR_BAD_HANDLE
- *    at once and changes nothing; the child's copy of their memory goes
- *    with the child.
+ *    at once and changes nothing (so does, in the child, an akv_lease_attend
+ *    whose attention hook forked, once the hook returns); the child's copy
+ *    of their memory goes with the child.
  *  - Streams: enqueueing calls return when their work has been enqueued, not
  *    when it has run. The engine owns two copy queues (host->device and
  *    device->host) and one materialisation queue (device->device). The compute
@@ -84,7 +85,8 @@
  *       akv_lease_wait_ready, akv_lease_mark_consumed, akv_lease_attend,
  *       akv_lease_write_back, akv_stream_launch_host): host backend, while
  *       the target queue's ring is full, until its worker frees a slot (at
- *       most the sync timeout, then AKV_ERR_BACKEND); CUDA, where the runtime
+ *       most the sync timeout, then AKV_ERR_BACKEND; from that worker itself,
+ *       not at all: akv_stream_launch_host); CUDA, where the runtime
  *       itself blocks an enqueue (a full launch queue);
  *     - akv_engine_create, akv_engine_destroy, akv_context_open,
  *       akv_context_close: a process-wide mutex over the handle record pools,
@@ -589,7 +591,9 @@ typedef struct akv_quarantine_report {
  * the engine accepts only diagnostics and destroy. report may be NULL (the
  * same quarantine, nothing reported).
  * Another thread's quarantine while a call is in progress (Thread safety)
- * returns AKV_ERR_IN_USE, marks nothing and leaves *report alone.
+ * returns AKV_ERR_IN_USE, marks nothing and leaves *report alone; so does a
+ * quarantine from a function running on one of the engine's streams
+ * (akv_stream_launch_host), whose synchronisation would wait for it.
  * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_UNCERTAIN_FENCE, AKV_ERR_IN_USE.
  */
 AKV_API akv_status akv_engine_quarantine(akv_engine *engine, akv_quarantine_report *report);
@@ -631,8 +635,9 @@ AKV_API akv_status akv_stream_destroy(akv_engine *engine, akv_stream stream);
  * AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT, AKV_ERR_BACKEND (completion not
  * established: transport marked failed), AKV_ERR_QUARANTINED, AKV_ERR_IN_USE
  * (another thread's call in progress, or, host backend, a call from a
- * function akv_stream_launch_host runs on this very stream, which would wait
- * for itself; nothing changes).
+ * function akv_stream_launch_host runs on a stream of this engine: this
+ * very stream would wait for itself, another may wait for it through the
+ * engine's queues; nothing changes).
  */
 AKV_API akv_status akv_stream_synchronize(akv_engine *engine, akv_stream stream);
 /**
@@ -642,7 +647,14 @@ AKV_API akv_status akv_stream_synchronize(akv_engine *engine, akv_stream stream)
  * synchronise, and should not call the library: it runs on another thread
  * than the caller's, so its calls on this engine are refused with
  * AKV_ERR_IN_USE whenever a call on the engine is in progress, among them
- * an akv_stream_synchronize waiting for fn (Thread safety). Returns AKV_OK,
+ * an akv_stream_synchronize waiting for fn (Thread safety). A call from fn
+ * that would wait for fn itself is refused with AKV_ERR_IN_USE and changes
+ * nothing: akv_stream_destroy of fn's own stream, akv_stream_synchronize of
+ * any stream of its engine (one may wait for fn through the engine's
+ * queues), akv_stream_launch_host onto fn's stream while its ring is full
+ * (host backend),
+ * akv_engine_quarantine of its engine, and akv_lease_retire of a lease
+ * with an event not passed yet. Returns AKV_OK,
  * AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (fn NULL, or on the host
  * backend not a live stream of this engine), AKV_ERR_BACKEND,
  * AKV_ERR_QUARANTINED, AKV_ERR_IN_USE.
@@ -864,6 +876,14 @@ typedef struct akv_view {
  * handle's record was handed out again ("Handle lifetimes") to a later lease
  * of this engine or of a newer one: that lease and its engine are left as
  * they were (not marked consumed, not failed by a nonzero return).
+ * A hook that takes its own lease on without ending it (its own
+ * akv_lease_mark_consumed, perhaps akv_lease_write_back and akv_lease_seal
+ * after it) makes akv_lease_attend return AKV_OK, with *attention the fence
+ * that mark_consumed gave, and leaves the lease where the hook left it
+ * (a nonzero return still fails it: AKV_ERR_BACKEND; an engine that failed
+ * during the hook answers AKV_ERR_QUARANTINED, no fence written). The
+ * attention event is then the one the hook recorded: work the hook enqueued
+ * after its mark_consumed is not ordered before the write-back.
  */
 typedef int (*akv_attention_fn)(void *user, const akv_view *view, akv_stream stream);
 
@@ -957,7 +977,9 @@ typedef struct akv_receipt {
  * way. Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_LEASE_STATE,
  * AKV_ERR_BACKEND (a wait failed, or a ticket's host slot changed generation
  * under it: nothing released, transport failed),
- * AKV_ERR_QUARANTINED, AKV_ERR_IN_USE (another thread's call in progress).
+ * AKV_ERR_QUARANTINED, AKV_ERR_IN_USE (another thread's call in progress;
+ * or, from a function running on a stream of this engine, an event not
+ * passed yet, which may be behind that function: nothing changed, no wait).
  */
 AKV_API akv_status akv_lease_retire(akv_lease *lease, akv_receipt *receipt);
 

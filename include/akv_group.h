@@ -65,6 +65,16 @@
  * held. Every agreement point is a collective: each rank must make the
  * same sequence of agreement calls (a rank that makes a different call
  * meets the others at a point of another kind, which quarantines all).
+ * fork: a child forked while other threads are inside group or world calls
+ * may create worlds and groups of its own (the group layer's process-wide
+ * locks are never left held in it). The parent's groups and worlds are the
+ * parent's, as its engines are (akv.h, fork): every call the child makes on
+ * a parent's group (akv_group_destroy included) returns AKV_ERR_BAD_HANDLE
+ * at once and changes nothing, and every world call on a parent's world
+ * refuses it as a destroyed world (AKV_ERR_INVALID_ARGUMENT). A group call
+ * (create included) in progress on the thread that forked (from a log
+ * callback) enters no collective in the child: it returns
+ * AKV_ERR_BAD_HANDLE at its next agreement point.
  * Blocking: agreement calls block the calling thread until every rank
  * arrived or the timeout passed; nothing else in a group blocks.
  * Logging: a group logs through its engine config's log_fn. A group call

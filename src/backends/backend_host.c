@@ -42,8 +42,8 @@
  *    host function that never returns. The synchronize calls give up after
  *    the sync timeout and return AKV_ERR_BACKEND ("completion could not be
  *    established"); enqueueing onto a full ring gives up after the same
- *    timeout, and at once when a queue's own worker enqueues onto its own
- *    full ring (it would wait for itself).
+ *    timeout, and at once (AKV_ERR_IN_USE) when a queue's own worker
+ *    enqueues onto its own full ring (it would wait for itself).
  *
  *  - Delay injection (akv_backend_params.delay_seed != 0). Before each
  *    operation (a whole batch counts as one) the worker draws from its own
@@ -432,8 +432,8 @@ static void *akv_host_worker(void *arg) {
  * is full. On AKV_OK returns with q->mu held and *first the position of the
  * first slot; the caller fills the slots and calls akv_host_commit. On error
  * the mutex is not held. Returns AKV_OK, AKV_ERR_BAD_HANDLE (queue being
- * destroyed) or AKV_ERR_BACKEND (no space within the sync timeout, or the
- * queue's own worker enqueueing onto its full ring).
+ * destroyed), AKV_ERR_BACKEND (no space within the sync timeout) or
+ * AKV_ERR_IN_USE (the queue's own worker enqueueing onto its full ring).
  */
 static akv_status akv_host_reserve(akv_bqueue *q, uint32_t n, uint64_t *first) {
   akv_status st = AKV_OK;
@@ -444,7 +444,9 @@ static akv_status akv_host_reserve(akv_bqueue *q, uint32_t n, uint64_t *first) {
   locked = true;
   AKV_HOST_CHECK(!q->stop, AKV_ERR_BAD_HANDLE);
   while (q->tail - q->head + n > q->cap) {
-    AKV_HOST_CHECK(!pthread_equal(pthread_self(), q->thread), AKV_ERR_BACKEND);
+    /* The queue's own worker (a host function enqueueing on its queue)
+     * would wait for itself: AKV_ERR_IN_USE, nothing reserved. */
+    AKV_HOST_CHECK(!pthread_equal(pthread_self(), q->thread), AKV_ERR_IN_USE);
     if (!have_deadline) {
       deadline = akv_host_deadline(q->sync_timeout_ns);
       have_deadline = true;
@@ -1105,7 +1107,8 @@ fail:
 /**
  * host_fn: enqueues fn(arg), run on q's worker thread. Returns AKV_OK,
  * AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (fn NULL), AKV_ERR_BACKEND
- * (ring full too long, or full while enqueued from q's own worker).
+ * (ring full too long), AKV_ERR_IN_USE (ring full while enqueued from q's
+ * own worker: nothing enqueued).
  */
 static akv_status akv_host_host_fn(void *ctx, akv_bqueue *q, void (*fn)(void *), void *arg) {
   akv_status st = AKV_OK;

@@ -42,6 +42,11 @@ static void akv_engine_poison(akv_engine *e) {
 /* A thread's name for akv_engine_claim: the address of a thread-local. */
 static _Thread_local char akv_engine_thread;
 
+bool akv_engine_forked(const akv_engine *e) {
+  return __atomic_load_n(&e->fork_gen, __ATOMIC_RELAXED) !=
+         atomic_load_explicit(&akv_fork_generation, memory_order_relaxed);
+}
+
 /* Invariant: at most one thread is inside the calls of an engine (akv.h,
  * Thread safety), as for a group (akv_group_claim, whose rules these are).
  * Every public call that takes an engine, or a handle that belongs to one
@@ -74,9 +79,7 @@ akv_status akv_engine_claim(const akv_engine *ce) {
    * (akv.h, fork). The engine's queue threads stayed in the parent: a step
    * there waited for queues that never run, and a destroy joined threads
    * the child does not have. Such a handle is no handle of this process. */
-  if (__atomic_load_n(&e->fork_gen, __ATOMIC_RELAXED) !=
-      atomic_load_explicit(&akv_fork_generation, memory_order_relaxed))
-    return AKV_ERR_BAD_HANDLE;
+  if (akv_engine_forked(e)) return AKV_ERR_BAD_HANDLE;
   if (!atomic_compare_exchange_strong(&e->owner, &none, me) && none != me) return AKV_ERR_IN_USE;
   /* Invariant: an engine call is not a cancellation point (see
    * akv_group_claim). A thread cancelled inside one (in a wait of retire,
@@ -668,6 +671,16 @@ static akv_status akv_engine_quarantine_claimed(akv_engine *e, akv_quarantine_re
   akv_quarantine_report r;
   akv_status st;
   if (e->log_depth > 0) return akv_engine_reentered(e);
+  /* Invariant: quarantine never waits for the function that calls it. From
+   * a function running on one of this engine's streams
+   * (akv_stream_launch_host) the device synchronisation below waits for
+   * that stream, whose worker is the caller: it waited for itself until the
+   * sync timeout, then left the engine closed and everything retained on
+   * an uncertain fence. Refused at once, nothing marked, *report alone. */
+  if (akv_engine_on_own_stream(e))
+    return akv_fail(e, AKV_ERR_IN_USE,
+                    "quarantine: called from a function running on a stream of this engine, "
+                    "which it would wait for; nothing marked");
   memset(&r, 0, sizeof(r));
   e->transport_failed = true; /* from now on: diagnostics, quarantine, destroy */
   /* Partial submissions quarantine until a drain proves completion: both copy

@@ -326,6 +326,9 @@ akv_status akv_lease_claim(const akv_lease *h, akv_engine **out);
 /* AKV_ERR_IN_USE (last error set, nothing logged) when called from the
  * engine's own log callback, else AKV_OK; the engine handle is live. */
 akv_status akv_engine_reentered(akv_engine *e);
+/* true when e (a record: never freed, so always readable) was created
+ * before this process forked: an engine of the parent (akv_engine_claim). */
+bool akv_engine_forked(const akv_engine *e);
 
 /* context.c */
 bool akv_context_ok(const akv_context *c);
@@ -362,6 +365,10 @@ akv_status akv_copy_submit(akv_engine *e, akv_bqueue *q, akv_copy_dir dir, size_
  * backend makes it possible (host backend), only a live stream this engine
  * handed out; on CUDA any non-NULL cudaStream_t. */
 akv_bqueue *akv_stream_queue(const akv_engine *e, akv_stream s);
+/* true when the calling thread runs a function enqueued on one of e's live
+ * streams (akv_stream_launch_host; host backend), which calls back: a wait
+ * there may be a wait for that very function (stream.c). */
+bool akv_engine_on_own_stream(const akv_engine *e);
 
 /* headroom.c */
 /* Create, after every other device allocation: profile, log line, sizes. */

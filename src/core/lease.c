@@ -420,6 +420,7 @@ static akv_status akv_lease_attend_claimed(akv_lease *handle, akv_stream stream,
    * serial (unique per engine) and its engine's serial (unique in the
    * process). Only compared after the hook, never dereferenced. */
   const akv_lease_body *const body = ls;
+  const akv_engine *const engine = ls->engine; /* a record: readable after any destroy */
   const uint64_t lease_serial = ls->serial, engine_serial = ls->engine->serial;
   /* The hook runs with the engine claimed by this thread (the wrapper's
    * claim, akv_engine_claim): its calls on the engine nest, other threads'
@@ -434,6 +435,11 @@ static akv_status akv_lease_attend_claimed(akv_lease *handle, akv_stream stream,
    * engine's lease: "Handle lifetimes"); the record then reads live, but
    * names another begin, which this attend must neither mark consumed nor
    * fail. */
+  /* Invariant (akv.h, fork): a hook that forked returns twice, and in the
+   * child this attend is a call on the parent's engine, whose queue threads
+   * stayed in the parent (one may hold a queue's mutex there for good): it
+   * goes no further than any other call of the child on that engine. */
+  if (akv_engine_forked(engine)) return AKV_ERR_BAD_HANDLE;
   ls = akv_lease_resolve(handle);
   if (ls == NULL || ls != body || ls->serial != lease_serial || ls->engine->serial != engine_serial)
     return AKV_ERR_BAD_HANDLE;
@@ -441,6 +447,22 @@ static akv_status akv_lease_attend_claimed(akv_lease *handle, akv_stream stream,
     snprintf(ls->engine->bk.error, sizeof(ls->engine->bk.error),
              "attention hook of layer %u returned nonzero", ls->layer);
     return akv_transport_failed(ls->engine, AKV_ERR_BACKEND, "lease_attend");
+  }
+  /* Invariant: attend reports what became of its lease (akv.h,
+   * akv_attention_fn). A hook that took its own lease on without ending it
+   * (its akv_lease_mark_consumed, perhaps its write-back and seal too) left
+   * it consumed or sealed, with the attention event recorded by that call:
+   * attend then hands out that call's fence and returns AKV_OK. Without
+   * this attend's own mark_consumed was refused (AKV_ERR_LEASE_STATE, a
+   * warning and a last error) for a lease that had advanced, so the caller
+   * took a step that went on for one that failed. Only mark_consumed moves
+   * a ready lease on, so a lease not ready here has its attention fence. */
+  if (ls->state != AKV_LEASE_READY) {
+    /* An engine that failed meanwhile (the hook's write-back failed, say)
+     * answers as it answers every call: nothing written. */
+    if ((st = akv_engine_enter(ls->engine)) != AKV_OK) return st;
+    attention->serial = ls->fence_attn;
+    return AKV_OK;
   }
   return akv_lease_mark_consumed_claimed(handle, stream, attention);
 }
@@ -632,6 +654,25 @@ static akv_status akv_lease_retire_claimed(akv_lease *handle, akv_receipt *recei
   if (st != AKV_OK) return st;
   e = ls->engine;
   if (ls->state != AKV_LEASE_SEALED) return akv_lease_wrong_state(ls, what, "sealed");
+  /* Invariant: a retire never waits for the function that calls it. From a
+   * function running on a stream of this engine (akv_stream_launch_host,
+   * which must not synchronise) an event not passed yet may be behind that
+   * very function (an attention event recorded on its stream after it, or a
+   * write-back waiting for one): retire waited for itself until the sync
+   * timeout and failed the transport. There it waits for nothing: the tail
+   * is queried first (it passes last), and a tail not passed refuses the
+   * retire at once with nothing changed (akv_lease_try_retire is the call
+   * for it). */
+  if (wait && akv_engine_on_own_stream(e)) {
+    done = true;
+    AKV_CHECK(akv_bk_query(&e->bk, ls->ev_tail, &done));
+    if (!done)
+      return akv_fail(e, AKV_ERR_IN_USE,
+                      "lease_retire: called from a function running on a stream of this "
+                      "engine while an event of layer %u has not passed (it may be behind the "
+                      "function); nothing changed",
+                      ls->layer);
+  }
   if (wait) {
     AKV_CHECK(akv_bk_event_sync(&e->bk, ls->ev_tail));
   } else {

@@ -55,6 +55,8 @@ static void akv_rec_register_fork(void) {
   pthread_atfork(akv_rec_prefork, akv_rec_postfork, akv_rec_postfork_child);
 }
 
+void akv_rec_fork_register(void) { pthread_once(&akv_rec_once, akv_rec_register_fork); }
+
 /* Appends a zeroed chunk of records to the tail. Called with p->mu held. */
 static int akv_rec_grow(akv_recpool *p) {
   /* The ring holds every record there will be (all may be free at once). */
@@ -156,6 +158,7 @@ void akv_rec_owner_wait(_Atomic(const void *) *owner, const void *me) {
 static int akv_rec_in(akv_recpool *p, const void *ptr, int start) {
   const uintptr_t x = (uintptr_t)ptr;
   int in = 0;
+  pthread_once(&akv_rec_once, akv_rec_register_fork); /* a check may come before any take */
   pthread_mutex_lock(&p->mu);
   for (size_t i = 0; i < p->n_chunks && !in; i++) {
     const uintptr_t lo = (uintptr_t)p->chunks[i];

@@ -78,6 +78,14 @@ void akv_rec_owner_wait(_Atomic(const void *) *owner, const void *me);
  * another count is a call on the parent's engine (akv_engine_claim). */
 extern _Atomic uint32_t akv_fork_generation;
 
+/* Registers the pools' fork handlers now, if not yet (every take and
+ * reserve does it too). A layer above that registers fork handlers of its
+ * own calls this first: pthread_atfork runs prepare handlers in the reverse
+ * order of registration, so the upper layer's locks are taken before the
+ * pools' at a fork, the order its calls take them in (an upper layer may
+ * reach the pools while it holds its own locks; the pools never call up). */
+void akv_rec_fork_register(void);
+
 extern akv_recpool akv_engine_records;
 extern akv_recpool akv_context_records;
 extern akv_recpool akv_lease_records;

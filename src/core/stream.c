@@ -30,6 +30,12 @@ akv_bqueue *akv_stream_queue(const akv_engine *e, akv_stream s) {
   return NULL;
 }
 
+bool akv_engine_on_own_stream(const akv_engine *e) {
+  for (size_t i = 0; i < AKV_N_STREAMS; i++)
+    if (e->streams[i].live && akv_bk_queue_is_current(&e->bk, e->streams[i].queue)) return true;
+  return false;
+}
+
 static akv_status akv_stream_create_claimed(akv_engine *e, akv_stream *out) {
   akv_status st = akv_engine_enter(e);
   if (st != AKV_OK) return st;
@@ -131,12 +137,18 @@ static akv_status akv_stream_synchronize_claimed(akv_engine *e, akv_stream s) {
     return akv_fail(e, AKV_ERR_INVALID_ARGUMENT,
                     "stream_synchronize: not a live stream of this engine");
   /* Invariant: a queue's worker never waits for its own queue. A function
-   * enqueued on the stream (akv_stream_launch_host) that synchronises it
+   * enqueued on a stream (akv_stream_launch_host) that synchronises it
    * would wait for itself until the sync timeout and then fail the
-   * transport; refused, nothing changes. */
-  if (akv_bk_queue_is_current(&e->bk, q))
+   * transport; so would one that synchronises another stream of the
+   * engine, which may wait through the engine's queues for work behind
+   * the function (a history-ready event behind a write-back behind an
+   * attention event recorded after the function). A function must not
+   * synchronise (akv.h): refused from any stream of the engine, nothing
+   * changes. */
+  if (akv_engine_on_own_stream(e))
     return akv_fail(e, AKV_ERR_IN_USE,
-                    "stream_synchronize: called from a function running on this stream");
+                    "stream_synchronize: called from a function running on a stream of this "
+                    "engine");
   st = akv_bk_queue_sync(&e->bk, q);
   if (st != AKV_OK) return akv_transport_failed(e, st, "stream_synchronize");
   return AKV_OK;
@@ -159,6 +171,15 @@ static akv_status akv_stream_launch_host_claimed(akv_engine *e, akv_stream s, vo
     return akv_fail(e, AKV_ERR_INVALID_ARGUMENT,
                     "stream_launch_host: NULL function or not a live stream of this engine");
   st = akv_bk_host_fn(&e->bk, q, fn, arg);
+  /* Invariant: a queue's worker never waits for its own queue. A function
+   * on the stream that launches onto it while its ring is full would wait
+   * for itself; the backend refuses that launch at once, nothing enqueued,
+   * and so nothing of the engine failed: refused, not a transport failure
+   * (which closed the engine over a launch that never happened). */
+  if (st == AKV_ERR_IN_USE)
+    return akv_fail(e, AKV_ERR_IN_USE,
+                    "stream_launch_host: called from a function running on this stream while "
+                    "its ring is full (it would wait for itself); nothing enqueued");
   if (st != AKV_OK) return akv_transport_failed(e, st, "stream_launch_host");
   return AKV_OK;
 }

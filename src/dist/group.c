@@ -29,6 +29,7 @@
 #include <string.h>
 
 #include "config.h"
+#include "dist_fork.h"
 #include "fit.h"
 #include "group.h"
 #include "internal.h"
@@ -51,6 +52,7 @@ typedef enum akv_point {
 
 struct akv_group {
   uint32_t magic;
+  uint32_t fork_gen;        /* akv_fork_generation at create (records.h); atomic */
   akv_engine *engine;       /* as created; reached only through akv_group_own */
   uint64_t engine_serial;   /* akv_engine_serial of it at create */
   akv_coll *coll;
@@ -80,7 +82,7 @@ struct akv_group {
 
 /* Groups are records never freed (records.h): a destroyed group stays
  * readable and answers AKV_ERR_BAD_HANDLE instead of being read after free. */
-static akv_recpool akv_group_records = AKV_RECPOOL_INIT(struct akv_group, 32, 32);
+akv_recpool akv_group_records = AKV_RECPOOL_INIT(struct akv_group, 32, 32); /* dist_fork.h */
 
 static int akv_group_ok(const akv_group *g) {
   return g != NULL && g->magic == AKV_MAGIC_GROUP && g->magic_end == AKV_MAGIC_GROUP;
@@ -125,7 +127,17 @@ static akv_status akv_group_claim(const akv_group *cg) {
    * into the middle of one would read the caller's own config words (kept
    * in the record) as the magics, and past the pool's chunk for the last
    * record; it is refused before anything of it is read. */
+  akv_dist_fork_register();
   if (cg == NULL || !akv_rec_holds(&akv_group_records, cg) || !akv_group_looks_ok(cg))
+    return AKV_ERR_BAD_HANDLE;
+  /* Invariant: a forked child never runs a call on a group of its parent
+   * (akv_group.h, fork), as for engines (akv_engine_claim): the other
+   * ranks, the group's engine's queue threads and a thread that may own the
+   * group are in the parent, and an in-process world's mutex may be held
+   * there for good. Checked before the owner word, which a parent's thread
+   * may hold for ever in the child. */
+  if (__atomic_load_n(&g->fork_gen, __ATOMIC_RELAXED) !=
+      atomic_load_explicit(&akv_fork_generation, memory_order_relaxed))
     return AKV_ERR_BAD_HANDLE;
   if (!atomic_compare_exchange_strong(&g->owner, &none, me) && none != me) return AKV_ERR_IN_USE;
   /* Invariant: a group call is not a cancellation point. A thread
@@ -324,6 +336,15 @@ static void akv_group_put_header(akv_group *g, akv_point op, akv_status local) {
  * collective already aborted the communicator, so no rank hangs). */
 static akv_status akv_group_exchange(akv_group *g) {
   akv_status st;
+  /* Invariant: no collective in a child on a group of its parent
+   * (akv_group.h, fork). A callback that forks during a group call (the
+   * engine's log callback while an agreement decides) returns twice, and
+   * in the child the call went on into the parent's collective: the other
+   * ranks are not there, and a rank thread of the parent may hold an
+   * in-process world's mutex there for good. The call ends here. */
+  if (__atomic_load_n(&g->fork_gen, __ATOMIC_RELAXED) !=
+      atomic_load_explicit(&akv_fork_generation, memory_order_relaxed))
+    return AKV_ERR_BAD_HANDLE;
   /* Invariant: no collective on a stopped group (the other ranks stopped at
    * the same point and will not arrive). */
   if (g->stopped) return AKV_ERR_QUARANTINED;
@@ -490,6 +511,7 @@ static akv_status akv_group_create_body(const akv_engine_config *shard,
   if (shard == NULL) sh.log_level = AKV_LOG_ERROR; /* no caller's sink: no stderr warning */
   shard = &sh;
   config = &gc;
+  akv_dist_fork_register();
   g = akv_rec_take(&akv_group_records);
   if (g == NULL) return AKV_ERR_OUT_OF_MEMORY;
   /* Zeroed between the magic and the claim words, which are the record's
@@ -497,6 +519,9 @@ static akv_status akv_group_create_body(const akv_engine_config *shard,
   akv_group_claim_record(g);
   memset((char *)g + offsetof(akv_group, engine), 0,
          offsetof(akv_group, owner) - offsetof(akv_group, engine));
+  /* This process's group (akv_group_claim, akv_group_exchange). */
+  __atomic_store_n(&g->fork_gen, atomic_load_explicit(&akv_fork_generation, memory_order_relaxed),
+                   __ATOMIC_RELAXED);
   g->vec = calloc(coll->max_n, sizeof(uint64_t));
   if (g->vec == NULL) {
     akv_group_release(g);

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "coll_inproc.h"
+#include "dist_fork.h"
 #include "group.h"
 #include "records.h"
 
@@ -17,6 +18,7 @@
 
 struct akv_group_world {
   uint32_t magic;
+  uint32_t fork_gen; /* akv_fork_generation at create (records.h) */
   akv_inproc_world *w;
   uint32_t size;
   uint32_t max_contexts;
@@ -24,21 +26,25 @@ struct akv_group_world {
 
 /* Worlds are records never freed (records.h), so a destroyed world stays
  * readable and is refused rather than read after free. */
-static akv_recpool akv_world_records = AKV_RECPOOL_INIT(struct akv_group_world, 32, 32);
+akv_recpool akv_world_records = AKV_RECPOOL_INIT(struct akv_group_world, 32, 32);
 
 /* Guards every world record's magic and w: a world call checks the magic and
  * uses w under it, so a concurrent akv_group_world_destroy either runs
  * before (the call sees a dead world) or after (the call is done with w);
  * never in between. Held for a few instructions, never across an agreement
  * (order: this mutex, then the in-process world's). */
-static pthread_mutex_t akv_world_mu = PTHREAD_MUTEX_INITIALIZER;
+pthread_mutex_t akv_world_mu = PTHREAD_MUTEX_INITIALIZER; /* dist_fork.h */
 
 /* Caller holds akv_world_mu. Invariant: a world is read only through a
  * pointer to the first byte of a world record (so never through a pointer
  * that was never a world handle, whatever its bytes say: inside a record,
  * the caller's max_contexts may read as the magic) whose magic is live. */
 static int akv_world_ok(const akv_group_world *gw) {
-  return gw != NULL && akv_rec_holds(&akv_world_records, gw) && gw->magic == AKV_MAGIC_WORLD;
+  /* Invariant: a forked child never uses a world of its parent (akv_group.h,
+   * fork): its ranks' threads are in the parent, and its in-process
+   * world's mutex may be held there for good. Refused as a destroyed one. */
+  return gw != NULL && akv_rec_holds(&akv_world_records, gw) && gw->magic == AKV_MAGIC_WORLD &&
+         gw->fork_gen == atomic_load_explicit(&akv_fork_generation, memory_order_relaxed);
 }
 
 akv_status akv_group_world_create(uint32_t size, uint32_t max_contexts, akv_group_world **out) {
@@ -48,6 +54,7 @@ akv_status akv_group_world_create(uint32_t size, uint32_t max_contexts, akv_grou
    * before anything is taken or allocated. Like size 0 an argument, not a
    * config struct's field: AKV_ERR_INVALID_ARGUMENT. */
   if (size > AKV_GROUP_MAX_RANKS) return AKV_ERR_INVALID_ARGUMENT;
+  akv_dist_fork_register();
   akv_group_world *gw = akv_rec_take(&akv_world_records);
   if (gw == NULL) return AKV_ERR_OUT_OF_MEMORY;
   pthread_mutex_lock(&akv_world_mu); /* a stale handle's call may read it */
@@ -62,6 +69,7 @@ akv_status akv_group_world_create(uint32_t size, uint32_t max_contexts, akv_grou
   gw->size = size;
   gw->max_contexts = max_contexts;
   pthread_mutex_lock(&akv_world_mu);
+  gw->fork_gen = atomic_load_explicit(&akv_fork_generation, memory_order_relaxed);
   gw->magic = AKV_MAGIC_WORLD;
   pthread_mutex_unlock(&akv_world_mu);
   *out = gw;
@@ -70,6 +78,7 @@ akv_status akv_group_world_create(uint32_t size, uint32_t max_contexts, akv_grou
 
 akv_status akv_group_world_abort(akv_group_world *world) {
   akv_status st = AKV_ERR_INVALID_ARGUMENT;
+  akv_dist_fork_register();
   pthread_mutex_lock(&akv_world_mu);
   if (akv_world_ok(world)) {
     akv_inproc_world_abort(world->w, "the caller aborted the world");
@@ -81,6 +90,7 @@ akv_status akv_group_world_abort(akv_group_world *world) {
 
 akv_status akv_group_world_destroy(akv_group_world *world) {
   akv_status st;
+  akv_dist_fork_register();
   pthread_mutex_lock(&akv_world_mu);
   if (!akv_world_ok(world)) {
     pthread_mutex_unlock(&akv_world_mu);
@@ -106,6 +116,7 @@ akv_status akv_group_create_inproc(const akv_engine_config *shard, const akv_gro
   /* Without a config (its rank) or a world this rank cannot meet the
    * others; a NULL shard or out meets them (akv_group_create_with). */
   if (config == NULL || world == NULL) return AKV_ERR_INVALID_ARGUMENT;
+  akv_dist_fork_register();
   pthread_mutex_lock(&akv_world_mu);
   if (!akv_world_ok(world)) {
     pthread_mutex_unlock(&akv_world_mu);
