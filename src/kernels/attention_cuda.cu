@@ -1376,34 +1376,6 @@ akv_status launch_pair(akv_dtype dtype, uint32_t head_dim, int gt, dim3 grid_chu
   return AKV_OK;
 }
 
-/* Whether what a contiguous launch writes (out, the workspace bytes it uses)
- * is clear of what it reads and of each other (akv_attention.h, "Overlap"),
- * as far as the host knows it: q, the scales, len, the rows of every
- * context and the page map entries the kernels read. The pages the map
- * names are device data: not checked. Runs after the addressing checks. */
-static bool contig_clear(const akv_attention_args *a, size_t ws_used) {
-  akv_attn_writes w;
-  if (!akv_attn_dense_clear(a->n_contexts, a->n_heads, a->head_dim, a->kv_heads, a->q, a->out,
-                            a->workspace, ws_used, a->k_scale, a->v_scale, &w) ||
-      !akv_attn_array_clear(&w, a->len, a->n_contexts, 4u))
-    return false;
-  const uint64_t extent = (uint64_t)a->kv_heads * a->head_dim * akv_attn_elem_bytes(a->dtype);
-  for (uint32_t i = 0; i < a->n_contexts; ++i) {
-    const uint32_t len = a->len[i];
-    if (len == 0) continue;
-    if (!akv_attn_rows_clear(&w, a->k_base, i, a->context_stride, len - 1u, a->row_bytes,
-                             extent) ||
-        !akv_attn_rows_clear(&w, a->v_base, i, a->context_stride, len - 1u, a->row_bytes, extent))
-      return false;
-    if (a->page_map == nullptr) continue;
-    const uint32_t n_chunks = div_up(len, a->chunk_tokens);
-    const uint32_t n_map = n_chunks < a->page_map_stride ? n_chunks : a->page_map_stride;
-    if (!akv_attn_array_clear(&w, a->page_map + (size_t)i * a->page_map_stride, n_map, 4u))
-      return false;
-  }
-  return true;
-}
-
 } // namespace
 
 #if AKV_ATTN_BENCH_TRACE
@@ -1491,7 +1463,7 @@ extern "C" AKV_API akv_status akv_attention_decode_cuda(const akv_attention_args
   if (!ws_layout(a->n_contexts, a->n_heads, a->head_dim, (uint32_t)slots, &acc_bytes, &total))
     goto fail;
   if (a->workspace_bytes < total || (total != 0 && a->workspace == nullptr)) goto fail;
-  if (!contig_clear(a, total)) goto fail;
+  if (!akv_attn_contig_clear(a, total, 0)) goto fail;
 
   {
     const int gt = pick_gt(a->n_heads / a->kv_heads);

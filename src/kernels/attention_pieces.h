@@ -236,4 +236,45 @@ static inline uint32_t akv_attn_elem_bytes(akv_dtype dtype) {
   }
 }
 
+/* Whether what a contiguous call writes (out, the ws_used workspace bytes)
+ * is clear of what it reads and of each other (akv_attention.h, "Overlap"):
+ * q, the scales, len, the rows of every context and the page map entries it
+ * reads; with `pages_visible` (the reference, whose pages are host memory)
+ * also the rows of every page the map names. The CUDA launcher cannot see
+ * device pages and passes 0. Runs after the addressing checks (every row
+ * addressable, the chunk positive), before anything is written. */
+static inline int akv_attn_contig_clear(const akv_attention_args *a, uint64_t ws_used,
+                                        int pages_visible) {
+  akv_attn_writes w;
+  if (!akv_attn_dense_clear(a->n_contexts, a->n_heads, a->head_dim, a->kv_heads, a->q, a->out,
+                            a->workspace, ws_used, a->k_scale, a->v_scale, &w) ||
+      !akv_attn_array_clear(&w, a->len, a->n_contexts, 4u))
+    return 0;
+  const uint64_t extent = (uint64_t)a->kv_heads * a->head_dim * akv_attn_elem_bytes(a->dtype);
+  for (uint32_t i = 0; i < a->n_contexts; ++i) {
+    const uint32_t len = a->len[i];
+    if (len == 0) continue;
+    if (!akv_attn_rows_clear(&w, a->k_base, i, a->context_stride, len - 1u, a->row_bytes,
+                             extent) ||
+        !akv_attn_rows_clear(&w, a->v_base, i, a->context_stride, len - 1u, a->row_bytes, extent))
+      return 0;
+    if (a->page_map == NULL) continue;
+    const uint32_t n_chunks = len / a->chunk_tokens + (len % a->chunk_tokens != 0);
+    const uint32_t n_map = n_chunks < a->page_map_stride ? n_chunks : a->page_map_stride;
+    const uint32_t *map = a->page_map + (size_t)i * a->page_map_stride;
+    if (!akv_attn_array_clear(&w, map, n_map, 4u)) return 0;
+    for (uint32_t c = 0; pages_visible && c < n_map; ++c) {
+      const uint32_t rem = len - c * a->chunk_tokens;
+      const uint32_t n = rem < a->chunk_tokens ? rem : a->chunk_tokens;
+      if (map[c] != AKV_PAGE_STAGED &&
+          (!akv_attn_rows_clear(&w, a->k_pages, map[c], a->page_stride, n - 1u, a->row_bytes,
+                                extent) ||
+           !akv_attn_rows_clear(&w, a->v_pages, map[c], a->page_stride, n - 1u, a->row_bytes,
+                                extent)))
+        return 0;
+    }
+  }
+  return 1;
+}
+
 #endif /* AKV_ATTENTION_PIECES_H */

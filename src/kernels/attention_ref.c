@@ -334,44 +334,6 @@ static void combine(const ref_geom *g, uint32_t ctx, uint32_t n_chunks) {
   }
 }
 
-/* Whether what a contiguous call writes (out, the workspace bytes it uses)
- * is clear of everything it reads and of each other (akv_attention.h,
- * "Overlap"): q, the scales, len, the page map entries it reads, the rows
- * of every context and the rows of every overriding page. Runs after the
- * addressing checks, before anything is written. */
-static int contig_clear(const akv_attention_args *a, const ref_geom *g) {
-  akv_attn_writes w;
-  if (!akv_attn_dense_clear(a->n_contexts, a->n_heads, a->head_dim, a->kv_heads, a->q, a->out,
-                            a->workspace, g->ws_used, a->k_scale, a->v_scale, &w) ||
-      !akv_attn_array_clear(&w, a->len, a->n_contexts, 4u))
-    return 0;
-  const uint64_t extent = (uint64_t)a->kv_heads * a->head_dim * g->esize;
-  for (uint32_t i = 0; i < a->n_contexts; ++i) {
-    const uint32_t len = a->len[i];
-    if (len == 0) continue;
-    if (!akv_attn_rows_clear(&w, a->k_base, i, a->context_stride, len - 1u, a->row_bytes,
-                             extent) ||
-        !akv_attn_rows_clear(&w, a->v_base, i, a->context_stride, len - 1u, a->row_bytes, extent))
-      return 0;
-    if (a->page_map == NULL) continue;
-    const uint32_t n_chunks = div_up(len, a->chunk_tokens);
-    const uint32_t n_map = n_chunks < a->page_map_stride ? n_chunks : a->page_map_stride;
-    const uint32_t *map = a->page_map + (size_t)i * a->page_map_stride;
-    if (!akv_attn_array_clear(&w, map, n_map, 4u)) return 0;
-    for (uint32_t c = 0; c < n_map; ++c) {
-      const uint32_t rem = len - c * a->chunk_tokens;
-      const uint32_t n = rem < a->chunk_tokens ? rem : a->chunk_tokens;
-      if (map[c] != AKV_PAGE_STAGED &&
-          (!akv_attn_rows_clear(&w, a->k_pages, map[c], a->page_stride, n - 1u, a->row_bytes,
-                                extent) ||
-           !akv_attn_rows_clear(&w, a->v_pages, map[c], a->page_stride, n - 1u, a->row_bytes,
-                                extent)))
-        return 0;
-    }
-  }
-  return 1;
-}
-
 akv_status akv_attention_ref_bf16(const akv_attention_args *args) {
   akv_status st = AKV_ERR_INVALID_ARGUMENT;
   ref_geom g;
@@ -449,7 +411,7 @@ akv_status akv_attention_ref_bf16(const akv_attention_args *args) {
       }
     }
   }
-  if (!contig_clear(a, &g)) goto fail;
+  if (!akv_attn_contig_clear(a, g.ws_used, 1)) goto fail;
 
   for (uint32_t i = 0; i < a->n_contexts; ++i) {
     const uint32_t n_chunks = div_up(a->len[i], a->chunk_tokens);
