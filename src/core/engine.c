@@ -43,8 +43,7 @@ static void akv_engine_poison(akv_engine *e) {
 static _Thread_local char akv_engine_thread;
 
 bool akv_engine_forked(const akv_engine *e) {
-  return __atomic_load_n(&e->fork_gen, __ATOMIC_RELAXED) !=
-         atomic_load_explicit(&akv_fork_generation, memory_order_relaxed);
+  return akv_rec_forked(&e->fork_gen);
 }
 
 /* Invariant: at most one thread is inside the calls of an engine (akv.h,
@@ -505,9 +504,7 @@ AKV_API akv_status akv_engine_create(const akv_engine_config *caller, akv_engine
   akv_engine_claim_record(e);
   memset((char *)e + offsetof(akv_engine, serial), 0,
          offsetof(akv_engine, magic_end) - offsetof(akv_engine, serial));
-  __atomic_store_n(&e->fork_gen,
-                   atomic_load_explicit(&akv_fork_generation, memory_order_relaxed),
-                   __ATOMIC_RELAXED);
+  akv_rec_fork_stamp(&e->fork_gen);
   AKV_STORE(e->magic, AKV_MAGIC_ENGINE);
   AKV_STORE(e->magic_end, AKV_MAGIC_ENGINE);
   __atomic_store_n(&e->serial, atomic_fetch_add(&akv_engine_serials, 1) + 1, __ATOMIC_RELAXED);

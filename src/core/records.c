@@ -92,7 +92,7 @@ static int akv_rec_grow(akv_recpool *p) {
 
 void *akv_rec_take(akv_recpool *p) {
   void *rec = NULL;
-  pthread_once(&akv_rec_once, akv_rec_register_fork);
+  akv_rec_fork_register();
   pthread_mutex_lock(&p->mu);
   /* The reuse bound: at least min_free records stay free after this take,
    * so a record given back later has at least min_free records ahead. */
@@ -124,7 +124,7 @@ void akv_rec_give(akv_recpool *p, void *rec) {
 
 akv_status akv_rec_reserve(akv_recpool *p, size_t n) {
   akv_status st = AKV_OK;
-  pthread_once(&akv_rec_once, akv_rec_register_fork);
+  akv_rec_fork_register();
   pthread_mutex_lock(&p->mu);
   /* Enough free records that the reserved takes never grow the pool: a
    * take then always finds more than min_free free records. */
@@ -158,7 +158,7 @@ void akv_rec_owner_wait(_Atomic(const void *) *owner, const void *me) {
 static int akv_rec_in(akv_recpool *p, const void *ptr, int start) {
   const uintptr_t x = (uintptr_t)ptr;
   int in = 0;
-  pthread_once(&akv_rec_once, akv_rec_register_fork); /* a check may come before any take */
+  akv_rec_fork_register(); /* a check may come before any take */
   pthread_mutex_lock(&p->mu);
   for (size_t i = 0; i < p->n_chunks && !in; i++) {
     const uintptr_t lo = (uintptr_t)p->chunks[i];

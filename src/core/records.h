@@ -24,7 +24,9 @@
 
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 
 #include "akv.h"
 
@@ -77,6 +79,19 @@ void akv_rec_owner_wait(_Atomic(const void *) *owner, const void *me);
  * engine remembers the count at its create, and a call on an engine of
  * another count is a call on the parent's engine (akv_engine_claim). */
 extern _Atomic uint32_t akv_fork_generation;
+
+/* An object's fork count (an engine's, a group's, a world's): stamped at
+ * its create, and a record's word a stale handle's call may read meanwhile,
+ * so stored and read atomically. akv_rec_forked: the object was made before
+ * a fork of this process, in the parent (its threads are not here). */
+static inline void akv_rec_fork_stamp(uint32_t *gen) {
+  __atomic_store_n(gen, atomic_load_explicit(&akv_fork_generation, memory_order_relaxed),
+                   __ATOMIC_RELAXED);
+}
+static inline bool akv_rec_forked(const uint32_t *gen) {
+  return __atomic_load_n(gen, __ATOMIC_RELAXED) !=
+         atomic_load_explicit(&akv_fork_generation, memory_order_relaxed);
+}
 
 /* Registers the pools' fork handlers now, if not yet (every take and
  * reserve does it too). A layer above that registers fork handlers of its

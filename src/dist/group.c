@@ -136,9 +136,7 @@ static akv_status akv_group_claim(const akv_group *cg) {
    * group are in the parent, and an in-process world's mutex may be held
    * there for good. Checked before the owner word, which a parent's thread
    * may hold for ever in the child. */
-  if (__atomic_load_n(&g->fork_gen, __ATOMIC_RELAXED) !=
-      atomic_load_explicit(&akv_fork_generation, memory_order_relaxed))
-    return AKV_ERR_BAD_HANDLE;
+  if (akv_rec_forked(&g->fork_gen)) return AKV_ERR_BAD_HANDLE;
   if (!atomic_compare_exchange_strong(&g->owner, &none, me) && none != me) return AKV_ERR_IN_USE;
   /* Invariant: a group call is not a cancellation point. A thread
    * cancelled inside one (pthread_cancel while it waits at an agreement
@@ -342,9 +340,7 @@ static akv_status akv_group_exchange(akv_group *g) {
    * in the child the call went on into the parent's collective: the other
    * ranks are not there, and a rank thread of the parent may hold an
    * in-process world's mutex there for good. The call ends here. */
-  if (__atomic_load_n(&g->fork_gen, __ATOMIC_RELAXED) !=
-      atomic_load_explicit(&akv_fork_generation, memory_order_relaxed))
-    return AKV_ERR_BAD_HANDLE;
+  if (akv_rec_forked(&g->fork_gen)) return AKV_ERR_BAD_HANDLE;
   /* Invariant: no collective on a stopped group (the other ranks stopped at
    * the same point and will not arrive). */
   if (g->stopped) return AKV_ERR_QUARANTINED;
@@ -520,8 +516,7 @@ static akv_status akv_group_create_body(const akv_engine_config *shard,
   memset((char *)g + offsetof(akv_group, engine), 0,
          offsetof(akv_group, owner) - offsetof(akv_group, engine));
   /* This process's group (akv_group_claim, akv_group_exchange). */
-  __atomic_store_n(&g->fork_gen, atomic_load_explicit(&akv_fork_generation, memory_order_relaxed),
-                   __ATOMIC_RELAXED);
+  akv_rec_fork_stamp(&g->fork_gen);
   g->vec = calloc(coll->max_n, sizeof(uint64_t));
   if (g->vec == NULL) {
     akv_group_release(g);

@@ -44,7 +44,7 @@ static int akv_world_ok(const akv_group_world *gw) {
    * fork): its ranks' threads are in the parent, and its in-process
    * world's mutex may be held there for good. Refused as a destroyed one. */
   return gw != NULL && akv_rec_holds(&akv_world_records, gw) && gw->magic == AKV_MAGIC_WORLD &&
-         gw->fork_gen == atomic_load_explicit(&akv_fork_generation, memory_order_relaxed);
+         !akv_rec_forked(&gw->fork_gen);
 }
 
 akv_status akv_group_world_create(uint32_t size, uint32_t max_contexts, akv_group_world **out) {
@@ -69,7 +69,7 @@ akv_status akv_group_world_create(uint32_t size, uint32_t max_contexts, akv_grou
   gw->size = size;
   gw->max_contexts = max_contexts;
   pthread_mutex_lock(&akv_world_mu);
-  gw->fork_gen = atomic_load_explicit(&akv_fork_generation, memory_order_relaxed);
+  akv_rec_fork_stamp(&gw->fork_gen);
   gw->magic = AKV_MAGIC_WORLD;
   pthread_mutex_unlock(&akv_world_mu);
   *out = gw;
