@@ -663,21 +663,17 @@ static akv_status akv_lease_retire_claimed(akv_lease *handle, akv_receipt *recei
    * is queried first (it passes last), and a tail not passed refuses the
    * retire at once with nothing changed (akv_lease_try_retire is the call
    * for it). */
-  if (wait && akv_engine_on_own_stream(e)) {
-    done = true;
+  if (wait && !akv_engine_on_own_stream(e)) {
+    AKV_CHECK(akv_bk_event_sync(&e->bk, ls->ev_tail));
+  } else {
     AKV_CHECK(akv_bk_query(&e->bk, ls->ev_tail, &done));
+    if (!done && !wait) return AKV_ERR_NOT_READY;
     if (!done)
       return akv_fail(e, AKV_ERR_IN_USE,
                       "lease_retire: called from a function running on a stream of this "
                       "engine while an event of layer %u has not passed (it may be behind the "
                       "function); nothing changed",
                       ls->layer);
-  }
-  if (wait) {
-    AKV_CHECK(akv_bk_event_sync(&e->bk, ls->ev_tail));
-  } else {
-    AKV_CHECK(akv_bk_query(&e->bk, ls->ev_tail, &done));
-    if (!done) return AKV_ERR_NOT_READY;
   }
   if (!akv_lease_finish(ls, receipt)) {
     st = AKV_ERR_BACKEND;
