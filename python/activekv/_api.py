@@ -87,14 +87,29 @@ def _enum(table: Dict[str, int], what: str, value: Union[str, int]) -> int:
     raise InvalidArgument.make(f"{what}={value!r}: expected one of {', '.join(table)}")
 
 
+# numpy's own integer scalar types (a subclass of one is read through it)
+_NP_INT_TYPES = frozenset(np.dtype(c).type for c in np.typecodes["AllInteger"])
+
+
 def _index(value: Any) -> Optional[int]:
     """The int a Python or numpy integer (not a bool) stands for, None for
     anything else. Read once, by operator.index (an int subclass gives its
     own value, whatever its __int__ says): the value checked is the value
-    used, so a range check cannot pass one number and C get another."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+    used, so a range check cannot pass one number and C get another.
+
+    Invariant: reading it runs none of the caller's Python code. The type is
+    taken from type(), not isinstance (which believes a lying __class__),
+    and a subclass of a numpy integer type is read by that numpy type's own
+    __index__ (C): an override ran in the middle of the package's calls,
+    after the handles were checked, and could close the engine there (a
+    View's array was then made over freed memory)."""
+    t = type(value)
+    if issubclass(t, (bool, np.bool_)) or not issubclass(t, (int, np.integer)):
         return None
-    return operator.index(value)
+    if issubclass(t, int) or t in _NP_INT_TYPES:
+        return operator.index(value)
+    base = next((b for b in t.__mro__ if b in _NP_INT_TYPES), None)
+    return None if base is None else base.__index__(value)
 
 
 _U64_MAX = (1 << 64) - 1

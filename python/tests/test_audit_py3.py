@@ -1,0 +1,101 @@
+"""A third outside audit of the Python package: caller code that runs in the
+middle of a call (an integer's __index__, a thread switch, a finalizer), and
+what it can do to the memory the call is about to hand out.
+
+What could crash the interpreter runs in a subprocess (sys.executable -c),
+so a segfault is a failed test with its output, not a crashed pytest.
+Host backend, no GPU needed.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import activekv as akv
+from activekv import _api
+
+from conftest import quiet, small
+
+L, H, D = 3, 2, 8
+
+PRELUDE = """
+import sys, threading
+import numpy as np, activekv as akv
+from conftest import quiet, small
+L = 3
+
+def staged(eng):
+    '''An engine with one context of 2 rows, a step open and every layer
+    staged; returns (ctx, leases, views), the last lease sealed, the others
+    retired.'''
+    ctx = eng.open_context()
+    ctx.append(np.ones((L, 2, 2, 8), np.float32), np.ones((L, 2, 2, 8), np.float32))
+    eng.step_begin([ctx])
+    leases, views = [], []
+    for layer in range(L):
+        lease = eng.lease_begin(layer)
+        views.append(lease.wait_ready())
+        attn = lease.mark_consumed()
+        lease.seal(lease.write_back(), attn)
+        leases.append(lease)
+        if layer < L - 1:
+            lease.retire()
+    return ctx, leases, views
+
+def end_everything(eng, ctx, lease):
+    '''Retires the last lease, ends the step, closes the context and the
+    engine: with no array alive, the engine's memory is freed.'''
+    lease.retire()
+    eng.step_end()
+    ctx.close()
+    eng.close()
+"""
+
+
+def run_py(body, timeout=120):
+    """Runs PRELUDE + `body` in a fresh interpreter with this package;
+    returns the CompletedProcess (rc, stdout, stderr)."""
+    code = "import sys; sys.path.insert(0, %r)\n" % os.path.dirname(__file__) + \
+        textwrap.dedent(PRELUDE) + textwrap.dedent(body)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def rows(n, value=1.0):
+    return np.full((L, n, H, D), value, np.float32)
+
+
+# ---------------------------------------- caller code inside an integer
+
+
+def test_view_index_whose_index_closes_the_engine_never_gets_freed_memory():
+    """View.keys(i) checked that the lease was live and then read i: a numpy
+    integer subclass whose __index__ retired the lease and closed the engine
+    (no array alive: its memory freed) got an array over the freed staging
+    buffer, and reading it crashed (SIGSEGV)."""
+    r = run_py("""
+        eng = akv.Engine(**small())
+        ctx, leases, views = staged(eng)
+
+        class Closing(np.int64):
+            def __index__(self):
+                end_everything(eng, ctx, leases[-1])
+                return 0
+
+        try:
+            k = views[-1].keys(Closing(0))
+        except akv.ActiveKVError as exc:
+            print("refused", type(exc).__name__)
+        else:
+            print("array", float(k.sum()), eng.live_arrays)
+            del k
+        if eng._handle is not None:
+            end_everything(eng, ctx, leases[-1])
+        print("done")
+    """)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "done" in r.stdout
+
