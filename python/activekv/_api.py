@@ -2091,14 +2091,24 @@ class View:
     def _cuda(self) -> bool:
         return self._lease._engine.backend == "cuda"
 
+    @property
+    def _engine(self) -> Engine:
+        """The lease's engine: keys/values/kv_tensors are calls on it
+        (_guarded). Invariant: an array is made over the staging buffer only
+        by the one call in flight on the engine, so no other thread can
+        retire the lease and close the engine (freeing the buffer) between
+        the check that the lease is live and the array being counted
+        (Engine.live_arrays, which defers the free)."""
+        return self._lease._engine
+
     def _check_live(self, i: Any = _EVERY_CONTEXT) -> Optional[int]:
         """Raises unless the lease is live and context `i` (every one by
         default) is in the staging buffer; returns `i` as the int checked,
         the one the caller must use (an array's offset is computed from it:
         an index read again could name memory outside the buffer)."""
-        self._lease._h()
         every = i is _EVERY_CONTEXT  # kv_tensors; keys(None) is refused like keys(1.5)
         index = None if every else _index(i)
+        self._lease._h()  # after reading i: nothing between this and the array
         ctxs = range(self.n_contexts) if every else [index]
         if not every and (index is None or not 0 <= index < self.n_contexts):
             raise InvalidArgument.make(f"context {i!r} of a view of {self.n_contexts}")
@@ -2123,15 +2133,18 @@ class View:
         return self._array(off, (self._len[i] + 1, self.kv_heads, self.head_dim),
                            (self.row_stride, self.head_dim * isz, isz))
 
+    @_guarded
     def keys(self, i: int):
         """Context i's K rows [len[i]+1, kv_heads, head_dim], zero-copy (the
         last row is the step's new row, for the caller to write)."""
         return self._rows(i, False)
 
+    @_guarded
     def values(self, i: int):
         """Context i's V rows [len[i]+1, kv_heads, head_dim], zero-copy."""
         return self._rows(i, True)
 
+    @_guarded
     def kv_tensors(self):
         """(K, V) torch tensors [n_contexts, kv_heads, max_len+1, head_dim]:
         strided zero-copy views over the staging buffer (CUDA, or CPU torch

@@ -99,3 +99,55 @@ def test_view_index_whose_index_closes_the_engine_never_gets_freed_memory():
     assert r.returncode == 0, r.stdout + r.stderr
     assert "done" in r.stdout
 
+
+# ---------------------------------------- a second thread
+
+
+def test_view_array_made_on_another_thread_while_the_engine_closes_is_never_over_freed_memory():
+    """View.keys/values/kv_tensors were not calls on the engine (no Busy
+    guard): a thread that had checked the lease was live, switched out
+    before its array was counted, while the engine's thread retired the
+    lease and closed the engine (no array alive: its memory freed), then got
+    an array over the freed staging buffer, and reading it crashed. The
+    switch is forced with a trace function that parks the thread where the
+    array is about to be made."""
+    r = run_py("""
+        eng = akv.Engine(**small())
+        ctx, leases, views = staged(eng)
+        parked, go, got = threading.Event(), threading.Event(), []
+
+        def tracer(frame, event, arg):
+            if event == "call" and frame.f_code.co_name == "_export_array":
+                parked.set()
+                go.wait(30)
+            return None
+
+        def reader():
+            sys.settrace(tracer)
+            try:
+                got.append(views[-1].keys(0))
+            except akv.ActiveKVError as exc:
+                got.append(exc)
+            finally:
+                sys.settrace(None)
+
+        t = threading.Thread(target=reader)
+        t.start()
+        assert parked.wait(30)
+        try:
+            end_everything(eng, ctx, leases[-1])
+            print("closed meanwhile")
+        except akv.Busy:
+            print("busy")
+        go.set()
+        t.join(30)
+        out = got[0]
+        if isinstance(out, np.ndarray):
+            print("array", float(out.sum()))
+            del out, got[:]
+        if eng._handle is not None:
+            end_everything(eng, ctx, leases[-1])
+        print("done")
+    """)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "busy" in r.stdout and "done" in r.stdout
