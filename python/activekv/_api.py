@@ -481,14 +481,18 @@ class _Export:
     entry on CUDA: the compute stream already waits for the staged rows on
     the device."""
 
+    # Invariant: an export describes memory the engine owns and is counted
+    # (engine._exports) for as long as it lives. Its interface is not
+    # writable (slots, read-only properties that give a new dict each time:
+    # a plain dict attribute could be pointed at any address through
+    # ndarray.base), and it is not copied (a copy was an export nobody
+    # counted: close() freed the memory under the copy's arrays).
+    __slots__ = ("_iface", "_cuda", "_mem", "_ref", "__weakref__")
+
     def __init__(self, engine: "Engine", ptr: int, shape: Tuple[int, ...],
                  strides: Optional[Tuple[int, ...]], typestr: str, cuda: bool) -> None:
-        iface = {"shape": tuple(shape), "typestr": typestr, "data": (ptr, False),
-                 "strides": strides, "version": 3}
-        if cuda:
-            self.__cuda_array_interface__ = iface
-        else:
-            self.__array_interface__ = iface
+        self._iface = (tuple(shape), typestr, ptr, None if strides is None else tuple(strides))
+        self._cuda = cuda
         # the engine's _Memory, not the Engine (see _Memory)
         self._mem = engine._mem
         # Counted by a weak reference in the engine's list, which the export's
@@ -503,16 +507,42 @@ class _Export:
         self._ref = ref
         exports.append(ref)
 
+    def _interface(self, cuda: bool) -> Dict[str, Any]:
+        if self._cuda is not cuda:
+            raise AttributeError("__cuda_array_interface__" if cuda else "__array_interface__")
+        shape, typestr, ptr, strides = self._iface
+        return {"shape": shape, "typestr": typestr, "data": (ptr, False), "strides": strides,
+                "version": 3}
+
+    @property
+    def __array_interface__(self) -> Dict[str, Any]:
+        return self._interface(False)
+
+    @property
+    def __cuda_array_interface__(self) -> Dict[str, Any]:
+        return self._interface(True)
+
+    def __copy__(self) -> Any:
+        raise TypeError("the base of an activekv zero-copy array cannot be copied (copy the "
+                        "array: np.array(a) or a.copy())")
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        self.__copy__()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        self.__copy__()
+
     def __del__(self) -> None:
         # The last export gone (its own reference, still listed until its
         # callback runs just after this, aside): the deferred destroy. Cut
         # short, the engine's close() or its own end does it
         # (_Memory.destroy_pending).
-        mem = self.__dict__.get("_mem")
+        mem = getattr(self, "_mem", None)
         if mem is not None and mem.pending:
             exports = mem.exports
-            if not exports or (len(exports) == 1 and exports[0] is self.__dict__.get("_ref")):
-                mem.destroy_pending(ending=self.__dict__.get("_ref"))
+            ref = getattr(self, "_ref", None)
+            if not exports or (len(exports) == 1 and exports[0] is ref):
+                mem.destroy_pending(ending=ref)
 
 
 class _Memory:

@@ -151,3 +151,67 @@ def test_view_array_made_on_another_thread_while_the_engine_closes_is_never_over
     """)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "busy" in r.stdout and "done" in r.stdout
+
+
+# ---------------------------------------- what an array's base lets through
+
+
+def test_copied_array_base_never_outlives_the_engines_memory():
+    """copy.copy of a zero-copy array's base (its _Export, ndarray.base) made
+    a second export that the engine did not count: an array over it kept
+    the staging buffer's address while close() freed it once the original
+    array was gone, and reading it crashed."""
+    r = run_py("""
+        import copy
+        eng = akv.Engine(**small())
+        ctx, leases, views = staged(eng)
+        a = views[-1].keys(0)
+        try:
+            b = np.asarray(copy.copy(a.base))
+        except TypeError as exc:
+            print("refused:", exc)
+            b = None
+        try:
+            copy.deepcopy(a.base)
+        except TypeError:
+            print("deepcopy refused")
+        except Exception as exc:
+            print("deepcopy:", type(exc).__name__)
+        del a
+        end_everything(eng, ctx, leases[-1])
+        if b is not None:
+            print("copy", float(b.sum()))
+        print("done")
+    """)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "refused" in r.stdout and "deepcopy refused" in r.stdout and "done" in r.stdout
+
+
+def test_array_interface_of_an_array_base_cannot_be_pointed_elsewhere():
+    """An export's __array_interface__ was a plain dict attribute: changing
+    its data pointer (arr.base.__array_interface__["data"] = (addr, False))
+    made np.asarray(arr.base) an array over any address, and reading it
+    crashed. Each read now gives a new dict of the engine's own values."""
+    r = run_py("""
+        eng = akv.Engine(**small())
+        ctx, leases, views = staged(eng)
+        a = views[-1].keys(0)
+        want = a.__array_interface__["data"][0]
+        try:
+            a.base.__array_interface__["data"] = (4096, False)
+        except TypeError:
+            pass
+        try:
+            a.base.__array_interface__ = {"shape": (1 << 20,), "typestr": "<f4",
+                                          "data": (4096, False), "version": 3}
+        except AttributeError:
+            print("attribute read-only")
+        b = np.asarray(a.base)
+        assert b.__array_interface__["data"][0] == want, b.__array_interface__
+        print("same", float(b.sum()))
+        del a, b
+        end_everything(eng, ctx, leases[-1])
+        print("done")
+    """)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "attribute read-only" in r.stdout and "done" in r.stdout
