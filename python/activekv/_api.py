@@ -725,6 +725,20 @@ def _as_box(handle: Any) -> _Box:
                                "made by Engine.open_context, lease_begin and stream_create")
 
 
+def _init_once(obj: Any, engine: Any) -> None:
+    """The start of Context/Lease/Stream.__init__. Invariant: an object names
+    one handle for its life, of one Engine. A second __init__ emptied its box
+    (a context's host slot and rows, a begun lease, lost to the caller while
+    the object still claimed them), and an object around anything but an
+    Engine failed every call with AttributeError from inside the package."""
+    if "_box" in obj.__dict__:
+        raise InvalidArgument.make(f"{type(obj).__name__}.__init__: already made (an object "
+                                   "names one handle for its life)")
+    if not isinstance(engine, Engine):
+        raise InvalidArgument.make(f"{type(obj).__name__}: {engine!r} is not an Engine; "
+                                   "contexts, leases and streams are made by the engine")
+
+
 def _set_handle(obj: Any, value: Optional[int]) -> None:
     obj._box.value = value
 
@@ -937,6 +951,12 @@ class Engine(_ClosedOnExit):
     _handle = _handle_attr()
 
     def __init__(self, *, log: Optional[LogFn] = None, **cfg: Any) -> None:
+        if "_box" in self.__dict__:
+            # Invariant: one Engine object, one C engine. A second __init__
+            # made another engine in the same object and dropped the first's
+            # handle without a destroy (leaked for the life of the process).
+            raise InvalidArgument.make("Engine.__init__: this engine is already made; make a "
+                                       "new Engine")
         # What the engine holds of the objects made from it is weak (their
         # boxes, weak sets): they hold the engine, so an engine dropped
         # without close() is freed when its last reference goes, by its
@@ -1605,6 +1625,7 @@ class Stream(_NotCopyable):
     _handle = _handle_attr()
 
     def __init__(self, engine: Engine, box: Optional[_Box]) -> None:
+        _init_once(self, engine)
         self._engine = engine
         self._box = _as_box(box)  # shared with the engine's list (Engine._streams)
 
@@ -1656,6 +1677,7 @@ class Context(_ClosedOnExit):
     _handle = _handle_attr()
 
     def __init__(self, engine: Engine, box: Optional[_Box]) -> None:
+        _init_once(self, engine)
         self._engine = engine
         self._box = _as_box(box)
 
@@ -1838,6 +1860,7 @@ class Lease(_NotCopyable):
 
     def __init__(self, engine: Engine, box: Optional[_Box],
                  layer: Optional[int] = None) -> None:
+        _init_once(self, engine)
         self._engine = engine
         if not isinstance(box, _Box):
             box = _as_box(box)

@@ -215,3 +215,59 @@ def test_array_interface_of_an_array_base_cannot_be_pointed_elsewhere():
     """)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "attribute read-only" in r.stdout and "done" in r.stdout
+
+
+# ---------------------------------------- __init__ called again
+
+
+def test_engine_init_called_again_is_refused_and_leaks_nothing(destroys):
+    """Engine.__init__ called on a live engine made a second engine in the
+    same object: the first one's handle was dropped without a destroy (its
+    memory and threads leaked for the life of the process), and its
+    contexts went on reading through the new engine's checks."""
+    eng = akv.Engine(**small())
+    ctx = eng.open_context()
+    ctx.append(rows(2), rows(2))
+    h = eng._handle
+    with pytest.raises(akv.InvalidArgument):
+        eng.__init__(**small())
+    assert eng._handle == h and len(ctx) == 2
+    for obj, args in ((ctx, (eng, None)), (eng.default_stream(), (eng, None))):
+        before = obj._handle
+        with pytest.raises(akv.InvalidArgument):
+            obj.__init__(*args)
+        assert obj._handle == before  # the handle is still the object's
+    ctx.close()
+    eng.close()
+    assert destroys == [h]
+
+
+def test_lease_init_called_again_is_refused(engine):
+    """Lease.__init__ called again emptied the lease's box: the begun lease
+    was lost to its object while the object still claimed it, so
+    lease_begin(layer) could not hand it out again and the step could not
+    end (close refused for good)."""
+    ctx = engine.open_context()
+    ctx.append(rows(2), rows(2))
+    engine.step_begin([ctx])
+    lease = engine.lease_begin(0)
+    with pytest.raises(akv.InvalidArgument):
+        lease.__init__(engine, None, 0)
+    for layer in range(L):
+        lease = lease if layer == 0 else engine.lease_begin(layer)
+        lease.wait_ready()
+        attn = lease.mark_consumed()
+        lease.seal(lease.write_back(), attn)
+        lease.retire()
+    engine.step_end()
+    assert len(ctx) == 3
+    ctx.close()
+
+
+@pytest.mark.parametrize("cls", [akv.Context, akv.Lease, akv.Stream])
+def test_objects_built_by_hand_around_a_non_engine_raise_the_packages_error(cls):
+    """Context/Lease/Stream(not_an_engine, None) made an object whose every
+    call failed with AttributeError from inside the package, not the
+    package's InvalidArgument."""
+    with pytest.raises(akv.InvalidArgument):
+        cls("not an engine", None)
