@@ -1500,9 +1500,17 @@ class Engine(_ClosedOnExit):
         box = _Box()
         box.layer, box.stream, box.owner = layer, None, None
         lease = Lease(self, box)  # owns the handle the call writes: _Owning
+        # Invariant: a box has an owner only once lease_begin returned its
+        # Lease. Cut short before (as the library returned), the Lease may
+        # live on in the exception's traceback, in a reference cycle that
+        # only a garbage collection frees (Python 3.12): the lease is still
+        # lost to the caller, and lease_begin(layer) must hand it out again
+        # at once, not after the next collection.
+        owner, box.owner = box.owner, None
         boxes.append(box)
         self._lease_boxes = boxes
         _check(lib.akv_lease_begin(h, layer, ctypes.byref(box)), self._handle, "lease_begin")
+        box.owner = owner
         return lease
 
     # -- streams

@@ -271,3 +271,44 @@ def test_objects_built_by_hand_around_a_non_engine_raise_the_packages_error(cls)
     package's InvalidArgument."""
     with pytest.raises(akv.InvalidArgument):
         cls("not an engine", None)
+
+
+# ---------------------------------------- an interrupted lease_begin, kept
+
+
+def test_lease_begin_cut_short_is_handed_out_again_while_its_traceback_lives(monkeypatch, engine):
+    """lease_begin cut short as the library returned (Ctrl-C) loses the
+    Lease to the caller, and lease_begin(layer) hands the begun lease out
+    again, but only once the lost Lease object was freed: while the
+    exception's traceback still held the interrupted frame (the caller kept
+    the exception, or, on Python 3.12, a reference cycle until the next
+    garbage collection) the lease read as owned and the library refused the
+    layer, so the step could not be finished."""
+    ctx = engine.open_context()
+    ctx.append(rows(2), rows(2))
+    engine.step_begin([ctx])
+    real = _api.lib.akv_lease_begin
+
+    def cut_short(*args):
+        monkeypatch.setattr(_api.lib, "akv_lease_begin", real)
+        st = real(*args)
+        assert st == 0
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_api.lib, "akv_lease_begin", cut_short)
+    kept = []
+    try:
+        engine.lease_begin(0)
+    except KeyboardInterrupt as exc:
+        kept.append(exc)  # its traceback holds the interrupted frame
+    lease = engine.lease_begin(0)  # the begun lease, handed out again
+    for layer in range(L):
+        lease = lease if layer == 0 else engine.lease_begin(layer)
+        lease.wait_ready()
+        attn = lease.mark_consumed()
+        lease.seal(lease.write_back(), attn)
+        lease.retire()
+    engine.step_end()
+    assert len(ctx) == 3
+    ctx.close()
+    del kept
