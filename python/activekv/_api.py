@@ -717,7 +717,7 @@ def _as_box(handle: Any) -> _Box:
     number is refused (InvalidArgument): the library reads the record a
     handle points at, and a forged one (Context(engine, 0x1000)) crashed the
     process."""
-    if isinstance(handle, _Box):
+    if type(handle) is _Box:  # not isinstance: see _ctx_handle
         return handle
     if handle is None:
         return _Box()
@@ -734,7 +734,7 @@ def _init_once(obj: Any, engine: Any) -> None:
     if "_box" in obj.__dict__:
         raise InvalidArgument.make(f"{type(obj).__name__}.__init__: already made (an object "
                                    "names one handle for its life)")
-    if not isinstance(engine, Engine):
+    if not issubclass(type(engine), Engine):
         raise InvalidArgument.make(f"{type(obj).__name__}: {engine!r} is not an Engine; "
                                    "contexts, leases and streams are made by the engine")
 
@@ -1108,12 +1108,20 @@ class Engine(_ClosedOnExit):
         return self._handle
 
     def _ctx_handle(self, ctx: Any, what: str) -> int:
-        """The C handle of one of this engine's live contexts."""
-        if not isinstance(ctx, Context):
+        """The C handle of one of this engine's live contexts.
+
+        Invariant: a handle the package passes to C is one the library made.
+        The type is checked with type(), not isinstance, which believes an
+        object's own __class__: a duck object saying it was a Context (or a
+        subclass overriding _h) handed the library any number as a context
+        handle, and the library read the record at that address (a crash).
+        Only the engine makes contexts, always of this exact class; the same
+        holds for leases (View) and streams (_stream_arg)."""
+        if type(ctx) is not Context:
             raise InvalidArgument.make(f"{what}: {ctx!r} is not a Context")
         if ctx._engine is not self:
             raise InvalidArgument.make(f"{what}: the context belongs to another engine")
-        return ctx._h()
+        return Context._h(ctx)
 
     @_guarded
     def close(self) -> None:
@@ -1589,10 +1597,10 @@ class Engine(_ClosedOnExit):
         """(the akv_stream value, the Stream object or None)."""
         if stream is None:
             stream = self.default_stream()
-        if isinstance(stream, Stream):
+        if type(stream) is Stream:  # not isinstance: see _ctx_handle
             if stream._engine is not self:
                 raise InvalidArgument.make("the stream belongs to another engine")
-            return stream._h(), stream
+            return Stream._h(stream), stream
         if hasattr(stream, "cuda_stream"):  # torch.cuda.Stream
             # A CUDA stream is a stream only to the CUDA backend, and only on
             # the engine's device: the host backend names its queues by
@@ -1870,7 +1878,7 @@ class Lease(_NotCopyable):
                  layer: Optional[int] = None) -> None:
         _init_once(self, engine)
         self._engine = engine
-        if not isinstance(box, _Box):
+        if type(box) is not _Box:
             box = _as_box(box)
             box.layer, box.stream = layer, None
         self._box = box  # shared with the engine's list (Engine._lease_boxes)
@@ -2032,7 +2040,8 @@ class Lease(_NotCopyable):
         h = self._h()
         if not isinstance(tail, Fence) or not isinstance(attention, Fence):
             raise InvalidArgument.make("seal takes two Fence values")
-        _check(lib.akv_lease_seal(h, tail._c(), attention._c()), self._engine._handle, "seal")
+        _check(lib.akv_lease_seal(h, Fence._c(tail), Fence._c(attention)), self._engine._handle,
+               "seal")
 
     @_guarded
     def retire(self) -> Receipt:
@@ -2112,7 +2121,8 @@ class View:
         # library filled (Lease.wait_ready). The class is public: one built
         # from any other struct (a base of 0x1000) handed out arrays over
         # memory that is not the engine's, and reading them crashed.
-        if not isinstance(lease, Lease) or v is not getattr(lease._box, "view", None):
+        # (the type by type(), not isinstance: see Engine._ctx_handle)
+        if type(lease) is not Lease or v is not getattr(lease._box, "view", None):
             raise InvalidArgument.make("View: a view is made by Lease.wait_ready (or Lease.view) "
                                        "from the view the library filled")
         page_map: Optional[np.ndarray] = None

@@ -312,3 +312,82 @@ def test_lease_begin_cut_short_is_handed_out_again_while_its_traceback_lives(mon
     assert len(ctx) == 3
     ctx.close()
     del kept
+
+
+# ---------------------------------------- objects that say they are the package's
+
+
+def test_objects_lying_about_their_class_never_reach_the_library_as_handles():
+    """isinstance believes an object's own __class__: a duck object saying it
+    was a Context (with the engine and an _h of its own), or a Context
+    subclass overriding _h, passed the check and handed the library any
+    number as a context handle (step_begin, write_back, explain), and the
+    library read the record at that address (SIGSEGV); a duck Lease made a
+    View over any address. Each is now refused with InvalidArgument."""
+    r = run_py("""
+        from activekv import _lib
+        eng = akv.Engine(**small())
+
+        class DuckContext:
+            __class__ = akv.Context
+            _engine = eng
+            def _h(self):
+                return 0x1000
+
+        class SubContext(akv.Context):
+            def _h(self):
+                return 0x1000
+
+        class DuckStream:
+            __class__ = akv.Stream
+            _engine = eng
+            def _h(self):
+                return 0x1000
+
+        fakes = [DuckContext(), SubContext(eng, None)]
+        for fake in fakes:
+            for call in (lambda: eng.step_begin([fake]), lambda: eng.explain(fake)):
+                try:
+                    call()
+                    print("accepted")
+                except akv.InvalidArgument:
+                    print("refused")
+        ctx, leases, views = staged(eng)
+        lease = leases[-1]
+        for fake in fakes:
+            try:
+                lease.write_back([fake])
+                print("accepted")
+            except akv.InvalidArgument:
+                print("refused")
+        try:
+            lease.mark_consumed(DuckStream())
+            print("accepted")
+        except akv.InvalidArgument:
+            print("refused")
+
+        v = _lib.akv_view()
+        lens = (_lib.c_uint32 * 1)(4)
+        v.n_contexts, v.base, v.len, v.kv_heads, v.head_dim = 1, 0x1000, lens, 2, 8
+        v.dtype, v.row_stride = 2, 64
+
+        class Box:
+            view = v
+
+        class DuckLease:
+            __class__ = akv.Lease
+            _engine = eng
+            _box = Box()
+            def _h(self):
+                return 1
+
+        try:
+            print("array", float(akv.View(DuckLease(), v).keys(0).sum()))
+        except akv.InvalidArgument:
+            print("refused")
+        end_everything(eng, ctx, lease)
+        print("done")
+    """)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "accepted" not in r.stdout and r.stdout.count("refused") == 8, r.stdout
+    assert "done" in r.stdout
