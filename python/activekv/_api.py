@@ -1620,8 +1620,10 @@ class Engine(_ClosedOnExit):
             return _torch_stream_handle(stream), None
         # A bool is an int to Python: True would pass as stream 1 (on CUDA
         # cudaStreamLegacy), silently. Raw handles are pointers: 0 .. 2^64 - 1.
-        if isinstance(stream, (int, np.integer)) and not isinstance(stream, (bool, np.bool_)):
-            v = int(stream)
+        # Read by _index, as every integer argument: int() ran the caller's
+        # __int__, and an object whose __class__ said int raised TypeError.
+        v = _index(stream)
+        if v is not None:
             if 0 <= v < 1 << 64:
                 return v, None
             raise InvalidArgument.make(f"stream {v}: a raw handle lies in 0 .. 2^64 - 1")

@@ -391,3 +391,36 @@ def test_objects_lying_about_their_class_never_reach_the_library_as_handles():
     assert r.returncode == 0, r.stdout + r.stderr
     assert "accepted" not in r.stdout and r.stdout.count("refused") == 8, r.stdout
     assert "done" in r.stdout
+
+
+def test_stream_argument_lying_about_being_an_int_raises_the_packages_error(engine):
+    """A stream argument whose __class__ said int passed the raw-handle
+    check and int() raised a TypeError from inside the package, not the
+    package's InvalidArgument; a numpy integer subclass's __int__ ran
+    there (the caller's code inside the call)."""
+
+    class Duck:
+        __class__ = int
+
+    class Loud(np.uint64):
+        def __int__(self):
+            raise AssertionError("the caller's __int__ ran")
+
+        __index__ = __int__
+
+    ctx = engine.open_context()
+    ctx.append(rows(1), rows(1))
+    engine.step_begin([ctx])
+    lease = engine.lease_begin(0)
+    with pytest.raises(akv.InvalidArgument):
+        lease.wait_ready(Duck())
+    with pytest.raises(akv.InvalidArgument):  # not an engine stream: the library's refusal
+        lease.wait_ready(Loud(12345))
+    for layer in range(L):
+        lease = lease if layer == 0 else engine.lease_begin(layer)
+        lease.wait_ready()
+        attn = lease.mark_consumed()
+        lease.seal(lease.write_back(), attn)
+        lease.retire()
+    engine.step_end()
+    ctx.close()
