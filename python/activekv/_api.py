@@ -785,6 +785,15 @@ _handle_attr = functools.partial(property, operator.attrgetter("_box.value"), _s
 # refusal) and the object follows its answer. These run only on that path:
 # the calls themselves cost nothing more.
 
+# _STALE: a handle passed to C is read after the last point where the
+# caller's code can run during the call (an argument's __array__, an
+# iterator, a __getattr__ of a stream argument): that code may close the
+# object, and the library hands a dead handle record out again after enough
+# later opens ("Handle lifetimes" in akv.h), so a handle read before it
+# named whichever newer object got the record (an append wrote its rows
+# into another engine's context). The early self._h() calls only keep
+# BadHandle ahead of argument errors.
+
 _BAD_HANDLE = STATUS_VALUES["AKV_ERR_BAD_HANDLE"]
 _INVALID_ARGUMENT = STATUS_VALUES["AKV_ERR_INVALID_ARGUMENT"]
 _STEP_STATE = STATUS_VALUES["AKV_ERR_STEP_STATE"]
@@ -1415,6 +1424,7 @@ class Engine(_ClosedOnExit):
         self._h()
         if isinstance(contexts, (Context, str, bytes)) or not hasattr(contexts, "__iter__"):
             raise InvalidArgument.make(f"step_begin: {contexts!r}: expected a sequence of Contexts")
+        contexts = list(contexts)  # the caller's code (an iterator's) runs here, not below
         hs = [self._ctx_handle(c, "step_begin") for c in contexts]
         arr = (ctypes.c_void_p * max(1, len(hs)))(*hs)
         h, n, before = self._h(), len(hs), self._step_open
@@ -1790,6 +1800,7 @@ class Context(_ClosedOnExit):
             raise InvalidArgument.make(f"append: {n} tokens")
         kp = (ctypes.c_void_p * nl)(*[ka.ctypes.data + l * ka.strides[0] for l in range(nl)])
         vp = (ctypes.c_void_p * nl)(*[va.ctypes.data + l * va.strides[0] for l in range(nl)])
+        h = self._h()  # again, after the caller's code (_STALE)
         _check(lib.akv_context_append(h, n, kp, vp), self._engine._handle, "append")
 
     @_guarded
@@ -1812,6 +1823,7 @@ class Context(_ClosedOnExit):
             raise InvalidArgument.make(f"append_layer: {ka.shape[0]} tokens")
         layer = _uint(layer, "append_layer: layer")
         _need("akv_context_append_layer")
+        h = self._h()  # again, after the caller's code (_STALE)
         _check(lib.akv_context_append_layer(h, layer, ka.shape[0], ka.ctypes.data, va.ctypes.data),
                self._engine._handle, "append_layer")
 
@@ -1903,8 +1915,9 @@ class Lease(_NotCopyable):
         backend this also synchronizes the stream (blocks) so that Python
         code can read and write the view's arrays at once. Raises
         LeaseState, InvalidArgument, Backend, Quarantined."""
-        h = self._h()
+        self._h()
         s, sobj = self._engine._stream_arg(stream)
+        h = self._h()  # after _stream_arg, which may run the caller's code (_STALE)
         v = L.akv_view()
         # recorded before the call, for mark_consumed(None): the lease keeps
         # the stream from here (a refused wait_ready leaves the lease begun,
@@ -1977,12 +1990,13 @@ class Lease(_NotCopyable):
     def mark_consumed(self, stream: Any = None) -> Fence:
         """Records the attention-consumed event on `stream` (None: the stream
         given to wait_ready) and returns its fence."""
-        h = self._h()
+        self._h()
         if stream is None:
             # as given to wait_ready; a lease handed out again by lease_begin
             # has that stream's raw value only
             stream = self._stream if self._stream is not None else self._box.stream
         s, _ = self._engine._stream_arg(stream)
+        h = self._h()  # after _stream_arg, which may run the caller's code (_STALE)
         f = L.akv_fence()
         # filled by the library on success (Lease.attention); a refused call
         # (a second one) leaves the first's
@@ -2007,7 +2021,7 @@ class Lease(_NotCopyable):
         """Enqueues the copy of each owner's new row to its host rows behind
         the attention event (owners None: all of the lease's contexts) and
         returns the tail fence. Raises LeaseState, OwnerMismatch, Backend."""
-        h = self._h()
+        self._h()
         tail = L.akv_fence()
         if owners is None:
             arr, n = None, 0
@@ -2015,8 +2029,10 @@ class Lease(_NotCopyable):
             if isinstance(owners, (Context, str, bytes)) or not hasattr(owners, "__iter__"):
                 raise InvalidArgument.make(f"write_back: owners={owners!r}: expected a sequence "
                                            "of Contexts or None")
+            owners = list(owners)  # the caller's code (an iterator's) runs here, not below
             hs = [self._engine._ctx_handle(c, "write_back") for c in owners]
             arr, n = (ctypes.c_void_p * max(1, len(hs)))(*hs), len(hs)
+        h = self._h()  # after the caller's code (_STALE)
         fn, ref, box = lib.akv_lease_write_back, ctypes.byref(tail), self._box
         # filled by the library on success (Lease.tail); an earlier write_back's
         # tail stays when this one is refused

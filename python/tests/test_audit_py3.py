@@ -424,3 +424,67 @@ def test_stream_argument_lying_about_being_an_int_raises_the_packages_error(engi
         lease.retire()
     engine.step_end()
     ctx.close()
+
+
+# ---------------------------------------- handles read before the caller's code
+
+
+def _reopen_until(eng, handle, limit=2000):
+    """Opens and closes contexts of `eng` until one gets `handle` (the
+    library hands a dead record out again after enough later opens);
+    returns that context, left open."""
+    for _ in range(limit):
+        c = eng.open_context()
+        if c._handle == handle:
+            return c
+        c.close()
+    raise AssertionError("the handle record never came back")
+
+
+def test_append_whose_rows_close_the_context_never_writes_into_a_newer_one(engine):
+    """Context.append read the context's handle, then converted k and v: an
+    __array__ that closed the context and opened contexts until the library
+    handed the dead record out again made the append write its rows into
+    that newer context (the call on a closed context must raise BadHandle).
+    The same for append_layer."""
+    for layer_call in (False, True):
+        ctx = engine.open_context()
+        h = ctx._handle
+        other = []
+
+        class Rows:
+            def __array__(self, dtype=None, copy=None):
+                if not other:
+                    ctx.close()
+                    other.append(_reopen_until(engine, h))
+                shape = (2, H, D) if layer_call else (L, 2, H, D)
+                return np.full(shape, 7, np.float32)
+
+        with pytest.raises(akv.BadHandle):
+            if layer_call:
+                ctx.append_layer(0, Rows(), Rows())
+            else:
+                ctx.append(Rows(), Rows())
+        assert len(other[0]) == 0  # nothing written into the newer context
+        other[0].close()
+
+
+def test_step_begin_iterator_cannot_swap_the_handles_it_names(engine):
+    """step_begin read each context's handle while iterating the caller's
+    sequence: a generator that, after yielding a context,
+    closed it and reopened contexts until the record came back made the
+    step begin over that newer context (the closed one must be refused)."""
+    ctx = engine.open_context()
+    ctx.append(rows(2), rows(2))
+    h = ctx._handle
+    other = []
+
+    def contexts():
+        yield ctx
+        ctx.close()
+        other.append(_reopen_until(engine, h))
+
+    with pytest.raises(akv.BadHandle):
+        engine.step_begin(contexts())
+    assert not engine._step_open
+    other[0].close()
