@@ -45,6 +45,28 @@ def staged(eng):
             lease.retire()
     return ctx, leases, views
 
+_destroyed = []
+_real_destroy = akv._api.lib.akv_engine_destroy
+
+
+def _counted_destroy(h):
+    st = _real_destroy(h)
+    if st == 0:
+        _destroyed.append(h)
+    return st
+
+
+akv._api.lib.akv_engine_destroy = _counted_destroy
+
+
+def memory_check(eng, arrays):
+    '''Prints FREED UNDER AN ARRAY when the engine's memory was freed while
+    `arrays` (zero-copy arrays over it) are alive: what a crash shows
+    under a sanitizer, told without one.'''
+    if arrays and _destroyed:
+        print("FREED UNDER AN ARRAY")
+
+
 def end_everything(eng, ctx, lease):
     '''Retires the last lease, ends the step, closes the context and the
     engine: with no array alive, the engine's memory is freed.'''
@@ -90,6 +112,7 @@ def test_view_index_whose_index_closes_the_engine_never_gets_freed_memory():
         except akv.ActiveKVError as exc:
             print("refused", type(exc).__name__)
         else:
+            memory_check(eng, [k])
             print("array", float(k.sum()), eng.live_arrays)
             del k
         if eng._handle is not None:
@@ -97,7 +120,7 @@ def test_view_index_whose_index_closes_the_engine_never_gets_freed_memory():
         print("done")
     """)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "done" in r.stdout
+    assert "done" in r.stdout and "FREED" not in r.stdout
 
 
 # ---------------------------------------- a second thread
@@ -143,6 +166,7 @@ def test_view_array_made_on_another_thread_while_the_engine_closes_is_never_over
         t.join(30)
         out = got[0]
         if isinstance(out, np.ndarray):
+            memory_check(eng, [out])
             print("array", float(out.sum()))
             del out, got[:]
         if eng._handle is not None:
@@ -150,7 +174,7 @@ def test_view_array_made_on_another_thread_while_the_engine_closes_is_never_over
         print("done")
     """)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "busy" in r.stdout and "done" in r.stdout
+    assert "busy" in r.stdout and "done" in r.stdout and "FREED" not in r.stdout
 
 
 # ---------------------------------------- what an array's base lets through
@@ -180,11 +204,13 @@ def test_copied_array_base_never_outlives_the_engines_memory():
         del a
         end_everything(eng, ctx, leases[-1])
         if b is not None:
+            memory_check(eng, [b])
             print("copy", float(b.sum()))
         print("done")
     """)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "refused" in r.stdout and "deepcopy refused" in r.stdout and "done" in r.stdout
+    assert "FREED" not in r.stdout
 
 
 def test_array_interface_of_an_array_base_cannot_be_pointed_elsewhere():
