@@ -455,10 +455,11 @@ def test_stream_argument_lying_about_being_an_int_raises_the_packages_error(engi
 # ---------------------------------------- handles read before the caller's code
 
 
-def _reopen_until(eng, handle, limit=2000):
+def _reopen_until(eng, handle, limit=1 << 17):
     """Opens and closes contexts of `eng` until one gets `handle` (the
-    library hands a dead record out again after enough later opens);
-    returns that context, left open."""
+    library hands a dead record out again after as many later opens as the
+    process-wide pool has free records: 1280 in a fresh process, more once
+    many engines were alive at once); returns that context, left open."""
     for _ in range(limit):
         c = eng.open_context()
         if c._handle == handle:
