@@ -87,14 +87,29 @@ def _enum(table: Dict[str, int], what: str, value: Union[str, int]) -> int:
     raise InvalidArgument.make(f"{what}={value!r}: expected one of {', '.join(table)}")
 
 
+# numpy's own integer scalar types (a subclass of one is read through it)
+_NP_INT_TYPES = frozenset(np.dtype(c).type for c in np.typecodes["AllInteger"])
+
+
 def _index(value: Any) -> Optional[int]:
     """The int a Python or numpy integer (not a bool) stands for, None for
     anything else. Read once, by operator.index (an int subclass gives its
     own value, whatever its __int__ says): the value checked is the value
-    used, so a range check cannot pass one number and C get another."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+    used, so a range check cannot pass one number and C get another.
+
+    Invariant: reading it runs none of the caller's Python code. The type is
+    taken from type(), not isinstance (which believes a lying __class__),
+    and a subclass of a numpy integer type is read by that numpy type's own
+    __index__ (C): an override ran in the middle of the package's calls,
+    after the handles were checked, and could close the engine there (a
+    View's array was then made over freed memory)."""
+    t = type(value)
+    if issubclass(t, (bool, np.bool_)) or not issubclass(t, (int, np.integer)):
         return None
-    return operator.index(value)
+    if issubclass(t, int) or t in _NP_INT_TYPES:
+        return operator.index(value)
+    base = next((b for b in t.__mro__ if b in _NP_INT_TYPES), None)
+    return None if base is None else base.__index__(value)
 
 
 _U64_MAX = (1 << 64) - 1
@@ -466,14 +481,18 @@ class _Export:
     entry on CUDA: the compute stream already waits for the staged rows on
     the device."""
 
+    # Invariant: an export describes memory the engine owns and is counted
+    # (engine._exports) for as long as it lives. Its interface is not
+    # writable (slots, read-only properties that give a new dict each time:
+    # a plain dict attribute could be pointed at any address through
+    # ndarray.base), and it is not copied (a copy was an export nobody
+    # counted: close() freed the memory under the copy's arrays).
+    __slots__ = ("_iface", "_cuda", "_mem", "_ref", "__weakref__")
+
     def __init__(self, engine: "Engine", ptr: int, shape: Tuple[int, ...],
                  strides: Optional[Tuple[int, ...]], typestr: str, cuda: bool) -> None:
-        iface = {"shape": tuple(shape), "typestr": typestr, "data": (ptr, False),
-                 "strides": strides, "version": 3}
-        if cuda:
-            self.__cuda_array_interface__ = iface
-        else:
-            self.__array_interface__ = iface
+        self._iface = (tuple(shape), typestr, ptr, None if strides is None else tuple(strides))
+        self._cuda = cuda
         # the engine's _Memory, not the Engine (see _Memory)
         self._mem = engine._mem
         # Counted by a weak reference in the engine's list, which the export's
@@ -488,16 +507,42 @@ class _Export:
         self._ref = ref
         exports.append(ref)
 
+    def _interface(self, cuda: bool) -> Dict[str, Any]:
+        if self._cuda is not cuda:
+            raise AttributeError("__cuda_array_interface__" if cuda else "__array_interface__")
+        shape, typestr, ptr, strides = self._iface
+        return {"shape": shape, "typestr": typestr, "data": (ptr, False), "strides": strides,
+                "version": 3}
+
+    @property
+    def __array_interface__(self) -> Dict[str, Any]:
+        return self._interface(False)
+
+    @property
+    def __cuda_array_interface__(self) -> Dict[str, Any]:
+        return self._interface(True)
+
+    def __copy__(self) -> Any:
+        raise TypeError("the base of an activekv zero-copy array cannot be copied (copy the "
+                        "array: np.array(a) or a.copy())")
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        self.__copy__()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        self.__copy__()
+
     def __del__(self) -> None:
         # The last export gone (its own reference, still listed until its
         # callback runs just after this, aside): the deferred destroy. Cut
         # short, the engine's close() or its own end does it
         # (_Memory.destroy_pending).
-        mem = self.__dict__.get("_mem")
+        mem = getattr(self, "_mem", None)
         if mem is not None and mem.pending:
             exports = mem.exports
-            if not exports or (len(exports) == 1 and exports[0] is self.__dict__.get("_ref")):
-                mem.destroy_pending(ending=self.__dict__.get("_ref"))
+            ref = getattr(self, "_ref", None)
+            if not exports or (len(exports) == 1 and exports[0] is ref):
+                mem.destroy_pending(ending=ref)
 
 
 class _Memory:
@@ -672,12 +717,26 @@ def _as_box(handle: Any) -> _Box:
     number is refused (InvalidArgument): the library reads the record a
     handle points at, and a forged one (Context(engine, 0x1000)) crashed the
     process."""
-    if isinstance(handle, _Box):
+    if type(handle) is _Box:  # not isinstance: see _ctx_handle
         return handle
     if handle is None:
         return _Box()
     raise InvalidArgument.make(f"{handle!r} is not a handle: contexts, leases and streams are "
                                "made by Engine.open_context, lease_begin and stream_create")
+
+
+def _init_once(obj: Any, engine: Any) -> None:
+    """The start of Context/Lease/Stream.__init__. Invariant: an object names
+    one handle for its life, of one Engine. A second __init__ emptied its box
+    (a context's host slot and rows, a begun lease, lost to the caller while
+    the object still claimed them), and an object around anything but an
+    Engine failed every call with AttributeError from inside the package."""
+    if "_box" in obj.__dict__:
+        raise InvalidArgument.make(f"{type(obj).__name__}.__init__: already made (an object "
+                                   "names one handle for its life)")
+    if not issubclass(type(engine), Engine):
+        raise InvalidArgument.make(f"{type(obj).__name__}: {engine!r} is not an Engine; "
+                                   "contexts, leases and streams are made by the engine")
 
 
 def _set_handle(obj: Any, value: Optional[int]) -> None:
@@ -725,6 +784,15 @@ _handle_attr = functools.partial(property, operator.attrgetter("_box.value"), _s
 # change nothing but the engine's last_error, and log a debug line, as any
 # refusal) and the object follows its answer. These run only on that path:
 # the calls themselves cost nothing more.
+
+# _STALE: a handle passed to C is read after the last point where the
+# caller's code can run during the call (an argument's __array__, an
+# iterator, a __getattr__ of a stream argument): that code may close the
+# object, and the library hands a dead handle record out again after enough
+# later opens ("Handle lifetimes" in akv.h), so a handle read before it
+# named whichever newer object got the record (an append wrote its rows
+# into another engine's context). The early self._h() calls only keep
+# BadHandle ahead of argument errors.
 
 _BAD_HANDLE = STATUS_VALUES["AKV_ERR_BAD_HANDLE"]
 _INVALID_ARGUMENT = STATUS_VALUES["AKV_ERR_INVALID_ARGUMENT"]
@@ -892,6 +960,12 @@ class Engine(_ClosedOnExit):
     _handle = _handle_attr()
 
     def __init__(self, *, log: Optional[LogFn] = None, **cfg: Any) -> None:
+        if "_box" in self.__dict__:
+            # Invariant: one Engine object, one C engine. A second __init__
+            # made another engine in the same object and dropped the first's
+            # handle without a destroy (leaked for the life of the process).
+            raise InvalidArgument.make("Engine.__init__: this engine is already made; make a "
+                                       "new Engine")
         # What the engine holds of the objects made from it is weak (their
         # boxes, weak sets): they hold the engine, so an engine dropped
         # without close() is freed when its last reference goes, by its
@@ -1043,12 +1117,20 @@ class Engine(_ClosedOnExit):
         return self._handle
 
     def _ctx_handle(self, ctx: Any, what: str) -> int:
-        """The C handle of one of this engine's live contexts."""
-        if not isinstance(ctx, Context):
+        """The C handle of one of this engine's live contexts.
+
+        Invariant: a handle the package passes to C is one the library made.
+        The type is checked with type(), not isinstance, which believes an
+        object's own __class__: a duck object saying it was a Context (or a
+        subclass overriding _h) handed the library any number as a context
+        handle, and the library read the record at that address (a crash).
+        Only the engine makes contexts, always of this exact class; the same
+        holds for leases (View) and streams (_stream_arg)."""
+        if type(ctx) is not Context:
             raise InvalidArgument.make(f"{what}: {ctx!r} is not a Context")
         if ctx._engine is not self:
             raise InvalidArgument.make(f"{what}: the context belongs to another engine")
-        return ctx._h()
+        return Context._h(ctx)
 
     @_guarded
     def close(self) -> None:
@@ -1342,6 +1424,7 @@ class Engine(_ClosedOnExit):
         self._h()
         if isinstance(contexts, (Context, str, bytes)) or not hasattr(contexts, "__iter__"):
             raise InvalidArgument.make(f"step_begin: {contexts!r}: expected a sequence of Contexts")
+        contexts = list(contexts)  # the caller's code (an iterator's) runs here, not below
         hs = [self._ctx_handle(c, "step_begin") for c in contexts]
         arr = (ctypes.c_void_p * max(1, len(hs)))(*hs)
         h, n, before = self._h(), len(hs), self._step_open
@@ -1435,9 +1518,17 @@ class Engine(_ClosedOnExit):
         box = _Box()
         box.layer, box.stream, box.owner = layer, None, None
         lease = Lease(self, box)  # owns the handle the call writes: _Owning
+        # Invariant: a box has an owner only once lease_begin returned its
+        # Lease. Cut short before (as the library returned), the Lease may
+        # live on in the exception's traceback, in a reference cycle that
+        # only a garbage collection frees (Python 3.12): the lease is still
+        # lost to the caller, and lease_begin(layer) must hand it out again
+        # at once, not after the next collection.
+        owner, box.owner = box.owner, None
         boxes.append(box)
         self._lease_boxes = boxes
         _check(lib.akv_lease_begin(h, layer, ctypes.byref(box)), self._handle, "lease_begin")
+        box.owner = owner
         return lease
 
     # -- streams
@@ -1516,10 +1607,10 @@ class Engine(_ClosedOnExit):
         """(the akv_stream value, the Stream object or None)."""
         if stream is None:
             stream = self.default_stream()
-        if isinstance(stream, Stream):
+        if type(stream) is Stream:  # not isinstance: see _ctx_handle
             if stream._engine is not self:
                 raise InvalidArgument.make("the stream belongs to another engine")
-            return stream._h(), stream
+            return Stream._h(stream), stream
         if hasattr(stream, "cuda_stream"):  # torch.cuda.Stream
             # A CUDA stream is a stream only to the CUDA backend, and only on
             # the engine's device: the host backend names its queues by
@@ -1539,8 +1630,10 @@ class Engine(_ClosedOnExit):
             return _torch_stream_handle(stream), None
         # A bool is an int to Python: True would pass as stream 1 (on CUDA
         # cudaStreamLegacy), silently. Raw handles are pointers: 0 .. 2^64 - 1.
-        if isinstance(stream, (int, np.integer)) and not isinstance(stream, (bool, np.bool_)):
-            v = int(stream)
+        # Read by _index, as every integer argument: int() ran the caller's
+        # __int__, and an object whose __class__ said int raised TypeError.
+        v = _index(stream)
+        if v is not None:
             if 0 <= v < 1 << 64:
                 return v, None
             raise InvalidArgument.make(f"stream {v}: a raw handle lies in 0 .. 2^64 - 1")
@@ -1560,6 +1653,7 @@ class Stream(_NotCopyable):
     _handle = _handle_attr()
 
     def __init__(self, engine: Engine, box: Optional[_Box]) -> None:
+        _init_once(self, engine)
         self._engine = engine
         self._box = _as_box(box)  # shared with the engine's list (Engine._streams)
 
@@ -1611,6 +1705,7 @@ class Context(_ClosedOnExit):
     _handle = _handle_attr()
 
     def __init__(self, engine: Engine, box: Optional[_Box]) -> None:
+        _init_once(self, engine)
         self._engine = engine
         self._box = _as_box(box)
 
@@ -1705,6 +1800,7 @@ class Context(_ClosedOnExit):
             raise InvalidArgument.make(f"append: {n} tokens")
         kp = (ctypes.c_void_p * nl)(*[ka.ctypes.data + l * ka.strides[0] for l in range(nl)])
         vp = (ctypes.c_void_p * nl)(*[va.ctypes.data + l * va.strides[0] for l in range(nl)])
+        h = self._h()  # again, after the caller's code (_STALE)
         _check(lib.akv_context_append(h, n, kp, vp), self._engine._handle, "append")
 
     @_guarded
@@ -1727,6 +1823,7 @@ class Context(_ClosedOnExit):
             raise InvalidArgument.make(f"append_layer: {ka.shape[0]} tokens")
         layer = _uint(layer, "append_layer: layer")
         _need("akv_context_append_layer")
+        h = self._h()  # again, after the caller's code (_STALE)
         _check(lib.akv_context_append_layer(h, layer, ka.shape[0], ka.ctypes.data, va.ctypes.data),
                self._engine._handle, "append_layer")
 
@@ -1793,8 +1890,9 @@ class Lease(_NotCopyable):
 
     def __init__(self, engine: Engine, box: Optional[_Box],
                  layer: Optional[int] = None) -> None:
+        _init_once(self, engine)
         self._engine = engine
-        if not isinstance(box, _Box):
+        if type(box) is not _Box:
             box = _as_box(box)
             box.layer, box.stream = layer, None
         self._box = box  # shared with the engine's list (Engine._lease_boxes)
@@ -1817,8 +1915,9 @@ class Lease(_NotCopyable):
         backend this also synchronizes the stream (blocks) so that Python
         code can read and write the view's arrays at once. Raises
         LeaseState, InvalidArgument, Backend, Quarantined."""
-        h = self._h()
+        self._h()
         s, sobj = self._engine._stream_arg(stream)
+        h = self._h()  # after _stream_arg, which may run the caller's code (_STALE)
         v = L.akv_view()
         # recorded before the call, for mark_consumed(None): the lease keeps
         # the stream from here (a refused wait_ready leaves the lease begun,
@@ -1891,12 +1990,13 @@ class Lease(_NotCopyable):
     def mark_consumed(self, stream: Any = None) -> Fence:
         """Records the attention-consumed event on `stream` (None: the stream
         given to wait_ready) and returns its fence."""
-        h = self._h()
+        self._h()
         if stream is None:
             # as given to wait_ready; a lease handed out again by lease_begin
             # has that stream's raw value only
             stream = self._stream if self._stream is not None else self._box.stream
         s, _ = self._engine._stream_arg(stream)
+        h = self._h()  # after _stream_arg, which may run the caller's code (_STALE)
         f = L.akv_fence()
         # filled by the library on success (Lease.attention); a refused call
         # (a second one) leaves the first's
@@ -1921,7 +2021,7 @@ class Lease(_NotCopyable):
         """Enqueues the copy of each owner's new row to its host rows behind
         the attention event (owners None: all of the lease's contexts) and
         returns the tail fence. Raises LeaseState, OwnerMismatch, Backend."""
-        h = self._h()
+        self._h()
         tail = L.akv_fence()
         if owners is None:
             arr, n = None, 0
@@ -1929,8 +2029,10 @@ class Lease(_NotCopyable):
             if isinstance(owners, (Context, str, bytes)) or not hasattr(owners, "__iter__"):
                 raise InvalidArgument.make(f"write_back: owners={owners!r}: expected a sequence "
                                            "of Contexts or None")
+            owners = list(owners)  # the caller's code (an iterator's) runs here, not below
             hs = [self._engine._ctx_handle(c, "write_back") for c in owners]
             arr, n = (ctypes.c_void_p * max(1, len(hs)))(*hs), len(hs)
+        h = self._h()  # after the caller's code (_STALE)
         fn, ref, box = lib.akv_lease_write_back, ctypes.byref(tail), self._box
         # filled by the library on success (Lease.tail); an earlier write_back's
         # tail stays when this one is refused
@@ -1956,7 +2058,8 @@ class Lease(_NotCopyable):
         h = self._h()
         if not isinstance(tail, Fence) or not isinstance(attention, Fence):
             raise InvalidArgument.make("seal takes two Fence values")
-        _check(lib.akv_lease_seal(h, tail._c(), attention._c()), self._engine._handle, "seal")
+        _check(lib.akv_lease_seal(h, Fence._c(tail), Fence._c(attention)), self._engine._handle,
+               "seal")
 
     @_guarded
     def retire(self) -> Receipt:
@@ -2036,7 +2139,8 @@ class View:
         # library filled (Lease.wait_ready). The class is public: one built
         # from any other struct (a base of 0x1000) handed out arrays over
         # memory that is not the engine's, and reading them crashed.
-        if not isinstance(lease, Lease) or v is not getattr(lease._box, "view", None):
+        # (the type by type(), not isinstance: see Engine._ctx_handle)
+        if type(lease) is not Lease or v is not getattr(lease._box, "view", None):
             raise InvalidArgument.make("View: a view is made by Lease.wait_ready (or Lease.view) "
                                        "from the view the library filled")
         page_map: Optional[np.ndarray] = None
@@ -2076,14 +2180,24 @@ class View:
     def _cuda(self) -> bool:
         return self._lease._engine.backend == "cuda"
 
+    @property
+    def _engine(self) -> Engine:
+        """The lease's engine: keys/values/kv_tensors are calls on it
+        (_guarded). Invariant: an array is made over the staging buffer only
+        by the one call in flight on the engine, so no other thread can
+        retire the lease and close the engine (freeing the buffer) between
+        the check that the lease is live and the array being counted
+        (Engine.live_arrays, which defers the free)."""
+        return self._lease._engine
+
     def _check_live(self, i: Any = _EVERY_CONTEXT) -> Optional[int]:
         """Raises unless the lease is live and context `i` (every one by
         default) is in the staging buffer; returns `i` as the int checked,
         the one the caller must use (an array's offset is computed from it:
         an index read again could name memory outside the buffer)."""
-        self._lease._h()
         every = i is _EVERY_CONTEXT  # kv_tensors; keys(None) is refused like keys(1.5)
         index = None if every else _index(i)
+        self._lease._h()  # after reading i: nothing between this and the array
         ctxs = range(self.n_contexts) if every else [index]
         if not every and (index is None or not 0 <= index < self.n_contexts):
             raise InvalidArgument.make(f"context {i!r} of a view of {self.n_contexts}")
@@ -2108,15 +2222,18 @@ class View:
         return self._array(off, (self._len[i] + 1, self.kv_heads, self.head_dim),
                            (self.row_stride, self.head_dim * isz, isz))
 
+    @_guarded
     def keys(self, i: int):
         """Context i's K rows [len[i]+1, kv_heads, head_dim], zero-copy (the
         last row is the step's new row, for the caller to write)."""
         return self._rows(i, False)
 
+    @_guarded
     def values(self, i: int):
         """Context i's V rows [len[i]+1, kv_heads, head_dim], zero-copy."""
         return self._rows(i, True)
 
+    @_guarded
     def kv_tensors(self):
         """(K, V) torch tensors [n_contexts, kv_heads, max_len+1, head_dim]:
         strided zero-copy views over the staging buffer (CUDA, or CPU torch
