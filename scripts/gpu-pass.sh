@@ -579,7 +579,8 @@ fi
 
 # ------------------------------------------------------------------ python
 # Issue 12's proof: the Python package against the library just built
-# (ACTIVEKV_LIBRARY, no second build), its CUDA, ABI and audit tests, then
+# (ACTIVEKV_LIBRARY, no second build), its CUDA, ABI, transformers-adapter and audit
+# tests (the adapter's need torch, which only this machine has), then
 # examples/hf_compare.py per preset: resident DynamicCache, the offloaded
 # DynamicCache, ActiveKVCache at pool 0 / half / all of the history, resident
 # again; every row's logits compared with resident bit for bit.
@@ -589,11 +590,12 @@ if has_step python; then
   if [ -f "$lib" ]; then
     log "python package tests (CUDA)"
     (PYTHONPATH=$PWD/python ACTIVEKV_LIBRARY=$lib timeout 300 python3 -m pytest -q -ra \
-      python/tests/test_cuda.py python/tests/test_abi.py python/tests/test_audit_py.py \
-      python/tests/test_audit_py2.py) \
+      python/tests/test_cuda.py python/tests/test_abi.py python/tests/test_transformers.py \
+      python/tests/test_audit_py.py python/tests/test_audit_py2.py \
+      python/tests/test_audit_py3.py) \
       >"$OUT/python.log" 2>&1
     rc=$?
-    record "pytest (CUDA, ABI, audit)" "$([ $rc = 0 ] && echo ok || echo FAIL)" \
+    record "pytest (CUDA, ABI, adapter, audit)" "$([ $rc = 0 ] && echo ok || echo FAIL)" \
       "rc=$rc $(grep -E 'passed|failed' "$OUT/python.log" | tail -1)"
     for preset in ${AKV_HF_PRESETS:-llama3.1-8b llama3.2-1b}; do
       log "hf_compare $preset"
