@@ -31,12 +31,14 @@
  *
  * Algorithm (fixed; both implementations follow it):
  *  1. The history of each context is cut into chunks of chunk_tokens rows
- *     (the caller passes its page size), and each chunk into pieces: P =
- *     max(1, floor(chunk_tokens / T)) pieces of ceil(chunk_tokens / P) rows,
- *     T being a build constant (AKV_ATTN_PIECE_TOKENS; the library is built
- *     with T = 256: chunks of up to 511 rows stay whole, larger ones are cut
- *     into pieces of 256 rows or more). The last piece of a context may be
- *     shorter; empty pieces do not exist. For each (context, query head,
+ *     (the caller passes its page size), and each chunk into pieces of
+ *     R = ceil(chunk_tokens / max(1, floor(chunk_tokens / T))) rows, P =
+ *     ceil(chunk_tokens / R) of them, T being a build constant
+ *     (AKV_ATTN_PIECE_TOKENS; the library is built with T = 256: chunks of
+ *     up to 511 rows stay whole, larger ones are cut into pieces of 256 rows
+ *     or more). The last piece of a context may be shorter; empty pieces do
+ *     not exist (P counts only pieces that hold rows: a chunk of 66,049 rows
+ *     is 257 pieces of 257 rows, not 258). For each (context, query head,
  *     piece) a partial is computed in
  *     fp32 over the piece's rows k_t, v_t (decoded codes for FP8):
  *     scores s_t = (q . k_t) * c_g with c_g = (scale * log2(e)) * k_scale[g]

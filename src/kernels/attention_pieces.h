@@ -40,16 +40,27 @@
 #define AKV_ATTN_PIECE_TOKENS 256
 #endif
 
-/* Pieces per chunk, >= 1 (chunk_tokens >= 1). */
-static inline uint32_t akv_attn_pieces(uint32_t chunk_tokens) {
-  const uint32_t s = AKV_ATTN_PIECE_TOKENS > 0 ? chunk_tokens / (uint32_t)AKV_ATTN_PIECE_TOKENS : 1u;
-  return s > 0 ? s : 1u;
+/* Rows of every piece but possibly the last of a context: ceil(chunk / s)
+ * with s = max(1, floor(chunk / AKV_ATTN_PIECE_TOKENS)) the pieces the cut
+ * aims at; >= 1 (chunk_tokens >= 1). */
+static inline uint32_t akv_attn_piece_rows(uint32_t chunk_tokens) {
+  uint32_t s = AKV_ATTN_PIECE_TOKENS > 0 ? chunk_tokens / (uint32_t)AKV_ATTN_PIECE_TOKENS : 1u;
+  if (s == 0) s = 1u;
+  return chunk_tokens / s + (chunk_tokens % s != 0);
 }
 
-/* Rows of every piece but possibly the last of a context: ceil(chunk / pieces). */
-static inline uint32_t akv_attn_piece_rows(uint32_t chunk_tokens) {
-  const uint32_t s = akv_attn_pieces(chunk_tokens);
-  return chunk_tokens / s + (chunk_tokens % s != 0);
+/* Pieces per chunk, >= 1: ceil(chunk / piece_rows), the pieces that hold
+ * rows. Invariant: (pieces - 1) * piece_rows < chunk_tokens <= pieces *
+ * piece_rows, so every piece of a full chunk has rows and every piece slot
+ * the combine counts (akv_attn_context_slots) is one stage 1 writes. The
+ * aimed-at s pieces can leave the last ones empty (chunk 66,049: s = 258
+ * pieces of 257 rows, 257 of which hold every row): counted as pieces,
+ * their slots were never written and the combine read the workspace's old
+ * bytes as partials. */
+static inline uint32_t akv_attn_pieces(uint32_t chunk_tokens) {
+  const uint32_t r = akv_attn_piece_rows(chunk_tokens);
+  if (r == 0) return 1u; /* chunk_tokens 0: refused by every caller (akv_attn_chunk_ok) */
+  return chunk_tokens / r + (chunk_tokens % r != 0);
 }
 
 /* Whether a uint32_t or float array of the arguments may be read through

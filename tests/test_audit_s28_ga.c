@@ -1,0 +1,176 @@
+/*
+ * test_audit_s28_ga.c - a hostile caller's audit of the attention reference
+ * (akv_attention.h) and of the group layer (akv_group.h), session 28.
+ *
+ *  - Pieces of large chunks: every piece slot the combine reads was written
+ *    by the call (the cut has no empty pieces), so the output never depends
+ *    on what the workspace held before the call.
+ */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "akv.h"
+#include "akv_attention.h"
+#include "akv_group.h"
+#include "attention_pieces.h"
+#include "testutil.h"
+
+static uint16_t bf16_of(float f) {
+  uint32_t b;
+  memcpy(&b, &f, sizeof b);
+  return (uint16_t)(b >> 16);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Empty pieces in full chunks                                              */
+/* ------------------------------------------------------------------------ */
+
+/* A chunk of 66,049 rows was cut into floor(66049 / 256) = 258 pieces of
+ * ceil(66049 / 258) = 257 rows: 257 pieces hold every row, and piece 258
+ * of every full chunk had none. No call wrote its partial, yet the combine
+ * counted 258 slots per full chunk and read that one from the workspace as
+ * it was: the output of a context of two such chunks was the workspace's
+ * old bytes' doing (NaN from a NaN workspace, another value from a
+ * workspace of ones), contiguous and paged alike. Now every piece slot the
+ * combine reads is one the call wrote: the same inputs give the same bits
+ * whatever the workspace held, equal to those of a workspace of zeros, and
+ * close to a float64 attention. */
+enum { BIG_CHUNK = 66049u, BIG_LEN = 2u * 66049u + 3u };
+
+static void big_rows(uint16_t *k, uint16_t *v, uint32_t n) {
+  for (uint32_t t = 0; t < n; ++t) {
+    k[t] = bf16_of((float)((t * 7u) % 13u) / 13.0f);
+    v[t] = bf16_of((float)((t * 5u) % 11u) - 5.0f);
+  }
+}
+
+static double big_f64(const uint16_t *k, const uint16_t *v, uint32_t n, float qv) {
+  double m = -INFINITY, l = 0.0, o = 0.0;
+  for (uint32_t t = 0; t < n; ++t) m = fmax(m, (double)qv * akvt_bf16_to_f32(k[t]));
+  for (uint32_t t = 0; t < n; ++t) {
+    const double w = exp((double)qv * akvt_bf16_to_f32(k[t]) - m);
+    l += w;
+    o += w * akvt_bf16_to_f32(v[t]);
+  }
+  return o / l;
+}
+
+static void fill_ws(float *ws, size_t bytes, float x) {
+  for (size_t i = 0; i < bytes / sizeof(float); ++i) ws[i] = x;
+}
+
+static void test_no_empty_pieces_in_full_chunks(void **state) {
+  (void)state;
+  /* The cut itself: every piece of a chunk has rows. */
+  static const uint32_t cuts[] = {1u, 255u, 256u, 511u, 512u, 65535u, 66048u, 66049u, 76801u,
+                                  1000003u, 0x00FFFFFFu, AKV_ATTENTION_MAX_CHUNK_TOKENS};
+  for (size_t i = 0; i < sizeof cuts / sizeof cuts[0]; ++i) {
+    const uint64_t c = cuts[i], p = akv_attn_pieces(cuts[i]), r = akv_attn_piece_rows(cuts[i]);
+    assert_true(p >= 1 && r >= 1);
+    assert_true((p - 1u) * r < c && p * r >= c);
+  }
+
+  const uint32_t len = BIG_LEN;
+  const float qv = 2.0f;
+  uint16_t q[1] = {bf16_of(qv)};
+  uint16_t *k = (uint16_t *)malloc((size_t)len * 2u), *v = (uint16_t *)malloc((size_t)len * 2u);
+  assert_non_null(k);
+  assert_non_null(v);
+  big_rows(k, v, len);
+  size_t wsb = 0;
+  assert_int_equal(akv_attention_workspace_bytes(1, 1, 1, len, BIG_CHUNK, &wsb), AKV_OK);
+  float *ws = (float *)malloc(wsb);
+  assert_non_null(ws);
+  akv_attention_args a;
+  memset(&a, 0, sizeof a);
+  a.dtype = AKV_DTYPE_BF16;
+  a.n_contexts = 1;
+  a.n_heads = 1;
+  a.kv_heads = 1;
+  a.head_dim = 1;
+  a.chunk_tokens = BIG_CHUNK;
+  a.scale = 1.0f;
+  a.q = q;
+  a.k_base = k;
+  a.v_base = v;
+  a.row_bytes = 2;
+  a.len = &len;
+  a.workspace = ws;
+  a.workspace_bytes = wsb;
+  float want = 0.0f, got = 0.0f;
+  fill_ws(ws, wsb, 0.0f);
+  a.out = &want;
+  assert_int_equal(akv_attention_ref_bf16(&a), AKV_OK);
+  assert_true(isfinite(want));
+  assert_true(fabs(want - big_f64(k, v, len, qv)) <= 1e-4 * fabs(big_f64(k, v, len, qv)) + 1e-6);
+  static const float junk[] = {NAN, 1.0f, 100.0f, -INFINITY, INFINITY};
+  for (size_t j = 0; j < sizeof junk / sizeof junk[0]; ++j) {
+    fill_ws(ws, wsb, junk[j]);
+    a.out = &got;
+    assert_int_equal(akv_attention_ref_bf16(&a), AKV_OK);
+    assert_memory_equal(&got, &want, sizeof got);
+  }
+
+  /* Paged, one page per chunk: the same bits (page_tokens == chunk_tokens). */
+  const uint32_t indptr[2] = {0, 3}, indices[3] = {0, 1, 2},
+                 last[1] = {len - 2u * BIG_CHUNK};
+  uint16_t *pk = (uint16_t *)calloc(3u * BIG_CHUNK, 2u), *pv = (uint16_t *)calloc(3u * BIG_CHUNK, 2u);
+  assert_non_null(pk);
+  assert_non_null(pv);
+  memcpy(pk, k, (size_t)len * 2u);
+  memcpy(pv, v, (size_t)len * 2u);
+  akv_page_table t;
+  memset(&t, 0, sizeof t);
+  t.batch = 1;
+  t.page_tokens = BIG_CHUNK;
+  t.max_pages = 3;
+  t.indptr = indptr;
+  t.indices = indices;
+  t.last_page_len = last;
+  t.k_pages = pk;
+  t.v_pages = pv;
+  t.page_stride = (uint64_t)BIG_CHUNK * 2u;
+  t.row_bytes = 2;
+  size_t pwsb = 0;
+  assert_int_equal(akv_attention_workspace_bytes(1, 1, 1, 3u * BIG_CHUNK, BIG_CHUNK, &pwsb), AKV_OK);
+  float *pws = (float *)malloc(pwsb);
+  assert_non_null(pws);
+  akv_attention_paged_args pa;
+  memset(&pa, 0, sizeof pa);
+  pa.dtype = AKV_DTYPE_BF16;
+  pa.n_heads = 1;
+  pa.kv_heads = 1;
+  pa.head_dim = 1;
+  pa.scale = 1.0f;
+  pa.q = q;
+  pa.out = &got;
+  pa.workspace = pws;
+  pa.workspace_bytes = pwsb;
+  for (size_t j = 0; j < sizeof junk / sizeof junk[0]; ++j) {
+    fill_ws(pws, pwsb, junk[j]);
+    got = 0.0f;
+    assert_int_equal(akv_attention_paged_ref_bf16(&pa, t), AKV_OK);
+    assert_memory_equal(&got, &want, sizeof got);
+  }
+  free(pws);
+  free(pk);
+  free(pv);
+  free(ws);
+  free(k);
+  free(v);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_no_empty_pieces_in_full_chunks),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
