@@ -6,7 +6,9 @@
  *    by the call (the cut has no empty pieces), so the output never depends
  *    on what the workspace held before the call.
  */
+#define _POSIX_C_SOURCE 200809L
 #include <math.h>
+#include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -14,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <cmocka.h>
 
@@ -168,9 +171,163 @@ static void test_no_empty_pieces_in_full_chunks(void **state) {
   free(v);
 }
 
+/* ------------------------------------------------------------------------ */
+/* Groups                                                                   */
+/* ------------------------------------------------------------------------ */
+
+#define G_LAYERS 2
+#define G_KV_HEADS 2
+#define G_HEAD_DIM 8
+
+/* A log sink that holds the thread that set `holder` inside its engine's
+ * log callback (so inside a call on that engine) until released. */
+typedef struct hold {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int inside, release;
+} hold;
+
+static _Thread_local int hold_me;
+
+static void hold_log(void *user, akv_log_level level, const char *message) {
+  (void)level;
+  (void)message;
+  hold *h = (hold *)user;
+  if (h == NULL || !hold_me) return;
+  hold_me = 0; /* once */
+  pthread_mutex_lock(&h->mu);
+  h->inside = 1;
+  pthread_cond_broadcast(&h->cv);
+  while (!h->release) pthread_cond_wait(&h->cv, &h->mu);
+  pthread_mutex_unlock(&h->mu);
+}
+
+static akv_engine_config g_shard(akv_log_fn fn, void *user) {
+  akv_engine_config c = AKV_ENGINE_CONFIG_INIT;
+  c.backend = AKV_BACKEND_HOST;
+  c.n_dense_layers = G_LAYERS;
+  c.kv_heads = G_KV_HEADS;
+  c.head_dim = G_HEAD_DIM;
+  c.max_tokens = 4096;
+  c.page_tokens = 256;
+  c.host_pool_gib = 1;
+  c.device_pool_gib = 1;
+  c.max_contexts = 4;
+  c.fit_mode = AKV_FIT_SHRINK;
+  c.route = AKV_ROUTE_ARENA;
+  c.log_fn = fn != NULL ? fn : akvt_silent_log;
+  c.log_user = user;
+  c.log_level = AKV_LOG_DEBUG; /* refusals log at DEBUG (hold_log's hook) */
+  return c;
+}
+
+typedef struct busy_rank {
+  akv_group_world *world;
+  hold *h;
+  uint32_t rank;
+  akv_status create, first[4], second;
+  int stopped_after;
+  akv_engine *engine;
+  int engine_quarantined;
+} busy_rank;
+
+static void *holder_main(void *arg) {
+  akv_engine *e = (akv_engine *)arg;
+  hold_me = 1;
+  /* A refused call that logs its refusal: this thread is inside a call on
+   * the engine until the sink lets go. */
+  (void)akv_context_open(e, NULL, NULL);
+  return NULL;
+}
+
+static void *busy_rank_main(void *arg) {
+  busy_rank *r = (busy_rank *)arg;
+  akv_engine_config shard = g_shard(hold_log, r->h);
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  akv_group *g = NULL;
+  gc.rank = r->rank;
+  gc.size = 2;
+  gc.timeout_ms = 60000; /* never reached: the ranks meet once rank 0's holder let go */
+  r->create = akv_group_create_inproc(&shard, &gc, r->world, &g);
+  if (r->create != AKV_OK) return NULL;
+  if (r->rank == 0) {
+    akv_engine *e = NULL;
+    pthread_t t;
+    akv_context *c = NULL;
+    akv_group_engine(g, &e);
+    pthread_create(&t, NULL, holder_main, e);
+    {
+      /* Bounded, so that a holder that never logs fails the test instead
+       * of hanging it (first[] then stays 0, never AKV_ERR_IN_USE). */
+      struct timespec until;
+      clock_gettime(CLOCK_REALTIME, &until);
+      until.tv_sec += 60;
+      pthread_mutex_lock(&r->h->mu);
+      while (!r->h->inside &&
+             pthread_cond_timedwait(&r->h->cv, &r->h->mu, &until) == 0) {
+      }
+      const int inside = r->h->inside;
+      pthread_mutex_unlock(&r->h->mu);
+      if (!inside) goto released;
+    }
+    /* Another thread is inside this rank's engine: every agreement call
+     * is refused here, at once, without meeting rank 1. */
+    r->first[0] = akv_group_check(g);
+    r->first[1] = akv_group_context_open(g, NULL, &c);
+    r->first[2] = akv_group_step_begin(g, &c, 1);
+    r->first[3] = akv_group_context_close(g, c);
+  released:
+    pthread_mutex_lock(&r->h->mu);
+    r->h->release = 1;
+    pthread_cond_broadcast(&r->h->cv);
+    pthread_mutex_unlock(&r->h->mu);
+    pthread_join(t, NULL);
+  }
+  r->second = akv_group_check(g);
+  {
+    akv_group_info info;
+    akv_engine_info ei;
+    akv_group_info_get(g, &info);
+    r->stopped_after = info.stopped;
+    akv_group_engine(g, &r->engine);
+    r->engine_quarantined = akv_engine_info_get(r->engine, &ei) == AKV_OK && ei.quarantined;
+  }
+  if (akv_group_destroy(g) != AKV_OK) {
+    akv_engine_quarantine(r->engine, NULL);
+    akv_group_destroy(g);
+  }
+  return NULL;
+}
+
+static void test_engine_busy_in_another_thread(void **state) {
+  (void)state;
+  hold h = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0};
+  akv_group_world *w = NULL;
+  busy_rank r[2];
+  assert_int_equal(akv_group_world_create(2, 4, &w), AKV_OK);
+  for (uint32_t i = 0; i < 2; ++i) {
+    memset(&r[i], 0, sizeof r[i]);
+    r[i].world = w;
+    r[i].h = &h;
+    r[i].rank = i;
+  }
+  assert_int_equal(akvt_run_threads(busy_rank_main, r, sizeof r[0], 2), 0);
+  assert_int_equal(r[0].create, AKV_OK);
+  assert_int_equal(r[1].create, AKV_OK);
+  for (int i = 0; i < 4; ++i) assert_int_equal(r[0].first[i], AKV_ERR_IN_USE);
+  assert_int_equal(r[0].second, AKV_OK);
+  assert_int_equal(r[1].second, AKV_OK);
+  for (int i = 0; i < 2; ++i) {
+    assert_int_equal(r[i].stopped_after, 0);
+    assert_int_equal(r[i].engine_quarantined, 0);
+  }
+  assert_int_equal(akv_group_world_destroy(w), AKV_OK);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_no_empty_pieces_in_full_chunks),
+      cmocka_unit_test(test_engine_busy_in_another_thread),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
