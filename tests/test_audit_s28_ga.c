@@ -172,6 +172,104 @@ static void test_no_empty_pieces_in_full_chunks(void **state) {
 }
 
 /* ------------------------------------------------------------------------ */
+/* Arrays past the end of the address space, refused before they are read   */
+/* ------------------------------------------------------------------------ */
+
+/* The last 256 bytes of the address space: no array of more than 255
+ * bytes can start there (akv_attention.h, "Overlap": an array that would
+ * run past the end is refused with AKV_ERR_INVALID_ARGUMENT). len, the
+ * scales and the page table's indptr and last_page_len were read (to find
+ * the lengths, check the scales, walk the table) before their extent was
+ * checked: the call faulted on its first read instead of refusing. */
+#define TOP_ARRAY ((void *)(uintptr_t)(UINTPTR_MAX & ~(uintptr_t)255))
+
+static void test_arrays_past_the_end_refused_before_read(void **state) {
+  (void)state;
+  enum { H = 64 };
+  uint16_t q[H], k[H], v[H];
+  float out[H], ks[H], vs[H];
+  _Alignas(64) unsigned char ws[1 << 14];
+  uint32_t len[1] = {1};
+  for (int i = 0; i < H; ++i) {
+    q[i] = k[i] = v[i] = bf16_of(0.5f);
+    ks[i] = vs[i] = 1.0f;
+  }
+  akv_attention_args a;
+  memset(&a, 0, sizeof a);
+  a.dtype = AKV_DTYPE_BF16;
+  a.n_contexts = 1;
+  a.n_heads = H;
+  a.kv_heads = H;
+  a.head_dim = 1;
+  a.chunk_tokens = 4;
+  a.scale = 1.0f;
+  a.q = q;
+  a.k_base = k;
+  a.v_base = v;
+  a.row_bytes = 2u * H;
+  a.context_stride = 2u * H;
+  a.len = len;
+  a.out = out;
+  a.workspace = ws;
+  a.workspace_bytes = sizeof ws;
+  a.k_scale = ks;
+  a.v_scale = vs;
+  assert_int_equal(akv_attention_ref_bf16(&a), AKV_OK);
+  const akv_attention_args base = a;
+  /* len: 64 contexts (256 bytes) from the top. */
+  a.len = (const uint32_t *)TOP_ARRAY;
+  a.n_contexts = 64;
+  assert_int_equal(akv_attention_ref_bf16(&a), AKV_ERR_INVALID_ARGUMENT);
+  /* The scales: 64 floats each. */
+  a = base;
+  a.k_scale = (const float *)TOP_ARRAY;
+  assert_int_equal(akv_attention_ref_bf16(&a), AKV_ERR_INVALID_ARGUMENT);
+  a = base;
+  a.v_scale = (const float *)TOP_ARRAY;
+  assert_int_equal(akv_attention_ref_bf16(&a), AKV_ERR_INVALID_ARGUMENT);
+
+  /* Paged: one context of one page, then the same arrays at the top. */
+  uint32_t indptr[2] = {0, 1}, indices[1] = {0}, last[1] = {1};
+  akv_page_table t;
+  memset(&t, 0, sizeof t);
+  t.batch = 1;
+  t.page_tokens = 4;
+  t.max_pages = 1;
+  t.indptr = indptr;
+  t.indices = indices;
+  t.last_page_len = last;
+  t.k_pages = k;
+  t.v_pages = v;
+  t.page_stride = 8u * H;
+  t.row_bytes = 2u * H;
+  akv_attention_paged_args pa;
+  memset(&pa, 0, sizeof pa);
+  pa.dtype = AKV_DTYPE_BF16;
+  pa.n_heads = H;
+  pa.kv_heads = H;
+  pa.head_dim = 1;
+  pa.scale = 1.0f;
+  pa.q = q;
+  pa.out = out;
+  pa.workspace = ws;
+  pa.workspace_bytes = sizeof ws;
+  pa.k_scale = ks;
+  pa.v_scale = vs;
+  assert_int_equal(akv_attention_paged_ref_bf16(&pa, t), AKV_OK);
+  akv_page_table bt = t;
+  bt.indptr = (const uint32_t *)TOP_ARRAY; /* [batch + 1] = 64 entries */
+  bt.batch = 63;
+  assert_int_equal(akv_attention_paged_ref_bf16(&pa, bt), AKV_ERR_INVALID_ARGUMENT);
+  bt = t;
+  bt.last_page_len = (const uint32_t *)TOP_ARRAY; /* [batch] = 64 entries */
+  bt.batch = 64;
+  assert_int_equal(akv_attention_paged_ref_bf16(&pa, bt), AKV_ERR_INVALID_ARGUMENT);
+  akv_attention_paged_args pb = pa;
+  pb.k_scale = (const float *)TOP_ARRAY;
+  assert_int_equal(akv_attention_paged_ref_bf16(&pb, t), AKV_ERR_INVALID_ARGUMENT);
+}
+
+/* ------------------------------------------------------------------------ */
 /* Groups                                                                   */
 /* ------------------------------------------------------------------------ */
 
@@ -327,6 +425,7 @@ static void test_engine_busy_in_another_thread(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_no_empty_pieces_in_full_chunks),
+      cmocka_unit_test(test_arrays_past_the_end_refused_before_read),
       cmocka_unit_test(test_engine_busy_in_another_thread),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -156,6 +156,19 @@ static inline int akv_attn_span_at(const void *p, uint64_t n, akv_attn_span *s) 
   return 1;
 }
 
+/* Whether the n elements of `esize` bytes at p (NULL: none) end within the
+ * address space. Invariant: a call checks this for every host array it
+ * reads (len, the scales, the page table's indptr, last_page_len and
+ * indices) before its first read of it, so that one whose shape runs past
+ * the end of the address space is refused (akv_attention.h, "Overlap")
+ * instead of read: no buffer of that shape can lie there, and its first
+ * element (in the last bytes of the address space) faulted. */
+static inline int akv_attn_array_fits(const void *p, uint64_t n, uint64_t esize) {
+  akv_attn_span s;
+  uint64_t bytes;
+  return akv_attn_mul4(n, esize, 1, 1, &bytes) && akv_attn_span_at(p, bytes, &s);
+}
+
 /* Whether two spans share a byte (adjacent spans do not). */
 static inline int akv_attn_spans_meet(akv_attn_span a, akv_attn_span b) {
   return a.lo < a.hi && b.lo < b.hi && a.lo < b.hi && b.lo < a.hi;
