@@ -270,6 +270,121 @@ static void test_arrays_past_the_end_refused_before_read(void **state) {
 }
 
 /* ------------------------------------------------------------------------ */
+/* Accuracy against exact arithmetic: what fp32 scores allow                */
+/* ------------------------------------------------------------------------ */
+
+/* akv_attention.h said the reference is within a relative L2 error of 1e-5
+ * of exact arithmetic, unconditionally. No fp32 implementation of the fixed
+ * algorithm can be: a score is rounded to fp32, an absolute error relative
+ * to its magnitude that the exponential turns into a relative error of its
+ * weight. Two rows with scores near 65,537 and 65,536 (q . k in bf16, exact
+ * in fp32; times log2(e) near 94,548) give an error near 6e-4. The header
+ * now states the bound it can keep, the 1e-5 of inputs of the usual
+ * magnitudes plus (head_dim + 2) * 2^-24 * S, S the largest
+ * |c_g| * sum_j |q_j k_tj| of the context, for an output whose V terms do
+ * not cancel; this checks it over a sweep of score magnitudes. */
+static double one_head_err(uint32_t d, uint32_t n, const uint16_t *q, const uint16_t *k,
+                           const uint16_t *v, float scale, double *s_max) {
+  size_t wsb = 0;
+  float out[AKV_ATTENTION_MAX_HEAD_DIM];
+  double ref[AKV_ATTENTION_MAX_HEAD_DIM], s[64], m = -INFINITY, l = 0.0;
+  const uint32_t len = n;
+  assert_true(n <= 64 && d <= AKV_ATTENTION_MAX_HEAD_DIM);
+  assert_int_equal(akv_attention_workspace_bytes(1, 1, d, n, 16, &wsb), AKV_OK);
+  void *ws = malloc(wsb);
+  assert_non_null(ws);
+  akv_attention_args a;
+  memset(&a, 0, sizeof a);
+  a.dtype = AKV_DTYPE_BF16;
+  a.n_contexts = 1;
+  a.n_heads = 1;
+  a.kv_heads = 1;
+  a.head_dim = d;
+  a.chunk_tokens = 16;
+  a.scale = scale;
+  a.q = q;
+  a.k_base = k;
+  a.v_base = v;
+  a.row_bytes = 2u * d;
+  a.len = &len;
+  a.out = out;
+  a.workspace = ws;
+  a.workspace_bytes = wsb;
+  assert_int_equal(akv_attention_ref_bf16(&a), AKV_OK);
+  free(ws);
+  *s_max = 0.0;
+  const double c = (double)(scale * 1.44269504088896340736f);
+  for (uint32_t t = 0; t < n; ++t) {
+    double dot = 0.0, mag = 0.0;
+    for (uint32_t j = 0; j < d; ++j) {
+      const double x = (double)akvt_bf16_to_f32(q[j]) * akvt_bf16_to_f32(k[t * d + j]);
+      dot += x;
+      mag += fabs(x);
+    }
+    s[t] = dot * c; /* base-2 domain, as the header's s_t */
+    if (fabs(c) * mag > *s_max) *s_max = fabs(c) * mag;
+    if (s[t] > m) m = s[t];
+  }
+  for (uint32_t j = 0; j < d; ++j) ref[j] = 0.0;
+  for (uint32_t t = 0; t < n; ++t) {
+    const double w = exp2(s[t] - m);
+    l += w;
+    for (uint32_t j = 0; j < d; ++j) ref[j] += w * akvt_bf16_to_f32(v[t * d + j]);
+  }
+  double num = 0.0, den = 0.0;
+  for (uint32_t j = 0; j < d; ++j) {
+    ref[j] /= l;
+    num += ((double)out[j] - ref[j]) * ((double)out[j] - ref[j]);
+    den += ref[j] * ref[j];
+  }
+  return sqrt(num / den);
+}
+
+static void test_accuracy_bound_is_conditional(void **state) {
+  (void)state;
+  /* The example: an error far above 1e-5, within the stated term. */
+  {
+    enum { D = 4 };
+    uint16_t q[D] = {0}, k[2 * D] = {0}, v[2 * D] = {0};
+    q[0] = bf16_of(256.0f);
+    q[1] = bf16_of(1.0f);
+    k[0] = bf16_of(256.0f);
+    k[1] = bf16_of(1.0f);
+    k[D] = bf16_of(256.0f);
+    v[2] = bf16_of(1.0f);
+    v[D + 3] = bf16_of(1.0f);
+    double s_max = 0.0;
+    const double err = one_head_err(D, 2, q, k, v, 1.0f, &s_max);
+    assert_true(err > 1e-5); /* the unconditional promise could not hold */
+    assert_true(err <= 1e-5 + (D + 2) * 0x1p-24 * s_max);
+  }
+  /* A sweep: scores with O(1) differences on a common part that grows
+   * (components 0..31 of every K row are 1 and of q `amp`; the rest
+   * random), from the usual magnitudes to scores near 10^5; V of one sign
+   * (no cancellation). */
+  {
+    enum { D = 64, N = 40 };
+    uint16_t q[D], k[N * D], v[N * D];
+    uint32_t x = 12345u;
+#define RND() ((x = x * 1664525u + 1013904223u) >> 8) / 16777216.0f
+    for (uint32_t i = 0; i < N * D; ++i) {
+      k[i] = bf16_of(i % D < D / 2 ? 1.0f : 2.0f * RND() - 1.0f);
+      v[i] = bf16_of(0.5f + RND());
+    }
+    float qf[D];
+    for (uint32_t j = 0; j < D; ++j) qf[j] = 2.0f * RND() - 1.0f;
+#undef RND
+    for (float amp = 0.0f; amp <= 8192.0f; amp = amp == 0.0f ? 1.0f : 2.0f * amp) {
+      for (uint32_t j = 0; j < D; ++j) q[j] = bf16_of(j < D / 2 ? amp : qf[j]);
+      double s_max = 0.0;
+      const double err = one_head_err(D, N, q, k, v, 0.25f, &s_max);
+      if (amp <= 1.0f) assert_true(err <= 1e-5); /* the usual magnitudes */
+      assert_true(err <= 1e-5 + (D + 2) * 0x1p-24 * s_max);
+    }
+  }
+}
+
+/* ------------------------------------------------------------------------ */
 /* Groups                                                                   */
 /* ------------------------------------------------------------------------ */
 
@@ -426,6 +541,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_no_empty_pieces_in_full_chunks),
       cmocka_unit_test(test_arrays_past_the_end_refused_before_read),
+      cmocka_unit_test(test_accuracy_bound_is_conditional),
       cmocka_unit_test(test_engine_busy_in_another_thread),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
