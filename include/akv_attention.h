@@ -31,12 +31,14 @@
  *
  * Algorithm (fixed; both implementations follow it):
  *  1. The history of each context is cut into chunks of chunk_tokens rows
- *     (the caller passes its page size), and each chunk into pieces: P =
- *     max(1, floor(chunk_tokens / T)) pieces of ceil(chunk_tokens / P) rows,
- *     T being a build constant (AKV_ATTN_PIECE_TOKENS; the library is built
- *     with T = 256: chunks of up to 511 rows stay whole, larger ones are cut
- *     into pieces of 256 rows or more). The last piece of a context may be
- *     shorter; empty pieces do not exist. For each (context, query head,
+ *     (the caller passes its page size), and each chunk into pieces of
+ *     R = ceil(chunk_tokens / max(1, floor(chunk_tokens / T))) rows, P =
+ *     ceil(chunk_tokens / R) of them, T being a build constant
+ *     (AKV_ATTN_PIECE_TOKENS; the library is built with T = 256: chunks of
+ *     up to 511 rows stay whole, larger ones are cut into pieces of 256 rows
+ *     or more). The last piece of a context may be shorter; empty pieces do
+ *     not exist (P counts only pieces that hold rows: a chunk of 66,049 rows
+ *     is 257 pieces of 257 rows, not 258). For each (context, query head,
  *     piece) a partial is computed in
  *     fp32 over the piece's rows k_t, v_t (decoded codes for FP8):
  *     scores s_t = (q . k_t) * c_g with c_g = (scale * log2(e)) * k_scale[g]
@@ -71,17 +73,33 @@
  *    the same code).
  *  - CPU and GPU results are not bit-identical (exp2 implementations, FMA
  *    contraction, reduction trees, tensor-core accumulation); they agree to
- *    a relative L2 error below 1e-5, for bf16 and FP8 alike
- *    (tests/gpu/test_gpu_attention.cu states and checks the bound). The GPU
+ *    a relative L2 error below 1e-5, for bf16 and FP8 alike, on inputs of
+ *    the usual magnitudes (tests/gpu/test_gpu_attention.cu states and
+ *    checks the bound; what larger scores cost is in the next bullet, and
+ *    applies to each of the two). The GPU
  *    kernel forms q . k and the products with v on tensor cores: bf16 and
  *    f16 products are exact and accumulate in fp32, the probabilities enter
  *    the v products as two terms (22 significant bits); for FP8 the query of
  *    each head is scaled by a power of two and rounded to f16, which keeps
  *    every component within a factor 2^31 of the head's largest exactly.
  *  - Against exact arithmetic over the same (decoded, scaled) values, the
- *    reference's fp32 result is within a relative L2 error of 1e-5
- *    (tests/test_attention_ref.c checks it against a double-precision
- *    attention, bf16 and FP8).
+ *    reference's fp32 result is within a relative L2 error of 1e-5 on
+ *    inputs of the usual magnitudes (tests/test_attention_ref.c checks it
+ *    against a double-precision attention, bf16 and FP8, with elements of
+ *    magnitude up to a few units and scale 1/sqrt(head_dim)). That bound is
+ *    not unconditional, and no fp32 implementation of this algorithm can
+ *    make it so: every score is formed and kept in fp32, an absolute error
+ *    of up to about (head_dim + 2) * 2^-24 * S_t, S_t = |c_g| * sum_j
+ *    |q_j k_tj|, that the exponential turns into a relative error of the
+ *    row's weight. So the error grows with the largest S_t of a context
+ *    (two rows whose scores are near 94,548 and differ by 1.4 are weighted
+ *    with an error near 6e-4); the relative L2 error stays below 1e-5 +
+ *    (head_dim + 2) * 2^-24 * max_t S_t for an output whose V terms do not
+ *    cancel, while one that cancels (sum_t p_t v_t small against sum_t
+ *    p_t |v_t|) has its error relative to sum_t p_t |v_t|; and a partial
+ *    sum that leaves the fp32 range (V elements near 3.4e38, dot products
+ *    whose terms overflow) gives inf or NaN even where the exact result
+ *    is finite (tests/test_audit_s28_ga.c, accuracy).
  *
  * Workspace: the per-chunk partials live in a caller-owned workspace sized by
  * akv_attention_workspace_bytes (host memory for the reference, device memory

@@ -52,12 +52,16 @@
  * changes nothing; the call in progress goes on. So a second thread of a
  * rank is never counted as another rank, and akv_group_destroy never frees
  * what a call of another thread still uses. The engine's own calls claim
- * the engine the same way (akv.h, Thread safety): a call on
- * akv_group_engine's handle from another thread while a group call is
- * inside the engine returns AKV_ERR_IN_USE, and a group call that meets
- * another thread inside the engine gets that status from it (where that is
- * the engine's decision inside an agreement, the ranks' outcomes differ
- * and every rank stops, as for any decision that failed on one rank only).
+ * the engine the same way (akv.h, Thread safety), and an agreement call
+ * (context open or close, step begin, check) holds its rank's engine from
+ * its start to its return: a call on akv_group_engine's handle from
+ * another thread meanwhile returns AKV_ERR_IN_USE, and an agreement call
+ * made while another thread is inside a call on the engine returns
+ * AKV_ERR_IN_USE on this rank only, at once (akv_group_last_error says
+ * so), entering no collective and changing nothing: it is not one of the
+ * rank's sequence, the other ranks wait for it as for a late rank, and
+ * the rank calls again once the other thread is out. Other group calls
+ * that meet another thread inside the engine get that status from it.
  * No group call, create included, is a cancellation point: cancellation
  * (pthread_cancel) is disabled inside each, and a cancel that arrives
  * while one waits acts at the thread's next cancellation point after the
@@ -266,7 +270,8 @@ AKV_API akv_status akv_group_engine(const akv_group *group, akv_engine **out);
  * AKV_ERR_BAD_HANDLE (this rank only, without entering the agreement);
  * AKV_ERR_IN_USE (this rank only, without entering the agreement: called
  * from the engine's log callback while an agreement of this group decides,
- * see Logging at the top).
+ * see Logging at the top, or while another thread is inside a call on this
+ * rank's engine, see Thread safety).
  */
 AKV_API akv_status akv_group_context_open(akv_group *group, const akv_context_config *config,
                                           akv_context **out);

@@ -190,6 +190,40 @@ static akv_engine *akv_group_own(const akv_group *g) {
   return g->engine;
 }
 
+/* Invariant: an agreement call holds its engine's claim (akv_engine_claim,
+ * which the thread inside may take again) from its first read of the
+ * engine to its return, or it enters no collective. Without it, another
+ * thread inside a call on the engine (a caller that took akv_group_engine's
+ * handle to another thread) made every read of the group answer as for a
+ * dead engine: the rank sent a zero digest and a failed transport, so every
+ * rank of the group quarantined (reason PEER_FAILED, a transport failure
+ * that never happened), and this rank's own quarantine was refused
+ * (AKV_ERR_IN_USE) while the group said it was done. Such a call now
+ * returns AKV_ERR_IN_USE on this rank only, as akv_group.h (Thread safety)
+ * says, having entered no collective; the claim held, no other thread's
+ * call reaches the engine until the agreement is over. *held: the engine
+ * to release on return, NULL when there is none to hold (not the group's
+ * any more: akv_group_own says so to the rest of the call). */
+static akv_status akv_group_hold_engine(akv_group *g, akv_engine **held) {
+  akv_engine *e = akv_group_own(g);
+  akv_status st;
+  *held = NULL;
+  if (e == NULL) return AKV_OK;
+  st = akv_engine_claim(e);
+  if (st == AKV_ERR_IN_USE) {
+    snprintf(g->last_error, sizeof(g->last_error),
+             "this rank's engine is in use by another thread: refused, no collective");
+    return AKV_ERR_IN_USE;
+  }
+  if (st != AKV_OK) return AKV_OK; /* destroyed or a parent's: the call sees that */
+  if (akv_engine_serial(e) != g->engine_serial) { /* destroyed before the claim */
+    akv_engine_release(e);
+    return AKV_OK;
+  }
+  *held = e;
+  return AKV_OK;
+}
+
 /* 1 once the engine the group created is gone (destroyed directly). */
 static int akv_group_engine_lost(const akv_group *g) {
   return g->engine != NULL && akv_group_own(g) == NULL;
@@ -883,33 +917,45 @@ AKV_API akv_status akv_group_destroy(akv_group *g) {
 
 AKV_API akv_status akv_group_context_open(akv_group *g, const akv_context_config *config,
                                           akv_context **out) {
+  akv_engine *held;
   akv_status st = akv_group_claim(g);
   if (st != AKV_OK) return st;
-  st = akv_group_context_open_claimed(g, config, out);
+  st = akv_group_hold_engine(g, &held);
+  if (st == AKV_OK) st = akv_group_context_open_claimed(g, config, out);
+  if (held != NULL) akv_engine_release(held);
   akv_group_release(g);
   return st;
 }
 
 AKV_API akv_status akv_group_context_close(akv_group *g, akv_context *context) {
+  akv_engine *held;
   akv_status st = akv_group_claim(g);
   if (st != AKV_OK) return st;
-  st = akv_group_context_close_claimed(g, context);
+  st = akv_group_hold_engine(g, &held);
+  if (st == AKV_OK) st = akv_group_context_close_claimed(g, context);
+  if (held != NULL) akv_engine_release(held);
   akv_group_release(g);
   return st;
 }
 
 AKV_API akv_status akv_group_step_begin(akv_group *g, akv_context *const *contexts, uint32_t n) {
+  akv_engine *held;
   akv_status st = akv_group_claim(g);
   if (st != AKV_OK) return st;
-  st = akv_group_step_begin_claimed(g, contexts, n);
+  st = akv_group_hold_engine(g, &held);
+  if (st == AKV_OK) st = akv_group_step_begin_claimed(g, contexts, n);
+  if (held != NULL) akv_engine_release(held);
   akv_group_release(g);
   return st;
 }
 
 AKV_API akv_status akv_group_check(akv_group *g) {
+  akv_engine *held;
   akv_status st = akv_group_claim(g);
   if (st != AKV_OK) return st;
-  st = akv_group_check_claimed(g);
+  st = akv_group_hold_engine(g, &held);
+  if (st == AKV_OK) st = akv_group_check_claimed(g);
+  if (held != NULL) akv_engine_release(held);
   akv_group_release(g);
   return st;
 }

@@ -1256,6 +1256,8 @@ static akv_status check_common(akv_dtype dtype, uint32_t n_heads, uint32_t kv_he
     if (kv_heads > AKV_ATTENTION_MAX_SCALE_HEADS) return AKV_ERR_INVALID_ARGUMENT;
     if (!akv_attn_aligned4(k_scale) || !akv_attn_aligned4(v_scale))
       return AKV_ERR_INVALID_ARGUMENT;
+    if (!akv_attn_array_fits(k_scale, kv_heads, 4u) || !akv_attn_array_fits(v_scale, kv_heads, 4u))
+      return AKV_ERR_INVALID_ARGUMENT; /* before the reads below */
     for (uint32_t g = 0; g < kv_heads; ++g)
       if (!(isfinite(k_scale[g]) && k_scale[g] > 0.0f && isfinite(v_scale[g]) &&
             v_scale[g] > 0.0f))
@@ -1428,6 +1430,7 @@ extern "C" AKV_API akv_status akv_attention_decode_cuda(const akv_attention_args
   /* len is read here through its type; the page map by the kernel, 4 bytes
    * at a time (a misaligned one would fault on the device). */
   if (!akv_attn_aligned4(a->len) || !akv_attn_aligned4(a->page_map)) goto fail;
+  if (!akv_attn_array_fits(a->len, a->n_contexts, 4u)) goto fail; /* before len is read */
   if (a->page_map != nullptr &&
       (a->page_map_stride == 0 || a->k_pages == nullptr || a->v_pages == nullptr ||
        !aligned16(a->k_pages) || !aligned16(a->v_pages) || !aligned16(a->page_stride)))

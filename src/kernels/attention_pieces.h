@@ -40,16 +40,27 @@
 #define AKV_ATTN_PIECE_TOKENS 256
 #endif
 
-/* Pieces per chunk, >= 1 (chunk_tokens >= 1). */
-static inline uint32_t akv_attn_pieces(uint32_t chunk_tokens) {
-  const uint32_t s = AKV_ATTN_PIECE_TOKENS > 0 ? chunk_tokens / (uint32_t)AKV_ATTN_PIECE_TOKENS : 1u;
-  return s > 0 ? s : 1u;
+/* Rows of every piece but possibly the last of a context: ceil(chunk / s)
+ * with s = max(1, floor(chunk / AKV_ATTN_PIECE_TOKENS)) the pieces the cut
+ * aims at; >= 1 (chunk_tokens >= 1). */
+static inline uint32_t akv_attn_piece_rows(uint32_t chunk_tokens) {
+  uint32_t s = AKV_ATTN_PIECE_TOKENS > 0 ? chunk_tokens / (uint32_t)AKV_ATTN_PIECE_TOKENS : 1u;
+  if (s == 0) s = 1u;
+  return chunk_tokens / s + (chunk_tokens % s != 0);
 }
 
-/* Rows of every piece but possibly the last of a context: ceil(chunk / pieces). */
-static inline uint32_t akv_attn_piece_rows(uint32_t chunk_tokens) {
-  const uint32_t s = akv_attn_pieces(chunk_tokens);
-  return chunk_tokens / s + (chunk_tokens % s != 0);
+/* Pieces per chunk, >= 1: ceil(chunk / piece_rows), the pieces that hold
+ * rows. Invariant: (pieces - 1) * piece_rows < chunk_tokens <= pieces *
+ * piece_rows, so every piece of a full chunk has rows and every piece slot
+ * the combine counts (akv_attn_context_slots) is one stage 1 writes. The
+ * aimed-at s pieces can leave the last ones empty (chunk 66,049: s = 258
+ * pieces of 257 rows, 257 of which hold every row): counted as pieces,
+ * their slots were never written and the combine read the workspace's old
+ * bytes as partials. */
+static inline uint32_t akv_attn_pieces(uint32_t chunk_tokens) {
+  const uint32_t r = akv_attn_piece_rows(chunk_tokens);
+  if (r == 0) return 1u; /* chunk_tokens 0: refused by every caller (akv_attn_chunk_ok) */
+  return chunk_tokens / r + (chunk_tokens % r != 0);
 }
 
 /* Whether a uint32_t or float array of the arguments may be read through
@@ -143,6 +154,19 @@ static inline int akv_attn_span_at(const void *p, uint64_t n, akv_attn_span *s) 
   if (n > (uint64_t)(UINTPTR_MAX - a)) return 0;
   s->hi = a + (uintptr_t)n;
   return 1;
+}
+
+/* Whether the n elements of `esize` bytes at p (NULL: none) end within the
+ * address space. Invariant: a call checks this for every host array it
+ * reads (len, the scales, the page table's indptr, last_page_len and
+ * indices) before its first read of it, so that one whose shape runs past
+ * the end of the address space is refused (akv_attention.h, "Overlap")
+ * instead of read: no buffer of that shape can lie there, and its first
+ * element (in the last bytes of the address space) faulted. */
+static inline int akv_attn_array_fits(const void *p, uint64_t n, uint64_t esize) {
+  akv_attn_span s;
+  uint64_t bytes;
+  return akv_attn_mul4(n, esize, 1, 1, &bytes) && akv_attn_span_at(p, bytes, &s);
 }
 
 /* Whether two spans share a byte (adjacent spans do not). */

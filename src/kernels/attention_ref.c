@@ -181,6 +181,8 @@ static akv_status geom_check(akv_dtype dtype, uint32_t n_heads, uint32_t kv_head
     if (kv_heads > AKV_ATTENTION_MAX_SCALE_HEADS) return AKV_ERR_INVALID_ARGUMENT;
     if (!akv_attn_aligned4(k_scale) || !akv_attn_aligned4(v_scale))
       return AKV_ERR_INVALID_ARGUMENT;
+    if (!akv_attn_array_fits(k_scale, kv_heads, 4u) || !akv_attn_array_fits(v_scale, kv_heads, 4u))
+      return AKV_ERR_INVALID_ARGUMENT; /* before the reads below */
     for (uint32_t g = 0; g < kv_heads; ++g)
       if (!(isfinite(k_scale[g]) && k_scale[g] > 0.0f && isfinite(v_scale[g]) &&
             v_scale[g] > 0.0f))
@@ -356,6 +358,7 @@ akv_status akv_attention_ref_bf16(const akv_attention_args *args) {
   if (a->page_map != NULL && (a->page_map_stride == 0 || a->k_pages == NULL || a->v_pages == NULL))
     goto fail;
   if (!akv_attn_aligned4(a->len) || !akv_attn_aligned4(a->page_map)) goto fail;
+  if (!akv_attn_array_fits(a->len, a->n_contexts, 4u)) goto fail; /* before len is read */
   /* The page map's shape, [n_contexts][page_map_stride] uint32, fits the
    * address space: every entry's address is formed without wrapping. */
   if (a->page_map != NULL) {
@@ -529,6 +532,10 @@ akv_status akv_attention_paged_ref_bf16(const akv_attention_paged_args *args,
   if (!akv_attn_aligned4(t.indptr) || !akv_attn_aligned4(t.indices) ||
       !akv_attn_aligned4(t.last_page_len))
     goto fail;
+  /* Their shapes fit the address space before they are read. */
+  if (!akv_attn_array_fits(t.indptr, (uint64_t)t.batch + 1u, 4u) ||
+      !akv_attn_array_fits(t.last_page_len, t.batch, 4u))
+    goto fail;
   /* The table is checked whole before anything is written. */
   if (t.indptr[0] != 0) goto fail;
   for (uint32_t i = 0; i < t.batch; ++i) {
@@ -538,6 +545,7 @@ akv_status akv_attention_paged_ref_bf16(const akv_attention_paged_args *args,
     if (np > 0 && (t.last_page_len[i] == 0 || t.last_page_len[i] > t.page_tokens)) goto fail;
   }
   if (t.indptr[t.batch] > 0 && t.indices == NULL) goto fail;
+  if (!akv_attn_array_fits(t.indices, t.indptr[t.batch], 4u)) goto fail; /* before it is read */
   /* The workspace is checked before indices is read: a table whose
    * max_pages asks for more than the workspace holds is refused without
    * reading the page ids its indptr names. */
