@@ -157,7 +157,7 @@ constexpr int kWarps = AKV_ATTN_WARPS; /* warps per block; also caps the subgrou
 constexpr int kThreads = kWarps * 32;
 /* Contexts per launch pair (their lengths travel in the kernel parameters). */
 constexpr uint32_t kMaxLaunchContexts = 256;
-constexpr float kLog2e = 1.44269504088896340736f; /* same constant as attention_ref.c */
+constexpr float kLog2e = AKV_ATTN_LOG2E_F; /* attention_pieces.h, as the reference */
 constexpr size_t kWsAlign = 256;                   /* same layout as attention_ref.c */
 
 /* Element kinds the chunk kernel is instantiated for. */
@@ -1236,43 +1236,16 @@ static bool grid_fits(uint64_t piece_slots, uint32_t n_heads, uint32_t kv_heads)
   return piece_slots <= 0x7FFFFFFFull && piece_slots * slots <= 0x7FFFFFFFull;
 }
 
-/* Checks shared by both variants; the order of the reference's geom_check
- * where the two overlap, so both return the same status for the same call. */
+/* Checks of both variants: those the reference makes too
+ * (akv_attn_args_check, one function, so both return the same status for
+ * the same call), then the kernels' own alignment and shape rules. */
 static akv_status check_common(akv_dtype dtype, uint32_t n_heads, uint32_t kv_heads,
                                uint32_t head_dim, uint64_t row_bytes, float scale, const void *q,
                                const float *out, const void *workspace, const float *k_scale,
                                const float *v_scale) {
-  if (q == nullptr || out == nullptr) return AKV_ERR_INVALID_ARGUMENT;
-  if (n_heads == 0 || kv_heads == 0 || n_heads % kv_heads != 0) return AKV_ERR_INVALID_ARGUMENT;
-  if (head_dim == 0 || head_dim > AKV_ATTENTION_MAX_HEAD_DIM) return AKV_ERR_INVALID_ARGUMENT;
-  const uint32_t esize = akv_attn_elem_bytes(dtype);
-  if (esize == 0) return AKV_ERR_NOT_SUPPORTED;
-  if (row_bytes < (uint64_t)kv_heads * head_dim * esize) return AKV_ERR_INVALID_ARGUMENT;
-  /* Scales: both or neither, required for FP8, finite and positive, and few
-   * enough to travel in the kernel parameters. Read here, on the host, once. */
-  if ((k_scale == nullptr) != (v_scale == nullptr)) return AKV_ERR_INVALID_ARGUMENT;
-  if (esize == 1 && k_scale == nullptr) return AKV_ERR_INVALID_ARGUMENT;
-  if (k_scale != nullptr) {
-    if (kv_heads > AKV_ATTENTION_MAX_SCALE_HEADS) return AKV_ERR_INVALID_ARGUMENT;
-    if (!akv_attn_aligned4(k_scale) || !akv_attn_aligned4(v_scale))
-      return AKV_ERR_INVALID_ARGUMENT;
-    if (!akv_attn_array_fits(k_scale, kv_heads, 4u) || !akv_attn_array_fits(v_scale, kv_heads, 4u))
-      return AKV_ERR_INVALID_ARGUMENT; /* before the reads below */
-    for (uint32_t g = 0; g < kv_heads; ++g)
-      if (!(isfinite(k_scale[g]) && k_scale[g] > 0.0f && isfinite(v_scale[g]) &&
-            v_scale[g] > 0.0f))
-        return AKV_ERR_INVALID_ARGUMENT;
-  }
-  /* A non-finite softmax scale makes every score infinite or NaN, and so
-   * does a finite one whose score factor overflows: the check forms the
-   * products the kernels use (scale_log2 in launch_params, times k_scale[g]
-   * in the chunk kernel), so every factor a launch computes is finite. */
-  if (!isfinite(scale)) return AKV_ERR_INVALID_ARGUMENT;
-  const float scale_log2 = scale * kLog2e;
-  if (!isfinite(scale_log2)) return AKV_ERR_INVALID_ARGUMENT;
-  if (k_scale != nullptr)
-    for (uint32_t g = 0; g < kv_heads; ++g)
-      if (!isfinite(scale_log2 * k_scale[g])) return AKV_ERR_INVALID_ARGUMENT;
+  const akv_status st = akv_attn_args_check(dtype, n_heads, kv_heads, head_dim, row_bytes, scale,
+                                            q, out, k_scale, v_scale);
+  if (st != AKV_OK) return st;
   if (!aligned16(q) || !aligned16(row_bytes) || !aligned16(workspace) ||
       ((uintptr_t)out & 3u) != 0)
     return AKV_ERR_INVALID_ARGUMENT;

@@ -18,6 +18,7 @@
 #ifndef AKV_ATTENTION_PIECES_H
 #define AKV_ATTENTION_PIECES_H
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -258,6 +259,54 @@ static inline uint32_t akv_attn_elem_bytes(akv_dtype dtype) {
   case AKV_DTYPE_FP8_E5M2: return 1;
   default: return 0;
   }
+}
+
+/* log2(e) in fp32: the score factor's base change, the same constant in the
+ * reference and the CUDA launcher (c_g = (scale * log2(e)) * k_scale[g]). */
+#define AKV_ATTN_LOG2E_F 1.44269504088896340736f
+
+/* The argument checks the reference (attention_ref.c) and the CUDA
+ * launcher (attention_cuda.cu) share, in one order, so that both return the
+ * same status for the same call; each adds its own alignment and shape
+ * rules after it. The scales are read here, on the host, once, after
+ * their arrays are known to end within the address space. A non-finite
+ * softmax scale makes every score infinite or NaN, and so does a finite one
+ * whose score factor overflows: the check forms the very products the
+ * kernels use (scale * log2(e), times k_scale[g]), so every factor a call
+ * computes is finite. */
+static inline akv_status akv_attn_args_check(akv_dtype dtype, uint32_t n_heads,
+                                             uint32_t kv_heads, uint32_t head_dim,
+                                             uint64_t row_bytes, float scale, const void *q,
+                                             const float *out, const float *k_scale,
+                                             const float *v_scale) {
+  if (q == NULL || out == NULL) return AKV_ERR_INVALID_ARGUMENT;
+  if (n_heads == 0 || kv_heads == 0 || n_heads % kv_heads != 0) return AKV_ERR_INVALID_ARGUMENT;
+  if (head_dim == 0 || head_dim > AKV_ATTENTION_MAX_HEAD_DIM) return AKV_ERR_INVALID_ARGUMENT;
+  const uint32_t esize = akv_attn_elem_bytes(dtype);
+  if (esize == 0) return AKV_ERR_NOT_SUPPORTED;
+  if (row_bytes < (uint64_t)kv_heads * head_dim * esize) return AKV_ERR_INVALID_ARGUMENT;
+  /* Scales: both or neither, required for FP8 (codes mean nothing without
+   * them), finite and positive, few enough to travel in kernel parameters. */
+  if ((k_scale == NULL) != (v_scale == NULL)) return AKV_ERR_INVALID_ARGUMENT;
+  if (esize == 1 && k_scale == NULL) return AKV_ERR_INVALID_ARGUMENT;
+  if (k_scale != NULL) {
+    if (kv_heads > AKV_ATTENTION_MAX_SCALE_HEADS) return AKV_ERR_INVALID_ARGUMENT;
+    if (!akv_attn_aligned4(k_scale) || !akv_attn_aligned4(v_scale))
+      return AKV_ERR_INVALID_ARGUMENT;
+    if (!akv_attn_array_fits(k_scale, kv_heads, 4u) || !akv_attn_array_fits(v_scale, kv_heads, 4u))
+      return AKV_ERR_INVALID_ARGUMENT; /* before the reads below */
+    for (uint32_t g = 0; g < kv_heads; ++g)
+      if (!(isfinite(k_scale[g]) && k_scale[g] > 0.0f && isfinite(v_scale[g]) &&
+            v_scale[g] > 0.0f))
+        return AKV_ERR_INVALID_ARGUMENT;
+  }
+  if (!isfinite(scale)) return AKV_ERR_INVALID_ARGUMENT;
+  const float scale_log2 = scale * AKV_ATTN_LOG2E_F;
+  if (!isfinite(scale_log2)) return AKV_ERR_INVALID_ARGUMENT;
+  if (k_scale != NULL)
+    for (uint32_t g = 0; g < kv_heads; ++g)
+      if (!isfinite(scale_log2 * k_scale[g])) return AKV_ERR_INVALID_ARGUMENT;
+  return AKV_OK;
 }
 
 /* Whether what a contiguous call writes (out, the ws_used workspace bytes)

@@ -27,7 +27,6 @@
 #include "attention_pieces.h"
 
 /* log2(e) as a float: scores are kept in the base-2 domain (exp2). */
-#define AKV_LOG2E_F 1.44269504088896340736f
 
 /* Workspace regions start on this alignment (matches attention_cuda.cu). */
 #define AKV_WS_ALIGN ((size_t)256)
@@ -168,37 +167,9 @@ static akv_status geom_check(akv_dtype dtype, uint32_t n_heads, uint32_t kv_head
                              uint32_t head_dim, uint64_t row_bytes, float scale, const void *q,
                              const float *out, const void *workspace, const float *k_scale,
                              const float *v_scale) {
-  if (q == NULL || out == NULL) return AKV_ERR_INVALID_ARGUMENT;
-  if (n_heads == 0 || kv_heads == 0 || n_heads % kv_heads != 0) return AKV_ERR_INVALID_ARGUMENT;
-  if (head_dim == 0 || head_dim > AKV_ATTENTION_MAX_HEAD_DIM) return AKV_ERR_INVALID_ARGUMENT;
-  const uint32_t esize = akv_attn_elem_bytes(dtype);
-  if (esize == 0) return AKV_ERR_NOT_SUPPORTED;
-  if (row_bytes < (uint64_t)kv_heads * head_dim * esize) return AKV_ERR_INVALID_ARGUMENT;
-  /* Scales: both or neither; FP8 codes mean nothing without them. */
-  if ((k_scale == NULL) != (v_scale == NULL)) return AKV_ERR_INVALID_ARGUMENT;
-  if (esize == 1 && k_scale == NULL) return AKV_ERR_INVALID_ARGUMENT;
-  if (k_scale != NULL) {
-    if (kv_heads > AKV_ATTENTION_MAX_SCALE_HEADS) return AKV_ERR_INVALID_ARGUMENT;
-    if (!akv_attn_aligned4(k_scale) || !akv_attn_aligned4(v_scale))
-      return AKV_ERR_INVALID_ARGUMENT;
-    if (!akv_attn_array_fits(k_scale, kv_heads, 4u) || !akv_attn_array_fits(v_scale, kv_heads, 4u))
-      return AKV_ERR_INVALID_ARGUMENT; /* before the reads below */
-    for (uint32_t g = 0; g < kv_heads; ++g)
-      if (!(isfinite(k_scale[g]) && k_scale[g] > 0.0f && isfinite(v_scale[g]) &&
-            v_scale[g] > 0.0f))
-        return AKV_ERR_INVALID_ARGUMENT;
-  }
-  /* A non-finite softmax scale makes every score infinite or NaN: NaN
-   * outputs, or zeros over a non-empty history. So does a finite one whose
-   * score factor c_g = (scale * log2(e)) * k_scale[g] overflows: the check
-   * forms the very products chunk_partial() uses, so every factor a call
-   * computes is finite. */
-  if (!isfinite(scale)) return AKV_ERR_INVALID_ARGUMENT;
-  const float scale_log2 = scale * AKV_LOG2E_F;
-  if (!isfinite(scale_log2)) return AKV_ERR_INVALID_ARGUMENT;
-  if (k_scale != NULL)
-    for (uint32_t g = 0; g < kv_heads; ++g)
-      if (!isfinite(scale_log2 * k_scale[g])) return AKV_ERR_INVALID_ARGUMENT;
+  const akv_status st = akv_attn_args_check(dtype, n_heads, kv_heads, head_dim, row_bytes, scale,
+                                            q, out, k_scale, v_scale);
+  if (st != AKV_OK) return st;
   /* q is read as bf16, out and the workspace are written as fp32. */
   if ((uintptr_t)q % _Alignof(uint16_t) != 0 || (uintptr_t)out % _Alignof(float) != 0 ||
       (uintptr_t)workspace % _Alignof(float) != 0)
@@ -215,7 +186,7 @@ static void geom_fill(ref_geom *g, akv_dtype dtype, uint32_t n_heads, uint32_t k
   g->head_dim = head_dim;
   g->dtype = dtype;
   g->esize = akv_attn_elem_bytes(dtype);
-  g->scale_log2 = scale * AKV_LOG2E_F;
+  g->scale_log2 = scale * AKV_ATTN_LOG2E_F;
   g->k_scale = k_scale;
   g->v_scale = v_scale;
   g->q = (const uint16_t *)q;
