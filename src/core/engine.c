@@ -116,9 +116,10 @@ void akv_engine_release(const akv_engine *ce) {
  * "Handle lifetimes") reaches it half-built: such a thread is refused
  * (AKV_ERR_IN_USE) until create returns. Its owner word may be held a
  * moment by such a thread that read the magic live before the destroy and
- * claims after it (it finds the magic dead and lets go at once), or by this
- * very thread, still inside a call on the engine the record held (an
- * attention hook that destroyed its engine and creates others). */
+ * claims after it (it finds the magic dead and lets go at once); never for
+ * longer, as a record is back in the pool only with its claim released
+ * (akv_engine_give: a destroy nested in a hook's attend gives the record
+ * back when that attend returns). */
 static void akv_engine_claim_record(akv_engine *e) {
   akv_rec_owner_wait(&e->owner, &akv_engine_thread);
   if (e->depth++ == 0) pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, &e->cancel_state);
