@@ -100,9 +100,47 @@ static void test_hook_that_longjmps_then_destroy(void **state) {
   assert_int_equal(c.st, AKV_OK);
 }
 
+static int destroying_hook(void *user, const akv_view *view, akv_stream stream) {
+  akvt_fx *f = user;
+  (void)view;
+  if (akv_engine_quarantine(f->e, NULL) != AKV_OK) return 1;
+  if (akv_stream_destroy(f->e, stream) != AKV_OK) return 1;
+  return akv_engine_destroy(f->e) == AKV_OK ? 0 : 1;
+}
+
+/* The same record, given back by the attend the hook returned to: a hook
+ * that destroys its engine (akv.h: allowed) leaves the record out of the
+ * pool only until its attend returns, then later creates hand it out again
+ * after the reuse bound ("Handle lifetimes"), not before. */
+static void test_hook_destroys_its_engine_record_comes_back(void **state) {
+  akvt_fx f;
+  akv_lease *ls = NULL;
+  akv_fence attn = {0};
+  akv_engine *old, *seen = NULL;
+  int at = -1;
+  (void)state;
+  akvt_fx_open(&f, AKV_ROUTE_STAGE, 0, 2, 4);
+  old = f.e;
+  assert_int_equal(akv_step_begin(f.e, f.c, 2), AKV_OK);
+  assert_int_equal(akv_lease_begin(f.e, 0, &ls), AKV_OK);
+  assert_int_equal(akv_lease_attend(ls, f.s, destroying_hook, &f, &attn), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(akv_engine_destroy(old), AKV_ERR_BAD_HANDLE);
+  for (int i = 0; i < 3 * AKV_ENGINE_HANDLE_REUSE_MIN && seen != old; i++) {
+    const akv_engine_config ec = akvt_small_config(AKV_ROUTE_STAGE, 0);
+    akv_engine *e = NULL;
+    assert_int_equal(akv_engine_create(&ec, &e), AKV_OK);
+    seen = e;
+    if (e == old) at = i;
+    assert_int_equal(akv_engine_destroy(e), AKV_OK);
+  }
+  assert_ptr_equal(seen, old);
+  assert_true(at >= AKV_ENGINE_HANDLE_REUSE_MIN);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_hook_that_longjmps_then_destroy),
+      cmocka_unit_test(test_hook_destroys_its_engine_record_comes_back),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
