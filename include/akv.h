@@ -877,9 +877,9 @@ typedef struct akv_view {
  * progress for good, so the engine stays claimed by that thread (other
  * threads get AKV_ERR_IN_USE; that thread's later calls on it nest, and may
  * quarantine and destroy it); an engine so destroyed never hands its record
- * ("Handle lifetimes") to a later akv_engine_create. A hook that ends its own lease (akv_engine_quarantine
- * releases it, a destroy may follow; or it runs the lease to its retire
- * itself) makes akv_lease_attend return AKV_ERR_BAD_HANDLE, touching neither
+ * ("Handle lifetimes") to a later akv_engine_create. A hook that ends its
+ * own lease (akv_engine_quarantine releases it, a destroy may follow; or it
+ * runs the lease to its retire itself) makes akv_lease_attend return AKV_ERR_BAD_HANDLE, touching neither
  * the lease nor its engine afterwards, also when the hook went on until the
  * handle's record was handed out again ("Handle lifetimes") to a later lease
  * of this engine or of a newer one: that lease and its engine are left as
