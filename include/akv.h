@@ -867,8 +867,13 @@ typedef struct akv_view {
 
 /**
  * Attention hook: enqueue the attention kernel (and the write of each new row
- * at index len[i]) on `stream`; do not block. Return 0 on success; nonzero
- * makes akv_lease_attend return AKV_ERR_BACKEND and marks the transport failed.
+ * at index len[i]) on `stream`; do not block. The rows the view points to
+ * are ready for work enqueued on `stream`, not yet while the hook runs (the
+ * staging copies may still be running): on the host backend a CPU attention
+ * reads and writes them from a function enqueued with akv_stream_launch_host,
+ * never from the hook itself (docs/api.md shows it). Return 0 on success;
+ * nonzero makes akv_lease_attend return AKV_ERR_BACKEND and marks the
+ * transport failed.
  * `view` points to a struct on akv_lease_attend's stack: it lives only
  * during the hook. Copy the struct (not the pointer) if work enqueued by the
  * hook needs it later; the arrays and device memory it points to stay valid
