@@ -874,6 +874,15 @@ typedef struct run_result {
   uint64_t rank_h2d[TP_MAX], rank_d2d[TP_MAX], rank_d2h[TP_MAX];
 } run_result;
 
+/* Frees what a run_result owns (the per-step times of a headroom release)
+ * and clears the pointer. Invariant: every run_result a run filled is freed
+ * once, by whoever reports it (cmd_decode) or by the run that failed. */
+static void run_result_free(run_result *res) {
+  free(res->step_ms);
+  res->step_ms = NULL;
+  res->n_step_ms = 0;
+}
+
 /*
  * --tp: the ranks of one process. Each rank is a thread with its own engine
  * and its own model shard, the engines bound into one akv_group.
@@ -1843,6 +1852,7 @@ static int run_rank(const cli_opts *o, int steps_out, run_result *res, tp_rank *
 out:
   if (rc != 0 && tp != NULL) tp_abort(tp->w); /* the other ranks stop instead of waiting */
   close_all(r);
+  if (rc != 0) run_result_free(res); /* a failed run reports nothing */
   return rc;
 }
 
@@ -1995,6 +2005,7 @@ static int run_tp(const cli_opts *o, int steps_out, run_result *res) {
   }
   if (failed) goto out;
   *res = jobs[0].res;
+  jobs[0].res.step_ms = NULL; /* moved into *res: the caller frees it */
   res->tp = n;
   res->tp_nccl = cuda;
   for (uint32_t k = 0; k < n; ++k) {
@@ -2010,7 +2021,10 @@ static int run_tp(const cli_opts *o, int steps_out, run_result *res) {
   }
   rc = 0;
 out:
-  for (uint32_t k = 0; jobs && k < n; ++k) free(jobs[k].t.sum);
+  for (uint32_t k = 0; jobs && k < n; ++k) {
+    free(jobs[k].t.sum);
+    run_result_free(&jobs[k].res); /* rank 0's, when it reports, was moved out above */
+  }
   free(jobs);
   if (w.gw) akv_group_world_destroy(w.gw);
 #ifdef ACTIVEKV_NCCL
@@ -2415,6 +2429,23 @@ static int cmd_decode(const cli_opts *o) {
               o->tp, o->tp);
     return EXIT_USAGE;
   }
+  /* A group refuses headroom (akv_group_create_inproc: AKV_ERR_NOT_SUPPORTED,
+   * each rank's device would measure its own): said here, as a usage error,
+   * instead of a create failure that blamed the backend. */
+  if (o->tp > 0 && (o->headroom_gib > 0 || o->release_headroom_at > 0)) {
+    say_error("--tp %u: --headroom-gib and --release-headroom-at are not supported with tensor "
+              "parallel ranks (a group refuses headroom); drop --tp or the headroom flags",
+              o->tp);
+    return EXIT_USAGE;
+  }
+  /* Releasing headroom the engine does not have is refused by the library
+   * (AKV_ERR_NOT_SUPPORTED) in the middle of step N, after the warm-up ran:
+   * a usage error, said before anything runs. */
+  if (o->release_headroom_at > 0 && o->headroom_gib == 0) {
+    say_error("--release-headroom-at %u: there is no headroom to give back; pass --headroom-gib N "
+              "too", o->release_headroom_at);
+    return EXIT_USAGE;
+  }
   if (o->tp > 0 && resolve_backend(o) != AKV_BACKEND_HOST) {
     rc = check_tp_cuda(o);
     if (rc != 0) return rc;
@@ -2455,6 +2486,7 @@ static int cmd_decode(const cli_opts *o) {
     return EXIT_RUN_ERROR;
   if (o->json) print_json(o, "decode", &res);
   else print_summary(o, &res);
+  run_result_free(&res);
   return res.checked && res.mismatched_steps ? EXIT_MISMATCH : 0;
 }
 

@@ -335,7 +335,10 @@ typedef enum akv_log_level {
  *  thread of the call that logs, which holds the engine (Thread safety):
  *  a diagnostic it calls on that engine answers as above, while any other
  *  thread's call on the engine gets AKV_ERR_IN_USE until the logging call
- *  returned. The library never logs from its worker threads. */
+ *  returned. The library never logs from its worker threads. The callback
+ *  returns to the library: one that leaves by longjmp (or ends its thread)
+ *  leaves the logging call in progress for good, the engine claimed by that
+ *  thread and refusing as from inside the callback. */
 typedef void (*akv_log_fn)(void *user, akv_log_level level, const char *message);
 
 /** Backend operation kinds, for fault injection and counters. */
@@ -864,14 +867,24 @@ typedef struct akv_view {
 
 /**
  * Attention hook: enqueue the attention kernel (and the write of each new row
- * at index len[i]) on `stream`; do not block. Return 0 on success; nonzero
- * makes akv_lease_attend return AKV_ERR_BACKEND and marks the transport failed.
+ * at index len[i]) on `stream`; do not block. The rows the view points to
+ * are ready for work enqueued on `stream`, not yet while the hook runs (the
+ * staging copies may still be running): on the host backend a CPU attention
+ * reads and writes them from a function enqueued with akv_stream_launch_host,
+ * never from the hook itself (docs/api.md shows it). Return 0 on success;
+ * nonzero makes akv_lease_attend return AKV_ERR_BACKEND and marks the
+ * transport failed.
  * `view` points to a struct on akv_lease_attend's stack: it lives only
  * during the hook. Copy the struct (not the pointer) if work enqueued by the
  * hook needs it later; the arrays and device memory it points to stay valid
- * until the lease retires. A hook that ends its own lease (akv_engine_quarantine
- * releases it, a destroy may follow; or it runs the lease to its retire
- * itself) makes akv_lease_attend return AKV_ERR_BAD_HANDLE, touching neither
+ * until the lease retires. The hook returns to akv_lease_attend: one that
+ * leaves otherwise (longjmp, or its thread ends) leaves the attend in
+ * progress for good, so the engine stays claimed by that thread (other
+ * threads get AKV_ERR_IN_USE; that thread's later calls on it nest, and may
+ * quarantine and destroy it); an engine so destroyed never hands its record
+ * ("Handle lifetimes") to a later akv_engine_create. A hook that ends its
+ * own lease (akv_engine_quarantine releases it, a destroy may follow; or it
+ * runs the lease to its retire itself) makes akv_lease_attend return AKV_ERR_BAD_HANDLE, touching neither
  * the lease nor its engine afterwards, also when the hook went on until the
  * handle's record was handed out again ("Handle lifetimes") to a later lease
  * of this engine or of a newer one: that lease and its engine are left as

@@ -99,10 +99,15 @@ void akv_engine_release(const akv_engine *ce) {
   akv_engine *e = (akv_engine *)ce;
   if (--e->depth == 0) {
     const int cancel = e->cancel_state;
+    const bool give = e->give_on_release;
+    e->give_on_release = false;
     /* A release store (the claim's compare-exchange acquires): everything
      * this call wrote is seen by the next thread to claim the engine. */
     atomic_store_explicit(&e->owner, NULL, memory_order_release);
     pthread_setcancelstate(cancel, NULL);
+    /* A record destroyed by a nested call goes back to its pool now, its
+     * claim released (akv_engine_give). */
+    if (give) akv_rec_give(&akv_engine_records, e);
   }
 }
 
@@ -111,9 +116,10 @@ void akv_engine_release(const akv_engine *ce) {
  * "Handle lifetimes") reaches it half-built: such a thread is refused
  * (AKV_ERR_IN_USE) until create returns. Its owner word may be held a
  * moment by such a thread that read the magic live before the destroy and
- * claims after it (it finds the magic dead and lets go at once), or by this
- * very thread, still inside a call on the engine the record held (an
- * attention hook that destroyed its engine and creates others). */
+ * claims after it (it finds the magic dead and lets go at once); never for
+ * longer, as a record is back in the pool only with its claim released
+ * (akv_engine_give: a destroy nested in a hook's attend gives the record
+ * back when that attend returns). */
 static void akv_engine_claim_record(akv_engine *e) {
   akv_rec_owner_wait(&e->owner, &akv_engine_thread);
   if (e->depth++ == 0) pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, &e->cancel_state);
@@ -276,6 +282,19 @@ static void akv_engine_free_all(akv_engine *e) {
  * record at the tail of its FIFO (a destroy), otherwise back at the head (a
  * create that failed, which then does not count against the reuse bound). */
 static void akv_engine_give(akv_engine *e, bool created) {
+  /* Invariant: a record is back in its pool only with its claim released
+   * (owner NULL, depth 0), so the create that takes it next never waits on
+   * it (akv_engine_claim_record). A destroy nested in another call on the
+   * engine (from an attention hook) leaves the claim to that outer call, so
+   * the record goes back at the outer call's release. Given back at once,
+   * it waited in the pool still claimed, and a hook that never returned to
+   * its attend (longjmp) kept it claimed for good: the create on another
+   * thread that was handed it later waited for ever. */
+  if (created && e->depth > 1) {
+    e->give_on_release = true;
+    akv_engine_release(e);
+    return;
+  }
   akv_engine_release(e);
   if (created)
     akv_rec_give(&akv_engine_records, e);

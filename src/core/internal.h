@@ -166,6 +166,9 @@ struct akv_engine {
   _Atomic(const void *) owner; /* the thread inside a call on this engine, or NULL */
   uint32_t depth;              /* the owner's calls in progress (nested from callbacks) */
   int cancel_state;            /* the owner's cancelability before its outermost call */
+  /* Destroyed by a nested call (a hook's akv_engine_destroy): the record goes
+   * back to its pool at the outermost release, not before (akv_engine_give). */
+  bool give_on_release;
   /* akv_fork_generation at create (records.h), stored and read atomically:
    * a stale handle's claim reads it while a create on the record sets it. */
   uint32_t fork_gen;
