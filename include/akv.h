@@ -555,9 +555,14 @@ typedef struct akv_engine_info {
                                                     here and in bytes_* nowhere */
   uint64_t steps, leases_retired;
   uint64_t backend_ops[AKV_OP_KIND_COUNT]; /**< fallible backend ops issued, per kind */
-  int transport_failed; /**< 1 after any failed backend op, and after any
+  int transport_failed; /**< 1 after any failed backend op of the data path
+                             (copies, events, queues, kernels, host functions,
+                             synchronisation), and after any
                              akv_engine_quarantine (which closes the engine to
-                             all but diagnostics and destroy, failure or not) */
+                             all but diagnostics and destroy, failure or not).
+                             A headroom chunk the device could not allocate is
+                             not one: headroom takes what is free and says so
+                             (akv_headroom_get, the log) */
   int quarantined;      /**< 1 after akv_engine_quarantine established completion */
   uint64_t bytes_in_place; /**< paged route: retained bytes handed to attention in place
                                 (neither staged nor copied), so far; counted when
