@@ -39,9 +39,6 @@ static void akv_engine_poison(akv_engine *e) {
   AKV_STORE(e->magic_end, AKV_MAGIC_DEAD);
 }
 
-/* A thread's name for akv_engine_claim: the address of a thread-local. */
-static _Thread_local char akv_engine_thread;
-
 bool akv_engine_forked(const akv_engine *e) {
   return akv_rec_forked(&e->fork_gen);
 }
@@ -72,7 +69,7 @@ bool akv_engine_forked(const akv_engine *e) {
  * process-wide mutex, too dear on the hot path. */
 akv_status akv_engine_claim(const akv_engine *ce) {
   akv_engine *e = (akv_engine *)ce; /* a record: only the claim words are written */
-  const void *me = &akv_engine_thread, *none = NULL;
+  const void *me = akv_rec_thread(), *none = NULL; /* never another thread's */
   if (!akv_engine_ok(e)) return AKV_ERR_BAD_HANDLE;
   /* Invariant: a forked child never runs a call on an engine of its parent
    * (akv.h, fork). The engine's queue threads stayed in the parent: a step
@@ -121,7 +118,7 @@ void akv_engine_release(const akv_engine *ce) {
  * (akv_engine_give: a destroy nested in a hook's attend gives the record
  * back when that attend returns). */
 static void akv_engine_claim_record(akv_engine *e) {
-  akv_rec_owner_wait(&e->owner, &akv_engine_thread);
+  akv_rec_owner_wait(&e->owner, akv_rec_thread());
   if (e->depth++ == 0) pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, &e->cancel_state);
 }
 

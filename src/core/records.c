@@ -145,6 +145,27 @@ void akv_rec_unreserve(akv_recpool *p, size_t n) {
   pthread_mutex_unlock(&p->mu);
 }
 
+/* Invariant: a thread's name is never given to another thread. It was
+ * the address of a thread-local, which the C library hands to the next
+ * thread it starts once the first ended (its cached stack and TLS block):
+ * a thread that ended inside a call (an attention hook or log callback that
+ * called pthread_exit) left its engine claimed under a name the next thread
+ * then had, and that thread's calls nested into the dead one's half-done
+ * call. Names are odd numbers from one process-wide counter (2^63 threads
+ * before it wraps), taken at a thread's first claim; a forked child's
+ * thread keeps its name, and its parent's other threads are not in it. */
+static _Atomic uintptr_t akv_rec_next_thread = 1;
+static _Thread_local uintptr_t akv_rec_my_thread;
+
+const void *akv_rec_thread(void) {
+  uintptr_t me = akv_rec_my_thread;
+  if (me == 0) {
+    me = atomic_fetch_add_explicit(&akv_rec_next_thread, 2, memory_order_relaxed);
+    akv_rec_my_thread = me;
+  }
+  return (const void *)me;
+}
+
 void akv_rec_owner_wait(_Atomic(const void *) *owner, const void *me) {
   for (;;) {
     const void *none = NULL;

@@ -69,6 +69,11 @@ int akv_rec_holds(akv_recpool *p, const void *ptr);
 size_t akv_rec_free_count(akv_recpool *p);
 
 /* The pools (records.c). */
+/* The calling thread's name in owner words (engine and group claims): a
+ * value no other thread of the process ever has, also after this thread
+ * ended, never NULL, never dereferenced. */
+const void *akv_rec_thread(void);
+
 /* Takes a record's claim word for `me`, waiting (yielding) while another
  * thread holds it; returns at once when `me` holds it already. For a create
  * that builds the record it just took while a stale handle's call may hold

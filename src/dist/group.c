@@ -104,9 +104,6 @@ static void akv_group_poison(akv_group *g) {
 
 static void akv_group_release(const akv_group *cg);
 
-/* A thread's name for akv_group_claim: the address of a thread-local. */
-static _Thread_local char akv_group_thread;
-
 /* Invariant: at most one thread is inside the calls of a group (akv_group.h,
  * Thread safety). Every public group call claims the group first and
  * releases it on return; the thread already inside may claim again (a call
@@ -122,7 +119,7 @@ static _Thread_local char akv_group_thread;
  * destroy poisons it before it releases the group. */
 static akv_status akv_group_claim(const akv_group *cg) {
   akv_group *g = (akv_group *)cg; /* a record: only the owner word is written */
-  const void *me = &akv_group_thread, *none = NULL;
+  const void *me = akv_rec_thread(), *none = NULL; /* never another thread's */
   /* Invariant: a handle is the first byte of a group record. A pointer
    * into the middle of one would read the caller's own config words (kept
    * in the record) as the magics, and past the pool's chunk for the last
@@ -173,7 +170,7 @@ static void akv_group_release(const akv_group *cg) {
  * claimed the dead record lets go at once (akv_group_claim), so the wait
  * is short. Cancellation is already off (akv_group_create_with). */
 static void akv_group_claim_record(akv_group *g) {
-  akv_rec_owner_wait(&g->owner, &akv_group_thread);
+  akv_rec_owner_wait(&g->owner, akv_rec_thread());
   if (g->depth++ == 0) g->cancel_state = PTHREAD_CANCEL_DISABLE;
 }
 
