@@ -221,6 +221,23 @@ static akv_status akv_group_hold_engine(akv_group *g, akv_engine **held) {
   return AKV_OK;
 }
 
+/* A public agreement call's entry: the group's claim, then its engine's
+ * (akv_group_hold_engine); on a refusal nothing is held. */
+static akv_status akv_group_call_begin(akv_group *g, akv_engine **held) {
+  akv_status st = akv_group_claim(g);
+  *held = NULL;
+  if (st != AKV_OK) return st;
+  st = akv_group_hold_engine(g, held);
+  if (st != AKV_OK) akv_group_release(g);
+  return st;
+}
+
+/* Its return: the engine, then the group. */
+static void akv_group_call_end(akv_group *g, akv_engine *held) {
+  if (held != NULL) akv_engine_release(held);
+  akv_group_release(g);
+}
+
 /* 1 once the engine the group created is gone (destroyed directly). */
 static int akv_group_engine_lost(const akv_group *g) {
   return g->engine != NULL && akv_group_own(g) == NULL;
@@ -915,45 +932,37 @@ AKV_API akv_status akv_group_destroy(akv_group *g) {
 AKV_API akv_status akv_group_context_open(akv_group *g, const akv_context_config *config,
                                           akv_context **out) {
   akv_engine *held;
-  akv_status st = akv_group_claim(g);
+  akv_status st = akv_group_call_begin(g, &held);
   if (st != AKV_OK) return st;
-  st = akv_group_hold_engine(g, &held);
-  if (st == AKV_OK) st = akv_group_context_open_claimed(g, config, out);
-  if (held != NULL) akv_engine_release(held);
-  akv_group_release(g);
+  st = akv_group_context_open_claimed(g, config, out);
+  akv_group_call_end(g, held);
   return st;
 }
 
 AKV_API akv_status akv_group_context_close(akv_group *g, akv_context *context) {
   akv_engine *held;
-  akv_status st = akv_group_claim(g);
+  akv_status st = akv_group_call_begin(g, &held);
   if (st != AKV_OK) return st;
-  st = akv_group_hold_engine(g, &held);
-  if (st == AKV_OK) st = akv_group_context_close_claimed(g, context);
-  if (held != NULL) akv_engine_release(held);
-  akv_group_release(g);
+  st = akv_group_context_close_claimed(g, context);
+  akv_group_call_end(g, held);
   return st;
 }
 
 AKV_API akv_status akv_group_step_begin(akv_group *g, akv_context *const *contexts, uint32_t n) {
   akv_engine *held;
-  akv_status st = akv_group_claim(g);
+  akv_status st = akv_group_call_begin(g, &held);
   if (st != AKV_OK) return st;
-  st = akv_group_hold_engine(g, &held);
-  if (st == AKV_OK) st = akv_group_step_begin_claimed(g, contexts, n);
-  if (held != NULL) akv_engine_release(held);
-  akv_group_release(g);
+  st = akv_group_step_begin_claimed(g, contexts, n);
+  akv_group_call_end(g, held);
   return st;
 }
 
 AKV_API akv_status akv_group_check(akv_group *g) {
   akv_engine *held;
-  akv_status st = akv_group_claim(g);
+  akv_status st = akv_group_call_begin(g, &held);
   if (st != AKV_OK) return st;
-  st = akv_group_hold_engine(g, &held);
-  if (st == AKV_OK) st = akv_group_check_claimed(g);
-  if (held != NULL) akv_engine_release(held);
-  akv_group_release(g);
+  st = akv_group_check_claimed(g);
+  akv_group_call_end(g, held);
   return st;
 }
 
