@@ -18,8 +18,11 @@
  * read in the chunk kernel's order with loads only (read_order: the ceiling
  * of the kernel's shape without its arithmetic), the same bytes on the
  * kernel's blocks and occupancy read as contiguous spans (read_span) and by
- * the plain loop, and checks the results
- * (CUDA vs the C reference, paged == contiguous bit for bit) once.
+ * the plain loop, the same bytes as tiles on one block per SM handed out
+ * statically or to whichever block asks next (read_tiles: what an even split
+ * over the SMs costs), and 32 calls back to back between one pair of events
+ * (a decode step's layers, launch latency overlapped), and checks the
+ * results (CUDA vs the C reference, paged == contiguous bit for bit) once.
  *
  * Build (from the repository root):
  *   nvcc -O3 -arch=sm_90 -std=c++17 -Iinclude bench/attention_bw.cu \
@@ -242,6 +245,57 @@ __global__ void __launch_bounds__(256) read_span(const char *__restrict__ base, 
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) acc ^= kr[u].x ^ kr[u].y ^ kr[u].z ^ kr[u].w ^ vr[u].x ^ vr[u].y ^ vr[u].z ^ vr[u].w;
+  }
+  if (acc == 0x9E3779B9u) sink[0] = acc; /* keeps the loads alive */
+}
+
+/* Tiles of U x 4 KiB read by blocks of 256 threads, the next tile's loads
+ * issued before the current one is consumed; tile t is handed to block
+ * t % gridDim.x in turn (DYN false), or to whichever block asks next
+ * through a ticket counter (DYN true): tells what a static split of the
+ * bytes over the SMs costs against one that follows each SM's pace. The
+ * counter is never reset: launch j's tickets start at `base` (each block
+ * draws until it gets a ticket past the last tile, so a launch consumes
+ * exactly tiles + gridDim.x of them). Dynamic shared memory keeps one block
+ * per SM, as the chunk kernel's registers do. */
+template <int U, bool DYN>
+__global__ void __launch_bounds__(256) read_tiles(const uint4 *__restrict__ p, size_t n16,
+                                                  uint32_t tiles, unsigned *ticket, unsigned base,
+                                                  unsigned *sink) {
+  __shared__ unsigned s_t[2];
+  const uint32_t tid = threadIdx.x;
+  uint32_t k = 0;
+  auto grab = [&]() -> uint32_t {
+    return DYN ? atomicAdd(ticket, 1u) - base : blockIdx.x + (k++) * gridDim.x;
+  };
+  auto load = [&](uint4 *v, uint32_t t) {
+    const size_t b = (size_t)t * U * 256u;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const size_t e = min(b + (size_t)u * 256u + tid, n16 - 1);
+      v[u] = __ldg(p + e);
+    }
+  };
+  if (tid == 0) s_t[0] = grab();
+  if (!DYN) k = 1;
+  __syncthreads();
+  uint32_t cur = s_t[0];
+  uint4 v[U];
+  if (cur < tiles) load(v, cur);
+  int slot = 1;
+  unsigned acc = 0;
+  while (cur < tiles) {
+    if (tid == 0) s_t[slot] = grab();
+    __syncthreads();
+    const uint32_t nxt = s_t[slot];
+    slot ^= 1;
+    uint4 w[U];
+    if (nxt < tiles) load(w, nxt);
+#pragma unroll
+    for (int u = 0; u < U; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+#pragma unroll
+    for (int u = 0; u < U; ++u) v[u] = w[u];
+    cur = nxt;
   }
   if (acc == 0x9E3779B9u) sink[0] = acc; /* keeps the loads alive */
 }
@@ -684,6 +738,43 @@ int main(int argc, char **argv) {
         span_gbps[u] = (double)kv_bytes / (st.median_us * 1e3);
       }
     }
+    /* Static against dynamic tiles on one block per SM (read_tiles). */
+    double tiles_gbps[2][3][2];
+    {
+      unsigned *ticket;
+      CK(cudaMalloc(&ticket, sizeof(unsigned)));
+      CK(cudaMemset(ticket, 0, sizeof(unsigned)));
+      unsigned next_base = 0;
+      const size_t one_per_sm = 120u * 1024u;
+      printf("tiles  %-5s %4u:", dt_name, n_ctx);
+      auto run_tiles = [&](auto kern, int u, bool dyn, int grid) -> double {
+        CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)one_per_sm));
+        const uint32_t tiles = (uint32_t)((n16 + (size_t)u * 256u - 1) / ((size_t)u * 256u));
+        const Stats st = time_launches(s, sets, o.warmup, o.iters, [&](int si) {
+          kern<<<grid, 256, one_per_sm, s>>>((const uint4 *)set[si].kv, n16, tiles, ticket,
+                                              next_base, sink);
+          if (dyn) next_base += tiles + (unsigned)grid; /* only dynamic launches draw */
+        });
+        CK(cudaGetLastError());
+        const double g = (double)kv_bytes / (st.median_us * 1e3);
+        printf(" %s U%d grid %d %.2f us (%.1f%%);", dyn ? "dyn" : "static", u, grid, st.median_us,
+               100.0 * g / kCeilingGBps);
+        return g;
+      };
+      /* [grid 128, all SMs][U 4, 8, 16][static, dynamic] */
+      const int sms = prop.multiProcessorCount;
+      for (int gi = 0; gi < 2; ++gi) {
+        const int grid = gi ? sms : 128;
+        tiles_gbps[gi][0][0] = run_tiles(read_tiles<4, false>, 4, false, grid);
+        tiles_gbps[gi][0][1] = run_tiles(read_tiles<4, true>, 4, true, grid);
+        tiles_gbps[gi][1][0] = run_tiles(read_tiles<8, false>, 8, false, grid);
+        tiles_gbps[gi][1][1] = run_tiles(read_tiles<8, true>, 8, true, grid);
+        tiles_gbps[gi][2][0] = run_tiles(read_tiles<16, false>, 16, false, grid);
+        tiles_gbps[gi][2][1] = run_tiles(read_tiles<16, true>, 16, true, grid);
+      }
+      printf("\n");
+      CK(cudaFree(ticket));
+    }
     printf("read   %-5s %4u: plain %.0f GB/s (%.1f%%), kernel order by kv head %.0f GB/s (%.1f%%), "
            "by row %.0f GB/s (%.1f%%)\n",
            dt_name, n_ctx, read_gbps, 100.0 * read_gbps / kCeilingGBps, order_gbps[0],
@@ -744,7 +835,7 @@ int main(int argc, char **argv) {
              r.name, dt_name, n_ctx, o.tokens, o.chunk, (unsigned long long)kv_bytes,
              r.st.median_us, r.st.p10_us, r.st.p90_us, gbps, 100.0 * ratio, read_gbps,
              100.0 * gbps / read_gbps);
-      char line[2048];
+      char line[3072];
       snprintf(line, sizeof line,
                "{\"bench\":\"attention_bw\",\"label\":\"%s\",\"variant\":\"%s\",\"dtype\":\"%s\","
                "\"device\":\"%s\","
@@ -757,6 +848,9 @@ int main(int argc, char **argv) {
                "\"ceiling_gbps\":%.0f,\"ratio\":%.4f,\"read_gbps\":%.1f,\"ratio_vs_read\":%.4f,"
                "\"read_by_head_gbps\":%.1f,\"read_by_row_gbps\":%.1f,\"read_span16_gbps\":%.1f,"
                "\"read_span8_gbps\":%.1f,\"read_plain_kernel_blocks_gbps\":%.1f,"
+               "\"read_tiles_gbps\":{\"grid128\":{\"u4\":[%.1f,%.1f],\"u8\":[%.1f,%.1f],"
+               "\"u16\":[%.1f,%.1f]},\"grid_sms\":{\"u4\":[%.1f,%.1f],\"u8\":[%.1f,%.1f],"
+               "\"u16\":[%.1f,%.1f]}},"
                "\"b2b_calls\":%d,\"b2b_us\":%.2f,\"b2b_ratio\":%.4f,\"b2b_read_gbps\":%.1f,"
                "\"meets_60pct\":%s,\"check\":\"%s\"}",
                o.label, r.name, dt_name, prop.name, n_ctx, o.tokens, o.chunk, n_heads, kv_heads,
@@ -764,7 +858,10 @@ int main(int argc, char **argv) {
                AKV_ATTN_PIECE_TOKENS, AKV_ATTN_KERNEL, AKV_ATTN_MINB, AKV_ATTN_COMBINE_WARPS,
                AKV_ATTN_K3_FP8_F16, AKV_ATTN_K3_SPAN, (unsigned long long)kv_bytes, sets, o.iters,
                r.st.median_us, r.st.p10_us, r.st.p90_us, gbps, kCeilingGBps, ratio, read_gbps,
-               gbps / read_gbps, order_gbps[0], order_gbps[1], span_gbps[0], span_gbps[1], span_gbps[2], kB2bCalls, r.b2b_us,
+               gbps / read_gbps, order_gbps[0], order_gbps[1], span_gbps[0], span_gbps[1], span_gbps[2], tiles_gbps[0][0][0],
+               tiles_gbps[0][0][1], tiles_gbps[0][1][0], tiles_gbps[0][1][1], tiles_gbps[0][2][0],
+               tiles_gbps[0][2][1], tiles_gbps[1][0][0], tiles_gbps[1][0][1], tiles_gbps[1][1][0],
+               tiles_gbps[1][1][1], tiles_gbps[1][2][0], tiles_gbps[1][2][1], kB2bCalls, r.b2b_us,
                (double)kv_bytes / (r.b2b_us * 1e3) / kCeilingGBps, b2b_read_gbps,
                ratio >= 0.6 ? "true" : "false",
                check);
