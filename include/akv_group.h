@@ -161,7 +161,8 @@ typedef struct akv_group_info {
   uint32_t rank, size;
   uint64_t agreements;     /**< collectives this rank completed */
   uint64_t digest;         /**< digests compared: the plan digest at the last agreement
-                                point; else the engine's plan digest now */
+                                point; else the engine's plan digest now (0 once the
+                                caller destroyed the engine itself) */
   int digest_checked;      /**< 1 when digests are compared */
   int stopped;             /**< 1 once the group quarantined or its communicator failed */
   akv_group_reason reason;
@@ -316,7 +317,8 @@ AKV_API akv_status akv_group_check(akv_group *group);
 /** Fills *out. Allowed at any time (in any state, from the thread using
  *  the group). Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT
  *  (out NULL), AKV_ERR_IN_USE (another thread is inside a call on this
- *  group; *out untouched). */
+ *  group, or, where digests are not compared, on its engine, whose plan
+ *  digest it would read; *out untouched). */
 AKV_API akv_status akv_group_info_get(const akv_group *group, akv_group_info *out);
 
 /** The last error of this rank's group in words ("" before any); owned by

@@ -439,6 +439,10 @@ typedef struct busy_rank {
   hold *h;
   uint32_t rank;
   akv_status create, first[4], second;
+  akv_status info_busy;     /* akv_group_info_get while the holder is inside */
+  int info_checked;         /* digests compared (debug builds by default) */
+  int info_untouched;       /* *out as it was, byte for byte, on a refusal */
+  uint64_t digest_busy, digest_before;
   int stopped_after;
   akv_engine *engine;
   int engine_quarantined;
@@ -467,7 +471,9 @@ static void *busy_rank_main(void *arg) {
     akv_engine *e = NULL;
     pthread_t t;
     akv_context *c = NULL;
+    akv_group_info info0;
     akv_group_engine(g, &e);
+    r->digest_before = akv_group_info_get(g, &info0) == AKV_OK ? info0.digest : 0;
     pthread_create(&t, NULL, holder_main, e);
     {
       /* Bounded, so that a holder that never logs fails the test instead
@@ -489,6 +495,18 @@ static void *busy_rank_main(void *arg) {
     r->first[1] = akv_group_context_open(g, NULL, &c);
     r->first[2] = akv_group_step_begin(g, &c, 1);
     r->first[3] = akv_group_context_close(g, c);
+    {
+      /* Without digest checks (release builds) the digest is the
+       * engine's now: refused while another thread is inside it, *out
+       * untouched; with them, the agreed digest, which needs no engine. */
+      akv_group_info info, before;
+      memset(&info, 0x5A, sizeof info);
+      memcpy(&before, &info, sizeof info);
+      r->info_busy = akv_group_info_get(g, &info);
+      r->info_untouched = memcmp(&info, &before, sizeof info) == 0;
+      r->info_checked = r->info_busy == AKV_OK ? info.digest_checked : -1;
+      r->digest_busy = info.digest;
+    }
   released:
     pthread_mutex_lock(&r->h->mu);
     r->h->release = 1;
@@ -528,6 +546,20 @@ static void test_engine_busy_in_another_thread(void **state) {
   assert_int_equal(r[0].create, AKV_OK);
   assert_int_equal(r[1].create, AKV_OK);
   for (int i = 0; i < 4; ++i) assert_int_equal(r[0].first[i], AKV_ERR_IN_USE);
+  assert_int_not_equal(r[0].digest_before, 0);
+  if (r[0].info_busy == AKV_OK) {
+    /* digests compared: the agreed one, read without the engine */
+    assert_int_equal(r[0].info_checked, 1);
+    assert_true(r[0].digest_busy == r[0].digest_before);
+  } else {
+    assert_int_equal(r[0].info_busy, AKV_ERR_IN_USE);
+    assert_true(r[0].info_untouched);
+  }
+#ifdef NDEBUG
+  assert_int_equal(r[0].info_busy, AKV_ERR_IN_USE); /* release: not compared by default */
+#else
+  assert_int_equal(r[0].info_busy, AKV_OK);
+#endif
   assert_int_equal(r[0].second, AKV_OK);
   assert_int_equal(r[1].second, AKV_OK);
   for (int i = 0; i < 2; ++i) {

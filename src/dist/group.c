@@ -860,12 +860,30 @@ static akv_status akv_group_engine_claimed(const akv_group *g, akv_engine **out)
 }
 
 static akv_status akv_group_info_get_claimed(const akv_group *g, akv_group_info *out) {
+  uint64_t digest = g->digest;
   if (out == NULL) return AKV_ERR_INVALID_ARGUMENT;
+  if (!g->check_digest) {
+    /* Invariant (akv_group.h, akv_group_info_get): without digest checks
+     * the digest is the engine's now, read under the engine's claim; with
+     * another thread inside the engine the call is refused with *out
+     * untouched (it gave 0, a digest no plan has, with AKV_OK). 0 only
+     * once the caller destroyed the engine itself. */
+    akv_engine *e = akv_group_own(g);
+    digest = 0;
+    if (e != NULL) {
+      const akv_status st = akv_engine_claim(e);
+      if (st == AKV_ERR_IN_USE) return st;
+      if (st == AKV_OK) {
+        digest = akv_engine_plan_digest(e); /* nested: this thread holds it */
+        akv_engine_release(e);
+      }
+    }
+  }
   memset(out, 0, sizeof(*out));
   out->rank = g->cfg.rank;
   out->size = g->cfg.size;
   out->agreements = g->agreements;
-  out->digest = g->check_digest ? g->digest : akv_engine_plan_digest(akv_group_own(g));
+  out->digest = digest;
   out->digest_checked = g->check_digest;
   out->stopped = g->stopped;
   out->reason = g->reason;
