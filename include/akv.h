@@ -92,7 +92,12 @@
  *       akv_context_close: a process-wide mutex over the handle record pools,
  *       held for a few instructions (other threads' creates, destroys, opens
  *       and closes);
- *     - any call that logs: for as long as the caller's log callback runs.
+ *     - any call that logs: for as long as the caller's log callback runs;
+ *     - headroom (CUDA): akv_headroom_take, its device allocations
+ *       (cudaMalloc); akv_headroom_release outside a step, akv_step_end
+ *       with a release pending and a quarantine that frees one, the
+ *       cudaFree of each chunk, which may wait for the device to go idle
+ *       (the runtime's rule). Host backend: a mapping or an unmapping.
  *    No other call blocks. akv_lease_try_retire is the non-blocking retire.
  *  - ABI: within one soname (libactivekv.so.MAJOR; before 1.0 every minor
  *    version may change the ABI and has its own, libactivekv.so.0.MINOR),
