@@ -92,7 +92,12 @@
  *       akv_context_close: a process-wide mutex over the handle record pools,
  *       held for a few instructions (other threads' creates, destroys, opens
  *       and closes);
- *     - any call that logs: for as long as the caller's log callback runs.
+ *     - any call that logs: for as long as the caller's log callback runs;
+ *     - headroom (CUDA): akv_headroom_take, its device allocations
+ *       (cudaMalloc); akv_headroom_release outside a step, akv_step_end
+ *       with a release pending and a quarantine that frees one, the
+ *       cudaFree of each chunk, which may wait for the device to go idle
+ *       (the runtime's rule). Host backend: a mapping or an unmapping.
  *    No other call blocks. akv_lease_try_retire is the non-blocking retire.
  *  - ABI: within one soname (libactivekv.so.MAJOR; before 1.0 every minor
  *    version may change the ABI and has its own, libactivekv.so.0.MINOR),
@@ -154,7 +159,8 @@ typedef enum akv_status {
   AKV_ERR_BAD_HANDLE = 2,
   /** Config struct with a wrong size/version, or inconsistent geometry. */
   AKV_ERR_CONFIG = 3,
-  /** refuse mode: the configured concurrency does not fit the host pool. */
+  /** refuse mode: the configured concurrency does not fit the host pool
+   *  (shrink mode: not one history fits it). */
   AKV_ERR_NO_FIT = 4,
   /** shrink mode: every host slot is taken; queue the request and retry later. */
   AKV_ERR_REFUSED_QUEUE = 5,
@@ -482,11 +488,13 @@ AKV_API akv_status akv_fit(const akv_engine_config *config, akv_fit_report *repo
 /**
  * Creates an engine: allocates the pinned host pool, the device page pool, the
  * staging buffers, the engine's queues and every event it will use. Nothing is
- * allocated after this call. Logs the host-fit line.
+ * allocated after this call but the headroom akv_headroom_take takes again.
+ * Logs the host-fit line.
  * Returns AKV_OK, AKV_ERR_INVALID_ARGUMENT (config or out NULL),
  * AKV_ERR_CONFIG (what akv_fit refuses, or a struct_size below the oldest
- * layout; the message names the setting), AKV_ERR_NO_FIT (refuse mode; the
- * message names the setting to change), AKV_ERR_OUT_OF_MEMORY (the pools and
+ * layout; the message names the setting), AKV_ERR_NO_FIT (refuse mode, or
+ * shrink mode where not one history fits the host pool; the message names
+ * the setting to change), AKV_ERR_OUT_OF_MEMORY (the pools and
  * staging buffers are allocated first, so a geometry larger than the machine
  * fails there), AKV_ERR_NOT_SUPPORTED (CUDA requested but unavailable),
  * AKV_ERR_BACKEND.

@@ -341,7 +341,16 @@ static akv_status akv_context_read_claimed(akv_engine *e, const akv_context *c, 
                     "layer holds %u rows)",
                     layer, first, (unsigned long long)first + n, e->cfg.n_dense_layers,
                     layer < e->cfg.n_dense_layers ? c->layer_len[layer] : 0u);
-  if (akv_context_in_use(c))
+  /* Invariant (akv.h, akv_context_read: allowed while no lease of an open
+   * step can write the rows, also after a transport failure): the only
+   * writers of a context's host rows are the write-backs of the leases of
+   * the step it is part of, and a context leaves the step (in_step) only at
+   * akv_step_end, with every lease retired, or at a quarantine that proved
+   * completion; an uncertain quarantine keeps it in the step. So in_step is
+   * the refusal, not every host page lease: the page fills of a step_begin
+   * whose submissions failed hold leases on contexts that never joined a
+   * step, and those copies only read the rows. */
+  if (c->in_step)
     return akv_fail(e, AKV_ERR_IN_USE, "context_read: context %u is part of the open step",
                     c->id);
   if (n == 0) return AKV_OK; /* the buffers may then be NULL */
