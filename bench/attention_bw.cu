@@ -308,7 +308,7 @@ __global__ void __launch_bounds__(256) read_tiles(const uint4 *__restrict__ p, s
 extern "C" int akv_attn_bench_trace_clear(void);
 extern "C" int akv_attn_bench_trace_read(unsigned long long *dst, size_t count, int *points,
                                          size_t *warps);
-static const int kTracePts = 20; /* the points named in print_trace */
+static const int kTracePts = 22; /* the points named in print_trace */
 
 /* One launch's timeline from the warps' own timer points: each point's
  * spread over warps (from the first warp's entry), and the medians of the
@@ -333,7 +333,7 @@ static void print_trace(const char *what) {
   static const char *names[kTracePts] = {"entry",   "query",   "S0", "V0", "S1", "V1", "S2",
                                          "V2",      "S3",      "V3", "S4", "V4", "S5", "V5",
                                          "S6",      "V6",      "S7", "V7", "loop end",
-                                         "written"};
+                                         "written", "synced",  "folded"};
   printf("trace %s: %zu warps; microseconds from the first entry: point min / median / max "
          "(warps)\n", what, warps);
   for (int p = 0; p < kTracePts; ++p) {

@@ -285,9 +285,9 @@ if has_step ctest; then
   if [ -f "$BUILD/CTestTestfile.cmake" ] && ls "$BUILD"/tests/test_gpu_* >/dev/null 2>&1; then
     log "ctest -L gpu"
     (cd "$BUILD" && ctest -L gpu --output-on-failure --timeout 1800) >"$CTEST_LOG" 2>&1
+    rc=$? # ctest's, before anything else runs
     # The tests' own output (one line per bitwise cell) is in ctest's full log.
     cp "$BUILD/Testing/Temporary/LastTest.log" "$OUT/LastTest.log" 2>/dev/null || true
-    rc=$?
     line=$(grep -E 'tests passed|tests failed' "$CTEST_LOG" | tail -1)
     skipped=$(grep -c '\*\*\*Skipped' "$CTEST_LOG")
     st=ok

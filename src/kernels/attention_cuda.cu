@@ -68,10 +68,13 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include <mutex>
 #include <type_traits>
 
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
+
+#include <cooperative_groups.h>
 
 #include "akv_cuda.h"
 #include "attention_pieces.h"
@@ -117,6 +120,17 @@ namespace {
  * in griddepcontrol.wait for the chunk grid to complete and flush. */
 #ifndef AKV_ATTN_PDL
 #define AKV_ATTN_PDL 0 /* measured no faster (docs/benchmarks.md) */
+#endif
+/* 1 = when the chunk grid of kernel 3 fits the device at once (one FP8 or
+ * bf16 context of llama3-8b: 128 blocks on 132 SMs), the call is one
+ * cooperative launch: the chunk blocks write their partials, meet in a grid
+ * barrier, and each then folds the partials of combine blocks of its own
+ * (akv_attn_fused_kernel3) with the combine kernel's arithmetic, so the
+ * outputs are the two-kernel path's to the bit. Larger grids, and devices
+ * that refuse the launch, take the two kernels. Measured on the H200
+ * (docs/benchmarks.md). */
+#ifndef AKV_ATTN_FUSED
+#define AKV_ATTN_FUSED 1
 #endif
 /* Benchmark diagnostic, never the library's: 1 = the combine kernel is not
  * launched, so the benchmark times the chunk kernel alone (docs/benchmarks.md
@@ -388,6 +402,105 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+/* Kernel 3: pieces per block, one per warp (AKV_ATTN_K3_SPAN == warps, the
+ * default), merged in warp order into one partial, so the combine folds
+ * 1/span as many partials; 1: the block's warps share one piece (each warp
+ * every warps-th group of 16-row blocks). Measured on the H200
+ * (docs/benchmarks.md): spans of 8 took one FP8 context from 32.6 to 28.0
+ * us and one bf16 context from 45.1 to 40.2 us. */
+#ifndef AKV_ATTN_K3_SPAN
+#define AKV_ATTN_K3_SPAN AKV_ATTN_WARPS
+#endif
+constexpr uint32_t kSpan3 = AKV_ATTN_KERNEL == 3 ? AKV_ATTN_K3_SPAN : 1;
+static_assert(kSpan3 == 1 || kSpan3 == (uint32_t)AKV_ATTN_WARPS,
+              "AKV_ATTN_K3_SPAN is 1 or the warps per block");
+
+/* The combine's arithmetic, shared by the combine kernel and the fused
+ * kernel's fold (akv_attn_fused_kernel3) so that both give the same bits. */
+
+/* Partials of context ctx (spans of pieces over its chunks; 0: no rows);
+ * bad: a page table the combine cannot read (the output is NaN). */
+template <class Loc>
+__device__ __forceinline__ uint32_t combine_count(const CombineParams &p, const Loc &loc,
+                                                  uint32_t ctx, bool &bad) {
+  const uint32_t n_chunks = loc.chunks(ctx, bad);
+  uint32_t nch = 0;
+  if (n_chunks > 0) {
+    const uint32_t last = loc.last_rows(ctx, n_chunks);
+    nch = (n_chunks - 1u) * p.pieces + last / p.piece_rows + (last % p.piece_rows != 0);
+    nch = nch / kSpan3 + (nch % kSpan3 != 0); /* partials: spans of pieces */
+  }
+  return nch;
+}
+
+/* Folds w[0..N) of the kCombWarps, side by side: fold w takes the
+ * partials w, w + kCombWarps, ... of the slot at slot0, in order, into a
+ * running maximum m, sum l and output o of dim d. Each fold's arithmetic is
+ * the same whatever N (the combine kernel runs one fold per warp, the fused
+ * kernel two); N only lets one round of loads serve N folds. The loads go
+ * to L2 (ld.global.cg): in the fused kernel other blocks of the same grid
+ * wrote the partials. A fold w >= kCombWarps is none (no partials). */
+template <int D, int N>
+__device__ __forceinline__ void combine_fold(const CombineParams &p, size_t slot0, uint32_t d,
+                                             const uint32_t (&w)[N], uint32_t nch, float (&m)[N],
+                                             float (&l)[N], float (&o)[N]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    m[j] = -INFINITY;
+    l[j] = 0.0f;
+    o[j] = 0.0f;
+  }
+#pragma unroll 4
+  for (uint32_t k = 0; k < nch; k += kCombWarps) {
+    float mc[N], lc[N], ac[N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const uint32_t c = w[j] + k;
+      mc[j] = lc[j] = ac[j] = 0.0f;
+      if (w[j] < (uint32_t)kCombWarps && c < nch) {
+        mc[j] = __ldcg(p.ml + (slot0 + c) * 2);
+        lc[j] = __ldcg(p.ml + (slot0 + c) * 2 + 1);
+        ac[j] = __ldcg(p.acc + (slot0 + c) * D + d);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      if (w[j] >= (uint32_t)kCombWarps || w[j] + k >= nch) continue;
+      const float mn = fmaxf(m[j], mc[j]);
+      const float mu = (mn == -INFINITY) ? 0.0f : mn;
+      const float sa = exp2f(m[j] - mu), sc = exp2f(mc[j] - mu);
+      l[j] = fmaf(lc[j], sc, l[j] * sa);
+      o[j] = fmaf(ac[j], sc, o[j] * sa);
+      m[j] = mn;
+    }
+  }
+}
+
+/* The kCombWarps folds (s_m, s_l, s_o[w][lane]) merged in fold order: the
+ * output of query head `head` at this lane's dim. */
+__device__ __forceinline__ float combine_merge(const CombineParams &p, const float *s_m,
+                                               const float *s_l, const float (*s_o)[32],
+                                               uint32_t head, int lane, bool bad) {
+  float big = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < kCombWarps; ++w) big = fmaxf(big, s_m[w]);
+  const float big_use = (big == -INFINITY) ? 0.0f : big;
+  float sum = 0.0f, lsum = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kCombWarps; ++w) {
+    const float wgt = exp2f(s_m[w] - big_use);
+    sum = fmaf(wgt, s_o[w][lane], sum);
+    lsum = fmaf(wgt, s_l[w], lsum);
+  }
+  /* Zeros only where lsum == 0 (no rows, or every score -inf), as in the
+   * reference's combine (akv_attention.h, "Algorithm"): a NaN lsum (a NaN
+   * score, or one that overflowed) gives NaN, never a plausible 0. */
+  float r = (lsum != 0.0f) ? sum / lsum : 0.0f;
+  if (p.has_scales) r *= p.v_scale[head / p.group];
+  if (bad) r = __int_as_float(0x7FC00000);
+  return r;
+}
+
 /* Chunk kernels 1 and 2 (CUDA cores; benchmark variants). */
 #include "attention_cuda_cores.cuh"
 
@@ -543,18 +656,6 @@ struct Words<2> {
 #define AKV_ATTN_K3_PV_SPLIT 1
 #endif
 
-/* Kernel 3: pieces per block, one per warp (AKV_ATTN_K3_SPAN == warps, the
- * default), merged in warp order into one partial, so the combine folds
- * 1/span as many partials; 1: the block's warps share one piece (each warp
- * every warps-th group of 16-row blocks). Measured on the H200
- * (docs/benchmarks.md): spans of 8 took one FP8 context from 32.6 to 28.0
- * us and one bf16 context from 45.1 to 40.2 us. */
-#ifndef AKV_ATTN_K3_SPAN
-#define AKV_ATTN_K3_SPAN AKV_ATTN_WARPS
-#endif
-constexpr uint32_t kSpan3 = AKV_ATTN_KERNEL == 3 ? AKV_ATTN_K3_SPAN : 1;
-static_assert(kSpan3 == 1 || kSpan3 == (uint32_t)AKV_ATTN_WARPS,
-              "AKV_ATTN_K3_SPAN is 1 or the warps per block");
 
 template <int D, int E>
 struct Cfg3 {
@@ -589,8 +690,9 @@ struct Cfg3 {
 #if AKV_ATTN_BENCH_TRACE
 /* Points per warp: entry, query set up, then per group (up to 8) its scores
  * done and its V products done, then the loop's end and the partial
- * written. Warps past kTraceWarps are not recorded. */
-constexpr int kTracePts = 20;
+ * written; in the fused kernel also the grid barrier passed and the fold
+ * done. Warps past kTraceWarps are not recorded. */
+constexpr int kTracePts = 22;
 constexpr uint32_t kTraceWarps = 8192;
 __device__ unsigned long long akv_attn_trace[kTraceWarps * kTracePts];
 #define AKV_TRACE(pt, dep)                                                                \
@@ -622,10 +724,11 @@ constexpr size_t merge_bytes3() {
          sizeof(float);
 }
 
+/* Kernel 3's work, the body of the chunk kernel and of the fused kernel:
+ * returns (uniformly over the block) once the block's partial is written,
+ * or at once for a block without rows. */
 template <int D, int GT, int E, class Loc>
-__global__ void __launch_bounds__(kThreads, min_blocks3())
-    akv_attn_chunk_kernel3(const __grid_constant__ ChunkParams p,
-                           const __grid_constant__ Loc loc) {
+__device__ __forceinline__ void chunk3_body(const ChunkParams &p, const Loc &loc) {
   using C = Cfg3<D, E>;
   constexpr int RG = C::RG;
   extern __shared__ __align__(16) float s_dyn[]; /* merge_bytes3 */
@@ -994,7 +1097,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks3())
     AKV_TRACE(grp < 8u ? 3 + 2 * (int)grp : 99, acc[0][0]);
     __syncwarp(); /* s_pt is rewritten by the next group */
   }
-  AKV_TRACE(kTracePts - 2, acc[0][0]);
+  AKV_TRACE(18, acc[0][0]);
   /* The running sums over the 8 lanes of each c. */
 #pragma unroll
   for (int off = 4; off < 32; off <<= 1) {
@@ -1047,7 +1150,91 @@ __global__ void __launch_bounds__(kThreads, min_blocks3())
     for (int w = 0; w < kWarps; ++w) a = fmaf(s_w[w][h], s_acc[((size_t)w * C::ACC + r) * 32 + ln], a);
     p.acc[(slot0 + (size_t)h * p.stride_chunks) * D + d] = a;
   }
-  AKV_TRACE(kTracePts - 1, 0.0f);
+  AKV_TRACE(19, 0.0f);
+}
+
+template <int D, int GT, int E, class Loc>
+__global__ void __launch_bounds__(kThreads, min_blocks3())
+    akv_attn_chunk_kernel3(const __grid_constant__ ChunkParams p,
+                           const __grid_constant__ Loc loc) {
+  chunk3_body<D, GT, E, Loc>(p, loc);
+}
+
+/* Shared memory the fused kernel's fold takes from kernel 3's (s_m, s_l,
+ * s_o of the combine kernel). */
+constexpr size_t fold_bytes3() { return (size_t)kCombWarps * 34u * sizeof(float); }
+
+/* The fused kernel: kernel 3's chunk grid, launched cooperatively (every
+ * block resident at once, which the grid barrier needs; launch_pair checks
+ * the fit and falls back to the two kernels). After the barrier the
+ * partials of the whole grid are written and visible (the barrier's arrive
+ * is a release at gpu scope after a block barrier, its wait an acquire), and
+ * block b folds combine blocks b, b + blocks, ... of the combine kernel's
+ * grid ((query head, 32-dim slice), context), each with that kernel's
+ * arithmetic: the kCombWarps folds of combine_fold (warp w takes folds w,
+ * w + warps, ..., their loads in one round), merged in order by warp 0 in
+ * combine_merge. No block leaves before the barrier: chunk3_body returns,
+ * never exits the kernel. */
+template <int D, int GT, int E, class Loc>
+__global__ void __launch_bounds__(kThreads, min_blocks3())
+    akv_attn_fused_kernel3(const __grid_constant__ ChunkParams p,
+                           const __grid_constant__ CombineParams pp,
+                           const __grid_constant__ Loc loc) {
+  chunk3_body<D, GT, E, Loc>(p, loc);
+  constexpr uint32_t NDS = D / 32;
+  constexpr int NF = (kCombWarps + kWarps - 1) / kWarps; /* folds per warp */
+  const uint32_t per_ctx = pp.n_heads * NDS;
+  const uint32_t total = per_ctx * gridDim.y;
+  const uint32_t blocks = gridDim.x * gridDim.y;
+  const int warp = (int)(threadIdx.x >> 5);
+  const int lane = (int)(threadIdx.x & 31);
+  uint32_t w[NF];
+#pragma unroll
+  for (int j = 0; j < NF; ++j) w[j] = (uint32_t)(warp + j * kWarps); /* >= kCombWarps: none */
+  /* Where the first combine block's partials lie, found before the barrier
+   * (from the parameters and the page table, which no block writes). */
+  uint32_t b = blockIdx.y * gridDim.x + blockIdx.x;
+  uint32_t ctx = 0, head = 0, d = 0, nch = 0;
+  bool bad = false;
+  auto locate = [&]() {
+    ctx = b / per_ctx;
+    const uint32_t hs = b - ctx * per_ctx;
+    head = hs / NDS;
+    d = (hs - head * NDS) * 32u + (uint32_t)lane;
+    nch = combine_count(pp, loc, ctx, bad);
+  };
+  if (b < total) locate();
+  cooperative_groups::this_grid().sync(); /* also a block barrier: s_dyn is free */
+#if AKV_ATTN_BENCH_TRACE
+  const uint32_t trace_warp = (blockIdx.y * gridDim.x + blockIdx.x) * kWarps + (uint32_t)warp;
+#endif
+  AKV_TRACE(20, 0.0f);
+  extern __shared__ __align__(16) float s_dyn[];
+  float *s_m = s_dyn;
+  float *s_l = s_dyn + kCombWarps;
+  float(*s_o)[32] = reinterpret_cast<float(*)[32]>(s_dyn + 2 * kCombWarps);
+  while (b < total) {
+    const size_t slot0 = ((size_t)ctx * pp.n_heads + head) * pp.stride_chunks;
+    float m[NF], l[NF], o[NF];
+    combine_fold<D, NF>(pp, slot0, d, w, nch, m, l, o);
+#pragma unroll
+    for (int j = 0; j < NF; ++j) {
+      if (w[j] >= (uint32_t)kCombWarps) continue;
+      s_o[w[j]][lane] = o[j];
+      if (lane == 0) {
+        s_m[w[j]] = m[j];
+        s_l[w[j]] = l[j];
+      }
+    }
+    __syncthreads();
+    if (warp == 0)
+      pp.out[((size_t)ctx * pp.n_heads + head) * D + d] =
+          combine_merge(pp, s_m, s_l, s_o, head, lane, bad);
+    __syncthreads(); /* s_m, s_l, s_o are rewritten by the next combine block */
+    b += blocks;
+    if (b < total) locate();
+  }
+  AKV_TRACE(21, 0.0f);
 }
 #endif /* AKV_ATTN_KERNEL == 3 */
 
@@ -1077,55 +1264,21 @@ __global__ void __launch_bounds__(kCombWarps * 32)
   const int warp = (int)(threadIdx.x >> 5);
   const int lane = (int)(threadIdx.x & 31);
   bool bad = false;
-  const uint32_t n_chunks = loc.chunks(ctx, bad);
-  uint32_t nch = 0;
-  if (n_chunks > 0) {
-    const uint32_t last = loc.last_rows(ctx, n_chunks);
-    nch = (n_chunks - 1u) * p.pieces + last / p.piece_rows + (last % p.piece_rows != 0);
-    nch = nch / kSpan3 + (nch % kSpan3 != 0); /* partials: spans of pieces */
-  }
+  const uint32_t nch = combine_count(p, loc, ctx, bad);
   const size_t slot0 = ((size_t)ctx * p.n_heads + head) * p.stride_chunks;
 
-  float m = -INFINITY, l = 0.0f, o = 0.0f;
-#pragma unroll 8
-  for (uint32_t c = warp; c < nch; c += kCombWarps) {
-    const float mc = p.ml[(slot0 + c) * 2];
-    const float lc = p.ml[(slot0 + c) * 2 + 1];
-    const float ac = p.acc[(slot0 + c) * D + d];
-    const float mn = fmaxf(m, mc);
-    const float mu = (mn == -INFINITY) ? 0.0f : mn;
-    const float sa = exp2f(m - mu), sc = exp2f(mc - mu);
-    l = fmaf(lc, sc, l * sa);
-    o = fmaf(ac, sc, o * sa);
-    m = mn;
-  }
-  s_o[warp][lane] = o;
+  const uint32_t w[1] = {(uint32_t)warp};
+  float m[1], l[1], o[1];
+  combine_fold<D, 1>(p, slot0, d, w, nch, m, l, o);
+  s_o[warp][lane] = o[0];
   if (lane == 0) {
-    s_m[warp] = m;
-    s_l[warp] = l;
+    s_m[warp] = m[0];
+    s_l[warp] = l[0];
   }
   __syncthreads();
 
-  if (warp == 0) {
-    float big = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kCombWarps; ++w) big = fmaxf(big, s_m[w]);
-    const float big_use = (big == -INFINITY) ? 0.0f : big;
-    float sum = 0.0f, lsum = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kCombWarps; ++w) {
-      const float wgt = exp2f(s_m[w] - big_use);
-      sum = fmaf(wgt, s_o[w][lane], sum);
-      lsum = fmaf(wgt, s_l[w], lsum);
-    }
-    /* Zeros only where lsum == 0 (no rows, or every score -inf), as in the
-     * reference's combine (akv_attention.h, "Algorithm"): a NaN lsum (a NaN
-     * score, or one that overflowed) gives NaN, never a plausible 0. */
-    float r = (lsum != 0.0f) ? sum / lsum : 0.0f;
-    if (p.has_scales) r *= p.v_scale[head / p.group];
-    if (bad) r = __int_as_float(0x7FC00000);
-    p.out[((size_t)ctx * p.n_heads + head) * D + d] = r;
-  }
+  if (warp == 0)
+    p.out[((size_t)ctx * p.n_heads + head) * D + d] = combine_merge(p, s_m, s_l, s_o, head, lane, bad);
 }
 
 /* ------------------------------------------------------------------ host */
@@ -1134,13 +1287,20 @@ template <class Loc>
 using ChunkFn = void (*)(ChunkParams, Loc);
 template <class Loc>
 using CombineFn = void (*)(CombineParams, Loc);
+template <class Loc>
+using FusedFn = void (*)(ChunkParams, CombineParams, Loc);
 
 template <int D, int GT, int E, class Loc>
-ChunkFn<Loc> chunk_of(size_t *smem) {
+ChunkFn<Loc> chunk_of(size_t *smem, FusedFn<Loc> *fused) {
+  *fused = nullptr;
 #if AKV_ATTN_KERNEL == 3
   static_assert(merge_bytes3<D, E>() <= 227u * 1024u,
                 "AKV_ATTN_WARPS x head_dim accumulators exceed the shared memory of an SM");
+  static_assert(fold_bytes3() <= merge_bytes3<D, E>(), "the fold's shared memory is kernel 3's");
   *smem = merge_bytes3<D, E>();
+#if AKV_ATTN_FUSED && !AKV_ATTN_BENCH_CHUNK_ONLY
+  *fused = akv_attn_fused_kernel3<D, GT, E, Loc>;
+#endif
   return akv_attn_chunk_kernel3<D, GT, E, Loc>;
 #elif AKV_ATTN_KERNEL == 2
   static_assert(stage_bytes2<D, GT, E>() + 20u * 1024u <= 227u * 1024u,
@@ -1156,38 +1316,41 @@ ChunkFn<Loc> chunk_of(size_t *smem) {
 }
 
 template <int D, int E, class Loc>
-ChunkFn<Loc> pick_chunk_gt(int gt, size_t *smem) {
+ChunkFn<Loc> pick_chunk_gt(int gt, size_t *smem, FusedFn<Loc> *fused) {
   switch (gt) {
-    case 1: return chunk_of<D, 1, E, Loc>(smem);
-    case 2: return chunk_of<D, 2, E, Loc>(smem);
+    case 1: return chunk_of<D, 1, E, Loc>(smem, fused);
+    case 2: return chunk_of<D, 2, E, Loc>(smem, fused);
     case 4:
-      if constexpr (kWarps >= 4 || AKV_ATTN_KERNEL != 1) return chunk_of<D, 4, E, Loc>(smem);
+      if constexpr (kWarps >= 4 || AKV_ATTN_KERNEL != 1) return chunk_of<D, 4, E, Loc>(smem, fused);
       return nullptr;
     case 8:
-      if constexpr (kWarps >= 8 || AKV_ATTN_KERNEL != 1) return chunk_of<D, 8, E, Loc>(smem);
+      if constexpr (kWarps >= 8 || AKV_ATTN_KERNEL != 1) return chunk_of<D, 8, E, Loc>(smem, fused);
       return nullptr;
     default: return nullptr;
   }
 }
 
 template <int E, class Loc>
-ChunkFn<Loc> pick_chunk_dim(uint32_t head_dim, int gt, size_t *smem) {
+ChunkFn<Loc> pick_chunk_dim(uint32_t head_dim, int gt, size_t *smem, FusedFn<Loc> *fused) {
   switch (head_dim) {
-    case 64: return pick_chunk_gt<64, E, Loc>(gt, smem);
-    case 128: return pick_chunk_gt<128, E, Loc>(gt, smem);
-    case 256: return pick_chunk_gt<256, E, Loc>(gt, smem);
+    case 64: return pick_chunk_gt<64, E, Loc>(gt, smem, fused);
+    case 128: return pick_chunk_gt<128, E, Loc>(gt, smem, fused);
+    case 256: return pick_chunk_gt<256, E, Loc>(gt, smem, fused);
     default: return nullptr;
   }
 }
 
-/* The chunk kernel for (dtype, head_dim, gt) and its dynamic shared memory. */
+/* The chunk kernel for (dtype, head_dim, gt), its dynamic shared memory and
+ * the fused kernel of the same shape (nullptr: none built). */
 template <class Loc>
-ChunkFn<Loc> pick_chunk(akv_dtype dtype, uint32_t head_dim, int gt, size_t *smem) {
+ChunkFn<Loc> pick_chunk(akv_dtype dtype, uint32_t head_dim, int gt, size_t *smem,
+                        FusedFn<Loc> *fused) {
   *smem = 0;
+  *fused = nullptr;
   switch (dtype) {
-    case AKV_DTYPE_BF16: return pick_chunk_dim<kBf16, Loc>(head_dim, gt, smem);
-    case AKV_DTYPE_FP8_E4M3: return pick_chunk_dim<kE4m3, Loc>(head_dim, gt, smem);
-    case AKV_DTYPE_FP8_E5M2: return pick_chunk_dim<kE5m2, Loc>(head_dim, gt, smem);
+    case AKV_DTYPE_BF16: return pick_chunk_dim<kBf16, Loc>(head_dim, gt, smem, fused);
+    case AKV_DTYPE_FP8_E4M3: return pick_chunk_dim<kE4m3, Loc>(head_dim, gt, smem, fused);
+    case AKV_DTYPE_FP8_E5M2: return pick_chunk_dim<kE5m2, Loc>(head_dim, gt, smem, fused);
     default: return nullptr;
   }
 }
@@ -1301,12 +1464,46 @@ static void launch_params(uint32_t n_heads, uint32_t kv_heads, uint32_t head_dim
   }
 }
 
+/* Blocks of fn (kThreads threads, smem bytes of dynamic shared memory,
+ * opted in already) that the current device keeps resident at once, the
+ * bound of a cooperative launch; 0 where the device takes none or a query
+ * fails. Cached per (device, function), the only things it depends on. */
+static uint64_t coop_blocks(const void *fn, size_t smem) {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 0;
+  struct Entry {
+    const void *fn;
+    int dev;
+    uint64_t blocks;
+  };
+  static std::mutex mu;
+  static Entry cache[64];
+  static size_t used = 0;
+  {
+    std::lock_guard<std::mutex> g(mu);
+    for (size_t i = 0; i < used; ++i)
+      if (cache[i].fn == fn && cache[i].dev == dev) return cache[i].blocks;
+  }
+  int coop = 0, sms = 0, per_sm = 0;
+  if (cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, kThreads, smem) != cudaSuccess) {
+    (void)cudaGetLastError(); /* a failed query is not the caller's error: no fusing */
+    return 0;
+  }
+  const uint64_t blocks = coop != 0 && sms > 0 && per_sm > 0 ? (uint64_t)sms * (uint64_t)per_sm : 0;
+  std::lock_guard<std::mutex> g(mu);
+  if (used < sizeof cache / sizeof cache[0]) cache[used++] = Entry{fn, dev, blocks};
+  return blocks;
+}
+
 template <class Loc>
 akv_status launch_pair(akv_dtype dtype, uint32_t head_dim, int gt, dim3 grid_chunk,
                        const ChunkParams &cp, dim3 grid_combine, const CombineParams &pp,
                        const Loc &loc, cudaStream_t stream) {
   size_t smem = 0;
-  ChunkFn<Loc> chunk_fn = pick_chunk<Loc>(dtype, head_dim, gt, &smem);
+  FusedFn<Loc> fused_fn = nullptr;
+  ChunkFn<Loc> chunk_fn = pick_chunk<Loc>(dtype, head_dim, gt, &smem, &fused_fn);
   CombineFn<Loc> combine_fn = pick_combine<Loc>(head_dim);
   if (chunk_fn == nullptr || combine_fn == nullptr) return AKV_ERR_NOT_SUPPORTED;
   cudaLaunchConfig_t cfg = {};
@@ -1317,6 +1514,35 @@ akv_status launch_pair(akv_dtype dtype, uint32_t head_dim, int gt, dim3 grid_chu
   cfg.numAttrs = 0;
   /* Kernel 3 with spans: one block per span of pieces. */
   grid_chunk.x = div_up(grid_chunk.x / cp.kv_slots, kSpan3) * cp.kv_slots;
+  /* One cooperative launch where the whole chunk grid is resident at once
+   * (akv_attn_fused_kernel3; its fold walks the combine grid of
+   * grid_combine's shape, which it derives from n_heads, head_dim and
+   * gridDim.y). The bits are the two kernels', so the choice depends on
+   * the device's room alone and changes no result. */
+  if (fused_fn != nullptr && grid_chunk.x > 0 && grid_combine.y == grid_chunk.y &&
+      grid_combine.x == pp.n_heads * (head_dim / 32u)) {
+    if (smem > 48u * 1024u &&
+        cudaFuncSetAttribute(fused_fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
+            cudaSuccess)
+      return AKV_ERR_BACKEND;
+    if ((uint64_t)grid_chunk.x * grid_chunk.y <= coop_blocks((const void *)fused_fn, smem)) {
+      cudaLaunchAttribute coop[1];
+      coop[0].id = cudaLaunchAttributeCooperative;
+      coop[0].val.cooperative = 1;
+      cfg.gridDim = grid_chunk;
+      cfg.dynamicSmemBytes = smem;
+      cfg.attrs = coop;
+      cfg.numAttrs = 1;
+      const cudaError_t e = cudaLaunchKernelEx(&cfg, fused_fn, cp, pp, loc);
+      if (e == cudaSuccess) return AKV_OK;
+      if (e != cudaErrorCooperativeLaunchTooLarge) return AKV_ERR_BACKEND;
+      /* Refused for room (another context's share of the SMs, say): the
+       * error is not sticky; clear it and take the two kernels. */
+      (void)cudaGetLastError();
+      cfg.attrs = nullptr;
+      cfg.numAttrs = 0;
+    }
+  }
   if (grid_chunk.x > 0) {
     /* Above 48 KiB of dynamic shared memory needs the opt-in; it is a
      * per-device attribute of the function, so it is set on every call

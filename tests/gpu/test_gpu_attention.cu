@@ -15,6 +15,8 @@
  *  - every output element is written;
  *  - CUDA paged == CUDA contiguous, bit for bit (page_tokens == chunk_tokens);
  *  - the same launch twice gives the same bits;
+ *  - one context alone (one cooperative launch) gives the bits it gets in a
+ *    batch too large for the device at once (two kernels);
  *  - argument checks refuse without enqueueing anything;
  *  - a page table that overflows max_pages marks only its context with NaN;
  *  - a launch captured in a CUDA graph gives the same bits on every replay,
@@ -509,6 +511,61 @@ static void test_fp8(void **state) {
   print_message("worst relative L2 error FP8: CUDA vs reference (with bf16) %.3e, CUDA vs "
                 "float64 %.3e (bound %.0e)\n",
                 worst_err, worst_f64, REL_L2_TOL);
+}
+
+/* A grid that fits the device at once is one cooperative launch (the fused
+ * kernel: chunk blocks, a grid barrier, the combine's fold in the same
+ * blocks); a larger one is the chunk and combine kernels. Both must give the
+ * same bits: every context of a batch too large to fit is run again alone
+ * (a grid of 16 blocks), from the same bytes, and compared. */
+static void test_fused_matches_two_kernels(void **state) {
+  (void)state;
+  int dev = 0, sms = 0;
+  CUDA_OK(cudaGetDevice(&dev));
+  CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  /* 4,096 rows at chunk 256: 16 pieces, 2 spans of 8, times 8 kv heads =
+   * 16 blocks per context; at most 2 blocks of kernel 3 fit an SM. */
+  const uint32_t n_ctx = (uint32_t)(2 * sms) / 16u + 2u;
+  uint32_t *len = (uint32_t *)xmalloc(n_ctx * sizeof(uint32_t));
+  for (uint32_t i = 0; i < n_ctx; ++i) len[i] = 4096u - 97u * (i % 3u); /* last piece short */
+  const akv_dtype dts[3] = {AKV_DTYPE_BF16, AKV_DTYPE_FP8_E4M3, AKV_DTYPE_FP8_E5M2};
+  for (int k = 0; k < 3; ++k) {
+    problem p;
+    problem_init_dt(&p, dts[k], n_ctx, 32, 8, 128, 256, len, 1.0f);
+    const size_t n = out_elems(&p), per = (size_t)p.n_heads * p.head_dim;
+    float *all = (float *)xmalloc(n * sizeof(float));
+    float *one = (float *)xmalloc(per * sizeof(float));
+    const size_t wsb = ws_bytes_for(&p, max_len(&p), p.chunk);
+    float *d_out;
+    void *d_ws;
+    CUDA_OK(cudaMalloc((void **)&d_out, n * sizeof(float)));
+    CUDA_OK(cudaMalloc(&d_ws, wsb));
+    run_cuda_contig(&p, d_out, d_ws, wsb, all);
+    for (uint32_t i = 0; i < n_ctx; ++i) {
+      CUDA_OK(cudaMemset(d_out, 0xFF, per * sizeof(float)));
+      CUDA_OK(cudaMemset(d_ws, 0xFF, wsb));
+      akv_attention_args a = make_args(&p, true, d_out, d_ws, wsb);
+      a.n_contexts = 1;
+      a.q = p.d_q + (size_t)i * per;
+      a.k_base = p.d_base + (size_t)i * p.context_stride;
+      a.v_base = p.d_base + (size_t)i * p.context_stride + p.v_offset;
+      a.len = p.len + i;
+      assert_int_equal(akv_attention_decode_cuda(&a, 0), AKV_OK);
+      CUDA_OK(cudaDeviceSynchronize());
+      CUDA_OK(cudaMemcpy(one, d_out, per * sizeof(float), cudaMemcpyDeviceToHost));
+      if (memcmp(one, all + i * per, per * sizeof(float)) != 0)
+        print_error("dtype %d context %u: alone (one launch) differs from the batch of %u "
+                    "(two kernels)\n",
+                    (int)dts[k], i, n_ctx);
+      assert_memory_equal(one, all + i * per, per * sizeof(float));
+    }
+    CUDA_OK(cudaFree(d_out));
+    CUDA_OK(cudaFree(d_ws));
+    free(all);
+    free(one);
+    problem_free(&p);
+  }
+  free(len);
 }
 
 /* FP8 argument checks: scales required and sane, one-byte rows; nothing is
@@ -1031,6 +1088,7 @@ int main(void) {
       cmocka_unit_test(test_long_history),
       cmocka_unit_test(test_fp8),
       cmocka_unit_test(test_fp8_invalid_arguments),
+      cmocka_unit_test(test_fused_matches_two_kernels),
       cmocka_unit_test(test_graph_replay_and_workspace_reuse),
       cmocka_unit_test(test_nonfinite_matches_reference),
       cmocka_unit_test(test_adjacent_device_buffers),
