@@ -18,7 +18,8 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-NAMES = {"k3s8": "kernel 3, 8 warps, a piece each (the library)",
+NAMES = {"k3s8": "kernel 3, 8 warps, a piece each, one launch where it fits (the library)",
+         "k3s8nf": "the same, always chunk and combine kernels (before)",
          "k3w1l8": "kernel 3, one warp per block (before)",
          "w8l4c0": "kernel 1, CUDA cores, two-pass combine (the library before)",
          "w8l4": "kernel 1 with the one-pass combine",
@@ -28,7 +29,7 @@ NAMES = {"k3s8": "kernel 3, 8 warps, a piece each (the library)",
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", default=os.path.join(HERE, "results", "attention_bw.json"))
-    ap.add_argument("--labels", default="w8l4c0@29f5338,k3w1l8@0ef7754,k3s8@69e1f26",
+    ap.add_argument("--labels", default="w8l4c0@29f5338,k3w1l8@0ef7754,k3s8nf@0ad7911,k3s8@0ad7911",
                     help="label@commit of each bar, the library's last")
     ap.add_argument("--out", default=os.path.join(HERE, "..", "docs", "attention_bw.png"))
     a = ap.parse_args()

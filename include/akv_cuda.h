@@ -8,10 +8,14 @@
  *  - the CUDA launchers of the reference decode attention (akv_attention.h
  *    describes the layouts, the algorithm and the equality guarantees).
  *
- * Streams: the launchers only enqueue. They return when both kernels (chunk
- * partials, then the combine) are enqueued on the caller's `stream`, never
- * wait on the host and never enqueue anything anywhere else. They allocate
- * nothing: the partials go to the caller's workspace.
+ * Streams: the launchers only enqueue. They return when the call's work is
+ * enqueued on the caller's `stream` (two kernels, chunk partials then the
+ * combine; or, where the chunk grid fits on the device at once, one
+ * cooperative kernel doing both, with the same bits), never wait on the host
+ * and never enqueue anything anywhere else. They allocate nothing: the
+ * partials go to the caller's workspace. A captured call may be a
+ * cooperative kernel node; replay a graph on a device like the one it was
+ * captured on.
  * Device: the current device of the calling thread; every pointer must be
  * valid on it.
  * Thread safety: reentrant; concurrent launches must not share an output or a
