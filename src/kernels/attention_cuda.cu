@@ -1466,35 +1466,48 @@ static void launch_params(uint32_t n_heads, uint32_t kv_heads, uint32_t head_dim
 
 /* Blocks of fn (kThreads threads, smem bytes of dynamic shared memory,
  * opted in already) that the current device keeps resident at once, the
- * bound of a cooperative launch; 0 where the device takes none or a query
- * fails. Cached per (device, function), the only things it depends on. */
-static uint64_t coop_blocks(const void *fn, size_t smem) {
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return 0;
-  struct Entry {
-    const void *fn;
-    int dev;
-    uint64_t blocks;
-  };
-  static std::mutex mu;
-  static Entry cache[64];
-  static size_t used = 0;
+ * bound of a cooperative launch; 0 where the device takes none, a query
+ * fails, or a launch of fn on this device was refused (coop_refused).
+ * Cached per (device, function), the only things it depends on (64 pairs;
+ * past them the queries run on every call). */
+struct CoopEntry {
+  const void *fn;
+  int dev;
+  uint64_t blocks;
+};
+static std::mutex coop_mu;
+static CoopEntry coop_cache[64];
+static size_t coop_used = 0;
+
+static uint64_t coop_blocks(const void *fn, size_t smem, int dev) {
   {
-    std::lock_guard<std::mutex> g(mu);
-    for (size_t i = 0; i < used; ++i)
-      if (cache[i].fn == fn && cache[i].dev == dev) return cache[i].blocks;
+    std::lock_guard<std::mutex> g(coop_mu);
+    for (size_t i = 0; i < coop_used; ++i)
+      if (coop_cache[i].fn == fn && coop_cache[i].dev == dev) return coop_cache[i].blocks;
   }
   int coop = 0, sms = 0, per_sm = 0;
   if (cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, kThreads, smem) != cudaSuccess) {
-    (void)cudaGetLastError(); /* a failed query is not the caller's error: no fusing */
+    (void)cudaGetLastError(); /* this failed query's error, not the caller's: no fusing */
     return 0;
   }
   const uint64_t blocks = coop != 0 && sms > 0 && per_sm > 0 ? (uint64_t)sms * (uint64_t)per_sm : 0;
-  std::lock_guard<std::mutex> g(mu);
-  if (used < sizeof cache / sizeof cache[0]) cache[used++] = Entry{fn, dev, blocks};
+  std::lock_guard<std::mutex> g(coop_mu);
+  for (size_t i = 0; i < coop_used; ++i) /* another thread's answer: the same */
+    if (coop_cache[i].fn == fn && coop_cache[i].dev == dev) return coop_cache[i].blocks;
+  if (coop_used < sizeof coop_cache / sizeof coop_cache[0])
+    coop_cache[coop_used++] = CoopEntry{fn, dev, blocks};
   return blocks;
+}
+
+/* A cooperative launch of fn on dev was refused (a share of the SMs taken
+ * by another context, say): later calls take the two kernels at once
+ * instead of being refused again. */
+static void coop_refused(const void *fn, int dev) {
+  std::lock_guard<std::mutex> g(coop_mu);
+  for (size_t i = 0; i < coop_used; ++i)
+    if (coop_cache[i].fn == fn && coop_cache[i].dev == dev) coop_cache[i].blocks = 0;
 }
 
 template <class Loc>
@@ -1525,7 +1538,9 @@ akv_status launch_pair(akv_dtype dtype, uint32_t head_dim, int gt, dim3 grid_chu
         cudaFuncSetAttribute(fused_fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
             cudaSuccess)
       return AKV_ERR_BACKEND;
-    if ((uint64_t)grid_chunk.x * grid_chunk.y <= coop_blocks((const void *)fused_fn, smem)) {
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return AKV_ERR_BACKEND;
+    if ((uint64_t)grid_chunk.x * grid_chunk.y <= coop_blocks((const void *)fused_fn, smem, dev)) {
       cudaLaunchAttribute coop[1];
       coop[0].id = cudaLaunchAttributeCooperative;
       coop[0].val.cooperative = 1;
@@ -1533,12 +1548,13 @@ akv_status launch_pair(akv_dtype dtype, uint32_t head_dim, int gt, dim3 grid_chu
       cfg.dynamicSmemBytes = smem;
       cfg.attrs = coop;
       cfg.numAttrs = 1;
-      const cudaError_t e = cudaLaunchKernelEx(&cfg, fused_fn, cp, pp, loc);
-      if (e == cudaSuccess) return AKV_OK;
-      if (e != cudaErrorCooperativeLaunchTooLarge) return AKV_ERR_BACKEND;
-      /* Refused for room (another context's share of the SMs, say): the
-       * error is not sticky; clear it and take the two kernels. */
+      if (cudaLaunchKernelEx(&cfg, fused_fn, cp, pp, loc) == cudaSuccess) return AKV_OK;
+      /* Refused (too large for the SMs this context has, or no cooperative
+       * launch here): nothing was enqueued; clear the launch's error and
+       * take the two kernels, now and on later calls. A broken context
+       * fails them too (its error is sticky), and the call reports it. */
       (void)cudaGetLastError();
+      coop_refused((const void *)fused_fn, dev);
       cfg.attrs = nullptr;
       cfg.numAttrs = 0;
     }
