@@ -61,7 +61,12 @@
  *    streams too, akv_engine_destroy included) returns AKV_ERR_BAD_HANDLE
  *    at once and changes nothing (so does, in the child, an akv_lease_attend
  *    whose attention hook forked, once the hook returns); the child's copy
- *    of their memory goes with the child.
+ *    of their memory goes with the child. An akv_engine_create whose log
+ *    callback forks makes, in the child, an engine of the child's own when
+ *    the fork came before the engine started its queues (the fit and
+ *    config lines), and otherwise (from its backend's start on: the
+ *    headroom line, "engine ready") one of the parent's: it returns
+ *    AKV_ERR_BAD_HANDLE there, *out untouched.
  *  - Streams: enqueueing calls return when their work has been enqueued, not
  *    when it has run. The engine owns two copy queues (host->device and
  *    device->host) and one materialisation queue (device->device). The compute
@@ -497,7 +502,8 @@ AKV_API akv_status akv_fit(const akv_engine_config *config, akv_fit_report *repo
  * the setting to change), AKV_ERR_OUT_OF_MEMORY (the pools and
  * staging buffers are allocated first, so a geometry larger than the machine
  * fails there), AKV_ERR_NOT_SUPPORTED (CUDA requested but unavailable),
- * AKV_ERR_BACKEND.
+ * AKV_ERR_BACKEND, AKV_ERR_BAD_HANDLE (only in a child its log callback
+ * forked once the engine's queues had started: see fork, at the top).
  * Diagnostics of a failed create are passed to the log callback.
  */
 AKV_API akv_status akv_engine_create(const akv_engine_config *config, akv_engine **out);
