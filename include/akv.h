@@ -90,9 +90,13 @@
  *       akv_lease_wait_ready, akv_lease_mark_consumed, akv_lease_attend,
  *       akv_lease_write_back, akv_stream_launch_host): host backend, while
  *       the target queue's ring is full, until its worker frees a slot (at
- *       most the sync timeout, then AKV_ERR_BACKEND; from that worker itself,
- *       not at all: akv_stream_launch_host); CUDA, where the runtime
- *       itself blocks an enqueue (a full launch queue);
+ *       most the sync timeout, then AKV_ERR_BACKEND; not at all from a
+ *       function akv_stream_launch_host runs that the full queue waits for:
+ *       that worker's own, or one whose work the queue waits for through
+ *       the engine's queues; akv_stream_launch_host then answers
+ *       AKV_ERR_IN_USE with nothing enqueued, the other calls
+ *       AKV_ERR_BACKEND at once, the transport failed); CUDA, where the
+ *       runtime itself blocks an enqueue (a full launch queue);
  *     - akv_engine_create, akv_engine_destroy, akv_context_open,
  *       akv_context_close: a process-wide mutex over the handle record pools,
  *       held for a few instructions (other threads' creates, destroys, opens
@@ -673,8 +677,9 @@ AKV_API akv_status akv_stream_synchronize(akv_engine *engine, akv_stream stream)
  * that would wait for fn itself is refused with AKV_ERR_IN_USE and changes
  * nothing: akv_stream_destroy of fn's own stream, akv_stream_synchronize of
  * any stream of its engine (one may wait for fn through the engine's
- * queues), akv_stream_launch_host onto fn's stream while its ring is full
- * (host backend),
+ * queues), akv_stream_launch_host onto a stream of its engine whose ring is
+ * full while that stream waits for fn (fn's own stream, or one waiting on
+ * a history-ready event behind work of fn's stream; host backend),
  * akv_engine_quarantine of its engine, and akv_lease_retire of a lease
  * with an event not passed yet. Returns AKV_OK,
  * AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (fn NULL, or on the host
