@@ -42,8 +42,11 @@
  *    host function that never returns. The synchronize calls give up after
  *    the sync timeout and return AKV_ERR_BACKEND ("completion could not be
  *    established"); enqueueing onto a full ring gives up after the same
- *    timeout, and at once (AKV_ERR_IN_USE) when a queue's own worker
- *    enqueues onto its own full ring (it would wait for itself).
+ *    timeout, and at once (AKV_ERR_IN_USE) when the full ring waits for the
+ *    enqueuer itself: a queue's own worker enqueueing onto its own ring, or
+ *    a host function on another queue whose current operation the full
+ *    queue waits for through a chain of cross-queue waits
+ *    (akv_host_waits_for).
  *
  *  - Delay injection (akv_backend_params.delay_seed != 0). Before each
  *    operation (a whole batch counts as one) the worker draws from its own
@@ -1180,8 +1183,8 @@ fail:
 /**
  * host_fn: enqueues fn(arg), run on q's worker thread. Returns AKV_OK,
  * AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (fn NULL), AKV_ERR_BACKEND
- * (ring full too long), AKV_ERR_IN_USE (ring full while enqueued from q's
- * own worker: nothing enqueued).
+ * (ring full too long), AKV_ERR_IN_USE (ring full while it waits for the
+ * enqueuer: from q's own worker, or akv_host_waits_for; nothing enqueued).
  */
 static akv_status akv_host_host_fn(void *ctx, akv_bqueue *q, void (*fn)(void *), void *arg) {
   akv_status st = AKV_OK;
