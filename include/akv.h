@@ -682,9 +682,8 @@ AKV_API akv_status akv_stream_synchronize(akv_engine *engine, akv_stream stream)
  * a history-ready event behind work of fn's stream; host backend),
  * akv_engine_quarantine of its engine, and akv_lease_retire of a lease
  * with an event not passed yet. (The engine's other enqueueing calls from
- * fn onto such a full queue cannot refuse whole, their submissions begun:
- * they fail at once, AKV_ERR_BACKEND with the transport failed; see
- * Blocking.) Returns AKV_OK,
+ * fn onto such a full queue fail at once, as any enqueue that fails:
+ * AKV_ERR_BACKEND, the transport failed; see Blocking.) Returns AKV_OK,
  * AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (fn NULL, or on the host
  * backend not a live stream of this engine), AKV_ERR_BACKEND,
  * AKV_ERR_QUARANTINED, AKV_ERR_IN_USE.
