@@ -25,6 +25,14 @@
 #include "akv.h"
 #include "testutil.h"
 
+#if defined(__SANITIZE_THREAD__)
+#define AKVT_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define AKVT_TSAN 1
+#endif
+#endif
+
 static void sleep_ms(unsigned ms) {
   struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
   nanosleep(&ts, NULL);
