@@ -38,6 +38,9 @@ static void sleep_ms(unsigned ms) {
   nanosleep(&ts, NULL);
 }
 
+/* ------------------------------------- a log callback that forks in create */
+
+#ifndef AKVT_TSAN
 /* Waits up to 25 s for the child; kills it if it hangs. Returns its exit
  * code, or -1 (killed, or ended by a signal). */
 static int child_status(pid_t pid) {
@@ -52,9 +55,6 @@ static int child_status(pid_t pid) {
   return WIFEXITED(ws) ? WEXITSTATUS(ws) : -1;
 }
 
-/* ------------------------------------- a log callback that forks in create */
-
-#ifndef AKVT_TSAN
 static pid_t forked_pid = -1;
 static const char *fork_on; /* a part of the line to fork on */
 
