@@ -1,8 +1,8 @@
 /*
  * test_audit_s30.c - an audit of akv.h's promises under hostile call
- * sequences: forks from the log callback, reentrant calls and odd states.
- * Each test names the promise it checks and fails while the library breaks
- * it.
+ * sequences: a fork from the log callback while an engine is created, and
+ * a function on a stream that enqueues onto a queue waiting for it. Each
+ * test names the promise it checks and fails while the library breaks it.
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
