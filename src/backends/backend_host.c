@@ -444,6 +444,8 @@ static void *akv_host_worker(void *arg) {
 /* Longest chain of cross-queue waits followed (a context's queues are the
  * engine's three and its streams: far fewer). */
 #define AKV_HOST_WAIT_CHAIN_MAX 64u
+/* How often a worker waiting for room looks at the chain again (10 ms). */
+#define AKV_HOST_RECHECK_NS 10000000ull
 
 /**
  * Whether q's worker waits, through a chain of cross-queue waits (each
@@ -513,7 +515,8 @@ static akv_status akv_host_reserve(akv_bqueue *q, uint32_t n, uint64_t *first) {
      * event behind an attention event recorded after the function) waited
      * out the sync timeout and then failed: AKV_ERR_IN_USE at once,
      * nothing reserved. */
-    if (akv_host_self != NULL && akv_host_self->ctx == q->ctx) {
+    const bool worker = akv_host_self != NULL && akv_host_self->ctx == q->ctx;
+    if (worker) {
       pthread_mutex_unlock(&q->mu);
       locked = false;
       const bool stuck = akv_host_waits_for(q, akv_host_self);
@@ -527,8 +530,17 @@ static akv_status akv_host_reserve(akv_bqueue *q, uint32_t n, uint64_t *first) {
       deadline = akv_host_deadline(q->sync_timeout_ns);
       have_deadline = true;
     }
-    int rc = pthread_cond_timedwait(&q->progress, &q->mu, &deadline);
-    AKV_HOST_CHECK(rc != ETIMEDOUT || q->tail - q->head + n <= q->cap, AKV_ERR_BACKEND);
+    /* A worker looks again every AKV_HOST_RECHECK_NS: the chain of waits
+     * may close after its look (another queue reaching its wait), which
+     * wakes nobody waiting on q. */
+    const uint64_t end_ns =
+        (uint64_t)deadline.tv_sec * 1000000000ull + (uint64_t)deadline.tv_nsec;
+    const uint64_t now_ns = akv_host_now_ns();
+    const bool slice = worker && now_ns + AKV_HOST_RECHECK_NS < end_ns;
+    const struct timespec until = slice ? akv_host_deadline(AKV_HOST_RECHECK_NS) : deadline;
+    int rc = pthread_cond_timedwait(&q->progress, &q->mu, &until);
+    AKV_HOST_CHECK(rc != ETIMEDOUT || slice || q->tail - q->head + n <= q->cap,
+                   AKV_ERR_BACKEND);
     AKV_HOST_CHECK(!q->stop, AKV_ERR_BAD_HANDLE);
   }
   *first = q->tail;
