@@ -61,7 +61,12 @@
  *    streams too, akv_engine_destroy included) returns AKV_ERR_BAD_HANDLE
  *    at once and changes nothing (so does, in the child, an akv_lease_attend
  *    whose attention hook forked, once the hook returns); the child's copy
- *    of their memory goes with the child.
+ *    of their memory goes with the child. An akv_engine_create whose log
+ *    callback forks makes, in the child, an engine of the child's own when
+ *    the fork came before the engine started its queues (the fit and
+ *    config lines), and otherwise (from its backend's start on: the
+ *    headroom line, "engine ready") one of the parent's: it returns
+ *    AKV_ERR_BAD_HANDLE there, *out untouched.
  *  - Streams: enqueueing calls return when their work has been enqueued, not
  *    when it has run. The engine owns two copy queues (host->device and
  *    device->host) and one materialisation queue (device->device). The compute
@@ -85,9 +90,13 @@
  *       akv_lease_wait_ready, akv_lease_mark_consumed, akv_lease_attend,
  *       akv_lease_write_back, akv_stream_launch_host): host backend, while
  *       the target queue's ring is full, until its worker frees a slot (at
- *       most the sync timeout, then AKV_ERR_BACKEND; from that worker itself,
- *       not at all: akv_stream_launch_host); CUDA, where the runtime
- *       itself blocks an enqueue (a full launch queue);
+ *       most the sync timeout, then AKV_ERR_BACKEND; not at all from a
+ *       function akv_stream_launch_host runs that the full queue waits for:
+ *       that worker's own, or one whose work the queue waits for through
+ *       the engine's queues; akv_stream_launch_host then answers
+ *       AKV_ERR_IN_USE with nothing enqueued, the other calls
+ *       AKV_ERR_BACKEND at once, the transport failed); CUDA, where the
+ *       runtime itself blocks an enqueue (a full launch queue);
  *     - akv_engine_create, akv_engine_destroy, akv_context_open,
  *       akv_context_close: a process-wide mutex over the handle record pools,
  *       held for a few instructions (other threads' creates, destroys, opens
@@ -497,7 +506,8 @@ AKV_API akv_status akv_fit(const akv_engine_config *config, akv_fit_report *repo
  * the setting to change), AKV_ERR_OUT_OF_MEMORY (the pools and
  * staging buffers are allocated first, so a geometry larger than the machine
  * fails there), AKV_ERR_NOT_SUPPORTED (CUDA requested but unavailable),
- * AKV_ERR_BACKEND.
+ * AKV_ERR_BACKEND, AKV_ERR_BAD_HANDLE (only in a child its log callback
+ * forked once the engine's queues had started: see fork, at the top).
  * Diagnostics of a failed create are passed to the log callback.
  */
 AKV_API akv_status akv_engine_create(const akv_engine_config *config, akv_engine **out);
@@ -667,10 +677,13 @@ AKV_API akv_status akv_stream_synchronize(akv_engine *engine, akv_stream stream)
  * that would wait for fn itself is refused with AKV_ERR_IN_USE and changes
  * nothing: akv_stream_destroy of fn's own stream, akv_stream_synchronize of
  * any stream of its engine (one may wait for fn through the engine's
- * queues), akv_stream_launch_host onto fn's stream while its ring is full
- * (host backend),
+ * queues), akv_stream_launch_host onto a stream of its engine whose ring is
+ * full while that stream waits for fn (fn's own stream, or one waiting on
+ * a history-ready event behind work of fn's stream; host backend),
  * akv_engine_quarantine of its engine, and akv_lease_retire of a lease
- * with an event not passed yet. Returns AKV_OK,
+ * with an event not passed yet. (The engine's other enqueueing calls from
+ * fn onto such a full queue fail at once, as any enqueue that fails:
+ * AKV_ERR_BACKEND, the transport failed; see Blocking.) Returns AKV_OK,
  * AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (fn NULL, or on the host
  * backend not a live stream of this engine), AKV_ERR_BACKEND,
  * AKV_ERR_QUARANTINED, AKV_ERR_IN_USE.

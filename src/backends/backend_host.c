@@ -42,8 +42,11 @@
  *    host function that never returns. The synchronize calls give up after
  *    the sync timeout and return AKV_ERR_BACKEND ("completion could not be
  *    established"); enqueueing onto a full ring gives up after the same
- *    timeout, and at once (AKV_ERR_IN_USE) when a queue's own worker
- *    enqueues onto its own full ring (it would wait for itself).
+ *    timeout, and at once (AKV_ERR_IN_USE) when the full ring waits for the
+ *    enqueuer itself: a queue's own worker enqueueing onto its own ring, or
+ *    a host function on another queue whose current operation the full
+ *    queue waits for through a chain of cross-queue waits
+ *    (akv_host_waits_for).
  *
  *  - Delay injection (akv_backend_params.delay_seed != 0). Before each
  *    operation (a whole batch counts as one) the worker draws from its own
@@ -389,7 +392,8 @@ static void akv_host_run(akv_bqueue *q, const akv_host_op *op, uint64_t first) {
       pthread_mutex_lock(&src->mu);
       while (src->head < op->u.wait.position) pthread_cond_wait(&src->progress, &src->mu);
       pthread_mutex_unlock(&src->mu);
-      akv_host_queue_unref(src);
+      /* The slot's reference on src is dropped by the worker once head
+       * moved past the slot (akv_host_worker): see akv_host_waits_for. */
       break;
     }
     case AKV_HOST_OP_HOSTFN:
@@ -403,9 +407,14 @@ static void akv_host_run(akv_bqueue *q, const akv_host_op *op, uint64_t first) {
   }
 }
 
+/* The queue whose worker is the calling thread (NULL on other threads): a
+ * host function running there that enqueues (akv_host_reserve). */
+static _Thread_local akv_bqueue *akv_host_self;
+
 /** The worker thread: runs the ring in order; on stop, drains and exits. */
 static void *akv_host_worker(void *arg) {
   akv_bqueue *q = arg;
+  akv_host_self = q;
   pthread_mutex_lock(&q->mu);
   for (;;) {
     while (q->head == q->tail && !q->stop) pthread_cond_wait(&q->work, &q->mu);
@@ -418,6 +427,11 @@ static void *akv_host_worker(void *arg) {
     pthread_mutex_lock(&q->mu);
     q->head = first + op.slots;
     pthread_cond_broadcast(&q->progress);
+    /* Invariant: while a wait is the operation at q's head, its slot's
+     * reference on the queue it waits for is held, so a reader of q's head
+     * under q->mu may take a reference of its own (akv_host_waits_for). It
+     * goes only once head moved past the slot, under the same mutex. */
+    if (op.kind == AKV_HOST_OP_WAIT) akv_host_queue_unref(op.u.wait.queue);
   }
   pthread_mutex_unlock(&q->mu);
   return NULL;
@@ -427,13 +441,60 @@ static void *akv_host_worker(void *arg) {
 /* Enqueueing                                                                */
 /* ------------------------------------------------------------------------ */
 
+/* Longest chain of cross-queue waits followed (a context's queues are the
+ * engine's three and its streams: far fewer). */
+#define AKV_HOST_WAIT_CHAIN_MAX 64u
+/* How often a worker waiting for room looks at the chain again (10 ms). */
+#define AKV_HOST_RECHECK_NS 10000000ull
+
+/**
+ * Whether q's worker waits, through a chain of cross-queue waits (each
+ * queue's head operation a wait on the next one's position, not reached
+ * yet), for the operation `me`'s worker, the calling thread, is running:
+ * a host function that enqueues on q. Then q cannot make room before that
+ * function returns. Sound on a snapshot: every queue of such a chain stays
+ * where it is until the function returns. Called with no queue mutex held;
+ * holds one at a time, and a reference on the queue it reads.
+ */
+static bool akv_host_waits_for(akv_bqueue *q, akv_bqueue *me) {
+  akv_bqueue *x = q;
+  uint64_t need = 0;
+  bool stuck = false;
+  akv_host_queue_ref(x); /* the caller's queue argument: live */
+  for (uint32_t hop = 0; x != NULL && hop < AKV_HOST_WAIT_CHAIN_MAX; hop++) {
+    akv_bqueue *next = NULL;
+    pthread_mutex_lock(&x->mu);
+    if (x == me) {
+      /* me's head is the caller's own operation until it returns */
+      stuck = hop > 0 && x->head < need;
+      pthread_mutex_unlock(&x->mu);
+      break;
+    }
+    if ((hop == 0 || x->head < need) && x->ring != NULL && x->head < x->tail) {
+      const akv_host_op *op = &x->ring[x->head % x->cap];
+      if (op->kind == AKV_HOST_OP_WAIT) {
+        next = op->u.wait.queue;
+        need = op->u.wait.position;
+        akv_host_queue_ref(next); /* held by the slot meanwhile (akv_host_worker) */
+      }
+    }
+    pthread_mutex_unlock(&x->mu);
+    akv_host_queue_unref(x);
+    x = next;
+  }
+  if (x != NULL) akv_host_queue_unref(x);
+  return stuck;
+}
+
 /**
  * Reserves `n` consecutive slots of q (n <= q->cap), blocking while the ring
  * is full. On AKV_OK returns with q->mu held and *first the position of the
  * first slot; the caller fills the slots and calls akv_host_commit. On error
  * the mutex is not held. Returns AKV_OK, AKV_ERR_BAD_HANDLE (queue being
  * destroyed), AKV_ERR_BACKEND (no space within the sync timeout) or
- * AKV_ERR_IN_USE (the queue's own worker enqueueing onto its full ring).
+ * AKV_ERR_IN_USE (the queue's own worker enqueueing onto its full ring, or
+ * a worker of another queue of the context that q waits for:
+ * akv_host_waits_for).
  */
 static akv_status akv_host_reserve(akv_bqueue *q, uint32_t n, uint64_t *first) {
   akv_status st = AKV_OK;
@@ -447,12 +508,39 @@ static akv_status akv_host_reserve(akv_bqueue *q, uint32_t n, uint64_t *first) {
     /* The queue's own worker (a host function enqueueing on its queue)
      * would wait for itself: AKV_ERR_IN_USE, nothing reserved. */
     AKV_HOST_CHECK(!pthread_equal(pthread_self(), q->thread), AKV_ERR_IN_USE);
+    /* Invariant: a worker never waits for its own operation. A host
+     * function on another queue of this context whose wait for room q
+     * cannot end before the function returns (q's worker waits, through
+     * cross-queue waits, for work behind it: a stream blocked on a history
+     * event behind an attention event recorded after the function) waited
+     * out the sync timeout and then failed: AKV_ERR_IN_USE at once,
+     * nothing reserved. */
+    const bool worker = akv_host_self != NULL && akv_host_self->ctx == q->ctx;
+    if (worker) {
+      pthread_mutex_unlock(&q->mu);
+      locked = false;
+      const bool stuck = akv_host_waits_for(q, akv_host_self);
+      pthread_mutex_lock(&q->mu);
+      locked = true;
+      AKV_HOST_CHECK(!stuck, AKV_ERR_IN_USE);
+      AKV_HOST_CHECK(!q->stop, AKV_ERR_BAD_HANDLE);
+      if (q->tail - q->head + n <= q->cap) break;
+    }
     if (!have_deadline) {
       deadline = akv_host_deadline(q->sync_timeout_ns);
       have_deadline = true;
     }
-    int rc = pthread_cond_timedwait(&q->progress, &q->mu, &deadline);
-    AKV_HOST_CHECK(rc != ETIMEDOUT || q->tail - q->head + n <= q->cap, AKV_ERR_BACKEND);
+    /* A worker looks again every AKV_HOST_RECHECK_NS: the chain of waits
+     * may close after its look (another queue reaching its wait), which
+     * wakes nobody waiting on q. */
+    const uint64_t end_ns =
+        (uint64_t)deadline.tv_sec * 1000000000ull + (uint64_t)deadline.tv_nsec;
+    const uint64_t now_ns = akv_host_now_ns();
+    const bool slice = worker && now_ns + AKV_HOST_RECHECK_NS < end_ns;
+    const struct timespec until = slice ? akv_host_deadline(AKV_HOST_RECHECK_NS) : deadline;
+    int rc = pthread_cond_timedwait(&q->progress, &q->mu, &until);
+    AKV_HOST_CHECK(rc != ETIMEDOUT || slice || q->tail - q->head + n <= q->cap,
+                   AKV_ERR_BACKEND);
     AKV_HOST_CHECK(!q->stop, AKV_ERR_BAD_HANDLE);
   }
   *first = q->tail;
@@ -1107,8 +1195,8 @@ fail:
 /**
  * host_fn: enqueues fn(arg), run on q's worker thread. Returns AKV_OK,
  * AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (fn NULL), AKV_ERR_BACKEND
- * (ring full too long), AKV_ERR_IN_USE (ring full while enqueued from q's
- * own worker: nothing enqueued).
+ * (ring full too long), AKV_ERR_IN_USE (ring full while it waits for the
+ * enqueuer: from q's own worker, or akv_host_waits_for; nothing enqueued).
  */
 static akv_status akv_host_host_fn(void *ctx, akv_bqueue *q, void (*fn)(void *), void *arg) {
   akv_status st = AKV_OK;

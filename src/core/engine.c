@@ -299,6 +299,19 @@ static void akv_engine_give(akv_engine *e, bool created) {
     akv_rec_untake(&akv_engine_records, e);
 }
 
+/* The child's side of an akv_engine_create whose log callback forked once
+ * the engine's queue threads had started (from akv_engine_allocate on).
+ * Invariant (akv.h, fork): those threads are the parent's, so in the child
+ * the engine is one of the parent's: never handed out (it returned AKV_OK
+ * with a handle every call refused, destroy included), never freed (the
+ * free joins the queue threads, which are not here: it would wait for
+ * ever) and its record never back in the pool; the child's copy of its
+ * memory goes with the child. Only the claim is let go. */
+static akv_status akv_engine_create_forked(akv_engine *e) {
+  akv_engine_release(e);
+  return AKV_ERR_BAD_HANDLE;
+}
+
 static akv_status akv_alloc_lease_arrays(akv_engine *e, akv_lease_body *ls, uint32_t layer) {
   uint32_t n = e->concurrency;
   ls->engine = e;
@@ -563,11 +576,19 @@ AKV_API akv_status akv_engine_create(const akv_engine_config *caller, akv_engine
     e->backend = ops->kind;
   }
 
+  /* Invariant (akv.h, fork): an engine belongs to the process its queue
+   * threads run in. The log lines above run the caller's callback, which may
+   * fork; up to here the record holds memory only, so the engine is stamped
+   * again right before its backend starts: a child forked in those lines
+   * completes an engine of its own (it was stamped with the parent's fork
+   * count, and every call on the engine create returned to it, destroy
+   * included, answered AKV_ERR_BAD_HANDLE while its queue threads ran on in
+   * the child for good). */
+  akv_rec_fork_stamp(&e->fork_gen);
   st = akv_engine_allocate(e);
-  if (st != AKV_OK) {
-    akv_log(e, AKV_LOG_ERROR, "engine creation failed: %s", e->last_error);
-    goto fail;
-  }
+  if (st != AKV_OK) akv_log(e, AKV_LOG_ERROR, "engine creation failed: %s", e->last_error);
+  if (akv_engine_forked(e)) return akv_engine_create_forked(e);
+  if (st != AKV_OK) goto fail;
 #ifdef AKV_WITH_CUDA
   if (e->bk.ops == &akv_backend_cuda_ops && !akv_cuda_host_pool_stream_ordered(e->bk.ctx))
     akv_log(e, AKV_LOG_WARN,
@@ -581,6 +602,7 @@ AKV_API akv_status akv_engine_create(const akv_engine_config *caller, akv_engine
           e->bk.ops->name, akv_route_name(config->route),
           e->concurrency, e->n_pages, (unsigned long long)e->page_bytes,
           (unsigned long long)e->staging_bytes);
+  if (akv_engine_forked(e)) return akv_engine_create_forked(e);
   *out = e;
   akv_engine_release(e);
   return AKV_OK;

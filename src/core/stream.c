@@ -171,15 +171,18 @@ static akv_status akv_stream_launch_host_claimed(akv_engine *e, akv_stream s, vo
     return akv_fail(e, AKV_ERR_INVALID_ARGUMENT,
                     "stream_launch_host: NULL function or not a live stream of this engine");
   st = akv_bk_host_fn(&e->bk, q, fn, arg);
-  /* Invariant: a queue's worker never waits for its own queue. A function
-   * on the stream that launches onto it while its ring is full would wait
-   * for itself; the backend refuses that launch at once, nothing enqueued,
-   * and so nothing of the engine failed: refused, not a transport failure
-   * (which closed the engine over a launch that never happened). */
+  /* Invariant: a queue's worker never waits for its own operation. A
+   * function on a stream that launches onto a full ring it waits for (its
+   * own stream's, or another stream's whose worker waits, through the
+   * engine's queues, for work behind the function) would wait for itself;
+   * the backend refuses that launch at once, nothing enqueued, and so
+   * nothing of the engine failed: refused, not a transport failure (which
+   * closed the engine over a launch that never happened). */
   if (st == AKV_ERR_IN_USE)
     return akv_fail(e, AKV_ERR_IN_USE,
-                    "stream_launch_host: called from a function running on this stream while "
-                    "its ring is full (it would wait for itself); nothing enqueued");
+                    "stream_launch_host: called from a function running on a stream of this "
+                    "engine while the target's ring is full and waits for that function (it "
+                    "would wait for itself); nothing enqueued");
   if (st != AKV_OK) return akv_transport_failed(e, st, "stream_launch_host");
   return AKV_OK;
 }
