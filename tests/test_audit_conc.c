@@ -1111,12 +1111,7 @@ static void test_fork_with_live_engines(void **state) {
     }
     assert_true(pid > 0);
     int ws = 0;
-    const uint64_t t0 = now_ms();
-    pid_t w;
-    while ((w = waitpid(pid, &ws, WNOHANG)) == 0 && now_ms() - t0 < 15000) sleep_ms(1);
-    if (w == 0) {
-      kill(pid, SIGKILL);
-      waitpid(pid, &ws, 0);
+    if (!akvt_wait_child(pid, 15000, &ws)) {
       hung++;
     } else if (!WIFEXITED(ws) || WEXITSTATUS(ws) != 0) {
       fprintf(stderr, "fork child %d: %s %d\n", i, WIFEXITED(ws) ? "exit" : "signal",

@@ -178,12 +178,7 @@ static void test_fork_under_group_churn(void **state) {
     }
     assert_true(pid > 0);
     int ws = 0;
-    const uint64_t t0 = now_ms();
-    pid_t r;
-    while ((r = waitpid(pid, &ws, WNOHANG)) == 0 && now_ms() - t0 < 25000) sleep_ms(1);
-    if (r == 0) {
-      kill(pid, SIGKILL);
-      waitpid(pid, &ws, 0);
+    if (!akvt_wait_child(pid, 25000, &ws)) {
       hung++;
     } else if (!WIFEXITED(ws) || WEXITSTATUS(ws) != 0) {
       fprintf(stderr, "fork child %d: %s %d\n", i, WIFEXITED(ws) ? "exit" : "signal",
@@ -431,14 +426,7 @@ static void test_log_callback_forks_during_a_group_call(void **state) {
   }
   assert_true(forked_pid > 0);
   int ws = 0;
-  const uint64_t t0 = now_ms();
-  pid_t r;
-  while ((r = waitpid(forked_pid, &ws, WNOHANG)) == 0 && now_ms() - t0 < 25000) sleep_ms(1);
-  if (r == 0) {
-    kill(forked_pid, SIGKILL);
-    waitpid(forked_pid, &ws, 0);
-  }
-  assert_int_not_equal(r, 0);
+  assert_true(akvt_wait_child(forked_pid, 25000, &ws));
   assert_true(WIFEXITED(ws));
   assert_int_equal(WEXITSTATUS(ws), 0);
   assert_int_equal(st, AKV_OK);
@@ -499,14 +487,7 @@ static void test_hook_that_forks(void **state) {
   }
   assert_true(k.forked);
   int ws = 0;
-  const uint64_t t0 = now_ms();
-  pid_t r;
-  while ((r = waitpid(k.pid, &ws, WNOHANG)) == 0 && now_ms() - t0 < 25000) sleep_ms(1);
-  if (r == 0) {
-    kill(k.pid, SIGKILL);
-    waitpid(k.pid, &ws, 0);
-  }
-  assert_int_not_equal(r, 0);
+  assert_true(akvt_wait_child(k.pid, 25000, &ws));
   assert_true(WIFEXITED(ws));
   assert_int_equal(WEXITSTATUS(ws), 0);
   assert_int_equal(st, AKV_OK);

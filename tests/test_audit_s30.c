@@ -45,13 +45,7 @@ static void sleep_ms(unsigned ms) {
  * code, or -1 (killed, or ended by a signal). */
 static int child_status(pid_t pid) {
   int ws = 0;
-  pid_t r = 0;
-  for (int i = 0; i < 25000 && (r = waitpid(pid, &ws, WNOHANG)) == 0; i++) sleep_ms(1);
-  if (r == 0) {
-    kill(pid, SIGKILL);
-    waitpid(pid, &ws, 0);
-    return -1;
-  }
+  if (!akvt_wait_child(pid, 25000, &ws)) return -1;
   return WIFEXITED(ws) ? WEXITSTATUS(ws) : -1;
 }
 

@@ -13,6 +13,10 @@
 #include <string.h>
 #include <time.h>
 
+#include <signal.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+
 static uint64_t akvt_mix(uint64_t x) {
   x += 0x9e3779b97f4a7c15ull;
   x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
@@ -536,4 +540,18 @@ int akvt_run_threads(void *(*fn)(void *), void *recs, size_t stride, size_t n) {
     started++;
   for (size_t i = 0; i < started; i++) pthread_join(th[i], NULL);
   return started == n ? 0 : -1;
+}
+
+int akvt_wait_child(int pid, unsigned timeout_ms, int *ws) {
+  const struct timespec ms = {0, 1000000L};
+  *ws = 0;
+  for (unsigned i = 0; i < timeout_ms; i++) {
+    const pid_t r = waitpid((pid_t)pid, ws, WNOHANG);
+    if (r != 0) return 1; /* ended (or not our child: waitpid failed) */
+    nanosleep(&ms, NULL);
+  }
+  if (waitpid((pid_t)pid, ws, WNOHANG) != 0) return 1;
+  kill((pid_t)pid, SIGKILL);
+  waitpid((pid_t)pid, ws, 0);
+  return 0;
 }

@@ -22,6 +22,10 @@ float akvt_bf16_to_f32(uint16_t b);
  * (nothing started) when n is above 16 or a thread could not start (those
  * started are joined first). */
 int akvt_run_threads(void *(*fn)(void *), void *recs, size_t stride, size_t n);
+/* Waits up to timeout_ms for the forked child pid; one still running then is
+ * killed (SIGKILL) and reaped. *ws gets its wait status. Returns 1 when the
+ * child ended on its own, 0 when it hung and was killed. */
+int akvt_wait_child(int pid, unsigned timeout_ms, int *ws);
 
 /* GQA decode attention over `len` rows (fp32 math, fixed order); q is
  * [q_heads][head_dim] floats, out [q_heads][head_dim]. */
