@@ -56,6 +56,7 @@
  * Output: a table on stdout and one JSON object per line per configuration
  * (stdout, and appended to FILE with --json).
  */
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -64,6 +65,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <string>
 #include <vector>
 
 #include "akv_attention.h"
@@ -151,6 +153,16 @@ __global__ void fill_e4m3(uint8_t *p, size_t n, uint64_t seed) {
 }
 
 /* The ceiling: every thread streams 16-byte loads, 4 in flight. */
+/* Empty kernels: what a launch costs by itself, regular or cooperative, and
+ * a cooperative launch with one grid barrier (launch_costs). */
+__global__ void empty_kernel(unsigned *sink) {
+  if (sink == nullptr) __trap();
+}
+__global__ void barrier_kernel(unsigned *sink) {
+  cooperative_groups::this_grid().sync();
+  if (sink == nullptr) __trap();
+}
+
 __global__ void read_all(const uint4 *__restrict__ p, size_t n, unsigned *sink) {
   unsigned acc = 0;
   const size_t stride = (size_t)gridDim.x * blockDim.x;
@@ -308,7 +320,8 @@ __global__ void __launch_bounds__(256) read_tiles(const uint4 *__restrict__ p, s
 extern "C" int akv_attn_bench_trace_clear(void);
 extern "C" int akv_attn_bench_trace_read(unsigned long long *dst, size_t count, int *points,
                                          size_t *warps);
-static const int kTracePts = 22; /* the points named in print_trace */
+extern "C" int akv_attn_bench_trace_sm_read(unsigned int *dst, size_t count);
+static const int kTracePts = 24; /* the points named in print_trace */
 
 /* One launch's timeline from the warps' own timer points: each point's
  * spread over warps (from the first warp's entry), and the medians of the
@@ -330,10 +343,33 @@ static void print_trace(const char *what) {
       ++warps;
     }
   if (warps == 0) return;
+  /* AKV_TRACE_RAW=DIR: every warp's points (ns from the first entry, -1 where
+   * not recorded) and its SM, one line each, in DIR/trace-<what>.txt. */
+  if (const char *dir = getenv("AKV_TRACE_RAW")) {
+    std::vector<unsigned int> sm(nwarps);
+    std::string path = std::string(dir) + "/trace-" + what + ".txt";
+    for (char &ch : path)
+      if (ch == ' ') ch = '_';
+    FILE *f = akv_attn_bench_trace_sm_read(sm.data(), nwarps) == 0 ? fopen(path.c_str(), "w")
+                                                                  : nullptr;
+    if (f != nullptr) {
+      fprintf(f, "# warp sm then %d points, ns from the first entry (-1: none)\n", kTracePts);
+      for (size_t w = 0; w < nwarps; ++w) {
+        if (t[w * kTracePts] == 0) continue;
+        fprintf(f, "%zu %u", w, sm[w]);
+        for (int p = 0; p < kTracePts; ++p) {
+          const unsigned long long v = t[w * kTracePts + p];
+          fprintf(f, " %lld", v == 0 ? -1ll : (long long)(v - t0));
+        }
+        fprintf(f, "\n");
+      }
+      fclose(f);
+    }
+  }
   static const char *names[kTracePts] = {"entry",   "query",   "S0", "V0", "S1", "V1", "S2",
                                          "V2",      "S3",      "V3", "S4", "V4", "S5", "V5",
                                          "S6",      "V6",      "S7", "V7", "loop end",
-                                         "written", "synced",  "folded"};
+                                         "written", "synced",  "folded", "merge1", "merge2"};
   printf("trace %s: %zu warps; microseconds from the first entry: point min / median / max "
          "(warps)\n", what, warps);
   for (int p = 0; p < kTracePts; ++p) {
@@ -519,6 +555,32 @@ int main(int argc, char **argv) {
   unsigned *sink;
   CK(cudaMalloc(&sink, sizeof(unsigned)));
   bool all_ok = true;
+
+  /* What a launch of the attention's one-context grid costs with nothing to
+   * do: regular, cooperative, cooperative with one grid barrier (the fused
+   * kernel's shape: 128 blocks of 256 threads). */
+  {
+    const dim3 grid(128), block(256);
+    auto coop = [&](void (*fn)(unsigned *)) {
+      cudaLaunchConfig_t cfg = {};
+      cudaLaunchAttribute at[1];
+      at[0].id = cudaLaunchAttributeCooperative;
+      at[0].val.cooperative = 1;
+      cfg.gridDim = grid;
+      cfg.blockDim = block;
+      cfg.stream = s;
+      cfg.attrs = at;
+      cfg.numAttrs = 1;
+      CK(cudaLaunchKernelEx(&cfg, fn, sink));
+    };
+    const Stats e0 = time_launches(s, 1, o.warmup, o.iters,
+                                   [&](int) { empty_kernel<<<grid, block, 0, s>>>(sink); });
+    const Stats e1 = time_launches(s, 1, o.warmup, o.iters, [&](int) { coop(empty_kernel); });
+    const Stats e2 = time_launches(s, 1, o.warmup, o.iters, [&](int) { coop(barrier_kernel); });
+    printf("launch empty kernel, 128 blocks: regular %.2f us, cooperative %.2f us, cooperative "
+           "with one grid barrier %.2f us (medians, each between its own events)\n",
+           e0.median_us, e1.median_us, e2.median_us);
+  }
 
   for (akv_dtype dt : o.dtypes)
   for (uint32_t n_ctx : o.contexts) {

@@ -170,7 +170,17 @@ constexpr int kRing = kStages > 0 ? kStages : 1; /* ring slots; the ring is unus
 constexpr int kWarps = AKV_ATTN_WARPS; /* warps per block; also caps the subgroup size */
 constexpr int kThreads = kWarps * 32;
 /* Contexts per launch pair (their lengths travel in the kernel parameters). */
+/* Capacity of the launch parameters' per-context lengths and per-kv-head
+ * scales (AKV_ATTN_PARAM_SLOTS: a benchmark knob that shrinks both to time
+ * what the parameter block's size costs a launch; only for shapes within
+ * it). */
+#ifndef AKV_ATTN_PARAM_SLOTS
 constexpr uint32_t kMaxLaunchContexts = 256;
+constexpr uint32_t kScaleSlots = AKV_ATTENTION_MAX_SCALE_HEADS;
+#else
+constexpr uint32_t kMaxLaunchContexts = AKV_ATTN_PARAM_SLOTS;
+constexpr uint32_t kScaleSlots = AKV_ATTN_PARAM_SLOTS;
+#endif
 constexpr float kLog2e = AKV_ATTN_LOG2E_F; /* attention_pieces.h, as the reference */
 constexpr size_t kWsAlign = 256;                   /* same layout as attention_ref.c */
 
@@ -197,7 +207,7 @@ struct ChunkParams {
   uint32_t piece_rows;    /* rows per piece */
   float scale_log2;       /* scale * log2(e) */
   uint32_t has_scales;    /* 1: the score factor of kv head g is scale_log2 * k_scale[g] */
-  float k_scale[AKV_ATTENTION_MAX_SCALE_HEADS];
+  float k_scale[kScaleSlots];
 };
 
 struct CombineParams {
@@ -210,7 +220,7 @@ struct CombineParams {
   uint32_t pieces;
   uint32_t piece_rows;
   uint32_t has_scales; /* 1: the output of query head h is multiplied by v_scale[h / group] */
-  float v_scale[AKV_ATTENTION_MAX_SCALE_HEADS];
+  float v_scale[kScaleSlots];
 };
 
 /* Locator of the contiguous layout, with the optional page overrides of
@@ -691,10 +701,11 @@ struct Cfg3 {
 /* Points per warp: entry, query set up, then per group (up to 8) its scores
  * done and its V products done, then the loop's end and the partial
  * written; in the fused kernel also the grid barrier passed and the fold
- * done. Warps past kTraceWarps are not recorded. */
-constexpr int kTracePts = 22;
+ * done; then the block merge's first and second barrier passed. Warps past kTraceWarps are not recorded. */
+constexpr int kTracePts = 24;
 constexpr uint32_t kTraceWarps = 8192;
 __device__ unsigned long long akv_attn_trace[kTraceWarps * kTracePts];
+__device__ unsigned int akv_attn_trace_sm[kTraceWarps]; /* each warp's SM */
 #define AKV_TRACE(pt, dep)                                                                \
   do {                                                                                    \
     unsigned long long t_;                                                                \
@@ -712,7 +723,7 @@ constexpr int min_blocks3() {
 
 /* Shared memory of kernel 3, all of it dynamic (so that one opt-in above
  * 48 KiB covers it): every warp's P of a group ([warp][row][head]), its
- * maxima, sums and merge weights ([warp][head] each), then its
+ * maxima and sums ([warp][head] each), then its
  * accumulators for the merge ([warp][register][lane]). */
 template <int D, int E>
 __host__ __device__ constexpr size_t pt_floats3() {
@@ -720,7 +731,7 @@ __host__ __device__ constexpr size_t pt_floats3() {
 }
 template <int D, int E>
 constexpr size_t merge_bytes3() {
-  return (pt_floats3<D, E>() + 3u * kWarps * 8u + (size_t)kWarps * Cfg3<D, E>::ACC * 32u) *
+  return (pt_floats3<D, E>() + 2u * kWarps * 8u + (size_t)kWarps * Cfg3<D, E>::ACC * 32u) *
          sizeof(float);
 }
 
@@ -735,8 +746,7 @@ __device__ __forceinline__ void chunk3_body(const ChunkParams &p, const Loc &loc
   float(*s_pt)[16 * RG][8] = reinterpret_cast<float(*)[16 * RG][8]>(s_dyn); /* P of a group */
   float(*s_m)[8] = reinterpret_cast<float(*)[8]>(s_dyn + pt_floats3<D, E>());
   float(*s_l)[8] = s_m + kWarps;
-  float(*s_w)[8] = s_l + kWarps; /* merge weight of each warp and head */
-  float *s_acc = s_dyn + pt_floats3<D, E>() + 3u * kWarps * 8u; /* [warp][ACC][32] */
+  float *s_acc = s_dyn + pt_floats3<D, E>() + 2u * kWarps * 8u; /* [warp][ACC][32] */
 
   /* The block's partial slot: one piece whose groups the warps share
    * (kSpan3 == 1, as in kernel 1), or kSpan3 consecutive pieces, one per
@@ -754,6 +764,11 @@ __device__ __forceinline__ void chunk3_body(const ChunkParams &p, const Loc &loc
 #if AKV_ATTN_BENCH_TRACE
   const uint32_t trace_warp = (blockIdx.y * gridDim.x + blockIdx.x) * kWarps + (uint32_t)warp;
   AKV_TRACE(0, 0.0f);
+  if (lane == 0 && trace_warp < kTraceWarps) {
+    unsigned int sm_;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm_));
+    akv_attn_trace_sm[trace_warp] = sm_;
+  }
 #endif
   const uint32_t pslot = kSpan3 > 1 ? pgrp * kSpan3 + (uint32_t)warp : pgrp;
   const uint32_t chunk = pslot / p.pieces;
@@ -1117,11 +1132,26 @@ __device__ __forceinline__ void chunk3_body(const ChunkParams &p, const Loc &loc
 #pragma unroll
     for (int e = 0; e < 4; ++e) my[(j * 4 + e) * 32] = acc[j][e] * unscale;
   __syncthreads();
+  AKV_TRACE(22, s_m[0][0]);
 
-  /* Merge in warp order: M = max_w m_w, weights 2^(m_w - M). */
+  /* Merge in warp order: M = max_w m_w, weights 2^(m_w - M). Thread t
+   * writes the outputs k = t, t + kThreads, ... of the [ACC][32] layout,
+   * whose head is 2 (k % 4) + (k / 32) % 2: with an even number of warps
+   * every output of a thread has the same head, so each thread computes that
+   * head's weights itself, straight after the one barrier (no second
+   * barrier, no weights through shared memory); with an odd number it
+   * computes both of its lane's heads. Every thread that computes a head's
+   * weights runs the same operations on the same values in the same order,
+   * so they agree bit for bit, and they are the operations the merge always
+   * used. */
+  constexpr int NH = kWarps % 2 == 0 ? 1 : 2;
   const size_t slot0 = ((size_t)ctx * p.n_heads + head0) * p.stride_chunks + pgrp;
-  if (threadIdx.x < (unsigned)hvalid) {
-    const int h = (int)threadIdx.x;
+  int hs[NH];
+  float wgt[NH][kWarps];
+#pragma unroll
+  for (int i = 0; i < NH; ++i) {
+    const int h = 2 * (lane & 3) + (NH == 1 ? (warp & 1) : i);
+    hs[i] = h;
     float big = -INFINITY;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) big = fmaxf(big, s_m[w][h]);
@@ -1129,25 +1159,34 @@ __device__ __forceinline__ void chunk3_body(const ChunkParams &p, const Loc &loc
     float l = 0.0f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
-      const float wgt = exp2f(s_m[w][h] - big_use);
-      s_w[w][h] = wgt;
-      l = fmaf(wgt, s_l[w][h], l);
+      wgt[i][w] = exp2f(s_m[w][h] - big_use);
+      l = fmaf(wgt[i][w], s_l[w][h], l);
     }
-    float *ml = p.ml + (slot0 + (size_t)h * p.stride_chunks) * 2;
-    ml[0] = big;
-    ml[1] = l;
+    /* One writer per head: lanes 0-3 of warps 0 and 1 (of warp 0 for both
+     * heads with an odd number of warps). */
+    if (h < hvalid && (lane >> 2) == 0 && (NH == 2 || warp < 2)) {
+      float *ml = p.ml + (slot0 + (size_t)h * p.stride_chunks) * 2;
+      ml[0] = big;
+      ml[1] = l;
+    }
   }
-  __syncthreads();
-  for (int k = (int)threadIdx.x; k < C::ACC * 32; k += kThreads) {
-    const int r = k >> 5, ln = k & 31;
+  AKV_TRACE(23, wgt[0][0]);
+  constexpr int KN = (C::ACC * 32 + kThreads - 1) / kThreads;
+#pragma unroll
+  for (int i = 0; i < KN; ++i) {
+    const int k = (int)threadIdx.x + i * kThreads;
+    if (C::ACC * 32 % kThreads != 0 && k >= C::ACC * 32) break;
+    const int r = k >> 5;
     const int j = r >> 2, e = r & 3;
-    const int h = 2 * (ln & 3) + (e & 1);
+    const int hi = NH == 1 ? 0 : (e & 1);
+    const int h = hs[hi];
     if (h >= hvalid) continue;
     const int q = j / (C::VEC / 2), jj = j - q * (C::VEC / 2);
-    const int d = q * 8 * C::VEC + (ln >> 2) * C::VEC + 2 * jj + (e >> 1);
+    const int d = q * 8 * C::VEC + (lane >> 2) * C::VEC + 2 * jj + (e >> 1);
     float a = 0.0f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) a = fmaf(s_w[w][h], s_acc[((size_t)w * C::ACC + r) * 32 + ln], a);
+    for (int w = 0; w < kWarps; ++w)
+      a = fmaf(hi == 0 ? wgt[0][w] : wgt[NH - 1][w], s_acc[((size_t)w * C::ACC + r) * 32 + lane], a);
     p.acc[(slot0 + (size_t)h * p.stride_chunks) * D + d] = a;
   }
   AKV_TRACE(19, 0.0f);
@@ -1614,6 +1653,13 @@ extern "C" int akv_attn_bench_trace_read(unsigned long long *dst, size_t count, 
   if (count > (size_t)kTraceWarps * kTracePts) count = (size_t)kTraceWarps * kTracePts;
   return cudaMemcpyFromSymbol(dst, akv_attn_trace, count * sizeof(unsigned long long)) ==
                  cudaSuccess
+             ? 0
+             : -1;
+}
+/* The SM of each of the first count warps. */
+extern "C" int akv_attn_bench_trace_sm_read(unsigned int *dst, size_t count) {
+  if (count > (size_t)kTraceWarps) count = kTraceWarps;
+  return cudaMemcpyFromSymbol(dst, akv_attn_trace_sm, count * sizeof(unsigned int)) == cudaSuccess
              ? 0
              : -1;
 }
