@@ -29,7 +29,7 @@ NAMES = {"k3s8": "kernel 3, 8 warps, a piece each, one launch where it fits (the
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", default=os.path.join(HERE, "results", "attention_bw.json"))
-    ap.add_argument("--labels", default="w8l4c0@29f5338,k3w1l8@0ef7754,k3s8nf@0ad7911,k3s8@0ad7911",
+    ap.add_argument("--labels", default="w8l4c0@29f5338,k3w1l8@0ef7754,k3s8nf@0dbda2d,k3s8@0dbda2d",
                     help="label@commit of each bar, the library's last")
     ap.add_argument("--out", default=os.path.join(HERE, "..", "docs", "attention_bw.png"))
     a = ap.parse_args()
