@@ -39,7 +39,8 @@
  *    another thread (a worker, or a CUDA runtime thread): its calls on the
  *    engine are refused with AKV_ERR_IN_USE while a call is in progress,
  *    among them the akv_stream_synchronize waiting for it (no deadlock:
- *    the claim never waits). The library calls the log callback only on
+ *    the claim never waits); on the CUDA backend they are refused always
+ *    (no CUDA call is permitted on that thread). The library calls the log callback only on
  *    the thread of the call that logs, never on a worker. An engine call
  *    is no cancellation point: cancellation is disabled from the outermost
  *    claim to its release (a pending pthread_cancel acts after the call
@@ -673,7 +674,15 @@ AKV_API akv_status akv_stream_synchronize(akv_engine *engine, akv_stream stream)
  * synchronise, and should not call the library: it runs on another thread
  * than the caller's, so its calls on this engine are refused with
  * AKV_ERR_IN_USE whenever a call on the engine is in progress, among them
- * an akv_stream_synchronize waiting for fn (Thread safety). A call from fn
+ * an akv_stream_synchronize waiting for fn (Thread safety). On the CUDA
+ * backend fn runs where no CUDA call is permitted, so every call it makes
+ * on an engine of the CUDA backend (any engine, destroy included) is
+ * refused with AKV_ERR_IN_USE and changes nothing; the attention functions
+ * of akv_cuda.h make CUDA calls too and must not be called from fn. A
+ * function that ends its own thread (pthread_exit, or a longjmp out of it)
+ * never returns to the queue that runs it: on the host backend that
+ * stream's later work never runs and the engine can no longer be
+ * destroyed, as for an attention hook. A call from fn
  * that would wait for fn itself is refused with AKV_ERR_IN_USE and changes
  * nothing: akv_stream_destroy of fn's own stream, akv_stream_synchronize of
  * any stream of its engine (one may wait for fn through the engine's

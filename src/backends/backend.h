@@ -106,6 +106,13 @@ typedef struct akv_backend_ops {
    * runs q's work (a host function enqueued on q is calling back), where
    * queue_destroy would have to drain and join the thread it runs on. */
   bool (*queue_is_current)(void *ctx, akv_bqueue *q);
+
+  /* Optional (NULL: never): true when the calling thread runs a host
+   * function of this backend (host_fn) and must make no call of the
+   * backend's runtime there, so no library call on an engine of this
+   * backend may run on it (CUDA: a cudaLaunchHostFunc callback, where CUDA
+   * calls are not permitted). */
+  bool (*calls_forbidden)(void);
 } akv_backend_ops;
 
 /* The tables. akv_backend_cuda_ops is NULL-equivalent when CUDA is not built. */

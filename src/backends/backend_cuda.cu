@@ -682,15 +682,45 @@ fail:
   return st;
 }
 
+/* Host functions (host_fn) run on a CUDA runtime thread, where no CUDA call
+ * is permitted; the library's engine calls make CUDA calls. Invariant: while
+ * a host function of this backend runs, its thread is marked, and every
+ * engine call on a CUDA engine from it is refused before it touches the
+ * engine (calls_forbidden, checked by the engine's claim). A trampoline
+ * marks the thread around the caller's function; it owns its small record
+ * and frees it when it runs (or the launch frees it when it is refused). */
+static thread_local int cuda_host_fn_depth = 0;
+
+struct CudaHostCall {
+  void (*fn)(void *);
+  void *arg;
+};
+
+static void CUDART_CB cuda_host_trampoline(void *p) {
+  const CudaHostCall call = *static_cast<CudaHostCall *>(p);
+  free(p);
+  ++cuda_host_fn_depth;
+  call.fn(call.arg);
+  --cuda_host_fn_depth;
+}
+
+static bool cuda_calls_forbidden(void) { return cuda_host_fn_depth > 0; }
+
 static akv_status cuda_host_fn(void *ctx, akv_bqueue *q, void (*fn)(void *), void *arg) {
   akv_status st = AKV_ERR_INVALID_ARGUMENT;
   akv_cuda_ctx *c = as_ctx(ctx);
+  CudaHostCall *call = nullptr;
   AKV_CUDA_REQUIRE(c != nullptr && q != nullptr, AKV_ERR_BAD_HANDLE);
   AKV_CUDA_REQUIRE(fn != nullptr, AKV_ERR_INVALID_ARGUMENT);
-  /* fn runs on a CUDA runtime thread and must not call CUDA. */
-  AKV_CUDA_TRY(c, cudaLaunchHostFunc(as_stream(q), fn, arg), "cudaLaunchHostFunc");
+  call = static_cast<CudaHostCall *>(malloc(sizeof(CudaHostCall)));
+  AKV_CUDA_REQUIRE(call != nullptr, AKV_ERR_OUT_OF_MEMORY);
+  call->fn = fn;
+  call->arg = arg;
+  AKV_CUDA_TRY(c, cudaLaunchHostFunc(as_stream(q), cuda_host_trampoline, call),
+               "cudaLaunchHostFunc");
   return AKV_OK;
 fail:
+  free(call); /* not enqueued: the trampoline will not run */
   return st;
 }
 
@@ -758,4 +788,6 @@ extern "C" const akv_backend_ops akv_backend_cuda_ops = {
     akv_cuda_last_error,
     cuda_device_free_async,
     cuda_host_free_async,
+    /* queue_is_current */ nullptr,
+    cuda_calls_forbidden,
 };

@@ -89,6 +89,16 @@ akv_status akv_engine_claim(const akv_engine *ce) {
     akv_engine_release(e);
     return AKV_ERR_BAD_HANDLE;
   }
+  /* Invariant: no engine call runs inside a host function of a backend
+   * whose runtime may not be called there (CUDA: a function enqueued with
+   * akv_stream_launch_host runs on a CUDA runtime thread, where CUDA calls
+   * are not permitted; every engine call makes them or may). Checked once
+   * claimed, so the engine's backend cannot be torn down under the check;
+   * refused as any call the claim refuses: nothing written. */
+  if (akv_bk_calls_forbidden(&e->bk)) {
+    akv_engine_release(e);
+    return AKV_ERR_IN_USE;
+  }
   return AKV_OK;
 }
 

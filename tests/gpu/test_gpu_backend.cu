@@ -563,6 +563,71 @@ static void test_library_handles_refused_as_streams(void **state) {
   assert_int_equal(akv_engine_destroy(host), AKV_OK);
 }
 
+/* A function enqueued with akv_stream_launch_host on a CUDA engine runs on
+ * a CUDA runtime thread, where no CUDA call is permitted, and every engine
+ * call makes CUDA calls or may. Before, such calls were accepted (a destroy
+ * there synchronised the device from inside a stream callback). Now every
+ * call from it on a CUDA engine is refused with AKV_ERR_IN_USE and changes
+ * nothing, while a host engine's calls still run; after the function the
+ * engine works as before. */
+struct HostFnCalls {
+  akv_engine *cuda_eng, *host_eng;
+  cudaStream_t stream;
+  akv_status info, sync, open, destroy, host_info;
+  int ran;
+};
+
+static void calls_from_host_fn(void *arg) {
+  HostFnCalls *c = static_cast<HostFnCalls *>(arg);
+  akv_engine_info info;
+  akv_context *ctx = NULL;
+  c->info = akv_engine_info_get(c->cuda_eng, &info);
+  c->sync = akv_stream_synchronize(c->cuda_eng, (akv_stream)c->stream);
+  c->open = akv_context_open(c->cuda_eng, NULL, &ctx);
+  c->destroy = akv_engine_destroy(c->cuda_eng);
+  c->host_info = akv_engine_info_get(c->host_eng, &info);
+  c->ran = 1;
+}
+
+static void test_engine_calls_from_host_fn_refused(void **state) {
+  (void)state;
+  akv_engine_config cfg = AKV_ENGINE_CONFIG_INIT;
+  akv_engine_info info;
+  HostFnCalls c;
+  memset(&c, 0, sizeof c);
+  cfg.n_dense_layers = 2;
+  cfg.kv_heads = 2;
+  cfg.head_dim = 64;
+  cfg.max_tokens = 1024;
+  cfg.page_tokens = 256;
+  cfg.max_contexts = 1;
+  cfg.host_pool_gib = 1;
+  cfg.device_pool_gib = 0;
+  cfg.route = AKV_ROUTE_STAGE;
+  cfg.log_level = AKV_LOG_ERROR;
+  cfg.backend = AKV_BACKEND_HOST;
+  assert_int_equal(akv_engine_create(&cfg, &c.host_eng), AKV_OK);
+  cfg.backend = AKV_BACKEND_CUDA;
+  assert_int_equal(akv_engine_create(&cfg, &c.cuda_eng), AKV_OK);
+  CUDA_OK(cudaStreamCreateWithFlags(&c.stream, cudaStreamNonBlocking));
+  assert_int_equal(
+      akv_stream_launch_host(c.cuda_eng, (akv_stream)c.stream, calls_from_host_fn, &c), AKV_OK);
+  CUDA_OK(cudaStreamSynchronize(c.stream));
+  assert_int_equal(c.ran, 1);
+  assert_int_equal(c.info, AKV_ERR_IN_USE);
+  assert_int_equal(c.sync, AKV_ERR_IN_USE);
+  assert_int_equal(c.open, AKV_ERR_IN_USE);
+  assert_int_equal(c.destroy, AKV_ERR_IN_USE);
+  assert_int_equal(c.host_info, AKV_OK);
+  /* The engine is untouched and goes on. */
+  assert_int_equal(akv_engine_info_get(c.cuda_eng, &info), AKV_OK);
+  assert_false(info.transport_failed);
+  assert_int_equal(akv_stream_synchronize(c.cuda_eng, (akv_stream)c.stream), AKV_OK);
+  CUDA_OK(cudaStreamDestroy(c.stream));
+  assert_int_equal(akv_engine_destroy(c.cuda_eng), AKV_OK);
+  assert_int_equal(akv_engine_destroy(c.host_eng), AKV_OK);
+}
+
 int main(void) {
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
@@ -583,6 +648,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_teardown_never_waits, setup, teardown),
       cmocka_unit_test(test_engine_destroy_never_waits),
       cmocka_unit_test(test_library_handles_refused_as_streams),
+      cmocka_unit_test(test_engine_calls_from_host_fn_refused),
   };
   return cmocka_run_group_tests_name("gpu_backend", tests, NULL, NULL);
 }
