@@ -652,7 +652,11 @@ AKV_API akv_status akv_stream_create(akv_engine *engine, akv_stream *out);
  * AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (not a live stream of this
  * engine), AKV_ERR_IN_USE (also: another thread's call in progress, or,
  * host backend, a call from a function akv_stream_launch_host runs on this
- * very stream, whose worker cannot drain and join itself).
+ * very stream, whose worker cannot drain and join itself, or on another
+ * stream of this engine while this one has work not yet run, which may
+ * wait for that function through the engine's queues, as a history-ready
+ * wait left by an akv_lease_wait_ready that failed half-way does; nothing
+ * changes, the stream stays live).
  */
 AKV_API akv_status akv_stream_destroy(akv_engine *engine, akv_stream stream);
 /**
@@ -675,7 +679,8 @@ AKV_API akv_status akv_stream_synchronize(akv_engine *engine, akv_stream stream)
  * AKV_ERR_IN_USE whenever a call on the engine is in progress, among them
  * an akv_stream_synchronize waiting for fn (Thread safety). A call from fn
  * that would wait for fn itself is refused with AKV_ERR_IN_USE and changes
- * nothing: akv_stream_destroy of fn's own stream, akv_stream_synchronize of
+ * nothing: akv_stream_destroy of fn's own stream or of another stream of
+ * its engine with work not yet run, akv_stream_synchronize of
  * any stream of its engine (one may wait for fn through the engine's
  * queues), akv_stream_launch_host onto a stream of its engine whose ring is
  * full while that stream waits for fn (fn's own stream, or one waiting on

@@ -100,6 +100,10 @@ bool akv_bk_queue_is_current(const akv_bk *bk, akv_bqueue *q) {
   return q != NULL && bk->ops->queue_is_current != NULL && bk->ops->queue_is_current(bk->ctx, q);
 }
 
+bool akv_bk_queue_pending(const akv_bk *bk, akv_bqueue *q) {
+  return q != NULL && bk->ops->queue_pending != NULL && bk->ops->queue_pending(bk->ctx, q);
+}
+
 akv_status akv_bk_event_create(akv_bk *bk, akv_bevent **out) {
   AKV_BK_OP(bk, AKV_OP_ALLOC, "event create", bk->ops->event_create(bk->ctx, out));
 }

@@ -106,6 +106,12 @@ typedef struct akv_backend_ops {
    * runs q's work (a host function enqueued on q is calling back), where
    * queue_destroy would have to drain and join the thread it runs on. */
   bool (*queue_is_current)(void *ctx, akv_bqueue *q);
+
+  /* Optional (NULL: never): true when work enqueued on q has not finished
+   * running, so that queue_destroy, which drains q, would wait for it
+   * (perhaps, through q's waits on other queues, for the caller itself).
+   * A backend whose queue_destroy never waits leaves it NULL. */
+  bool (*queue_pending)(void *ctx, akv_bqueue *q);
 } akv_backend_ops;
 
 /* The tables. akv_backend_cuda_ops is NULL-equivalent when CUDA is not built. */

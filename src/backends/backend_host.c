@@ -909,6 +909,18 @@ static bool akv_host_queue_is_current(void *ctx, akv_bqueue *q) {
 }
 
 /**
+ * queue_pending: true while an operation enqueued on q has not finished
+ * (head behind tail), so that queue_destroy's drain would wait for it.
+ */
+static bool akv_host_queue_pending(void *ctx, akv_bqueue *q) {
+  if (!akv_host_ctx_ok(ctx) || !akv_host_queue_ok(q) || q->ctx != ctx) return false;
+  pthread_mutex_lock(&q->mu);
+  const bool pending = q->head < q->tail;
+  pthread_mutex_unlock(&q->mu);
+  return pending;
+}
+
+/**
  * Blocks until everything enqueued on q so far has run, or the deadline
  * passes. Returns AKV_OK or AKV_ERR_BACKEND.
  */
@@ -1245,4 +1257,5 @@ const akv_backend_ops akv_backend_host_ops = {
     .device_free_async = akv_host_device_free_async,
     .host_free_async = akv_host_host_free_async,
     .queue_is_current = akv_host_queue_is_current,
+    .queue_pending = akv_host_queue_pending,
 };

@@ -1,0 +1,163 @@
+/*
+ * test_audit_s31.c - an audit of akv.h's promises under hostile call
+ * sequences: a function on a stream that destroys another stream waiting
+ * for it. Each test names the promise it checks and fails while the library
+ * breaks it. A hang is bounded: the test gives up waiting after HANG_MS.
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <cmocka.h>
+
+#include "akv.h"
+#include "testutil.h"
+
+/* How long a test waits for a function on a stream before calling it hung. */
+#define HANG_MS 20000u
+
+static void sleep_ms(unsigned ms) {
+  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
+/* Polls *flag for up to HANG_MS; 1 when it was set. */
+static int wait_flag(_Atomic int *flag) {
+  for (unsigned i = 0; i < HANG_MS; i++) {
+    if (atomic_load(flag)) return 1;
+    sleep_ms(1);
+  }
+  return atomic_load(flag);
+}
+
+/* --------------------------- a stream function destroys a stream waiting for it */
+
+typedef struct destroyer {
+  akv_engine *e;
+  akv_stream victim;
+  _Atomic int go, done;
+  akv_status status;
+} destroyer;
+
+static void destroy_fn(void *arg) {
+  destroyer *d = arg;
+  while (!atomic_load(&d->go)) sleep_ms(1);
+  d->status = akv_stream_destroy(d->e, d->victim);
+  atomic_store(&d->done, 1);
+}
+
+/* Arena route, 2 contexts of 40 rows (full pages retained, so a lease's
+ * wait_ready waits on two events: H2D and D2D). */
+static akv_engine *arena_engine(uint32_t fail_wait_nth, akv_context **c) {
+  static uint16_t zero[64 * 16];
+  const void *rows[3] = {zero, zero, zero};
+  akv_engine_config ec = akvt_small_config(AKV_ROUTE_ARENA, 1);
+  akv_engine *e = NULL;
+  if (fail_wait_nth != 0) {
+    ec.fault_kind = AKV_OP_WAIT;
+    ec.fault_fail_nth = fail_wait_nth;
+  }
+  assert_int_equal(akv_engine_create(&ec, &e), AKV_OK);
+  for (int i = 0; i < 2; i++) {
+    assert_int_equal(akv_context_open(e, NULL, &c[i]), AKV_OK);
+    assert_int_equal(akv_context_append(c[i], 40, rows, rows), AKV_OK);
+  }
+  return e;
+}
+
+/* Layers 0 and 1 through attend (on stream a), write-back and seal, then
+ * layer 2 begun: its copies wait for layer 0's readers, among them layer
+ * 0's attention event, recorded on a behind whatever a holds first. */
+static void two_layers_then_begin(akv_engine *e, akv_context **c, akv_stream a, akv_lease **l) {
+  akv_fence fa, ft;
+  assert_int_equal(akv_step_begin(e, c, 2), AKV_OK);
+  for (uint32_t i = 0; i < 2; i++) {
+    assert_int_equal(akv_lease_begin(e, i, &l[i]), AKV_OK);
+    assert_int_equal(akv_lease_attend(l[i], a, akvt_noop_hook, NULL, &fa), AKV_OK);
+    assert_int_equal(akv_lease_write_back(l[i], NULL, 0, &ft), AKV_OK);
+    assert_int_equal(akv_lease_seal(l[i], ft, fa), AKV_OK);
+  }
+  assert_int_equal(akv_lease_begin(e, 2, &l[2]), AKV_OK);
+}
+
+/* Promise (akv.h Blocking: akv_stream_destroy blocks until the stream's work
+ * ran; akv_stream_launch_host: a call from fn that would wait for fn itself
+ * is refused with AKV_ERR_IN_USE and changes nothing): a function on stream
+ * A destroys stream B while B waits, through the engine's queues, for work
+ * behind that function. B got its wait from an akv_lease_wait_ready whose
+ * second wait (D2D) failed: the lease stayed begun, so no lease names B and
+ * destroy's "a lease used this stream" check passes. The destroy drained B,
+ * whose H2D wait needs layer 0's attention on A, behind the function: it
+ * joined B's worker for good, the engine claimed by A's worker, and nothing
+ * (quarantine, destroy) could ever free the engine. Now it is refused at
+ * once with AKV_ERR_IN_USE, B stays live, and after a quarantine both
+ * streams and the engine go. */
+static void test_stream_fn_destroys_a_stream_waiting_for_it(void **state) {
+  (void)state;
+  akv_context *c[2];
+  akv_stream a, b;
+  akv_lease *l[3];
+  akv_view v;
+  akv_engine_info info;
+
+  /* A run without fault counts the waits before layer 2's wait_ready. */
+  akv_engine *e = arena_engine(0, c);
+  assert_int_equal(akv_stream_create(e, &a), AKV_OK);
+  assert_int_equal(akv_stream_create(e, &b), AKV_OK);
+  two_layers_then_begin(e, c, a, l);
+  assert_int_equal(akv_engine_info_get(e, &info), AKV_OK);
+  const uint64_t waits_before = info.backend_ops[AKV_OP_WAIT];
+  assert_int_equal(akv_lease_wait_ready(l[2], b, &v), AKV_OK);
+  assert_int_equal(akv_engine_info_get(e, &info), AKV_OK);
+  assert_int_equal(info.backend_ops[AKV_OP_WAIT] - waits_before, 2); /* H2D and D2D */
+  akv_fence fa, ft;
+  assert_int_equal(akv_lease_mark_consumed(l[2], b, &fa), AKV_OK);
+  assert_int_equal(akv_lease_write_back(l[2], NULL, 0, &ft), AKV_OK);
+  assert_int_equal(akv_lease_seal(l[2], ft, fa), AKV_OK);
+  for (uint32_t i = 0; i < 3; i++) assert_int_equal(akv_lease_retire(l[i], NULL), AKV_OK);
+  assert_int_equal(akv_step_end(e), AKV_OK);
+  assert_int_equal(akv_stream_destroy(e, b), AKV_OK);
+  assert_int_equal(akv_stream_destroy(e, a), AKV_OK);
+  assert_int_equal(akv_engine_destroy(e), AKV_OK);
+
+  /* The same with layer 2's second wait failed, a function parked on A
+   * first (so that layer 0's attention on A is behind it). */
+  static destroyer d;
+  memset(&d, 0, sizeof d);
+  e = arena_engine((uint32_t)waits_before + 2, c);
+  assert_int_equal(akv_stream_create(e, &a), AKV_OK);
+  assert_int_equal(akv_stream_create(e, &b), AKV_OK);
+  d.e = e;
+  d.victim = b;
+  assert_int_equal(akv_stream_launch_host(e, a, destroy_fn, &d), AKV_OK);
+  two_layers_then_begin(e, c, a, l);
+  assert_int_equal(akv_lease_wait_ready(l[2], b, &v), AKV_ERR_BACKEND);
+  atomic_store(&d.go, 1);
+  if (!wait_flag(&d.done))
+    fail_msg("akv_stream_destroy from a function on A hung on a stream waiting for A");
+  assert_int_equal(d.status, AKV_ERR_IN_USE);
+  /* Nothing changed: B is still live (a dead stream would answer
+   * AKV_ERR_INVALID_ARGUMENT below), and once a quarantine drained every
+   * queue both streams and the engine go. */
+  akv_quarantine_report rep;
+  assert_int_equal(akv_engine_quarantine(e, &rep), AKV_OK);
+  assert_int_equal(akv_stream_destroy(e, b), AKV_OK);
+  assert_int_equal(akv_stream_destroy(e, a), AKV_OK);
+  assert_int_equal(akv_engine_destroy(e), AKV_OK);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_stream_fn_destroys_a_stream_waiting_for_it),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
