@@ -688,7 +688,14 @@ AKV_API akv_status akv_stream_synchronize(akv_engine *engine, akv_stream stream)
  * akv_engine_quarantine of its engine, and akv_lease_retire of a lease
  * with an event not passed yet. (The engine's other enqueueing calls from
  * fn onto such a full queue fail at once, as any enqueue that fails:
- * AKV_ERR_BACKEND, the transport failed; see Blocking.) Returns AKV_OK,
+ * AKV_ERR_BACKEND, the transport failed; see Blocking.) fn returns to its
+ * queue. Host backend: one that ends its thread instead (pthread_exit, or
+ * a cancellation acting inside it) ends only itself: its end counts as its
+ * return and a new worker thread runs the stream's later work, so leases,
+ * synchronisation and destroy go on as if it had returned (an engine call
+ * it was inside then, through a log callback, stays in progress for good:
+ * akv_log_fn). CUDA: the runtime's thread is not the library's; ending it
+ * is undefined there. Returns AKV_OK,
  * AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (fn NULL, or on the host
  * backend not a live stream of this engine), AKV_ERR_BACKEND,
  * AKV_ERR_QUARANTINED, AKV_ERR_IN_USE.

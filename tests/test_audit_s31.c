@@ -7,6 +7,7 @@
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
+#include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -155,9 +156,67 @@ static void test_stream_fn_destroys_a_stream_waiting_for_it(void **state) {
   assert_int_equal(akv_engine_destroy(e), AKV_OK);
 }
 
+/* ----------------------------------------- a stream function ends its thread */
+
+static _Atomic int ran_after;
+
+static void exit_fn(void *arg) {
+  (void)arg;
+  pthread_exit(NULL);
+}
+
+static void cancel_fn(void *arg) {
+  (void)arg;
+  pthread_cancel(pthread_self());
+  pthread_testcancel();
+}
+
+static void count_fn(void *arg) {
+  (void)arg;
+  atomic_fetch_add(&ran_after, 1);
+}
+
+/* Promise (akv.h, akv_stream_launch_host: a function that ends its thread
+ * ends only itself; the stream's later work runs): a function on a stream
+ * that ends its worker thread (pthread_exit, or a cancellation acting
+ * inside it). The stream's ring was left without a worker: work after the
+ * function never ran, the step's leases never retired (AKV_ERR_BACKEND
+ * after the sync timeout), quarantine could not establish completion and
+ * kept everything retained, so the engine could never be destroyed. Now a
+ * successor worker runs the rest of the stream; the step completes and the
+ * stream and engine go. Twice per stream, so that a successor's function
+ * ending its thread is covered too. */
+static void test_stream_fn_ends_its_thread(void **state) {
+  (void)state;
+  void (*const enders[2])(void *) = {exit_fn, cancel_fn};
+  for (int k = 0; k < 2; k++) {
+    /* A short sync timeout, so that the broken behaviour fails in seconds. */
+    setenv("AKV_HOST_SYNC_TIMEOUT_MS", "2000", 1);
+    akvt_fx f;
+    akvt_fx_open(&f, AKV_ROUTE_ARENA, 1, 2, 20);
+    unsetenv("AKV_HOST_SYNC_TIMEOUT_MS");
+    atomic_store(&ran_after, 0);
+    for (int round = 0; round < 2; round++) {
+      assert_int_equal(akv_stream_launch_host(f.e, f.s, enders[k], NULL), AKV_OK);
+      assert_int_equal(akv_stream_launch_host(f.e, f.s, count_fn, NULL), AKV_OK);
+      assert_int_equal(akv_step_begin(f.e, f.c, 2), AKV_OK);
+      assert_int_equal(akvt_null_layers(f.e, f.s, 3), AKV_OK);
+      assert_int_equal(akv_stream_synchronize(f.e, f.s), AKV_OK);
+      assert_int_equal(atomic_load(&ran_after), round + 1);
+    }
+    akv_engine_info info;
+    assert_int_equal(akv_engine_info_get(f.e, &info), AKV_OK);
+    assert_int_equal(info.transport_failed, 0);
+    assert_int_equal(akv_stream_destroy(f.e, f.s), AKV_OK);
+    for (uint32_t i = 0; i < f.n; i++) assert_int_equal(akv_context_close(f.c[i]), AKV_OK);
+    assert_int_equal(akv_engine_destroy(f.e), AKV_OK);
+  }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_stream_fn_destroys_a_stream_waiting_for_it),
+      cmocka_unit_test(test_stream_fn_ends_its_thread),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
