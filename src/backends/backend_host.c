@@ -443,7 +443,8 @@ typedef struct akv_host_fn_frame {
  * without it every later operation of the queue, every wait on it and every
  * drain of it waited for good, so leases never retired and no quarantine
  * could establish completion. If the successor cannot start, the queue is
- * left as the function left it (its later work never runs).
+ * left as the function left it (its later work never runs) and counts as
+ * exited, so that queue_destroy joins the ended thread instead of waiting.
  */
 static void akv_host_fn_ended(void *arg) {
   const akv_host_fn_frame *f = arg;
@@ -453,7 +454,12 @@ static void akv_host_fn_ended(void *arg) {
   q->head = f->first + f->slots;
   pthread_cond_broadcast(&q->progress);
   q->ended = pthread_self();
-  if (pthread_create(&next, NULL, akv_host_worker_next, q) == 0) q->thread = next;
+  if (pthread_create(&next, NULL, akv_host_worker_next, q) == 0) {
+    q->thread = next;
+  } else {
+    q->exited = true; /* q->thread stays the ended thread: queue_destroy joins it */
+    pthread_cond_broadcast(&q->progress);
+  }
   pthread_mutex_unlock(&q->mu);
 }
 
