@@ -182,10 +182,11 @@ static void count_fn(void *arg) {
  * inside it). The stream's ring was left without a worker: work after the
  * function never ran, the step's leases never retired (AKV_ERR_BACKEND
  * after the sync timeout), quarantine could not establish completion and
- * kept everything retained, so the engine could never be destroyed. Now a
- * successor worker runs the rest of the stream; the step completes and the
- * stream and engine go. Twice per stream, so that a successor's function
- * ending its thread is covered too. */
+ * kept everything retained, so the engine could never be destroyed; and
+ * akv_stream_destroy returned AKV_OK with the work after the function never
+ * run. Now a successor worker runs the rest of the stream; the step
+ * completes, destroy drains it all, and the engine goes. Twice per stream,
+ * so that a successor's function ending its thread is covered too. */
 static void test_stream_fn_ends_its_thread(void **state) {
   (void)state;
   void (*const enders[2])(void *) = {exit_fn, cancel_fn};
@@ -207,7 +208,12 @@ static void test_stream_fn_ends_its_thread(void **state) {
     akv_engine_info info;
     assert_int_equal(akv_engine_info_get(f.e, &info), AKV_OK);
     assert_int_equal(info.transport_failed, 0);
+    /* Destroy drains the stream: the work after an ending function runs
+     * too (it was dropped: destroy joined the ended thread, ring unrun). */
+    assert_int_equal(akv_stream_launch_host(f.e, f.s, enders[k], NULL), AKV_OK);
+    assert_int_equal(akv_stream_launch_host(f.e, f.s, count_fn, NULL), AKV_OK);
     assert_int_equal(akv_stream_destroy(f.e, f.s), AKV_OK);
+    assert_int_equal(atomic_load(&ran_after), 3);
     for (uint32_t i = 0; i < f.n; i++) assert_int_equal(akv_context_close(f.c[i]), AKV_OK);
     assert_int_equal(akv_engine_destroy(f.e), AKV_OK);
   }

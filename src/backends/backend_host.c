@@ -970,11 +970,9 @@ static void akv_host_queue_destroy(void *ctx, akv_bqueue *q) {
  * back), where queue_destroy would join the thread it runs on.
  */
 static bool akv_host_queue_is_current(void *ctx, akv_bqueue *q) {
-  if (!akv_host_ctx_ok(ctx) || !akv_host_queue_ok(q) || q->ctx != ctx) return false;
-  pthread_mutex_lock(&q->mu); /* q->thread changes when a host function ends its worker */
-  const bool current = pthread_equal(pthread_self(), q->thread);
-  pthread_mutex_unlock(&q->mu);
-  return current;
+  /* Each worker, a successor too (akv_host_fn_ended), names its queue in
+   * akv_host_self: no lock, and right while q->thread changes hands. */
+  return akv_host_ctx_ok(ctx) && akv_host_queue_ok(q) && q->ctx == ctx && akv_host_self == q;
 }
 
 /**
