@@ -694,7 +694,10 @@ AKV_API akv_status akv_stream_synchronize(akv_engine *engine, akv_stream stream)
  * return and a new worker thread runs the stream's later work, so leases,
  * synchronisation and destroy go on as if it had returned (an engine call
  * it was inside then, through a log callback, stays in progress for good:
- * akv_log_fn). CUDA: the runtime's thread is not the library's; ending it
+ * akv_log_fn). A cancellation of a worker thread (pthread_cancel of a
+ * pthread_self() a function handed out) acts only inside a function, at
+ * its cancellation points, ending only that function; while the worker
+ * waits between functions it stays pending. CUDA: the runtime's thread is not the library's; ending it
  * is undefined there. Returns AKV_OK,
  * AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (fn NULL, or on the host
  * backend not a live stream of this engine), AKV_ERR_BACKEND,

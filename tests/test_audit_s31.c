@@ -16,7 +16,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
@@ -219,10 +221,75 @@ static void test_stream_fn_ends_its_thread(void **state) {
   }
 }
 
+/* ------------------------------------- a worker cancelled while it is idle */
+
+static pthread_t worker_tid;
+
+static void tid_fn(void *arg) {
+  (void)arg;
+  worker_tid = pthread_self();
+}
+
+static void testcancel_fn(void *arg) {
+  (void)arg;
+  pthread_testcancel();
+}
+
+/* In the child: the engine and stream made there, the stream's worker
+ * cancelled while idle, then used. 0 when everything answered as akv.h
+ * says. */
+static int cancelled_idle_worker(void) {
+  akvt_fx f;
+  akvt_fx_open(&f, AKV_ROUTE_STAGE, 0, 1, 5);
+  atomic_store(&ran_after, 0);
+  if (akv_stream_launch_host(f.e, f.s, tid_fn, NULL) != AKV_OK) return 10;
+  if (akv_stream_synchronize(f.e, f.s) != AKV_OK) return 11;
+  /* The worker is idle (or about to be): the cancel is pending there. */
+  if (pthread_cancel(worker_tid) != 0) return 12;
+  /* The cancel acts in the next function at its cancellation point, ending
+   * only that function; the stream runs on. */
+  if (akv_stream_launch_host(f.e, f.s, testcancel_fn, NULL) != AKV_OK) return 13;
+  if (akv_stream_launch_host(f.e, f.s, count_fn, NULL) != AKV_OK) return 14;
+  if (akv_stream_synchronize(f.e, f.s) != AKV_OK) return 15;
+  if (atomic_load(&ran_after) != 1) return 16;
+  if (akv_step_begin(f.e, f.c, 1) != AKV_OK) return 17;
+  if (akvt_null_layers(f.e, f.s, 3) != AKV_OK) return 18;
+  if (akv_stream_destroy(f.e, f.s) != AKV_OK) return 19;
+  if (akv_context_close(f.c[0]) != AKV_OK) return 20;
+  if (akv_engine_destroy(f.e) != AKV_OK) return 21;
+  return 0;
+}
+
+/* Promise (akv.h, akv_stream_launch_host: a function that ends its thread,
+ * a cancellation acting inside it included, ends only itself): a worker
+ * thread cancelled while idle (a function handed out pthread_self()). The
+ * cancel acted in the worker's own wait for work, which ended the thread
+ * holding the queue's mutex: the next akv_stream_launch_host on the stream
+ * blocked on that mutex for good (the child hung and was killed). Now the
+ * worker keeps cancellation disabled outside functions: the cancel acts in
+ * the next function that reaches a cancellation point, ending only it, and
+ * the stream, the step and destroy go on. In a forked child, so that a
+ * hang is bounded (25 s, then the child is killed). */
+static void test_stream_worker_cancelled_while_idle(void **state) {
+  (void)state;
+  fflush(NULL);
+  const pid_t pid = fork();
+  assert_true(pid >= 0);
+  if (pid == 0) {
+    alarm(60);
+    _exit(cancelled_idle_worker());
+  }
+  int ws = 0;
+  if (!akvt_wait_child(pid, 25000, &ws)) fail_msg("the child hung (killed)");
+  if (!WIFEXITED(ws)) fail_msg("the child ended by signal %d", WIFSIGNALED(ws) ? WTERMSIG(ws) : -1);
+  if (WEXITSTATUS(ws) != 0) fail_msg("the child's check %d failed", WEXITSTATUS(ws));
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_stream_fn_destroys_a_stream_waiting_for_it),
       cmocka_unit_test(test_stream_fn_ends_its_thread),
+      cmocka_unit_test(test_stream_worker_cancelled_while_idle),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -466,7 +466,15 @@ static void akv_host_fn_ended(void *arg) {
 /** The worker thread: runs the ring in order; on stop, drains and exits. */
 static void *akv_host_worker(void *arg) {
   akv_bqueue *q = arg;
+  int cancel = 0;
   akv_host_self = q;
+  /* Invariant: a worker is cancelled, if ever, only inside a host function.
+   * A cancellation of this thread (a host function may have handed out
+   * pthread_self()) acting in the worker's own waits would end it holding
+   * q->mu (pthread_cond_wait takes it back first), and every later enqueue
+   * on q would block on that mutex for good. Cancellation is enabled only
+   * while a host function runs, where akv_host_fn_ended hands the ring on. */
+  pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, &cancel);
   pthread_mutex_lock(&q->mu);
   for (;;) {
     while (q->head == q->tail && !q->stop) pthread_cond_wait(&q->work, &q->mu);
@@ -478,7 +486,9 @@ static void *akv_host_worker(void *arg) {
     if (op.kind == AKV_HOST_OP_HOSTFN) {
       akv_host_fn_frame frame = {q, first, op.slots};
       pthread_cleanup_push(akv_host_fn_ended, &frame);
+      pthread_setcancelstate(PTHREAD_CANCEL_ENABLE, &cancel);
       akv_host_run(q, &op, first);
+      pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, &cancel);
       pthread_cleanup_pop(0);
     } else {
       akv_host_run(q, &op, first);
