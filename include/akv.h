@@ -697,7 +697,8 @@ AKV_API akv_status akv_stream_synchronize(akv_engine *engine, akv_stream stream)
  * akv_log_fn). A cancellation of a worker thread (pthread_cancel of a
  * pthread_self() a function handed out) acts only inside a function, at
  * its cancellation points, ending only that function; while the worker
- * waits between functions it stays pending. CUDA: the runtime's thread is not the library's; ending it
+ * waits between functions it stays pending, and each function starts with
+ * deferred cancellation whatever the one before it set. CUDA: the runtime's thread is not the library's; ending it
  * is undefined there. Returns AKV_OK,
  * AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (fn NULL, or on the host
  * backend not a live stream of this engine), AKV_ERR_BACKEND,

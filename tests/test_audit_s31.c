@@ -287,11 +287,49 @@ static void test_stream_worker_cancelled_while_idle(void **state) {
   if (WEXITSTATUS(ws) != 0) fail_msg("the child's check %d failed", WEXITSTATUS(ws));
 }
 
+/* ------------------------------- a function leaves asynchronous cancellation */
+
+static void async_fn(void *arg) {
+  int old = 0;
+  (void)arg;
+  worker_tid = pthread_self();
+  pthread_setcanceltype(PTHREAD_CANCEL_ASYNCHRONOUS, &old);
+}
+
+/* Promise (akv.h, akv_stream_launch_host: a cancellation of a worker acts
+ * only inside a function, at its cancellation points, ending only that
+ * function): a function that switched its worker to asynchronous
+ * cancellation and returned, then a cancel of the worker while idle. The
+ * next function was skipped unrun: the worker enabled cancellation to run
+ * it, the pending cancel acted there at once, and the function's slot
+ * counted as done (synchronize said AKV_OK, the function never ran). Now
+ * the worker sets deferred cancellation back after each function: the
+ * next one runs (it reaches no cancellation point), and the stream, a step
+ * and destroy go on. */
+static void test_stream_fn_leaves_async_cancel(void **state) {
+  (void)state;
+  akvt_fx f;
+  akvt_fx_open(&f, AKV_ROUTE_STAGE, 0, 1, 5);
+  atomic_store(&ran_after, 0);
+  assert_int_equal(akv_stream_launch_host(f.e, f.s, async_fn, NULL), AKV_OK);
+  assert_int_equal(akv_stream_synchronize(f.e, f.s), AKV_OK);
+  assert_int_equal(pthread_cancel(worker_tid), 0);
+  assert_int_equal(akv_stream_launch_host(f.e, f.s, count_fn, NULL), AKV_OK);
+  assert_int_equal(akv_stream_synchronize(f.e, f.s), AKV_OK);
+  assert_int_equal(atomic_load(&ran_after), 1);
+  assert_int_equal(akv_step_begin(f.e, f.c, 1), AKV_OK);
+  assert_int_equal(akvt_null_layers(f.e, f.s, 3), AKV_OK);
+  assert_int_equal(akv_stream_destroy(f.e, f.s), AKV_OK);
+  assert_int_equal(akv_context_close(f.c[0]), AKV_OK);
+  assert_int_equal(akv_engine_destroy(f.e), AKV_OK);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_stream_fn_destroys_a_stream_waiting_for_it),
       cmocka_unit_test(test_stream_fn_ends_its_thread),
       cmocka_unit_test(test_stream_worker_cancelled_while_idle),
+      cmocka_unit_test(test_stream_fn_leaves_async_cancel),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -473,8 +473,10 @@ static void *akv_host_worker(void *arg) {
    * pthread_self()) acting in the worker's own waits would end it holding
    * q->mu (pthread_cond_wait takes it back first), and every later enqueue
    * on q would block on that mutex for good. Cancellation is enabled only
-   * while a host function runs, where akv_host_fn_ended hands the ring on. */
+   * while a host function runs, where akv_host_fn_ended hands the ring on,
+   * and always deferred there: it acts at the function's cancellation points. */
   pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, &cancel);
+  pthread_setcanceltype(PTHREAD_CANCEL_DEFERRED, &cancel);
   pthread_mutex_lock(&q->mu);
   for (;;) {
     while (q->head == q->tail && !q->stop) pthread_cond_wait(&q->work, &q->mu);
@@ -489,6 +491,10 @@ static void *akv_host_worker(void *arg) {
       pthread_setcancelstate(PTHREAD_CANCEL_ENABLE, &cancel);
       akv_host_run(q, &op, first);
       pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, &cancel);
+      /* A function that left asynchronous cancellation would have the next
+       * enable act on a pending cancel before that function ran, its slot
+       * counted done, the function skipped: deferred again. */
+      pthread_setcanceltype(PTHREAD_CANCEL_DEFERRED, &cancel);
       pthread_cleanup_pop(0);
     } else {
       akv_host_run(q, &op, first);
