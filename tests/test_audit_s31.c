@@ -1,8 +1,8 @@
 /*
  * test_audit_s31.c - an audit of akv.h's promises under hostile call
  * sequences: a function on a stream that destroys another stream waiting
- * for it, a function that ends its worker thread, and a worker cancelled
- * while idle. Each test names the promise it checks and fails while the
+ * for it, a function that ends its worker thread, a worker cancelled while
+ * idle, and a function that leaves asynchronous cancellation. Each test names the promise it checks and fails while the
  * library breaks it. A hang is bounded: a test gives up waiting after
  * HANG_MS, or runs in a forked child that akvt_wait_child kills.
  */
