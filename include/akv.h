@@ -653,7 +653,11 @@ AKV_API akv_status akv_stream_create(akv_engine *engine, akv_stream *out);
  * AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (not a live stream of this
  * engine), AKV_ERR_IN_USE (also: another thread's call in progress, or,
  * host backend, a call from a function akv_stream_launch_host runs on this
- * very stream, whose worker cannot drain and join itself).
+ * very stream, whose worker cannot drain and join itself, or on another
+ * stream of this engine while this one has work not yet run, which may
+ * wait for that function through the engine's queues, as a history-ready
+ * wait left by an akv_lease_wait_ready that failed half-way does; nothing
+ * changes, the stream stays live).
  */
 AKV_API akv_status akv_stream_destroy(akv_engine *engine, akv_stream stream);
 /**
@@ -678,13 +682,10 @@ AKV_API akv_status akv_stream_synchronize(akv_engine *engine, akv_stream stream)
  * backend fn runs where no CUDA call is permitted, so every call it makes
  * on an engine of the CUDA backend (any engine, destroy included) is
  * refused with AKV_ERR_IN_USE and changes nothing; the attention functions
- * of akv_cuda.h make CUDA calls too and must not be called from fn. A
- * function that ends its own thread (pthread_exit, or a longjmp out of it)
- * never returns to the queue that runs it: on the host backend that
- * stream's later work never runs and the engine can no longer be
- * destroyed, as for an attention hook. A call from fn
+ * of akv_cuda.h make CUDA calls too and must not be called from fn. A call from fn
  * that would wait for fn itself is refused with AKV_ERR_IN_USE and changes
- * nothing: akv_stream_destroy of fn's own stream, akv_stream_synchronize of
+ * nothing: akv_stream_destroy of fn's own stream or of another stream of
+ * its engine with work not yet run, akv_stream_synchronize of
  * any stream of its engine (one may wait for fn through the engine's
  * queues), akv_stream_launch_host onto a stream of its engine whose ring is
  * full while that stream waits for fn (fn's own stream, or one waiting on
@@ -692,7 +693,18 @@ AKV_API akv_status akv_stream_synchronize(akv_engine *engine, akv_stream stream)
  * akv_engine_quarantine of its engine, and akv_lease_retire of a lease
  * with an event not passed yet. (The engine's other enqueueing calls from
  * fn onto such a full queue fail at once, as any enqueue that fails:
- * AKV_ERR_BACKEND, the transport failed; see Blocking.) Returns AKV_OK,
+ * AKV_ERR_BACKEND, the transport failed; see Blocking.) fn returns to its
+ * queue. Host backend: one that ends its thread instead (pthread_exit, or
+ * a cancellation acting inside it) ends only itself: its end counts as its
+ * return and a new worker thread runs the stream's later work, so leases,
+ * synchronisation and destroy go on as if it had returned (an engine call
+ * it was inside then, through a log callback, stays in progress for good:
+ * akv_log_fn). A cancellation of a worker thread (pthread_cancel of a
+ * pthread_self() a function handed out) acts only inside a function, at
+ * its cancellation points, ending only that function; while the worker
+ * waits between functions it stays pending, and each function starts with
+ * deferred cancellation whatever the one before it set. CUDA: the runtime's thread is not the library's; ending it
+ * is undefined there. Returns AKV_OK,
  * AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (fn NULL, or on the host
  * backend not a live stream of this engine), AKV_ERR_BACKEND,
  * AKV_ERR_QUARANTINED, AKV_ERR_IN_USE.

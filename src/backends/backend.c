@@ -100,6 +100,10 @@ bool akv_bk_queue_is_current(const akv_bk *bk, akv_bqueue *q) {
   return q != NULL && bk->ops->queue_is_current != NULL && bk->ops->queue_is_current(bk->ctx, q);
 }
 
+bool akv_bk_queue_pending(const akv_bk *bk, akv_bqueue *q) {
+  return q != NULL && bk->ops->queue_pending != NULL && bk->ops->queue_pending(bk->ctx, q);
+}
+
 bool akv_bk_calls_forbidden(const akv_bk *bk) {
   return bk->ops != NULL && bk->ops->calls_forbidden != NULL && bk->ops->calls_forbidden();
 }

@@ -107,6 +107,12 @@ typedef struct akv_backend_ops {
    * queue_destroy would have to drain and join the thread it runs on. */
   bool (*queue_is_current)(void *ctx, akv_bqueue *q);
 
+  /* Optional (NULL: never): true when work enqueued on q has not finished
+   * running, so that queue_destroy, which drains q, would wait for it
+   * (perhaps, through q's waits on other queues, for the caller itself).
+   * A backend whose queue_destroy never waits leaves it NULL. */
+  bool (*queue_pending)(void *ctx, akv_bqueue *q);
+
   /* Optional (NULL: never): true when the calling thread runs a host
    * function of this backend (host_fn) and must make no call of the
    * backend's runtime there, so no library call on an engine of this

@@ -789,5 +789,6 @@ extern "C" const akv_backend_ops akv_backend_cuda_ops = {
     cuda_device_free_async,
     cuda_host_free_async,
     /* queue_is_current */ nullptr,
+    /* queue_pending */ nullptr,
     cuda_calls_forbidden,
 };

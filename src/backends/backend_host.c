@@ -84,7 +84,10 @@
  * queue). Host functions must not synchronize (a worker would wait for
  * itself until the timeout) and must not create or destroy queues (those wait
  * for a running device_synchronize, which may be waiting for that very host
- * function); queue_destroy must never be called from q's own worker.
+ * function); queue_destroy must never be called from q's own worker. A host
+ * function that ends its worker's thread (pthread_exit, cancellation) ends
+ * only itself: its end counts as its return and a successor thread runs the
+ * rest of the ring (akv_host_fn_ended).
  */
 #if !defined(_GNU_SOURCE) && !defined(_DEFAULT_SOURCE)
 #define _DEFAULT_SOURCE /* MAP_ANONYMOUS, MAP_NORESERVE */
@@ -200,7 +203,10 @@ struct akv_bqueue {
   uint64_t head;             /**< slots finished */
   uint64_t tail;             /**< slots enqueued */
   bool stop;                 /**< queue_destroy: drain then exit */
-  pthread_t thread;
+  bool exited;               /**< the worker left its loop (stopped and drained) */
+  pthread_t thread;          /**< the current worker (guarded by mu once started) */
+  pthread_t ended;           /**< a worker whose host function ended it: its successor
+                                  joins it (akv_host_fn_ended) */
   uint32_t index;            /**< creation index within the context */
   uint64_t prng;             /**< delay stream; touched only by the worker */
   uint64_t delay_seed;
@@ -411,10 +417,66 @@ static void akv_host_run(akv_bqueue *q, const akv_host_op *op, uint64_t first) {
  * host function running there that enqueues (akv_host_reserve). */
 static _Thread_local akv_bqueue *akv_host_self;
 
+static void *akv_host_worker(void *arg);
+
+/* A successor worker: joins the one whose host function ended its thread,
+ * then runs the ring on. */
+static void *akv_host_worker_next(void *arg) {
+  akv_bqueue *q = arg;
+  pthread_join(q->ended, NULL); /* written before this thread was created */
+  return akv_host_worker(q);
+}
+
+/** What akv_host_fn_ended needs of the host function that was running. */
+typedef struct akv_host_fn_frame {
+  akv_bqueue *q;
+  uint64_t first; /**< its slot */
+  uint32_t slots;
+} akv_host_fn_frame;
+
+/*
+ * Runs when a host function ends the worker's thread instead of returning
+ * (pthread_exit, or a cancellation acting inside it): the thread's cleanup
+ * handler. Invariant: a queue's ring always has a worker until
+ * queue_destroy joined it. The function's end counts as its return (head
+ * moves past its slot), and a successor thread runs the rest of the ring;
+ * without it every later operation of the queue, every wait on it and every
+ * drain of it waited for good, so leases never retired and no quarantine
+ * could establish completion. If the successor cannot start, the queue is
+ * left as the function left it (its later work never runs) and counts as
+ * exited, so that queue_destroy joins the ended thread instead of waiting.
+ */
+static void akv_host_fn_ended(void *arg) {
+  const akv_host_fn_frame *f = arg;
+  akv_bqueue *q = f->q;
+  pthread_t next;
+  pthread_mutex_lock(&q->mu);
+  q->head = f->first + f->slots;
+  pthread_cond_broadcast(&q->progress);
+  q->ended = pthread_self();
+  if (pthread_create(&next, NULL, akv_host_worker_next, q) == 0) {
+    q->thread = next;
+  } else {
+    q->exited = true; /* q->thread stays the ended thread: queue_destroy joins it */
+    pthread_cond_broadcast(&q->progress);
+  }
+  pthread_mutex_unlock(&q->mu);
+}
+
 /** The worker thread: runs the ring in order; on stop, drains and exits. */
 static void *akv_host_worker(void *arg) {
   akv_bqueue *q = arg;
+  int cancel = 0;
   akv_host_self = q;
+  /* Invariant: a worker is cancelled, if ever, only inside a host function.
+   * A cancellation of this thread (a host function may have handed out
+   * pthread_self()) acting in the worker's own waits would end it holding
+   * q->mu (pthread_cond_wait takes it back first), and every later enqueue
+   * on q would block on that mutex for good. Cancellation is enabled only
+   * while a host function runs, where akv_host_fn_ended hands the ring on,
+   * and always deferred there: it acts at the function's cancellation points. */
+  pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, &cancel);
+  pthread_setcanceltype(PTHREAD_CANCEL_DEFERRED, &cancel);
   pthread_mutex_lock(&q->mu);
   for (;;) {
     while (q->head == q->tail && !q->stop) pthread_cond_wait(&q->work, &q->mu);
@@ -423,7 +485,20 @@ static void *akv_host_worker(void *arg) {
     akv_host_op op = q->ring[first % q->cap];
     pthread_mutex_unlock(&q->mu);
     akv_host_delay(q);
-    akv_host_run(q, &op, first);
+    if (op.kind == AKV_HOST_OP_HOSTFN) {
+      akv_host_fn_frame frame = {q, first, op.slots};
+      pthread_cleanup_push(akv_host_fn_ended, &frame);
+      pthread_setcancelstate(PTHREAD_CANCEL_ENABLE, &cancel);
+      akv_host_run(q, &op, first);
+      pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, &cancel);
+      /* A function that left asynchronous cancellation would have the next
+       * enable act on a pending cancel before that function ran, its slot
+       * counted done, the function skipped: deferred again. */
+      pthread_setcanceltype(PTHREAD_CANCEL_DEFERRED, &cancel);
+      pthread_cleanup_pop(0);
+    } else {
+      akv_host_run(q, &op, first);
+    }
     pthread_mutex_lock(&q->mu);
     q->head = first + op.slots;
     pthread_cond_broadcast(&q->progress);
@@ -433,6 +508,8 @@ static void *akv_host_worker(void *arg) {
      * goes only once head moved past the slot, under the same mutex. */
     if (op.kind == AKV_HOST_OP_WAIT) akv_host_queue_unref(op.u.wait.queue);
   }
+  q->exited = true;
+  pthread_cond_broadcast(&q->progress);
   pthread_mutex_unlock(&q->mu);
   return NULL;
 }
@@ -887,8 +964,13 @@ static void akv_host_queue_destroy(void *ctx, akv_bqueue *q) {
   q->stop = true;
   pthread_cond_signal(&q->work);
   pthread_cond_broadcast(&q->progress); /* enqueuers blocked on a full ring give up */
+  /* The worker may change while it drains (a host function that ends its
+   * thread hands the ring to a successor, which joins it): join the one
+   * that left the loop, the last. */
+  while (!q->exited) pthread_cond_wait(&q->progress, &q->mu);
+  pthread_t last = q->thread;
   pthread_mutex_unlock(&q->mu);
-  pthread_join(q->thread, NULL);
+  pthread_join(last, NULL);
 
   q->magic = q->magic_end = AKV_HOST_MAGIC_DEAD;
   pthread_mutex_lock(&q->mu);
@@ -904,8 +986,21 @@ static void akv_host_queue_destroy(void *ctx, akv_bqueue *q) {
  * back), where queue_destroy would join the thread it runs on.
  */
 static bool akv_host_queue_is_current(void *ctx, akv_bqueue *q) {
-  return akv_host_ctx_ok(ctx) && akv_host_queue_ok(q) && q->ctx == ctx &&
-         pthread_equal(pthread_self(), q->thread);
+  /* Each worker, a successor too (akv_host_fn_ended), names its queue in
+   * akv_host_self: no lock, and right while q->thread changes hands. */
+  return akv_host_ctx_ok(ctx) && akv_host_queue_ok(q) && q->ctx == ctx && akv_host_self == q;
+}
+
+/**
+ * queue_pending: true while an operation enqueued on q has not finished
+ * (head behind tail), so that queue_destroy's drain would wait for it.
+ */
+static bool akv_host_queue_pending(void *ctx, akv_bqueue *q) {
+  if (!akv_host_ctx_ok(ctx) || !akv_host_queue_ok(q) || q->ctx != ctx) return false;
+  pthread_mutex_lock(&q->mu);
+  const bool pending = q->head < q->tail;
+  pthread_mutex_unlock(&q->mu);
+  return pending;
 }
 
 /**
@@ -1245,4 +1340,5 @@ const akv_backend_ops akv_backend_host_ops = {
     .device_free_async = akv_host_device_free_async,
     .host_free_async = akv_host_host_free_async,
     .queue_is_current = akv_host_queue_is_current,
+    .queue_pending = akv_host_queue_pending,
 };

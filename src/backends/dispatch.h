@@ -39,6 +39,8 @@ akv_status akv_bk_queue_create(akv_bk *bk, akv_bqueue **out);
 void akv_bk_queue_destroy(akv_bk *bk, akv_bqueue *q);
 /* True when the calling thread runs q's work (backend.h, queue_is_current). */
 bool akv_bk_queue_is_current(const akv_bk *bk, akv_bqueue *q);
+/* True when q holds work that has not run yet (backend.h, queue_pending). */
+bool akv_bk_queue_pending(const akv_bk *bk, akv_bqueue *q);
 /* True when the calling thread runs a host function of this backend and may
  * make no library call on its engines (backend.h, calls_forbidden). */
 bool akv_bk_calls_forbidden(const akv_bk *bk);

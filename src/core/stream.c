@@ -100,6 +100,20 @@ static akv_status akv_stream_destroy_claimed(akv_engine *e, akv_stream s) {
       if (akv_bk_queue_is_current(&e->bk, e->streams[i].queue))
         return akv_fail(e, AKV_ERR_IN_USE,
                         "stream_destroy: called from a function running on this stream");
+      /* Invariant: a stream function never waits for itself. One running
+       * on another stream of this engine that destroys this one would
+       * drain it, and this stream may wait, through the engine's queues,
+       * for work behind that function (a history-ready wait left by a
+       * wait_ready that failed half-way, which no lease names): the drain
+       * never ends, the join hangs and the engine stays claimed for good.
+       * Refused while this stream has work not yet run; an idle one cannot
+       * wait for anything (nothing is enqueued on it while the engine is
+       * claimed) and goes at once. */
+      if (akv_engine_on_own_stream(e) && akv_bk_queue_pending(&e->bk, e->streams[i].queue))
+        return akv_fail(e, AKV_ERR_IN_USE,
+                        "stream_destroy: called from a function running on a stream of this "
+                        "engine while this stream has work not yet run (it may wait for that "
+                        "function)");
       if ((user = akv_stream_user(e, s)) >= 0)
         return akv_fail(e, AKV_ERR_IN_USE,
                         "stream_destroy: the unretired lease of layer %d used this stream; "
