@@ -142,3 +142,60 @@ def test_cache_prefill_cut_short_between_layers_is_not_called_a_chunked_prefill(
     cache.close()
     gc.collect()
     assert engine._handle is None and not engine._pending_destroy
+
+
+# ------------------------------------------------------------ an Engine never made
+
+
+class _SkipsInit(akv.Engine):
+    def __init__(self):  # never calls Engine.__init__
+        pass
+
+
+def _never_made(kind):
+    if kind == "new":
+        return akv.Engine.__new__(akv.Engine)
+    if kind == "subclass":
+        return _SkipsInit()
+    eng = akv.Engine.__new__(akv.Engine)
+    with pytest.raises(akv.InvalidArgument):
+        eng.__init__(**small(no_such_field=1))  # stops before the engine is made
+    return eng
+
+
+@pytest.mark.parametrize("kind", ["new", "subclass", "failed"])
+def test_engine_never_made_raises_bad_handle_not_attribute_error(kind, monkeypatch):
+    """An Engine whose __init__ never ran (Engine.__new__, a subclass that
+    skips it) failed every call and property with AttributeError from inside
+    the package ('Engine' object has no attribute '_forks'), its repr too,
+    and so did the Context made around it: the promise of the module
+    docstring is BadHandle for an engine that is not open. Now every call
+    and property raises BadHandle, repr says so, and dropping it is quiet."""
+    unraisable = []
+    monkeypatch.setattr("sys.unraisablehook", unraisable.append)
+    eng = _never_made(kind)
+    calls = [eng.close, eng.info, eng.headroom, eng.quarantine, eng.open_context,
+             eng.stream_create, eng.default_stream, eng.admission_counters, eng.admission_log,
+             eng.explain, lambda: eng.step_begin([]), eng.step_end, lambda: eng.lease_begin(0),
+             lambda: eng.headroom_release(0), lambda: eng.headroom_take(0),
+             lambda: eng.last_error, lambda: eng.live_arrays, lambda: eng.backend,
+             lambda: eng.dtype, lambda: eng.config,
+             lambda: akv.Context(eng, None).close(), lambda: akv.Context(eng, None).length,
+             lambda: akv.Stream(eng, None).synchronize(),
+             lambda: akv.Lease(eng, None).retire()]
+    if kind == "failed":
+        # made as far as a closed engine: close() and a closed context's close()
+        # are no-ops there, and no array lives
+        calls = [c for i, c in enumerate(calls) if i not in (0, 16, 20)]
+        assert eng.live_arrays == 0
+        eng.close()
+        akv.Context(eng, None).close()
+    for call in calls:
+        with pytest.raises(akv.BadHandle):
+            call()
+    assert "activekv.Engine" in repr(eng)
+    with pytest.raises(AttributeError):
+        eng.no_such_attribute  # other names are still plain AttributeError
+    del eng, calls
+    gc.collect()
+    assert unraisable == []
