@@ -53,7 +53,7 @@ def _cut_at(model, layer):
     return lambda: setattr(mlp, "forward", real)
 
 
-def _kv_of(model, cache_cls, kw, ids, torch):
+def _kv_of(model, kw, ids, torch):
     """Every layer's K/V of a forward over `ids` (a DynamicCache's)."""
     from transformers import DynamicCache
 
@@ -94,7 +94,7 @@ def test_cache_forward_cut_short_between_layers_names_the_state_and_the_way_on(h
             assert "close()" in msg, msg
             assert [cache.get_seq_length(i) for i in range(3)] == lengths
         # the way on it names: the remaining layer updated with that token's K/V
-        kv = _kv_of(model, ActiveKVCache, kw, torch.cat([ids, tok], 1), torch)
+        kv = _kv_of(model, kw, torch.cat([ids, tok], 1), torch)
         cache.update(kv[2][0][:, :, -1:], kv[2][1][:, :, -1:], 2)
         cache.finish()
         assert [c.length for c in cache.contexts] == [6]
@@ -134,7 +134,7 @@ def test_cache_prefill_cut_short_between_layers_is_not_called_a_chunked_prefill(
             assert "cut short" in msg and "[0, 1]" in msg and "[2]" in msg, msg
             assert "close()" in msg, msg
             assert [cache.get_seq_length(i) for i in range(3)] == [5, 5, 0]
-        kv = _kv_of(model, ActiveKVCache, kw, ids, torch)
+        kv = _kv_of(model, kw, ids, torch)
         cache.update(kv[2][0], kv[2][1], 2)
         out = model(input_ids=ids[:, -1:], use_cache=True, **{kw: cache})
         assert [cache.get_seq_length(i) for i in range(3)] == [6, 6, 6]
