@@ -1034,6 +1034,23 @@ class Engine(_ClosedOnExit):
                 lib.akv_engine_destroy(h)
             raise
 
+    # Invariant: an Engine whose __init__ did not run (Engine.__new__, a subclass whose
+    # __init__ skips it) or stopped before its state was made answers every call and
+    # property with BadHandle, as a closed engine does, never with AttributeError from
+    # inside the package (the objects made around one, a Context(engine, None), too).
+    # Called only when an attribute is missing: the made engine's calls never pay for it.
+    _STATE = frozenset((
+        "_box", "_forks", "_pid", "_slot", "_release", "_mem", "_exports", "_pending_destroy",
+        "_lease_boxes", "_retained", "_quarantined", "_lib", "_streams", "_default_box",
+        "_default_ref", "_contexts", "_orphans", "_step_open", "_cfg_dict", "_dtype", "_log",
+        "_sink", "_log_cb", "_cfg"))
+
+    def __getattr__(self, name: str) -> Any:
+        if name in Engine._STATE:
+            raise BadHandle.make(f"this {type(self).__name__} was never made (Engine.__init__ "
+                                 "did not run, or failed): make a new Engine")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     # -- one call at a time
     def _enter(self, what: str) -> bool:
         """Makes this thread the one in a call on the engine. Returns True
@@ -1223,6 +1240,8 @@ class Engine(_ClosedOnExit):
                 self._close_abandoning()
 
     def __del__(self) -> None:
+        if "_box" not in self.__dict__:
+            return  # never made (see __getattr__): nothing to free
         if getattr(self, "_handle", None) is not None:
             with contextlib.suppress(Exception):
                 self._close_abandoning()
@@ -1641,6 +1660,8 @@ class Engine(_ClosedOnExit):
                                    "an int (cudaStream_t) or None")
 
     def __repr__(self) -> str:
+        if "_cfg_dict" not in self.__dict__:
+            return "<activekv.Engine not made>"
         if self._handle is None:
             return "<activekv.Engine closed>"
         return f"<activekv.Engine {self.backend} {self._cfg_dict['route']} {self._dtype}>"

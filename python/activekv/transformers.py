@@ -609,6 +609,8 @@ class _Driver:
                              % (self.batch, list(key_states.shape)))
         if not at_boundary or not max(self.layer_len):
             return
+        if self.partial():
+            raise self.partial_error()
         if n_new != 1:
             raise NotImplementedError(
                 "ActiveKVCache: an update of %d tokens after the prompt (chunked prefill, "
@@ -619,9 +621,7 @@ class _Driver:
         # begin_step's refusals: the previous step interrupted between layers, a prefill
         # that did not reach every full-attention layer
         if self.step_open and self.next_dense != self.n_dense and not self.step_untouched():
-            raise StepState.make(
-                "ActiveKVCache: the open step updated %d of %d full-attention layers"
-                % (self.next_dense, self.n_dense))
+            raise self.partial_step_error()
         if min(self.layer_len) != max(self.layer_len):
             raise UnevenLayers.make(
                 "ActiveKVCache: full-attention layers hold different lengths (%s); a "
@@ -629,6 +629,51 @@ class _Driver:
         if torch.is_grad_enabled() and (key_states.requires_grad or (
                 isinstance(value_states, torch.Tensor) and value_states.requires_grad)):
             raise ValueError(_GRAD_REFUSED)
+
+    # -- a forward cut short between its layers ------------------------------
+    #
+    # Invariant: every full-attention layer of one forward takes the same tokens, and
+    # rows given to a layer cannot be taken back (a step adds one row to every layer,
+    # an append cannot be undone). A forward cut short between its layers (an exception
+    # in the model, a refused update, a Ctrl-C) leaves the layers before the cut holding
+    # its tokens and the others not. Nothing is dropped or filled in silently: every
+    # later update, finish() and the first layer of a forward refuse with the state in
+    # words and the two ways on (the remaining layers updated with the same tokens'
+    # K/V, which completes the cut-short forward; or close(), which frees everything).
+
+    def partial_step_error(self) -> Exception:
+        """StepState for a decode step whose forward stopped after `next_dense` layers."""
+        k, n = self.next_dense, self.n_dense
+        return StepState.make(
+            "ActiveKVCache: the open step updated %d of %d full-attention layers: a forward "
+            "was cut short between its layers, and its token's rows, given to full-attention "
+            "layers 0..%d, cannot be taken back. To go on, update full-attention layers "
+            "%d..%d with that token's K/V, in order; otherwise close() the cache, which "
+            "ends the step and frees the engine, and start again with a new one"
+            % (k, n, k - 1, k, n - 1))
+
+    def partial_prefill_error(self) -> Exception:
+        """UnevenLayers for a prefill that reached some full-attention layers only."""
+        held = [d for d in range(self.n_dense) if self.layer_len[d]]
+        missing = [d for d in range(self.n_dense) if not self.layer_len[d]]
+        return UnevenLayers.make(
+            "ActiveKVCache: full-attention layers hold different lengths (%s): a prefill was "
+            "cut short between its layers (a prefill did not reach every layer), and the "
+            "rows appended to layers %s cannot be taken back. To go on, update the "
+            "full-attention layers %s with the same prompt's K/V; otherwise close() the "
+            "cache, which frees the engine, and prefill a new one"
+            % (self.layer_len, held, missing))
+
+    def partial(self) -> bool:
+        """A forward was cut short between its layers (see partial_step_error)."""
+        return ((self.step_open and self.next_dense != self.n_dense
+                 and not self.step_untouched())
+                or (max(self.layer_len) > 0 and min(self.layer_len) == 0))
+
+    def partial_error(self) -> Exception:
+        if max(self.layer_len) > 0 and min(self.layer_len) == 0:
+            return self.partial_prefill_error()
+        return self.partial_step_error()
 
     # -- decode -------------------------------------------------------------
 
@@ -647,6 +692,8 @@ class _Driver:
             if self.step_untouched():
                 return
             self.end_step()
+        if min(self.layer_len) == 0:
+            raise self.partial_prefill_error()  # see partial_step_error
         for d in range(self.n_dense):
             if self.layer_len[d] != self.layer_len[0]:
                 raise UnevenLayers.make(
@@ -661,9 +708,7 @@ class _Driver:
             self.seal_pending()
             self.fallback_seals += 1
         if self.next_dense != self.n_dense:
-            raise StepState.make(
-                "ActiveKVCache: the open step updated %d of %d full-attention layers"
-                % (self.next_dense, self.n_dense))
+            raise self.partial_step_error()  # see there
         self.retire_all()
         self.engine.step_end()
 
@@ -1030,6 +1075,10 @@ class ActiveKVLayer(CacheLayerMixin):
             drv.append(d, key_states, value_states)
             return key_states, value_states
         if n_new != 1:
+            if min(drv.layer_len) == 0:
+                # the prompt again at a layer that holds it: a prefill cut short between
+                # its layers (see _Driver.partial_step_error), not a chunked prefill
+                raise drv.partial_prefill_error()
             raise NotImplementedError(
                 "ActiveKVCache: an update of %d tokens after the prompt (chunked prefill, "
                 "assisted or speculative decoding) is not supported; decode one token per "
@@ -1124,6 +1173,22 @@ class ActiveKVCache(Cache):
     Raises ValueError for an unusable configuration and the package's exceptions
     (akv.ActiveKVError subclasses) for what the engine refuses (NoFit, OutOfMemory, ...).
     Not thread-safe; see the module docstring for stream behaviour and lifetimes.
+
+    Errors during a forward:
+
+    - A refused update (a K/V of the wrong shape, dtype or device, TypeError/ValueError)
+      changes nothing: the same update with the right tensors may follow.
+    - A forward cut short between its layers (an exception in the model or in a forward
+      hook, a refused update at a later layer, a KeyboardInterrupt) leaves its token (or
+      prompt) in the full-attention layers it reached and not in the others; rows given
+      to a layer cannot be taken back, and none are dropped or made up. Every later
+      update, the next forward and ``finish()`` raise StepState (decode) or UnevenLayers
+      (prefill) naming the layers and the ways on: update the remaining full-attention
+      layers with the same token's (prompt's) K/V, which completes the cut-short forward,
+      or ``close()`` the cache and start again with a new one.
+    - An update cut short after its layer's lease began, before its row was written
+      (an interrupt inside the update), and a failed transport leave the cache unusable:
+      every call raises Quarantined naming the failure, and ``close()`` frees everything.
     """
 
     def __init__(
