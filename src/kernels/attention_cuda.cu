@@ -1452,6 +1452,10 @@ static akv_status check_common(akv_dtype dtype, uint32_t n_heads, uint32_t kv_he
       ((uintptr_t)out & 3u) != 0)
     return AKV_ERR_INVALID_ARGUMENT;
   if (head_dim != 64 && head_dim != 128 && head_dim != 256) return AKV_ERR_NOT_SUPPORTED;
+  /* The launch parameters hold kScaleSlots scales (launch_params copies
+   * kv_heads of them): the public bound in the library's build, fewer in a
+   * benchmark build with AKV_ATTN_PARAM_SLOTS. */
+  if (k_scale != nullptr && kv_heads > kScaleSlots) return AKV_ERR_NOT_SUPPORTED;
   const uint32_t group = n_heads / kv_heads;
   const uint32_t n_sub = div_up(group, (uint32_t)pick_gt(group));
   if ((uint64_t)kv_heads * n_sub > 65535u) return AKV_ERR_INVALID_ARGUMENT;

@@ -514,6 +514,21 @@ static void test_engine_destroy_never_waits(void **state) {
   CUDA_OK(cudaStreamDestroy(caller));
 }
 
+/* A small stage-route engine (one context of 1,024 tokens, no device
+ * pool) for the tests that need an engine only to make calls on it. */
+static void small_stage_config(akv_engine_config *cfg) {
+  cfg->n_dense_layers = 2;
+  cfg->kv_heads = 2;
+  cfg->head_dim = 64;
+  cfg->max_tokens = 1024;
+  cfg->page_tokens = 256;
+  cfg->max_contexts = 1;
+  cfg->host_pool_gib = 1;
+  cfg->device_pool_gib = 0;
+  cfg->route = AKV_ROUTE_STAGE;
+  cfg->log_level = AKV_LOG_ERROR;
+}
+
 /* A CUDA engine takes a stream argument as the caller's cudaStream_t, but a
  * handle the library gave out is never one: a host engine's stream, the
  * engine itself, a context. Before, akv_stream_queue handed any of them to
@@ -530,16 +545,7 @@ static void test_library_handles_refused_as_streams(void **state) {
   akv_context *ctx = NULL;
   akv_engine_info info;
   cudaStream_t caller;
-  cfg.n_dense_layers = 2;
-  cfg.kv_heads = 2;
-  cfg.head_dim = 64;
-  cfg.max_tokens = 1024;
-  cfg.page_tokens = 256;
-  cfg.max_contexts = 1;
-  cfg.host_pool_gib = 1;
-  cfg.device_pool_gib = 0;
-  cfg.route = AKV_ROUTE_STAGE;
-  cfg.log_level = AKV_LOG_ERROR;
+  small_stage_config(&cfg);
   cfg.backend = AKV_BACKEND_HOST;
   assert_int_equal(akv_engine_create(&cfg, &host), AKV_OK);
   assert_int_equal(akv_stream_create(host, &hs), AKV_OK);
@@ -595,16 +601,7 @@ static void test_engine_calls_from_host_fn_refused(void **state) {
   akv_engine_info info;
   HostFnCalls c;
   memset(&c, 0, sizeof c);
-  cfg.n_dense_layers = 2;
-  cfg.kv_heads = 2;
-  cfg.head_dim = 64;
-  cfg.max_tokens = 1024;
-  cfg.page_tokens = 256;
-  cfg.max_contexts = 1;
-  cfg.host_pool_gib = 1;
-  cfg.device_pool_gib = 0;
-  cfg.route = AKV_ROUTE_STAGE;
-  cfg.log_level = AKV_LOG_ERROR;
+  small_stage_config(&cfg);
   cfg.backend = AKV_BACKEND_HOST;
   assert_int_equal(akv_engine_create(&cfg, &c.host_eng), AKV_OK);
   cfg.backend = AKV_BACKEND_CUDA;
