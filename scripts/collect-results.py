@@ -4,9 +4,10 @@ each benchmark in bench/results/ (git keeps the history; no pass files):
 
   decode.jsonl      one line per decode run (activekv decode --json), keyed by
                     preset, route, device pool, contexts, tokens, steps, warm-up,
-                    K/V dtype (lines without one are bf16), headroom cap and
-                    headroom release step; the FP8 logits-distance run
-                    (fp8-distance.json, with "vs_ref") and the headroom sweep
+                    K/V dtype (lines without one are bf16), headroom cap,
+                    headroom release step and tensor parallel size (without:
+                    1); the FP8 logits-distance run (fp8-distance.json, with
+                    "vs_ref") and the headroom sweep
                     (headroom.jsonl) too
   attention_bw.json the attention kernel benchmark, keyed by variant label,
                     layout, contexts, tokens, chunk and dtype
@@ -44,10 +45,11 @@ META = ("date", "machine", "commit", "command", "source")
 
 # The current file of each benchmark and the fields that identify a record.
 DECODE_KEY = ("preset", "route", "device_pool_gib", "contexts", "tokens", "steps", "warmup",
-              "kv_dtype", "headroom_gib", "release_step")
+              "kv_dtype", "headroom_gib", "release_step", "tp")
 ATTENTION_KEY = ("label", "variant", "contexts", "tokens", "chunk", "dtype")
 # Key fields records written before they existed lack, with the value they meant.
-KEY_DEFAULTS = {"kv_dtype": "bf16", "dtype": "bf16", "headroom_gib": 0, "release_step": None}
+KEY_DEFAULTS = {"kv_dtype": "bf16", "dtype": "bf16", "headroom_gib": 0, "release_step": None,
+                "tp": 1}
 GPU_PASS_KEY = ("check",)
 
 
