@@ -27,8 +27,10 @@
  *
  *  - Lifetimes. A queue structure is reference counted: its owner, every
  *    event whose current capture names it and every pending wait slot that
- *    names it hold a reference. queue_destroy drains the queue, joins the
- *    worker, frees the ring and drops the owner's reference; the structure
+ *    names it hold a reference. queue_destroy drains the queue, waits until
+ *    its worker left (workers are detached threads, never joined: see
+ *    akv_host_start_worker), frees the ring and drops the owner's
+ *    reference; the structure
  *    itself (counters, mutex, condition variable) lives until the last
  *    reference goes, because a drained queue still answers "has position p
  *    completed?" (always yes). The backend context is counted the same way by
@@ -203,10 +205,10 @@ struct akv_bqueue {
   uint64_t head;             /**< slots finished */
   uint64_t tail;             /**< slots enqueued */
   bool stop;                 /**< queue_destroy: drain then exit */
-  bool exited;               /**< the worker left its loop (stopped and drained) */
-  pthread_t thread;          /**< the current worker (guarded by mu once started) */
-  pthread_t ended;           /**< a worker whose host function ended it: its successor
-                                  joins it (akv_host_fn_ended) */
+  bool exited;               /**< the worker left its loop (stopped and drained), or
+                                  its successor could not start: the completion signal
+                                  queue_destroy waits on (workers are detached, never
+                                  joined: akv_host_start_worker) */
   uint32_t index;            /**< creation index within the context */
   uint64_t prng;             /**< delay stream; touched only by the worker */
   uint64_t delay_seed;
@@ -419,12 +421,28 @@ static _Thread_local akv_bqueue *akv_host_self;
 
 static void *akv_host_worker(void *arg);
 
-/* A successor worker: joins the one whose host function ended its thread,
- * then runs the ring on. */
-static void *akv_host_worker_next(void *arg) {
-  akv_bqueue *q = arg;
-  pthread_join(q->ended, NULL); /* written before this thread was created */
-  return akv_host_worker(q);
+/*
+ * Starts a worker thread for q, detached. Invariant: the backend never
+ * joins a thread. A host function may detach the thread it runs on
+ * (pthread_detach(pthread_self()), or another thread may, with an id a
+ * function handed out), and joining a detached thread is undefined
+ * behaviour: glibc answers EINVAL while it lives, but once it has ended its
+ * id may name a newer thread (the join then waits for that one, perhaps
+ * for ever) or unmapped memory. So every worker starts detached, and the
+ * end of a worker is learnt from its own signal instead (q->exited, set and
+ * broadcast under q->mu as the last thing it does with q); a detach from a
+ * function then fails with EINVAL, changing nothing. Returns 0 or the
+ * error of pthread_create.
+ */
+static int akv_host_start_worker(akv_bqueue *q) {
+  pthread_attr_t attr;
+  pthread_t t;
+  int rc = pthread_attr_init(&attr);
+  if (rc != 0) return rc;
+  rc = pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+  if (rc == 0) rc = pthread_create(&t, &attr, akv_host_worker, q);
+  pthread_attr_destroy(&attr);
+  return rc;
 }
 
 /** What akv_host_fn_ended needs of the host function that was running. */
@@ -438,28 +456,26 @@ typedef struct akv_host_fn_frame {
  * Runs when a host function ends the worker's thread instead of returning
  * (pthread_exit, or a cancellation acting inside it): the thread's cleanup
  * handler. Invariant: a queue's ring always has a worker until
- * queue_destroy joined it. The function's end counts as its return (head
- * moves past its slot), and a successor thread runs the rest of the ring;
- * without it every later operation of the queue, every wait on it and every
- * drain of it waited for good, so leases never retired and no quarantine
- * could establish completion. If the successor cannot start, the queue is
- * left as the function left it (its later work never runs) and counts as
- * exited, so that queue_destroy joins the ended thread instead of waiting.
+ * queue_destroy saw the last one leave. The function's end counts as its
+ * return (head moves past its slot), and a successor thread runs the rest
+ * of the ring; without it every later operation of the queue, every wait
+ * on it and every drain of it waited for good, so leases never retired and
+ * no quarantine could establish completion. The ended thread is detached
+ * (akv_host_start_worker): nothing waits for it. If the successor cannot
+ * start, the queue is left as the function left it (its later work never
+ * runs) and counts as exited, so that queue_destroy does not wait.
  */
 static void akv_host_fn_ended(void *arg) {
   const akv_host_fn_frame *f = arg;
   akv_bqueue *q = f->q;
-  pthread_t next;
   pthread_mutex_lock(&q->mu);
   q->head = f->first + f->slots;
   pthread_cond_broadcast(&q->progress);
-  q->ended = pthread_self();
-  if (pthread_create(&next, NULL, akv_host_worker_next, q) == 0) {
-    q->thread = next;
-  } else {
-    q->exited = true; /* q->thread stays the ended thread: queue_destroy joins it */
+  if (akv_host_start_worker(q) != 0) {
+    q->exited = true;
     pthread_cond_broadcast(&q->progress);
   }
+  /* The last touch of q by this thread: after the unlock, q may be freed. */
   pthread_mutex_unlock(&q->mu);
 }
 
@@ -508,6 +524,8 @@ static void *akv_host_worker(void *arg) {
      * goes only once head moved past the slot, under the same mutex. */
     if (op.kind == AKV_HOST_OP_WAIT) akv_host_queue_unref(op.u.wait.queue);
   }
+  /* The completion signal queue_destroy waits on, and the last touch of q
+   * by this thread: after the unlock, q may be freed. */
   q->exited = true;
   pthread_cond_broadcast(&q->progress);
   pthread_mutex_unlock(&q->mu);
@@ -584,7 +602,7 @@ static akv_status akv_host_reserve(akv_bqueue *q, uint32_t n, uint64_t *first) {
   while (q->tail - q->head + n > q->cap) {
     /* The queue's own worker (a host function enqueueing on its queue)
      * would wait for itself: AKV_ERR_IN_USE, nothing reserved. */
-    AKV_HOST_CHECK(!pthread_equal(pthread_self(), q->thread), AKV_ERR_IN_USE);
+    AKV_HOST_CHECK(akv_host_self != q, AKV_ERR_IN_USE);
     /* Invariant: a worker never waits for its own operation. A host
      * function on another queue of this context whose wait for room q
      * cannot end before the function returns (q's worker waits, through
@@ -916,11 +934,7 @@ static akv_status akv_host_queue_create(void *ctx, akv_bqueue **out) {
   pthread_mutex_lock(&c->mu);
   q->index = c->next_index;
   q->prng = c->delay_seed ^ (uint64_t)q->index;
-  /* The worker reads q->thread only through pthread_self comparisons made by
-   * itself after creation; holding q->mu across pthread_create publishes it. */
-  pthread_mutex_lock(&q->mu);
-  int rc = pthread_create(&q->thread, NULL, akv_host_worker, q);
-  pthread_mutex_unlock(&q->mu);
+  int rc = akv_host_start_worker(q);
   if (rc == 0) {
     c->next_index++;
     c->live_objects++;
@@ -945,8 +959,9 @@ fail:
 }
 
 /**
- * queue_destroy: lets every enqueued operation run, joins the worker, frees
- * the ring. Must not be called from a host function on `q` itself.
+ * queue_destroy: lets every enqueued operation run, waits until the worker
+ * left its loop (its exit signal; it is never joined), frees the ring. Must
+ * not be called from a host function on `q` itself.
  */
 static void akv_host_queue_destroy(void *ctx, akv_bqueue *q) {
   akv_host_ctx *c = ctx;
@@ -965,12 +980,11 @@ static void akv_host_queue_destroy(void *ctx, akv_bqueue *q) {
   pthread_cond_signal(&q->work);
   pthread_cond_broadcast(&q->progress); /* enqueuers blocked on a full ring give up */
   /* The worker may change while it drains (a host function that ends its
-   * thread hands the ring to a successor, which joins it): join the one
-   * that left the loop, the last. */
+   * thread hands the ring to a successor). Workers are detached and never
+   * joined (akv_host_start_worker): the last one's signal that it left its
+   * loop, its last touch of q, is the end waited for. */
   while (!q->exited) pthread_cond_wait(&q->progress, &q->mu);
-  pthread_t last = q->thread;
   pthread_mutex_unlock(&q->mu);
-  pthread_join(last, NULL);
 
   q->magic = q->magic_end = AKV_HOST_MAGIC_DEAD;
   pthread_mutex_lock(&q->mu);
@@ -983,11 +997,11 @@ static void akv_host_queue_destroy(void *ctx, akv_bqueue *q) {
 
 /**
  * queue_is_current: true on q's own worker (a host function on q calling
- * back), where queue_destroy would join the thread it runs on.
+ * back), where queue_destroy would wait for the thread it runs on.
  */
 static bool akv_host_queue_is_current(void *ctx, akv_bqueue *q) {
   /* Each worker, a successor too (akv_host_fn_ended), names its queue in
-   * akv_host_self: no lock, and right while q->thread changes hands. */
+   * akv_host_self: no lock, and right while the ring changes hands. */
   return akv_host_ctx_ok(ctx) && akv_host_queue_ok(q) && q->ctx == ctx && akv_host_self == q;
 }
 
