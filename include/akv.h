@@ -13,6 +13,16 @@
  *  - A failing call changes nothing, except where it says it marks the
  *    transport failed (AKV_ERR_BACKEND): from then on the engine accepts only
  *    diagnostics, akv_engine_quarantine and akv_engine_destroy.
+ *  - Last error: a call refused on a live engine writes what went wrong, in
+ *    words naming the call, to that engine's last error
+ *    (akv_engine_last_error), diagnostics included (a NULL output, a cap
+ *    or count of 0, a context not open on the engine). It is left alone
+ *    only where there is no engine of the caller's to write to or the
+ *    refusal must change nothing of it: AKV_ERR_BAD_HANDLE and
+ *    AKV_ERR_IN_USE from the handle check and the claim (Thread safety),
+ *    a change refused from the log callback (akv_log_fn),
+ *    AKV_ERR_NOT_READY (akv_lease_try_retire), and akv_lease_attend's
+ *    AKV_ERR_BAD_HANDLE after a hook that ended its lease.
  *  - Thread safety: an engine and everything made from it (contexts, leases,
  *    streams) are used from one thread at a time, and the engine enforces
  *    it. Every call that takes an engine, or a context or lease of one,

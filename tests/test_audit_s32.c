@@ -1,6 +1,7 @@
 /*
  * test_audit_s32.c - an audit of akv.h's promises under hostile call
- * sequences: a stream function that detaches its worker thread. Each test names the promise it
+ * sequences: refusals that named nothing in the last error, and a stream
+ * function that detaches its worker thread. Each test names the promise it
  * checks and fails while the library breaks it.
  *
  * This binary is linked with -Wl,--wrap=pthread_join (tests/CMakeLists.txt):
@@ -27,6 +28,7 @@
 #include <cmocka.h>
 
 #include "akv.h"
+#include "akv_group.h"
 #include "testutil.h"
 
 /* ------------------------------------------------- joins of detached threads */
@@ -125,9 +127,107 @@ static void test_stream_fn_detaches_its_worker(void **state) {
   detached_reset();
 }
 
+/* ------------------------------------------ refusals that name no reason */
+
+/* The last error says what went wrong: it is no longer `before`, and names
+ * the call. */
+static void assert_last_error_names(const akv_engine *e, const char *before, const char *call) {
+  const char *now = akv_engine_last_error(e);
+  if (strcmp(now, before) == 0 || strstr(now, call) == NULL)
+    fail_msg("%s refused without its own last error (last error: \"%s\")", call, now);
+}
+
+/* Sets the engine's last error to a known refusal of another call. */
+static const char *mark(akv_engine *e) {
+  assert_int_equal(akv_lease_begin(e, 0, NULL), AKV_ERR_INVALID_ARGUMENT);
+  return "lease_begin: out is NULL";
+}
+
+/* Promise (akv.h, Conventions: a refusal on an engine records what went
+ * wrong in the engine's last error; STYLE rule 3): the diagnostics'
+ * argument refusals returned their status and left the last error as an
+ * earlier call wrote it, so akv_engine_last_error named another call's
+ * failure: akv_context_length and akv_context_id (out NULL),
+ * akv_admission_counters, akv_admission_log, akv_admission_explain (a NULL
+ * output, cap 0, n 0, and a context not open on the engine, whose
+ * AKV_ERR_BAD_HANDLE is the engine's to explain), akv_engine_info_get and
+ * akv_headroom_get (out NULL). Each now writes its own. */
+static void test_diagnostics_refusals_set_last_error(void **state) {
+  (void)state;
+  akvt_fx f, g;
+  uint64_t counters[AKV_ADM_RULE_COUNT];
+  akv_adm_decision log[4];
+  size_t n = 0;
+  char buf[64];
+  akvt_fx_open(&f, AKV_ROUTE_ARENA, 1, 2, 20);
+  akvt_fx_open(&g, AKV_ROUTE_ARENA, 1, 1, 20);
+
+  /* Each refusal comes right after another call's (mark): its own last
+   * error must replace that one. */
+#define REFUSED(call, status, name)                   \
+  do {                                                \
+    const char *before = mark(f.e);                   \
+    assert_int_equal((call), (status));               \
+    assert_last_error_names(f.e, before, (name));     \
+  } while (0)
+  REFUSED(akv_context_length(f.c[0], NULL), AKV_ERR_INVALID_ARGUMENT, "context_length");
+  REFUSED(akv_context_id(f.c[0], NULL), AKV_ERR_INVALID_ARGUMENT, "context_id");
+  REFUSED(akv_admission_counters(f.e, NULL, 1), AKV_ERR_INVALID_ARGUMENT, "admission_counters");
+  REFUSED(akv_admission_counters(f.e, counters, 0), AKV_ERR_INVALID_ARGUMENT,
+          "admission_counters");
+  REFUSED(akv_admission_log(f.e, log, 4, NULL), AKV_ERR_INVALID_ARGUMENT, "admission_log");
+  REFUSED(akv_admission_log(f.e, NULL, 4, &n), AKV_ERR_INVALID_ARGUMENT, "admission_log");
+  REFUSED(akv_admission_explain(f.e, NULL, NULL, 8), AKV_ERR_INVALID_ARGUMENT,
+          "admission_explain");
+  REFUSED(akv_admission_explain(f.e, f.c[0], buf, 0), AKV_ERR_INVALID_ARGUMENT,
+          "admission_explain");
+  /* A context of another engine, then a closed one. */
+  REFUSED(akv_admission_explain(f.e, g.c[0], buf, sizeof buf), AKV_ERR_BAD_HANDLE,
+          "admission_explain");
+  assert_int_equal(akv_context_close(f.c[1]), AKV_OK);
+  REFUSED(akv_admission_explain(f.e, f.c[1], buf, sizeof buf), AKV_ERR_BAD_HANDLE,
+          "admission_explain");
+  REFUSED(akv_engine_info_get(f.e, NULL), AKV_ERR_INVALID_ARGUMENT, "engine_info_get");
+  REFUSED(akv_headroom_get(f.e, NULL), AKV_ERR_INVALID_ARGUMENT, "headroom_get");
+#undef REFUSED
+
+  /* The other engine's last error was never touched by any of it. */
+  assert_string_equal(akv_engine_last_error(g.e), "");
+
+  assert_int_equal(akv_stream_destroy(f.e, f.s), AKV_OK);
+  assert_int_equal(akv_context_close(f.c[0]), AKV_OK);
+  assert_int_equal(akv_engine_destroy(f.e), AKV_OK);
+  assert_int_equal(akv_stream_destroy(g.e, g.s), AKV_OK);
+  assert_int_equal(akv_context_close(g.c[0]), AKV_OK);
+  assert_int_equal(akv_engine_destroy(g.e), AKV_OK);
+}
+
+/* Promise (akv_group.h, akv_group_last_error: the last error of this rank's
+ * group in words): akv_group_engine and akv_group_info_get refused a NULL
+ * output with AKV_ERR_INVALID_ARGUMENT and left the group's last error as
+ * it was. */
+static void test_group_diagnostics_refusals_set_last_error(void **state) {
+  (void)state;
+  akv_group_world *w = NULL;
+  akv_group *g = NULL;
+  akv_engine_config ec = akvt_small_config(AKV_ROUTE_ARENA, 1);
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  assert_int_equal(akv_group_world_create(1, 4, &w), AKV_OK);
+  assert_int_equal(akv_group_create_inproc(&ec, &gc, w, &g), AKV_OK);
+  assert_string_equal(akv_group_last_error(g), "");
+  assert_int_equal(akv_group_engine(g, NULL), AKV_ERR_INVALID_ARGUMENT);
+  assert_non_null(strstr(akv_group_last_error(g), "engine: out is NULL"));
+  assert_int_equal(akv_group_info_get(g, NULL), AKV_ERR_INVALID_ARGUMENT);
+  assert_non_null(strstr(akv_group_last_error(g), "info_get: out is NULL"));
+  assert_int_equal(akv_group_destroy(g), AKV_OK);
+  assert_int_equal(akv_group_world_destroy(w), AKV_OK);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_stream_fn_detaches_its_worker),
+      cmocka_unit_test(test_diagnostics_refusals_set_last_error),
+      cmocka_unit_test(test_group_diagnostics_refusals_set_last_error),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

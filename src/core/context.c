@@ -375,8 +375,7 @@ AKV_API akv_status akv_context_read(const akv_context *c, uint32_t layer, uint32
 }
 
 static akv_status akv_context_length_claimed(akv_engine *e, const akv_context *c, uint32_t *out) {
-  (void)e;
-  if (out == NULL) return AKV_ERR_INVALID_ARGUMENT;
+  if (out == NULL) return akv_fail(e, AKV_ERR_INVALID_ARGUMENT, "context_length: out is NULL");
   *out = c->len;
   return AKV_OK;
 }
@@ -391,8 +390,7 @@ AKV_API akv_status akv_context_length(const akv_context *c, uint32_t *out) {
 }
 
 static akv_status akv_context_id_claimed(akv_engine *e, const akv_context *c, uint32_t *out) {
-  (void)e;
-  if (out == NULL) return AKV_ERR_INVALID_ARGUMENT;
+  if (out == NULL) return akv_fail(e, AKV_ERR_INVALID_ARGUMENT, "context_id: out is NULL");
   *out = c->id;
   return AKV_OK;
 }

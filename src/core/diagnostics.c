@@ -9,7 +9,9 @@
 
 static akv_status akv_admission_counters_claimed(const akv_engine *e, uint64_t *out, size_t n) {
   uint64_t all[AKV_ADM_RULE_COUNT];
-  if (out == NULL || n == 0) return AKV_ERR_INVALID_ARGUMENT;
+  if (out == NULL || n == 0)
+    return akv_fail((akv_engine *)e, AKV_ERR_INVALID_ARGUMENT,
+                    "admission_counters: out is NULL or n is 0");
   akv_adm_counters(e->adm, all);
   memcpy(out, all, (n < AKV_ADM_RULE_COUNT ? n : AKV_ADM_RULE_COUNT) * sizeof(uint64_t));
   return AKV_OK;
@@ -25,7 +27,9 @@ AKV_API akv_status akv_admission_counters(const akv_engine *e, uint64_t *out, si
 
 static akv_status akv_admission_log_claimed(const akv_engine *e, akv_adm_decision *out, size_t cap,
                                             size_t *n_out) {
-  if (n_out == NULL || (out == NULL && cap > 0)) return AKV_ERR_INVALID_ARGUMENT;
+  if (n_out == NULL || (out == NULL && cap > 0))
+    return akv_fail((akv_engine *)e, AKV_ERR_INVALID_ARGUMENT,
+                    "admission_log: n_out is NULL, or out is NULL with cap %zu", cap);
   *n_out = akv_adm_log_read(e->adm, out, cap);
   return AKV_OK;
 }
@@ -41,8 +45,12 @@ AKV_API akv_status akv_admission_log(const akv_engine *e, akv_adm_decision *out,
 
 static akv_status akv_admission_explain_claimed(const akv_engine *e, const akv_context *c,
                                                 char *buf, size_t cap) {
-  if (buf == NULL || cap == 0) return AKV_ERR_INVALID_ARGUMENT;
-  if (c != NULL && (!akv_context_ok(c) || c->engine != e)) return AKV_ERR_BAD_HANDLE;
+  if (buf == NULL || cap == 0)
+    return akv_fail((akv_engine *)e, AKV_ERR_INVALID_ARGUMENT,
+                    "admission_explain: buf is NULL or cap is 0");
+  if (c != NULL && (!akv_context_ok(c) || c->engine != e))
+    return akv_fail((akv_engine *)e, AKV_ERR_BAD_HANDLE,
+                    "admission_explain: the context is not open on this engine");
   /* Invariant (akv.h): context NULL explains the last refused open, whichever
    * refusal it was: no host slot (AKV_ERR_REFUSED_QUEUE) here, a device
    * target that did not fit (AKV_ERR_ADMISSION_REFUSED) from admission. */

@@ -671,7 +671,8 @@ AKV_API const char *akv_engine_last_error(const akv_engine *e) {
 }
 
 static akv_status akv_engine_info_get_claimed(const akv_engine *e, akv_engine_info *out) {
-  if (out == NULL) return AKV_ERR_INVALID_ARGUMENT;
+  if (out == NULL)
+    return akv_fail((akv_engine *)e, AKV_ERR_INVALID_ARGUMENT, "engine_info_get: out is NULL");
   memset(out, 0, sizeof(*out));
   out->backend = e->backend;
   out->route = e->cfg.route;

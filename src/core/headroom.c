@@ -357,7 +357,8 @@ AKV_API akv_status akv_headroom_take(akv_engine *e, uint64_t bytes, uint64_t *ta
 }
 
 static akv_status akv_headroom_get_claimed(const akv_engine *e, akv_headroom_info *out) {
-  if (out == NULL) return AKV_ERR_INVALID_ARGUMENT;
+  if (out == NULL)
+    return akv_fail((akv_engine *)e, AKV_ERR_INVALID_ARGUMENT, "headroom_get: out is NULL");
   memset(out, 0, sizeof(*out));
   out->enabled = e->hr_enabled;
   out->profile_free_bytes = e->hr_profile_free;

@@ -852,7 +852,8 @@ static akv_status akv_group_check_claimed(akv_group *g) {
 /* ---------------------------------------------------------------- others */
 
 static akv_status akv_group_engine_claimed(const akv_group *g, akv_engine **out) {
-  if (out == NULL) return AKV_ERR_INVALID_ARGUMENT;
+  if (out == NULL)
+    return akv_group_fail((akv_group *)g, AKV_ERR_INVALID_ARGUMENT, "engine: out is NULL");
   /* NULL once the engine was destroyed directly: the handle may name a
    * newer engine, never the group's. */
   *out = akv_group_own(g);
@@ -861,7 +862,8 @@ static akv_status akv_group_engine_claimed(const akv_group *g, akv_engine **out)
 
 static akv_status akv_group_info_get_claimed(const akv_group *g, akv_group_info *out) {
   uint64_t digest = g->digest;
-  if (out == NULL) return AKV_ERR_INVALID_ARGUMENT;
+  if (out == NULL)
+    return akv_group_fail((akv_group *)g, AKV_ERR_INVALID_ARGUMENT, "info_get: out is NULL");
   if (!g->check_digest) {
     /* Invariant (akv_group.h, akv_group_info_get): without digest checks
      * the digest is the engine's now, read under the engine's claim; with
@@ -872,7 +874,9 @@ static akv_status akv_group_info_get_claimed(const akv_group *g, akv_group_info 
     digest = 0;
     if (e != NULL) {
       const akv_status st = akv_engine_claim(e);
-      if (st == AKV_ERR_IN_USE) return st;
+      if (st == AKV_ERR_IN_USE)
+        return akv_group_fail((akv_group *)g, st,
+                              "info_get: this rank's engine is in use by another thread");
       if (st == AKV_OK) {
         digest = akv_engine_plan_digest(e); /* nested: this thread holds it */
         akv_engine_release(e);
