@@ -60,7 +60,11 @@
  *    not the caller's memory a call reads or writes (row buffers, outputs),
  *    nor a cudaStream_t; and a handle is checked by its magic words as
  *    before, so a pointer that is no handle at all is still undefined
- *    behaviour. Functions that take no engine
+ *    behaviour. A context of another engine passed to a call
+ *    (akv_step_begin, akv_lease_write_back, akv_admission_explain) is
+ *    refused having read only its handle words (magics, engine, open
+ *    flag, all atomic), so that engine may meanwhile be in use by another
+ *    thread, even reopening that very record. Functions that take no engine
  *    (akv_status_string, akv_version_*, akv_fit, akv_engine_config_init,
  *    akv_engine_create, the attention functions of akv_attention.h and
  *    akv_cuda.h) are safe from any thread.

@@ -1,8 +1,10 @@
 /*
  * test_audit_s32.c - an audit of akv.h's promises under hostile call
- * sequences: refusals that named nothing in the last error, and a stream
- * function that detaches its worker thread. Each test names the promise it
- * checks and fails while the library breaks it.
+ * sequences: a stream function that detaches its worker thread,
+ * diagnostics (engine and group) that refused without a last error, and a
+ * context of another engine read unclaimed while its engine's thread
+ * reopens it (fails under TSan). Each test names the promise it checks and
+ * fails while the library breaks it.
  *
  * This binary is linked with -Wl,--wrap=pthread_join (tests/CMakeLists.txt):
  * every pthread_join of the library's objects comes through
@@ -223,11 +225,93 @@ static void test_group_diagnostics_refusals_set_last_error(void **state) {
   assert_int_equal(akv_group_world_destroy(w), AKV_OK);
 }
 
+/* ------------------------------ a context of another engine, read unclaimed */
+
+static void sleep_ms(unsigned ms) {
+  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
+typedef struct reopener {
+  akv_engine *e;       /* engine B, used by this thread only from its start */
+  akv_context *victim; /* B's context, closed and opened again until its record returns */
+  int found;
+  akv_status st;
+} reopener;
+
+static void *reopen_thread(void *arg) {
+  reopener *r = arg;
+  /* No synchronisation with the other thread from here on: a sleep, so
+   * that its calls above came first. */
+  sleep_ms(500);
+  r->st = akv_context_close(r->victim);
+  for (int i = 0; r->st == AKV_OK && !r->found && i < 64 * AKV_CONTEXT_HANDLE_REUSE_MIN; i++) {
+    akv_context *c = NULL;
+    r->st = akv_context_open(r->e, NULL, &c);
+    if (r->st != AKV_OK) break;
+    if (c == r->victim)
+      r->found = 1; /* open on B again, as it was */
+    else
+      r->st = akv_context_close(c);
+  }
+  return NULL;
+}
+
+/* Promise (akv.h, Thread safety: a call reads nothing of an engine another
+ * thread may be inside; akv_step_begin, akv_lease_write_back and
+ * akv_admission_explain refuse a context of another engine with a status,
+ * changing nothing): engine A's thread passes engine B's context to those
+ * three calls, while B's thread uses B (closes the context and opens
+ * contexts until the record comes back). The calls read the foreign
+ * record's plain fields without B's claim: its engine word (step_begin and
+ * explain, written atomically by B's opens) and its id (write_back's
+ * message, written by B's open): data races with B's thread (undefined
+ * behaviour; ThreadSanitizer reports them, so this test fails in the TSan
+ * build). Now a context is told foreign by its atomic handle words alone
+ * (magics, engine, open flag), as the group's checks do, and nothing else
+ * of it is read. */
+static void test_foreign_context_read_by_handle_words_only(void **state) {
+  (void)state;
+  akvt_fx a, b;
+  akv_lease *l = NULL;
+  akv_fence fa, ft;
+  char buf[128];
+  pthread_t t;
+  akvt_fx_open(&a, AKV_ROUTE_STAGE, 0, 1, 5);
+  akvt_fx_open(&b, AKV_ROUTE_STAGE, 0, 1, 5);
+  /* B's stream goes now: from here on only the reopener uses B. */
+  assert_int_equal(akv_stream_destroy(b.e, b.s), AKV_OK);
+  reopener r = {b.e, b.c[0], 0, AKV_OK};
+  assert_int_equal(pthread_create(&t, NULL, reopen_thread, &r), 0);
+
+  assert_int_equal(akv_admission_explain(a.e, r.victim, buf, sizeof buf), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(akv_step_begin(a.e, &r.victim, 1), AKV_ERR_BAD_HANDLE);
+  assert_int_equal(akv_step_begin(a.e, a.c, 1), AKV_OK);
+  assert_int_equal(akv_lease_begin(a.e, 0, &l), AKV_OK);
+  assert_int_equal(akv_lease_attend(l, a.s, akvt_noop_hook, NULL, &fa), AKV_OK);
+  assert_int_equal(akv_lease_write_back(l, &r.victim, 1, &ft), AKV_ERR_OWNER_MISMATCH);
+
+  assert_int_equal(pthread_join(t, NULL), 0);
+  assert_int_equal(r.st, AKV_OK);
+  assert_true(r.found);
+  /* Nothing changed on A: the lease goes on as if the refusals never were. */
+  assert_int_equal(akv_lease_write_back(l, NULL, 0, &ft), AKV_OK);
+  assert_int_equal(akv_lease_seal(l, ft, fa), AKV_OK);
+  assert_int_equal(akv_lease_retire(l, NULL), AKV_OK);
+  assert_int_equal(akvt_null_layers_from(a.e, a.s, 1, 3), AKV_OK);
+  assert_int_equal(akv_stream_destroy(a.e, a.s), AKV_OK);
+  assert_int_equal(akv_context_close(a.c[0]), AKV_OK);
+  assert_int_equal(akv_engine_destroy(a.e), AKV_OK);
+  assert_int_equal(akv_context_close(r.victim), AKV_OK);
+  assert_int_equal(akv_engine_destroy(b.e), AKV_OK);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_stream_fn_detaches_its_worker),
       cmocka_unit_test(test_diagnostics_refusals_set_last_error),
       cmocka_unit_test(test_group_diagnostics_refusals_set_last_error),
+      cmocka_unit_test(test_foreign_context_read_by_handle_words_only),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

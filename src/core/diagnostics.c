@@ -48,7 +48,8 @@ static akv_status akv_admission_explain_claimed(const akv_engine *e, const akv_c
   if (buf == NULL || cap == 0)
     return akv_fail((akv_engine *)e, AKV_ERR_INVALID_ARGUMENT,
                     "admission_explain: buf is NULL or cap is 0");
-  if (c != NULL && (!akv_context_ok(c) || c->engine != e))
+  /* A context of another engine: its atomic handle words only (step.c). */
+  if (c != NULL && (!akv_context_ok(c) || AKV_LOAD(c->engine) != e))
     return akv_fail((akv_engine *)e, AKV_ERR_BAD_HANDLE,
                     "admission_explain: the context is not open on this engine");
   /* Invariant (akv.h): context NULL explains the last refused open, whichever

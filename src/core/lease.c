@@ -506,6 +506,14 @@ static akv_status akv_lease_write_back_claimed(akv_lease *handle, akv_context *c
     int idx;
     if (owners != NULL && !akv_context_ok(c))
       return akv_fail(e, AKV_ERR_BAD_HANDLE, "lease_write_back: owner %u is not a context", k);
+    /* A context of another engine is read by its atomic handle words only
+     * (step.c, akv_step_begin): not its id, which that engine's thread
+     * writes when it opens the record again. */
+    if (AKV_LOAD(c->engine) != e)
+      return akv_fail(e, AKV_ERR_OWNER_MISMATCH,
+                      "lease_write_back: owner %u is a context of another engine, not a host "
+                      "owner this lease began with",
+                      k);
     idx = akv_lease_owner_index(ls, c);
     if (idx < 0)
       return akv_fail(e, AKV_ERR_OWNER_MISMATCH,

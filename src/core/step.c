@@ -112,7 +112,12 @@ static akv_status akv_step_begin_claimed(akv_engine *e, akv_context *const *ctxs
                     "step_begin: %u contexts given; between 1 and %u (effective concurrency)", n,
                     e->concurrency);
   for (uint32_t i = 0; i < n; i++) {
-    if (!akv_context_ok(ctxs[i]) || ctxs[i]->engine != e)
+    /* Invariant: a context of another engine is read by its atomic handle
+     * words only (magics, engine, open flag: akv_context_ok and the engine
+     * word below). Its engine may be in use by another thread (this call
+     * holds only e's claim), which writes the record's other fields, the
+     * engine word too when it opens the record again. */
+    if (!akv_context_ok(ctxs[i]) || AKV_LOAD(ctxs[i]->engine) != e)
       return akv_fail(e, AKV_ERR_BAD_HANDLE, "step_begin: context %u is not an open context of "
                       "this engine", i);
     for (uint32_t j = 0; j < i; j++)
