@@ -94,13 +94,12 @@
  *       device are idle (host backend: each gives up after its sync timeout);
  *     - akv_stream_synchronize: until the stream's work ran;
  *     - akv_stream_destroy: host backend, until the stream's work ran and its
- *       worker thread left (workers are detached threads the library never
- *       joins: it waits on each one's own exit signal); CUDA, as
- *       cudaStreamDestroy;
+ *       worker thread was joined (unless a function detached it:
+ *       akv_stream_launch_host); CUDA, as cudaStreamDestroy;
  *     - akv_engine_create: allocation and queue creation (host backend: one
  *       worker thread per queue; paged route with poison_holes: one H2D copy
- *       waited for); akv_engine_destroy: waits for the engine's own idle
- *       queue threads to leave (host backend) and unmaps its memory; it
+ *       waited for); akv_engine_destroy: joins the engine's own idle
+ *       queue threads (host backend) and unmaps its memory; it
  *       waits on nothing of the caller's and never for queued work
  *       (AKV_ERR_BUSY instead); see akv_engine_destroy for the one
  *       exception (no host memory pools);
@@ -553,9 +552,9 @@ AKV_API akv_status akv_engine_create(const akv_engine_config *config, akv_engine
  * cudaHostAlloc), the pinned pool comes from cudaHostAlloc and its
  * cudaFreeHost waits until the device is idle, the caller's work included;
  * the engine logs it (warn) at create.
- * Host backend: it waits for the engine's own three queue threads, which are
- * idle, to leave (detached threads, never joined); no caller stream is
- * waited on (docs/api.md gives the measured cost).
+ * Host backend: it joins the engine's own three queue threads, which are
+ * idle; no caller stream is waited on (docs/api.md gives the measured
+ * cost).
  * From another thread while a call on the engine is in progress it returns
  * AKV_ERR_IN_USE and frees nothing (Thread safety); from that call's
  * attention hook it frees (the call then answers AKV_ERR_BAD_HANDLE).
@@ -659,8 +658,8 @@ AKV_API akv_status akv_engine_quarantine(akv_engine *engine, akv_quarantine_repo
 AKV_API akv_status akv_stream_create(akv_engine *engine, akv_stream *out);
 /**
  * Destroys a stream from akv_stream_create after the work enqueued on it ran
- * (the host backend drains it and waits for its worker to leave; this
- * blocks). A stream
+ * (the host backend drains it and joins its worker; this blocks). A
+ * stream
  * outlives every lease that used it: while an unretired lease of the engine
  * was given it (akv_lease_wait_ready or akv_lease_attend), destroy returns
  * AKV_ERR_IN_USE and changes nothing; retire the lease first (a quarantine
@@ -722,13 +721,15 @@ AKV_API akv_status akv_stream_synchronize(akv_engine *engine, akv_stream stream)
  * pthread_self() a function handed out) acts only inside a function, at
  * its cancellation points, ending only that function; while the worker
  * waits between functions it stays pending, and each function starts with
- * deferred cancellation whatever the one before it set. Workers are
- * detached threads the library never joins (it waits on each one's own
- * exit signal), so fn may detach its thread: pthread_detach(pthread_self())
- * answers EINVAL and changes nothing, and the stream, its leases and its
- * destroy go on; fn must not join it (pthread_join of a detached thread
- * is undefined). CUDA: the runtime's thread is not the library's; ending
- * or detaching it is undefined there. Returns AKV_OK,
+ * deferred cancellation whatever the one before it set. fn may detach its
+ * thread (pthread_detach(pthread_self())): each worker tells, as it
+ * leaves, whether it is still joinable, and the library joins only those
+ * that are, so the stream, its leases and its destroy go on (a detached
+ * worker is then not waited for beyond its signal that it left the
+ * queue; it may still be returning through the library's code when
+ * destroy returns). fn must not join its thread. CUDA: the runtime's
+ * thread is not the library's; ending or detaching it is undefined
+ * there. Returns AKV_OK,
  * AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (fn NULL, or on the host
  * backend not a live stream of this engine), AKV_ERR_BACKEND,
  * AKV_ERR_QUARANTINED, AKV_ERR_IN_USE.

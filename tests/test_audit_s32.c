@@ -6,10 +6,13 @@
  * reopens it (fails under TSan). Each test names the promise it checks and
  * fails while the library breaks it.
  *
- * This binary is linked with -Wl,--wrap=pthread_join (tests/CMakeLists.txt):
- * every pthread_join of the library's objects comes through
- * __wrap_pthread_join below, which refuses (and counts) a join of a thread
- * a stream function detached, instead of running it (undefined behaviour).
+ * This binary is linked with -Wl,--wrap=pthread_join and
+ * -Wl,--wrap=pthread_create (tests/CMakeLists.txt): every pthread_join of
+ * the library's objects comes through __wrap_pthread_join below, which
+ * refuses (and counts) a join of a thread a stream function detached,
+ * instead of running it (undefined behaviour), and counts the joins it
+ * runs; every thread the library creates first takes its own id off the
+ * detached list (a new thread may reuse a detached one's id).
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -40,9 +43,46 @@ static pthread_mutex_t detached_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_t detached[MAX_DETACHED];
 static size_t n_detached;
 static _Atomic int joins_of_detached;
+static _Atomic int joins_run;
 
 int __real_pthread_join(pthread_t thread, void **ret);
 int __wrap_pthread_join(pthread_t thread, void **ret);
+int __real_pthread_create(pthread_t *t, const pthread_attr_t *attr, void *(*fn)(void *),
+                          void *arg);
+int __wrap_pthread_create(pthread_t *t, const pthread_attr_t *attr, void *(*fn)(void *),
+                          void *arg);
+
+/* Takes the calling thread's id off the detached list: it is a new thread,
+ * whatever an ended one with the same id did. */
+static void undetach_self(void) {
+  pthread_mutex_lock(&detached_mu);
+  for (size_t i = 0; i < n_detached; i++)
+    if (pthread_equal(detached[i], pthread_self())) detached[i--] = detached[--n_detached];
+  pthread_mutex_unlock(&detached_mu);
+}
+
+typedef struct start {
+  void *(*fn)(void *);
+  void *arg;
+} start;
+
+static void *start_tramp(void *p) {
+  start st = *(start *)p;
+  free(p);
+  undetach_self(); /* before anything can detach this thread */
+  return st.fn(st.arg);
+}
+
+int __wrap_pthread_create(pthread_t *t, const pthread_attr_t *attr, void *(*fn)(void *),
+                          void *arg) {
+  start *st = malloc(sizeof *st);
+  if (st == NULL) return EAGAIN;
+  st->fn = fn;
+  st->arg = arg;
+  const int rc = __real_pthread_create(t, attr, start_tramp, st);
+  if (rc != 0) free(st);
+  return rc;
+}
 
 int __wrap_pthread_join(pthread_t thread, void **ret) {
   int hit = 0;
@@ -53,6 +93,7 @@ int __wrap_pthread_join(pthread_t thread, void **ret) {
     atomic_fetch_add(&joins_of_detached, 1);
     return EINVAL; /* what glibc answers while the thread lives; never run */
   }
+  atomic_fetch_add(&joins_run, 1);
   return __real_pthread_join(thread, ret);
 }
 
@@ -62,6 +103,7 @@ static void detached_reset(void) {
   n_detached = 0;
   pthread_mutex_unlock(&detached_mu);
   atomic_store(&joins_of_detached, 0);
+  atomic_store(&joins_run, 0);
 }
 
 static _Atomic int ran_after;
@@ -81,6 +123,12 @@ static void detach_fn(void *arg) {
   pthread_mutex_unlock(&detached_mu);
 }
 
+/* Ends its worker's thread without detaching it. */
+static void exit_fn(void *arg) {
+  (void)arg;
+  pthread_exit(NULL);
+}
+
 /* Detaches its worker, then ends it. */
 static void detach_exit_fn(void *arg) {
   detach_fn(arg);
@@ -97,8 +145,8 @@ static void detach_exit_fn(void *arg) {
  * akv_stream_destroy joined the last one; a join of a detached thread is
  * undefined (glibc: EINVAL while it lives; once it ended its id may name a
  * newer thread, whose end the join then awaits, or unmapped memory). Now
- * workers are detached threads the backend never joins: it waits on each
- * worker's own exit signal, and the function's detach changes nothing. */
+ * each worker reports, as it leaves, whether it is still joinable, and is
+ * joined only then; the function's detach changes nothing else. */
 static void test_stream_fn_detaches_its_worker(void **state) {
   (void)state;
   void (*const detachers[2])(void *) = {detach_fn, detach_exit_fn};
@@ -126,6 +174,39 @@ static void test_stream_fn_detaches_its_worker(void **state) {
       fail_msg("the host backend joined %d thread(s) a stream function had detached (%s)",
                atomic_load(&joins_of_detached), k == 0 ? "returned" : "ended its thread");
   }
+  detached_reset();
+}
+
+/* Promise (akv.h, Blocking: akv_stream_destroy returns once the stream's
+ * worker thread was joined; akv_engine_destroy joins the engine's own
+ * queue threads): a worker nobody detached is joined, so no thread runs
+ * library code once destroy returned (an unload of the library may
+ * follow). A worker that only signalled its exit could still be on its way
+ * out through the library's code. Stream destroy joins one thread, its
+ * worker; one whose function ended its thread joins two (the successor
+ * joins the ended one); engine destroy joins the engine's three. */
+static void test_undetached_workers_are_joined(void **state) {
+  (void)state;
+  akvt_fx f;
+  detached_reset();
+  akvt_fx_open(&f, AKV_ROUTE_ARENA, 1, 2, 20);
+  atomic_store(&ran_after, 0);
+  assert_int_equal(akv_stream_launch_host(f.e, f.s, count_fn, NULL), AKV_OK);
+  assert_int_equal(akv_stream_synchronize(f.e, f.s), AKV_OK);
+  assert_int_equal(atomic_load(&joins_run), 0);
+  assert_int_equal(akv_stream_destroy(f.e, f.s), AKV_OK);
+  assert_int_equal(atomic_load(&joins_run), 1);
+  akv_stream s2 = NULL;
+  assert_int_equal(akv_stream_create(f.e, &s2), AKV_OK);
+  assert_int_equal(akv_stream_launch_host(f.e, s2, exit_fn, NULL), AKV_OK);
+  assert_int_equal(akv_stream_launch_host(f.e, s2, count_fn, NULL), AKV_OK);
+  assert_int_equal(akv_stream_destroy(f.e, s2), AKV_OK);
+  assert_int_equal(atomic_load(&ran_after), 2);
+  assert_int_equal(atomic_load(&joins_run), 3);
+  for (uint32_t i = 0; i < f.n; i++) assert_int_equal(akv_context_close(f.c[i]), AKV_OK);
+  assert_int_equal(akv_engine_destroy(f.e), AKV_OK);
+  assert_int_equal(atomic_load(&joins_run), 6);
+  assert_int_equal(atomic_load(&joins_of_detached), 0);
   detached_reset();
 }
 
@@ -309,6 +390,7 @@ static void test_foreign_context_read_by_handle_words_only(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_stream_fn_detaches_its_worker),
+    cmocka_unit_test(test_undetached_workers_are_joined),
       cmocka_unit_test(test_diagnostics_refusals_set_last_error),
       cmocka_unit_test(test_group_diagnostics_refusals_set_last_error),
       cmocka_unit_test(test_foreign_context_read_by_handle_words_only),

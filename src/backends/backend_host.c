@@ -27,9 +27,9 @@
  *
  *  - Lifetimes. A queue structure is reference counted: its owner, every
  *    event whose current capture names it and every pending wait slot that
- *    names it hold a reference. queue_destroy drains the queue, waits until
- *    its worker left (workers are detached threads, never joined: see
- *    akv_host_start_worker), frees the ring and drops the owner's
+ *    names it hold a reference. queue_destroy drains the queue, joins its
+ *    last worker (unless a host function detached it: see
+ *    akv_host_reap_self), frees the ring and drops the owner's
  *    reference; the structure
  *    itself (counters, mutex, condition variable) lives until the last
  *    reference goes, because a drained queue still answers "has position p
@@ -91,8 +91,8 @@
  * only itself: its end counts as its return and a successor thread runs the
  * rest of the ring (akv_host_fn_ended).
  */
-#if !defined(_GNU_SOURCE) && !defined(_DEFAULT_SOURCE)
-#define _DEFAULT_SOURCE /* MAP_ANONYMOUS, MAP_NORESERVE */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* MAP_ANONYMOUS, MAP_NORESERVE, pthread_getattr_np */
 #endif
 #ifndef _POSIX_C_SOURCE
 #define _POSIX_C_SOURCE 200809L
@@ -206,9 +206,14 @@ struct akv_bqueue {
   uint64_t tail;             /**< slots enqueued */
   bool stop;                 /**< queue_destroy: drain then exit */
   bool exited;               /**< the worker left its loop (stopped and drained), or
-                                  its successor could not start: the completion signal
-                                  queue_destroy waits on (workers are detached, never
-                                  joined: akv_host_start_worker) */
+                                  its successor could not start: queue_destroy waits
+                                  for it, then joins `thread` if `joinable` */
+  pthread_t thread;          /**< the current worker (guarded by mu) */
+  bool joinable;             /**< with exited: `thread` is still joinable (a host
+                                  function may have detached it) */
+  pthread_t ended;           /**< a worker whose host function ended it: its
+                                  successor joins it if `ended_joinable` */
+  bool ended_joinable;
   uint32_t index;            /**< creation index within the context */
   uint64_t prng;             /**< delay stream; touched only by the worker */
   uint64_t delay_seed;
@@ -422,27 +427,47 @@ static _Thread_local akv_bqueue *akv_host_self;
 static void *akv_host_worker(void *arg);
 
 /*
- * Starts a worker thread for q, detached. Invariant: the backend never
- * joins a thread. A host function may detach the thread it runs on
- * (pthread_detach(pthread_self()), or another thread may, with an id a
- * function handed out), and joining a detached thread is undefined
- * behaviour: glibc answers EINVAL while it lives, but once it has ended its
- * id may name a newer thread (the join then waits for that one, perhaps
- * for ever) or unmapped memory. So every worker starts detached, and the
- * end of a worker is learnt from its own signal instead (q->exited, set and
- * broadcast under q->mu as the last thing it does with q); a detach from a
- * function then fails with EINVAL, changing nothing. Returns 0 or the
- * error of pthread_create.
+ * Whether the calling worker is still joinable, asked by the worker itself
+ * as it leaves, once no host function can run on it any more. Invariant:
+ * the backend joins a worker only if it was still joinable when it left.
+ * Workers start joinable, and joining them is what tells queue_destroy (and
+ * a successor, akv_host_fn_ended) that the thread is gone, not merely about
+ * to return through library code (which an unload of the library right
+ * after destroy would cut short). But a host function may detach the
+ * thread it runs on (pthread_detach(pthread_self()), or another thread may,
+ * with an id a function handed out), and joining a detached thread is
+ * undefined behaviour: glibc answers EINVAL while it lives, but once it
+ * ended its id may name a newer thread (the join then waits for that one)
+ * or unmapped memory. Only the thread itself can ask safely (it is alive),
+ * so each worker reports its own state under q->mu with its exit signal. A
+ * thread that cannot tell (pthread_getattr_np failed) detaches itself, so
+ * the answer "not joinable" is true either way.
  */
-static int akv_host_start_worker(akv_bqueue *q) {
-  pthread_attr_t attr;
-  pthread_t t;
-  int rc = pthread_attr_init(&attr);
-  if (rc != 0) return rc;
-  rc = pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-  if (rc == 0) rc = pthread_create(&t, &attr, akv_host_worker, q);
-  pthread_attr_destroy(&attr);
-  return rc;
+static bool akv_host_reap_self(void) {
+  pthread_attr_t a;
+  int state = PTHREAD_CREATE_DETACHED;
+  if (pthread_getattr_np(pthread_self(), &a) == 0) {
+    if (pthread_attr_getdetachstate(&a, &state) != 0) state = -1;
+    pthread_attr_destroy(&a);
+  } else {
+    state = -1;
+  }
+  if (state == PTHREAD_CREATE_JOINABLE) return true;
+  if (state != PTHREAD_CREATE_DETACHED) (void)pthread_detach(pthread_self());
+  return false;
+}
+
+/* A successor worker: joins the one whose host function ended its thread
+ * (if it is joinable: akv_host_reap_self), then runs the ring on. Both were
+ * written under q->mu before this thread was created. */
+static void *akv_host_worker_next(void *arg) {
+  akv_bqueue *q = arg;
+  pthread_mutex_lock(&q->mu);
+  const pthread_t ended = q->ended;
+  const bool joinable = q->ended_joinable;
+  pthread_mutex_unlock(&q->mu);
+  if (joinable) pthread_join(ended, NULL);
+  return akv_host_worker(q);
 }
 
 /** What akv_host_fn_ended needs of the host function that was running. */
@@ -460,18 +485,27 @@ typedef struct akv_host_fn_frame {
  * return (head moves past its slot), and a successor thread runs the rest
  * of the ring; without it every later operation of the queue, every wait
  * on it and every drain of it waited for good, so leases never retired and
- * no quarantine could establish completion. The ended thread is detached
- * (akv_host_start_worker): nothing waits for it. If the successor cannot
- * start, the queue is left as the function left it (its later work never
- * runs) and counts as exited, so that queue_destroy does not wait.
+ * no quarantine could establish completion. The successor joins the ended
+ * thread unless the function detached it (akv_host_reap_self). If the
+ * successor cannot start, the queue is left as the function left it (its
+ * later work never runs) and counts as exited: queue_destroy joins the
+ * ended thread (if joinable) instead of waiting.
  */
 static void akv_host_fn_ended(void *arg) {
   const akv_host_fn_frame *f = arg;
   akv_bqueue *q = f->q;
+  pthread_t next;
+  const bool joinable = akv_host_reap_self(); /* no host function runs here any more */
   pthread_mutex_lock(&q->mu);
   q->head = f->first + f->slots;
   pthread_cond_broadcast(&q->progress);
-  if (akv_host_start_worker(q) != 0) {
+  q->ended = pthread_self();
+  q->ended_joinable = joinable;
+  if (pthread_create(&next, NULL, akv_host_worker_next, q) == 0) {
+    q->thread = next;
+  } else {
+    /* q->thread stays this thread: queue_destroy joins it if joinable. */
+    q->joinable = joinable;
     q->exited = true;
     pthread_cond_broadcast(&q->progress);
   }
@@ -524,8 +558,13 @@ static void *akv_host_worker(void *arg) {
      * goes only once head moved past the slot, under the same mutex. */
     if (op.kind == AKV_HOST_OP_WAIT) akv_host_queue_unref(op.u.wait.queue);
   }
-  /* The completion signal queue_destroy waits on, and the last touch of q
-   * by this thread: after the unlock, q may be freed. */
+  /* No host function runs on this thread any more: whether it is still
+   * joinable is final. The last touch of q by this thread: after the
+   * unlock, q may be freed. */
+  pthread_mutex_unlock(&q->mu);
+  const bool joinable = akv_host_reap_self();
+  pthread_mutex_lock(&q->mu);
+  q->joinable = joinable;
   q->exited = true;
   pthread_cond_broadcast(&q->progress);
   pthread_mutex_unlock(&q->mu);
@@ -934,7 +973,11 @@ static akv_status akv_host_queue_create(void *ctx, akv_bqueue **out) {
   pthread_mutex_lock(&c->mu);
   q->index = c->next_index;
   q->prng = c->delay_seed ^ (uint64_t)q->index;
-  int rc = akv_host_start_worker(q);
+  /* The worker reads q->thread only under q->mu; holding it across
+   * pthread_create publishes the id before the worker can look. */
+  pthread_mutex_lock(&q->mu);
+  int rc = pthread_create(&q->thread, NULL, akv_host_worker, q);
+  pthread_mutex_unlock(&q->mu);
   if (rc == 0) {
     c->next_index++;
     c->live_objects++;
@@ -959,9 +1002,9 @@ fail:
 }
 
 /**
- * queue_destroy: lets every enqueued operation run, waits until the worker
- * left its loop (its exit signal; it is never joined), frees the ring. Must
- * not be called from a host function on `q` itself.
+ * queue_destroy: lets every enqueued operation run, joins the last worker
+ * (unless a host function detached it: akv_host_reap_self), frees the ring.
+ * Must not be called from a host function on `q` itself.
  */
 static void akv_host_queue_destroy(void *ctx, akv_bqueue *q) {
   akv_host_ctx *c = ctx;
@@ -980,11 +1023,13 @@ static void akv_host_queue_destroy(void *ctx, akv_bqueue *q) {
   pthread_cond_signal(&q->work);
   pthread_cond_broadcast(&q->progress); /* enqueuers blocked on a full ring give up */
   /* The worker may change while it drains (a host function that ends its
-   * thread hands the ring to a successor). Workers are detached and never
-   * joined (akv_host_start_worker): the last one's signal that it left its
-   * loop, its last touch of q, is the end waited for. */
+   * thread hands the ring to a successor, which joins it): join the one
+   * that left the loop, the last, unless a function detached it. */
   while (!q->exited) pthread_cond_wait(&q->progress, &q->mu);
+  const pthread_t last = q->thread;
+  const bool joinable = q->joinable;
   pthread_mutex_unlock(&q->mu);
+  if (joinable) pthread_join(last, NULL);
 
   q->magic = q->magic_end = AKV_HOST_MAGIC_DEAD;
   pthread_mutex_lock(&q->mu);
