@@ -1210,6 +1210,13 @@ class ActiveKVLayer(CacheLayerMixin):
         raise NotImplementedError("ActiveKVCache cannot select rows")
 
 
+def _remove_hooks(handles: list) -> None:
+    """Removes the forward hooks whose handles are in `handles` and empties it (in place:
+    the cache's finalizer holds the same list)."""
+    while handles:
+        handles.pop().remove()
+
+
 def _model_device_dtype(model) -> tuple[torch.device, torch.dtype]:
     param = next(model.parameters())
     return param.device, param.dtype
@@ -1352,7 +1359,11 @@ class ActiveKVCache(Cache):
         self.engine_config = ecfg
         self.dense_layers = dense  # dense index d -> model layer index
         self._max_cache_len = max_cache_len
+        # The forward hooks' handles. A cache dropped without close() removes them when it
+        # is freed (the finalizer holds this list and nothing of the cache): left on the
+        # model they were inert but stayed, one set per dropped cache.
         self._hooks: list = []
+        weakref.finalize(self, _remove_hooks, self._hooks)
         if model is not None and hooks:
             self.attach(model)
 
@@ -1361,7 +1372,9 @@ class ActiveKVCache(Cache):
     def attach(self, model) -> "ActiveKVCache":
         """Registers a forward hook on each full-attention layer's attention module (the
         module carrying ``layer_idx``): after attention it records the consumed event,
-        enqueues the write-back and seals the lease, without a host wait. Idempotent."""
+        enqueues the write-back and seals the lease, without a host wait. Idempotent. The
+        hooks go with ``detach()``, ``close()``, or the cache itself when it is freed
+        without either (they hold the cache only weakly)."""
         self.detach()
         modules = _attention_modules(model)
         ref = weakref.ref(self._driver)
@@ -1380,9 +1393,7 @@ class ActiveKVCache(Cache):
 
     def detach(self) -> None:
         """Removes the forward hooks (leases are then sealed at the next update)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        _remove_hooks(self._hooks)
 
     # -- access ---------------------------------------------------------------
 

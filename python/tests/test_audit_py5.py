@@ -252,3 +252,49 @@ def test_prompt_again_after_a_forward_cut_short_past_its_last_update_says_it_is_
         model(input_ids=ids[:, -1:], use_cache=True, **{kw: cache})
         assert cache.layer_lengths == [4, 4, 4]
     _closed(cache)
+
+
+# ------------------------------------------------------------ 2. hooks of a dropped cache
+
+
+def _hook_count(model):
+    return sum(len(m._forward_hooks) for m in model.modules())
+
+
+def test_hooks_of_a_cache_dropped_without_close_go_with_it():
+    """A cache made with hooks=True and dropped without close() left its
+    forward hooks on the model (inert, but one set per dropped cache, each
+    run on every later forward). They are now removed when the cache is
+    freed, by its reference count: nothing in the hooks or the finalizer
+    holds the cache."""
+    torch, model, kw = _llama()
+    assert _hook_count(model) == 0
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(3):
+            cache = _cache(model, hooks=True)
+            assert _hook_count(model) == 3
+            with torch.no_grad():
+                model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=True, **{kw: cache})
+                model(input_ids=torch.tensor([[4]]), use_cache=True, **{kw: cache})
+            ref, eng = weakref.ref(cache), weakref.ref(cache.engine)
+            del cache
+            assert ref() is None and eng() is None  # no cycle: freed at once
+            assert _hook_count(model) == 0
+    finally:
+        if enabled:
+            gc.enable()
+    # attach / detach / close still leave none behind
+    cache = _cache(model)
+    cache.attach(model)
+    cache.attach(model)
+    assert _hook_count(model) == 3
+    cache.detach()
+    assert _hook_count(model) == 0
+    cache.attach(model)
+    cache.close()
+    assert _hook_count(model) == 0
+    del cache
+    gc.collect()
+    assert _hook_count(model) == 0
