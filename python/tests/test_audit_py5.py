@@ -298,3 +298,88 @@ def test_hooks_of_a_cache_dropped_without_close_go_with_it():
     del cache
     gc.collect()
     assert _hook_count(model) == 0
+
+
+# ------------------------------------------------------------ 3. Lease.seal's order
+
+
+def _sealable(eng):
+    ctx = eng.open_context()
+    k = np.zeros((3, 2, 2, 8), np.float32)
+    ctx.append(k, k)
+    eng.step_begin([ctx])
+    lease = eng.lease_begin(0)
+    lease.wait_ready()
+    attn = lease.mark_consumed()
+    tail = lease.write_back()
+    return ctx, lease, tail, attn
+
+
+def test_seal_reads_the_fences_before_the_lease_handle():
+    """Lease.seal read the lease's handle, then each fence's serial, which a
+    Fence subclass (a property) or an object whose __class__ says Fence ran
+    the caller's code for: code that retired the lease and closed the engine
+    there had seal hand the library the handle of a freed engine's lease.
+    The fences are now read first (exact Fence values only; a serial is read
+    without the caller's code), the handle after; nothing changes on a
+    refusal and the right seal follows."""
+    ran = []
+
+    class Sly(akv.Fence):
+        @property
+        def serial(self):
+            ran.append(1)
+            return 1
+
+    class Duck:
+        __class__ = akv.Fence
+
+        @property
+        def serial(self):
+            ran.append(2)
+            return 1
+
+    with akv.Engine(**small()) as eng:
+        ctx, lease, tail, attn = _sealable(eng)
+        sly = Sly.__new__(Sly)
+        for t, a in ((sly, attn), (tail, sly), (Duck(), attn), (tail, Duck())):
+            with pytest.raises(akv.InvalidArgument):
+                lease.seal(t, a)
+        assert ran == []
+        lease.seal(tail, attn)
+        lease.retire()
+        for layer in (1, 2):
+            ls = eng.lease_begin(layer)
+            ls.wait_ready()
+            a = ls.mark_consumed()
+            ls.seal(ls.write_back(), a)
+            ls.retire()
+        eng.step_end()
+        ctx.close()
+
+
+def test_seal_with_fences_whose_serial_is_not_an_integer():
+    """A Fence built with a serial that is not an integer in 0..2**64-1 is
+    refused by seal (InvalidArgument), read once (a numpy integer subclass's
+    __index__ is not called)."""
+    called = []
+
+    class Index(np.int64):
+        def __index__(self):
+            called.append(1)
+            return 1
+
+    with akv.Engine(**small()) as eng:
+        ctx, lease, tail, attn = _sealable(eng)
+        for bad in (akv.Fence(None), akv.Fence(-1), akv.Fence(2 ** 64), akv.Fence(1.0),
+                    akv.Fence("1"), akv.Fence(True), akv.Fence([1])):
+            with pytest.raises(akv.InvalidArgument):
+                lease.seal(bad, attn)
+            with pytest.raises(akv.InvalidArgument):
+                lease.seal(tail, bad)
+        with pytest.raises(akv.FenceMismatch):
+            lease.seal(akv.Fence(Index(tail.serial + 7)), attn)
+        assert called == []
+        lease.seal(tail, attn)
+        lease.retire()
+        eng.quarantine()  # ends the step; the engine closes with the block
