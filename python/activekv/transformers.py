@@ -594,8 +594,26 @@ class _Driver:
         UnevenLayers) and a decode with K/V that require grad under grad mode. Raises what
         the full-attention layer would."""
         self.usable()
-        if not isinstance(key_states, torch.Tensor) or key_states.dim() != 4:
-            return  # the layer's own update decides
+        # What transformers' own layers take unchecked: a K or V that is not a tensor failed
+        # inside them with AttributeError, and one of another rank or K and V of other
+        # batch or token counts changed the layer before failing (a sliding-window layer
+        # counted the tokens, then torch.cat refused). Heads and head_dim are the layer's
+        # own (a hybrid model's other layers may differ from the full-attention ones).
+        for name, t in (("key_states", key_states), ("value_states", value_states)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError("ActiveKVCache.update: %s is a %s, not a tensor"
+                                % (name, type(t).__name__))
+            if t.dim() != 4:
+                raise ValueError("ActiveKVCache: %s of shape %s; expected [batch, kv_heads, "
+                                 "tokens, head_dim]" % (name, list(t.shape)))
+        if (key_states.shape[0] != value_states.shape[0]
+                or key_states.shape[2] != value_states.shape[2]):
+            raise ValueError("ActiveKVCache: key_states %s and value_states %s hold other "
+                             "batch or token counts"
+                             % (list(key_states.shape), list(value_states.shape)))
+        if value_states.dtype != key_states.dtype or value_states.device != key_states.device:
+            raise ValueError("ActiveKVCache was made for %s on %s, got V %s on %s"
+                             % (self.dtype, self.device, value_states.dtype, value_states.device))
         if key_states.dtype != self.dtype or key_states.device != self.device:
             raise ValueError("ActiveKVCache was made for %s on %s, got K %s on %s"
                              % (self.dtype, self.device, key_states.dtype, key_states.device))

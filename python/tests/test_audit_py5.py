@@ -383,3 +383,44 @@ def test_seal_with_fences_whose_serial_is_not_an_integer():
         lease.seal(tail, attn)
         lease.retire()
         eng.quarantine()  # ends the step; the engine closes with the block
+
+
+# ------------------------------------------------------------ the audit: a sliding layer's update
+
+
+def test_hybrid_sliding_layer_update_refuses_what_its_layer_would_mangle():
+    """An update of a hybrid model's sliding-window layer was handed to
+    transformers' own layer unchecked: a K or V that is not a tensor failed
+    there with AttributeError ('str' object has no attribute 'device'), and
+    a 2-D K/V or K and V of other token counts changed the layer before
+    torch refused (its count grew: every later forward was then refused as
+    cut short). They now raise TypeError / ValueError before the layer
+    changes, as the full-attention layers' own update does; the right update
+    follows."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from transformers import Gemma3TextConfig
+
+    from activekv.transformers import ActiveKVCache
+
+    cfg = Gemma3TextConfig(vocab_size=32, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=8, sliding_window=4,
+                           layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    kv = torch.zeros(1, 2, 3, 8)
+    with ActiveKVCache(config=cfg, device="cpu", dtype=torch.float32, max_cache_len=16,
+                       page_tokens=4, log=quiet) as cache:
+        for layer in (0, 1):
+            for args, exc in (((("x", "y")), TypeError), ((kv, None), TypeError),
+                              ((torch.zeros(2, 8), torch.zeros(2, 8)), ValueError),
+                              ((torch.zeros(()), torch.zeros(())), ValueError),
+                              ((kv, torch.zeros(1, 2, 2, 8)), ValueError),
+                              ((kv, torch.zeros(2, 2, 3, 8)), ValueError),
+                              ((kv, kv.double()), ValueError)):
+                with pytest.raises(exc):
+                    cache.update(*args, layer)
+                assert cache.layer_lengths == [3 if layer else 0, 0, 0]
+                assert cache.layers[layer].keys is None or cache.layers[layer].keys.shape[2] == 3
+            cache.update(kv, kv, layer)
+        cache.update(kv, kv, 2)
+        assert cache.layer_lengths == [3, 3, 3] and cache.cut_short is None
