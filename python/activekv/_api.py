@@ -292,8 +292,14 @@ class Fence:
     serial: int
 
     def _c(self) -> L.akv_fence:
-        return L.akv_fence(_u64(self.serial if self.serial is not None else -1,
-                                "Fence.serial"))
+        return L.akv_fence(_u64(_fence_serial(self), "Fence.serial"))
+
+
+def _fence_serial(f: Fence) -> Any:
+    """A Fence's serial, read once from its own storage (None, which _u64
+    would read as "all", as -1: refused)."""
+    v = f.__dict__.get("serial")
+    return -1 if v is None else v
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2075,12 +2081,23 @@ class Lease(_NotCopyable):
     @_guarded
     def seal(self, tail: Fence, attention: Fence) -> None:
         """Seals the lease with its current tail fence and its attention
-        fence. Raises LeaseState, FenceMismatch."""
-        h = self._h()
-        if not isinstance(tail, Fence) or not isinstance(attention, Fence):
-            raise InvalidArgument.make("seal takes two Fence values")
-        _check(lib.akv_lease_seal(h, Fence._c(tail), Fence._c(attention)), self._engine._handle,
-               "seal")
+        fence. Raises LeaseState, FenceMismatch; InvalidArgument for
+        anything but two Fence values (of the package's exact class, whose
+        serial is an integer in 0..2**64-1)."""
+        self._h()
+        # The fences are read first, the handle after (_STALE): reading a
+        # fence's serial could run the caller's code (a Fence subclass's
+        # property, a lying __class__), which could retire the lease and
+        # close the engine; the handle read before it then named freed
+        # memory. Only exact Fences are taken: their serial is a plain
+        # attribute, read by _u64 without any of the caller's code.
+        if type(tail) is not Fence or type(attention) is not Fence:
+            raise InvalidArgument.make(f"seal takes two Fence values, got {type(tail).__name__} "
+                                       f"and {type(attention).__name__}")
+        ct = L.akv_fence(_u64(_fence_serial(tail), "seal: tail"))
+        ca = L.akv_fence(_u64(_fence_serial(attention), "seal: attention"))
+        h = self._h()  # after the fences (_STALE)
+        _check(lib.akv_lease_seal(h, ct, ca), self._engine._handle, "seal")
 
     @_guarded
     def retire(self) -> Receipt:

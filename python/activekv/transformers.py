@@ -356,6 +356,12 @@ class _Driver:
         self.burst_pages = burst_pages
         self.contexts: list | None = None
         self.batch = 0
+        # Every K/V layer of the model in order: (model layer index, dense index for a
+        # full-attention layer, else transformers' own layer object); set by the cache.
+        self.kv_layers: list = []
+        self.others: list = []  # the layer objects of kv_layers (sliding-window, ...)
+        self.first_kv = 0  # the model layer where a forward starts
+        self.first_kv_dense = True  # ... and it is full-attention layer 0
         self.layer_len = [0] * n_dense  # rows each dense layer holds, this step's included
         self.next_dense = 0  # the dense layer the open step leases next
         # The one lease begun but not sealed yet: (dense index, handle, stream).
@@ -588,8 +594,26 @@ class _Driver:
         UnevenLayers) and a decode with K/V that require grad under grad mode. Raises what
         the full-attention layer would."""
         self.usable()
-        if not isinstance(key_states, torch.Tensor) or key_states.dim() != 4:
-            return  # the layer's own update decides
+        # What transformers' own layers take unchecked: a K or V that is not a tensor failed
+        # inside them with AttributeError, and one of another rank or K and V of other
+        # batch or token counts changed the layer before failing (a sliding-window layer
+        # counted the tokens, then torch.cat refused). Heads and head_dim are the layer's
+        # own (a hybrid model's other layers may differ from the full-attention ones).
+        for name, t in (("key_states", key_states), ("value_states", value_states)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError("ActiveKVCache.update: %s is a %s, not a tensor"
+                                % (name, type(t).__name__))
+            if t.dim() != 4:
+                raise ValueError("ActiveKVCache: %s of shape %s; expected [batch, kv_heads, "
+                                 "tokens, head_dim]" % (name, list(t.shape)))
+        if (key_states.shape[0] != value_states.shape[0]
+                or key_states.shape[2] != value_states.shape[2]):
+            raise ValueError("ActiveKVCache: key_states %s and value_states %s hold other "
+                             "batch or token counts"
+                             % (list(key_states.shape), list(value_states.shape)))
+        if value_states.dtype != key_states.dtype or value_states.device != key_states.device:
+            raise ValueError("ActiveKVCache was made for %s on %s, got V %s on %s"
+                             % (self.dtype, self.device, value_states.dtype, value_states.device))
         if key_states.dtype != self.dtype or key_states.device != self.device:
             raise ValueError("ActiveKVCache was made for %s on %s, got K %s on %s"
                              % (self.dtype, self.device, key_states.dtype, key_states.device))
@@ -615,7 +639,9 @@ class _Driver:
             raise NotImplementedError(
                 "ActiveKVCache: an update of %d tokens after the prompt (chunked prefill, "
                 "assisted or speculative decoding) is not supported; decode one token per "
-                "step" % n_new)
+                "step (every layer holds %d tokens: a forward cut short after its last "
+                "layer's update left them all there, so go on with the next token)"
+                % (n_new, self.whole_length()))
         if self.layer_len[0] + 1 > self.max_tokens:
             raise ValueError("ActiveKVCache: a new row exceeds max_cache_len=%d" % self.max_tokens)
         # begin_step's refusals: the previous step interrupted between layers, a prefill
@@ -674,6 +700,74 @@ class _Driver:
         if max(self.layer_len) > 0 and min(self.layer_len) == 0:
             return self.partial_prefill_error()
         return self.partial_step_error()
+
+    # -- every K/V layer of the model ----------------------------------------
+    #
+    # A hybrid model's other K/V layers (sliding-window, chunked: transformers' own
+    # DynamicLayer subclasses) take the same tokens in the same forward; a forward cut
+    # short can leave them uneven as well, with the full-attention layers even (a cut
+    # before the first full-attention layer, or after the last). Their counts are read
+    # from the layers themselves (``get_seq_length``: every token a layer took, its
+    # window's evicted ones included), never kept apart, so an interrupt cannot make the
+    # two disagree.
+
+    def layer_counts(self) -> list:
+        """(model layer index, tokens it holds) for every K/V layer of the model, in order."""
+        dense = self.layer_len
+        return [(i, dense[ref] if type(ref) is int else ref.get_seq_length())
+                for i, ref in self.kv_layers]
+
+    def whole_length(self) -> int:
+        """The tokens every K/V layer of the model holds: the length of the last forward
+        that reached every layer (as akv_context_length is the minimum over a context's
+        layers). Equal to every layer's own count unless a forward was cut short between
+        its layers (or is under way)."""
+        low = min(self.layer_len)
+        for ref in self.others:
+            n = ref.get_seq_length()
+            if n < low:
+                low = n
+        return low
+
+    def cut_short(self) -> Exception | None:
+        """The error a new forward raises after one cut short between its layers (the K/V
+        layers uneven), None when every layer holds the same tokens. StepState when every
+        layer held the prompt (a decode step cut short), UnevenLayers when some do not hold
+        it yet (a prefill cut short)."""
+        if not self.others:
+            if max(self.layer_len) == min(self.layer_len):
+                return None
+            return self.partial_error()
+        counts = self.layer_counts()
+        lo = min(c for _, c in counts)
+        hi = max(c for _, c in counts)
+        if lo == hi:
+            return None
+        held = [i for i, c in counts if c > lo]
+        lack = [i for i, c in counts if c == lo]
+        what = "prompt" if lo == 0 else "token" if hi - lo == 1 else "%d tokens" % (hi - lo)
+        text = ("ActiveKVCache: the model's K/V layers hold different lengths (%s): a forward "
+                "was cut short between its layers (%s), and its %s, given to model layers %s "
+                "(%d rows), cannot be taken back; layers %s hold %d rows. To go on, update "
+                "model layers %s with the same %s's K/V, in order; otherwise close() the "
+                "cache, which ends the step and frees the engine, and start again with a new "
+                "one" % ([c for _, c in counts],
+                         "a prefill did not reach every layer" if lo == 0 else
+                         "its step did not reach every layer", what, held, hi, lack, lo, lack,
+                         what))
+        return UnevenLayers.make(text) if lo == 0 else StepState.make(text)
+
+    def check_cut(self, model_idx: int, n_new: int) -> None:
+        """At the first K/V layer of the model (where a forward starts): the cut_short
+        error unless this update brings that layer level with the others (a forward
+        being completed, n_new being the tokens it lacks). Changes nothing."""
+        err = self.cut_short()
+        if err is None:
+            return
+        counts = dict(self.layer_counts())
+        if counts[model_idx] + n_new == max(counts.values()) and n_new > 0:
+            return  # the layer lacks exactly these tokens: the cut-short forward completed
+        raise err
 
     # -- decode -------------------------------------------------------------
 
@@ -1071,6 +1165,8 @@ class ActiveKVLayer(CacheLayerMixin):
                              % (drv.batch, list(key_states.shape)))
         d = self.dense_index
         n_new = key_states.shape[-2]
+        if d == 0 and drv.first_kv_dense:
+            drv.check_cut(drv.first_kv, int(n_new))  # a forward starts here: see check_cut
         if drv.layer_len[d] == 0:
             drv.append(d, key_states, value_states)
             return key_states, value_states
@@ -1082,7 +1178,9 @@ class ActiveKVLayer(CacheLayerMixin):
             raise NotImplementedError(
                 "ActiveKVCache: an update of %d tokens after the prompt (chunked prefill, "
                 "assisted or speculative decoding) is not supported; decode one token per "
-                "step" % n_new)
+                "step (every layer holds %d tokens: a forward cut short after its last "
+                "layer's update left them all there, so go on with the next token)"
+                % (n_new, drv.whole_length()))
         # Everything is checked before the step boundary moves: a refused update changes
         # nothing, and the same update with the right tensors may follow.
         drv.check_states(key_states, value_states, 1)
@@ -1093,9 +1191,14 @@ class ActiveKVLayer(CacheLayerMixin):
         return drv.stage(d, key_states, value_states)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
+        # the tokens every K/V layer holds (ActiveKVCache.get_seq_length): after a forward
+        # cut short, the last whole forward's, whichever layer asks
+        return self._driver.whole_length() + query_length, 0
 
     def get_seq_length(self) -> int:
+        """The rows this layer holds (its own count: after a forward cut short between its
+        layers, one that reached this layer shows here; ActiveKVCache.get_seq_length
+        reports the tokens every layer holds)."""
         return self._driver.layer_len[self.dense_index]
 
     def get_max_length(self) -> int:
@@ -1123,6 +1226,13 @@ class ActiveKVLayer(CacheLayerMixin):
 
     def batch_select_indices(self, indices) -> None:
         raise NotImplementedError("ActiveKVCache cannot select rows")
+
+
+def _remove_hooks(handles: list) -> None:
+    """Removes the forward hooks whose handles are in `handles` and empties it (in place:
+    the cache's finalizer holds the same list)."""
+    while handles:
+        handles.pop().remove()
 
 
 def _model_device_dtype(model) -> tuple[torch.device, torch.dtype]:
@@ -1185,7 +1295,13 @@ class ActiveKVCache(Cache):
       update, the next forward and ``finish()`` raise StepState (decode) or UnevenLayers
       (prefill) naming the layers and the ways on: update the remaining full-attention
       layers with the same token's (prompt's) K/V, which completes the cut-short forward,
-      or ``close()`` the cache and start again with a new one.
+      or ``close()`` the cache and start again with a new one. This holds for every K/V
+      layer of the model, a hybrid model's sliding-window layers included: the first layer
+      of the next forward refuses, whichever kind it is. Meanwhile ``get_seq_length(i)``
+      is the length of the last forward that reached every layer, the same for every
+      ``i`` (as ``akv_context_length`` is the minimum over a context's layers);
+      ``layer_lengths`` gives each layer's own count and ``cut_short`` the error the next
+      forward raises (None when the layers are even).
     - An update cut short after its layer's lease began, before its row was written
       (an interrupt inside the update), and a failed transport leave the cache unusable:
       every call raises Quarantined naming the failure, and ``close()`` frees everything.
@@ -1247,12 +1363,25 @@ class ActiveKVCache(Cache):
         max_cache_len = ecfg["max_tokens"]  # a Python int (a numpy one is accepted)
         for d, layer_idx in enumerate(dense):
             layers[layer_idx] = ActiveKVLayer(driver, d, max_cache_len)
+        # The model's K/V layers: the full-attention ones and transformers' own that take
+        # K/V through update (sliding-window, chunked: DynamicLayer subclasses; not the
+        # linear-attention or dummy layers), in order (see _Driver.layer_counts).
+        driver.kv_layers = [(i, layer.dense_index if isinstance(layer, ActiveKVLayer) else layer)
+                            for i, layer in enumerate(layers)
+                            if isinstance(layer, (ActiveKVLayer, DynamicLayer))]
+        driver.others = [ref for _, ref in driver.kv_layers if type(ref) is not int]
+        driver.first_kv = driver.kv_layers[0][0]
+        driver.first_kv_dense = driver.first_kv == dense[0]
         super().__init__(layers=layers)
         self._driver = driver
         self.engine_config = ecfg
         self.dense_layers = dense  # dense index d -> model layer index
         self._max_cache_len = max_cache_len
+        # The forward hooks' handles. A cache dropped without close() removes them when it
+        # is freed (the finalizer holds this list and nothing of the cache): left on the
+        # model they were inert but stayed, one set per dropped cache.
         self._hooks: list = []
+        weakref.finalize(self, _remove_hooks, self._hooks)
         if model is not None and hooks:
             self.attach(model)
 
@@ -1261,7 +1390,9 @@ class ActiveKVCache(Cache):
     def attach(self, model) -> "ActiveKVCache":
         """Registers a forward hook on each full-attention layer's attention module (the
         module carrying ``layer_idx``): after attention it records the consumed event,
-        enqueues the write-back and seals the lease, without a host wait. Idempotent."""
+        enqueues the write-back and seals the lease, without a host wait. Idempotent. The
+        hooks go with ``detach()``, ``close()``, or the cache itself when it is freed
+        without either (they hold the cache only weakly)."""
         self.detach()
         modules = _attention_modules(model)
         ref = weakref.ref(self._driver)
@@ -1280,9 +1411,7 @@ class ActiveKVCache(Cache):
 
     def detach(self) -> None:
         """Removes the forward hooks (leases are then sealed at the next update)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        _remove_hooks(self._hooks)
 
     # -- access ---------------------------------------------------------------
 
@@ -1295,6 +1424,35 @@ class ActiveKVCache(Cache):
     def contexts(self) -> list:
         """One akv.Context per batch row, in batch order (empty before the prefill)."""
         return list(self._driver.contexts or ())
+
+    @property
+    def layer_lengths(self) -> list:
+        """The tokens each model layer holds, in model order (None for a layer that holds
+        no K/V: linear-attention, dummy). Equal for every K/V layer between forwards;
+        uneven after a forward cut short between its layers (see ``cut_short``), while
+        ``get_seq_length`` reports the tokens every layer holds."""
+        out: list = [None] * len(self.layers)
+        for i, n in self._driver.layer_counts():
+            out[i] = n
+        return out
+
+    @property
+    def cut_short(self) -> Exception | None:
+        """None, or the error (StepState, UnevenLayers) the next forward raises because one
+        was cut short between its layers; its message names the layers and the ways on."""
+        return self._driver.cut_short()
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The tokens the cache holds: those every K/V layer of the model holds, the same
+        for every ``layer_idx`` (a layer without K/V: transformers' answer). After a forward
+        cut short between its layers, the length of the last forward that reached every
+        layer (as ``akv_context_length``, the minimum over a context's layers), until the
+        layers it did not reach are updated with its K/V; ``layer_lengths`` and
+        ``cache.layers[i].get_seq_length()`` give each layer's own count."""
+        if (isinstance(layer_idx, (int, np.integer)) and 0 <= layer_idx < len(self.layers)
+                and isinstance(self.layers[layer_idx], (ActiveKVLayer, DynamicLayer))):
+            return self._driver.whole_length()
+        return super().get_seq_length(layer_idx)
 
     @property
     def stats(self) -> dict:
@@ -1417,6 +1575,10 @@ class ActiveKVCache(Cache):
         drv.usable()
         held = drv.engine._enter("ActiveKVCache.update")
         try:
+            if layer_idx == drv.first_kv:  # a forward starts here: see _Driver.check_cut
+                n_new = (int(key_states.shape[-2]) if isinstance(key_states, torch.Tensor)
+                         and key_states.dim() == 4 else 0)
+                drv.check_cut(layer_idx, n_new)
             drv.check_forward(key_states, value_states, layer_idx < self.dense_layers[0])
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         finally:

@@ -284,7 +284,8 @@ def test_cache_prefill_of_another_length_than_the_other_layers_is_refused():
         for bad in (_kv(torch, 1, 5, seed=1), _kv(torch, 1, 1, seed=1)):
             with pytest.raises(ValueError, match="prefill"):
                 cache.update(*bad, 1)
-            assert [cache.get_seq_length(i) for i in range(2)] == [3, 0]
+            assert cache.layer_lengths == [3, 0]  # each layer's own count: unchanged
+            assert [cache.get_seq_length(i) for i in range(2)] == [0, 0]  # no whole forward
             with pytest.raises(akv.InvalidArgument):
                 cache.contexts[0].read(1, 0, 1)  # layer 1 holds nothing
         cache.update(*_kv(torch, 1, 3, seed=1), 1)
