@@ -1,13 +1,20 @@
 /*
  * test_audit_s32b.c - an audit of akv.h's promises under hostile call
- * sequences: an attention hook that destroys its own engine and creates
- * newer engines until one of them holds its lease's handle record, which
- * another thread then uses while the hook's akv_lease_attend finishes.
- * The library's answers were right before the fix (AKV_ERR_BAD_HANDLE,
- * nothing changed): what was wrong was a plain read of a record another
- * thread was writing, a data race that only ThreadSanitizer reports, so
- * this test fails in the TSan build (-DAKV_SANITIZE=thread) and passes
- * elsewhere either way. Each test names the promise it checks.
+ * sequences. Each test names the promise it checks and fails while the
+ * library breaks it.
+ *  - An attention hook that destroys its own engine and creates newer
+ *    engines until one of them holds its lease's handle record, which
+ *    another thread then uses while the hook's akv_lease_attend finishes.
+ *    The library's answers were right before the fix (AKV_ERR_BAD_HANDLE,
+ *    nothing changed): what was wrong was a plain read of a record another
+ *    thread was writing, a data race that only ThreadSanitizer reports, so
+ *    this test fails only in the TSan build (-DAKV_SANITIZE=thread).
+ *  - A group's engine destroyed directly, and its record handed to a newer
+ *    engine, between a group call's check of its engine (by serial) and its
+ *    use of it. The window is a few instructions wide; this binary is linked
+ *    with -Wl,--wrap=akv_engine_serial (tests/CMakeLists.txt), and the wrapper
+ *    below runs that other thread's part (destroy, creates) inside it, once
+ *    armed. These fail in every build.
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -25,6 +32,7 @@
 #include <cmocka.h>
 
 #include "akv.h"
+#include "akv_group.h"
 #include "internal.h" /* the lease record's engine word, to find the newer engine */
 #include "testutil.h"
 
@@ -163,9 +171,129 @@ static void test_attend_after_hook_gave_record_to_newer_engine(void **state) {
   assert_int_equal(akv_lease_attend(l, d.a.s, akvt_noop_hook, NULL, &fa), AKV_ERR_BAD_HANDLE);
 }
 
+/* ------------------- a group's engine replaced between its check and its use */
+
+uint64_t __real_akv_engine_serial(const akv_engine *e);
+uint64_t __wrap_akv_engine_serial(const akv_engine *e);
+
+/* Armed: the next check of the group's engine (akv_group_own's serial)
+ * reads it live, and then, before the group call goes on, "another thread"
+ * destroys that engine directly (allowed: akv_group_engine) and creates
+ * engines until one holds its record (AKV_ENGINE_HANDLE_REUSE_MIN later:
+ * akv.h, Handle lifetimes), which stays alive as `newer`. */
+static struct {
+  const akv_engine *target;
+  akv_engine *newer;
+  int fired;
+  akv_status st;
+} swap;
+
+uint64_t __wrap_akv_engine_serial(const akv_engine *e) {
+  const uint64_t s = __real_akv_engine_serial(e);
+  if (swap.target == NULL || e != swap.target) return s;
+  swap.target = NULL; /* once */
+  swap.fired = 1;
+  swap.st = akv_engine_destroy((akv_engine *)e);
+  for (int i = 0; swap.st == AKV_OK && i < 4 * AKV_ENGINE_HANDLE_REUSE_MIN; i++) {
+    akv_engine *x = akvt_small_engine(AKV_ROUTE_STAGE, 0);
+    if (x == NULL) {
+      swap.st = AKV_ERR_OUT_OF_MEMORY;
+      break;
+    }
+    if (x == e) {
+      swap.newer = x;
+      break;
+    }
+    swap.st = akv_engine_destroy(x);
+  }
+  return s;
+}
+
+static akv_group *one_rank_group(akv_group_world **w, akv_group_digest digest) {
+  akv_engine_config ec = akvt_small_config(AKV_ROUTE_STAGE, 0);
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  akv_group *g = NULL;
+  gc.digest = digest;
+  assert_int_equal(akv_group_world_create(1, 4, w), AKV_OK);
+  assert_int_equal(akv_group_create_inproc(&ec, &gc, *w, &g), AKV_OK);
+  return g;
+}
+
+/* Promise (akv_group.h, akv_group_engine and akv_group_destroy: the group
+ * knows its engine by its serial, "no group call acts on an engine the
+ * dead handle may name now (none quarantines, destroys ...)"; Thread
+ * safety: another thread may be inside a call on the engine meanwhile):
+ * akv_group_destroy checked its engine by serial and then destroyed the
+ * handle's engine without holding it in between. An engine destroyed
+ * directly there by another thread, and its record handed to a newer
+ * engine, had the group destroy that newer engine, one the caller had made
+ * and was using. Now the group holds its engine (its claim) before the
+ * serial check that decides, as its agreement calls do, so the engine it
+ * checked is the engine it destroys: a newer engine on the record is left
+ * alone, and the group is freed as for an engine destroyed directly. */
+static void test_group_destroy_never_destroys_a_newer_engine(void **state) {
+  (void)state;
+  akv_group_world *w = NULL;
+  akv_group *g = one_rank_group(&w, AKV_GROUP_DIGEST_DEFAULT);
+  akv_engine *e = NULL;
+  akv_engine_info info;
+  assert_int_equal(akv_group_engine(g, &e), AKV_OK);
+  memset(&swap, 0, sizeof swap);
+  swap.target = e;
+  assert_int_equal(akv_group_destroy(g), AKV_OK);
+  assert_true(swap.fired);
+  assert_int_equal(swap.st, AKV_OK);
+  assert_ptr_equal(swap.newer, e); /* the record came back, to the caller's engine */
+  /* The newer engine is the caller's, alive and whole. */
+  assert_int_equal(akv_engine_info_get(swap.newer, &info), AKV_OK);
+  assert_int_equal(akv_engine_destroy(swap.newer), AKV_OK);
+  assert_int_equal(akv_group_world_destroy(w), AKV_OK);
+}
+
+/* Promise (akv_group.h, akv_group_info: without digest checks the digest is
+ * the engine's plan digest now, 0 once the caller destroyed the engine
+ * itself): akv_group_info_get checked its engine by serial, then claimed
+ * the handle's engine and read its plan digest without checking again. An
+ * engine destroyed directly in between, its record handed to a newer
+ * engine, gave the newer engine's digest, a plan of no group. Now the
+ * serial is checked again once claimed, and such an engine gives 0. */
+static void test_group_info_never_reads_a_newer_engine(void **state) {
+  (void)state;
+  akv_group_world *w = NULL;
+  akv_group *g = one_rank_group(&w, AKV_GROUP_DIGEST_DEFAULT);
+  akv_engine *e = NULL, *now = (akv_engine *)&now;
+  akv_group_info info;
+  assert_int_equal(akv_group_info_get(g, &info), AKV_OK);
+  if (info.digest_checked) {
+    /* Debug builds compare digests (AKV_GROUP_DIGEST_DEFAULT): info_get then
+     * reads no engine, and there is nothing to check. */
+    assert_int_equal(akv_group_destroy(g), AKV_OK);
+    assert_int_equal(akv_group_world_destroy(w), AKV_OK);
+    skip();
+  }
+  assert_int_not_equal(info.digest, 0);
+  assert_int_equal(akv_group_engine(g, &e), AKV_OK);
+  memset(&swap, 0, sizeof swap);
+  swap.target = e;
+  memset(&info, 0x5a, sizeof info);
+  assert_int_equal(akv_group_info_get(g, &info), AKV_OK);
+  assert_true(swap.fired);
+  assert_int_equal(swap.st, AKV_OK);
+  assert_ptr_equal(swap.newer, e);
+  assert_int_equal(info.digest, 0); /* the group's engine is gone */
+  /* And the group knows it: no engine, and destroy leaves the newer one. */
+  assert_int_equal(akv_group_engine(g, &now), AKV_OK);
+  assert_null(now);
+  assert_int_equal(akv_group_destroy(g), AKV_OK);
+  assert_int_equal(akv_engine_destroy(swap.newer), AKV_OK);
+  assert_int_equal(akv_group_world_destroy(w), AKV_OK);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_attend_after_hook_gave_record_to_newer_engine),
+      cmocka_unit_test(test_group_destroy_never_destroys_a_newer_engine),
+      cmocka_unit_test(test_group_info_never_reads_a_newer_engine),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
