@@ -1012,7 +1012,11 @@ AKV_API akv_status akv_lease_mark_consumed(akv_lease *lease, akv_stream stream,
  *  The hook runs on the calling thread, inside the call: it may call the
  *  engine again (every call, destroy included), while other threads' calls
  *  on the engine are refused with AKV_ERR_IN_USE until attend returned
- *  (Thread safety). */
+ *  (Thread safety). A hook that destroyed the engine makes attend return
+ *  AKV_ERR_BAD_HANDLE having read nothing of the lease handle after the
+ *  hook but the engine's atomic handle words: the hook may have created
+ *  newer engines meanwhile, one of which may hold that lease record and be
+ *  in use by another thread. */
 AKV_API akv_status akv_lease_attend(akv_lease *lease, akv_stream stream, akv_attention_fn hook,
                                     void *user, akv_fence *attention);
 

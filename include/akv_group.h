@@ -336,7 +336,10 @@ AKV_API const char *akv_group_last_error(const akv_group *group);
  * freed it: do not use it again). Returns AKV_OK, AKV_ERR_BAD_HANDLE,
  * AKV_ERR_BUSY, AKV_ERR_IN_USE (called from the engine's log callback, or
  * from a log callback during a call on this group, or while another thread
- * is inside a call on this group; nothing freed). A group handle is a record never freed (akv.h "Handle
+ * is inside a call on this group or on its engine; nothing freed). The
+ * engine is held (its claim) from the check that it is still the group's
+ * to its destroy, so an engine another thread destroyed directly meanwhile
+ * is never confused with a newer engine on its record. A group handle is a record never freed (akv.h "Handle
  * lifetimes"): once destroyed, every group call answers AKV_ERR_BAD_HANDLE
  * until at least 32 later group creates in the process.
  */

@@ -440,6 +440,21 @@ static akv_status akv_lease_attend_claimed(akv_lease *handle, akv_stream stream,
    * stayed in the parent (one may hold a queue's mutex there for good): it
    * goes no further than any other call of the child on that engine. */
   if (akv_engine_forked(engine)) return AKV_ERR_BAD_HANDLE;
+  /* Invariant: after its hook, attend reads the lease record only while its
+   * own engine lives, and asks that by the engine record's atomic words
+   * alone (magics, serial). The engine record cannot have become another
+   * engine's meanwhile: this attend holds its claim, and a destroy nested in
+   * the hook gives the record back only at the claim's release
+   * (akv_engine_give). A live engine still holds all its lease records (they
+   * go back to their pool only at its destroy), and this thread holds its
+   * claim, so the plain reads below race with nothing. A destroyed one gave
+   * them back: the hook may have created newer engines that took this very
+   * record, and another thread using one of them writes the record and the
+   * body it names, which a plain read here would race with. */
+  if (!akv_engine_ok(engine) ||
+      __atomic_load_n(&engine->serial, __ATOMIC_RELAXED) != engine_serial ||
+      AKV_LOAD(handle->engine) != engine)
+    return AKV_ERR_BAD_HANDLE;
   ls = akv_lease_resolve(handle);
   if (ls == NULL || ls != body || ls->serial != lease_serial || ls->engine->serial != engine_serial)
     return AKV_ERR_BAD_HANDLE;

@@ -878,7 +878,12 @@ static akv_status akv_group_info_get_claimed(const akv_group *g, akv_group_info 
         return akv_group_fail((akv_group *)g, st,
                               "info_get: this rank's engine is in use by another thread");
       if (st == AKV_OK) {
-        digest = akv_engine_plan_digest(e); /* nested: this thread holds it */
+        /* Invariant (akv_group_own): the serial is checked again once
+         * claimed. Checked before only, the engine could be destroyed
+         * directly by another thread in between and its record handed to
+         * a newer engine, whose digest this read under its claim. */
+        if (akv_engine_serial(e) == g->engine_serial)
+          digest = akv_engine_plan_digest(e); /* nested: this thread holds it */
         akv_engine_release(e);
       }
     }
@@ -930,12 +935,29 @@ AKV_API akv_status akv_group_destroy(akv_group *g) {
    * nor is a newer engine its handle may name now (akv_group_own): the
    * rest of the group is freed all the same, so its rank and collective are
    * given back. */
-  if (akv_group_own(g) != NULL) {
-    st = akv_engine_destroy(g->engine);
-    if (st != AKV_OK) {
-      st = akv_group_fail(g, st, "destroy: the engine is busy; nothing freed");
+  /* Invariant (akv_group_own): the engine destroyed is the engine checked.
+   * It is held (its claim, akv_group_hold_engine) before the serial check
+   * that decides, so no other thread can destroy it in between and have
+   * its record handed to a newer engine, which this destroyed in its
+   * stead. The destroy below nests in that claim; the record goes back to
+   * its pool at the release. */
+  {
+    akv_engine *held = NULL;
+    if (akv_group_hold_engine(g, &held) != AKV_OK) {
+      st = akv_group_fail(g, AKV_ERR_IN_USE,
+                          "destroy: this rank's engine is in use by another thread; nothing "
+                          "freed");
       akv_group_release(g);
       return st;
+    }
+    if (held != NULL) {
+      st = akv_engine_destroy(held);
+      akv_engine_release(held);
+      if (st != AKV_OK) {
+        st = akv_group_fail(g, st, "destroy: the engine is busy; nothing freed");
+        akv_group_release(g);
+        return st;
+      }
     }
   }
   g->coll->ops->destroy(g->coll);
