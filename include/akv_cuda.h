@@ -80,7 +80,13 @@ static inline cudaStream_t akv_stream_to_cuda(akv_stream stream) {
  * akv_attention.h, "Addressing"),
  * AKV_ERR_NOT_SUPPORTED (dtype other than bf16, FP8 E4M3 and FP8 E5M2;
  * head_dim other than 64/128/256), AKV_ERR_BACKEND (a launch failed;
- * cudaGetLastError() names the cause).
+ * cudaGetLastError() names the cause). Every refusal above is decided
+ * before anything is enqueued, so out and the workspace are untouched by
+ * it; AKV_ERR_BACKEND is not: a batch of more than 256 contexts is
+ * enqueued as one launch per 256 (their lengths travel in the kernel
+ * parameters), and a launch that fails after earlier ones were enqueued
+ * leaves those to write their contexts' rows of out (treat out as
+ * undefined after AKV_ERR_BACKEND).
  */
 AKV_API akv_status akv_attention_decode_cuda(const akv_attention_args *args, cudaStream_t stream);
 
