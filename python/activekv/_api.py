@@ -1999,17 +1999,28 @@ class Lease(_NotCopyable):
         self._sync_view()
         return View(self, v)
 
+    # view, attention and tail alike: valid until the lease retires (or a
+    # quarantine releases it, or its engine closes), BadHandle after that, as
+    # every other call on a dead lease; the Receipt of the retire holds both
+    # fences. (attention and tail answered a dead lease's fences, view raised.)
+
     @property
+    @_guarded
     def attention(self) -> Optional[Fence]:
         """The fence mark_consumed returned, again; None before one
-        succeeded."""
+        succeeded. Valid until the lease retires (BadHandle after; the
+        Receipt has it)."""
+        self._h()
         f = getattr(self._box, "attn", None)
         return Fence(f.serial) if f is not None and f.serial else None
 
     @property
+    @_guarded
     def tail(self) -> Optional[Fence]:
         """The tail fence the last successful write_back returned, again;
-        None before one."""
+        None before one. Valid until the lease retires (BadHandle after; the
+        Receipt has it)."""
+        self._h()
         f = getattr(self._box, "tail", None)
         return Fence(f.serial) if f is not None and f.serial else None
 

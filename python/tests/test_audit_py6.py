@@ -1,0 +1,236 @@
+"""A sixth audit of the Python package: a retired lease's accessors, the
+copy and pickle refusals of every handle-naming class, integer rows for the
+dtypes numpy holds natively, an array resized while a call converts its
+arguments, objects used in a forked child, and a short sweep of the
+transformers adapter (a CPU device named with an index).
+
+Host backend, no GPU needed; the adapter tests skip, with the reason shown,
+without torch and transformers.
+"""
+import copy
+import gc
+import inspect
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import weakref
+
+import numpy as np
+import pytest
+
+import activekv as akv
+
+from conftest import quiet, small
+
+L, H, D = 3, 2, 8
+
+
+def run_py(body, timeout=60):
+    """Runs `body` in a fresh interpreter with this package; returns the
+    CompletedProcess (rc, stdout, stderr)."""
+    code = "import sys; sys.path.insert(0, %r)\n" % os.path.dirname(__file__) + \
+        textwrap.dedent(body)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _rows(n, dtype=np.float32, start=1.0):
+    return (np.arange(L * n * H * D, dtype=np.float64).reshape(L, n, H, D) + start).astype(dtype)
+
+
+def _finish(eng, lease, first):
+    """Seals and retires `lease` (wait_ready made), then runs the layers from
+    `first` on and ends the step."""
+    attn = lease.mark_consumed()
+    lease.seal(lease.write_back(), attn)
+    lease.retire()
+    for layer in range(first, L):
+        lease = eng.lease_begin(layer)
+        lease.wait_ready()
+        attn = lease.mark_consumed()
+        lease.seal(lease.write_back(), attn)
+        lease.retire()
+    eng.step_end()
+
+
+# ------------------------------------------------------------ a retired lease
+
+
+def test_retired_lease_accessors_refuse_with_bad_handle_and_the_receipt_has_the_fences(engine):
+    """Lease.view raised BadHandle once the lease retired, while
+    Lease.attention and Lease.tail still answered the dead lease's fences.
+    All three are now valid until the lease retires and raise BadHandle
+    after, as every call on a dead lease; the retire's Receipt holds both
+    fences."""
+    ctx = engine.open_context()
+    k = _rows(2)
+    ctx.append(k, k)
+    engine.step_begin([ctx])
+    lease = engine.lease_begin(0)
+    lease.wait_ready()
+    attn = lease.mark_consumed()
+    tail = lease.write_back()
+    assert lease.attention == attn and lease.tail == tail and lease.view is not None
+    lease.seal(tail, attn)
+    receipt = lease.retire()
+    assert receipt.attention == attn and receipt.tail == tail
+    for name in ("view", "attention", "tail"):
+        with pytest.raises(akv.BadHandle, match="retired"):
+            getattr(lease, name)
+    assert lease.layer == 0  # what the lease was, not a handle
+    for layer in (1, 2):
+        lease = engine.lease_begin(layer)
+        lease.wait_ready()
+        a = lease.mark_consumed()
+        lease.seal(lease.write_back(), a)
+        lease.retire()
+    engine.step_end()
+
+
+def test_lease_released_by_quarantine_or_closed_with_its_engine_refuses_its_fences():
+    """A lease a quarantine released and a lease of a closed engine are dead
+    too: their fences are refused (BadHandle), not answered."""
+    eng = akv.Engine(**small())
+    ctx = eng.open_context()
+    ctx.append(_rows(2), _rows(2))
+    eng.step_begin([ctx])
+    lease = eng.lease_begin(0)
+    lease.wait_ready()
+    lease.mark_consumed()
+    lease.write_back()
+    eng.quarantine()
+    for name in ("view", "attention", "tail"):
+        with pytest.raises(akv.BadHandle):
+            getattr(lease, name)
+    eng.close()
+    with pytest.raises(akv.BadHandle, match="engine is closed"):
+        lease.attention
+
+
+# ------------------------------------------------------------ fork
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork here")
+def test_forked_child_refuses_a_leases_fences_and_views_and_exits_cleanly():
+    """In a child forked with a lease in flight, Lease.attention and
+    Lease.tail answered the parent's fences without the engine being asked
+    (every other call raised BadHandle). They raise BadHandle now, as
+    Lease.view and View.keys do; the child's normal exit (finalizers,
+    atexit) frees nothing of the parent's and returns; the parent finishes
+    its step."""
+    r = run_py("""
+        import os, sys, gc, time, numpy as np, activekv as akv
+        from conftest import quiet
+        eng = akv.Engine(backend="host", n_dense_layers=1, kv_heads=2, head_dim=8,
+                         dtype="f32", max_tokens=32, page_tokens=4, max_contexts=2,
+                         host_pool_gib=1, log=quiet)
+        ctx = eng.open_context()
+        z = np.ones((1, 5, 2, 8), np.float32)
+        ctx.append(z, z)
+        eng.step_begin([ctx])
+        lease = eng.lease_begin(0)
+        view = lease.wait_ready()
+        K = view.keys(0)
+        attn = lease.mark_consumed()
+        tail = lease.write_back()
+        pid = os.fork()
+        if pid == 0:
+            bad = []
+            for name, f in (("attention", lambda: lease.attention),
+                            ("tail", lambda: lease.tail), ("view", lambda: lease.view),
+                            ("keys", lambda: view.keys(0)), ("kv", lambda: view.values(0)),
+                            ("seal", lambda: lease.seal(tail, attn))):
+                try:
+                    f()
+                    bad.append(name)
+                except akv.BadHandle as exc:
+                    if "fork" not in str(exc):
+                        bad.append(name + " (message)")
+            if bad:
+                print("child reached the parent's engine:", bad, flush=True)
+                os._exit(3)
+            del K, view, lease, ctx, eng
+            gc.collect()
+            sys.exit(0)  # a normal exit: finalizers and atexit run
+        deadline = time.monotonic() + 30
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            assert time.monotonic() < deadline, "the child hung"
+            time.sleep(0.05)
+        assert os.waitstatus_to_exitcode(status) == 0, status
+        assert lease.attention == attn and lease.tail == tail
+        lease.seal(tail, attn)
+        lease.retire()
+        eng.step_end()
+        assert len(ctx) == 6
+        del K, view
+        eng.close()
+        print("ok")
+    """)
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
+    assert r.stdout.strip() == "ok"
+    assert "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork here")
+def test_forked_child_refuses_a_cache_and_its_exit_leaves_the_parents_decode_alone():
+    """An ActiveKVCache (hooks on, a decode step open) inherited by a forked
+    child: a forward, finish() and close() there raise BadHandle naming the
+    fork, the child's normal exit (the cache's finalizer, the engine's
+    __del__) returns without touching the parent's engine, and the parent
+    decodes on, bit-identical to a cache never forked."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    r = run_py("""
+        import os, sys, gc, time, inspect, torch, activekv as akv
+        from transformers import LlamaConfig, LlamaForCausalLM
+        from activekv.transformers import ActiveKVCache
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=8, max_position_embeddings=128)
+        cfg._attn_implementation = "sdpa"
+        m = LlamaForCausalLM(cfg).eval()
+        kw = "cache" if "cache" in inspect.signature(m.forward).parameters else "past_key_values"
+        ids = torch.randint(0, 64, (1, 4))
+        torch.set_grad_enabled(False)
+
+        def run(fork):
+            c = ActiveKVCache(m, max_cache_len=32, batch_size=1, hooks=True)
+            out = [m(ids, **{kw: c}).logits, m(ids[:, :1], **{kw: c}).logits]
+            if fork:
+                pid = os.fork()
+                if pid == 0:
+                    for f in (lambda: m(ids[:, :1], **{kw: c}), c.finish, c.close):
+                        try:
+                            f()
+                            os._exit(3)
+                        except akv.BadHandle as exc:
+                            if "fork" not in str(exc):
+                                os._exit(4)
+                    del c
+                    gc.collect()
+                    sys.exit(0)
+                deadline = time.monotonic() + 30
+                while True:
+                    done, status = os.waitpid(pid, os.WNOHANG)
+                    if done:
+                        break
+                    assert time.monotonic() < deadline, "the child hung"
+                    time.sleep(0.05)
+                assert os.waitstatus_to_exitcode(status) == 0, status
+            out += [m(ids[:, 1:2], **{kw: c}).logits, m(ids[:, 2:3], **{kw: c}).logits]
+            assert c.get_seq_length() == 7
+            c.close()
+            return out
+
+        a, b = run(True), run(False)
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+        print("ok")
+    """, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
+    assert r.stdout.strip() == "ok"
