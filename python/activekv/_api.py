@@ -2212,6 +2212,22 @@ class View:
         for name, value in fields.items():
             object.__setattr__(self, name, value)
 
+    # A View names its lease (a C handle): deepcopy and pickle refuse it as the
+    # lease's own do, naming the View (they raised the Lease's TypeError from
+    # inside the copy). copy.copy is allowed: the same lease's view, dead with it.
+    def __copy__(self) -> "View":
+        twin = object.__new__(type(self))
+        twin.__dict__.update(self.__dict__)
+        return twin
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        raise TypeError(f"an activekv.{type(self).__name__} cannot be deep-copied or pickled "
+                        "(it describes its lease's staging memory; copy.copy gives the same "
+                        "view, np.array(view.keys(i)) a copy of the rows)")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        self.__deepcopy__(None)
+
     @property
     def len(self) -> List[int]:
         """Rows staged per context (the history; the step's row goes at

@@ -109,6 +109,49 @@ def test_lease_released_by_quarantine_or_closed_with_its_engine_refuses_its_fenc
         lease.attention
 
 
+# ------------------------------------------------------------ copies
+
+
+def test_view_deepcopy_and_pickle_name_the_view_and_copy_still_gives_the_same_view(engine):
+    """copy.deepcopy(view) and pickle.dumps(view) raised 'an activekv.Lease
+    cannot be copied' from inside the copy: the message named a class the
+    caller never passed. They now name the View; copy.copy stays allowed (the
+    same lease's view, dead with it)."""
+    ctx = engine.open_context()
+    ctx.append(_rows(2), _rows(2))
+    engine.step_begin([ctx])
+    lease = engine.lease_begin(0)
+    view = lease.wait_ready()
+    for how in (copy.deepcopy, pickle.dumps, lambda v: pickle.dumps(v, protocol=0)):
+        with pytest.raises(TypeError, match=r"activekv\.View") as info:
+            how(view)
+        assert "Lease" not in str(info.value)
+    twin = copy.copy(view)
+    assert type(twin) is akv.View and twin.len == view.len and twin.base == view.base
+    np.testing.assert_array_equal(twin.keys(0)[:2], view.keys(0)[:2])
+    _finish(engine, lease, 1)
+    with pytest.raises(akv.BadHandle):
+        twin.keys(0)
+
+
+def test_every_handle_naming_class_names_itself_when_copied_or_pickled(engine):
+    """Every class that names a C handle refuses deepcopy and pickle with a
+    TypeError naming its own class."""
+    ctx = engine.open_context()
+    ctx.append(_rows(2), _rows(2))
+    stream = engine.stream_create()
+    engine.step_begin([ctx])
+    lease = engine.lease_begin(0)
+    view = lease.wait_ready(stream)
+    for obj, name in ((engine, "Engine"), (ctx, "Context"), (stream, "Stream"),
+                      (lease, "Lease"), (view, "View")):
+        for how in (copy.deepcopy, pickle.dumps):
+            with pytest.raises(TypeError, match=r"activekv\.%s\b" % name):
+                how(obj)
+    _finish(engine, lease, 1)
+    stream.destroy()
+
+
 # ------------------------------------------------------------ fork
 
 
@@ -234,3 +277,40 @@ def test_forked_child_refuses_a_cache_and_its_exit_leaves_the_parents_decode_alo
     """, timeout=120)
     assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
     assert r.stdout.strip() == "ok"
+
+
+# ------------------------------------------------------------ the adapter
+
+
+def _llama(layers=2):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, max_position_embeddings=128)
+    cfg._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(cfg).to(torch.float32).eval()
+    params = inspect.signature(model.forward).parameters
+    return torch, model, "cache" if "cache" in params else "past_key_values"
+
+
+def test_cache_layer_copy_deepcopy_and_pickle_name_the_layer():
+    """copy.copy(cache.layers[i]) made a second ActiveKVLayer driving the same
+    engine and step; deepcopy and pickle failed inside with the Engine's
+    TypeError. All three are refused naming the ActiveKVLayer, as the
+    cache's own are."""
+    torch, model, kw = _llama()
+    from activekv.transformers import ActiveKVCache
+
+    with torch.no_grad(), ActiveKVCache(model, max_cache_len=16) as cache:
+        model(torch.tensor([[1, 2, 3]]), **{kw: cache})
+        for how in (copy.copy, copy.deepcopy, pickle.dumps):
+            with pytest.raises(TypeError, match="ActiveKVLayer") as info:
+                how(cache.layers[0])
+            assert "Engine" not in str(info.value)
+            with pytest.raises(TypeError, match="ActiveKVCache"):
+                how(cache)
+        assert cache.get_seq_length() == 3
