@@ -407,13 +407,30 @@ def _receipt(r: L.akv_receipt) -> Receipt:
 # ----------------------------------------------------------------- arrays
 
 
+# The dtypes whose rows numpy cannot hold as values: integer arrays of their
+# size are taken as raw bits (bf16 as uint16/int16 bit patterns, FP8 as
+# uint8/int8 codes). For f16 and f32, numpy's own float type is the only
+# input: an integer array there holds integer values, which the library's
+# byte copy stored as float bit patterns (np.arange(n, dtype=np.int32) for
+# an f32 engine became denormals), silently.
+_RAW_BITS_DTYPES = frozenset(("bf16", "fp8_e4m3", "fp8_e5m2"))
+
+
+def _refuse_integer_rows(what: str, given: Any, dtype: str) -> None:
+    if dtype not in _RAW_BITS_DTYPES:
+        raise InvalidArgument.make(
+            f"{what}: {given} rows for a {dtype} engine: integer arrays are taken as raw bits "
+            f"only for bf16 and FP8, which numpy has no type for; pass {_NP_DTYPE[dtype]} values "
+            f"(bit patterns you mean as such: .view(np.{_NP_DTYPE[dtype]}))")
+
+
 def _host_rows(obj: Any, dtype: str, what: str) -> np.ndarray:
     """A C-contiguous numpy view (no copy) of rows given as numpy, a CPU
-    torch tensor or any buffer, checked against the engine's dtype: raw bit
-    patterns of the same size (int16/uint16 for 2-byte dtypes, uint8/int8
-    codes for FP8) or the matching float type. bf16 and FP8 have no numpy
-    float type; torch.bfloat16, torch.float8_e4m3fn and torch.float8_e5m2
-    are accepted."""
+    torch tensor or any buffer, checked against the engine's dtype: the
+    matching float type, or, for bf16 and FP8 (which numpy has no float type
+    for), raw bit patterns of the same size (int16/uint16 for bf16, uint8/int8
+    codes for FP8); torch.bfloat16, torch.float8_e4m3fn and torch.float8_e5m2
+    are accepted. Integer rows for f16 and f32 are refused (_RAW_BITS_DTYPES)."""
     isz = _ITEMSIZE[dtype]
     mod = type(obj).__module__
     loaded = sys.modules.get("torch")  # a tensor exists only once torch is imported
@@ -439,6 +456,8 @@ def _host_rows(obj: Any, dtype: str, what: str) -> np.ndarray:
         if obj.is_complex() or obj.dtype == torch.bool or obj.element_size() != isz:
             raise InvalidArgument.make(f"{what}: {obj.element_size()}-byte {obj.dtype} elements "
                                        f"for a {dtype} engine ({isz} bytes)")
+        if not obj.is_floating_point():
+            _refuse_integer_rows(what, obj.dtype, dtype)
         # rows are only read: no autograd, and conj/neg bits made real
         obj = obj.detach().resolve_conj().resolve_neg()
         int_t = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[isz]
@@ -459,11 +478,14 @@ def _host_rows(obj: Any, dtype: str, what: str) -> np.ndarray:
             arr = np.asarray(obj)
         except Exception as exc:  # noqa: BLE001 - any non-array input
             raise InvalidArgument.make(f"{what}: not an array ({exc})") from exc
-        if arr.dtype.kind == "f" and arr.dtype != _NP_DTYPE[dtype]:
+        if arr.dtype.kind == "f" and arr.dtype.newbyteorder("=") != _NP_DTYPE[dtype]:
+            # (the right type in the other byte order: refused below, by name)
             raise InvalidArgument.make(f"{what}: {arr.dtype} rows for a {dtype} engine")
         if arr.dtype.kind not in "fiu" or arr.dtype.itemsize != isz:
             raise InvalidArgument.make(f"{what}: dtype {arr.dtype} for a {dtype} engine "
                                        f"({isz}-byte elements)")
+        if arr.dtype.kind != "f":
+            _refuse_integer_rows(what, arr.dtype, dtype)
         if not arr.dtype.isnative:
             # the library copies bytes: a swapped byte order would be stored
             # as different values

@@ -152,6 +152,55 @@ def test_every_handle_naming_class_names_itself_when_copied_or_pickled(engine):
     stream.destroy()
 
 
+# ------------------------------------------------------------ integer rows
+
+
+@pytest.mark.parametrize("dtype,ints", [("f32", (np.int32, np.uint32)),
+                                        ("f16", (np.int16, np.uint16))])
+def test_integer_rows_are_refused_for_the_dtypes_numpy_holds_natively(dtype, ints):
+    """An int32 array for an f32 engine (int16 for f16) was taken as raw
+    bits: the integers 1, 2, 3 were stored as the floats 1e-45, 3e-45, ...
+    silently. numpy has float32 and float16, so integer rows for those
+    engines are refused (InvalidArgument, nothing appended), numpy's and
+    torch's alike; bits meant as bits pass as .view(np.float32)."""
+    npf = {"f32": np.float32, "f16": np.float16}[dtype]
+    with akv.Engine(**small(dtype=dtype)) as eng:
+        ctx = eng.open_context()
+        for it in ints:
+            k = _rows(2, it)
+            with pytest.raises(akv.InvalidArgument, match="raw bits"):
+                ctx.append(k, k)
+            with pytest.raises(akv.InvalidArgument, match="raw bits"):
+                ctx.append_layer(0, k[0], k[0])
+            with pytest.raises(akv.InvalidArgument, match="raw bits"):
+                ctx.append(_rows(2, npf), k)  # v alone
+        assert len(ctx) == 0 and ctx.read(0, 0, 0)[0].shape == (0, H, D)
+        good = _rows(2, npf)
+        ctx.append(good, good.view({4: np.int32, 2: np.int16}[good.itemsize]).view(npf))
+        np.testing.assert_array_equal(ctx.read(1, 0, 2)[0], good[1])
+        torch = pytest.importorskip("torch")
+        tint = {"f32": torch.int32, "f16": torch.int16}[dtype]
+        t = torch.from_numpy(good).view(tint)
+        with pytest.raises(akv.InvalidArgument, match="raw bits"):
+            ctx.append(t, t)
+        assert len(ctx) == 2
+
+
+@pytest.mark.parametrize("dtype,ints", [("bf16", (np.uint16, np.int16)),
+                                        ("fp8_e4m3", (np.uint8, np.int8)),
+                                        ("fp8_e5m2", (np.uint8, np.int8))])
+def test_raw_bits_stay_accepted_where_numpy_has_no_type(dtype, ints):
+    """bf16 (uint16/int16 bit patterns) and FP8 (uint8/int8 codes) have no
+    numpy type: their integer rows are raw bits, as documented."""
+    with akv.Engine(**small(dtype=dtype)) as eng:
+        ctx = eng.open_context()
+        for n, it in enumerate(ints):
+            k = (np.arange(L * H * D).reshape(L, 1, H, D) % 100).astype(it)
+            ctx.append(k, k)
+            assert ctx.read(2, n, 1)[0].tobytes() == k[2].tobytes()
+        assert len(ctx) == 2
+
+
 # ------------------------------------------------------------ fork
 
 
