@@ -430,7 +430,11 @@ def _host_rows(obj: Any, dtype: str, what: str) -> np.ndarray:
     matching float type, or, for bf16 and FP8 (which numpy has no float type
     for), raw bit patterns of the same size (int16/uint16 for bf16, uint8/int8
     codes for FP8); torch.bfloat16, torch.float8_e4m3fn and torch.float8_e5m2
-    are accepted. Integer rows for f16 and f32 are refused (_RAW_BITS_DTYPES)."""
+    are accepted. Integer rows for f16 and f32 are refused (_RAW_BITS_DTYPES).
+
+    The array is read by the caller's C call only after every argument was
+    converted (the caller's code: an __array__, a subclass) and _check_pins
+    found the memory each one views still in place."""
     isz = _ITEMSIZE[dtype]
     mod = type(obj).__module__
     loaded = sys.modules.get("torch")  # a tensor exists only once torch is imported
@@ -494,6 +498,47 @@ def _host_rows(obj: Any, dtype: str, what: str) -> np.ndarray:
     if not arr.flags.c_contiguous:
         raise InvalidArgument.make(f"{what}: array is not C-contiguous")
     return arr
+
+
+_NDARRAY_BASE = np.ndarray.__dict__["base"].__get__
+_NDARRAY_FLAGS = np.ndarray.__dict__["flags"].__get__
+_NDARRAY_IFACE = np.ndarray.__dict__["__array_interface__"].__get__
+_NDARRAY_NBYTES = np.ndarray.__dict__["nbytes"].__get__
+
+
+def _pin(arr: np.ndarray) -> Optional[Tuple[np.ndarray, Any, int]]:
+    """What must stay in place for `arr` to view live memory: the numpy array
+    that owns the memory arr views (arr itself, or the end of its chain of
+    bases), with its data pointer and size now; None when no numpy array
+    owns it (a torch tensor's storage, a buffer's export: neither can be
+    resized under the array). Read through ndarray's own descriptors: no
+    subclass code runs."""
+    owner = arr
+    while True:
+        base = _NDARRAY_BASE(owner)
+        if not issubclass(type(base), np.ndarray):
+            break
+        owner = base
+    if not _NDARRAY_FLAGS(owner).owndata:
+        return None
+    return owner, _NDARRAY_IFACE(owner)["data"][0], _NDARRAY_NBYTES(owner)
+
+
+def _check_pins(what: str, pins: Sequence[Tuple[str, Any]]) -> None:
+    """Raises InvalidArgument when the memory a converted argument views
+    moved or shrank after it was converted: the caller's code converting a
+    later argument (its __array__) resized the array that owns it
+    (ndarray.resize(..., refcheck=False)), which freed the memory the earlier
+    argument's view still named, and the library read freed memory."""
+    for name, pin in pins:
+        if pin is None:
+            continue
+        owner, ptr, nbytes = pin
+        if _NDARRAY_IFACE(owner)["data"][0] != ptr or _NDARRAY_NBYTES(owner) != nbytes:
+            raise InvalidArgument.make(
+                f"{what}: the array under {name} was resized while the call converted its "
+                "arguments; its rows were no longer where they were (pass arrays that stay "
+                "as they are during the call)")
 
 
 class _Export:
@@ -1838,7 +1883,10 @@ class Context(_ClosedOnExit):
         Capacity (nothing appended), InUse, BadHandle, Quarantined."""
         h = self._h()
         dt = self._engine._dtype
-        ka, va = _host_rows(k, dt, "k"), _host_rows(v, dt, "v")
+        ka = _host_rows(k, dt, "k")
+        kpin = _pin(ka)
+        va = _host_rows(v, dt, "v")  # the caller's code may run here (an __array__)
+        _check_pins("append", (("k", kpin),))
         nl, kh, hd = self._geometry()
         if ka.ndim != 4 or ka.shape[0] != nl or ka.shape[2:] != (kh, hd) or va.shape != ka.shape:
             raise InvalidArgument.make(
@@ -1862,7 +1910,10 @@ class Context(_ClosedOnExit):
         appended), InUse, BadHandle, Quarantined."""
         h = self._h()
         dt = self._engine._dtype
-        ka, va = _host_rows(k, dt, "k"), _host_rows(v, dt, "v")
+        ka = _host_rows(k, dt, "k")
+        kpin = _pin(ka)
+        va = _host_rows(v, dt, "v")  # the caller's code may run here (an __array__)
+        _check_pins("append_layer", (("k", kpin),))
         _, kh, hd = self._geometry()
         if ka.ndim != 3 or ka.shape[1:] != (kh, hd) or va.shape != ka.shape:
             raise InvalidArgument.make(

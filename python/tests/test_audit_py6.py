@@ -201,6 +201,84 @@ def test_raw_bits_stay_accepted_where_numpy_has_no_type(dtype, ints):
         assert len(ctx) == 2
 
 
+# ------------------------------------------------------------ resized arrays
+
+
+class _Sub(np.ndarray):
+    """An ndarray subclass: np.asarray gives a view of it, not the object."""
+
+
+def _resizing_v(victim, shape):
+    """A V whose __array__ resizes `victim` (refcheck=False), which frees the
+    memory a view of it named, then fills the freed memory with junk."""
+    class V:
+        def __array__(self, dtype=None, copy=None):
+            victim.resize((victim.size * 4096,), refcheck=False)
+            junk = [np.full(victim.size // 4096, -7.0, np.float32) for _ in range(64)]
+            del junk
+            return np.ones(shape, np.float32)
+    return V()
+
+
+@pytest.mark.parametrize("how", ["subclass", "view"])
+def test_array_resized_while_the_call_converts_its_other_argument_is_refused(engine, how):
+    """K converted first and V's __array__ then resized the array K's view
+    names (ndarray.resize(..., refcheck=False)): the memory was freed, and
+    the library copied freed memory into the context (junk rows, or a crash
+    for a large array). The memory under each converted argument is checked
+    once every argument is converted: refused (InvalidArgument), nothing
+    appended."""
+    ctx = engine.open_context()
+    want = _rows(2)
+    for call in ("append", "append_layer"):
+        if how == "subclass":
+            k = _Sub(want.shape, np.float32)
+            k[...] = want
+            owner = k
+        else:
+            owner = want.copy()
+            k = owner[:]  # a view: its base owns the memory
+        shape = want.shape if call == "append" else want.shape[1:]
+        v = _resizing_v(owner, shape)
+        with pytest.raises(akv.InvalidArgument, match="resized"):
+            if call == "append":
+                ctx.append(k, v)
+            else:
+                ctx.append_layer(0, k[0], v)
+        assert len(ctx) == 0
+        assert ctx.read(0, 0, 0)[0].size == 0
+    ctx.append(want, want)  # the right call follows
+    np.testing.assert_array_equal(ctx.read(2, 0, 2)[0], want[2])
+
+
+def test_rows_are_copied_during_the_call_and_no_reference_is_kept(engine):
+    """append and append_layer read the arrays during the call only: after it
+    returns the package holds no reference (the array can be resized with
+    numpy's own reference check, and is freed when the caller drops it) and
+    no pointer (the rows read back are those at the call, whatever happens
+    to the array after)."""
+    ctx = engine.open_context()
+    k, v = _rows(2), _rows(2, start=100.0)
+    keep_k, keep_v = k.copy(), v.copy()
+    ctx.append(k, v)
+    ctx.append_layer(0, k[0, :1].copy(), v[0, :1].copy())  # layer 0 ahead by one row
+    k.resize((k.size * 1024,))  # refcheck=True: refused if anyone else held it
+    v.resize((v.size * 1024,))
+    kr, vr = weakref.ref(k), weakref.ref(v)  # (a weak reference fails numpy's refcheck too)
+    k[:] = -1.0
+    del k, v
+    gc.collect()
+    assert kr() is None and vr() is None
+    junk = [np.full(L * 2 * H * D, -3.0, np.float32) for _ in range(256)]
+    del junk
+    rk, rv = ctx.read(1, 0, 2)
+    np.testing.assert_array_equal(rk, keep_k[1])
+    np.testing.assert_array_equal(rv, keep_v[1])
+    rk0, _ = ctx.read(0, 0, 3)
+    np.testing.assert_array_equal(rk0[:2], keep_k[0])
+    np.testing.assert_array_equal(rk0[2], keep_k[0, 0])
+
+
 # ------------------------------------------------------------ fork
 
 
