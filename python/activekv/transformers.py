@@ -1348,6 +1348,10 @@ class ActiveKVCache(Cache):
         if config is None or device is None or dtype is None:
             raise ValueError("ActiveKVCache needs a model, or config=, device= and dtype=")
         device = torch.device(device)
+        if device.type == "cpu":
+            # one CPU: "cpu:0" is torch's cpu, whose tensors say "cpu" (an index kept
+            # here refused every update: cpu:0 != cpu)
+            device = torch.device("cpu")
         if device.type not in ("cpu", "cuda"):
             # refused before the engine exists: the host backend copies from and hands
             # views to CPU memory, the CUDA backend to one CUDA device

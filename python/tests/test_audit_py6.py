@@ -441,3 +441,22 @@ def test_cache_layer_copy_deepcopy_and_pickle_name_the_layer():
             with pytest.raises(TypeError, match="ActiveKVCache"):
                 how(cache)
         assert cache.get_seq_length() == 3
+
+
+@pytest.mark.parametrize("device", ["cpu:0", "cpu"])
+def test_cache_for_a_cpu_device_named_with_an_index_serves_the_model(device):
+    """ActiveKVCache(config=..., device="cpu:0") was made, then refused every
+    update: the model's tensors say "cpu", and cpu:0 != cpu. A CPU device is
+    one device: the cache serves it, bit-identical to one made for "cpu"."""
+    torch, model, kw = _llama()
+    from activekv.transformers import ActiveKVCache
+
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad(), ActiveKVCache(config=model.config, device=device,
+                                        dtype=torch.float32, max_cache_len=16) as cache, \
+            ActiveKVCache(model, max_cache_len=16) as ref:
+        for step in (ids, ids[:, :1], ids[:, 1:2]):
+            got = model(step, **{kw: cache}).logits
+            want = model(step, **{kw: ref}).logits
+            assert torch.equal(got, want)
+        assert cache.get_seq_length() == 6
