@@ -407,13 +407,34 @@ def _receipt(r: L.akv_receipt) -> Receipt:
 # ----------------------------------------------------------------- arrays
 
 
+# The dtypes whose rows numpy cannot hold as values: integer arrays of their
+# size are taken as raw bits (bf16 as uint16/int16 bit patterns, FP8 as
+# uint8/int8 codes). For f16 and f32, numpy's own float type is the only
+# input: an integer array there holds integer values, which the library's
+# byte copy stored as float bit patterns (np.arange(n, dtype=np.int32) for
+# an f32 engine became denormals), silently.
+_RAW_BITS_DTYPES = frozenset(("bf16", "fp8_e4m3", "fp8_e5m2"))
+
+
+def _refuse_integer_rows(what: str, given: Any, dtype: str) -> None:
+    if dtype not in _RAW_BITS_DTYPES:
+        raise InvalidArgument.make(
+            f"{what}: {given} rows for a {dtype} engine: integer arrays are taken as raw bits "
+            f"only for bf16 and FP8, which numpy has no type for; pass {_NP_DTYPE[dtype]} values "
+            f"(bit patterns you mean as such: .view(np.{_NP_DTYPE[dtype]}))")
+
+
 def _host_rows(obj: Any, dtype: str, what: str) -> np.ndarray:
     """A C-contiguous numpy view (no copy) of rows given as numpy, a CPU
-    torch tensor or any buffer, checked against the engine's dtype: raw bit
-    patterns of the same size (int16/uint16 for 2-byte dtypes, uint8/int8
-    codes for FP8) or the matching float type. bf16 and FP8 have no numpy
-    float type; torch.bfloat16, torch.float8_e4m3fn and torch.float8_e5m2
-    are accepted."""
+    torch tensor or any buffer, checked against the engine's dtype: the
+    matching float type, or, for bf16 and FP8 (which numpy has no float type
+    for), raw bit patterns of the same size (int16/uint16 for bf16, uint8/int8
+    codes for FP8); torch.bfloat16, torch.float8_e4m3fn and torch.float8_e5m2
+    are accepted. Integer rows for f16 and f32 are refused (_RAW_BITS_DTYPES).
+
+    The array is read by the caller's C call only after every argument was
+    converted (the caller's code: an __array__, a subclass) and _check_pins
+    found the memory each one views still in place."""
     isz = _ITEMSIZE[dtype]
     mod = type(obj).__module__
     loaded = sys.modules.get("torch")  # a tensor exists only once torch is imported
@@ -439,6 +460,8 @@ def _host_rows(obj: Any, dtype: str, what: str) -> np.ndarray:
         if obj.is_complex() or obj.dtype == torch.bool or obj.element_size() != isz:
             raise InvalidArgument.make(f"{what}: {obj.element_size()}-byte {obj.dtype} elements "
                                        f"for a {dtype} engine ({isz} bytes)")
+        if not obj.is_floating_point():
+            _refuse_integer_rows(what, obj.dtype, dtype)
         # rows are only read: no autograd, and conj/neg bits made real
         obj = obj.detach().resolve_conj().resolve_neg()
         int_t = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[isz]
@@ -459,11 +482,14 @@ def _host_rows(obj: Any, dtype: str, what: str) -> np.ndarray:
             arr = np.asarray(obj)
         except Exception as exc:  # noqa: BLE001 - any non-array input
             raise InvalidArgument.make(f"{what}: not an array ({exc})") from exc
-        if arr.dtype.kind == "f" and arr.dtype != _NP_DTYPE[dtype]:
+        if arr.dtype.kind == "f" and arr.dtype.newbyteorder("=") != _NP_DTYPE[dtype]:
+            # (the right type in the other byte order: refused below, by name)
             raise InvalidArgument.make(f"{what}: {arr.dtype} rows for a {dtype} engine")
         if arr.dtype.kind not in "fiu" or arr.dtype.itemsize != isz:
             raise InvalidArgument.make(f"{what}: dtype {arr.dtype} for a {dtype} engine "
                                        f"({isz}-byte elements)")
+        if arr.dtype.kind != "f":
+            _refuse_integer_rows(what, arr.dtype, dtype)
         if not arr.dtype.isnative:
             # the library copies bytes: a swapped byte order would be stored
             # as different values
@@ -472,6 +498,47 @@ def _host_rows(obj: Any, dtype: str, what: str) -> np.ndarray:
     if not arr.flags.c_contiguous:
         raise InvalidArgument.make(f"{what}: array is not C-contiguous")
     return arr
+
+
+_NDARRAY_BASE = np.ndarray.__dict__["base"].__get__
+_NDARRAY_FLAGS = np.ndarray.__dict__["flags"].__get__
+_NDARRAY_IFACE = np.ndarray.__dict__["__array_interface__"].__get__
+_NDARRAY_NBYTES = np.ndarray.__dict__["nbytes"].__get__
+
+
+def _pin(arr: np.ndarray) -> Optional[Tuple[np.ndarray, Any, int]]:
+    """What must stay in place for `arr` to view live memory: the numpy array
+    that owns the memory arr views (arr itself, or the end of its chain of
+    bases), with its data pointer and size now; None when no numpy array
+    owns it (a torch tensor's storage, a buffer's export: neither can be
+    resized under the array). Read through ndarray's own descriptors: no
+    subclass code runs."""
+    owner = arr
+    while True:
+        base = _NDARRAY_BASE(owner)
+        if not issubclass(type(base), np.ndarray):
+            break
+        owner = base
+    if not _NDARRAY_FLAGS(owner).owndata:
+        return None
+    return owner, _NDARRAY_IFACE(owner)["data"][0], _NDARRAY_NBYTES(owner)
+
+
+def _check_pins(what: str, pins: Sequence[Tuple[str, Any]]) -> None:
+    """Raises InvalidArgument when the memory a converted argument views
+    moved or shrank after it was converted: the caller's code converting a
+    later argument (its __array__) resized the array that owns it
+    (ndarray.resize(..., refcheck=False)), which freed the memory the earlier
+    argument's view still named, and the library read freed memory."""
+    for name, pin in pins:
+        if pin is None:
+            continue
+        owner, ptr, nbytes = pin
+        if _NDARRAY_IFACE(owner)["data"][0] != ptr or _NDARRAY_NBYTES(owner) != nbytes:
+            raise InvalidArgument.make(
+                f"{what}: the array under {name} was resized while the call converted its "
+                "arguments; its rows were no longer where they were (pass arrays that stay "
+                "as they are during the call)")
 
 
 class _Export:
@@ -1816,7 +1883,10 @@ class Context(_ClosedOnExit):
         Capacity (nothing appended), InUse, BadHandle, Quarantined."""
         h = self._h()
         dt = self._engine._dtype
-        ka, va = _host_rows(k, dt, "k"), _host_rows(v, dt, "v")
+        ka = _host_rows(k, dt, "k")
+        kpin = _pin(ka)
+        va = _host_rows(v, dt, "v")  # the caller's code may run here (an __array__)
+        _check_pins("append", (("k", kpin),))
         nl, kh, hd = self._geometry()
         if ka.ndim != 4 or ka.shape[0] != nl or ka.shape[2:] != (kh, hd) or va.shape != ka.shape:
             raise InvalidArgument.make(
@@ -1840,7 +1910,10 @@ class Context(_ClosedOnExit):
         appended), InUse, BadHandle, Quarantined."""
         h = self._h()
         dt = self._engine._dtype
-        ka, va = _host_rows(k, dt, "k"), _host_rows(v, dt, "v")
+        ka = _host_rows(k, dt, "k")
+        kpin = _pin(ka)
+        va = _host_rows(v, dt, "v")  # the caller's code may run here (an __array__)
+        _check_pins("append_layer", (("k", kpin),))
         _, kh, hd = self._geometry()
         if ka.ndim != 3 or ka.shape[1:] != (kh, hd) or va.shape != ka.shape:
             raise InvalidArgument.make(
@@ -1999,17 +2072,28 @@ class Lease(_NotCopyable):
         self._sync_view()
         return View(self, v)
 
+    # view, attention and tail alike: valid until the lease retires (or a
+    # quarantine releases it, or its engine closes), BadHandle after that, as
+    # every other call on a dead lease; the Receipt of the retire holds both
+    # fences. (attention and tail answered a dead lease's fences, view raised.)
+
     @property
+    @_guarded
     def attention(self) -> Optional[Fence]:
         """The fence mark_consumed returned, again; None before one
-        succeeded."""
+        succeeded. Valid until the lease retires (BadHandle after; the
+        Receipt has it)."""
+        self._h()
         f = getattr(self._box, "attn", None)
         return Fence(f.serial) if f is not None and f.serial else None
 
     @property
+    @_guarded
     def tail(self) -> Optional[Fence]:
         """The tail fence the last successful write_back returned, again;
-        None before one."""
+        None before one. Valid until the lease retires (BadHandle after; the
+        Receipt has it)."""
+        self._h()
         f = getattr(self._box, "tail", None)
         return Fence(f.serial) if f is not None and f.serial else None
 
@@ -2200,6 +2284,22 @@ class View:
             page_map=shown)
         for name, value in fields.items():
             object.__setattr__(self, name, value)
+
+    # A View names its lease (a C handle): deepcopy and pickle refuse it as the
+    # lease's own do, naming the View (they raised the Lease's TypeError from
+    # inside the copy). copy.copy is allowed: the same lease's view, dead with it.
+    def __copy__(self) -> "View":
+        twin = object.__new__(type(self))
+        twin.__dict__.update(self.__dict__)
+        return twin
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        raise TypeError(f"an activekv.{type(self).__name__} cannot be deep-copied or pickled "
+                        "(it describes its lease's staging memory; copy.copy gives the same "
+                        "view, np.array(view.keys(i)) a copy of the rows)")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        self.__deepcopy__(None)
 
     @property
     def len(self) -> List[int]:

@@ -1210,6 +1210,19 @@ class ActiveKVLayer(CacheLayerMixin):
     def prefetch(self):
         pass
 
+    # A layer drives its cache's engine (the driver): a copy would be a second layer
+    # over the same dense layer and step, and deepcopy and pickle failed inside with
+    # the Engine's TypeError. Refused here, naming the layer, as the cache's own.
+    def __copy__(self):
+        raise TypeError("an ActiveKVLayer cannot be copied: it drives its ActiveKVCache's "
+                        "engine (make another cache)")
+
+    def __deepcopy__(self, memo):
+        self.__copy__()
+
+    def __reduce_ex__(self, protocol):
+        self.__copy__()
+
     def reset(self) -> None:
         raise NotImplementedError("ActiveKVCache cannot be reset; close it and make a new one")
 
@@ -1335,6 +1348,10 @@ class ActiveKVCache(Cache):
         if config is None or device is None or dtype is None:
             raise ValueError("ActiveKVCache needs a model, or config=, device= and dtype=")
         device = torch.device(device)
+        if device.type == "cpu":
+            # one CPU: "cpu:0" is torch's cpu, whose tensors say "cpu" (an index kept
+            # here refused every update: cpu:0 != cpu)
+            device = torch.device("cpu")
         if device.type not in ("cpu", "cuda"):
             # refused before the engine exists: the host backend copies from and hands
             # views to CPU memory, the CUDA backend to one CUDA device
