@@ -407,30 +407,30 @@ def _receipt(r: L.akv_receipt) -> Receipt:
 # ----------------------------------------------------------------- arrays
 
 
-# The dtypes whose rows numpy cannot hold as values: integer arrays of their
-# size are taken as raw bits (bf16 as uint16/int16 bit patterns, FP8 as
-# uint8/int8 codes). For f16 and f32, numpy's own float type is the only
-# input: an integer array there holds integer values, which the library's
-# byte copy stored as float bit patterns (np.arange(n, dtype=np.int32) for
-# an f32 engine became denormals), silently.
-_RAW_BITS_DTYPES = frozenset(("bf16", "fp8_e4m3", "fp8_e5m2"))
+# The dtypes whose integer arrays of their size are taken as raw bits, as
+# docs/python.md has always listed them: bf16 and f16 (uint16/int16 bit
+# patterns) and FP8 (uint8/int8 codes). f32 was never among them: an int32
+# array there holds integer values, which the library's byte copy stored as
+# float bit patterns (np.arange(n, dtype=np.int32) became denormals),
+# silently; its only input is numpy's float32 (or bits as .view(np.float32)).
+_RAW_BITS_DTYPES = frozenset(("bf16", "f16", "fp8_e4m3", "fp8_e5m2"))
 
 
 def _refuse_integer_rows(what: str, given: Any, dtype: str) -> None:
     if dtype not in _RAW_BITS_DTYPES:
         raise InvalidArgument.make(
             f"{what}: {given} rows for a {dtype} engine: integer arrays are taken as raw bits "
-            f"only for bf16 and FP8, which numpy has no type for; pass {_NP_DTYPE[dtype]} values "
+            f"only for bf16, f16 and FP8; pass {_NP_DTYPE[dtype]} values "
             f"(bit patterns you mean as such: .view(np.{_NP_DTYPE[dtype]}))")
 
 
 def _host_rows(obj: Any, dtype: str, what: str) -> np.ndarray:
     """A C-contiguous numpy view (no copy) of rows given as numpy, a CPU
     torch tensor or any buffer, checked against the engine's dtype: the
-    matching float type, or, for bf16 and FP8 (which numpy has no float type
-    for), raw bit patterns of the same size (int16/uint16 for bf16, uint8/int8
-    codes for FP8); torch.bfloat16, torch.float8_e4m3fn and torch.float8_e5m2
-    are accepted. Integer rows for f16 and f32 are refused (_RAW_BITS_DTYPES).
+    matching float type, or, for bf16, f16 and FP8, raw bit patterns of the
+    same size (int16/uint16 for bf16 and f16, uint8/int8 codes for FP8);
+    torch.bfloat16, torch.float8_e4m3fn and torch.float8_e5m2 are accepted.
+    Integer rows for f32 are refused (_RAW_BITS_DTYPES).
 
     The array is read by the caller's C call only after every argument was
     converted (the caller's code: an __array__, a subclass) and _check_pins
