@@ -396,7 +396,11 @@ typedef struct akv_engine_config {
   uint32_t version;     /**< AKV_CONFIG_VERSION */
 
   akv_backend_kind backend;
-  int device_ordinal; /**< CUDA device; ignored by the host backend */
+  /** CUDA device; ignored by the host backend. The engine never changes the
+   *  calling thread's current device: calls that need its device make it
+   *  current and restore the caller's before they return, so an engine may be
+   *  driven from any thread whatever device that thread has current. */
+  int device_ordinal;
 
   /* Geometry of the dense layers. row_bytes = kv_heads * head_dim * dtype size. */
   uint32_t n_dense_layers;

@@ -37,7 +37,9 @@ extern "C" {
  * arrived, config->timeout_ms at most (plus connection setup, see below).
  * Stream behaviour: the group creates its own non-blocking stream on
  * shard->device_ordinal and runs its all-reduces there (a few hundred bytes
- * each, at agreement points only); it never touches the caller's streams.
+ * each, at agreement points only); it never touches the caller's streams,
+ * and never changes the calling thread's current device (the group's is
+ * made current for its own calls and the caller's restored).
  * Timeouts: the group waits on its collective by polling the stream and
  * ncclCommGetAsyncError; on a timeout or an asynchronous error it calls
  * ncclCommAbort(comm), which ends the communicator for every rank. A

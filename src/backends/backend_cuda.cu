@@ -38,11 +38,14 @@
  * cudaGetLastError() so that the caller's own error checks do not report the
  * engine's failures as theirs.
  *
- * Devices: init makes the configured device current on the calling thread.
- * Calls that depend on the current device (allocation, queue and event
- * creation, device synchronisation, memory figures) switch to the backend's
- * device if another one is current and switch back afterwards, so the engine
- * may be driven from any thread. Stream- and event-bound calls need no switch.
+ * Devices: the backend never changes the calling thread's current device.
+ * Calls that depend on it (init, allocation, queue and event creation, device
+ * synchronisation, memory figures, usage samples, the gather kernel's launch
+ * and the batched copies) switch to the backend's device if another one is
+ * current and switch back before they return, so the engine may be driven
+ * from any thread, whatever device that thread has current (a runtime's
+ * other GPU, or device 0 of a new thread). Stream- and event-bound calls
+ * (copies on a stream, records, waits, queries) need no switch.
  *
  * Memory figure: peak_used_bytes of mem_info is the largest value of
  * (total - free) from cudaMemGetInfo seen by this backend context, sampled at
@@ -170,7 +173,16 @@ static void device_leave(const akv_cuda_ctx *c, int prev) {
  * the operation that triggered it: the peak simply misses that sample. */
 static void sample_usage(akv_cuda_ctx *c) {
   size_t free_b = 0, total_b = 0;
-  if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) {
+  int prev = -1;
+  /* cudaMemGetInfo reads the current device: the backend's is made current
+   * for the sample, so another device's usage never enters the peak. */
+  if (device_enter(c, &prev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return;
+  }
+  const cudaError_t err = cudaMemGetInfo(&free_b, &total_b);
+  device_leave(c, prev);
+  if (err != cudaSuccess) {
     (void)cudaGetLastError();
     return;
   }
@@ -249,6 +261,7 @@ static void host_pool_create(akv_cuda_ctx *c) {
 static akv_status cuda_init(const akv_backend_params *params, void **out) {
   akv_status st = AKV_ERR_INVALID_ARGUMENT;
   akv_cuda_ctx *c = nullptr;
+  int prev = -1; /* the caller's current device, restored on every return */
   if (params == nullptr || out == nullptr) goto fail;
   st = cuda_probe(params);
   if (st != AKV_OK) goto fail;
@@ -258,17 +271,19 @@ static akv_status cuda_init(const akv_backend_params *params, void **out) {
   c->magic = kCtxMagic;
   c->device = params->device_ordinal;
   c->last_error[0] = '\0';
-  AKV_CUDA_TRY(c, cudaSetDevice(c->device), "cudaSetDevice");
+  AKV_CUDA_TRY(c, device_enter(c, &prev), "cudaSetDevice");
   /* Creates the primary context now rather than inside the first copy. */
   AKV_CUDA_TRY(c, cudaFree(nullptr), "cudaFree(NULL) (context creation)");
   AKV_CUDA_TRY(c, cudaStreamCreateWithFlags(&c->alloc_stream, cudaStreamNonBlocking),
                "cudaStreamCreateWithFlags(NonBlocking) (allocation stream)");
   host_pool_create(c);
   sample_usage(c);
+  device_leave(c, prev);
   *out = c;
   return AKV_OK;
 fail:
   if (c != nullptr && c->alloc_stream != nullptr) (void)cudaStreamDestroy(c->alloc_stream);
+  if (c != nullptr && prev >= 0) device_leave(c, prev);
   free(c);
   return st;
 }
@@ -278,9 +293,13 @@ fail:
 static void cuda_shutdown(void *ctx) {
   akv_cuda_ctx *c = as_ctx(ctx);
   if (c == nullptr) return;
-  if (c->host_pool != nullptr) (void)cudaMemPoolDestroy(c->host_pool);
-  if (c->alloc_stream != nullptr) (void)cudaStreamDestroy(c->alloc_stream);
-  (void)cudaGetLastError();
+  bool failed = false;
+  if (c->host_pool != nullptr && cudaMemPoolDestroy(c->host_pool) != cudaSuccess) failed = true;
+  if (c->alloc_stream != nullptr && cudaStreamDestroy(c->alloc_stream) != cudaSuccess)
+    failed = true;
+  /* Only a failure of these calls is cleared from the runtime's last error:
+   * an error the caller has not read yet stays theirs to read. */
+  if (failed) (void)cudaGetLastError();
   c->magic = kCtxDead;
   free(c);
 }
@@ -619,8 +638,14 @@ static cudaError_t gather_submit(akv_cuda_ctx *c, cudaStream_t s, size_t n, void
       const uint32_t per_block = 256 * 8;
       dim3 grid((max_words + per_block - 1) / per_block, (unsigned)m);
       if (grid.x == 0) grid.x = 1;
-      akv_gather_kernel<<<grid, 256, 0, s>>>(b);
-      const cudaError_t err = cudaGetLastError();
+      /* The launch's own status: a triple-chevron launch is checked through
+       * cudaGetLastError, which would also take (and clear) an error the
+       * caller's own work left unread and report it as this launch's. */
+      cudaLaunchConfig_t cfg = {};
+      cfg.gridDim = grid;
+      cfg.blockDim = dim3(256);
+      cfg.stream = s;
+      const cudaError_t err = cudaLaunchKernelEx(&cfg, akv_gather_kernel, b);
       if (err != cudaSuccess) return err;
     }
   }
@@ -656,6 +681,7 @@ static akv_status cuda_copy_batch(void *ctx, akv_bqueue *q, akv_copy_dir dir, si
   akv_status st = AKV_ERR_INVALID_ARGUMENT;
   akv_cuda_ctx *c = as_ctx(ctx);
   size_t run = 0;
+  int prev = -1;
   AKV_CUDA_REQUIRE(c != nullptr && q != nullptr, AKV_ERR_BAD_HANDLE);
   AKV_CUDA_REQUIRE(
       dir_ok(dir) && count != 0 && dst != nullptr && src != nullptr && bytes != nullptr,
@@ -663,6 +689,11 @@ static akv_status cuda_copy_batch(void *ctx, akv_bqueue *q, akv_copy_dir dir, si
   for (size_t i = 0; i < count; ++i)
     AKV_CUDA_REQUIRE(bytes[i] == 0 || (dst[i] != nullptr && src[i] != nullptr),
                      AKV_ERR_INVALID_ARGUMENT);
+  /* The gather kernel is launched on q, which must then be the current
+   * device's (a kernel on another device's stream is refused): the
+   * backend's device is made current for the submissions, the caller's
+   * restored after. */
+  AKV_CUDA_TRY(c, device_enter(c, &prev), "cudaSetDevice");
   /* Empty copies are skipped; each run of non-empty ones is one submission
    * (the arrays are used in place, nothing is allocated). */
   for (size_t i = 0; i <= count; ++i) {
@@ -677,8 +708,10 @@ static akv_status cuda_copy_batch(void *ctx, akv_bqueue *q, akv_copy_dir dir, si
       run = 0;
     }
   }
+  device_leave(c, prev);
   return AKV_OK;
 fail:
+  if (prev >= 0) device_leave(c, prev);
   return st;
 }
 

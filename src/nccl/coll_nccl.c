@@ -86,6 +86,24 @@ static void akv_nccl_sleep_us(long us) {
   nanosleep(&ts, NULL);
 }
 
+/* The group's device made current for the calls that need it (*prev: the
+ * caller's, for akv_nccl_device_leave): a group never changes its caller's
+ * current device, which a framework on another GPU of the process reads as
+ * its own (an agreement point inside a step must not move the caller's next
+ * allocation or launch to the group's GPU). */
+static cudaError_t akv_nccl_device_enter(int device, int *prev) {
+  cudaError_t err = cudaGetDevice(prev);
+  if (err != cudaSuccess) {
+    *prev = -1;
+    return err;
+  }
+  return *prev == device ? cudaSuccess : cudaSetDevice(device);
+}
+
+static void akv_nccl_device_leave(int device, int prev) {
+  if (prev >= 0 && prev != device) (void)cudaSetDevice(prev);
+}
+
 /* Aborts the communicator: the only way to end a collective whose peer never
  * arrives. Afterwards every call on this rank fails at once. */
 static akv_status akv_nccl_abort(akv_nccl_coll *nc, akv_status st, const char *why) {
@@ -107,15 +125,32 @@ static ncclResult_t akv_nccl_settle(akv_nccl_coll *nc, ncclResult_t r, uint64_t 
   return r;
 }
 
+static akv_status akv_nccl_allreduce_on(akv_nccl_coll *nc, uint64_t *v, size_t n,
+                                        uint32_t timeout_ms);
+
 static akv_status akv_nccl_allreduce(akv_coll *c, uint64_t *v, size_t n, uint32_t timeout_ms) {
   akv_nccl_coll *nc = (akv_nccl_coll *)c;
+  int prev = -1;
+  akv_status st;
+  if (v == NULL || n == 0 || n > c->max_n) return AKV_ERR_INVALID_ARGUMENT;
+  if (c->aborted) return AKV_ERR_COMM;
+  if (akv_nccl_device_enter(nc->device, &prev) != cudaSuccess) {
+    (void)cudaGetLastError(); /* this call's failure, not the caller's */
+    akv_nccl_device_leave(nc->device, prev);
+    return akv_nccl_abort(nc, AKV_ERR_COMM, "cudaSetDevice failed");
+  }
+  st = akv_nccl_allreduce_on(nc, v, n, timeout_ms);
+  akv_nccl_device_leave(nc->device, prev);
+  return st;
+}
+
+/* The all-reduce itself, with the group's device current. */
+static akv_status akv_nccl_allreduce_on(akv_nccl_coll *nc, uint64_t *v, size_t n,
+                                        uint32_t timeout_ms) {
+  akv_coll *c = &nc->base;
   const uint64_t deadline = akv_now_us() + (uint64_t)timeout_ms * 1000u;
   ncclResult_t r, async;
   char why[200];
-  if (v == NULL || n == 0 || n > c->max_n) return AKV_ERR_INVALID_ARGUMENT;
-  if (c->aborted) return AKV_ERR_COMM;
-  if (cudaSetDevice(nc->device) != cudaSuccess)
-    return akv_nccl_abort(nc, AKV_ERR_COMM, "cudaSetDevice failed");
   memcpy(nc->host, v, n * sizeof(uint64_t));
   if (cudaMemcpyAsync(nc->dev, nc->host, n * sizeof(uint64_t), cudaMemcpyHostToDevice,
                       nc->stream) != cudaSuccess)
@@ -162,14 +197,16 @@ static akv_status akv_nccl_allreduce(akv_coll *c, uint64_t *v, size_t n, uint32_
 
 static void akv_nccl_destroy(akv_coll *c) {
   akv_nccl_coll *nc = (akv_nccl_coll *)c;
+  int prev = -1;
   if (nc == NULL) return;
-  cudaSetDevice(nc->device);
+  (void)akv_nccl_device_enter(nc->device, &prev);
   /* After an abort the stream's work was ended by NCCL; freeing waits for
    * nothing of the caller's. */
   if (nc->done != NULL) cudaEventDestroy(nc->done);
   if (nc->stream != NULL) cudaStreamDestroy(nc->stream);
   if (nc->dev != NULL) cudaFree(nc->dev);
   if (nc->host != NULL) cudaFreeHost(nc->host);
+  akv_nccl_device_leave(nc->device, prev);
   free(nc);
 }
 
@@ -203,13 +240,20 @@ AKV_API akv_status akv_nccl_group_create(const akv_engine_config *shard,
   nc->base.max_n = akv_group_vector_len(sh.max_contexts);
   nc->comm = comm;
   nc->device = sh.device_ordinal;
-  if (cudaSetDevice(nc->device) != cudaSuccess ||
-      cudaStreamCreateWithFlags(&nc->stream, cudaStreamNonBlocking) != cudaSuccess ||
-      cudaEventCreateWithFlags(&nc->done, cudaEventDisableTiming) != cudaSuccess ||
-      cudaMalloc((void **)&nc->dev, nc->base.max_n * sizeof(uint64_t)) != cudaSuccess ||
-      cudaMallocHost((void **)&nc->host, nc->base.max_n * sizeof(uint64_t)) != cudaSuccess) {
-    akv_nccl_destroy(&nc->base);
-    return AKV_ERR_BACKEND;
+  {
+    int prev = -1;
+    const int made =
+        akv_nccl_device_enter(nc->device, &prev) == cudaSuccess &&
+        cudaStreamCreateWithFlags(&nc->stream, cudaStreamNonBlocking) == cudaSuccess &&
+        cudaEventCreateWithFlags(&nc->done, cudaEventDisableTiming) == cudaSuccess &&
+        cudaMalloc((void **)&nc->dev, nc->base.max_n * sizeof(uint64_t)) == cudaSuccess &&
+        cudaMallocHost((void **)&nc->host, nc->base.max_n * sizeof(uint64_t)) == cudaSuccess;
+    akv_nccl_device_leave(nc->device, prev);
+    if (!made) {
+      (void)cudaGetLastError(); /* this call's failure, not the caller's */
+      akv_nccl_destroy(&nc->base);
+      return AKV_ERR_BACKEND;
+    }
   }
   /* A mismatch of config->rank/size with comm is refused inside the
    * agreement (every rank meets the others and returns AKV_ERR_CONFIG). */

@@ -429,6 +429,107 @@ static void test_current_device_restored(void **state) {
   CUDA_OK(cudaSetDevice(0));
 }
 
+/* A backend made and driven from a thread whose current device is another
+ * one (a runtime's other GPU): init, the gather kernel of a device-to-device
+ * batch, the usage sample of a queue synchronisation and shutdown all leave
+ * the caller's device current, and the gather runs on the backend's device
+ * (a kernel enqueued on another device's stream would be refused). */
+static void test_other_device_current(void **state) {
+  (void)state;
+  int n = 0;
+  CUDA_OK(cudaGetDeviceCount(&n));
+  if (n < 2) {
+    print_message("one device: a backend driven from another current device needs two\n");
+    skip();
+  }
+  enum { PAGES = 8, PAGE = 1 << 16 };
+  int cur = -1;
+  CUDA_OK(cudaSetDevice(1));
+  akv_backend_params params;
+  memset(&params, 0, sizeof params);
+  params.device_ordinal = 0;
+  void *ctx = NULL;
+  assert_int_equal(ops->init(&params, &ctx), AKV_OK);
+  CUDA_OK(cudaGetDevice(&cur));
+  assert_int_equal(cur, 1);
+  unsigned char *h, *back, *d, *d2;
+  akv_bqueue *q;
+  assert_int_equal(ops->host_alloc(ctx, (size_t)PAGES * PAGE, (void **)&h), AKV_OK);
+  assert_int_equal(ops->host_alloc(ctx, (size_t)PAGES * PAGE, (void **)&back), AKV_OK);
+  assert_int_equal(ops->device_alloc(ctx, (size_t)PAGES * PAGE, (void **)&d), AKV_OK);
+  assert_int_equal(ops->device_alloc(ctx, (size_t)PAGES * PAGE, (void **)&d2), AKV_OK);
+  assert_int_equal(ops->queue_create(ctx, &q), AKV_OK);
+  fill_pattern(h, (size_t)PAGES * PAGE, 5);
+  memset(back, 0, (size_t)PAGES * PAGE);
+  void *dst[PAGES];
+  const void *src[PAGES];
+  size_t bytes[PAGES];
+  for (int i = 0; i < PAGES; ++i) {
+    dst[i] = d + (size_t)i * PAGE;
+    src[i] = h + (size_t)i * PAGE;
+    bytes[i] = PAGE;
+  }
+  assert_int_equal(ops->copy_batch(ctx, q, AKV_COPY_H2D, PAGES, dst, src, bytes), AKV_OK);
+  /* Device to device: the gather kernel, pages in reverse order. */
+  for (int i = 0; i < PAGES; ++i) {
+    dst[i] = d2 + (size_t)i * PAGE;
+    src[i] = d + (size_t)(PAGES - 1 - i) * PAGE;
+  }
+  assert_int_equal(ops->copy_batch(ctx, q, AKV_COPY_D2D, PAGES, dst, src, bytes), AKV_OK);
+  CUDA_OK(cudaGetDevice(&cur));
+  assert_int_equal(cur, 1);
+  for (int i = 0; i < PAGES; ++i) {
+    dst[i] = back + (size_t)i * PAGE;
+    src[i] = d2 + (size_t)i * PAGE;
+  }
+  assert_int_equal(ops->copy_batch(ctx, q, AKV_COPY_D2H, PAGES, dst, src, bytes), AKV_OK);
+  assert_int_equal(ops->queue_synchronize(ctx, q), AKV_OK);
+  CUDA_OK(cudaGetDevice(&cur));
+  assert_int_equal(cur, 1);
+  for (int i = 0; i < PAGES; ++i)
+    assert_memory_equal(back + (size_t)i * PAGE, h + (size_t)(PAGES - 1 - i) * PAGE, PAGE);
+  uint64_t free_b = 0, total_b = 0, peak = 0;
+  assert_int_equal(ops->mem_info(ctx, &free_b, &total_b, &peak), AKV_OK);
+  ops->queue_destroy(ctx, q);
+  ops->device_free(ctx, d);
+  ops->device_free(ctx, d2);
+  ops->host_free(ctx, h);
+  ops->host_free(ctx, back);
+  ops->shutdown(ctx);
+  CUDA_OK(cudaGetDevice(&cur));
+  assert_int_equal(cur, 1);
+  CUDA_OK(cudaGetLastError());
+  CUDA_OK(cudaSetDevice(0));
+}
+
+/* The backend clears only its own failures from the runtime's last error:
+ * an error the caller's work left unread survives a shutdown and a
+ * device-to-device batch (the gather kernel's launch). */
+static void test_caller_error_kept(void **state) {
+  (void)state;
+  akv_backend_params params;
+  memset(&params, 0, sizeof params);
+  void *ctx = NULL;
+  assert_int_equal(ops->init(&params, &ctx), AKV_OK);
+  akv_bqueue *q;
+  unsigned char *d;
+  assert_int_equal(ops->queue_create(ctx, &q), AKV_OK);
+  assert_int_equal(ops->device_alloc(ctx, 2 * 4096, (void **)&d), AKV_OK);
+  /* A launch the runtime refuses (1025 threads per block): a non-sticky
+   * error left for the caller to read. */
+  spin_then_write<<<1, 1025>>>(nullptr, 0, 0);
+  void *dst[1] = {d + 4096};
+  const void *src[1] = {d};
+  size_t bytes[1] = {4096};
+  assert_int_equal(ops->copy_batch(ctx, q, AKV_COPY_D2D, 1, dst, src, bytes), AKV_OK);
+  assert_int_equal(ops->queue_synchronize(ctx, q), AKV_OK);
+  ops->queue_destroy(ctx, q);
+  ops->device_free(ctx, d);
+  ops->shutdown(ctx);
+  assert_int_equal(cudaGetLastError(), cudaErrorInvalidConfiguration);
+  CUDA_OK(cudaGetLastError());
+}
+
 static double wall_ms(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -642,6 +743,8 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_host_fn, setup, teardown),
       cmocka_unit_test_setup_teardown(test_mem_info, setup, teardown),
       cmocka_unit_test_setup_teardown(test_current_device_restored, setup, teardown),
+      cmocka_unit_test(test_other_device_current),
+      cmocka_unit_test(test_caller_error_kept),
       cmocka_unit_test_setup_teardown(test_teardown_never_waits, setup, teardown),
       cmocka_unit_test(test_engine_destroy_never_waits),
       cmocka_unit_test(test_library_handles_refused_as_streams),

@@ -51,6 +51,7 @@ typedef struct rank_run {
   uint32_t n_steps;
   akv_status last, after, destroy;
   double last_wait_s;
+  int device_moved; /* a group call changed the thread's current device */
   akv_group_info info;
   akv_engine_info einfo;
   char error[256];
@@ -90,6 +91,14 @@ static void *rank_main(void *arg) {
 
   cudaSetDevice(r->rank);
   cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  /* The thread drives its rank's group with another GPU current (where there
+   * is one), as a runtime whose own work is on another device would: no
+   * group or engine call may change it. */
+  const int other = (r->rank + 1) % g_ranks;
+  int cur = -1;
+  cudaSetDevice(other);
+#define AKV_DEVICE_KEPT() \
+  (void)(cudaGetDevice(&cur) == cudaSuccess && cur == other ? 0 : (r->device_moved = 1))
   ec.backend = AKV_BACKEND_CUDA;
   ec.device_ordinal = r->rank;
   ec.n_dense_layers = LAYERS;
@@ -107,6 +116,7 @@ static void *rank_main(void *arg) {
   gc.timeout_ms = r->timeout_ms;
   gc.digest = AKV_GROUP_DIGEST_ON;
   r->create = akv_nccl_group_create(&ec, &gc, r->comm, &g);
+  AKV_DEVICE_KEPT();
   if (r->create != AKV_OK) {
     snprintf(r->error, sizeof(r->error), "create: %s", akv_status_string(r->create));
     return NULL;
@@ -134,6 +144,7 @@ static void *rank_main(void *arg) {
     t0 = now_s();
     r->steps[s] = akv_group_step_begin(g, ctx, 3);
     r->last_wait_s = now_s() - t0;
+    AKV_DEVICE_KEPT();
     r->digests[s] = akv_engine_plan_digest(e);
     r->n_steps++;
     r->last = r->steps[s];
@@ -148,6 +159,7 @@ static void *rank_main(void *arg) {
         break;
     }
     akv_step_end(e);
+    AKV_DEVICE_KEPT();
   }
 out:
   if (!r->missing) r->after = akv_group_check(g);
@@ -158,6 +170,8 @@ out:
     for (int i = 0; i < 3; i++) akv_group_context_close(g, ctx[i]);
   if (r->missing) akv_engine_quarantine(e, NULL); /* contexts still open: drop them all */
   r->destroy = akv_group_destroy(g);
+  AKV_DEVICE_KEPT();
+#undef AKV_DEVICE_KEPT
   cudaStreamDestroy(stream);
   return NULL;
 }
@@ -202,6 +216,7 @@ static void test_agreed_plans(void **state) {
     assert_int_equal(runs[i].info.max_contexts, 4);
     assert_false(runs[i].info.stopped);
     assert_int_equal(runs[i].destroy, AKV_OK);
+    assert_int_equal(runs[i].device_moved, 0);
   }
   printf("  %d rank(s) through NCCL: %d steps, identical plan digests (last %016llx)\n", g_ranks,
          STEPS, (unsigned long long)runs[0].digests[STEPS - 1]);
