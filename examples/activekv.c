@@ -1919,7 +1919,10 @@ static void tp_rank_opts(const cli_opts *o, uint32_t rank, cli_opts *out) {
   if (rank > 0) { /* rank 0 reports; the others stay quiet */
     out->progress = 0;
     out->logits_out = NULL;
-    out->logits_ref = NULL;
+    /* --logits-ref stays: every rank reads the reference and feeds its
+     * argmax as the next tokens, so that all shards decode the same
+     * tokens (rank 0 alone following it made the ranks' inputs differ
+     * wherever the reference's argmax was not the run's own). */
   }
 }
 

@@ -1,0 +1,41 @@
+#!/bin/sh
+# cli_audit_s33.sh ACTIVEKV CLI_EXPECT
+# Flags the CLI took and then ignored, or acted on other than asked; each
+# section says what happened before. Each case runs through CLI_EXPECT
+# (tests/cli_expect.sh) or checks the JSON itself; the first that fails
+# ends the test.
+set -u
+cli=$1
+expect=$2
+tmp=${TMPDIR:-/tmp}/cli_audit_s33.$$
+mkdir -p "$tmp" || exit 1
+trap 'rm -rf "$tmp"' EXIT
+
+# decode --tp N --logits-ref FILE fed the reference's argmax as the next
+# tokens on rank 0 only; the other ranks took their own argmax, so once the
+# two differed the ranks' shards decoded different tokens and the summed
+# logits were neither run's (top-1 agreement 7 of 12 against 10 at --tp 1,
+# distance 0.71 against 0.11). Now every rank follows the reference. It is a
+# run of another history length (the header allows it), so its argmax
+# differs from the run's own at some step; --tp 1 (one rank) and --tp 2
+# then see the same tokens and their logits differ by rounding only.
+run="decode --backend host --preset tiny --contexts 2 --page-tokens 8 --steps 6 --warmup 0 --no-progress"
+"$cli" $run --tokens 48 --logits-out "$tmp/ref.logits" >/dev/null || exit 1
+vs_ref() {
+  "$cli" $run --tokens 40 --json --logits-ref "$tmp/ref.logits" "$@" |
+    sed -n 's/.*"vs_ref":{"steps":6,"max_abs_diff":\([^,]*\),"top1_agree":\([0-9]*\),.*/\1 \2/p'
+}
+one=$(vs_ref --tp 1) || exit 1
+two=$(vs_ref --tp 2) || exit 1
+echo "--tp 1 vs_ref: $one; --tp 2 vs_ref: $two"
+if [ -z "$one" ] || [ -z "$two" ]; then
+  echo "cli_audit_s33: no vs_ref in the JSON" >&2
+  exit 1
+fi
+echo "$one $two" | awk '{ d = $1 - $3; if (d < 0) d = -d;
+  if ($2 != $4 || d > 1e-2 * $1) exit 1 }' || {
+  echo "cli_audit_s33: --tp 2 did not follow the reference's tokens on every rank" >&2
+  exit 1
+}
+
+exit 0
