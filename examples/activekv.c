@@ -285,7 +285,9 @@ static void usage(FILE *f) {
           "           stage, arena and paged, then paged on a hybrid geometry, each\n"
           "           checked bit for bit against resident\n"
           "  decode   decode a synthetic model on one route and report tokens/s\n"
-          "  fit      print the host-fit line and its verdict (exit 3 if it does not fit)\n"
+          "  fit      print the host-fit line and its verdict (exit 3 if it does not fit);\n"
+          "           refuses --check, --tp, --logits-out, --logits-ref and\n"
+          "           --release-headroom-at, which only decode acts on\n"
           "\n"
           "model (flags override the preset's values):\n"
           "  --preset NAME         llama3-8b | llama3.2-1b | gemma3-12b | tiny\n"
@@ -2649,7 +2651,26 @@ int main(int argc, char **argv) {
             "is staged each step, as on --route stage (pass --device-pool-gib N to retain "
             "pages)\n",
             route_names[o.route]);
-  if (strcmp(cmd, "fit") == 0) return cmd_fit(&o);
+  if (strcmp(cmd, "fit") == 0) {
+    /* fit prints the host-fit line and nothing else: a flag that asks for
+     * something only a decode run does is refused, not ignored (--tp, say,
+     * would have printed the whole model's fit, not a rank's). */
+    const char *dflag = o.check                     ? "--check"
+                        : o.tp > 0                  ? "--tp"
+                        : o.logits_out != NULL      ? "--logits-out"
+                        : o.logits_ref != NULL      ? "--logits-ref"
+                        : o.release_headroom_at > 0 ? "--release-headroom-at"
+                                                    : NULL;
+    if (dflag != NULL) {
+      char tp[32] = "";
+      if (o.tp > 0 && strcmp(dflag, "--tp") == 0) snprintf(tp, sizeof tp, " %u", o.tp);
+      say_error("fit: %s%s is a decode flag; fit only prints the host-fit line (run "
+                "'activekv decode' with it, or drop it)",
+                dflag, tp);
+      return EXIT_USAGE;
+    }
+    return cmd_fit(&o);
+  }
   if (strcmp(cmd, "decode") == 0) return cmd_decode(&o);
   return cmd_demo(&o);
 }

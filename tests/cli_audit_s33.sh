@@ -38,4 +38,18 @@ echo "$one $two" | awk '{ d = $1 - $3; if (d < 0) d = -d;
   exit 1
 }
 
+# fit took the decode flags --check, --tp, --logits-out, --logits-ref and
+# --release-headroom-at and did nothing with them (exit 0; with --tp the
+# fit of the whole model, not of a rank's shard): now a usage error.
+sh "$expect" 2 "^activekv: fit: --check is a decode flag" \
+  "$cli" fit --preset tiny --check || exit 1
+sh "$expect" 2 "^activekv: fit: --tp 2 is a decode flag" \
+  "$cli" fit --preset tiny --tp 2 || exit 1
+sh "$expect" 2 "^activekv: fit: --logits-out is a decode flag" \
+  "$cli" fit --preset tiny --logits-out "$tmp/fit.logits" || exit 1
+sh "$expect" 2 "^activekv: fit: --logits-ref is a decode flag" \
+  "$cli" fit --preset tiny --logits-ref "$tmp/ref.logits" || exit 1
+sh "$expect" 2 "^activekv: fit: --release-headroom-at is a decode flag" \
+  "$cli" fit --preset tiny --release-headroom-at 1 || exit 1
+
 exit 0
