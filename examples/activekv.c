@@ -305,7 +305,8 @@ static void usage(FILE *f) {
           "  --seed N              weights, history and first tokens   [1]\n"
           "workload:\n"
           "  --contexts N          contexts decoded together, 1..%d   [4]\n"
-          "  --tokens N[,N...]     prefilled rows per context; a list is taken in turn [4096]\n"
+          "  --tokens N[,N...]     prefilled rows per context; a list is taken in turn, at\n"
+          "                        most --contexts values   [4096]\n"
           "                        (a context holds --tokens + --warmup + --steps rows)\n"
           "  --steps N             measured decode steps   [16]\n"
           "  --warmup N            decode steps before measuring   [2]\n"
@@ -673,6 +674,16 @@ static int parse_args(int argc, char **argv, int first, cli_opts *o) {
       rc = parse_double(name, val, 0.001, 1e6, &o->pcie_gbps);
     }
     if (rc) return EXIT_USAGE;
+  }
+
+  /* Context i takes --tokens value i % n (the list is taken in turn), so a
+   * value past the --contexts-th would never be taken: refused, whatever
+   * the order of the two flags, rather than dropped without a word. */
+  if (o->n_tokens > o->contexts) {
+    say_error("--tokens: %u values for --contexts %u; the contexts take the first %u, so the "
+              "rest would never be used: give at most %u values, or raise --contexts",
+              o->n_tokens, o->contexts, o->contexts, o->contexts);
+    return EXIT_USAGE;
   }
 
   /* Without --preset the model must run on the backend this run uses: the

@@ -52,4 +52,14 @@ sh "$expect" 2 "^activekv: fit: --logits-ref is a decode flag" \
 sh "$expect" 2 "^activekv: fit: --release-headroom-at is a decode flag" \
   "$cli" fit --preset tiny --release-headroom-at 1 || exit 1
 
+# --tokens with more values than --contexts dropped the extra values without
+# a word (the list is taken in turn: they are never taken). At most one
+# value per context, in either order of the flags.
+sh "$expect" 2 "^activekv: --tokens: 3 values for --contexts 2" \
+  "$cli" fit --preset tiny --contexts 2 --tokens 10,20,30 --page-tokens 8 || exit 1
+sh "$expect" 2 "^activekv: --tokens: 2 values for --contexts 1" \
+  "$cli" fit --preset tiny --tokens 10,20 --contexts 1 --page-tokens 8 || exit 1
+sh "$expect" 0 '"contexts":3,"tokens":30,' \
+  "$cli" fit --preset tiny --contexts 3 --tokens 10,20,30 --page-tokens 8 --json || exit 1
+
 exit 0
