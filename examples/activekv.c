@@ -322,7 +322,8 @@ static void usage(FILE *f) {
           "                        for history (arena, paged); 0 = off   [0]\n"
           "  --headroom-reserve-gib N  device memory headroom leaves free   [0]\n"
           "  --release-headroom-at STEP  give all headroom back in the middle of step STEP\n"
-          "                        (1-based, warmup included) and time it   [never]\n"
+          "                        (1..--warmup + --steps: warm-up included) and time it\n"
+          "                        [never]\n"
           "  --host-device-mib N   host backend, testing: model a device of N MiB so that\n"
           "                        headroom has free memory to take   [0: none free]\n"
           "  --page-tokens N       tokens per device page   [256]\n"
@@ -2460,6 +2461,15 @@ static int cmd_decode(const cli_opts *o) {
   if (o->release_headroom_at > 0 && o->headroom_gib == 0) {
     say_error("--release-headroom-at %u: there is no headroom to give back; pass --headroom-gib N "
               "too", o->release_headroom_at);
+    return EXIT_USAGE;
+  }
+  /* A step the run never reaches would release nothing, and the run would
+   * end as if the flag had not been given. */
+  if (o->release_headroom_at > (uint64_t)o->warmup + o->steps) {
+    say_error("--release-headroom-at %u: the run has %u steps (--warmup %u + --steps %u); "
+              "choose a step in 1..%u",
+              o->release_headroom_at, o->warmup + o->steps, o->warmup, o->steps,
+              o->warmup + o->steps);
     return EXIT_USAGE;
   }
   if (o->tp > 0 && resolve_backend(o) != AKV_BACKEND_HOST) {

@@ -62,4 +62,12 @@ sh "$expect" 2 "^activekv: --tokens: 2 values for --contexts 1" \
 sh "$expect" 0 '"contexts":3,"tokens":30,' \
   "$cli" fit --preset tiny --contexts 3 --tokens 10,20,30 --page-tokens 8 --json || exit 1
 
+# --release-headroom-at past the run's last step never released anything and
+# exited 0. It must be within --warmup + --steps (3 here).
+hr="decode --backend host --preset tiny --contexts 2 --tokens 20 --page-tokens 8 --steps 2 --warmup 1 --no-progress --route paged --headroom-gib 1 --host-device-mib 64"
+sh "$expect" 2 "^activekv: --release-headroom-at 4: the run has 3 steps" \
+  "$cli" $hr --release-headroom-at 4 || exit 1
+sh "$expect" 0 '"headroom_release":\{"step":3,' \
+  "$cli" $hr --release-headroom-at 3 --json || exit 1
+
 exit 0
