@@ -521,6 +521,15 @@ static int parse_args(int argc, char **argv, int first, cli_opts *o) {
     memcpy(name, arg, nlen);
     name[nlen] = '\0';
 
+    /* The switches handled above (--help, --version, --verbose) take no
+     * value either: "--verbose=1" is named as such, not as an unknown
+     * option. */
+    if (eq != NULL && (strcmp(name, "--help") == 0 || strcmp(name, "--version") == 0 ||
+                       strcmp(name, "--verbose") == 0)) {
+      say_error("%s takes no value, got '%s' (see activekv --help)", name, arg);
+      return EXIT_USAGE;
+    }
+
     /* switches */
     int *flag = NULL;
     if (strcmp(name, "--check") == 0) flag = &o->check;

@@ -70,4 +70,12 @@ sh "$expect" 2 "^activekv: --release-headroom-at 4: the run has 3 steps" \
 sh "$expect" 0 '"headroom_release":\{"step":3,' \
   "$cli" $hr --release-headroom-at 3 --json || exit 1
 
+# --verbose=1, --help=x and --version=x were "unknown option --verbose":
+# switches handled before the others take no value either, and say so.
+sh "$expect" 2 "^activekv: --verbose takes no value, got '--verbose=1'" \
+  "$cli" fit --preset tiny --verbose=1 || exit 1
+sh "$expect" 2 "^activekv: --help takes no value, got '--help=x'" \
+  "$cli" fit --help=x || exit 1
+sh "$expect" 2 "^activekv: --version takes no value, got '--version=x'" \
+  "$cli" --version=x || exit 1
 exit 0
