@@ -1636,14 +1636,16 @@ static int logits_files_open(const cli_opts *o, uint32_t n_ctx, FILE **out, FILE
   if (o->logits_ref) {
     *ref = fopen(o->logits_ref, "rb");
     if (*ref == NULL || fread(&g, sizeof g, 1, *ref) != 1 || memcmp(g.magic, h.magic, 8) != 0) {
-      say_error("--logits-ref %s: not a --logits-out file", o->logits_ref);
+      if (o->tp_rank == 0) /* --tp: every rank reads it; rank 0 speaks */
+        say_error("--logits-ref %s: not a --logits-out file", o->logits_ref);
       goto fail;
     }
     if (g.vocab != h.vocab || g.contexts != h.contexts || g.steps != h.steps || g.seed != h.seed) {
-      say_error("--logits-ref %s: written for vocab %u, %u contexts, %u steps, seed %llu; this "
-                "run has %u, %u, %u, %llu",
-                o->logits_ref, g.vocab, g.contexts, g.steps, (unsigned long long)g.seed, h.vocab,
-                h.contexts, h.steps, (unsigned long long)h.seed);
+      if (o->tp_rank == 0)
+        say_error("--logits-ref %s: written for vocab %u, %u contexts, %u steps, seed %llu; "
+                  "this run has %u, %u, %u, %llu",
+                  o->logits_ref, g.vocab, g.contexts, g.steps, (unsigned long long)g.seed,
+                  h.vocab, h.contexts, h.steps, (unsigned long long)h.seed);
       goto fail;
     }
   }
@@ -1769,7 +1771,7 @@ static int decode_steps(runner *r, int steps_out, run_result *res) {
       /* Distance from the reference run; both continue with its tokens, so
        * every step compares logits of the same inputs. */
       if (fread(other, lbytes, 1, lref) != 1) {
-        say_error("--logits-ref %s: ends before step %u", o->logits_ref, s + 1);
+        if (o->tp_rank == 0) say_error("--logits-ref %s: ends before step %u", o->logits_ref, s + 1);
         goto out;
       }
       for (uint64_t k = 0; k < (uint64_t)r->n_ctx * V; ++k) {
