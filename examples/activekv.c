@@ -2656,33 +2656,6 @@ int main(int argc, char **argv) {
   int rc = parse_args(argc, argv, first, &o);
   if (rc == -1) return 0;
   if (rc != 0) return rc;
-  if (strcmp(cmd, "decode") == 0 && o.route == ROUTE_PAGED && chunk_tokens(&o) != o.page_tokens) {
-    say_error("--chunk-tokens %u: the paged route reads whole pages in place, so the attention "
-              "chunk must equal --page-tokens (%u)",
-              chunk_tokens(&o), o.page_tokens);
-    return EXIT_USAGE;
-  }
-  if (strcmp(cmd, "decode") == 0 && o.device_pool_gib > 0 && !route_retains(o.route)) {
-    say_error("--device-pool-gib %u: only --route arena or paged retains pages (stage stages every row, "
-              "resident keeps every row on the device)",
-              o.device_pool_gib);
-    return EXIT_USAGE;
-  }
-  if (strcmp(cmd, "decode") == 0 && (o.headroom_gib > 0 || o.release_headroom_at > 0) &&
-      !route_retains(o.route)) {
-    say_error("--headroom-gib / --release-headroom-at: only --route arena or paged retains "
-              "history in headroom");
-    return EXIT_USAGE;
-  }
-  if (strcmp(cmd, "decode") == 0 && o.device_pool_gib == 0 && o.headroom_gib == 0 &&
-      route_retains(o.route))
-    /* Allowed (the benchmark sweeps the pool from 0), but never silent: with
-     * no pool the route retains nothing and stages every row. */
-    fprintf(stderr,
-            "activekv: note: --route %s with --device-pool-gib 0 retains no page: every row "
-            "is staged each step, as on --route stage (pass --device-pool-gib N to retain "
-            "pages)\n",
-            route_names[o.route]);
   if (strcmp(cmd, "fit") == 0) {
     /* fit prints the host-fit line and nothing else: a flag that asks for
      * something only a decode run does is refused, not ignored (--tp, say,
@@ -2701,8 +2674,38 @@ int main(int argc, char **argv) {
                 dflag, tp);
       return EXIT_USAGE;
     }
-    return cmd_fit(&o);
   }
+  /* The route checks hold for fit as for decode: a fit of flags decode
+   * refuses reported what no run does (--route stage with a device pool of
+   * pages, the engine config making it arena). */
+  const int routed = strcmp(cmd, "demo") != 0;
+  if (routed && o.route == ROUTE_PAGED && chunk_tokens(&o) != o.page_tokens) {
+    say_error("--chunk-tokens %u: the paged route reads whole pages in place, so the attention "
+              "chunk must equal --page-tokens (%u)",
+              chunk_tokens(&o), o.page_tokens);
+    return EXIT_USAGE;
+  }
+  if (routed && o.device_pool_gib > 0 && !route_retains(o.route)) {
+    say_error("--device-pool-gib %u: only --route arena or paged retains pages (stage stages every row, "
+              "resident keeps every row on the device)",
+              o.device_pool_gib);
+    return EXIT_USAGE;
+  }
+  if (routed && (o.headroom_gib > 0 || o.release_headroom_at > 0) && !route_retains(o.route)) {
+    say_error("--headroom-gib / --release-headroom-at: only --route arena or paged retains "
+              "history in headroom");
+    return EXIT_USAGE;
+  }
+  if (strcmp(cmd, "decode") == 0 && o.device_pool_gib == 0 && o.headroom_gib == 0 &&
+      route_retains(o.route))
+    /* Allowed (the benchmark sweeps the pool from 0), but never silent: with
+     * no pool the route retains nothing and stages every row. */
+    fprintf(stderr,
+            "activekv: note: --route %s with --device-pool-gib 0 retains no page: every row "
+            "is staged each step, as on --route stage (pass --device-pool-gib N to retain "
+            "pages)\n",
+            route_names[o.route]);
+  if (strcmp(cmd, "fit") == 0) return cmd_fit(&o);
   if (strcmp(cmd, "decode") == 0) return cmd_decode(&o);
   return cmd_demo(&o);
 }

@@ -78,4 +78,20 @@ sh "$expect" 2 "^activekv: --help takes no value, got '--help=x'" \
   "$cli" fit --help=x || exit 1
 sh "$expect" 2 "^activekv: --version takes no value, got '--version=x'" \
   "$cli" --version=x || exit 1
+
+# fit took the route combinations decode refuses: --route stage (or resident)
+# with --device-pool-gib reported a device pool of pages (fit's engine
+# config made it arena), and --headroom-gib on those routes and a paged
+# --chunk-tokens other than --page-tokens passed. fit now refuses what decode
+# refuses, with the same words.
+sh "$expect" 2 "^activekv: --device-pool-gib 1: only --route arena or paged retains pages" \
+  "$cli" fit --preset tiny --route stage --device-pool-gib 1 || exit 1
+sh "$expect" 2 "^activekv: --device-pool-gib 1: only --route arena or paged retains pages" \
+  "$cli" fit --preset tiny --route resident --device-pool-gib 1 --json || exit 1
+sh "$expect" 2 "^activekv: --headroom-gib / --release-headroom-at: only --route arena or paged" \
+  "$cli" fit --preset tiny --route stage --headroom-gib 1 || exit 1
+sh "$expect" 2 "^activekv: --chunk-tokens 16: the paged route reads whole pages in place" \
+  "$cli" fit --preset tiny --route paged --page-tokens 8 --chunk-tokens 16 || exit 1
+sh "$expect" 0 '"device_pages":8192' \
+  "$cli" fit --preset tiny --route arena --device-pool-gib 1 --json || exit 1
 exit 0
