@@ -450,31 +450,37 @@ bad:
  * uses is exactly the list that was typed.
  */
 static int parse_tokens(const char *s, cli_opts *o) {
-  char buf[256];
-  if (s == NULL || strlen(s) >= sizeof buf) {
-    say_error("--tokens: expected N or N,N,... (at most %d values)", MAX_LIST);
+  /* A copy of any length: a legal list may be long (leading zeros are
+   * digits, "0000000064" is 64), and a fixed buffer refused it as too many
+   * values. */
+  char *buf = strdup(s);
+  int rc = -1;
+  if (buf == NULL) {
+    say_error("--tokens: out of host memory for its value");
     return -1;
   }
-  strcpy(buf, s);
   uint32_t n = 0;
   for (char *t = buf;;) {
     char *comma = strchr(t, ',');
     if (comma) *comma = '\0';
     if (*t == '\0') {
       say_error("--tokens: entry %u of '%s' is empty; expected N or N,N,...", n + 1, s);
-      return -1;
+      goto out;
     }
     if (n == MAX_LIST) {
       say_error("--tokens: at most %d values", MAX_LIST);
-      return -1;
+      goto out;
     }
-    if (parse_u32("--tokens", t, 0, 1u << 30, &o->tokens[n])) return -1;
+    if (parse_u32("--tokens", t, 0, 1u << 30, &o->tokens[n])) goto out;
     n++;
     if (comma == NULL) break;
     t = comma + 1;
   }
   o->n_tokens = n;
-  return 0;
+  rc = 0;
+out:
+  free(buf);
+  return rc;
 }
 
 static const preset *find_preset(const char *name) {
@@ -517,6 +523,7 @@ static int parse_args(int argc, char **argv, int first, cli_opts *o) {
     }
     const char *eq = strchr(arg, '=');
     size_t nlen = eq ? (size_t)(eq - arg) : strlen(arg);
+    const size_t full_len = nlen; /* quoted whole in "unknown option" */
     if (nlen >= sizeof name) nlen = sizeof name - 1;
     memcpy(name, arg, nlen);
     name[nlen] = '\0';
@@ -561,7 +568,7 @@ static int parse_args(int argc, char **argv, int first, cli_opts *o) {
     int known = 0;
     for (size_t k = 0; k < sizeof valued / sizeof valued[0]; ++k) known |= !strcmp(name, valued[k]);
     if (!known) {
-      say_error("unknown option %s (see activekv --help)", name);
+      say_error("unknown option %.*s (see activekv --help)", (int)full_len, arg);
       return EXIT_USAGE;
     }
     if (eq) val = (char *)eq + 1;

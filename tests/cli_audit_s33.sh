@@ -94,4 +94,15 @@ sh "$expect" 2 "^activekv: --chunk-tokens 16: the paged route reads whole pages 
   "$cli" fit --preset tiny --route paged --page-tokens 8 --chunk-tokens 16 || exit 1
 sh "$expect" 0 '"device_pages":8192' \
   "$cli" fit --preset tiny --route arena --device-pool-gib 1 --json || exit 1
+# Messages quote what was typed: a --tokens value of more than 255
+# characters (a legal list: leading zeros are allowed, 010 is ten) was
+# refused as "at most 16 values", and an option name of 64 characters or
+# more was cut to 63 in "unknown option".
+zeros=0000000000000000000000000000000000000000000000000000000000000000
+zeros=$zeros$zeros$zeros$zeros$zeros
+sh "$expect" 0 '"contexts":1,"tokens":64,' \
+  "$cli" fit --preset tiny --contexts 1 --tokens "${zeros}64" --page-tokens 8 --json || exit 1
+a16=aaaaaaaaaaaaaaaa
+sh "$expect" 2 "^activekv: unknown option --$a16$a16$a16$a16$a16 \\(see activekv --help\\)\$" \
+  "$cli" fit "--$a16$a16$a16$a16$a16=1" || exit 1
 exit 0
