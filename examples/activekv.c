@@ -170,16 +170,26 @@ static uint32_t chunk_tokens(const cli_opts *o) {
 /* Messages                                                                  */
 /* ------------------------------------------------------------------------ */
 
-static char lib_last[512]; /* the library's last warning or error, quoted in ours */
+/* The library's last warning or error logged on this thread, quoted in our
+ * errors. One per thread: with --tp every rank's thread logs and quotes at
+ * once, and a process-wide buffer was written by one rank (under
+ * lib_log_mu) while another read it unlocked into its message (a data
+ * race), which could quote another rank's line. The calls whose failures
+ * are quoted (create, destroy) log on the calling thread. */
+static _Thread_local char lib_last[512];
 static int lib_verbose;
 
 static void say_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static void say_error(const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
+  /* One line, whole: with --tp rank threads report at once, and three
+   * separate writes interleaved ("activekv: activekv: ..."). */
+  flockfile(stderr);
   fputs("activekv: ", stderr);
   vfprintf(stderr, fmt, ap);
   fputc('\n', stderr);
+  funlockfile(stderr);
   va_end(ap);
 }
 

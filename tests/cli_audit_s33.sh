@@ -105,4 +105,26 @@ sh "$expect" 0 '"contexts":1,"tokens":64,' \
 a16=aaaaaaaaaaaaaaaa
 sh "$expect" 2 "^activekv: unknown option --$a16$a16$a16$a16$a16 \\(see activekv --help\\)\$" \
   "$cli" fit "--$a16$a16$a16$a16$a16=1" || exit 1
+# --tp: each rank's error quotes its own library message. The last message
+# was one buffer for the process: a rank wrote it from the log callback
+# (under a mutex) while another rank read it, unlocked, into its error (a
+# data race, reported by ThreadSanitizer), and a rank could quote another
+# rank's line; and an error was written in three pieces, which the ranks
+# interleaved ("activekv: activekv: akv_engine_create: ..."). Here both
+# ranks' engines fail at create (--fail-nth), each logs its own "group rank
+# R/2" line, and each error, one whole line, quotes its own.
+out=$("$cli" decode --backend host --preset tiny --contexts 2 --tokens 20 --page-tokens 8 \
+  --steps 2 --warmup 0 --no-progress --tp 2 --fail-nth 3 2>&1)
+status=$?
+printf '%s\n' "$out"
+if [ "$status" != 1 ]; then
+  echo "cli_audit_s33: --tp 2 --fail-nth 3: exit status $status, expected 1" >&2
+  exit 1
+fi
+for r in 0 1; do
+  printf '%s\n' "$out" | grep -Eq "^activekv: akv_engine_create: .*\(group rank $r/2: create" || {
+    echo "cli_audit_s33: no rank's error quotes rank $r's own line" >&2
+    exit 1
+  }
+done
 exit 0
