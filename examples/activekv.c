@@ -1137,6 +1137,21 @@ static int retire_ready(runner *r, uint32_t upto) {
   return 0;
 }
 
+/* A layer that fails once its attention may be enqueued (akv_lease_attend,
+ * write back, seal or the wait below failed): on the host backend the hook's
+ * job may still run on the stream's thread, reading the CPU model's layer
+ * state, which the model's forward resets as soon as the layer function
+ * returns (a data race, and the job could refuse or write the model's error
+ * meanwhile). The stream is drained first; where it cannot establish
+ * completion (the transport failed), the engine's quarantine does, as
+ * close_all would have later. */
+static void layer_drain(runner *r) {
+  akv_quarantine_report qr;
+  if (model_stream(r->m) != NULL) return; /* CUDA: the model's own stream, no host state */
+  if (akv_stream_synchronize(r->engine, r->stream) == AKV_OK) return;
+  akv_engine_quarantine(r->engine, &qr);
+}
+
 /* model_layer_fn of the staged routes: one lease per dense layer (model
  * layer ml is the engine's layer l). */
 static int layer_engine(void *user, model *m, uint32_t ml) {
@@ -1166,14 +1181,17 @@ static int layer_engine(void *user, model *m, uint32_t ml) {
   }
   if ((st = akv_lease_attend(r->lease[l], r->stream, attention_hook, r, &attn)) != AKV_OK) {
     run_fail_akv(r, "akv_lease_attend", st);
+    layer_drain(r);
     return -1;
   }
   if ((st = akv_lease_write_back(r->lease[l], NULL, 0, &tail)) != AKV_OK) {
     run_fail_akv(r, "akv_lease_write_back", st);
+    layer_drain(r);
     return -1;
   }
   if ((st = akv_lease_seal(r->lease[l], tail, attn)) != AKV_OK) {
     run_fail_akv(r, "akv_lease_seal", st);
+    layer_drain(r);
     return -1;
   }
   if (model_stream(r->m) == NULL) {
@@ -1181,6 +1199,7 @@ static int layer_engine(void *user, model *m, uint32_t ml) {
      * attention output, so wait for the queue to have run the hook's work. */
     if ((st = akv_stream_synchronize(r->engine, r->stream)) != AKV_OK) {
       run_fail_akv(r, "akv_stream_synchronize", st);
+      layer_drain(r);
       return -1;
     }
     if (r->slot[l].failed) {

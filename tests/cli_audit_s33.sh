@@ -127,4 +127,15 @@ for r in 0 1; do
     exit 1
   }
 done
+# A layer whose lease call failed once its attention was enqueued returned
+# at once, and the CPU model's forward reset its layer state while the
+# hook's job still ran on the stream's thread, reading it (a data race that
+# ThreadSanitizer reports here in a -DAKV_SANITIZE=thread build, exit 66;
+# the job could also refuse the layer and overwrite the model's error). The
+# layer now drains the stream (or quarantines) before it returns. The
+# 40th backend operation is the first step's write back; the delays keep
+# the job in flight.
+sh "$expect" 1 "^activekv: step 1: akv_lease_write_back: .*injected fault" \
+  "$cli" decode --backend host --preset tiny --contexts 3 --tokens 40,17,9 --page-tokens 8 \
+  --steps 3 --warmup 1 --no-progress --fail-nth 40 --host-delay-us 2000 || exit 1
 exit 0
