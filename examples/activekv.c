@@ -170,16 +170,26 @@ static uint32_t chunk_tokens(const cli_opts *o) {
 /* Messages                                                                  */
 /* ------------------------------------------------------------------------ */
 
-static char lib_last[512]; /* the library's last warning or error, quoted in ours */
+/* The library's last warning or error logged on this thread, quoted in our
+ * errors. One per thread: with --tp every rank's thread logs and quotes at
+ * once, and a process-wide buffer was written by one rank (under
+ * lib_log_mu) while another read it unlocked into its message (a data
+ * race), which could quote another rank's line. The calls whose failures
+ * are quoted (create, destroy) log on the calling thread. */
+static _Thread_local char lib_last[512];
 static int lib_verbose;
 
 static void say_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static void say_error(const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
+  /* One line, whole: with --tp rank threads report at once, and three
+   * separate writes interleaved ("activekv: activekv: ..."). */
+  flockfile(stderr);
   fputs("activekv: ", stderr);
   vfprintf(stderr, fmt, ap);
   fputc('\n', stderr);
+  funlockfile(stderr);
   va_end(ap);
 }
 
@@ -285,7 +295,9 @@ static void usage(FILE *f) {
           "           stage, arena and paged, then paged on a hybrid geometry, each\n"
           "           checked bit for bit against resident\n"
           "  decode   decode a synthetic model on one route and report tokens/s\n"
-          "  fit      print the host-fit line and its verdict (exit 3 if it does not fit)\n"
+          "  fit      print the host-fit line and its verdict (exit 3 if it does not fit);\n"
+          "           refuses --check, --tp, --logits-out, --logits-ref and\n"
+          "           --release-headroom-at, which only decode acts on\n"
           "\n"
           "model (flags override the preset's values):\n"
           "  --preset NAME         llama3-8b | llama3.2-1b | gemma3-12b | tiny\n"
@@ -303,7 +315,8 @@ static void usage(FILE *f) {
           "  --seed N              weights, history and first tokens   [1]\n"
           "workload:\n"
           "  --contexts N          contexts decoded together, 1..%d   [4]\n"
-          "  --tokens N[,N...]     prefilled rows per context; a list is taken in turn [4096]\n"
+          "  --tokens N[,N...]     prefilled rows per context; a list is taken in turn, at\n"
+          "                        most --contexts values   [4096]\n"
           "                        (a context holds --tokens + --warmup + --steps rows)\n"
           "  --steps N             measured decode steps   [16]\n"
           "  --warmup N            decode steps before measuring   [2]\n"
@@ -319,7 +332,8 @@ static void usage(FILE *f) {
           "                        for history (arena, paged); 0 = off   [0]\n"
           "  --headroom-reserve-gib N  device memory headroom leaves free   [0]\n"
           "  --release-headroom-at STEP  give all headroom back in the middle of step STEP\n"
-          "                        (1-based, warmup included) and time it   [never]\n"
+          "                        (1..--warmup + --steps: warm-up included) and time it\n"
+          "                        [never]\n"
           "  --host-device-mib N   host backend, testing: model a device of N MiB so that\n"
           "                        headroom has free memory to take   [0: none free]\n"
           "  --page-tokens N       tokens per device page   [256]\n"
@@ -446,31 +460,37 @@ bad:
  * uses is exactly the list that was typed.
  */
 static int parse_tokens(const char *s, cli_opts *o) {
-  char buf[256];
-  if (s == NULL || strlen(s) >= sizeof buf) {
-    say_error("--tokens: expected N or N,N,... (at most %d values)", MAX_LIST);
+  /* A copy of any length: a legal list may be long (leading zeros are
+   * digits, "0000000064" is 64), and a fixed buffer refused it as too many
+   * values. */
+  char *buf = strdup(s);
+  int rc = -1;
+  if (buf == NULL) {
+    say_error("--tokens: out of host memory for its value");
     return -1;
   }
-  strcpy(buf, s);
   uint32_t n = 0;
   for (char *t = buf;;) {
     char *comma = strchr(t, ',');
     if (comma) *comma = '\0';
     if (*t == '\0') {
       say_error("--tokens: entry %u of '%s' is empty; expected N or N,N,...", n + 1, s);
-      return -1;
+      goto out;
     }
     if (n == MAX_LIST) {
       say_error("--tokens: at most %d values", MAX_LIST);
-      return -1;
+      goto out;
     }
-    if (parse_u32("--tokens", t, 0, 1u << 30, &o->tokens[n])) return -1;
+    if (parse_u32("--tokens", t, 0, 1u << 30, &o->tokens[n])) goto out;
     n++;
     if (comma == NULL) break;
     t = comma + 1;
   }
   o->n_tokens = n;
-  return 0;
+  rc = 0;
+out:
+  free(buf);
+  return rc;
 }
 
 static const preset *find_preset(const char *name) {
@@ -513,9 +533,19 @@ static int parse_args(int argc, char **argv, int first, cli_opts *o) {
     }
     const char *eq = strchr(arg, '=');
     size_t nlen = eq ? (size_t)(eq - arg) : strlen(arg);
+    const size_t full_len = nlen; /* quoted whole in "unknown option" */
     if (nlen >= sizeof name) nlen = sizeof name - 1;
     memcpy(name, arg, nlen);
     name[nlen] = '\0';
+
+    /* The switches handled above (--help, --version, --verbose) take no
+     * value either: "--verbose=1" is named as such, not as an unknown
+     * option. */
+    if (eq != NULL && (strcmp(name, "--help") == 0 || strcmp(name, "--version") == 0 ||
+                       strcmp(name, "--verbose") == 0)) {
+      say_error("%s takes no value, got '%s' (see activekv --help)", name, arg);
+      return EXIT_USAGE;
+    }
 
     /* switches */
     int *flag = NULL;
@@ -548,7 +578,7 @@ static int parse_args(int argc, char **argv, int first, cli_opts *o) {
     int known = 0;
     for (size_t k = 0; k < sizeof valued / sizeof valued[0]; ++k) known |= !strcmp(name, valued[k]);
     if (!known) {
-      say_error("unknown option %s (see activekv --help)", name);
+      say_error("unknown option %.*s (see activekv --help)", (int)full_len, arg);
       return EXIT_USAGE;
     }
     if (eq) val = (char *)eq + 1;
@@ -671,6 +701,16 @@ static int parse_args(int argc, char **argv, int first, cli_opts *o) {
       rc = parse_double(name, val, 0.001, 1e6, &o->pcie_gbps);
     }
     if (rc) return EXIT_USAGE;
+  }
+
+  /* Context i takes --tokens value i % n (the list is taken in turn), so a
+   * value past the --contexts-th would never be taken: refused, whatever
+   * the order of the two flags, rather than dropped without a word. */
+  if (o->n_tokens > o->contexts) {
+    say_error("--tokens: %u values for --contexts %u; the contexts take the first %u, so the "
+              "rest would never be used: give at most %u values, or raise --contexts",
+              o->n_tokens, o->contexts, o->contexts, o->contexts);
+    return EXIT_USAGE;
   }
 
   /* Without --preset the model must run on the backend this run uses: the
@@ -1097,6 +1137,21 @@ static int retire_ready(runner *r, uint32_t upto) {
   return 0;
 }
 
+/* A layer that fails once its attention may be enqueued (akv_lease_attend,
+ * write back, seal or the wait below failed): on the host backend the hook's
+ * job may still run on the stream's thread, reading the CPU model's layer
+ * state, which the model's forward resets as soon as the layer function
+ * returns (a data race, and the job could refuse or write the model's error
+ * meanwhile). The stream is drained first; where it cannot establish
+ * completion (the transport failed), the engine's quarantine does, as
+ * close_all would have later. */
+static void layer_drain(runner *r) {
+  akv_quarantine_report qr;
+  if (model_stream(r->m) != NULL) return; /* CUDA: the model's own stream, no host state */
+  if (akv_stream_synchronize(r->engine, r->stream) == AKV_OK) return;
+  akv_engine_quarantine(r->engine, &qr);
+}
+
 /* model_layer_fn of the staged routes: one lease per dense layer (model
  * layer ml is the engine's layer l). */
 static int layer_engine(void *user, model *m, uint32_t ml) {
@@ -1126,14 +1181,17 @@ static int layer_engine(void *user, model *m, uint32_t ml) {
   }
   if ((st = akv_lease_attend(r->lease[l], r->stream, attention_hook, r, &attn)) != AKV_OK) {
     run_fail_akv(r, "akv_lease_attend", st);
+    layer_drain(r);
     return -1;
   }
   if ((st = akv_lease_write_back(r->lease[l], NULL, 0, &tail)) != AKV_OK) {
     run_fail_akv(r, "akv_lease_write_back", st);
+    layer_drain(r);
     return -1;
   }
   if ((st = akv_lease_seal(r->lease[l], tail, attn)) != AKV_OK) {
     run_fail_akv(r, "akv_lease_seal", st);
+    layer_drain(r);
     return -1;
   }
   if (model_stream(r->m) == NULL) {
@@ -1141,6 +1199,7 @@ static int layer_engine(void *user, model *m, uint32_t ml) {
      * attention output, so wait for the queue to have run the hook's work. */
     if ((st = akv_stream_synchronize(r->engine, r->stream)) != AKV_OK) {
       run_fail_akv(r, "akv_stream_synchronize", st);
+      layer_drain(r);
       return -1;
     }
     if (r->slot[l].failed) {
@@ -1613,14 +1672,16 @@ static int logits_files_open(const cli_opts *o, uint32_t n_ctx, FILE **out, FILE
   if (o->logits_ref) {
     *ref = fopen(o->logits_ref, "rb");
     if (*ref == NULL || fread(&g, sizeof g, 1, *ref) != 1 || memcmp(g.magic, h.magic, 8) != 0) {
-      say_error("--logits-ref %s: not a --logits-out file", o->logits_ref);
+      if (o->tp_rank == 0) /* --tp: every rank reads it; rank 0 speaks */
+        say_error("--logits-ref %s: not a --logits-out file", o->logits_ref);
       goto fail;
     }
     if (g.vocab != h.vocab || g.contexts != h.contexts || g.steps != h.steps || g.seed != h.seed) {
-      say_error("--logits-ref %s: written for vocab %u, %u contexts, %u steps, seed %llu; this "
-                "run has %u, %u, %u, %llu",
-                o->logits_ref, g.vocab, g.contexts, g.steps, (unsigned long long)g.seed, h.vocab,
-                h.contexts, h.steps, (unsigned long long)h.seed);
+      if (o->tp_rank == 0)
+        say_error("--logits-ref %s: written for vocab %u, %u contexts, %u steps, seed %llu; "
+                  "this run has %u, %u, %u, %llu",
+                  o->logits_ref, g.vocab, g.contexts, g.steps, (unsigned long long)g.seed,
+                  h.vocab, h.contexts, h.steps, (unsigned long long)h.seed);
       goto fail;
     }
   }
@@ -1746,7 +1807,7 @@ static int decode_steps(runner *r, int steps_out, run_result *res) {
       /* Distance from the reference run; both continue with its tokens, so
        * every step compares logits of the same inputs. */
       if (fread(other, lbytes, 1, lref) != 1) {
-        say_error("--logits-ref %s: ends before step %u", o->logits_ref, s + 1);
+        if (o->tp_rank == 0) say_error("--logits-ref %s: ends before step %u", o->logits_ref, s + 1);
         goto out;
       }
       for (uint64_t k = 0; k < (uint64_t)r->n_ctx * V; ++k) {
@@ -1919,7 +1980,10 @@ static void tp_rank_opts(const cli_opts *o, uint32_t rank, cli_opts *out) {
   if (rank > 0) { /* rank 0 reports; the others stay quiet */
     out->progress = 0;
     out->logits_out = NULL;
-    out->logits_ref = NULL;
+    /* --logits-ref stays: every rank reads the reference and feeds its
+     * argmax as the next tokens, so that all shards decode the same
+     * tokens (rank 0 alone following it made the ranks' inputs differ
+     * wherever the reference's argmax was not the run's own). */
   }
 }
 
@@ -2446,6 +2510,15 @@ static int cmd_decode(const cli_opts *o) {
               "too", o->release_headroom_at);
     return EXIT_USAGE;
   }
+  /* A step the run never reaches would release nothing, and the run would
+   * end as if the flag had not been given. */
+  if (o->release_headroom_at > (uint64_t)o->warmup + o->steps) {
+    say_error("--release-headroom-at %u: the run has %u steps (--warmup %u + --steps %u); "
+              "choose a step in 1..%u",
+              o->release_headroom_at, o->warmup + o->steps, o->warmup, o->steps,
+              o->warmup + o->steps);
+    return EXIT_USAGE;
+  }
   if (o->tp > 0 && resolve_backend(o) != AKV_BACKEND_HOST) {
     rc = check_tp_cuda(o);
     if (rc != 0) return rc;
@@ -2619,20 +2692,42 @@ int main(int argc, char **argv) {
   int rc = parse_args(argc, argv, first, &o);
   if (rc == -1) return 0;
   if (rc != 0) return rc;
-  if (strcmp(cmd, "decode") == 0 && o.route == ROUTE_PAGED && chunk_tokens(&o) != o.page_tokens) {
+  if (strcmp(cmd, "fit") == 0) {
+    /* fit prints the host-fit line and nothing else: a flag that asks for
+     * something only a decode run does is refused, not ignored (--tp, say,
+     * would have printed the whole model's fit, not a rank's). */
+    const char *dflag = o.check                     ? "--check"
+                        : o.tp > 0                  ? "--tp"
+                        : o.logits_out != NULL      ? "--logits-out"
+                        : o.logits_ref != NULL      ? "--logits-ref"
+                        : o.release_headroom_at > 0 ? "--release-headroom-at"
+                                                    : NULL;
+    if (dflag != NULL) {
+      char tp[32] = "";
+      if (o.tp > 0 && strcmp(dflag, "--tp") == 0) snprintf(tp, sizeof tp, " %u", o.tp);
+      say_error("fit: %s%s is a decode flag; fit only prints the host-fit line (run "
+                "'activekv decode' with it, or drop it)",
+                dflag, tp);
+      return EXIT_USAGE;
+    }
+  }
+  /* The route checks hold for fit as for decode: a fit of flags decode
+   * refuses reported what no run does (--route stage with a device pool of
+   * pages, the engine config making it arena). */
+  const int routed = strcmp(cmd, "demo") != 0;
+  if (routed && o.route == ROUTE_PAGED && chunk_tokens(&o) != o.page_tokens) {
     say_error("--chunk-tokens %u: the paged route reads whole pages in place, so the attention "
               "chunk must equal --page-tokens (%u)",
               chunk_tokens(&o), o.page_tokens);
     return EXIT_USAGE;
   }
-  if (strcmp(cmd, "decode") == 0 && o.device_pool_gib > 0 && !route_retains(o.route)) {
+  if (routed && o.device_pool_gib > 0 && !route_retains(o.route)) {
     say_error("--device-pool-gib %u: only --route arena or paged retains pages (stage stages every row, "
               "resident keeps every row on the device)",
               o.device_pool_gib);
     return EXIT_USAGE;
   }
-  if (strcmp(cmd, "decode") == 0 && (o.headroom_gib > 0 || o.release_headroom_at > 0) &&
-      !route_retains(o.route)) {
+  if (routed && (o.headroom_gib > 0 || o.release_headroom_at > 0) && !route_retains(o.route)) {
     say_error("--headroom-gib / --release-headroom-at: only --route arena or paged retains "
               "history in headroom");
     return EXIT_USAGE;
