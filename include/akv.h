@@ -841,7 +841,12 @@ AKV_API akv_status akv_context_append_layer(akv_context *context, uint32_t layer
  * the rows that layer holds bound the range (akv_context_append_layer may have
  * given it more than akv_context_length reports). Allowed while no lease of an open step can write them (outside a step, or
  * for a context not in the step). Also allowed after a transport failure.
- * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT, AKV_ERR_IN_USE.
+ * n == 0 reads nothing (k_out and v_out may then be NULL).
+ * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (layer out of
+ * range, [first, first+n) not within the rows the layer holds, or k_out or
+ * v_out NULL with n > 0), AKV_ERR_IN_USE (the context is part of the open
+ * step, or another thread's call in progress); on any error nothing is
+ * written to k_out or v_out.
  */
 AKV_API akv_status akv_context_read(const akv_context *context, uint32_t layer, uint32_t first,
                                     uint32_t n, void *k_out, void *v_out);
@@ -984,8 +989,8 @@ typedef int (*akv_attention_fn)(void *user, const akv_view *view, akv_stream str
  * into it. Enqueues on the H2D queue (history rows not retained on device) and
  * the materialisation queue (retained pages, arena route); records the
  * history-ready events. Layers must be leased in order 0..n_dense_layers-1.
- * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (layer out of
- * range or out of order), AKV_ERR_STEP_STATE (no open step),
+ * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (out NULL, or
+ * layer out of range or out of order), AKV_ERR_STEP_STATE (no open step),
  * AKV_ERR_LEASE_ORDER, AKV_ERR_BACKEND, AKV_ERR_QUARANTINED, AKV_ERR_IN_USE
  * (another thread's call in progress).
  * *out is a new handle for this begin only: it never names a lease of an
@@ -1006,13 +1011,16 @@ AKV_API akv_status akv_lease_wait_ready(akv_lease *lease, akv_stream stream, akv
 /**
  * Two-call form, part 2: records the attention-consumed event on `stream`
  * (the same stream given to wait_ready) and returns its fence.
- * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT,
- * AKV_ERR_LEASE_STATE, AKV_ERR_BACKEND, AKV_ERR_QUARANTINED, AKV_ERR_IN_USE.
+ * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT (attention
+ * NULL, or stream not the one given to wait_ready), AKV_ERR_LEASE_STATE (not
+ * ready), AKV_ERR_BACKEND, AKV_ERR_QUARANTINED, AKV_ERR_IN_USE.
  */
 AKV_API akv_status akv_lease_mark_consumed(akv_lease *lease, akv_stream stream,
                                            akv_fence *attention);
 
-/** Hook form: wait_ready, hook(user, view, stream), mark_consumed. Same statuses.
+/** Hook form: wait_ready, hook(user, view, stream), mark_consumed. Same statuses
+ *  (AKV_ERR_INVALID_ARGUMENT also for hook or attention NULL; AKV_ERR_LEASE_STATE
+ *  when the lease is not just begun).
  *  The hook runs on the calling thread, inside the call: it may call the
  *  engine again (every call, destroy included), while other threads' calls
  *  on the engine are refused with AKV_ERR_IN_USE until attend returned
@@ -1029,8 +1037,11 @@ AKV_API akv_status akv_lease_attend(akv_lease *lease, akv_stream stream, akv_att
  * each owner's new row (index len[i], K and V) to its authoritative host rows,
  * and records the tail event. `owners` lists contexts of this lease (NULL with
  * n_owners == 0 means all of them); each owner at most once per lease.
- * Returns AKV_OK, AKV_ERR_BAD_HANDLE, AKV_ERR_INVALID_ARGUMENT,
- * AKV_ERR_LEASE_STATE (attention not consumed, or owner already written),
+ * Returns AKV_OK, AKV_ERR_BAD_HANDLE (also: an owner that is not an open
+ * context), AKV_ERR_INVALID_ARGUMENT (tail NULL; owners NULL with
+ * n_owners > 0, or not NULL with n_owners == 0; n_owners above the lease's
+ * contexts; an owner listed twice), AKV_ERR_LEASE_STATE (attention not
+ * consumed, or owner already written; owners NULL once some were written),
  * AKV_ERR_OWNER_MISMATCH (an owner the lease did not begin with; nothing
  * enqueued), AKV_ERR_BACKEND, AKV_ERR_QUARANTINED, AKV_ERR_IN_USE.
  */

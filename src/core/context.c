@@ -128,7 +128,7 @@ static uint32_t akv_next_context_id(akv_engine *e) {
 
 static akv_status akv_context_open_claimed(akv_engine *e, const akv_context_config *config,
                                            akv_context **out) {
-  akv_status st = akv_engine_enter(e);
+  akv_status st = akv_engine_enter(e, "context_open");
   akv_context_config cc = AKV_CONTEXT_CONFIG_INIT;
   akv_context *c = NULL;
   if (st != AKV_OK) return st;
@@ -235,7 +235,7 @@ AKV_API akv_status akv_context_open(akv_engine *e, const akv_context_config *con
 
 static akv_status akv_context_close_claimed(akv_engine *e, akv_context *c) {
   akv_status st;
-  if ((st = akv_engine_enter(e)) != AKV_OK) return st;
+  if ((st = akv_engine_enter(e, "context_close")) != AKV_OK) return st;
   if (akv_context_in_use(c))
     return akv_fail(e, AKV_ERR_IN_USE, "context_close: context %u is part of the open step",
                     c->id);
@@ -264,7 +264,7 @@ AKV_API akv_status akv_context_close(akv_context *c) {
 static akv_status akv_context_append_claimed(akv_engine *e, akv_context *c, uint32_t n_tokens,
                                              const void *const *k_rows, const void *const *v_rows) {
   akv_status st;
-  if ((st = akv_engine_enter(e)) != AKV_OK) return st;
+  if ((st = akv_engine_enter(e, "context_append")) != AKV_OK) return st;
   if (k_rows == NULL || v_rows == NULL)
     return akv_fail(e, AKV_ERR_INVALID_ARGUMENT, "context_append: row arrays are NULL");
   for (uint32_t l = 0; l < e->cfg.n_dense_layers; l++)
@@ -301,7 +301,7 @@ static akv_status akv_context_append_layer_claimed(akv_engine *e, akv_context *c
                                                    uint32_t n_tokens, const void *k_rows,
                                                    const void *v_rows) {
   akv_status st;
-  if ((st = akv_engine_enter(e)) != AKV_OK) return st;
+  if ((st = akv_engine_enter(e, "context_append_layer")) != AKV_OK) return st;
   if (layer >= e->cfg.n_dense_layers)
     return akv_fail(e, AKV_ERR_INVALID_ARGUMENT,
                     "context_append_layer: layer %u out of range (%u dense layers)", layer,

@@ -153,12 +153,15 @@ akv_status akv_engine_reentered(akv_engine *e) {
   return AKV_ERR_IN_USE;
 }
 
-akv_status akv_engine_enter(akv_engine *e) {
+/* Invariant (akv.h, Conventions: a refusal's last error names the call):
+ * every refusal after a transport failure says which call it refused. */
+akv_status akv_engine_enter(akv_engine *e, const char *call) {
   if (e->log_depth > 0) return akv_engine_reentered(e);
   if (e->transport_failed)
     return akv_fail(e, AKV_ERR_QUARANTINED,
-                    "transport failed earlier; only diagnostics, quarantine and destroy are "
-                    "accepted");
+                    "%s: transport failed earlier; only diagnostics, quarantine and destroy "
+                    "are accepted",
+                    call);
   return AKV_OK;
 }
 
@@ -628,14 +631,16 @@ static akv_status akv_engine_destroy_claimed(akv_engine *e) {
   if (e->step_open || e->leases_live > 0 || e->retained ||
       (e->transport_failed && !e->quarantined))
     return akv_fail(e, AKV_ERR_BUSY,
-                    "destroy refused: %s; nothing was freed",
+                    "engine_destroy: refused: %s; nothing was freed",
                     e->retained       ? "resources retained on an uncertain fence"
                     : e->step_open    ? "a step is open (retire its leases, end it)"
                     : e->leases_live  ? "unretired leases"
                                       : "transport failed: quarantine first");
   for (size_t i = 0; i < sizeof(e->streams) / sizeof(e->streams[0]); i++)
     if (e->streams[i].live)
-      return akv_fail(e, AKV_ERR_BUSY, "destroy refused: a stream from akv_stream_create is live");
+      return akv_fail(e, AKV_ERR_BUSY,
+                      "engine_destroy: refused: a stream from akv_stream_create is live; "
+                      "nothing was freed");
   akv_engine_free_all(e);
   return AKV_OK;
 }
@@ -725,7 +730,7 @@ static akv_status akv_engine_quarantine_claimed(akv_engine *e, akv_quarantine_re
    * an uncertain fence. Refused at once, nothing marked, *report alone. */
   if (akv_engine_on_own_stream(e))
     return akv_fail(e, AKV_ERR_IN_USE,
-                    "quarantine: called from a function running on a stream of this engine, "
+                    "engine_quarantine: called from a function running on a stream of this engine, "
                     "which it would wait for; nothing marked");
   memset(&r, 0, sizeof(r));
   e->transport_failed = true; /* from now on: diagnostics, quarantine, destroy */
@@ -767,7 +772,7 @@ static akv_status akv_engine_quarantine_claimed(akv_engine *e, akv_quarantine_re
              r.device_ok ? "" : "device");
     e->retained = true;
     st = akv_fail(e, AKV_ERR_UNCERTAIN_FENCE,
-                  "quarantine could not establish completion (%s); %u leases, the pools and "
+                  "engine_quarantine: could not establish completion (%s); %u leases, the pools and "
                   "buffers stay retained",
                   r.uncertain, r.retained_leases);
     akv_log(e, AKV_LOG_ERROR, "%s", e->last_error);

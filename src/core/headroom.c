@@ -259,7 +259,7 @@ akv_status akv_headroom_apply_pending(akv_engine *e) {
 
 static akv_status akv_headroom_release_claimed(akv_engine *e, uint64_t bytes, uint64_t *freed_now,
                                                uint64_t *pending) {
-  akv_status st = akv_engine_enter(e);
+  akv_status st = akv_engine_enter(e, "headroom_release");
   if (st != AKV_OK) return st;
   if (!e->hr_enabled)
     return akv_fail(e, AKV_ERR_NOT_SUPPORTED,
@@ -314,7 +314,7 @@ AKV_API akv_status akv_headroom_release(akv_engine *e, uint64_t bytes, uint64_t 
 }
 
 static akv_status akv_headroom_take_claimed(akv_engine *e, uint64_t bytes, uint64_t *taken) {
-  akv_status st = akv_engine_enter(e);
+  akv_status st = akv_engine_enter(e, "headroom_take");
   uint64_t free_b = 0, total = 0, peak = 0;
   if (st != AKV_OK) return st;
   if (!e->hr_enabled)

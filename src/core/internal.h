@@ -309,8 +309,9 @@ const char *akv_route_name(akv_route r);
 /* Marks the transport failed after a failed backend op; returns AKV_ERR_BACKEND. */
 akv_status akv_transport_failed(akv_engine *e, akv_status st, const char *where);
 /* Common entry check of a claimed engine: not failed, not called from
- * its log callback for a change. */
-akv_status akv_engine_enter(akv_engine *e);
+ * its log callback for a change. `call` names the public call (akv.h: a
+ * refusal's last error names it). */
+akv_status akv_engine_enter(akv_engine *e, const char *call);
 /* The claim (engine.c): AKV_OK with the engine claimed by this thread,
  * AKV_ERR_BAD_HANDLE (not a live engine) or AKV_ERR_IN_USE (another
  * thread is inside a call on it), both with nothing written. Every public

@@ -63,11 +63,11 @@ akv_status akv_lease_claim(const akv_lease *h, akv_engine **out) {
 }
 
 /* Common entry: live handle, engine usable. */
-static akv_status akv_lease_enter(const akv_lease *h, akv_lease_body **out) {
+static akv_status akv_lease_enter(const akv_lease *h, akv_lease_body **out, const char *call) {
   akv_lease_body *ls = akv_lease_resolve(h);
   if (ls == NULL) return AKV_ERR_BAD_HANDLE;
   *out = ls;
-  return akv_engine_enter(ls->engine);
+  return akv_engine_enter(ls->engine, call);
 }
 
 /* The next free handle record of the engine, in FIFO order. At most one
@@ -217,7 +217,7 @@ static void akv_lease_plan_context(akv_lease_body *ls, uint32_t i, size_t *n_h2d
 }
 
 static akv_status akv_lease_begin_claimed(akv_engine *e, uint32_t layer, akv_lease **out) {
-  akv_status st = akv_engine_enter(e);
+  akv_status st = akv_engine_enter(e, "lease_begin");
   akv_lease_body *ls, *pred;
   akv_reader prior[AKV_MAX_PRIOR];
   uint32_t n_prior = 0;
@@ -340,7 +340,7 @@ static void akv_lease_view(const akv_lease_body *ls, akv_view *v) {
 static akv_status akv_lease_wait_ready_claimed(akv_lease *handle, akv_stream stream,
                                                akv_view *view) {
   akv_lease_body *ls = NULL;
-  akv_status st = akv_lease_enter(handle, &ls);
+  akv_status st = akv_lease_enter(handle, &ls, "lease_wait_ready");
   akv_engine *e;
   akv_bqueue *q;
   if (st != AKV_OK) return st;
@@ -372,7 +372,7 @@ AKV_API akv_status akv_lease_wait_ready(akv_lease *handle, akv_stream stream, ak
 static akv_status akv_lease_mark_consumed_claimed(akv_lease *handle, akv_stream stream,
                                                   akv_fence *attention) {
   akv_lease_body *ls = NULL;
-  akv_status st = akv_lease_enter(handle, &ls);
+  akv_status st = akv_lease_enter(handle, &ls, "lease_mark_consumed");
   akv_engine *e;
   akv_bqueue *q;
   if (st != AKV_OK) return st;
@@ -409,7 +409,7 @@ static akv_status akv_lease_attend_claimed(akv_lease *handle, akv_stream stream,
                                            akv_attention_fn hook, void *user,
                                            akv_fence *attention) {
   akv_lease_body *ls = NULL;
-  akv_status st = akv_lease_enter(handle, &ls);
+  akv_status st = akv_lease_enter(handle, &ls, "lease_attend");
   akv_view view;
   if (st != AKV_OK) return st;
   if (hook == NULL || attention == NULL)
@@ -475,7 +475,7 @@ static akv_status akv_lease_attend_claimed(akv_lease *handle, akv_stream stream,
   if (ls->state != AKV_LEASE_READY) {
     /* An engine that failed meanwhile (the hook's write-back failed, say)
      * answers as it answers every call: nothing written. */
-    if ((st = akv_engine_enter(ls->engine)) != AKV_OK) return st;
+    if ((st = akv_engine_enter(ls->engine, "lease_attend")) != AKV_OK) return st;
     attention->serial = ls->fence_attn;
     return AKV_OK;
   }
@@ -502,7 +502,7 @@ static int akv_lease_owner_index(const akv_lease_body *ls, const akv_context *c)
 static akv_status akv_lease_write_back_claimed(akv_lease *handle, akv_context *const *owners,
                                                uint32_t n_owners, akv_fence *tail) {
   akv_lease_body *ls = NULL;
-  akv_status st = akv_lease_enter(handle, &ls);
+  akv_status st = akv_lease_enter(handle, &ls, "lease_write_back");
   akv_engine *e;
   uint32_t n;
   size_t nb = 0;
@@ -587,7 +587,7 @@ AKV_API akv_status akv_lease_write_back(akv_lease *handle, akv_context *const *o
 
 static akv_status akv_lease_seal_claimed(akv_lease *handle, akv_fence tail, akv_fence attention) {
   akv_lease_body *ls = NULL;
-  akv_status st = akv_lease_enter(handle, &ls);
+  akv_status st = akv_lease_enter(handle, &ls, "lease_seal");
   akv_engine *e;
   if (st != AKV_OK) return st;
   e = ls->engine;
@@ -671,7 +671,7 @@ static bool akv_lease_finish(akv_lease_body *ls, akv_receipt *receipt) {
 static akv_status akv_lease_retire_claimed(akv_lease *handle, akv_receipt *receipt, bool wait) {
   const char *what = wait ? "lease_retire" : "lease_try_retire";
   akv_lease_body *ls = NULL;
-  akv_status st = akv_lease_enter(handle, &ls);
+  akv_status st = akv_lease_enter(handle, &ls, what);
   akv_engine *e;
   bool done = false;
   if (st != AKV_OK) return st;

@@ -74,7 +74,7 @@ fail:
   /* Admission already moved residency at this boundary: a page whose fill
    * was not submitted is mapped without its content, so every failure here
    * marks the transport failed (quarantine, never a retry). */
-  return akv_transport_failed(e, st, "page fill");
+  return akv_transport_failed(e, st, "step_begin: page fill");
 }
 
 /* Paged route: the step's page map (context i of the step, page p: the
@@ -100,11 +100,11 @@ static akv_status akv_step_publish_map(akv_engine *e, akv_context *const *ctxs, 
   AKV_CHECK(akv_copy_submit(e, e->q_h2d, AKV_COPY_H2D, 1, &dst, &src, &bytes));
   return AKV_OK;
 fail:
-  return akv_transport_failed(e, st, "page map");
+  return akv_transport_failed(e, st, "step_begin: page map");
 }
 
 static akv_status akv_step_begin_claimed(akv_engine *e, akv_context *const *ctxs, uint32_t n) {
-  akv_status st = akv_engine_enter(e);
+  akv_status st = akv_engine_enter(e, "step_begin");
   if (st != AKV_OK) return st;
   if (e->step_open) return akv_fail(e, AKV_ERR_STEP_STATE, "step_begin: a step is already open");
   if (ctxs == NULL || n == 0 || n > e->concurrency)
@@ -185,7 +185,7 @@ AKV_API akv_status akv_step_begin(akv_engine *e, akv_context *const *ctxs, uint3
 }
 
 static akv_status akv_step_end_claimed(akv_engine *e) {
-  akv_status st = akv_engine_enter(e);
+  akv_status st = akv_engine_enter(e, "step_end");
   if (st != AKV_OK) return st;
   if (!e->step_open) return akv_fail(e, AKV_ERR_STEP_STATE, "step_end: no step is open");
   /* Invariant (DESIGN §7): logical cancellation revokes publication but

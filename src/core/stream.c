@@ -37,7 +37,7 @@ bool akv_engine_on_own_stream(const akv_engine *e) {
 }
 
 static akv_status akv_stream_create_claimed(akv_engine *e, akv_stream *out) {
-  akv_status st = akv_engine_enter(e);
+  akv_status st = akv_engine_enter(e, "stream_create");
   if (st != AKV_OK) return st;
   if (out == NULL) return akv_fail(e, AKV_ERR_INVALID_ARGUMENT, "stream_create: out is NULL");
   for (size_t i = 0; i < AKV_N_STREAMS; i++) {
@@ -144,7 +144,7 @@ AKV_API akv_status akv_stream_destroy(akv_engine *e, akv_stream s) {
 }
 
 static akv_status akv_stream_synchronize_claimed(akv_engine *e, akv_stream s) {
-  akv_status st = akv_engine_enter(e);
+  akv_status st = akv_engine_enter(e, "stream_synchronize");
   akv_bqueue *q;
   if (st != AKV_OK) return st;
   if ((q = akv_stream_queue(e, s)) == NULL)
@@ -178,7 +178,7 @@ AKV_API akv_status akv_stream_synchronize(akv_engine *e, akv_stream s) {
 
 static akv_status akv_stream_launch_host_claimed(akv_engine *e, akv_stream s, void (*fn)(void *),
                                                  void *arg) {
-  akv_status st = akv_engine_enter(e);
+  akv_status st = akv_engine_enter(e, "stream_launch_host");
   akv_bqueue *q;
   if (st != AKV_OK) return st;
   if (fn == NULL || (q = akv_stream_queue(e, s)) == NULL)
