@@ -1701,7 +1701,8 @@ static int logits_files_open(const cli_opts *o, uint32_t n_ctx, FILE **out, FILE
   if (o->logits_out) {
     *out = fopen(o->logits_out, "wb");
     if (*out == NULL || fwrite(&h, sizeof h, 1, *out) != 1) {
-      say_error("--logits-out %s: cannot write", o->logits_out);
+      say_error("--logits-out %s: cannot write (%s)", o->logits_out,
+                *out == NULL ? strerror(errno) : "short write");
       goto fail;
     }
   }
@@ -2731,6 +2732,62 @@ int main(int argc, char **argv) {
     say_error("--headroom-gib / --release-headroom-at: only --route arena or paged retains "
               "history in headroom");
     return EXIT_USAGE;
+  }
+  /* Flags that would change nothing in the run asked for are refused, not
+   * ignored: the run would end as if they had not been given. */
+  if (o.headroom_reserve_gib > 0 && o.headroom_gib == 0) {
+    say_error("--headroom-reserve-gib %u: it is the device memory headroom leaves free, and there "
+              "is no headroom; pass --headroom-gib N too, or drop it",
+              o.headroom_reserve_gib);
+    return EXIT_USAGE;
+  }
+  if (routed && !route_retains(o.route) &&
+      (o.target_pages != AKV_TARGET_FAIR_SHARE || o.burst_pages > 0)) {
+    say_error("%s: only --route arena or paged gives contexts device pages (--route %s retains "
+              "none)",
+              o.target_pages != AKV_TARGET_FAIR_SHARE ? "--target-pages" : "--burst-pages",
+              route_names[o.route]);
+    return EXIT_USAGE;
+  }
+  if (o.device != 0 && resolve_backend(&o) == AKV_BACKEND_HOST) {
+    if (o.backend == AKV_BACKEND_HOST) {
+      say_error("--device %d selects a GPU; --backend host runs on none (drop --device, or pass "
+                "--backend cuda)",
+                o.device);
+      return EXIT_USAGE;
+    }
+    fprintf(stderr,
+            "activekv: note: --device %d is not used: no CUDA device here, so the run takes the "
+            "host backend (--backend cuda refuses instead)\n",
+            o.device);
+  }
+  /* The logits files are opened after the prefill: a path that cannot be
+   * read or written is said before anything runs. */
+  if (strcmp(cmd, "decode") == 0 && o.logits_ref != NULL && access(o.logits_ref, R_OK) != 0) {
+    say_error("--logits-ref %s: cannot read (%s)", o.logits_ref, strerror(errno));
+    return EXIT_USAGE;
+  }
+  if (strcmp(cmd, "decode") == 0 && o.logits_out != NULL) {
+    int werr = 0;
+    if (access(o.logits_out, F_OK) == 0) {
+      if (access(o.logits_out, W_OK) != 0) werr = errno;
+    } else {
+      /* A new file: its directory must take it. */
+      char dir[4096];
+      const char *slash = strrchr(o.logits_out, '/');
+      if (slash == NULL) {
+        snprintf(dir, sizeof dir, ".");
+      } else if (slash == o.logits_out) {
+        snprintf(dir, sizeof dir, "/");
+      } else {
+        snprintf(dir, sizeof dir, "%.*s", (int)(slash - o.logits_out), o.logits_out);
+      }
+      if (access(dir, W_OK | X_OK) != 0) werr = errno;
+    }
+    if (werr != 0) {
+      say_error("--logits-out %s: cannot write (%s)", o.logits_out, strerror(werr));
+      return EXIT_USAGE;
+    }
   }
   if (strcmp(cmd, "decode") == 0 && o.device_pool_gib == 0 && o.headroom_gib == 0 &&
       route_retains(o.route))

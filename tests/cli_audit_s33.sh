@@ -138,4 +138,28 @@ done
 sh "$expect" 1 "^activekv: step 1: akv_lease_write_back: .*injected fault" \
   "$cli" decode --backend host --preset tiny --contexts 3 --tokens 40,17,9 --page-tokens 8 \
   --steps 3 --warmup 1 --no-progress --fail-nth 40 --host-delay-us 2000 || exit 1
+# Flags that changed nothing in the run asked for were taken and ignored
+# (exit 0): a headroom reserve without headroom, a context's device pages on
+# a route that retains none, a GPU for the host backend. Now each is a
+# usage error (exit 2) naming the flag.
+tiny="--backend host --preset tiny --contexts 2 --tokens 20 --page-tokens 8 --steps 1 --warmup 0 --no-progress"
+sh "$expect" 2 "^activekv: --headroom-reserve-gib 1: .*no headroom" \
+  "$cli" decode $tiny --route arena --device-pool-gib 1 --headroom-reserve-gib 1 || exit 1
+sh "$expect" 2 "^activekv: --target-pages: only --route arena or paged" \
+  "$cli" decode $tiny --route stage --target-pages 2 || exit 1
+sh "$expect" 2 "^activekv: --burst-pages: only --route arena or paged" \
+  "$cli" fit $tiny --route stage --burst-pages 1 || exit 1
+sh "$expect" 2 "^activekv: --device 1 selects a GPU; --backend host" \
+  "$cli" decode $tiny --route stage --device 1 || exit 1
+# The logits files were opened after the prefill: a --logits-out that
+# cannot be written (or a --logits-ref that cannot be read) ran the prefill
+# first and said only "cannot write". Now it is refused before anything
+# runs, with the reason.
+sh "$expect" 2 "^activekv: --logits-out $tmp/no/such/dir/x.logits: cannot write \(No such file" \
+  "$cli" decode $tiny --route stage --logits-out "$tmp/no/such/dir/x.logits" || exit 1
+sh "$expect" 2 "^activekv: --logits-ref $tmp/missing.logits: cannot read \(No such file" \
+  "$cli" decode $tiny --route stage --logits-ref "$tmp/missing.logits" || exit 1
+# The same flags where they do act are still taken.
+sh "$expect" 0 "" "$cli" decode $tiny --route arena --device-pool-gib 1 --target-pages 2 \
+  --burst-pages 1 --logits-out "$tmp/ok.logits" || exit 1
 exit 0
