@@ -2765,7 +2765,7 @@ int main(int argc, char **argv) {
    * read or written is said before anything runs. */
   if (strcmp(cmd, "decode") == 0 && o.logits_ref != NULL && access(o.logits_ref, R_OK) != 0) {
     say_error("--logits-ref %s: cannot read (%s)", o.logits_ref, strerror(errno));
-    return EXIT_USAGE;
+    return EXIT_RUN_ERROR; /* a file the system refuses: a run error, as when opened */
   }
   if (strcmp(cmd, "decode") == 0 && o.logits_out != NULL) {
     int werr = 0;
@@ -2786,7 +2786,7 @@ int main(int argc, char **argv) {
     }
     if (werr != 0) {
       say_error("--logits-out %s: cannot write (%s)", o.logits_out, strerror(werr));
-      return EXIT_USAGE;
+      return EXIT_RUN_ERROR;
     }
   }
   if (strcmp(cmd, "decode") == 0 && o.device_pool_gib == 0 && o.headroom_gib == 0 &&
