@@ -221,6 +221,35 @@ def dense_layer_indices(config: Any) -> tuple[list[int], list[Any]]:
     return dense, layers
 
 
+def _layer_geometry(lc: Any) -> tuple[int, int]:
+    """(KV heads, head_dim) of one layer's config (or of a homogeneous model's)."""
+    head_dim = getattr(lc, "head_dim", None) or lc.hidden_size // lc.num_attention_heads
+    kv_heads = getattr(lc, "num_key_value_heads", None) or lc.num_attention_heads
+    return int(kv_heads), int(head_dim)
+
+
+def _dense_geometry(tc: Any, dense: Sequence[int]) -> tuple[int, int]:
+    """(KV heads, head_dim) of the full-attention layers, the ones the engine stages.
+
+    A heterogeneous config (transformers' ``per_layer_config``: Gemma 4 gives its
+    full-attention layers another head_dim, and may give them other KV heads, than its
+    sliding layers) refuses to give those attributes globally (a RuntimeError); they are
+    read from each full-attention layer's own config. The engine has one geometry:
+    full-attention layers that disagree raise ValueError."""
+    if not getattr(tc, "is_heterogeneous", False):
+        return _layer_geometry(tc)
+    per_layer = tc.per_layer_config
+    found: dict = {}
+    for i in dense:
+        found.setdefault(_layer_geometry(per_layer[i]), []).append(i)
+    if len(found) != 1:
+        raise ValueError(
+            "ActiveKVCache: the full-attention layers differ in (kv_heads, head_dim): %s; the "
+            "engine stages one geometry" % ", ".join("%s at layers %s" % (g, idx)
+                                                     for g, idx in found.items()))
+    return next(iter(found))
+
+
 def engine_config_for(
     config: Any,
     *,
@@ -268,8 +297,7 @@ def engine_config_for(
     dense, _ = dense_layer_indices(config)
     if not dense:
         raise ValueError("ActiveKVCache: the model has no full-attention layer to stage")
-    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-    kv_heads = getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
+    kv_heads, head_dim = _dense_geometry(tc, dense)
     cfg = dict(
         backend=backend,
         device_ordinal=device_ordinal,
