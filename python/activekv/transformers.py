@@ -65,6 +65,7 @@ import numpy as np
 
 try:
     import torch
+    from transformers import cache_utils as _cache_utils
     from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
 except ImportError as exc:  # pragma: no cover - exercised only without the optional deps
     raise ImportError(
@@ -91,6 +92,11 @@ from activekv.errors import (
 __all__ = ["ActiveKVCache", "ActiveKVLayer", "dense_layer_indices", "engine_config_for"]
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+
+# transformers' layers that hold tokens (see ActiveKVCache.__init__, kv_layers): the
+# K/V layers and the linear-attention ones (conv, recurrent), where transformers has them.
+_LINEAR_LAYER = getattr(_cache_utils, "LinearAttentionCacheLayerMixin", None)
+_TOKEN_LAYERS = (DynamicLayer,) if _LINEAR_LAYER is None else (DynamicLayer, _LINEAR_LAYER)
 
 # torch's current CUDA stream as a raw cudaStream_t without building a Stream object
 # (a few microseconds a layer); the public call is the fallback.
@@ -742,7 +748,7 @@ class _Driver:
     def layer_counts(self) -> list:
         """(model layer index, tokens it holds) for every K/V layer of the model, in order."""
         dense = self.layer_len
-        return [(i, dense[ref] if type(ref) is int else ref.get_seq_length())
+        return [(i, dense[ref] if type(ref) is int else int(ref.get_seq_length()))
                 for i, ref in self.kv_layers]
 
     def whole_length(self) -> int:
@@ -752,7 +758,7 @@ class _Driver:
         its layers (or is under way)."""
         low = min(self.layer_len)
         for ref in self.others:
-            n = ref.get_seq_length()
+            n = int(ref.get_seq_length())  # a linear-attention layer's is a tensor
             if n < low:
                 low = n
         return low
@@ -1408,14 +1414,20 @@ class ActiveKVCache(Cache):
         max_cache_len = ecfg["max_tokens"]  # a Python int (a numpy one is accepted)
         for d, layer_idx in enumerate(dense):
             layers[layer_idx] = ActiveKVLayer(driver, d, max_cache_len)
-        # The model's K/V layers: the full-attention ones and transformers' own that take
-        # K/V through update (sliding-window, chunked: DynamicLayer subclasses; not the
-        # linear-attention or dummy layers), in order (see _Driver.layer_counts).
+        # The model's layers that hold tokens: the full-attention ones, transformers' own
+        # that take K/V through update (sliding-window, chunked: DynamicLayer subclasses)
+        # and its linear-attention (conv, recurrent) layers, whose states transformers'
+        # own calls advance (get_conv_state, increase_count: in place) before a later
+        # full-attention layer of the same forward may refuse it; not the dummy layers.
+        # In order (see _Driver.layer_counts).
         driver.kv_layers = [(i, layer.dense_index if isinstance(layer, ActiveKVLayer) else layer)
                             for i, layer in enumerate(layers)
-                            if isinstance(layer, (ActiveKVLayer, DynamicLayer))]
+                            if isinstance(layer, (ActiveKVLayer,) + _TOKEN_LAYERS)]
         driver.others = [ref for _, ref in driver.kv_layers if type(ref) is not int]
-        driver.first_kv = driver.kv_layers[0][0]
+        # The first layer of a forward that takes K/V through update, where it is checked
+        # (see _Driver.check_cut); a linear-attention layer before it is counted only.
+        driver.first_kv = next(i for i, layer in enumerate(layers)
+                               if isinstance(layer, (ActiveKVLayer, DynamicLayer)))
         driver.first_kv_dense = driver.first_kv == dense[0]
         super().__init__(layers=layers)
         self._driver = driver
@@ -1472,8 +1484,9 @@ class ActiveKVCache(Cache):
 
     @property
     def layer_lengths(self) -> list:
-        """The tokens each model layer holds, in model order (None for a layer that holds
-        no K/V: linear-attention, dummy). Equal for every K/V layer between forwards;
+        """The tokens each model layer holds, in model order (a linear-attention layer's
+        own count included; None for a layer that holds none: dummy, KV-sharing). Equal
+        for every such layer between forwards;
         uneven after a forward cut short between its layers (see ``cut_short``), while
         ``get_seq_length`` reports the tokens every layer holds."""
         out: list = [None] * len(self.layers)
@@ -1495,7 +1508,7 @@ class ActiveKVCache(Cache):
         layers it did not reach are updated with its K/V; ``layer_lengths`` and
         ``cache.layers[i].get_seq_length()`` give each layer's own count."""
         if (isinstance(layer_idx, (int, np.integer)) and 0 <= layer_idx < len(self.layers)
-                and isinstance(self.layers[layer_idx], (ActiveKVLayer, DynamicLayer))):
+                and isinstance(self.layers[layer_idx], (ActiveKVLayer,) + _TOKEN_LAYERS)):
             return self._driver.whole_length()
         return super().get_seq_length(layer_idx)
 

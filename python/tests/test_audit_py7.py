@@ -114,3 +114,62 @@ def test_cache_for_full_attention_layers_of_different_geometries_is_refused_by_n
     with pytest.raises(ValueError, match=r"\(4, 16\) at layers \[1\]"):
         ActiveKVCache(config=cfg, device="cpu", dtype=torch.float32, max_cache_len=16,
                       log=quiet)
+
+
+# ---------------------------------------- linear-attention (conv) layers
+
+
+def _tiny_lfm2(torch):
+    lfm2 = pytest.importorskip("transformers.models.lfm2")
+    torch.manual_seed(0)
+    cfg = lfm2.Lfm2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                          layer_types=["conv", "full_attention", "conv", "full_attention"],
+                          pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg._attn_implementation = "sdpa"
+    return lfm2.Lfm2ForCausalLM(cfg).float().eval()
+
+
+def test_cache_on_a_model_with_conv_layers_decodes_as_a_dynamic_cache(deterministic):
+    torch = deterministic
+    from activekv.transformers import ActiveKVCache, ActiveKVLayer
+
+    model = _tiny_lfm2(torch)
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    ref = _generate(model, ids, max_new_tokens=6, min_new_tokens=6)
+    with ActiveKVCache(model, max_cache_len=32, batch_size=2, page_tokens=4, log=quiet) as cache:
+        assert [isinstance(layer, ActiveKVLayer) for layer in cache.layers] == \
+            [False, True, False, True]
+        got = _generate(model, ids, cache, max_new_tokens=6, min_new_tokens=6)
+        assert cache.get_seq_length() == 9 + 6 - 1
+        assert cache.layer_lengths == [14, 14, 14, 14]
+    _same_generation(ref, got)
+
+
+def test_refused_decode_after_conv_layers_took_its_token_is_a_forward_cut_short(deterministic):
+    """A conv (linear-attention) layer keeps its state through transformers' own calls
+    (get_conv_state, increase_count: updated in place), before the first full-attention
+    layer sees the forward. A decode the full-attention layer then refused (K/V that
+    require grad under grad mode) had advanced the conv layers already; the cache said
+    nothing (cut_short None, get_seq_length one past the full-attention layers'), and
+    the same token again under no_grad decoded with the conv layers two tokens on:
+    wrong logits, silently. The conv layers are counted with the others: the refusal
+    leaves a forward cut short, reported as one, and the next forward is refused by
+    name (StepState) instead of decoding wrong rows."""
+    torch = deterministic
+    from activekv.transformers import ActiveKVCache
+
+    model = _tiny_lfm2(torch)
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    token = torch.randint(3, VOCAB, (2, 1), generator=torch.Generator().manual_seed(2))
+    with ActiveKVCache(model, max_cache_len=32, batch_size=2, page_tokens=4, log=quiet) as cache:
+        with torch.no_grad():
+            model(ids, **{_cache_kw(model): cache})
+        assert cache.cut_short is None and cache.get_seq_length() == 9
+        with pytest.raises(ValueError, match="require grad"):
+            model(token, **{_cache_kw(model): cache})  # grad mode on: refused at layer 1
+        assert cache.layer_lengths == [10, 9, 9, 9]
+        assert cache.get_seq_length() == 9
+        assert isinstance(cache.cut_short, akv.StepState)
+        with torch.no_grad(), pytest.raises(akv.StepState, match=r"layers \[1, 2, 3\]"):
+            model(token, **{_cache_kw(model): cache})
