@@ -284,8 +284,14 @@ def engine_config_for(
         )
     if route not in ("stage", "arena"):
         raise ValueError("ActiveKVCache: route must be 'stage' or 'arena', not %r" % (route,))
-    if dtype not in _DTYPES:
-        raise ValueError("ActiveKVCache: K/V dtype %s is not bf16, f16 or f32" % (dtype,))
+    if not isinstance(dtype, torch.dtype) or dtype not in _DTYPES:
+        if not isinstance(dtype, torch.dtype):
+            # a name ("float16", "bf16") or numpy's type: said as such, not as a dtype that
+            # "is not f16"
+            raise ValueError("ActiveKVCache: dtype=%r is not a torch.dtype; pass "
+                             "torch.bfloat16, torch.float16 or torch.float32" % (dtype,))
+        raise ValueError("ActiveKVCache: K/V dtype %s is not torch.bfloat16, torch.float16 or "
+                         "torch.float32 (bf16, f16, f32)" % (dtype,))
     sizes = dict(max_cache_len=max_cache_len, batch_size=batch_size, page_tokens=page_tokens,
                  device_pool_gib=device_pool_gib)
     if host_pool_gib is not None:

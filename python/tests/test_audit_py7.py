@@ -173,3 +173,26 @@ def test_refused_decode_after_conv_layers_took_its_token_is_a_forward_cut_short(
         assert isinstance(cache.cut_short, akv.StepState)
         with torch.no_grad(), pytest.raises(akv.StepState, match=r"layers \[1, 2, 3\]"):
             model(token, **{_cache_kw(model): cache})
+
+
+# ------------------------------------------------------------- arguments
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bf16", np.float32, []])
+def test_cache_dtype_that_is_not_a_torch_dtype_is_refused_as_such(dtype):
+    """`dtype="float16"` (transformers takes dtype names in from_pretrained) was refused
+    with "K/V dtype float16 is not bf16, f16 or f32", a contradiction on its face; the
+    refusal now says what dtype= takes."""
+    torch = _torch_transformers()
+    transformers = pytest.importorskip("transformers")
+    from activekv.transformers import ActiveKVCache
+
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16)
+    with pytest.raises(ValueError, match=r"not a torch\.dtype.*torch\.bfloat16, torch\.float16 "
+                                         r"or torch\.float32"):
+        ActiveKVCache(config=cfg, device="cpu", dtype=dtype, max_cache_len=16, log=quiet)
+    with pytest.raises(ValueError, match=r"torch\.float64 is not torch\.bfloat16"):
+        ActiveKVCache(config=cfg, device="cpu", dtype=torch.float64, max_cache_len=16,
+                      log=quiet)
