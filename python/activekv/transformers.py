@@ -65,6 +65,7 @@ import numpy as np
 
 try:
     import torch
+    from transformers import cache_utils as _cache_utils
     from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
 except ImportError as exc:  # pragma: no cover - exercised only without the optional deps
     raise ImportError(
@@ -91,6 +92,11 @@ from activekv.errors import (
 __all__ = ["ActiveKVCache", "ActiveKVLayer", "dense_layer_indices", "engine_config_for"]
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+
+# transformers' layers that hold tokens (see ActiveKVCache.__init__, kv_layers): the
+# K/V layers and the linear-attention ones (conv, recurrent), where transformers has them.
+_LINEAR_LAYER = getattr(_cache_utils, "LinearAttentionCacheLayerMixin", None)
+_TOKEN_LAYERS = (DynamicLayer,) if _LINEAR_LAYER is None else (DynamicLayer, _LINEAR_LAYER)
 
 # torch's current CUDA stream as a raw cudaStream_t without building a Stream object
 # (a few microseconds a layer); the public call is the fallback.
@@ -221,6 +227,35 @@ def dense_layer_indices(config: Any) -> tuple[list[int], list[Any]]:
     return dense, layers
 
 
+def _layer_geometry(lc: Any) -> tuple[int, int]:
+    """(KV heads, head_dim) of one layer's config (or of a homogeneous model's)."""
+    head_dim = getattr(lc, "head_dim", None) or lc.hidden_size // lc.num_attention_heads
+    kv_heads = getattr(lc, "num_key_value_heads", None) or lc.num_attention_heads
+    return int(kv_heads), int(head_dim)
+
+
+def _dense_geometry(tc: Any, dense: Sequence[int]) -> tuple[int, int]:
+    """(KV heads, head_dim) of the full-attention layers, the ones the engine stages.
+
+    A heterogeneous config (transformers' ``per_layer_config``: Gemma 4 gives its
+    full-attention layers another head_dim, and may give them other KV heads, than its
+    sliding layers) refuses to give those attributes globally (a RuntimeError); they are
+    read from each full-attention layer's own config. The engine has one geometry:
+    full-attention layers that disagree raise ValueError."""
+    if not getattr(tc, "is_heterogeneous", False):
+        return _layer_geometry(tc)
+    per_layer = tc.per_layer_config
+    found: dict = {}
+    for i in dense:
+        found.setdefault(_layer_geometry(per_layer[i]), []).append(i)
+    if len(found) != 1:
+        raise ValueError(
+            "ActiveKVCache: the full-attention layers differ in (kv_heads, head_dim): %s; the "
+            "engine stages one geometry" % ", ".join("%s at layers %s" % (g, idx)
+                                                     for g, idx in found.items()))
+    return next(iter(found))
+
+
 def engine_config_for(
     config: Any,
     *,
@@ -249,8 +284,14 @@ def engine_config_for(
         )
     if route not in ("stage", "arena"):
         raise ValueError("ActiveKVCache: route must be 'stage' or 'arena', not %r" % (route,))
-    if dtype not in _DTYPES:
-        raise ValueError("ActiveKVCache: K/V dtype %s is not bf16, f16 or f32" % (dtype,))
+    if not isinstance(dtype, torch.dtype) or dtype not in _DTYPES:
+        if not isinstance(dtype, torch.dtype):
+            # a name ("float16", "bf16") or numpy's type: said as such, not as a dtype that
+            # "is not f16"
+            raise ValueError("ActiveKVCache: dtype=%r is not a torch.dtype; pass "
+                             "torch.bfloat16, torch.float16 or torch.float32" % (dtype,))
+        raise ValueError("ActiveKVCache: K/V dtype %s is not torch.bfloat16, torch.float16 or "
+                         "torch.float32 (bf16, f16, f32)" % (dtype,))
     sizes = dict(max_cache_len=max_cache_len, batch_size=batch_size, page_tokens=page_tokens,
                  device_pool_gib=device_pool_gib)
     if host_pool_gib is not None:
@@ -268,8 +309,7 @@ def engine_config_for(
     dense, _ = dense_layer_indices(config)
     if not dense:
         raise ValueError("ActiveKVCache: the model has no full-attention layer to stage")
-    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-    kv_heads = getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
+    kv_heads, head_dim = _dense_geometry(tc, dense)
     cfg = dict(
         backend=backend,
         device_ordinal=device_ordinal,
@@ -714,7 +754,7 @@ class _Driver:
     def layer_counts(self) -> list:
         """(model layer index, tokens it holds) for every K/V layer of the model, in order."""
         dense = self.layer_len
-        return [(i, dense[ref] if type(ref) is int else ref.get_seq_length())
+        return [(i, dense[ref] if type(ref) is int else int(ref.get_seq_length()))
                 for i, ref in self.kv_layers]
 
     def whole_length(self) -> int:
@@ -724,7 +764,7 @@ class _Driver:
         its layers (or is under way)."""
         low = min(self.layer_len)
         for ref in self.others:
-            n = ref.get_seq_length()
+            n = int(ref.get_seq_length())  # a linear-attention layer's is a tensor
             if n < low:
                 low = n
         return low
@@ -1380,14 +1420,20 @@ class ActiveKVCache(Cache):
         max_cache_len = ecfg["max_tokens"]  # a Python int (a numpy one is accepted)
         for d, layer_idx in enumerate(dense):
             layers[layer_idx] = ActiveKVLayer(driver, d, max_cache_len)
-        # The model's K/V layers: the full-attention ones and transformers' own that take
-        # K/V through update (sliding-window, chunked: DynamicLayer subclasses; not the
-        # linear-attention or dummy layers), in order (see _Driver.layer_counts).
+        # The model's layers that hold tokens: the full-attention ones, transformers' own
+        # that take K/V through update (sliding-window, chunked: DynamicLayer subclasses)
+        # and its linear-attention (conv, recurrent) layers, whose states transformers'
+        # own calls advance (get_conv_state, increase_count: in place) before a later
+        # full-attention layer of the same forward may refuse it; not the dummy layers.
+        # In order (see _Driver.layer_counts).
         driver.kv_layers = [(i, layer.dense_index if isinstance(layer, ActiveKVLayer) else layer)
                             for i, layer in enumerate(layers)
-                            if isinstance(layer, (ActiveKVLayer, DynamicLayer))]
+                            if isinstance(layer, (ActiveKVLayer,) + _TOKEN_LAYERS)]
         driver.others = [ref for _, ref in driver.kv_layers if type(ref) is not int]
-        driver.first_kv = driver.kv_layers[0][0]
+        # The first layer of a forward that takes K/V through update, where it is checked
+        # (see _Driver.check_cut); a linear-attention layer before it is counted only.
+        driver.first_kv = next(i for i, layer in enumerate(layers)
+                               if isinstance(layer, (ActiveKVLayer, DynamicLayer)))
         driver.first_kv_dense = driver.first_kv == dense[0]
         super().__init__(layers=layers)
         self._driver = driver
@@ -1444,8 +1490,9 @@ class ActiveKVCache(Cache):
 
     @property
     def layer_lengths(self) -> list:
-        """The tokens each model layer holds, in model order (None for a layer that holds
-        no K/V: linear-attention, dummy). Equal for every K/V layer between forwards;
+        """The tokens each model layer holds, in model order (a linear-attention layer's
+        own count included; None for a layer that holds none: dummy, KV-sharing). Equal
+        for every such layer between forwards;
         uneven after a forward cut short between its layers (see ``cut_short``), while
         ``get_seq_length`` reports the tokens every layer holds."""
         out: list = [None] * len(self.layers)
@@ -1467,7 +1514,7 @@ class ActiveKVCache(Cache):
         layers it did not reach are updated with its K/V; ``layer_lengths`` and
         ``cache.layers[i].get_seq_length()`` give each layer's own count."""
         if (isinstance(layer_idx, (int, np.integer)) and 0 <= layer_idx < len(self.layers)
-                and isinstance(self.layers[layer_idx], (ActiveKVLayer, DynamicLayer))):
+                and isinstance(self.layers[layer_idx], (ActiveKVLayer,) + _TOKEN_LAYERS)):
             return self._driver.whole_length()
         return super().get_seq_length(layer_idx)
 
