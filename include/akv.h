@@ -507,7 +507,10 @@ typedef struct akv_fit_report {
  * route), or, for a config an engine would be created
  * from, bookkeeping beyond 1/64 of the host pool plus 1/4 of the device pool
  * in use: docs/admission.md). akv_engine_create refuses exactly the configs
- * this refuses, with the same AKV_ERR_CONFIG.
+ * this refuses, with the same AKV_ERR_CONFIG. The reason of an
+ * AKV_ERR_CONFIG goes to config->log_fn (AKV_LOG_ERROR, the line
+ * akv_engine_create logs for that config) when one is set (without one
+ * nothing is printed); report is left untouched by every refusal.
  */
 AKV_API akv_status akv_fit(const akv_engine_config *config, akv_fit_report *report);
 

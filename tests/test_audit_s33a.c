@@ -158,11 +158,87 @@ static void test_step_begin_transport_failure_names_the_call(void **state) {
   step_begin_fails_on_first_copy(AKV_ROUTE_PAGED, 4);  /* no full page: the page map */
 }
 
+/* akv_fit refused a config with AKV_ERR_CONFIG and said nothing of why:
+ * the reason was computed and dropped, so a caller (the Python package's
+ * fit(), a sizing tool) had a bare status where akv_engine_create logs the
+ * setting. The reason now goes to config->log_fn, the line create logs;
+ * the report stays untouched. */
+typedef struct fit_log {
+  int lines;
+  char last[1024];
+} fit_log;
+
+static void fit_log_fn(void *user, akv_log_level level, const char *message) {
+  fit_log *l = user;
+  if (level != AKV_LOG_ERROR) return;
+  l->lines++;
+  snprintf(l->last, sizeof l->last, "%s", message);
+}
+
+static void test_fit_refusal_logs_its_reason(void **state) {
+  (void)state;
+  fit_log log_fit = {0}, log_create = {0};
+  akv_engine_config cfg = akvt_small_config(AKV_ROUTE_ARENA, 1);
+  akv_fit_report rep, untouched;
+  cfg.page_tokens = 0;
+  cfg.log_fn = fit_log_fn;
+  cfg.log_user = &log_fit;
+  memset(&rep, 0xAB, sizeof rep);
+  memcpy(&untouched, &rep, sizeof rep);
+  assert_int_equal(akv_fit(&cfg, &rep), AKV_ERR_CONFIG);
+  assert_memory_equal(&rep, &untouched, sizeof rep);
+  assert_int_equal(log_fit.lines, 1);
+  if (strstr(log_fit.last, "page_tokens") == NULL)
+    fail_msg("akv_fit's refusal logged no reason naming page_tokens: \"%s\"", log_fit.last);
+  /* The same words as akv_engine_create for the same config. */
+  akv_engine *e = NULL;
+  cfg.log_user = &log_create;
+  assert_int_equal(akv_engine_create(&cfg, &e), AKV_ERR_CONFIG);
+  assert_null(e);
+  assert_string_equal(log_fit.last, log_create.last);
+  /* A config that fits (or does not fit: a verdict, not a refusal) logs
+   * nothing at error level. */
+  cfg = akvt_small_config(AKV_ROUTE_ARENA, 1);
+  cfg.log_fn = fit_log_fn;
+  log_fit.lines = 0;
+  cfg.log_user = &log_fit;
+  assert_int_equal(akv_fit(&cfg, &rep), AKV_OK);
+  cfg.max_contexts = 1u << 20;
+  assert_int_equal(akv_fit(&cfg, &rep), AKV_OK);
+  assert_int_equal(rep.ok, 0);
+  assert_int_equal(log_fit.lines, 0);
+  /* Without a callback: the status alone, as before. */
+  cfg.page_tokens = 0;
+  cfg.log_fn = NULL;
+  assert_int_equal(akv_fit(&cfg, &rep), AKV_ERR_CONFIG);
+}
+
+/* akv_context_read's refusal named all three conditions at once ("layer 0
+ * rows [15, 15) outside the 2 layers (this layer holds 12 rows)" for rows
+ * past the end of a layer that exists): each now says which one it is. */
+static void test_context_read_refusal_says_which(void **state) {
+  (void)state;
+  akvt_fx f;
+  akvt_fx_open(&f, AKV_ROUTE_ARENA, 1, 1, 12);
+  uint8_t buf[4096];
+  assert_int_equal(akv_context_read(f.c[0], 7, 0, 1, buf, buf), AKV_ERR_INVALID_ARGUMENT);
+  assert_non_null(strstr(akv_engine_last_error(f.e), "layer 7 is not one of the 3 dense layers"));
+  assert_int_equal(akv_context_read(f.c[0], 0, 11, 4, buf, buf), AKV_ERR_INVALID_ARGUMENT);
+  assert_non_null(strstr(akv_engine_last_error(f.e), "rows [11, 15) of layer 0, which holds 12 rows"));
+  assert_int_equal(akv_context_read(f.c[0], 0, 0, 1, NULL, buf), AKV_ERR_INVALID_ARGUMENT);
+  assert_non_null(strstr(akv_engine_last_error(f.e), "k_out is NULL for 1 rows"));
+  assert_int_equal(akv_context_read(f.c[0], 0, 0, 1, buf, buf), AKV_OK);
+  assert_int_equal(akv_stream_destroy(f.e, f.s), AKV_OK);
+  assert_int_equal(akv_engine_destroy(f.e), AKV_OK);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_quarantined_refusals_name_the_call),
       cmocka_unit_test(test_engine_refusals_name_the_call),
       cmocka_unit_test(test_step_begin_transport_failure_names_the_call),
+      cmocka_unit_test(test_fit_refusal_logs_its_reason),
+      cmocka_unit_test(test_context_read_refusal_says_which),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -271,11 +271,31 @@ def _struct_dict(s: ctypes.Structure) -> Dict[str, Any]:
 def fit(**cfg: Any) -> FitReport:
     """Host fit for a config (akv_engine_config field names as keywords),
     without creating anything. Thread-safe. Raises InvalidArgument or Config
-    (bad geometry, overflow); a config that does not fit is a report with
-    ``ok`` False, not an exception."""
+    (bad geometry, overflow; the message is the library's reason, the one an
+    Engine of the config would give); a config that does not fit is a report
+    with ``ok`` False, not an exception."""
     c, _ = _make_config(cfg)
     r = L.out_struct(L.akv_fit_report)
-    _check(lib.akv_fit(ctypes.byref(c), ctypes.byref(r)), what="fit")
+    # The library gives a refusal's reason to the config's log callback (the
+    # line akv_engine_create logs for the config); kept for the exception.
+    reasons: List[str] = []
+    held: List[BaseException] = []
+
+    def sink(user: Any, level: int, message: bytes) -> None:
+        try:
+            if level == 0 and message:
+                reasons.append(message.decode(errors="replace"))
+        except BaseException as exc:  # Ctrl-C here: raised once the library returned
+            held.append(exc)
+
+    cb = L.LOG_FN(sink)
+    c.log_fn = cb
+    st = lib.akv_fit(ctypes.byref(c), ctypes.byref(r))
+    if held:
+        raise held[0]
+    if st != 0:
+        msg = "; ".join(reasons) or (lib.akv_status_string(st) or b"").decode(errors="replace")
+        raise error_for(st, f"fit: {msg}")
     d = _struct_dict(r)
     d["ok"] = bool(d["ok"])
     d["line"] = r.line.decode(errors="replace")

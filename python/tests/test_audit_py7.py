@@ -196,3 +196,21 @@ def test_cache_dtype_that_is_not_a_torch_dtype_is_refused_as_such(dtype):
     with pytest.raises(ValueError, match=r"torch\.float64 is not torch\.bfloat16"):
         ActiveKVCache(config=cfg, device="cpu", dtype=torch.float64, max_cache_len=16,
                       log=quiet)
+
+
+def test_fit_refusal_names_its_reason():
+    """akv.fit() of a config the library refuses raised a bare "fit: invalid
+    configuration": the library dropped the reason it computed. It now hands
+    it to the config's log callback (the line engine create logs), and the
+    exception carries it, as Engine's does."""
+    geometry = dict(n_dense_layers=2, kv_heads=2, head_dim=64, max_tokens=64, page_tokens=0,
+                    host_pool_gib=1, max_contexts=2)
+    with pytest.raises(akv.Config) as fit_err:
+        akv.fit(**geometry)
+    assert "page_tokens" in str(fit_err.value)
+    with pytest.raises(akv.Config) as create_err:
+        akv.Engine(backend="host", log=quiet, **geometry)
+    assert str(fit_err.value).split("fit: ", 1)[1] in str(create_err.value)
+    # A verdict is not a refusal: a config that does not fit is a report.
+    geometry.update(page_tokens=16, max_contexts=1 << 20)
+    assert akv.fit(**geometry).ok is False

@@ -334,13 +334,17 @@ AKV_API akv_status akv_context_append_layer(akv_context *c, uint32_t layer, uint
 
 static akv_status akv_context_read_claimed(akv_engine *e, const akv_context *c, uint32_t layer,
                                            uint32_t first, uint32_t n, void *k_out, void *v_out) {
-  if (layer >= e->cfg.n_dense_layers || (uint64_t)first + n > c->layer_len[layer] ||
-      (n > 0 && (k_out == NULL || v_out == NULL)))
+  if (layer >= e->cfg.n_dense_layers)
     return akv_fail(e, AKV_ERR_INVALID_ARGUMENT,
-                    "context_read: layer %u rows [%u, %llu) outside the %u layers (this "
-                    "layer holds %u rows)",
-                    layer, first, (unsigned long long)first + n, e->cfg.n_dense_layers,
-                    layer < e->cfg.n_dense_layers ? c->layer_len[layer] : 0u);
+                    "context_read: layer %u is not one of the %u dense layers", layer,
+                    e->cfg.n_dense_layers);
+  if ((uint64_t)first + n > c->layer_len[layer])
+    return akv_fail(e, AKV_ERR_INVALID_ARGUMENT,
+                    "context_read: rows [%u, %llu) of layer %u, which holds %u rows", first,
+                    (unsigned long long)first + n, layer, c->layer_len[layer]);
+  if (n > 0 && (k_out == NULL || v_out == NULL))
+    return akv_fail(e, AKV_ERR_INVALID_ARGUMENT, "context_read: %s is NULL for %u rows",
+                    k_out == NULL ? "k_out" : "v_out", n);
   /* Invariant (akv.h, akv_context_read: allowed while no lease of an open
    * step can write the rows, also after a transport failure): the only
    * writers of a context's host rows are the write-backs of the leases of

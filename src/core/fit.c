@@ -11,6 +11,7 @@
 
 #include "budget.h"
 #include "config.h"
+#include "internal.h"
 
 #include <stdarg.h>
 #include <stdbool.h>
@@ -430,9 +431,15 @@ AKV_API akv_status akv_fit(const akv_engine_config *config, akv_fit_report *repo
   /* An older caller's smaller struct: its fields, then the defaults, as
    * akv_engine_create takes it (the arithmetic never reads past its end). */
   akv_engine_config full = AKV_ENGINE_CONFIG_INIT;
-  char why[256];
+  char why[1024] = "";
   if (config == NULL || report == NULL) return AKV_ERR_INVALID_ARGUMENT;
   akv_status st = akv_config_merge(&akv_engine_config_layout, &full, config, why, sizeof why);
-  if (st != AKV_OK) return st;
-  return akv_fit_compute(&full, report, NULL, 0);
+  if (st == AKV_OK) st = akv_fit_compute(&full, report, why, sizeof why);
+  /* The reason of a refusal goes to the config's log callback, in the words
+   * akv_engine_create logs for the same config; without a callback a fit
+   * (a query) stays silent rather than take create's stderr default. The
+   * report stays untouched (akv_fit_compute writes it only on AKV_OK). */
+  if (st != AKV_OK && full.log_fn != NULL)
+    akv_log_cfg(&full, AKV_LOG_ERROR, "engine config rejected: %s", why);
+  return st;
 }
