@@ -750,7 +750,13 @@ static int parse_args(int argc, char **argv, int first, cli_opts *o) {
   }
   char herr[256];
   if (model_hybrid_check(g, herr, sizeof herr) != 0) {
-    say_error("%s", herr);
+    /* A --dense-every the user did not type is named as what --window set. */
+    if (window_set && window > 0 && !every_set)
+      say_error("%s (--window without --dense-every takes --dense-every %u: every %u-th layer "
+                "dense, the others sliding)",
+                herr, o->g.dense_every, o->g.dense_every);
+    else
+      say_error("%s", herr);
     return EXIT_USAGE;
   }
   if ((uint64_t)max_history(o) + o->warmup + o->steps > UINT32_MAX / 2) {

@@ -162,4 +162,9 @@ sh "$expect" 1 "^activekv: --logits-ref $tmp/missing.logits: cannot read \(No su
 # The same flags where they do act are still taken.
 sh "$expect" 0 "" "$cli" decode $tiny --route arena --device-pool-gib 1 --target-pages 2 \
   --burst-pages 1 --logits-out "$tmp/ok.logits" || exit 1
+# --window alone on a model of fewer than 6 layers was refused naming
+# "--dense-every 6", a flag the user never typed; the message now says it is
+# what --window implies.
+sh "$expect" 2 "^activekv: --dense-every 6 leaves no dense layer in 4 layers.*\(--window without --dense-every takes --dense-every 6" \
+  "$cli" decode --backend host --preset tiny --window 8 --steps 1 --warmup 0 --no-progress || exit 1
 exit 0
