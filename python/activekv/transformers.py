@@ -95,7 +95,12 @@ _DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 
 # transformers' layers that hold tokens (see ActiveKVCache.__init__, kv_layers): the
 # K/V layers and the linear-attention ones (conv, recurrent), where transformers has them.
+# A transformers whose linear-attention layers say no token count (no get_seq_length:
+# releases before it was added) leaves them uncounted, as before they were counted:
+# docs/python.md says what that leaves unchecked.
 _LINEAR_LAYER = getattr(_cache_utils, "LinearAttentionCacheLayerMixin", None)
+if _LINEAR_LAYER is not None and not callable(getattr(_LINEAR_LAYER, "get_seq_length", None)):
+    _LINEAR_LAYER = None
 _TOKEN_LAYERS = (DynamicLayer,) if _LINEAR_LAYER is None else (DynamicLayer, _LINEAR_LAYER)
 
 # torch's current CUDA stream as a raw cudaStream_t without building a Stream object

@@ -130,6 +130,15 @@ def _tiny_lfm2(torch):
     return lfm2.Lfm2ForCausalLM(cfg).float().eval()
 
 
+def _linear_layers_counted() -> bool:
+    """Whether this transformers' linear-attention layers say their token count (and
+    the cache counts them); older releases have no get_seq_length there."""
+    from transformers import cache_utils
+
+    mixin = getattr(cache_utils, "LinearAttentionCacheLayerMixin", None)
+    return mixin is not None and callable(getattr(mixin, "get_seq_length", None))
+
+
 def test_cache_on_a_model_with_conv_layers_decodes_as_a_dynamic_cache(deterministic):
     torch = deterministic
     from activekv.transformers import ActiveKVCache, ActiveKVLayer
@@ -142,7 +151,8 @@ def test_cache_on_a_model_with_conv_layers_decodes_as_a_dynamic_cache(determinis
             [False, True, False, True]
         got = _generate(model, ids, cache, max_new_tokens=6, min_new_tokens=6)
         assert cache.get_seq_length() == 9 + 6 - 1
-        assert cache.layer_lengths == [14, 14, 14, 14]
+        counted = 14 if _linear_layers_counted() else None
+        assert cache.layer_lengths == [counted, 14, counted, 14]
     _same_generation(ref, got)
 
 
@@ -159,6 +169,9 @@ def test_refused_decode_after_conv_layers_took_its_token_is_a_forward_cut_short(
     torch = deterministic
     from activekv.transformers import ActiveKVCache
 
+    if not _linear_layers_counted():
+        pytest.skip("this transformers' linear-attention layers have no get_seq_length: "
+                    "the cache cannot count them (docs/python.md)")
     model = _tiny_lfm2(torch)
     ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
     token = torch.randint(3, VOCAB, (2, 1), generator=torch.Generator().manual_seed(2))

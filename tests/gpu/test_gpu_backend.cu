@@ -518,6 +518,8 @@ static void test_caller_error_kept(void **state) {
   /* A launch the runtime refuses (1025 threads per block): a non-sticky
    * error left for the caller to read. */
   spin_then_write<<<1, 1025>>>(nullptr, 0, 0);
+  const cudaError_t pending = cudaPeekAtLastError(); /* whatever code this runtime gives it */
+  assert_int_not_equal(pending, cudaSuccess);
   void *dst[1] = {d + 4096};
   const void *src[1] = {d};
   size_t bytes[1] = {4096};
@@ -526,7 +528,7 @@ static void test_caller_error_kept(void **state) {
   ops->queue_destroy(ctx, q);
   ops->device_free(ctx, d);
   ops->shutdown(ctx);
-  assert_int_equal(cudaGetLastError(), cudaErrorInvalidConfiguration);
+  assert_int_equal(cudaGetLastError(), pending);
   CUDA_OK(cudaGetLastError());
 }
 
