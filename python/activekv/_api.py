@@ -1778,8 +1778,13 @@ class Stream(_NotCopyable):
         return self._handle
 
     @property
+    @_guarded
     def handle(self) -> int:
-        """The raw akv_stream (a cudaStream_t on CUDA)."""
+        """The raw akv_stream (a cudaStream_t on CUDA). A call on the engine
+        like any other (Busy from a second thread while one is in flight,
+        BadHandle in a forked child): read unguarded, a second thread saw
+        the handle a refused destroy clears for its call (BadHandle for a
+        live stream), and a child got the parent's stream."""
         return self._h()
 
     @_guarded
@@ -1991,12 +1996,21 @@ class Context(_ClosedOnExit):
         self._engine._contexts.discard(self)
 
     def __repr__(self) -> str:
-        if self._handle is None or self._engine._handle is None:
-            return "<activekv.Context closed>"
+        # The state is read as a call on the engine (_guarded): read
+        # unguarded, a second thread saw the handle a refused close clears
+        # for its call, and called a live context closed. While another
+        # thread is in a call (Busy), and in a forked child, it says nothing
+        # of the state.
         try:
-            return f"<activekv.Context id={self.id} length={self.length}>"
+            return self._repr()
         except ActiveKVError:
             return "<activekv.Context>"
+
+    @_guarded
+    def _repr(self) -> str:
+        if self._handle is None or self._engine._handle is None:
+            return "<activekv.Context closed>"
+        return f"<activekv.Context id={self.id} length={self.length}>"
 
 
 _NOT_READY = STATUS_VALUES["AKV_ERR_NOT_READY"]  # 24: try_retire's "not yet"
