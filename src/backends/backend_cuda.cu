@@ -74,6 +74,7 @@
 
 #include "backend.h"
 #include "backend_cuda.h"
+#include "cuda_device.h"
 
 namespace {
 
@@ -156,18 +157,13 @@ static void note_error(akv_cuda_ctx *c, const char *what, cudaError_t err) {
     }                                  \
   } while (0)
 
-/* Makes the backend's device current; *prev receives the caller's device. */
+/* The backend's device made current for a call, the caller's restored
+ * after it (cuda_device.h). */
 static cudaError_t device_enter(const akv_cuda_ctx *c, int *prev) {
-  cudaError_t err = cudaGetDevice(prev);
-  if (err == cudaSuccess && *prev != c->device) err = cudaSetDevice(c->device);
-  return err;
+  return akv_cuda_device_enter(c->device, prev);
 }
 
-static void device_leave(const akv_cuda_ctx *c, int prev) {
-  /* Restoring the caller's device can only fail if that device went away;
-   * nothing useful can be done about it here. */
-  if (prev != c->device && prev >= 0) (void)cudaSetDevice(prev);
-}
+static void device_leave(const akv_cuda_ctx *c, int prev) { akv_cuda_device_leave(c->device, prev); }
 
 /* Samples (total - free) into the peak. A failed sample is not an error of
  * the operation that triggered it: the peak simply misses that sample. */

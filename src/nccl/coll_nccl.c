@@ -30,6 +30,7 @@
 #include "akv_nccl.h"
 #include "collective.h"
 #include "config.h"
+#include "cuda_device.h"
 #include "group.h"
 
 
@@ -86,23 +87,11 @@ static void akv_nccl_sleep_us(long us) {
   nanosleep(&ts, NULL);
 }
 
-/* The group's device made current for the calls that need it (*prev: the
- * caller's, for akv_nccl_device_leave): a group never changes its caller's
- * current device, which a framework on another GPU of the process reads as
- * its own (an agreement point inside a step must not move the caller's next
- * allocation or launch to the group's GPU). */
-static cudaError_t akv_nccl_device_enter(int device, int *prev) {
-  cudaError_t err = cudaGetDevice(prev);
-  if (err != cudaSuccess) {
-    *prev = -1;
-    return err;
-  }
-  return *prev == device ? cudaSuccess : cudaSetDevice(device);
-}
-
-static void akv_nccl_device_leave(int device, int prev) {
-  if (prev >= 0 && prev != device) (void)cudaSetDevice(prev);
-}
+/* A group never changes its caller's current device, which a framework on
+ * another GPU of the process reads as its own (an agreement point inside a
+ * step must not move the caller's next allocation or launch to the group's
+ * GPU): its calls make the group's device current and restore the caller's
+ * (cuda_device.h). */
 
 /* Aborts the communicator: the only way to end a collective whose peer never
  * arrives. Afterwards every call on this rank fails at once. */
@@ -134,13 +123,13 @@ static akv_status akv_nccl_allreduce(akv_coll *c, uint64_t *v, size_t n, uint32_
   akv_status st;
   if (v == NULL || n == 0 || n > c->max_n) return AKV_ERR_INVALID_ARGUMENT;
   if (c->aborted) return AKV_ERR_COMM;
-  if (akv_nccl_device_enter(nc->device, &prev) != cudaSuccess) {
+  if (akv_cuda_device_enter(nc->device, &prev) != cudaSuccess) {
     (void)cudaGetLastError(); /* this call's failure, not the caller's */
-    akv_nccl_device_leave(nc->device, prev);
+    akv_cuda_device_leave(nc->device, prev);
     return akv_nccl_abort(nc, AKV_ERR_COMM, "cudaSetDevice failed");
   }
   st = akv_nccl_allreduce_on(nc, v, n, timeout_ms);
-  akv_nccl_device_leave(nc->device, prev);
+  akv_cuda_device_leave(nc->device, prev);
   return st;
 }
 
@@ -199,14 +188,14 @@ static void akv_nccl_destroy(akv_coll *c) {
   akv_nccl_coll *nc = (akv_nccl_coll *)c;
   int prev = -1;
   if (nc == NULL) return;
-  (void)akv_nccl_device_enter(nc->device, &prev);
+  (void)akv_cuda_device_enter(nc->device, &prev);
   /* After an abort the stream's work was ended by NCCL; freeing waits for
    * nothing of the caller's. */
   if (nc->done != NULL) cudaEventDestroy(nc->done);
   if (nc->stream != NULL) cudaStreamDestroy(nc->stream);
   if (nc->dev != NULL) cudaFree(nc->dev);
   if (nc->host != NULL) cudaFreeHost(nc->host);
-  akv_nccl_device_leave(nc->device, prev);
+  akv_cuda_device_leave(nc->device, prev);
   free(nc);
 }
 
@@ -243,12 +232,12 @@ AKV_API akv_status akv_nccl_group_create(const akv_engine_config *shard,
   {
     int prev = -1;
     const int made =
-        akv_nccl_device_enter(nc->device, &prev) == cudaSuccess &&
+        akv_cuda_device_enter(nc->device, &prev) == cudaSuccess &&
         cudaStreamCreateWithFlags(&nc->stream, cudaStreamNonBlocking) == cudaSuccess &&
         cudaEventCreateWithFlags(&nc->done, cudaEventDisableTiming) == cudaSuccess &&
         cudaMalloc((void **)&nc->dev, nc->base.max_n * sizeof(uint64_t)) == cudaSuccess &&
         cudaMallocHost((void **)&nc->host, nc->base.max_n * sizeof(uint64_t)) == cudaSuccess;
-    akv_nccl_device_leave(nc->device, prev);
+    akv_cuda_device_leave(nc->device, prev);
     if (!made) {
       (void)cudaGetLastError(); /* this call's failure, not the caller's */
       akv_nccl_destroy(&nc->base);
