@@ -287,7 +287,7 @@ typedef struct akv_lease akv_lease;     /**< one staged layer, begin..retire */
  * A queue of the engine's backend, as the caller's compute stream.
  * CUDA backend: a cudaStream_t cast to akv_stream (see akv_cuda.h); a
  * handle this library gave out (a host engine's stream, an engine, a
- * context, a lease) is refused where a stream is expected, with
+ * context, a lease, a group or a group world of akv_group.h) is refused where a stream is expected, with
  * AKV_ERR_INVALID_ARGUMENT and nothing changed. Any other value is taken as
  * the caller's stream.
  * Host backend: a handle from akv_stream_create naming a worker-thread queue.

@@ -8,10 +8,12 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <cmocka.h>
 
+#include "akv_group.h"
 #include "internal.h"
 #include "records.h"
 #include "testutil.h"
@@ -182,12 +184,55 @@ static void test_lease_records_of_a_destroyed_engine_queue_behind_the_pool(void 
   assert_int_equal(akv_lease_seal(ls, (akv_fence){0}, (akv_fence){0}), AKV_ERR_BAD_HANDLE);
 }
 
+/* A CUDA engine refuses any handle of this library passed as its compute
+ * stream (akv.h, akv_stream; the check is akv_stream_queue's, by
+ * akv_rec_any_handle). Groups and worlds live in the group layer's pools,
+ * which the core knows only once registered: every one of them must be
+ * known as a handle from its create on (also a destroyed one, whose record
+ * stays), and memory that is no record must not be. */
+static void test_group_handles_are_library_handles(void **state) {
+  (void)state;
+  akv_engine_config shard = AKV_ENGINE_CONFIG_INIT;
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  akv_group_world *world = NULL;
+  akv_group *group = NULL;
+  int local = 0;
+  void *heap = malloc(64);
+  assert_non_null(heap);
+  shard.n_dense_layers = 2;
+  shard.kv_heads = 2;
+  shard.head_dim = 64;
+  shard.max_tokens = 512;
+  shard.page_tokens = 256;
+  shard.max_contexts = 1;
+  shard.host_pool_gib = 1;
+  shard.route = AKV_ROUTE_STAGE;
+  shard.log_level = AKV_LOG_ERROR;
+  assert_int_equal(akv_group_world_create(1, 1, &world), AKV_OK);
+  assert_true(akv_rec_any_handle(world));
+  assert_int_equal(akv_group_create_inproc(&shard, &gc, world, &group), AKV_OK);
+  assert_true(akv_rec_any_handle(group));
+  assert_true(akv_rec_any_handle((const char *)group + 8)); /* inside the record */
+  akv_engine *eng = NULL;
+  assert_int_equal(akv_group_engine(group, &eng), AKV_OK);
+  assert_true(akv_rec_any_handle(eng));
+  assert_false(akv_rec_any_handle(heap));
+  assert_false(akv_rec_any_handle(&local));
+  assert_false(akv_rec_any_handle(NULL));
+  assert_int_equal(akv_group_destroy(group), AKV_OK);
+  assert_int_equal(akv_group_world_destroy(world), AKV_OK);
+  assert_true(akv_rec_any_handle(group)); /* dead, still never a stream */
+  assert_true(akv_rec_any_handle(world));
+  free(heap);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_engine_record_reuse_is_exactly_fifo),
       cmocka_unit_test(test_context_record_reuse_is_exactly_fifo),
       cmocka_unit_test(test_lease_record_reuse_is_exactly_fifo),
       cmocka_unit_test(test_lease_records_of_a_destroyed_engine_queue_behind_the_pool),
+      cmocka_unit_test(test_group_handles_are_library_handles),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

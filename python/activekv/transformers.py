@@ -1298,6 +1298,24 @@ def _model_device_dtype(model) -> tuple[torch.device, torch.dtype]:
     return param.device, param.dtype
 
 
+# The keyword under which transformers hands an attention module its cache: "cache"
+# (recent), "past_key_values", "past_key_value" (older releases).
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")
+
+
+def _own_forward(kwargs: dict, cache) -> bool:
+    """Whether an attention module's forward (its keyword arguments) ran with `cache`:
+    the cache itself, or a wrapper holding it as its self-attention cache
+    (EncoderDecoderCache). A forward whose cache came positionally, or under a keyword
+    not listed, counts as the cache's own (the lease's pending layer is then checked as
+    before)."""
+    for key in _CACHE_KWARGS:
+        other = kwargs.get(key)
+        if other is not None:
+            return other is cache or getattr(other, "self_attention_cache", None) is cache
+    return True
+
+
 def _attention_modules(model) -> dict[int, Any]:
     """layer_idx -> the attention module of that layer (the innermost module carrying it)."""
     found: dict[int, Any] = {}
@@ -1464,17 +1482,23 @@ class ActiveKVCache(Cache):
         self.detach()
         modules = _attention_modules(model)
         ref = weakref.ref(self._driver)
+        cref = weakref.ref(self)
         for d, layer_idx in enumerate(self.dense_layers):
             module = modules.get(layer_idx)
             if module is None:
                 continue  # no hook: the fallback seals at the next update
 
-            def hook(_module, _args, _output, _d=d, _ref=ref):
+            def hook(_module, _args, kwargs, _output, _d=d, _ref=ref, _cref=cref):
+                # Only this cache's forward seals its lease: a forward of the same model
+                # with another cache (on another thread: while this cache's own attention
+                # may still read the staged rows) is not this lease's consumer.
+                if not _own_forward(kwargs, _cref()):
+                    return
                 drv = _ref()
                 if drv is not None and drv.engine is not None:
                     drv.after_attention(_d)
 
-            self._hooks.append(module.register_forward_hook(hook))
+            self._hooks.append(module.register_forward_hook(hook, with_kwargs=True))
         return self
 
     def detach(self) -> None:

@@ -193,6 +193,35 @@ int akv_rec_owns(akv_recpool *p, const void *ptr) { return akv_rec_in(p, ptr, 0)
 
 int akv_rec_holds(akv_recpool *p, const void *ptr) { return akv_rec_in(p, ptr, 1); }
 
+/* The registered pools: slots filled once, in order, by compare-and-swap
+ * (no lock a fork could leave held), never emptied; a reader sees a slot
+ * only after its pool pointer is stored (release / acquire), and a pool is
+ * registered before its first take, so a handle from it is never checked
+ * against an unregistered pool. */
+static _Atomic(akv_recpool *) akv_foreign[AKV_REC_MAX_FOREIGN];
+
+void akv_rec_register_handles(akv_recpool *p) {
+  for (size_t i = 0; i < AKV_REC_MAX_FOREIGN; i++) {
+    akv_recpool *q = NULL;
+    if (atomic_compare_exchange_strong_explicit(&akv_foreign[i], &q, p, memory_order_release,
+                                                memory_order_acquire) ||
+        q == p)
+      return;
+  }
+}
+
+int akv_rec_any_handle(const void *ptr) {
+  if (akv_rec_owns(&akv_stream_records, ptr) || akv_rec_owns(&akv_engine_records, ptr) ||
+      akv_rec_owns(&akv_context_records, ptr) || akv_rec_owns(&akv_lease_records, ptr))
+    return 1;
+  for (size_t i = 0; i < AKV_REC_MAX_FOREIGN; i++) {
+    akv_recpool *q = atomic_load_explicit(&akv_foreign[i], memory_order_acquire);
+    if (q == NULL) break;
+    if (akv_rec_owns(q, ptr)) return 1;
+  }
+  return 0;
+}
+
 size_t akv_rec_free_count(akv_recpool *p) {
   size_t n;
   pthread_mutex_lock(&p->mu);

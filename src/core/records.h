@@ -65,6 +65,16 @@ int akv_rec_owns(akv_recpool *p, const void *ptr);
  * back (ptr is never dereferenced), else 0: a pointer into the middle of a
  * record is not one. */
 int akv_rec_holds(akv_recpool *p, const void *ptr);
+/* Another layer's pool of handle records (the group layer's groups and
+ * worlds), registered before its first record is handed out so that
+ * akv_rec_any_handle knows it. Idempotent; at most AKV_REC_MAX_FOREIGN
+ * pools (a further one is ignored, an internal limit no caller meets). */
+#define AKV_REC_MAX_FOREIGN 4
+void akv_rec_register_handles(akv_recpool *p);
+/* 1 when ptr points into a record of any pool of handles this library gives
+ * out (engines, contexts, leases, host streams, and the registered pools),
+ * live or given back; ptr is never dereferenced. */
+int akv_rec_any_handle(const void *ptr);
 /* Free records now (for tests of the reuse bound). */
 size_t akv_rec_free_count(akv_recpool *p);
 

@@ -17,12 +17,11 @@ akv_bqueue *akv_stream_queue(const akv_engine *e, akv_stream s) {
   if (e->backend != AKV_BACKEND_HOST) {
     /* CUDA: the caller's cudaStream_t, which the library cannot validate;
      * but a handle this library gave out (a host engine's stream, an
-     * engine, a context, a lease) is never one, and the CUDA runtime would
-     * read that record as its own stream object. Refused by address range
-     * alone (records.h: never freed, never dereferenced here). */
-    if (akv_rec_owns(&akv_stream_records, s) || akv_rec_owns(&akv_engine_records, s) ||
-        akv_rec_owns(&akv_context_records, s) || akv_rec_owns(&akv_lease_records, s))
-      return NULL;
+     * engine, a context, a lease, a group, a world) is never one, and the
+     * CUDA runtime would read that record as its own stream object.
+     * Refused by address range alone (records.h: never freed, never
+     * dereferenced here). */
+    if (akv_rec_any_handle(s)) return NULL;
     return (akv_bqueue *)s;
   }
   for (size_t i = 0; i < AKV_N_STREAMS; i++)

@@ -38,6 +38,12 @@ static pthread_once_t akv_dist_once = PTHREAD_ONCE_INIT;
 
 static void akv_dist_register(void) {
   akv_rec_fork_register();
+  /* Groups and worlds are handles too: a CUDA engine refuses one passed
+   * as its compute stream (akv_stream_queue). Registered here, before
+   * either pool's first take (every create calls akv_dist_fork_register
+   * first). */
+  akv_rec_register_handles(&akv_group_records);
+  akv_rec_register_handles(&akv_world_records);
   pthread_atfork(akv_dist_prefork, akv_dist_postfork, akv_dist_postfork);
 }
 

@@ -33,6 +33,7 @@ extern "C" {
 
 #include <cuda_runtime.h>
 
+#include "akv_group.h"
 #include "backend.h"
 #include "backend_cuda.h"
 
@@ -634,7 +635,9 @@ static void small_stage_config(akv_engine_config *cfg) {
 
 /* A CUDA engine takes a stream argument as the caller's cudaStream_t, but a
  * handle the library gave out is never one: a host engine's stream, the
- * engine itself, a context. Before, akv_stream_queue handed any of them to
+ * engine itself, a context, a group and its world (akv_group.h; those were
+ * still taken as streams until the group layer's pools were registered
+ * with the core's check). Before, akv_stream_queue handed any of them to
  * the CUDA runtime as a stream object (the driver reads our record as its
  * own: an error at best). Each is AKV_ERR_INVALID_ARGUMENT now, the engine
  * goes on, and a real stream still works. */
@@ -655,7 +658,15 @@ static void test_library_handles_refused_as_streams(void **state) {
   cfg.backend = AKV_BACKEND_CUDA;
   assert_int_equal(akv_engine_create(&cfg, &eng), AKV_OK);
   assert_int_equal(akv_context_open(eng, NULL, &ctx), AKV_OK);
-  const akv_stream foreign[] = {hs, (akv_stream)eng, (akv_stream)host, (akv_stream)ctx};
+  akv_group_world *world = NULL;
+  akv_group *group = NULL;
+  akv_group_config gc = AKV_GROUP_CONFIG_INIT;
+  akv_engine_config shard = cfg;
+  shard.backend = AKV_BACKEND_HOST;
+  assert_int_equal(akv_group_world_create(1, shard.max_contexts, &world), AKV_OK);
+  assert_int_equal(akv_group_create_inproc(&shard, &gc, world, &group), AKV_OK);
+  const akv_stream foreign[] = {hs, (akv_stream)eng, (akv_stream)host, (akv_stream)ctx,
+                                (akv_stream)group, (akv_stream)world};
   for (size_t i = 0; i < sizeof foreign / sizeof foreign[0]; i++) {
     assert_int_equal(akv_stream_synchronize(eng, foreign[i]), AKV_ERR_INVALID_ARGUMENT);
     assert_int_equal(akv_stream_launch_host(eng, foreign[i], noop_host_fn, NULL),
@@ -666,6 +677,8 @@ static void test_library_handles_refused_as_streams(void **state) {
   CUDA_OK(cudaStreamCreateWithFlags(&caller, cudaStreamNonBlocking));
   assert_int_equal(akv_stream_synchronize(eng, (akv_stream)caller), AKV_OK);
   CUDA_OK(cudaStreamDestroy(caller));
+  assert_int_equal(akv_group_destroy(group), AKV_OK);
+  assert_int_equal(akv_group_world_destroy(world), AKV_OK);
   assert_int_equal(akv_context_close(ctx), AKV_OK);
   assert_int_equal(akv_engine_destroy(eng), AKV_OK);
   assert_int_equal(akv_stream_destroy(host, hs), AKV_OK);
