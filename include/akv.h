@@ -754,8 +754,11 @@ typedef struct akv_context_config {
   uint32_t struct_size; /**< sizeof(akv_context_config) */
   uint32_t version;     /**< AKV_CONFIG_VERSION */
   uint32_t target_pages; /**< device pages by right; AKV_TARGET_FAIR_SHARE = pool / concurrency;
-                              1 is raised to the floor of 2 (sink + newest page) */
-  uint32_t burst_pages;  /**< pages it may borrow while free; with target 0, 1 is raised to 2 */
+                              1 is raised to the floor of 2 (sink + newest page; where a
+                              context has one page only, max_tokens <= page_tokens, the
+                              floor is 1 and nothing is raised) */
+  uint32_t burst_pages;  /**< pages it may borrow while free; with target 0, 1 is raised to the
+                              floor (2, or 1 as above) */
 } akv_context_config;
 
 #define AKV_CONTEXT_CONFIG_INIT \
@@ -769,8 +772,12 @@ typedef struct akv_context_config {
  * struct_size and version) gives its fields and the rest keep
  * AKV_CONTEXT_CONFIG_INIT's. A context that retains anything holds at least
  * its sink and its newest page: a target of 1, or with target 0 a burst of 1,
- * is raised to 2 (logged at INFO, stated by akv_admission_explain); target 0
- * with no burst stays pure staging. Returns AKV_OK, AKV_ERR_BAD_HANDLE,
+ * is raised to 2 (logged at INFO, stated by akv_admission_explain; where a
+ * context has one page only, max_tokens <= page_tokens, that page is its
+ * sink and newest page at once: the floor is 1 and nothing is raised);
+ * target 0 with no burst stays pure staging. The explanation of an open
+ * refused by admission names the largest target an open would admit then,
+ * the floor taken into account. Returns AKV_OK, AKV_ERR_BAD_HANDLE,
  * AKV_ERR_INVALID_ARGUMENT, AKV_ERR_CONFIG (struct_size below 8, version
  * outside 1..AKV_CONFIG_VERSION), AKV_ERR_REFUSED_QUEUE (no host slot: queue
  * it), AKV_ERR_ADMISSION_REFUSED (device targets do not fit),

@@ -1034,10 +1034,25 @@ static void akv_adm_explain_refusal(const akv_adm *adm, akv_adm_text *t) {
   }
   uint64_t kept = r->sum_targets - r->revocable; /* targets that stay */
   uint64_t room = kept <= n_pages ? n_pages - kept : 0;
-  akv_adm_say(t, " (%llu short). A target of at most %llu page%s would be admitted now; close a "
-                 "context, lower the target, or open it with target 0 (pure staging).",
-              (unsigned long long)(r->target - room), (unsigned long long)room,
-              akv_adm_plural(room));
+  /* Invariant (akv.h, akv_admission_explain): the target the explanation
+   * says would be admitted is one an open would admit. An open raises a
+   * target below the floor (the sink and the newest page: 2 pages, 1 where
+   * a context has only one page) to the floor, so with less room than the
+   * floor no target but 0 is admitted, and saying "at most 1 page" sent the
+   * caller to an open that was refused again. */
+  const uint64_t floor = adm->cfg.max_logical_pages < 2 ? adm->cfg.max_logical_pages : 2;
+  if (room >= floor)
+    akv_adm_say(t, " (%llu short). A target of at most %llu page%s would be admitted now; close a "
+                   "context, lower the target, or open it with target 0 (pure staging).",
+                (unsigned long long)(r->target - room), (unsigned long long)room,
+                akv_adm_plural(room));
+  else
+    akv_adm_say(t, " (%llu short). Only target 0 (pure staging) would be admitted now: %llu "
+                   "page%s of the pool %s free of targets, and a target is raised to the floor "
+                   "of %llu pages (the sink and the newest page); close a context, or open it "
+                   "with target 0.",
+                (unsigned long long)(r->target - room), (unsigned long long)room,
+                akv_adm_plural(room), room == 1 ? "is" : "are", (unsigned long long)floor);
 }
 
 size_t akv_adm_explain(const akv_adm *adm, uint32_t slot, char *buf, size_t cap) {

@@ -195,6 +195,8 @@ static akv_status akv_context_open_claimed(akv_engine *e, const akv_context_conf
     akv_rec_untake(&akv_context_records, c); /* never handed out: back to the head */
     e->refused_asked_target = asked_target;
     e->refused_target = cc.target_pages;
+    e->refused_asked_burst = asked_burst;
+    e->refused_burst = cc.burst_pages;
     e->refused_queue = false;
     akv_admission_explain(e, NULL, why, sizeof(why));
     return akv_fail(e, st, "context_open: %s", why);

@@ -76,9 +76,13 @@ static akv_status akv_admission_explain_claimed(const akv_engine *e, const akv_c
   size_t n = akv_adm_explain(e->adm, c != NULL ? c->slot : AKV_ADM_NONE, buf, cap);
   /* The admission floor, where it raised what the caller asked for. */
   uint32_t asked_t = c != NULL ? c->asked_target : e->refused_asked_target;
-  uint32_t asked_b = c != NULL ? c->asked_burst : 0;
+  /* Invariant (akv.h, akv_admission_explain): the floor sentence states
+   * what the open asked for and what it was raised to, burst included, for
+   * a refused open as for an open context (the refusal's own sentence names
+   * the burst admission saw). */
+  uint32_t asked_b = c != NULL ? c->asked_burst : e->refused_asked_burst;
   uint32_t got_t = c != NULL ? c->target : e->refused_target;
-  uint32_t got_b = c != NULL ? c->burst : 0;
+  uint32_t got_b = c != NULL ? c->burst : e->refused_burst;
   if ((asked_t != got_t || asked_b != got_b) && n < cap)
     snprintf(buf + n, cap - n,
              " It asked for a target of %u page%s (+%u burst), raised to %u (+%u burst): the "

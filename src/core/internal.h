@@ -265,10 +265,12 @@ struct akv_engine {
   akv_scratch sc_wb;    /* lease_write_back: one row pair per owner */
   akv_scratch sc_fill;  /* step_begin: page fills, in batches of at most its cap */
 
-  /* last refused open: the target it asked for and the floor it was raised to
-   * (admission refusals); refused_queue when the last one found no host slot
+  /* last refused open: the target and burst it asked for and what the floor
+   * raised them to (admission refusals; akv_admission_explain(NULL) states
+   * both); refused_queue when the last one found no host slot
    * (AKV_ERR_REFUSED_QUEUE), at step refused_queue_step */
   uint32_t refused_asked_target, refused_target;
+  uint32_t refused_asked_burst, refused_burst;
   bool refused_queue;
   uint64_t refused_queue_step;
 
