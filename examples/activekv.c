@@ -177,6 +177,10 @@ static uint32_t chunk_tokens(const cli_opts *o) {
  * race), which could quote another rank's line. The calls whose failures
  * are quoted (create, destroy) log on the calling thread. */
 static _Thread_local char lib_last[512];
+/* Set when a warning or error logged on this thread reported a fault that
+ * --fail-nth injected (a --tp rank's create quotes the group's line, which
+ * does not say so); cleared before the calls whose failures it explains. */
+static _Thread_local int lib_injected;
 static int lib_verbose;
 
 static void say_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -197,7 +201,10 @@ static pthread_mutex_t lib_log_mu = PTHREAD_MUTEX_INITIALIZER; /* --tp: ranks lo
 static void lib_log(void *user, akv_log_level level, const char *message) {
   (void)user;
   pthread_mutex_lock(&lib_log_mu);
-  if (level <= AKV_LOG_WARN) snprintf(lib_last, sizeof lib_last, "%s", message);
+  if (level <= AKV_LOG_WARN) {
+    snprintf(lib_last, sizeof lib_last, "%s", message);
+    if (strstr(message, "injected fault") != NULL) lib_injected = 1;
+  }
   if (level <= AKV_LOG_WARN || lib_verbose) {
     static const char *const names[] = {"error", "warn", "info", "debug"};
     fprintf(stderr, "activekv: libactivekv %s: %s\n", names[level <= AKV_LOG_DEBUG ? level : 3],
@@ -1490,6 +1497,7 @@ static int open_engine(runner *r, const akv_engine_config *cfg, run_result *res)
   const cli_opts *o = r->o;
   akv_engine_info info;
   akv_status st;
+  lib_injected = 0;
   if (r->tp != NULL) {
     /* One rank of the group: its engine created from the agreed config. */
     akv_group_config gc = AKV_GROUP_CONFIG_INIT;
@@ -1512,6 +1520,13 @@ static int open_engine(runner *r, const akv_engine_config *cfg, run_result *res)
     r->group = NULL;
     if (st == AKV_ERR_NO_FIT)
       say_no_fit(o, &res->fit);
+    else if (o->fail_nth > 0 && lib_injected)
+      /* The fault --fail-nth asked for: no flag of the run is to blame, so
+       * none is suggested (it was "lower --host-pool-gib" or "check
+       * --page-tokens ..."). */
+      say_error("akv_engine_create: %s (%s): the fault --fail-nth %u injected while the engine "
+                "was created",
+                akv_status_string(st), lib_last, o->fail_nth);
     else if (st == AKV_ERR_OUT_OF_MEMORY)
       say_error("akv_engine_create: out of memory for a %u GiB pinned host pool and a %u GiB "
                 "device pool (%s); lower --host-pool-gib or --device-pool-gib",
