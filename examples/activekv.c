@@ -2283,6 +2283,19 @@ static void print_summary(const cli_opts *o, const run_result *res) {
            "queued", res->queued);
 }
 
+/* A JSON number: JSON has no NaN or infinity, and printf's "nan" and "inf"
+ * made the object unparsable (a --logits-ref holding a NaN logit gave
+ * "max_abs_diff":nan); a value that is not finite is null. */
+typedef struct jnum_text {
+  char s[32];
+} jnum_text;
+static jnum_text jnum(double v) {
+  jnum_text t;
+  if (isfinite(v)) snprintf(t.s, sizeof t.s, "%.6g", v);
+  else snprintf(t.s, sizeof t.s, "null");
+  return t;
+}
+
 static void print_json(const cli_opts *o, const char *cmd, const run_result *res) {
   double bound_ms, bound_tps;
   pcie_bound(o, res, &bound_ms, &bound_tps);
@@ -2315,18 +2328,18 @@ static void print_json(const cli_opts *o, const char *cmd, const run_result *res
     }
   }
   if (res->ref_compared)
-    printf("\"vs_ref\":{\"steps\":%u,\"max_abs_diff\":%.6g,\"top1_agree\":%u,\"top1_total\":%u},",
-           res->ref_steps, res->ref_max_abs_diff, res->ref_top1_agree, res->ref_top1_total);
+    printf("\"vs_ref\":{\"steps\":%u,\"max_abs_diff\":%s,\"top1_agree\":%u,\"top1_total\":%u},",
+           res->ref_steps, jnum(res->ref_max_abs_diff).s, res->ref_top1_agree, res->ref_top1_total);
   printf("\"host_pool_gib\":%u,\"device_pool_gib\":%u,\"target_pages\":", res->host_pool_gib,
          route_retains(res->route) ? o->device_pool_gib : 0);
   if (o->target_pages == AKV_TARGET_FAIR_SHARE) printf("\"fair\"");
   else printf("%u", o->target_pages);
   printf(",\"burst_pages\":%u,\"history_bytes\":%llu,\"effective_concurrency\":%u,", o->burst_pages,
          (unsigned long long)res->fit.history_bytes, res->fit.effective_concurrency);
-  printf("\"tokens_per_s\":%.6g,\"step_ms_median\":%.6g,\"step_ms_p90\":%.6g,"
-         "\"step_ms_mean\":%.6g,\"prefill_s\":%.6g,",
-         res->tokens_per_s, res->step_ms_median, res->step_ms_p90, res->step_ms_mean,
-         res->prefill_s);
+  printf("\"tokens_per_s\":%s,\"step_ms_median\":%s,\"step_ms_p90\":%s,"
+         "\"step_ms_mean\":%s,\"prefill_s\":%s,",
+         jnum(res->tokens_per_s).s, jnum(res->step_ms_median).s, jnum(res->step_ms_p90).s,
+         jnum(res->step_ms_mean).s, jnum(res->prefill_s).s);
   printf("\"device_engine_bytes\":%llu,\"device_staging_bytes\":%llu,\"device_pages\":%u,"
          "\"device_peak_bytes\":%llu,",
          (unsigned long long)res->engine_device_bytes,
@@ -2342,22 +2355,23 @@ static void print_json(const cli_opts *o, const char *cmd, const run_result *res
          o->headroom_gib, o->headroom_reserve_gib, res->headroom_pages,
          (unsigned long long)res->headroom_bytes);
   if (res->release_step > 0) {
-    printf("\"headroom_release\":{\"step\":%u,\"bytes\":%llu,\"call_ms\":%.6g,"
-           "\"request_to_reusable_ms\":%.6g},",
-           res->release_step, (unsigned long long)res->released_bytes, res->release_call_ms,
-           res->release_reusable_ms);
+    printf("\"headroom_release\":{\"step\":%u,\"bytes\":%llu,\"call_ms\":%s,"
+           "\"request_to_reusable_ms\":%s},",
+           res->release_step, (unsigned long long)res->released_bytes,
+           jnum(res->release_call_ms).s, jnum(res->release_reusable_ms).s);
   }
   if (res->step_ms != NULL) {
     printf("\"step_ms\":[");
-    for (uint32_t k = 0; k < res->n_step_ms; ++k) printf("%s%.6g", k ? "," : "", res->step_ms[k]);
+    for (uint32_t k = 0; k < res->n_step_ms; ++k) printf("%s%s", k ? "," : "", jnum(res->step_ms[k]).s);
     printf("],");
   }
   printf("\"bytes_h2d_per_step\":%llu,\"bytes_d2d_per_step\":%llu,\"bytes_d2h_per_step\":%llu,",
          (unsigned long long)res->bytes_h2d, (unsigned long long)res->bytes_d2d,
          (unsigned long long)res->bytes_d2h);
-  printf("\"pcie_gbps\":%.6g,\"pcie_bound_ms\":%.6g,\"pcie_bound_tokens_per_s\":%.6g,"
-         "\"pcie_ratio\":%.6g,",
-         o->pcie_gbps, bound_ms, bound_tps, bound_ms > 0 ? bound_ms / res->step_ms_median : 0.0);
+  printf("\"pcie_gbps\":%s,\"pcie_bound_ms\":%s,\"pcie_bound_tokens_per_s\":%s,"
+         "\"pcie_ratio\":%s,",
+         jnum(o->pcie_gbps).s, jnum(bound_ms).s, jnum(bound_tps).s,
+         jnum(bound_ms > 0 ? bound_ms / res->step_ms_median : 0.0).s);
   printf("\"admission\":{");
   for (int k = 0; k < AKV_ADM_RULE_COUNT; ++k)
     printf("%s\"%s\":%llu", k ? "," : "", akv_adm_rule_string((akv_adm_rule)k),
@@ -2365,15 +2379,16 @@ static void print_json(const cli_opts *o, const char *cmd, const run_result *res
   printf("},\"check\":%s", res->checked ? "true" : "false");
   if (res->checked)
     printf(",\"bitwise\":%s,\"steps_compared\":%u,\"mismatched_steps\":%u,"
-           "\"resident_tokens_per_s\":%.6g,\"resident_step_ms_median\":%.6g,"
-           "\"target_ratio\":%.6g",
+           "\"resident_tokens_per_s\":%s,\"resident_step_ms_median\":%s,"
+           "\"target_ratio\":%s",
            res->mismatched_steps == 0 ? "true" : "false", res->steps_compared,
-           res->mismatched_steps, res->resident_tokens_per_s, res->resident_step_ms_median,
-           res->step_ms_median > 0
-               ? (bound_ms > res->resident_step_ms_median ? bound_ms
-                                                          : res->resident_step_ms_median) /
-                     res->step_ms_median
-               : 0.0);
+           res->mismatched_steps, jnum(res->resident_tokens_per_s).s,
+           jnum(res->resident_step_ms_median).s,
+           jnum(res->step_ms_median > 0
+                    ? (bound_ms > res->resident_step_ms_median ? bound_ms
+                                                               : res->resident_step_ms_median) /
+                          res->step_ms_median
+                    : 0.0).s);
   else
     printf(",\"bitwise\":null");
   printf("}\n");

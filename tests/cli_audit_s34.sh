@@ -50,4 +50,25 @@ for r in 0 1; do
 done
 printf '%s\n' "$out" | grep -q "check --page-tokens" && fail "--tp 2 --fail-nth 3: a flag is suggested"
 
+# --json printed a value that is not finite as printf does, "nan" or "inf",
+# which is no JSON: a --logits-ref holding a NaN logit (a run whose logits
+# went bad) gave "max_abs_diff":nan, and the object did not parse. A value
+# that is not finite is now null; the report still says nan.
+"$cli" decode $tiny --logits-out "$tmp/ref.logits" >/dev/null || fail "--logits-out run failed"
+cp "$tmp/ref.logits" "$tmp/nan.logits" || exit 1
+# The first logit of step 1 (after the 32-byte header): a quiet NaN.
+printf '\377\377\377\377' | dd of="$tmp/nan.logits" bs=1 seek=40 conv=notrunc 2>/dev/null || exit 1
+sh "$expect" 0 '"vs_ref":\{"steps":2,"max_abs_diff":null,"top1_agree":[0-9]+,' \
+  "$cli" decode $tiny --json --logits-ref "$tmp/nan.logits" || exit 1
+sh "$expect" 0 'max \|logit diff\| nan' \
+  "$cli" decode $tiny --logits-ref "$tmp/nan.logits" || exit 1
+json_ok() { # the one line of stdout parses (python3 where there is one)
+  out=$("$@" 2>/dev/null) || fail "exit status $?: $*"
+  if printf '%s\n' "$out" | grep -Eq '[:,\[](-?nan|-?inf)[],}]'; then fail "not JSON: $out"; fi
+  if command -v python3 >/dev/null 2>&1; then
+    printf '%s\n' "$out" | python3 -m json.tool >/dev/null || fail "not JSON: $out"
+  fi
+}
+json_ok "$cli" decode $tiny --json --logits-ref "$tmp/nan.logits"
+
 exit 0
