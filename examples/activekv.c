@@ -93,6 +93,9 @@ static const preset presets[] = {
 typedef struct cli_opts {
   const char *preset;
   int preset_set;       /* --preset was given */
+  /* Given on the command line, for flags whose default is not 0: a flag the
+   * run would not act on is refused by name. */
+  int seed_set, delay_seed_set, pcie_set;
   int preset_defaulted; /* no --preset, host backend: tiny instead of llama3.2-1b */
   model_geometry g;
   uint64_t seed;
@@ -303,8 +306,9 @@ static void usage(FILE *f) {
           "           checked bit for bit against resident\n"
           "  decode   decode a synthetic model on one route and report tokens/s\n"
           "  fit      print the host-fit line and its verdict (exit 3 if it does not fit);\n"
-          "           refuses --check, --tp, --logits-out, --logits-ref and\n"
-          "           --release-headroom-at, which only decode acts on\n"
+          "           refuses --check, --tp, --logits-out, --logits-ref,\n"
+          "           --release-headroom-at, --seed, --pcie-gbps, --target-pages,\n"
+          "           --burst-pages and the testing aids, which only decode acts on\n"
           "\n"
           "model (flags override the preset's values):\n"
           "  --preset NAME         llama3-8b | llama3.2-1b | gemma3-12b | tiny\n"
@@ -628,6 +632,7 @@ static int parse_args(int argc, char **argv, int first, cli_opts *o) {
       theta_set = 1;
     } else if (strcmp(name, "--seed") == 0) {
       rc = parse_u64(name, val, 0, UINT64_MAX, &o->seed);
+      o->seed_set = 1;
     } else if (strcmp(name, "--contexts") == 0) {
       rc = parse_u32(name, val, 1, MODEL_MAX_BATCH, &o->contexts);
     } else if (strcmp(name, "--tokens") == 0) {
@@ -700,12 +705,14 @@ static int parse_args(int argc, char **argv, int first, cli_opts *o) {
       rc = parse_u32(name, val, 0, 1000000, &o->delay_max_us);
     } else if (strcmp(name, "--host-delay-seed") == 0) {
       rc = parse_u64(name, val, 1, UINT64_MAX, &o->delay_seed);
+      o->delay_seed_set = 1;
     } else if (strcmp(name, "--tp") == 0) {
       rc = parse_u32(name, val, 1, TP_MAX, &o->tp);
     } else if (strcmp(name, "--fail-nth") == 0) {
       rc = parse_u32(name, val, 0, UINT32_MAX, &o->fail_nth);
     } else if (strcmp(name, "--pcie-gbps") == 0) {
       rc = parse_double(name, val, 0.001, 1e6, &o->pcie_gbps);
+      o->pcie_set = 1;
     }
     if (rc) return EXIT_USAGE;
   }
@@ -1056,6 +1063,7 @@ struct runner {
   uint32_t res_len[MODEL_MAX_BATCH];
   uint32_t step_no;        /* 1-based engine step in progress */
   double release_t0;       /* when the headroom release was asked for; 0: none pending */
+  uint64_t backend_ops;    /* the engine's backend operations, read before its destroy */
   run_result *res;
   char err[768];
 };
@@ -1639,7 +1647,10 @@ static void close_all(runner *r) {
   if (r->engine) {
     akv_engine_info info;
     int dirty = r->step_open;
-    if (akv_engine_info_get(r->engine, &info) == AKV_OK && info.transport_failed) dirty = 1;
+    if (akv_engine_info_get(r->engine, &info) == AKV_OK) {
+      if (info.transport_failed) dirty = 1;
+      for (int k = 0; k < AKV_OP_KIND_COUNT; ++k) r->backend_ops += info.backend_ops[k];
+    }
     /* CUDA --tp after a rank failed: no closing agreement (nothing aborts
      * an NCCL group's wait from outside, so it would last the timeout) */
     if (r->tp != NULL && r->tp->w->nccl != NULL && tp_aborted(r->tp->w)) dirty = 1;
@@ -1935,6 +1946,15 @@ static int run_rank(const cli_opts *o, int steps_out, run_result *res, tp_rank *
 out:
   if (rc != 0 && tp != NULL) tp_abort(tp->w); /* the other ranks stop instead of waiting */
   close_all(r);
+  /* A --fail-nth past the run's last backend operation injected nothing: the
+   * run ended as if it had not been given, which is said (it cannot be known
+   * before the run). */
+  if (rc == 0 && use_engine && o->fail_nth > 0 && r->backend_ops < o->fail_nth &&
+      (tp == NULL || tp->rank == 0))
+    fprintf(stderr,
+            "activekv: note: --fail-nth %u injected no fault: the engine made %llu backend "
+            "operations in this run (choose N in 1..%llu)\n",
+            o->fail_nth, (unsigned long long)r->backend_ops, (unsigned long long)r->backend_ops);
   if (rc != 0) run_result_free(res); /* a failed run reports nothing */
   return rc;
 }
@@ -2784,6 +2804,51 @@ int main(int argc, char **argv) {
               o.target_pages != AKV_TARGET_FAIR_SHARE ? "--target-pages" : "--burst-pages",
               route_names[o.route]);
     return EXIT_USAGE;
+  }
+  /* The host backend's testing aids and the knobs of an engine or a run:
+   * taken where nothing acts on them, the run ended as if they had not been
+   * given (a --fail-nth test "passed" with no fault). */
+  if (o.delay_seed_set && o.delay_max_us == 0) {
+    say_error("--host-delay-seed %llu: it seeds the delays of --host-delay-us, which is 0 (no "
+              "delay); pass --host-delay-us N too, or drop it",
+              (unsigned long long)o.delay_seed);
+    return EXIT_USAGE;
+  }
+  if (resolve_backend(&o) != AKV_BACKEND_HOST && (o.delay_max_us > 0 || o.host_device_mib > 0)) {
+    say_error("%s: a testing aid of the host backend; the CUDA backend has no such knob (pass "
+              "--backend host, or drop it)",
+              o.delay_max_us > 0 ? "--host-delay-us" : "--host-device-mib");
+    return EXIT_USAGE;
+  }
+  if (strcmp(cmd, "decode") == 0 && o.route == ROUTE_RESIDENT) {
+    const char *eflag = o.fail_nth > 0                ? "--fail-nth"
+                        : o.delay_max_us > 0          ? "--host-delay-us"
+                        : o.host_device_mib > 0       ? "--host-device-mib"
+                        : o.host_pool_gib > 0         ? "--host-pool-gib"
+                        : o.fit_mode == AKV_FIT_SHRINK ? "--fit-mode shrink"
+                                                      : NULL;
+    if (eflag != NULL) {
+      say_error("%s: --route resident runs no engine (the model keeps every row), so nothing "
+                "would act on it; pass --route stage, arena or paged, or drop it",
+                eflag);
+      return EXIT_USAGE;
+    }
+  }
+  if (strcmp(cmd, "fit") == 0) {
+    const char *rflag = o.fail_nth > 0                           ? "--fail-nth"
+                        : o.delay_max_us > 0                     ? "--host-delay-us"
+                        : o.host_device_mib > 0                  ? "--host-device-mib"
+                        : o.seed_set                             ? "--seed"
+                        : o.pcie_set                             ? "--pcie-gbps"
+                        : o.target_pages != AKV_TARGET_FAIR_SHARE ? "--target-pages"
+                        : o.burst_pages > 0                      ? "--burst-pages"
+                                                                 : NULL;
+    if (rflag != NULL) {
+      say_error("fit: %s is a decode flag; fit only prints the host-fit line (run "
+                "'activekv decode' with it, or drop it)",
+                rflag);
+      return EXIT_USAGE;
+    }
   }
   if (o.device != 0 && resolve_backend(&o) == AKV_BACKEND_HOST) {
     if (o.backend == AKV_BACKEND_HOST) {

@@ -71,4 +71,42 @@ json_ok() { # the one line of stdout parses (python3 where there is one)
 }
 json_ok "$cli" decode $tiny --json --logits-ref "$tmp/nan.logits"
 
+# Flags taken where nothing acts on them, the run ending as if they had not
+# been given (exit 0): the engine's knobs on --route resident (no engine),
+# --host-delay-seed without --host-delay-us, the host backend's testing
+# aids on --backend cuda, and fit given a run's knobs. Each is now a usage
+# error naming the flag; where they act they are still taken.
+for f in "--fail-nth 3" "--host-delay-us 5" "--host-device-mib 64" "--host-pool-gib 2" \
+  "--fit-mode shrink"; do
+  sh "$expect" 2 "^activekv: ${f% [0-9]*}: --route resident runs no engine" \
+    "$cli" decode $tiny --route resident $f || exit 1
+done
+sh "$expect" 0 "" "$cli" decode $tiny --route resident --kv-dtype fp8 --chunk-tokens 4 || exit 1
+sh "$expect" 2 "^activekv: --host-delay-seed 7: it seeds the delays of --host-delay-us, which is 0" \
+  "$cli" decode $tiny --host-delay-seed 7 || exit 1
+sh "$expect" 0 "" "$cli" decode $tiny --host-delay-seed 7 --host-delay-us 20 || exit 1
+sh "$expect" 2 "^activekv: --host-delay-us: a testing aid of the host backend" \
+  "$cli" decode --backend cuda --preset tiny --head-dim 64 --host-delay-us 5 || exit 1
+sh "$expect" 2 "^activekv: --host-device-mib: a testing aid of the host backend" \
+  "$cli" fit --backend cuda --preset tiny --host-device-mib 64 || exit 1
+for f in "--fail-nth 3" "--host-delay-us 5" "--host-device-mib 64" "--seed 3" \
+  "--pcie-gbps 3" "--target-pages 2" "--burst-pages 1"; do
+  sh "$expect" 2 "^activekv: fit: ${f% *} is a decode flag" \
+    "$cli" fit --preset tiny --route arena --device-pool-gib 1 $f || exit 1
+done
+# A --fail-nth past the run's last backend operation injected nothing and
+# the run passed without a word (a fault test "passed" with no fault). It
+# is said now, with the count: N at the count still fails the run, one past
+# it is said.
+out=$("$cli" decode $tiny --steps 1 --fail-nth 1000000 2>&1 >/dev/null) || fail "--fail-nth 1000000: exit $?"
+ops=$(printf '%s\n' "$out" | sed -n 's/^activekv: note: --fail-nth 1000000 injected no fault: the engine made \([0-9]*\) backend operations in this run (choose N in 1\.\.\([0-9]*\))$/\1 \2/p')
+echo "--fail-nth 1000000: $out"
+set -- $ops
+[ $# = 2 ] && [ "$1" = "$2" ] && [ "$1" -gt 0 ] || fail "--fail-nth 1000000: no note of the operations"
+sh "$expect" 1 "injected fault: .*\\(operation $1\\)" \
+  "$cli" decode $tiny --steps 1 --fail-nth "$1" || exit 1
+sh "$expect" 0 "^activekv: note: --fail-nth $(($1 + 1)) injected no fault: the engine made $1 " \
+  "$cli" decode $tiny --steps 1 --fail-nth $(($1 + 1)) || exit 1
+expect_not 0 "injected no fault" "$cli" decode $tiny --steps 1 || exit 1
+
 exit 0
