@@ -1535,6 +1535,20 @@ static int open_engine(runner *r, const akv_engine_config *cfg, run_result *res)
       say_error("akv_engine_create: %s (%s): the fault --fail-nth %u injected while the engine "
                 "was created",
                 akv_status_string(st), lib_last, o->fail_nth);
+    else if (st == AKV_ERR_OUT_OF_MEMORY && strstr(lib_last, "(device_pool_gib)") != NULL)
+      /* The pool that failed is named, and only flags that size it: it
+       * said "lower --host-pool-gib or --device-pool-gib" whatever failed,
+       * --host-pool-gib when the CLI had chosen the pool. */
+      say_error("akv_engine_create: out of memory for a %u GiB device pool (%s); lower "
+                "--device-pool-gib%s",
+                cfg->device_pool_gib, lib_last,
+                o->host_device_mib > 0 ? " or raise --host-device-mib (the modelled device)" : "");
+    else if (st == AKV_ERR_OUT_OF_MEMORY && strstr(lib_last, "(host_pool_gib)") != NULL)
+      say_error("akv_engine_create: out of memory for a %u GiB pinned host pool (%s); %s",
+                cfg->host_pool_gib, lib_last,
+                o->host_pool_gib > 0 ? "lower --host-pool-gib"
+                                     : "lower --contexts or --tokens (the host pool is the "
+                                       "smallest that holds them)");
     else if (st == AKV_ERR_OUT_OF_MEMORY)
       say_error("akv_engine_create: out of memory for a %u GiB pinned host pool and a %u GiB "
                 "device pool (%s); lower --host-pool-gib or --device-pool-gib",
@@ -2579,6 +2593,32 @@ static int cmd_decode(const cli_opts *o) {
   if (o->tp > 0 && resolve_backend(o) != AKV_BACKEND_HOST) {
     rc = check_tp_cuda(o);
     if (rc != 0) return rc;
+  }
+  /* The prefill writes every context's history into the host pool: more
+   * than this machine's memory cannot be held (the host backend's pool is
+   * committed as it is written, so such a run ran on, with no word under
+   * --json, until the system killed it). fit only warns: it allocates
+   * nothing. */
+  const uint64_t mem = machine_memory_bytes();
+  if (o->route != ROUTE_RESIDENT && mem > 0) {
+    const uint64_t row = model_sat_mul(model_sat_mul(model_dense_layers(&o->g), o->g.kv_heads),
+                                       model_sat_mul(o->g.head_dim,
+                                                     2u * (uint64_t)model_kv_elem_bytes(o->kv_dtype)));
+    uint64_t need = 0;
+    for (uint32_t i = 0; i < o->contexts; ++i) {
+      const uint64_t h = model_sat_mul(row, (uint64_t)ctx_tokens(o, i) + o->warmup + o->steps);
+      need = need > UINT64_MAX - h ? UINT64_MAX : need + h;
+    }
+    if (o->host_pool_gib > 0 && need > (uint64_t)o->host_pool_gib * GIB)
+      need = (uint64_t)o->host_pool_gib * GIB; /* the pool holds what fits; the rest queue or are refused */
+    if (need > mem) {
+      char a[32], b[32];
+      say_error("the %u contexts' histories (--tokens plus --warmup plus --steps rows of every "
+                "dense layer) need %s of host memory, more than this machine's %s; lower "
+                "--contexts or --tokens, or run on a larger machine",
+                o->contexts, fmt_mem(a, sizeof a, need), fmt_mem(b, sizeof b, mem));
+      return EXIT_RUN_ERROR;
+    }
   }
   if (o->tp > 0) {
     tp_rank_opts(o, 0, &rank0);

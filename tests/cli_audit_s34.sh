@@ -109,4 +109,23 @@ sh "$expect" 0 "^activekv: note: --fail-nth $(($1 + 1)) injected no fault: the e
   "$cli" decode $tiny --steps 1 --fail-nth $(($1 + 1)) || exit 1
 expect_not 0 "injected no fault" "$cli" decode $tiny --steps 1 || exit 1
 
+# A decode whose histories cannot fit this machine's memory ran on: the
+# fit line warned (not at all under --json), the host backend's pool is
+# committed as the prefill writes it, and the run grew until the system
+# killed it (--tokens 1073741824 on tiny: 512 GiB a context; 32 TiB for
+# 64, more than any machine here). It is refused before anything is
+# allocated (exit 1, a limit of the machine); fit still only warns.
+sh "$expect" 1 "^activekv: the 64 contexts' histories \(.*\) need 32\.00 TiB of host memory, more than this machine's" \
+  "$cli" decode --backend host --preset tiny --contexts 64 --tokens 1073741824 --steps 1 --warmup 0 --no-progress --json || exit 1
+sh "$expect" 0 "fit: warning: the 32769 GiB host pool it needs is more than this machine's" \
+  "$cli" fit --preset tiny --contexts 64 --tokens 1073741824 --steps 1 --warmup 0 || exit 1
+
+# A device pool the (modelled) device cannot hold was answered "lower
+# --host-pool-gib or --device-pool-gib", a flag never given whose pool was
+# fine; the message names the device pool and the flags that size it.
+sh "$expect" 1 "^activekv: akv_engine_create: out of memory for a 1 GiB device pool .*; lower --device-pool-gib or raise --host-device-mib" \
+  "$cli" decode $tiny --route arena --device-pool-gib 1 --host-device-mib 64 || exit 1
+expect_not 1 "lower --host-pool-gib" \
+  "$cli" decode $tiny --route arena --device-pool-gib 1 --host-device-mib 64 || exit 1
+
 exit 0
