@@ -858,6 +858,7 @@ static int fit_config(const cli_opts *o, akv_backend_kind backend, akv_engine_co
               (unsigned long long)page_bytes, c->page_tokens);
     return -1;
   }
+  lib_last[0] = '\0'; /* the reason of a refusal below, from the library's log */
   if (c->host_pool_gib == 0) {
     c->host_pool_gib = 1;
     st = akv_fit(c, r);
@@ -868,9 +869,16 @@ static int fit_config(const cli_opts *o, akv_backend_kind backend, akv_engine_co
   }
   if (st == AKV_OK) st = akv_fit(c, r);
   if (st == AKV_OK) return 0;
-  say_error("akv_fit: %s for %u layers x %u kv heads x head_dim %u x %u tokens "
-            "(check --layers, --kv-heads, --head-dim, --tokens, --page-tokens)",
-            akv_status_string(st), c->n_dense_layers, c->kv_heads, c->head_dim, c->max_tokens);
+  /* A device pool of more pages than a page number holds was blamed on the
+   * geometry flags, none of which was at fault: named by its flag. */
+  if (strstr(lib_last, "device_pool_gib=") != NULL)
+    say_error("--device-pool-gib %u: akv_fit: %s (%s); lower --device-pool-gib or raise "
+              "--page-tokens",
+              c->device_pool_gib, akv_status_string(st), lib_last);
+  else
+    say_error("akv_fit: %s for %u layers x %u kv heads x head_dim %u x %u tokens "
+              "(check --layers, --kv-heads, --head-dim, --tokens, --page-tokens)",
+              akv_status_string(st), c->n_dense_layers, c->kv_heads, c->head_dim, c->max_tokens);
   return -1;
 }
 
@@ -2624,7 +2632,15 @@ static int cmd_decode(const cli_opts *o) {
     tp_rank_opts(o, 0, &rank0);
   }
   const cli_opts *fo = o->tp > 0 ? &rank0 : o;
-  if (!o->json) {
+  if (o->json) {
+    /* The same fit as the report's, unprinted: a usage error found there
+     * (a --page-tokens longer than a context) exited 2 in the report and 1
+     * under --json, where only the run found it. */
+    akv_engine_config cfg;
+    akv_fit_report fr;
+    int chosen;
+    if (fit_config(fo, resolve_backend(o), &cfg, &fr, &chosen) != 0) return EXIT_USAGE;
+  } else {
     print_geometry(o);
     printf("run: route %s, %u contexts x ", route_names[o->route], o->contexts);
     print_tokens(stdout, o, o->contexts < o->n_tokens ? o->contexts : o->n_tokens);
@@ -2858,6 +2874,17 @@ int main(int argc, char **argv) {
     say_error("%s: a testing aid of the host backend; the CUDA backend has no such knob (pass "
               "--backend host, or drop it)",
               o.delay_max_us > 0 ? "--host-delay-us" : "--host-device-mib");
+    return EXIT_USAGE;
+  }
+  /* The host backend's modelled device is this machine's memory: headroom
+   * takes (and writes) up to all of it, so a device larger than the machine
+   * (--host-device-mib 1000000 --headroom-gib 1024 took GiB after GiB)
+   * ran until the system killed it. */
+  const uint64_t machine_mem = machine_memory_bytes();
+  if (o.host_device_mib > 0 && machine_mem > 0 && ((uint64_t)o.host_device_mib << 20) > machine_mem) {
+    say_error("--host-device-mib %u: the modelled device is host memory, and this machine has "
+              "%llu MiB; choose at most that",
+              o.host_device_mib, (unsigned long long)(machine_mem >> 20));
     return EXIT_USAGE;
   }
   if (strcmp(cmd, "decode") == 0 && o.route == ROUTE_RESIDENT) {

@@ -128,4 +128,26 @@ sh "$expect" 1 "^activekv: akv_engine_create: out of memory for a 1 GiB device p
 expect_not 1 "lower --host-pool-gib" \
   "$cli" decode $tiny --route arena --device-pool-gib 1 --host-device-mib 64 || exit 1
 
+# The host backend's modelled device is host memory, and headroom takes
+# (and writes) up to all of it: --host-device-mib beyond this machine's
+# memory with a large --headroom-gib took GiB after GiB until the system
+# killed the run. It is refused, naming the machine's memory.
+sh "$expect" 2 "^activekv: --host-device-mib 1073741824: the modelled device is host memory, and this machine has [0-9]+ MiB" \
+  "$cli" decode $tiny --route paged --headroom-gib 1048576 --host-device-mib 1073741824 || exit 1
+
+# A device pool of more pages than a page number holds was refused as
+# "akv_fit: invalid configuration ... (check --layers, --kv-heads,
+# --head-dim, --tokens, --page-tokens)": every flag but the one at fault.
+sh "$expect" 2 "^activekv: --device-pool-gib 1048576: akv_fit: .*would hold 274877906944 pages.*; lower --device-pool-gib or raise --page-tokens" \
+  "$cli" fit --preset tiny --contexts 1 --tokens 20 --page-tokens 8 --route paged --device-pool-gib 1048576 || exit 1
+sh "$expect" 2 "^activekv: --device-pool-gib 1048576: akv_fit: " \
+  "$cli" decode $tiny --route arena --device-pool-gib 1048576 --json || exit 1
+
+# The same usage errors exited 1 under --json (found only by the run) and
+# 2 in the report: now 2 in both.
+sh "$expect" 2 "^activekv: --page-tokens 8 is longer than a context can get" \
+  "$cli" decode --backend host --preset tiny --contexts 2 --tokens 4 --page-tokens 8 --steps 1 --warmup 0 --json || exit 1
+sh "$expect" 2 "^activekv: --page-tokens 8 is longer than a context can get" \
+  "$cli" decode --backend host --preset tiny --contexts 2 --tokens 4 --page-tokens 8 --steps 1 --warmup 0 --json --tp 2 || exit 1
+
 exit 0
