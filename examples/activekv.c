@@ -93,6 +93,9 @@ static const preset presets[] = {
 typedef struct cli_opts {
   const char *preset;
   int preset_set;       /* --preset was given */
+  /* Given on the command line, for flags whose default is not 0: a flag the
+   * run would not act on is refused by name. */
+  int seed_set, delay_seed_set, pcie_set;
   int preset_defaulted; /* no --preset, host backend: tiny instead of llama3.2-1b */
   model_geometry g;
   uint64_t seed;
@@ -177,6 +180,10 @@ static uint32_t chunk_tokens(const cli_opts *o) {
  * race), which could quote another rank's line. The calls whose failures
  * are quoted (create, destroy) log on the calling thread. */
 static _Thread_local char lib_last[512];
+/* Set when a warning or error logged on this thread reported a fault that
+ * --fail-nth injected (a --tp rank's create quotes the group's line, which
+ * does not say so); cleared before the calls whose failures it explains. */
+static _Thread_local int lib_injected;
 static int lib_verbose;
 
 static void say_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -197,7 +204,10 @@ static pthread_mutex_t lib_log_mu = PTHREAD_MUTEX_INITIALIZER; /* --tp: ranks lo
 static void lib_log(void *user, akv_log_level level, const char *message) {
   (void)user;
   pthread_mutex_lock(&lib_log_mu);
-  if (level <= AKV_LOG_WARN) snprintf(lib_last, sizeof lib_last, "%s", message);
+  if (level <= AKV_LOG_WARN) {
+    snprintf(lib_last, sizeof lib_last, "%s", message);
+    if (strstr(message, "injected fault") != NULL) lib_injected = 1;
+  }
   if (level <= AKV_LOG_WARN || lib_verbose) {
     static const char *const names[] = {"error", "warn", "info", "debug"};
     fprintf(stderr, "activekv: libactivekv %s: %s\n", names[level <= AKV_LOG_DEBUG ? level : 3],
@@ -296,8 +306,9 @@ static void usage(FILE *f) {
           "           checked bit for bit against resident\n"
           "  decode   decode a synthetic model on one route and report tokens/s\n"
           "  fit      print the host-fit line and its verdict (exit 3 if it does not fit);\n"
-          "           refuses --check, --tp, --logits-out, --logits-ref and\n"
-          "           --release-headroom-at, which only decode acts on\n"
+          "           refuses --check, --tp, --logits-out, --logits-ref,\n"
+          "           --release-headroom-at, --seed, --pcie-gbps, --target-pages,\n"
+          "           --burst-pages and the testing aids, which only decode acts on\n"
           "\n"
           "model (flags override the preset's values):\n"
           "  --preset NAME         llama3-8b | llama3.2-1b | gemma3-12b | tiny\n"
@@ -621,6 +632,7 @@ static int parse_args(int argc, char **argv, int first, cli_opts *o) {
       theta_set = 1;
     } else if (strcmp(name, "--seed") == 0) {
       rc = parse_u64(name, val, 0, UINT64_MAX, &o->seed);
+      o->seed_set = 1;
     } else if (strcmp(name, "--contexts") == 0) {
       rc = parse_u32(name, val, 1, MODEL_MAX_BATCH, &o->contexts);
     } else if (strcmp(name, "--tokens") == 0) {
@@ -693,12 +705,14 @@ static int parse_args(int argc, char **argv, int first, cli_opts *o) {
       rc = parse_u32(name, val, 0, 1000000, &o->delay_max_us);
     } else if (strcmp(name, "--host-delay-seed") == 0) {
       rc = parse_u64(name, val, 1, UINT64_MAX, &o->delay_seed);
+      o->delay_seed_set = 1;
     } else if (strcmp(name, "--tp") == 0) {
       rc = parse_u32(name, val, 1, TP_MAX, &o->tp);
     } else if (strcmp(name, "--fail-nth") == 0) {
       rc = parse_u32(name, val, 0, UINT32_MAX, &o->fail_nth);
     } else if (strcmp(name, "--pcie-gbps") == 0) {
       rc = parse_double(name, val, 0.001, 1e6, &o->pcie_gbps);
+      o->pcie_set = 1;
     }
     if (rc) return EXIT_USAGE;
   }
@@ -844,6 +858,7 @@ static int fit_config(const cli_opts *o, akv_backend_kind backend, akv_engine_co
               (unsigned long long)page_bytes, c->page_tokens);
     return -1;
   }
+  lib_last[0] = '\0'; /* the reason of a refusal below, from the library's log */
   if (c->host_pool_gib == 0) {
     c->host_pool_gib = 1;
     st = akv_fit(c, r);
@@ -854,9 +869,16 @@ static int fit_config(const cli_opts *o, akv_backend_kind backend, akv_engine_co
   }
   if (st == AKV_OK) st = akv_fit(c, r);
   if (st == AKV_OK) return 0;
-  say_error("akv_fit: %s for %u layers x %u kv heads x head_dim %u x %u tokens "
-            "(check --layers, --kv-heads, --head-dim, --tokens, --page-tokens)",
-            akv_status_string(st), c->n_dense_layers, c->kv_heads, c->head_dim, c->max_tokens);
+  /* A device pool of more pages than a page number holds was blamed on the
+   * geometry flags, none of which was at fault: named by its flag. */
+  if (strstr(lib_last, "device_pool_gib=") != NULL)
+    say_error("--device-pool-gib %u: akv_fit: %s (%s); lower --device-pool-gib or raise "
+              "--page-tokens",
+              c->device_pool_gib, akv_status_string(st), lib_last);
+  else
+    say_error("akv_fit: %s for %u layers x %u kv heads x head_dim %u x %u tokens "
+              "(check --layers, --kv-heads, --head-dim, --tokens, --page-tokens)",
+              akv_status_string(st), c->n_dense_layers, c->kv_heads, c->head_dim, c->max_tokens);
   return -1;
 }
 
@@ -1049,6 +1071,7 @@ struct runner {
   uint32_t res_len[MODEL_MAX_BATCH];
   uint32_t step_no;        /* 1-based engine step in progress */
   double release_t0;       /* when the headroom release was asked for; 0: none pending */
+  uint64_t backend_ops;    /* the engine's backend operations, read before its destroy */
   run_result *res;
   char err[768];
 };
@@ -1490,6 +1513,7 @@ static int open_engine(runner *r, const akv_engine_config *cfg, run_result *res)
   const cli_opts *o = r->o;
   akv_engine_info info;
   akv_status st;
+  lib_injected = 0;
   if (r->tp != NULL) {
     /* One rank of the group: its engine created from the agreed config. */
     akv_group_config gc = AKV_GROUP_CONFIG_INIT;
@@ -1512,6 +1536,27 @@ static int open_engine(runner *r, const akv_engine_config *cfg, run_result *res)
     r->group = NULL;
     if (st == AKV_ERR_NO_FIT)
       say_no_fit(o, &res->fit);
+    else if (o->fail_nth > 0 && lib_injected)
+      /* The fault --fail-nth asked for: no flag of the run is to blame, so
+       * none is suggested (it was "lower --host-pool-gib" or "check
+       * --page-tokens ..."). */
+      say_error("akv_engine_create: %s (%s): the fault --fail-nth %u injected while the engine "
+                "was created",
+                akv_status_string(st), lib_last, o->fail_nth);
+    else if (st == AKV_ERR_OUT_OF_MEMORY && strstr(lib_last, "(device_pool_gib)") != NULL)
+      /* The pool that failed is named, and only flags that size it: it
+       * said "lower --host-pool-gib or --device-pool-gib" whatever failed,
+       * --host-pool-gib when the CLI had chosen the pool. */
+      say_error("akv_engine_create: out of memory for a %u GiB device pool (%s); lower "
+                "--device-pool-gib%s",
+                cfg->device_pool_gib, lib_last,
+                o->host_device_mib > 0 ? " or raise --host-device-mib (the modelled device)" : "");
+    else if (st == AKV_ERR_OUT_OF_MEMORY && strstr(lib_last, "(host_pool_gib)") != NULL)
+      say_error("akv_engine_create: out of memory for a %u GiB pinned host pool (%s); %s",
+                cfg->host_pool_gib, lib_last,
+                o->host_pool_gib > 0 ? "lower --host-pool-gib"
+                                     : "lower --contexts or --tokens (the host pool is the "
+                                       "smallest that holds them)");
     else if (st == AKV_ERR_OUT_OF_MEMORY)
       say_error("akv_engine_create: out of memory for a %u GiB pinned host pool and a %u GiB "
                 "device pool (%s); lower --host-pool-gib or --device-pool-gib",
@@ -1624,7 +1669,10 @@ static void close_all(runner *r) {
   if (r->engine) {
     akv_engine_info info;
     int dirty = r->step_open;
-    if (akv_engine_info_get(r->engine, &info) == AKV_OK && info.transport_failed) dirty = 1;
+    if (akv_engine_info_get(r->engine, &info) == AKV_OK) {
+      if (info.transport_failed) dirty = 1;
+      for (int k = 0; k < AKV_OP_KIND_COUNT; ++k) r->backend_ops += info.backend_ops[k];
+    }
     /* CUDA --tp after a rank failed: no closing agreement (nothing aborts
      * an NCCL group's wait from outside, so it would last the timeout) */
     if (r->tp != NULL && r->tp->w->nccl != NULL && tp_aborted(r->tp->w)) dirty = 1;
@@ -1920,6 +1968,15 @@ static int run_rank(const cli_opts *o, int steps_out, run_result *res, tp_rank *
 out:
   if (rc != 0 && tp != NULL) tp_abort(tp->w); /* the other ranks stop instead of waiting */
   close_all(r);
+  /* A --fail-nth past the run's last backend operation injected nothing: the
+   * run ended as if it had not been given, which is said (it cannot be known
+   * before the run). */
+  if (rc == 0 && use_engine && o->fail_nth > 0 && r->backend_ops < o->fail_nth &&
+      (tp == NULL || tp->rank == 0))
+    fprintf(stderr,
+            "activekv: note: --fail-nth %u injected no fault: the engine made %llu backend "
+            "operations in this run (choose N in 1..%llu)\n",
+            o->fail_nth, (unsigned long long)r->backend_ops, (unsigned long long)r->backend_ops);
   if (rc != 0) run_result_free(res); /* a failed run reports nothing */
   return rc;
 }
@@ -2268,6 +2325,19 @@ static void print_summary(const cli_opts *o, const run_result *res) {
            "queued", res->queued);
 }
 
+/* A JSON number: JSON has no NaN or infinity, and printf's "nan" and "inf"
+ * made the object unparsable (a --logits-ref holding a NaN logit gave
+ * "max_abs_diff":nan); a value that is not finite is null. */
+typedef struct jnum_text {
+  char s[32];
+} jnum_text;
+static jnum_text jnum(double v) {
+  jnum_text t;
+  if (isfinite(v)) snprintf(t.s, sizeof t.s, "%.6g", v);
+  else snprintf(t.s, sizeof t.s, "null");
+  return t;
+}
+
 static void print_json(const cli_opts *o, const char *cmd, const run_result *res) {
   double bound_ms, bound_tps;
   pcie_bound(o, res, &bound_ms, &bound_tps);
@@ -2300,18 +2370,18 @@ static void print_json(const cli_opts *o, const char *cmd, const run_result *res
     }
   }
   if (res->ref_compared)
-    printf("\"vs_ref\":{\"steps\":%u,\"max_abs_diff\":%.6g,\"top1_agree\":%u,\"top1_total\":%u},",
-           res->ref_steps, res->ref_max_abs_diff, res->ref_top1_agree, res->ref_top1_total);
+    printf("\"vs_ref\":{\"steps\":%u,\"max_abs_diff\":%s,\"top1_agree\":%u,\"top1_total\":%u},",
+           res->ref_steps, jnum(res->ref_max_abs_diff).s, res->ref_top1_agree, res->ref_top1_total);
   printf("\"host_pool_gib\":%u,\"device_pool_gib\":%u,\"target_pages\":", res->host_pool_gib,
          route_retains(res->route) ? o->device_pool_gib : 0);
   if (o->target_pages == AKV_TARGET_FAIR_SHARE) printf("\"fair\"");
   else printf("%u", o->target_pages);
   printf(",\"burst_pages\":%u,\"history_bytes\":%llu,\"effective_concurrency\":%u,", o->burst_pages,
          (unsigned long long)res->fit.history_bytes, res->fit.effective_concurrency);
-  printf("\"tokens_per_s\":%.6g,\"step_ms_median\":%.6g,\"step_ms_p90\":%.6g,"
-         "\"step_ms_mean\":%.6g,\"prefill_s\":%.6g,",
-         res->tokens_per_s, res->step_ms_median, res->step_ms_p90, res->step_ms_mean,
-         res->prefill_s);
+  printf("\"tokens_per_s\":%s,\"step_ms_median\":%s,\"step_ms_p90\":%s,"
+         "\"step_ms_mean\":%s,\"prefill_s\":%s,",
+         jnum(res->tokens_per_s).s, jnum(res->step_ms_median).s, jnum(res->step_ms_p90).s,
+         jnum(res->step_ms_mean).s, jnum(res->prefill_s).s);
   printf("\"device_engine_bytes\":%llu,\"device_staging_bytes\":%llu,\"device_pages\":%u,"
          "\"device_peak_bytes\":%llu,",
          (unsigned long long)res->engine_device_bytes,
@@ -2327,22 +2397,23 @@ static void print_json(const cli_opts *o, const char *cmd, const run_result *res
          o->headroom_gib, o->headroom_reserve_gib, res->headroom_pages,
          (unsigned long long)res->headroom_bytes);
   if (res->release_step > 0) {
-    printf("\"headroom_release\":{\"step\":%u,\"bytes\":%llu,\"call_ms\":%.6g,"
-           "\"request_to_reusable_ms\":%.6g},",
-           res->release_step, (unsigned long long)res->released_bytes, res->release_call_ms,
-           res->release_reusable_ms);
+    printf("\"headroom_release\":{\"step\":%u,\"bytes\":%llu,\"call_ms\":%s,"
+           "\"request_to_reusable_ms\":%s},",
+           res->release_step, (unsigned long long)res->released_bytes,
+           jnum(res->release_call_ms).s, jnum(res->release_reusable_ms).s);
   }
   if (res->step_ms != NULL) {
     printf("\"step_ms\":[");
-    for (uint32_t k = 0; k < res->n_step_ms; ++k) printf("%s%.6g", k ? "," : "", res->step_ms[k]);
+    for (uint32_t k = 0; k < res->n_step_ms; ++k) printf("%s%s", k ? "," : "", jnum(res->step_ms[k]).s);
     printf("],");
   }
   printf("\"bytes_h2d_per_step\":%llu,\"bytes_d2d_per_step\":%llu,\"bytes_d2h_per_step\":%llu,",
          (unsigned long long)res->bytes_h2d, (unsigned long long)res->bytes_d2d,
          (unsigned long long)res->bytes_d2h);
-  printf("\"pcie_gbps\":%.6g,\"pcie_bound_ms\":%.6g,\"pcie_bound_tokens_per_s\":%.6g,"
-         "\"pcie_ratio\":%.6g,",
-         o->pcie_gbps, bound_ms, bound_tps, bound_ms > 0 ? bound_ms / res->step_ms_median : 0.0);
+  printf("\"pcie_gbps\":%s,\"pcie_bound_ms\":%s,\"pcie_bound_tokens_per_s\":%s,"
+         "\"pcie_ratio\":%s,",
+         jnum(o->pcie_gbps).s, jnum(bound_ms).s, jnum(bound_tps).s,
+         jnum(bound_ms > 0 ? bound_ms / res->step_ms_median : 0.0).s);
   printf("\"admission\":{");
   for (int k = 0; k < AKV_ADM_RULE_COUNT; ++k)
     printf("%s\"%s\":%llu", k ? "," : "", akv_adm_rule_string((akv_adm_rule)k),
@@ -2350,15 +2421,16 @@ static void print_json(const cli_opts *o, const char *cmd, const run_result *res
   printf("},\"check\":%s", res->checked ? "true" : "false");
   if (res->checked)
     printf(",\"bitwise\":%s,\"steps_compared\":%u,\"mismatched_steps\":%u,"
-           "\"resident_tokens_per_s\":%.6g,\"resident_step_ms_median\":%.6g,"
-           "\"target_ratio\":%.6g",
+           "\"resident_tokens_per_s\":%s,\"resident_step_ms_median\":%s,"
+           "\"target_ratio\":%s",
            res->mismatched_steps == 0 ? "true" : "false", res->steps_compared,
-           res->mismatched_steps, res->resident_tokens_per_s, res->resident_step_ms_median,
-           res->step_ms_median > 0
-               ? (bound_ms > res->resident_step_ms_median ? bound_ms
-                                                          : res->resident_step_ms_median) /
-                     res->step_ms_median
-               : 0.0);
+           res->mismatched_steps, jnum(res->resident_tokens_per_s).s,
+           jnum(res->resident_step_ms_median).s,
+           jnum(res->step_ms_median > 0
+                    ? (bound_ms > res->resident_step_ms_median ? bound_ms
+                                                               : res->resident_step_ms_median) /
+                          res->step_ms_median
+                    : 0.0).s);
   else
     printf(",\"bitwise\":null");
   printf("}\n");
@@ -2530,11 +2602,45 @@ static int cmd_decode(const cli_opts *o) {
     rc = check_tp_cuda(o);
     if (rc != 0) return rc;
   }
+  /* The prefill writes every context's history into the host pool: more
+   * than this machine's memory cannot be held (the host backend's pool is
+   * committed as it is written, so such a run ran on, with no word under
+   * --json, until the system killed it). fit only warns: it allocates
+   * nothing. */
+  const uint64_t mem = machine_memory_bytes();
+  if (o->route != ROUTE_RESIDENT && mem > 0) {
+    const uint64_t row = model_sat_mul(model_sat_mul(model_dense_layers(&o->g), o->g.kv_heads),
+                                       model_sat_mul(o->g.head_dim,
+                                                     2u * (uint64_t)model_kv_elem_bytes(o->kv_dtype)));
+    uint64_t need = 0;
+    for (uint32_t i = 0; i < o->contexts; ++i) {
+      const uint64_t h = model_sat_mul(row, (uint64_t)ctx_tokens(o, i) + o->warmup + o->steps);
+      need = need > UINT64_MAX - h ? UINT64_MAX : need + h;
+    }
+    if (o->host_pool_gib > 0 && need > (uint64_t)o->host_pool_gib * GIB)
+      need = (uint64_t)o->host_pool_gib * GIB; /* the pool holds what fits; the rest queue or are refused */
+    if (need > mem) {
+      char a[32], b[32];
+      say_error("the %u contexts' histories (--tokens plus --warmup plus --steps rows of every "
+                "dense layer) need %s of host memory, more than this machine's %s; lower "
+                "--contexts or --tokens, or run on a larger machine",
+                o->contexts, fmt_mem(a, sizeof a, need), fmt_mem(b, sizeof b, mem));
+      return EXIT_RUN_ERROR;
+    }
+  }
   if (o->tp > 0) {
     tp_rank_opts(o, 0, &rank0);
   }
   const cli_opts *fo = o->tp > 0 ? &rank0 : o;
-  if (!o->json) {
+  if (o->json) {
+    /* The same fit as the report's, unprinted: a usage error found there
+     * (a --page-tokens longer than a context) exited 2 in the report and 1
+     * under --json, where only the run found it. */
+    akv_engine_config cfg;
+    akv_fit_report fr;
+    int chosen;
+    if (fit_config(fo, resolve_backend(o), &cfg, &fr, &chosen) != 0) return EXIT_USAGE;
+  } else {
     print_geometry(o);
     printf("run: route %s, %u contexts x ", route_names[o->route], o->contexts);
     print_tokens(stdout, o, o->contexts < o->n_tokens ? o->contexts : o->n_tokens);
@@ -2754,6 +2860,62 @@ int main(int argc, char **argv) {
               o.target_pages != AKV_TARGET_FAIR_SHARE ? "--target-pages" : "--burst-pages",
               route_names[o.route]);
     return EXIT_USAGE;
+  }
+  /* The host backend's testing aids and the knobs of an engine or a run:
+   * taken where nothing acts on them, the run ended as if they had not been
+   * given (a --fail-nth test "passed" with no fault). */
+  if (o.delay_seed_set && o.delay_max_us == 0) {
+    say_error("--host-delay-seed %llu: it seeds the delays of --host-delay-us, which is 0 (no "
+              "delay); pass --host-delay-us N too, or drop it",
+              (unsigned long long)o.delay_seed);
+    return EXIT_USAGE;
+  }
+  if (resolve_backend(&o) != AKV_BACKEND_HOST && (o.delay_max_us > 0 || o.host_device_mib > 0)) {
+    say_error("%s: a testing aid of the host backend; the CUDA backend has no such knob (pass "
+              "--backend host, or drop it)",
+              o.delay_max_us > 0 ? "--host-delay-us" : "--host-device-mib");
+    return EXIT_USAGE;
+  }
+  /* The host backend's modelled device is this machine's memory: headroom
+   * takes (and writes) up to all of it, so a device larger than the machine
+   * (--host-device-mib 1000000 --headroom-gib 1024 took GiB after GiB)
+   * ran until the system killed it. */
+  const uint64_t machine_mem = machine_memory_bytes();
+  if (o.host_device_mib > 0 && machine_mem > 0 && ((uint64_t)o.host_device_mib << 20) > machine_mem) {
+    say_error("--host-device-mib %u: the modelled device is host memory, and this machine has "
+              "%llu MiB; choose at most that",
+              o.host_device_mib, (unsigned long long)(machine_mem >> 20));
+    return EXIT_USAGE;
+  }
+  if (strcmp(cmd, "decode") == 0 && o.route == ROUTE_RESIDENT) {
+    const char *eflag = o.fail_nth > 0                ? "--fail-nth"
+                        : o.delay_max_us > 0          ? "--host-delay-us"
+                        : o.host_device_mib > 0       ? "--host-device-mib"
+                        : o.host_pool_gib > 0         ? "--host-pool-gib"
+                        : o.fit_mode == AKV_FIT_SHRINK ? "--fit-mode shrink"
+                                                      : NULL;
+    if (eflag != NULL) {
+      say_error("%s: --route resident runs no engine (the model keeps every row), so nothing "
+                "would act on it; pass --route stage, arena or paged, or drop it",
+                eflag);
+      return EXIT_USAGE;
+    }
+  }
+  if (strcmp(cmd, "fit") == 0) {
+    const char *rflag = o.fail_nth > 0                           ? "--fail-nth"
+                        : o.delay_max_us > 0                     ? "--host-delay-us"
+                        : o.host_device_mib > 0                  ? "--host-device-mib"
+                        : o.seed_set                             ? "--seed"
+                        : o.pcie_set                             ? "--pcie-gbps"
+                        : o.target_pages != AKV_TARGET_FAIR_SHARE ? "--target-pages"
+                        : o.burst_pages > 0                      ? "--burst-pages"
+                                                                 : NULL;
+    if (rflag != NULL) {
+      say_error("fit: %s is a decode flag; fit only prints the host-fit line (run "
+                "'activekv decode' with it, or drop it)",
+                rflag);
+      return EXIT_USAGE;
+    }
   }
   if (o.device != 0 && resolve_backend(&o) == AKV_BACKEND_HOST) {
     if (o.backend == AKV_BACKEND_HOST) {
