@@ -12,7 +12,8 @@
  *    to name the fence that was uncertain.
  *  - A failing call changes nothing, except where it says it marks the
  *    transport failed (AKV_ERR_BACKEND): from then on the engine accepts only
- *    diagnostics, akv_engine_quarantine and akv_engine_destroy.
+ *    diagnostics, akv_stream_destroy, akv_engine_quarantine and
+ *    akv_engine_destroy.
  *  - Last error: a call refused on a live engine writes what went wrong, in
  *    words naming the call, to that engine's last error
  *    (akv_engine_last_error), diagnostics included (a NULL output, a cap
@@ -639,7 +640,7 @@ typedef struct akv_quarantine_report {
  * the device. Only when all four establish completion are leases, tickets and
  * host page leases released; otherwise everything stays retained and the
  * report names the uncertain fence. Blocks. Allowed in any state; afterwards
- * the engine accepts only diagnostics and destroy. report may be NULL (the
+ * the engine accepts only diagnostics, akv_stream_destroy and destroy. report may be NULL (the
  * same quarantine, nothing reported).
  * Another thread's quarantine while a call is in progress (Thread safety)
  * returns AKV_ERR_IN_USE, marks nothing and leaves *report alone; so does a

@@ -44,8 +44,8 @@
 #                 through NCCL) against the plain run with one, in
 #                 tp-cli.log; scripts/tp-pass.sh runs build and tp only)
 #                 headroom: issue 13's headroom sweep and mid-run release
-#                 (llama3-8b; headroom.log, headroom.jsonl), not in the default
-#                 list: AKV_STEPS="build ctest headroom" measures it alone
+#                 (llama3-8b; headroom.log, headroom.jsonl), in the default
+#                 list; AKV_STEPS="build ctest headroom" measures it alone
 #   AKV_HF_ARGS   extra arguments of examples/hf_compare.py (e.g. "--layers 8
 #                 --rows resident,all,resident2 --profile $OUT/prof": a profile,
 #                 not the benchmark)

@@ -367,8 +367,8 @@ static akvt_cfg cfg_paged(void) {
  * counted operations here. Their number depends on timing (a query answered
  * "not yet" is polled again), so this workload is not in the sweeps over
  * every operation; it fails each of the queries every run is sure to issue
- * (three per lease: tail, attention, history-ready of the try that retires
- * it), through sweep_queries. */
+ * (one per lease: the query of the try that retires it), through
+ * sweep_queries. */
 static akvt_cfg cfg_try_retire(void) {
   akvt_cfg c = cfg_stage();
   c.try_retire = 1;

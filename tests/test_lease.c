@@ -752,7 +752,8 @@ static void test_retire_proves_by_the_tail(void **state) {
   tr_close(&f);
 }
 
-/* After a transport failure try_retire answers quarantined, like retire. */
+/* After a transport failure (and the quarantine that releases its leases)
+ * try_retire refuses the lease as a dead handle, like retire. */
 static void test_try_retire_after_failure(void **state) {
   akv_engine *e = akvt_small_engine(AKV_ROUTE_STAGE, 0);
   akv_stream s;

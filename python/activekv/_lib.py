@@ -408,13 +408,14 @@ def include_dir() -> str | None:
     return d if os.path.isfile(os.path.join(d, "akv.h")) else None
 
 
-# Shared libraries a CUDA build of libactivekv links that torch also ships
-# (its nvidia-* wheels), under the same sonames.
+# Shared libraries a CUDA build of libactivekv loads that torch also ships
+# (its nvidia-* wheels), under the same sonames: the CUDA runtime, linked,
+# and NCCL, opened at run time by a group (dlopen).
 _SHARED_WITH_TORCH = (b"libcudart.so", b"libnccl.so")
 
 
 def _torch_first(path: str) -> None:
-    """Imports torch before libactivekv when the library links a CUDA
+    """Imports torch before libactivekv when the library loads a CUDA
     runtime or NCCL and torch is installed but not imported yet.
 
     The dynamic loader binds a soname once per process: whichever of
@@ -422,7 +423,7 @@ def _torch_first(path: str) -> None:
     libnccl.so.2 both use. torch needs its own (often newer) copies and
     fails to import after an older one (``undefined symbol:
     ncclCommResume``); the library works with newer ones (both keep their
-    ABI within a major version). A host-only build links neither and leaves
+    ABI within a major version). A host-only build loads neither and leaves
     torch alone."""
     if "torch" in sys.modules:
         return

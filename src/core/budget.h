@@ -2,7 +2,7 @@
  * budget.h - what an engine allocates besides its pools and staging buffers:
  * the bookkeeping and the scratch arrays, each sized from its own worst case,
  * all in checked 64-bit arithmetic, and the bound that keeps them small next
- * to the host pool (docs/api.md, "What an engine costs").
+ * to the host pool (docs/admission.md, "What an engine costs besides its pools").
  *
  * Pure arithmetic on a config and an effective concurrency: no allocation, no
  * device, no global state. akv_fit_compute checks the bound (so akv_fit and
