@@ -753,6 +753,18 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forked)
 
 
+def _forked_repr(engine: Any, what: str) -> Optional[str]:
+    """The repr of an object of `engine` in a child forked after the engine
+    was made (where every call on either raises BadHandle), None elsewhere
+    (and for an engine never made). Reads the engine's own attributes only:
+    no call, never raises."""
+    d = getattr(engine, "__dict__", None)
+    if type(d) is not dict or "_forks" not in d or d["_forks"] == _FORKS[0]:
+        return None
+    return (f"<activekv.{what} of process {d.get('_pid')}, unusable in this forked child (every "
+            "call raises BadHandle)>")
+
+
 def _take_interrupt() -> Optional[BaseException]:
     return _TLS.__dict__.pop("interrupt", None)
 
@@ -1753,8 +1765,22 @@ class Engine(_ClosedOnExit):
                                    "an int (cudaStream_t) or None")
 
     def __repr__(self) -> str:
+        # Never raises. In a forked child it says the engine is the parent's (every call
+        # there raises BadHandle), as the reprs of what was made from it do; the state is
+        # read as a call on the engine (_guarded), as Context's repr reads its own: while
+        # another thread is in a call it says nothing of it.
         if "_cfg_dict" not in self.__dict__:
             return "<activekv.Engine not made>"
+        forked = _forked_repr(self, "Engine")
+        if forked:
+            return forked
+        try:
+            return self._repr()
+        except ActiveKVError:
+            return "<activekv.Engine>"
+
+    @_guarded
+    def _repr(self) -> str:
         if self._handle is None:
             return "<activekv.Engine closed>"
         return f"<activekv.Engine {self.backend} {self._cfg_dict['route']} {self._dtype}>"
@@ -1999,8 +2025,11 @@ class Context(_ClosedOnExit):
         # The state is read as a call on the engine (_guarded): read
         # unguarded, a second thread saw the handle a refused close clears
         # for its call, and called a live context closed. While another
-        # thread is in a call (Busy), and in a forked child, it says nothing
-        # of the state.
+        # thread is in a call (Busy) it says nothing of the state; in a
+        # forked child it says the context is the parent's (_forked_repr).
+        forked = _forked_repr(self.__dict__.get("_engine"), "Context")
+        if forked:
+            return forked
         try:
             return self._repr()
         except ActiveKVError:

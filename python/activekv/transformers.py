@@ -1403,7 +1403,12 @@ class ActiveKVCache(Cache):
             raise ValueError("ActiveKVCache: a model on %s; the engine serves cpu (host backend) "
                              "and cuda devices" % (device,))
         if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+            # torch's current device; without CUDA in this torch (or no device) asking for
+            # it raises torch's own error, while "cuda:0" reached the engine, which refuses
+            # a CUDA backend it cannot serve with NotSupported: device 0 then, so "cuda"
+            # and "cuda:0" are refused alike
+            index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+            device = torch.device("cuda", index)
         want = "cuda" if device.type == "cuda" else "host"
         if backend is None:
             backend = want
@@ -1518,7 +1523,10 @@ class ActiveKVCache(Cache):
         layer (as ``akv_context_length``, the minimum over a context's layers), until the
         layers it did not reach are updated with its K/V; ``layer_lengths`` and
         ``cache.layers[i].get_seq_length()`` give each layer's own count."""
-        if (isinstance(layer_idx, (int, np.integer)) and 0 <= layer_idx < len(self.layers)
+        # A negative index is a layer counted from the end, as transformers' list takes it
+        # (its own count there said otherwise after a forward cut short).
+        if (isinstance(layer_idx, (int, np.integer))
+                and -len(self.layers) <= layer_idx < len(self.layers)
                 and isinstance(self.layers[layer_idx], (ActiveKVLayer,) + _TOKEN_LAYERS)):
             return self._driver.whole_length()
         return super().get_seq_length(layer_idx)
