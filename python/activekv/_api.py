@@ -526,37 +526,64 @@ _NDARRAY_IFACE = np.ndarray.__dict__["__array_interface__"].__get__
 _NDARRAY_NBYTES = np.ndarray.__dict__["nbytes"].__get__
 
 
-def _pin(arr: np.ndarray) -> Optional[Tuple[np.ndarray, Any, int]]:
-    """What must stay in place for `arr` to view live memory: the numpy array
-    that owns the memory arr views (arr itself, or the end of its chain of
-    bases), with its data pointer and size now; None when no numpy array
-    owns it (a torch tensor's storage, a buffer's export: neither can be
-    resized under the array). Read through ndarray's own descriptors: no
-    subclass code runs."""
+# ctypes' base of every C data type: a ctypes object's memory moves under the
+# arrays that view it (ctypes.resize reallocates it, exports or not)
+_CDATA = next(c for c in ctypes.Array.__mro__ if c.__name__ == "_CData")
+
+
+def _ndarray_extent(owner: np.ndarray) -> Tuple[int, int]:
+    return _NDARRAY_IFACE(owner)["data"][0], _NDARRAY_NBYTES(owner)
+
+
+def _cdata_extent(owner: Any) -> Tuple[int, int]:
+    return ctypes.addressof(owner), ctypes.sizeof(owner)
+
+
+def _pin(arr: np.ndarray) -> Optional[Tuple[Callable[[Any], Tuple[int, int]], Any, Tuple[int, int]]]:
+    """What must stay in place for `arr` to view live memory: the object
+    that owns the memory arr views, a reader of where that memory is now,
+    and what it reads now; None when nothing can move it under the array.
+
+    The owner is a numpy array that owns its data (arr itself, or the end of
+    its chain of bases: ndarray.resize(..., refcheck=False) frees it) or a
+    ctypes object (at the end of that chain, or behind its memoryview:
+    ctypes.resize reallocates its memory whatever views it). Other memory
+    cannot move under an array that views it: a torch tensor's storage
+    (not resizable once exported), a buffer's export (bytearray, array,
+    mmap refuse a resize while exported). Read through ndarray's and
+    ctypes' own C accessors: no caller code runs."""
     owner = arr
     while True:
         base = _NDARRAY_BASE(owner)
         if not issubclass(type(base), np.ndarray):
             break
         owner = base
-    if not _NDARRAY_FLAGS(owner).owndata:
-        return None
-    return owner, _NDARRAY_IFACE(owner)["data"][0], _NDARRAY_NBYTES(owner)
+    if _NDARRAY_FLAGS(owner).owndata:
+        return _ndarray_extent, owner, _ndarray_extent(owner)
+    if type(base) is memoryview:  # (memoryview cannot be subclassed)
+        try:
+            base = base.obj
+        except ValueError:  # released by the caller: nothing to follow
+            return None
+    if issubclass(type(base), _CDATA):
+        return _cdata_extent, base, _cdata_extent(base)
+    return None
 
 
 def _check_pins(what: str, pins: Sequence[Tuple[str, Any]]) -> None:
     """Raises InvalidArgument when the memory a converted argument views
     moved or shrank after it was converted: the caller's code converting a
-    later argument (its __array__) resized the array that owns it
-    (ndarray.resize(..., refcheck=False)), which freed the memory the earlier
-    argument's view still named, and the library read freed memory."""
+    later argument (its __array__) resized the array or ctypes object that
+    owns it (ndarray.resize(..., refcheck=False), ctypes.resize), which freed
+    the memory the earlier argument's view still named, and the library read
+    freed memory."""
     for name, pin in pins:
         if pin is None:
             continue
-        owner, ptr, nbytes = pin
-        if _NDARRAY_IFACE(owner)["data"][0] != ptr or _NDARRAY_NBYTES(owner) != nbytes:
+        extent, owner, then = pin
+        if extent(owner) != then:
             raise InvalidArgument.make(
-                f"{what}: the array under {name} was resized while the call converted its "
+                f"{what}: the memory under {name} was resized while the call converted its "
                 "arguments; its rows were no longer where they were (pass arrays that stay "
                 "as they are during the call)")
 

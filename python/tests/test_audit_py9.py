@@ -199,3 +199,62 @@ def test_cache_length_of_a_layer_counted_from_the_end_is_the_whole_length():
     assert cache.get_seq_length(3) == 0  # past the layers: transformers' answer
     assert [cache.get_mask_sizes(1, i) for i in range(-3, 3)] == [(6, 0)] * 6
     cache.close()
+
+
+# ------------------------------------------------------------ 4. ctypes memory moved
+
+
+@pytest.mark.parametrize("how", ["asarray", "frombuffer", "ctypeslib"])
+@pytest.mark.parametrize("call", ["append", "append_layer"])
+def test_ctypes_rows_reallocated_while_the_call_converts_v_are_refused(engine, how, call):
+    """Rows may be "any buffer" (docs/python.md), a ctypes array included.
+    K converted first, then V's __array__ (the caller's code) ran
+    ctypes.resize on the ctypes array under K, which reallocates its memory
+    whatever views it (ctypes keeps no count of its exports, unlike
+    bytearray, array or mmap): the library copied the freed block into the
+    context (0xff junk came back as NaN rows). Such an array is refused
+    (InvalidArgument), as a numpy array resized there is, and nothing is
+    appended; an untouched ctypes array is taken."""
+    import ctypes
+
+    ctx = engine.open_context()
+    shape = (L, 4, H, D) if call == "append" else (4, H, D)
+    n = int(np.prod(shape))
+
+    def rows(ct):
+        a = {"asarray": lambda: np.asarray(ct),
+             "frombuffer": lambda: np.frombuffer(ct, np.float32),
+             "ctypeslib": lambda: np.ctypeslib.as_array(ct)}[how]()
+        return a.reshape(shape)
+
+    def do(k, v):
+        if call == "append":
+            ctx.append(k, v)
+        else:
+            ctx.append_layer(0, k, v)
+
+    good = (ctypes.c_float * n)(*range(n))
+    do(rows(good), np.zeros(shape, np.float32))  # taken as it is
+    before = ctx.read(0, 0, 4)
+    assert np.array_equal(before[0].ravel(), np.arange(4 * H * D, dtype=np.float32))
+
+    victim = (ctypes.c_float * n)(*([1.0] * n))
+    addr = ctypes.addressof(victim)
+    junk = []
+
+    class MovingV:
+        def __array__(self, dtype=None, copy=None):
+            ctypes.resize(victim, ctypes.sizeof(victim) * 64)  # realloc: moved, old freed
+            junk.extend(bytearray(b"\xff" * (n * 4)) for _ in range(64))
+            return np.zeros(shape, np.float32)
+
+    with pytest.raises(akv.InvalidArgument, match="resized"):
+        do(rows(victim), MovingV())
+    assert ctypes.addressof(victim) != addr  # the memory did move
+    if call == "append":
+        assert len(ctx) == 4
+    with pytest.raises(akv.InvalidArgument):
+        ctx.read(0, 4, 1)  # nothing was appended past the first rows
+    after = ctx.read(0, 0, 4)
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+    ctx.close()
