@@ -727,15 +727,47 @@ class _Memory:
                           ResourceWarning, stacklevel=2)
 
 
+def _counted_export(engine: "Engine", ptr: int, shape: Tuple[int, ...],
+                    strides: Optional[Tuple[int, ...]], typestr: str, cuda: bool,
+                    live: Optional[Callable[[], Any]] = None) -> "_Export":
+    """An _Export over engine memory, counted, made only while the engine
+    (and what `live` checks, e.g. the lease) is still open: BadHandle
+    otherwise, before any array is made over it.
+
+    Invariant: no array over engine memory that may already be freed. The
+    one-call-at-a-time guard keeps other threads out, but the caller's code
+    can still run on this thread inside the call, between the check that
+    the lease is live and the export being counted (a gc callback or a
+    finalizer at an allocation there, a signal handler): an Engine.close()
+    made there (a nested call, which the guard lets through) found no array
+    counted and freed the staging buffer at once. Checked again once the
+    export is counted: a close before that is seen here, one after it
+    defers the free behind the export."""
+    exp = _Export(engine, ptr, shape, strides, typestr, cuda)
+    try:
+        if engine._handle is None:
+            raise BadHandle.make("the engine was closed during the call (by the caller's code "
+                                 "on this thread: a finalizer, a gc callback, a signal handler)")
+        if live is not None:
+            live()
+    except BaseException:
+        # not kept by the traceback's frame: a kept exception would hold the
+        # engine's memory (the export defers its destroy)
+        exp = None
+        raise
+    return exp
+
+
 def _export_array(engine: "Engine", ptr: int, shape: Tuple[int, ...], strides: Tuple[int, ...],
-                  dtype: str, cuda: bool) -> Any:
+                  dtype: str, cuda: bool, live: Optional[Callable[[], Any]] = None) -> Any:
     """A numpy array (host) or torch tensor (CUDA) over engine memory, whose
-    base is an _Export (see there)."""
+    base is an _Export (see there and _counted_export)."""
     if cuda:
         torch = _torch()
-        exp = _Export(engine, ptr, shape, strides, _CAI_TYPESTR[dtype], True)
+        exp = _counted_export(engine, ptr, shape, strides, _CAI_TYPESTR[dtype], True, live)
         return _as_torch_type(torch, torch.as_tensor(exp, device="cuda"), dtype)
-    return np.asarray(_Export(engine, ptr, shape, strides, _NP_DTYPE[dtype].str, False))
+    return np.asarray(_counted_export(engine, ptr, shape, strides, _NP_DTYPE[dtype].str, False,
+                                      live))
 
 
 # ----------------------------------------------------------------- engine
@@ -804,7 +836,7 @@ def _guarded(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def call(self, *args, **kwargs):
         eng = self if isinstance(self, Engine) else self._engine
-        held = eng._enter(fn.__name__)
+        held = eng._enter(fn.__name__, fn.__qualname__)
         try:
             return fn(self, *args, **kwargs)
         finally:
@@ -1184,10 +1216,13 @@ class Engine(_ClosedOnExit):
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # -- one call at a time
-    def _enter(self, what: str) -> bool:
+    def _enter(self, what: str, key: Optional[str] = None) -> bool:
         """Makes this thread the one in a call on the engine. Returns True
         when it took the engine (the caller then calls _leave), False for a
-        call nested in one this thread already makes. Raises Busy when
+        call nested in one this thread already makes. The call that took it
+        is recorded as ``_what`` (`key`, else `what`: _guarded passes the
+        method's qualified name), for a nested call to see whose call it is
+        in (Engine.close). Raises Busy when
         another thread is in a call (akv.h: one thread at a time; detected
         here instead of racing inside the library); BadHandle in a forked
         child of the process that made the engine (_FORKS); Busy from the
@@ -1222,6 +1257,7 @@ class Engine(_ClosedOnExit):
             raise Busy.make(f"{what}: the engine is in a call on another thread; an engine and "
                             "everything made from it are used from one thread at a time")
         tls["calls"] = calls + 1
+        self._what = key or what
         return True
 
     def _leave(self) -> None:
@@ -1296,6 +1332,18 @@ class Engine(_ClosedOnExit):
             if self._pending_destroy:
                 self._destroy_pending()  # the last array's end was cut short before it
             return
+        outer = self.__dict__.get("_what")
+        if outer not in ("Engine.close", "ActiveKVCache.close"):
+            # Nested in another call on this engine, on this thread: the caller's code
+            # running inside that call (a gc callback or a finalizer at an allocation
+            # there, a signal handler, a tracer). Freed there, the engine was gone under
+            # the call, which went on with its handles and made arrays over the freed
+            # staging buffer (or, in an ActiveKVCache's update, failed with
+            # AttributeError and kept the engine taken). Refused as a call from the
+            # engine's log callback is (Busy); nothing changed.
+            raise Busy.make(f"engine close: called inside another call on this engine on the "
+                            f"same thread ({outer}: a finalizer, gc callback or signal handler "
+                            "running there); nothing was freed")
         if self._step_open:
             # Checked before the streams: a stream an unretired lease used
             # refuses to go (InUse), and the others must stay as they are.
@@ -2440,8 +2488,9 @@ class View:
         return index
 
     def _array(self, offset: int, shape: Tuple[int, ...], strides: Tuple[int, ...]):
+        # the lease checked again once the export is counted (see _counted_export)
         return _export_array(self._lease._engine, self.base + offset, shape, strides,
-                             self.dtype, self._cuda)
+                             self.dtype, self._cuda, self._lease._h)
 
     def _rows(self, i: int, v: bool):
         i = self._check_live(i)

@@ -7,6 +7,7 @@ earlier audits did not try.
 Host backend, no GPU needed; the adapter tests skip, with the reason shown,
 without torch and transformers.
 """
+import contextlib
 import gc
 import inspect
 import os
@@ -258,3 +259,157 @@ def test_ctypes_rows_reallocated_while_the_call_converts_v_are_refused(engine, h
     after = ctx.read(0, 0, 4)
     assert all(np.array_equal(a, b) for a, b in zip(before, after))
     ctx.close()
+
+
+# ------------------------------------------------------------ 5. gc at odd moments
+
+
+class _GcCloser:
+    """A gc callback that, armed, runs `action` at the start of the
+    `skip`-th collection after arming (with the threshold at 1, a collection
+    starts at nearly every allocation: inside the package's own code) and
+    keeps what it raised. Restores the collector's settings on exit."""
+
+    def __init__(self, skip, action):
+        self.skip, self.action = skip, action
+        self.fired, self.error = False, None
+
+    def __call__(self, phase, info):
+        if phase != "start" or self.fired:
+            return
+        if self.skip > 0:
+            self.skip -= 1
+            return
+        self.fired = True
+        try:
+            self.action()
+        except BaseException as exc:  # noqa: BLE001 - recorded for the test
+            # its type and words only: its traceback's frames lead (f_back) to the
+            # frames of the call it ran inside, whose arrays would hold the memory
+            self.error = (type(exc), str(exc))
+
+    def __enter__(self):
+        self.threshold = gc.get_threshold()
+        gc.callbacks.append(self)
+        gc.set_threshold(1)
+        return self
+
+    def __exit__(self, *exc):
+        gc.set_threshold(*self.threshold)
+        gc.callbacks.remove(self)
+
+
+def test_engine_closed_by_a_gc_callback_inside_view_keys_never_leaves_an_array_over_freed_memory(
+        destroys):
+    """The one-call-at-a-time guard lets a call nested on the same thread
+    through, and a gc callback (or a finalizer) runs the caller's code at an
+    allocation inside View.keys: one that retired the lease, ended the step
+    and closed the engine there, after keys had checked the lease and before
+    its array was counted, had the engine destroyed at once (no array alive)
+    and keys then handed out an array over the freed staging buffer. Now a
+    close nested in another call on the engine raises Busy (nothing freed),
+    and keys checks the lease again once its array is counted (BadHandle for
+    one retired meanwhile): at every allocation where the callback can
+    land, no array outlives the memory it views."""
+    fired_inside = 0
+    for skip in range(80):
+        eng = akv.Engine(**small(max_contexts=1))
+        ctx = eng.open_context()
+        k = np.ones((L, 4, H, D), np.float32)
+        ctx.append(k, k)
+        stream = eng.stream_create()
+        eng.step_begin([ctx])
+        lease = eng.lease_begin(0)
+        view = lease.wait_ready(stream)
+
+        def end_everything():
+            attn = lease.mark_consumed()
+            lease.seal(lease.write_back(), attn)
+            lease.retire()
+            for layer in range(1, L):
+                other = eng.lease_begin(layer)
+                other.wait_ready(stream)
+                attn = other.mark_consumed()
+                other.seal(other.write_back(), attn)
+                other.retire()
+            eng.step_end()
+            eng.close()
+
+        destroys.clear()
+        array, error = None, None
+        with _GcCloser(skip, end_everything) as closer:
+            try:
+                array = view.keys(0)
+            except akv.BadHandle:
+                error = True
+        if not closer.fired:
+            break  # keys ran to its end before the skip-th collection
+        if array is not None:
+            # the array's memory is the engine's, allocated: never destroyed under it
+            assert destroys == [], (skip, closer.error)
+            assert array.shape == (5, H, D) and float(array[0, 0, 0]) == 1.0
+        else:
+            assert error
+        if closer.error is not None and closer.error[0] is akv.Busy:
+            fired_inside += 1
+            assert "inside another call" in closer.error[1]
+        del array
+        with contextlib.suppress(akv.ActiveKVError):
+            end_everything()
+        eng.close()
+        gc.collect()
+        assert eng._handle is None and not eng._pending_destroy, skip
+    else:
+        pytest.fail("keys never ran to its end within 80 collections")
+    assert fired_inside > 0  # some landed inside the call
+
+
+def test_cache_closed_by_a_gc_callback_inside_an_update_is_refused_not_half_done():
+    """cache.close() from a gc callback that runs inside the cache's own
+    decode update (on the same thread, so not refused as another thread's
+    call) ended the step and closed the engine under the update, which
+    then failed with AttributeError ('NoneType' object has no attribute
+    '_release') and left the engine taken. A close() there is now refused
+    (Busy) and the update completes; one that lands before the update
+    takes the engine makes the update raise BadHandle. Either way the
+    cache closes cleanly afterwards."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig
+
+    from activekv.transformers import ActiveKVCache
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    refused = 0
+    for skip in range(200):
+        cache = ActiveKVCache(config=cfg, device="cpu", dtype=torch.float32, max_cache_len=16,
+                              log=quiet)
+        engine = cache.engine
+        kv = torch.ones(1, 2, 4, 8)
+        with torch.no_grad():
+            for layer in range(2):
+                cache.update(kv, kv, layer)
+            with _GcCloser(skip, cache.close) as closer:
+                try:
+                    out = cache.update(kv[:, :, :1], kv[:, :, :1], 0)
+                except akv.BadHandle:
+                    out = None
+        if not closer.fired:
+            cache.close()
+            break
+        if out is None:  # closed before the update took the engine
+            assert closer.error is None and cache.engine is None
+        else:
+            assert closer.error is not None and closer.error[0] is akv.Busy, (skip, closer.error)
+            refused += 1
+            assert out[0].shape == (1, 2, 5, 8) and float(out[0][0, 0, 0, 0]) == 1.0
+            assert cache.engine is engine and cache.layer_lengths == [5, 4]
+            del out
+        cache.close()
+        gc.collect()
+        assert engine._handle is None and not engine._pending_destroy, skip
+        assert "owner" not in engine._slot, skip
+    else:
+        pytest.fail("the update never ran to its end within 200 collections")
+    assert refused > 0
