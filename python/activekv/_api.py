@@ -1407,7 +1407,10 @@ class Engine(_ClosedOnExit):
         try:
             self.close()
         except Busy:
-            if self._handle is None or self._retained:
+            if (self._handle is None or self._retained
+                    or self._slot.get("owner") == threading.get_ident()):
+                # (the last: nested in a call on this thread, which close refuses; a
+                # quarantine there would release the leases that call is using)
                 raise
             self.quarantine()
             self.close()

@@ -413,3 +413,63 @@ def test_cache_closed_by_a_gc_callback_inside_an_update_is_refused_not_half_done
     else:
         pytest.fail("the update never ran to its end within 200 collections")
     assert refused > 0
+
+
+def test_engine_with_block_left_by_an_exception_inside_its_own_call_quarantines_nothing():
+    """A `with engine:` block left by an exception quarantines an open step
+    so that the engine can be freed (docs/python.md). Left inside one of the
+    engine's own calls on the same thread (a gc callback's code), its close
+    is refused (Busy, nested), and the quarantine it then made released the
+    leases the call in flight was using: View.keys failed with BadHandle
+    and the step was gone. Nested, nothing is quarantined now: the call
+    completes and the step goes on."""
+    nested_seen = 0
+    for skip in range(80):
+        eng = akv.Engine(**small(max_contexts=1))
+        ctx = eng.open_context()
+        k = np.ones((L, 4, H, D), np.float32)
+        ctx.append(k, k)
+        stream = eng.stream_create()
+        eng.step_begin([ctx])
+        lease = eng.lease_begin(0)
+        view = lease.wait_ready(stream)
+        where = []
+
+        def leave_with_block():
+            where.append(eng._slot.get("owner") == threading.get_ident())
+            eng.__exit__(RuntimeError, RuntimeError("the block fails"), None)
+
+        with _GcCloser(skip, leave_with_block) as closer:
+            try:
+                array = view.keys(0)
+            except akv.BadHandle:
+                array = None
+        if not closer.fired:  # keys ran to its end first
+            del array
+            eng.__exit__(RuntimeError, RuntimeError("done"), None)
+            break
+        if where == [True]:  # inside keys: nothing may change
+            nested_seen += 1
+            assert array is not None and array.shape == (5, H, D), skip
+            assert not eng.info().quarantined
+            array = None
+            attn = lease.mark_consumed()
+            lease.seal(lease.write_back(), attn)
+            lease.retire()
+            for layer in range(1, L):
+                other = eng.lease_begin(layer)
+                other.wait_ready(stream)
+                attn = other.mark_consumed()
+                other.seal(other.write_back(), attn)
+                other.retire()
+            eng.step_end()
+            assert len(ctx) == 5
+        else:  # before keys took the engine: abandoned and freed, keys refused
+            assert where == [False] and array is None, skip
+        del array
+        eng.close()
+        gc.collect()
+        assert eng._handle is None and not eng._pending_destroy, skip
+    else:
+        pytest.fail("keys never ran to its end within 80 collections")
+    assert nested_seen > 0
