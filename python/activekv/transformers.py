@@ -1593,7 +1593,8 @@ class ActiveKVCache(Cache):
 
     def close(self) -> None:
         """Ends the open step, closes contexts and engine, removes the hooks. Idempotent.
-        Busy (nothing changed) while another thread is in a call on the cache."""
+        Busy (nothing changed) while another thread is in a call on the cache, and from
+        inside one of its calls on this thread (a gc callback, a finalizer)."""
         engine = self._driver.engine
         if engine is None:
             self.detach()
