@@ -526,37 +526,64 @@ _NDARRAY_IFACE = np.ndarray.__dict__["__array_interface__"].__get__
 _NDARRAY_NBYTES = np.ndarray.__dict__["nbytes"].__get__
 
 
-def _pin(arr: np.ndarray) -> Optional[Tuple[np.ndarray, Any, int]]:
-    """What must stay in place for `arr` to view live memory: the numpy array
-    that owns the memory arr views (arr itself, or the end of its chain of
-    bases), with its data pointer and size now; None when no numpy array
-    owns it (a torch tensor's storage, a buffer's export: neither can be
-    resized under the array). Read through ndarray's own descriptors: no
-    subclass code runs."""
+# ctypes' base of every C data type: a ctypes object's memory moves under the
+# arrays that view it (ctypes.resize reallocates it, exports or not)
+_CDATA = next(c for c in ctypes.Array.__mro__ if c.__name__ == "_CData")
+
+
+def _ndarray_extent(owner: np.ndarray) -> Tuple[int, int]:
+    return _NDARRAY_IFACE(owner)["data"][0], _NDARRAY_NBYTES(owner)
+
+
+def _cdata_extent(owner: Any) -> Tuple[int, int]:
+    return ctypes.addressof(owner), ctypes.sizeof(owner)
+
+
+def _pin(arr: np.ndarray) -> Optional[Tuple[Callable[[Any], Tuple[int, int]], Any, Tuple[int, int]]]:
+    """What must stay in place for `arr` to view live memory: the object
+    that owns the memory arr views, a reader of where that memory is now,
+    and what it reads now; None when nothing can move it under the array.
+
+    The owner is a numpy array that owns its data (arr itself, or the end of
+    its chain of bases: ndarray.resize(..., refcheck=False) frees it) or a
+    ctypes object (at the end of that chain, or behind its memoryview:
+    ctypes.resize reallocates its memory whatever views it). Other memory
+    cannot move under an array that views it: a torch tensor's storage
+    (not resizable once exported), a buffer's export (bytearray, array,
+    mmap refuse a resize while exported). Read through ndarray's and
+    ctypes' own C accessors: no caller code runs."""
     owner = arr
     while True:
         base = _NDARRAY_BASE(owner)
         if not issubclass(type(base), np.ndarray):
             break
         owner = base
-    if not _NDARRAY_FLAGS(owner).owndata:
-        return None
-    return owner, _NDARRAY_IFACE(owner)["data"][0], _NDARRAY_NBYTES(owner)
+    if _NDARRAY_FLAGS(owner).owndata:
+        return _ndarray_extent, owner, _ndarray_extent(owner)
+    if type(base) is memoryview:  # (memoryview cannot be subclassed)
+        try:
+            base = base.obj
+        except ValueError:  # released by the caller: nothing to follow
+            return None
+    if issubclass(type(base), _CDATA):
+        return _cdata_extent, base, _cdata_extent(base)
+    return None
 
 
 def _check_pins(what: str, pins: Sequence[Tuple[str, Any]]) -> None:
     """Raises InvalidArgument when the memory a converted argument views
     moved or shrank after it was converted: the caller's code converting a
-    later argument (its __array__) resized the array that owns it
-    (ndarray.resize(..., refcheck=False)), which freed the memory the earlier
-    argument's view still named, and the library read freed memory."""
+    later argument (its __array__) resized the array or ctypes object that
+    owns it (ndarray.resize(..., refcheck=False), ctypes.resize), which freed
+    the memory the earlier argument's view still named, and the library read
+    freed memory."""
     for name, pin in pins:
         if pin is None:
             continue
-        owner, ptr, nbytes = pin
-        if _NDARRAY_IFACE(owner)["data"][0] != ptr or _NDARRAY_NBYTES(owner) != nbytes:
+        extent, owner, then = pin
+        if extent(owner) != then:
             raise InvalidArgument.make(
-                f"{what}: the array under {name} was resized while the call converted its "
+                f"{what}: the memory under {name} was resized while the call converted its "
                 "arguments; its rows were no longer where they were (pass arrays that stay "
                 "as they are during the call)")
 
@@ -700,15 +727,47 @@ class _Memory:
                           ResourceWarning, stacklevel=2)
 
 
+def _counted_export(engine: "Engine", ptr: int, shape: Tuple[int, ...],
+                    strides: Optional[Tuple[int, ...]], typestr: str, cuda: bool,
+                    live: Optional[Callable[[], Any]] = None) -> "_Export":
+    """An _Export over engine memory, counted, made only while the engine
+    (and what `live` checks, e.g. the lease) is still open: BadHandle
+    otherwise, before any array is made over it.
+
+    Invariant: no array over engine memory that may already be freed. The
+    one-call-at-a-time guard keeps other threads out, but the caller's code
+    can still run on this thread inside the call, between the check that
+    the lease is live and the export being counted (a gc callback or a
+    finalizer at an allocation there, a signal handler): an Engine.close()
+    made there (a nested call, which the guard lets through) found no array
+    counted and freed the staging buffer at once. Checked again once the
+    export is counted: a close before that is seen here, one after it
+    defers the free behind the export."""
+    exp = _Export(engine, ptr, shape, strides, typestr, cuda)
+    try:
+        if engine._handle is None:
+            raise BadHandle.make("the engine was closed during the call (by the caller's code "
+                                 "on this thread: a finalizer, a gc callback, a signal handler)")
+        if live is not None:
+            live()
+    except BaseException:
+        # not kept by the traceback's frame: a kept exception would hold the
+        # engine's memory (the export defers its destroy)
+        exp = None
+        raise
+    return exp
+
+
 def _export_array(engine: "Engine", ptr: int, shape: Tuple[int, ...], strides: Tuple[int, ...],
-                  dtype: str, cuda: bool) -> Any:
+                  dtype: str, cuda: bool, live: Optional[Callable[[], Any]] = None) -> Any:
     """A numpy array (host) or torch tensor (CUDA) over engine memory, whose
-    base is an _Export (see there)."""
+    base is an _Export (see there and _counted_export)."""
     if cuda:
         torch = _torch()
-        exp = _Export(engine, ptr, shape, strides, _CAI_TYPESTR[dtype], True)
+        exp = _counted_export(engine, ptr, shape, strides, _CAI_TYPESTR[dtype], True, live)
         return _as_torch_type(torch, torch.as_tensor(exp, device="cuda"), dtype)
-    return np.asarray(_Export(engine, ptr, shape, strides, _NP_DTYPE[dtype].str, False))
+    return np.asarray(_counted_export(engine, ptr, shape, strides, _NP_DTYPE[dtype].str, False,
+                                      live))
 
 
 # ----------------------------------------------------------------- engine
@@ -753,6 +812,18 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forked)
 
 
+def _forked_repr(engine: Any, what: str) -> Optional[str]:
+    """The repr of an object of `engine` in a child forked after the engine
+    was made (where every call on either raises BadHandle), None elsewhere
+    (and for an engine never made). Reads the engine's own attributes only:
+    no call, never raises."""
+    d = getattr(engine, "__dict__", None)
+    if type(d) is not dict or "_forks" not in d or d["_forks"] == _FORKS[0]:
+        return None
+    return (f"<activekv.{what} of process {d.get('_pid')}, unusable in this forked child (every "
+            "call raises BadHandle)>")
+
+
 def _take_interrupt() -> Optional[BaseException]:
     return _TLS.__dict__.pop("interrupt", None)
 
@@ -765,7 +836,7 @@ def _guarded(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def call(self, *args, **kwargs):
         eng = self if isinstance(self, Engine) else self._engine
-        held = eng._enter(fn.__name__)
+        held = eng._enter(fn.__name__, fn.__qualname__)
         try:
             return fn(self, *args, **kwargs)
         finally:
@@ -1145,10 +1216,13 @@ class Engine(_ClosedOnExit):
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # -- one call at a time
-    def _enter(self, what: str) -> bool:
+    def _enter(self, what: str, key: Optional[str] = None) -> bool:
         """Makes this thread the one in a call on the engine. Returns True
         when it took the engine (the caller then calls _leave), False for a
-        call nested in one this thread already makes. Raises Busy when
+        call nested in one this thread already makes. The call that took it
+        is recorded as ``_what`` (`key`, else `what`: _guarded passes the
+        method's qualified name), for a nested call to see whose call it is
+        in (Engine.close). Raises Busy when
         another thread is in a call (akv.h: one thread at a time; detected
         here instead of racing inside the library); BadHandle in a forked
         child of the process that made the engine (_FORKS); Busy from the
@@ -1183,6 +1257,7 @@ class Engine(_ClosedOnExit):
             raise Busy.make(f"{what}: the engine is in a call on another thread; an engine and "
                             "everything made from it are used from one thread at a time")
         tls["calls"] = calls + 1
+        self._what = key or what
         return True
 
     def _leave(self) -> None:
@@ -1257,6 +1332,18 @@ class Engine(_ClosedOnExit):
             if self._pending_destroy:
                 self._destroy_pending()  # the last array's end was cut short before it
             return
+        outer = self.__dict__.get("_what")
+        if outer not in ("Engine.close", "ActiveKVCache.close"):
+            # Nested in another call on this engine, on this thread: the caller's code
+            # running inside that call (a gc callback or a finalizer at an allocation
+            # there, a signal handler, a tracer). Freed there, the engine was gone under
+            # the call, which went on with its handles and made arrays over the freed
+            # staging buffer (or, in an ActiveKVCache's update, failed with
+            # AttributeError and kept the engine taken). Refused as a call from the
+            # engine's log callback is (Busy); nothing changed.
+            raise Busy.make(f"engine close: called inside another call on this engine on the "
+                            f"same thread ({outer}: a finalizer, gc callback or signal handler "
+                            "running there); nothing was freed")
         if self._step_open:
             # Checked before the streams: a stream an unretired lease used
             # refuses to go (InUse), and the others must stay as they are.
@@ -1320,7 +1407,10 @@ class Engine(_ClosedOnExit):
         try:
             self.close()
         except Busy:
-            if self._handle is None or self._retained:
+            if (self._handle is None or self._retained
+                    or self._slot.get("owner") == threading.get_ident()):
+                # (the last: nested in a call on this thread, which close refuses; a
+                # quarantine there would release the leases that call is using)
                 raise
             self.quarantine()
             self.close()
@@ -1753,8 +1843,22 @@ class Engine(_ClosedOnExit):
                                    "an int (cudaStream_t) or None")
 
     def __repr__(self) -> str:
+        # Never raises. In a forked child it says the engine is the parent's (every call
+        # there raises BadHandle), as the reprs of what was made from it do; the state is
+        # read as a call on the engine (_guarded), as Context's repr reads its own: while
+        # another thread is in a call it says nothing of it.
         if "_cfg_dict" not in self.__dict__:
             return "<activekv.Engine not made>"
+        forked = _forked_repr(self, "Engine")
+        if forked:
+            return forked
+        try:
+            return self._repr()
+        except ActiveKVError:
+            return "<activekv.Engine>"
+
+    @_guarded
+    def _repr(self) -> str:
         if self._handle is None:
             return "<activekv.Engine closed>"
         return f"<activekv.Engine {self.backend} {self._cfg_dict['route']} {self._dtype}>"
@@ -1999,8 +2103,11 @@ class Context(_ClosedOnExit):
         # The state is read as a call on the engine (_guarded): read
         # unguarded, a second thread saw the handle a refused close clears
         # for its call, and called a live context closed. While another
-        # thread is in a call (Busy), and in a forked child, it says nothing
-        # of the state.
+        # thread is in a call (Busy) it says nothing of the state; in a
+        # forked child it says the context is the parent's (_forked_repr).
+        forked = _forked_repr(self.__dict__.get("_engine"), "Context")
+        if forked:
+            return forked
         try:
             return self._repr()
         except ActiveKVError:
@@ -2384,8 +2491,9 @@ class View:
         return index
 
     def _array(self, offset: int, shape: Tuple[int, ...], strides: Tuple[int, ...]):
+        # the lease checked again once the export is counted (see _counted_export)
         return _export_array(self._lease._engine, self.base + offset, shape, strides,
-                             self.dtype, self._cuda)
+                             self.dtype, self._cuda, self._lease._h)
 
     def _rows(self, i: int, v: bool):
         i = self._check_live(i)

@@ -75,7 +75,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the opti
 
 import activekv as akv
 from activekv import _lib
-from activekv._api import _Export, _target_pages, _uint
+from activekv._api import _counted_export, _target_pages, _uint
 from activekv.errors import (
     STATUS_VALUES,
     ActiveKVError,
@@ -350,14 +350,17 @@ def _buffer_tensor(engine: Any, address: int, nbytes: int, dtype: torch.dtype,
     update returns), is alive, the engine's memory is not freed (Engine.close defers it),
     so a tensor kept past close() holds stale rows but never freed memory. No stream
     entry: ordering is the engine's events. Called with inference mode off (see _views)."""
+    # counted first, then the engine checked (_counted_export): a close made by the
+    # caller's code on this thread inside the update (a gc callback, a finalizer) never
+    # leaves a tensor over a freed staging buffer
     if device.type == "cuda":
-        exp = _Export(engine, address, (nbytes,), None, "|u1", True)
+        exp = _counted_export(engine, address, (nbytes,), None, "|u1", True)
         flat = torch.as_tensor(exp, device=device)
     else:
         import numpy as np  # noqa: PLC0415 - numpy is a dependency of activekv
 
-        flat = torch.from_numpy(np.asarray(_Export(engine, address, (nbytes,), None, "|u1",
-                                                   False)))
+        flat = torch.from_numpy(np.asarray(_counted_export(engine, address, (nbytes,), None,
+                                                           "|u1", False)))
     return flat.view(dtype)
 
 
@@ -479,6 +482,26 @@ class _Driver:
             self.failed = Quarantined.make("ActiveKVCache: its engine was quarantined")
             self.pending = None
             self.sealed.clear()
+
+    def enter(self, what: str):
+        """Checks the cache is usable and takes its engine for a call (Engine._enter):
+        returns (engine, held). The engine is read before the check and checked again once
+        taken: the caller's code can run on this thread in between (a gc callback or a
+        finalizer at an allocation), and a close() made there (a call of its own then)
+        left the cache without an engine, which the call read next (AttributeError).
+        Once taken, a close() there is nested in this call and refused (Busy)."""
+        engine = self.engine
+        self.usable()
+        held = engine._enter(what)
+        try:
+            if self.engine is not engine:  # closed in between: nothing was done
+                self.usable()
+        except BaseException:
+            if held:
+                engine._release()  # no frame before the engine is given back
+                engine._left()
+            raise
+        return engine, held
 
     def usable(self) -> None:
         if self.engine is None or self.closing:
@@ -1189,15 +1212,14 @@ class ActiveKVLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         drv = self._driver
-        drv.usable()
         # One thread at a time, as for the engine: a second thread is refused (Busy).
-        held = drv.engine._enter("ActiveKVCache.update")
+        engine, held = drv.enter("ActiveKVCache.update")
         try:
             return self._update(drv, key_states, value_states)
         finally:
             if held:
-                drv.engine._release()  # no frame before the engine is given back
-                drv.engine._left()
+                engine._release()  # no frame before the engine is given back
+                engine._left()
 
     def _update(self, drv: _Driver, key_states: torch.Tensor, value_states: torch.Tensor):
         if not isinstance(key_states, torch.Tensor) or not isinstance(value_states, torch.Tensor):
@@ -1291,6 +1313,17 @@ def _remove_hooks(handles: list) -> None:
     the cache's finalizer holds the same list)."""
     while handles:
         handles.pop().remove()
+
+
+def _nested_refusal(what: str) -> Exception:
+    """Busy for ActiveKVCache.close()/finish() made inside another call on the cache's
+    engine on the same thread: the caller's code running inside that call (a gc callback
+    or a finalizer at an allocation there, a signal handler). Made there, it ended the
+    step and freed the engine under the update in flight, which then failed with
+    AttributeError and kept the engine taken; refused, nothing changes."""
+    return Busy.make("ActiveKVCache.%s: called inside another call on the cache on the same "
+                     "thread (a finalizer, gc callback or signal handler running there); "
+                     "nothing changed" % what)
 
 
 def _model_device_dtype(model) -> tuple[torch.device, torch.dtype]:
@@ -1421,7 +1454,12 @@ class ActiveKVCache(Cache):
             raise ValueError("ActiveKVCache: a model on %s; the engine serves cpu (host backend) "
                              "and cuda devices" % (device,))
         if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+            # torch's current device; without CUDA in this torch (or no device) asking for
+            # it raises torch's own error, while "cuda:0" reached the engine, which refuses
+            # a CUDA backend it cannot serve with NotSupported: device 0 then, so "cuda"
+            # and "cuda:0" are refused alike
+            index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+            device = torch.device("cuda", index)
         want = "cuda" if device.type == "cuda" else "host"
         if backend is None:
             backend = want
@@ -1542,7 +1580,10 @@ class ActiveKVCache(Cache):
         layer (as ``akv_context_length``, the minimum over a context's layers), until the
         layers it did not reach are updated with its K/V; ``layer_lengths`` and
         ``cache.layers[i].get_seq_length()`` give each layer's own count."""
-        if (isinstance(layer_idx, (int, np.integer)) and 0 <= layer_idx < len(self.layers)
+        # A negative index is a layer counted from the end, as transformers' list takes it
+        # (its own count there said otherwise after a forward cut short).
+        if (isinstance(layer_idx, (int, np.integer))
+                and -len(self.layers) <= layer_idx < len(self.layers)
                 and isinstance(self.layers[layer_idx], (ActiveKVLayer,) + _TOKEN_LAYERS)):
             return self._driver.whole_length()
         return super().get_seq_length(layer_idx)
@@ -1561,12 +1602,12 @@ class ActiveKVCache(Cache):
         """Ends the open decode step (seal, blocking retire, step_end) so the contexts can be
         read or appended to; the next decode update begins a new step. Blocks the host."""
         drv = self._driver
-        drv.usable()
         # One thread at a time: end_step's lease calls go to the library directly, so the
         # engine is taken first (Busy, nothing changed, while another thread is in a call).
-        engine = drv.engine
-        held = engine._enter("ActiveKVCache.finish")
+        engine, held = drv.enter("ActiveKVCache.finish")
         try:
+            if not held:
+                raise _nested_refusal("finish")
             if drv.step_open:
                 drv.end_step()
         finally:
@@ -1576,13 +1617,16 @@ class ActiveKVCache(Cache):
 
     def close(self) -> None:
         """Ends the open step, closes contexts and engine, removes the hooks. Idempotent.
-        Busy (nothing changed) while another thread is in a call on the cache."""
+        Busy (nothing changed) while another thread is in a call on the cache, and from
+        inside one of its calls on this thread (a gc callback, a finalizer)."""
         engine = self._driver.engine
         if engine is None:
             self.detach()
             return
         held = engine._enter("ActiveKVCache.close")  # as finish(): before any lease call
         try:
+            if not held:
+                raise _nested_refusal("close")
             self.detach()
             self._driver.close()
         finally:
@@ -1620,8 +1664,7 @@ class ActiveKVCache(Cache):
         first opens the contexts; what the engine refuses there changes nothing either),
         then transformers initialises the others. One thread at a time (Busy)."""
         drv = self._driver
-        drv.usable()
-        held = drv.engine._enter("ActiveKVCache.early_initialization")
+        engine, held = drv.enter("ActiveKVCache.early_initialization")
         try:
             n = len(self.layers)
             heads = [num_heads] * n if isinstance(num_heads, int) else list(num_heads)
@@ -1642,8 +1685,8 @@ class ActiveKVCache(Cache):
                                                 *args, **kwargs)
         finally:
             if held:
-                drv.engine._release()  # no frame before the engine is given back
-                drv.engine._left()
+                engine._release()  # no frame before the engine is given back
+                engine._left()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs):
@@ -1665,8 +1708,7 @@ class ActiveKVCache(Cache):
         # this forward would refuse it, before this layer takes it; and, like them, one
         # thread at a time (Busy while another thread is in a call on the cache).
         drv = self._driver
-        drv.usable()
-        held = drv.engine._enter("ActiveKVCache.update")
+        engine, held = drv.enter("ActiveKVCache.update")
         try:
             if layer_idx == drv.first_kv:  # a forward starts here: see _Driver.check_cut
                 n_new = (int(key_states.shape[-2]) if isinstance(key_states, torch.Tensor)
@@ -1676,8 +1718,8 @@ class ActiveKVCache(Cache):
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         finally:
             if held:
-                drv.engine._release()  # no frame before the engine is given back
-                drv.engine._left()
+                engine._release()  # no frame before the engine is given back
+                engine._left()
 
     # -- unsupported Cache operations ----------------------------------------
 
