@@ -1461,9 +1461,10 @@ class ActiveKVCache(Cache):
             index = torch.cuda.current_device() if torch.cuda.is_available() else 0
             device = torch.device("cuda", index)
         want = "cuda" if device.type == "cuda" else "host"
-        if backend is None:
+        # Backend names in any case, as Engine takes them ("HOST", "Cuda").
+        if backend is None or (isinstance(backend, str) and backend.lower() == want):
             backend = want
-        elif backend != want:
+        else:
             raise ValueError("ActiveKVCache: backend=%r cannot serve a model on %s" % (backend, device))
         # Checked before the engine exists; they are used only when the first update opens
         # the contexts, which would refuse them then, on every update.

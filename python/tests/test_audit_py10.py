@@ -101,3 +101,22 @@ def test_hooks_of_a_cache_handed_positionally_still_seal():
 
     assert _own_forward({"past_key_value": Wrapper()}, sentinel)
     assert not _own_forward({"cache": Wrapper()}, object())
+
+
+def test_cache_backend_name_in_any_case_as_engine_takes_it():
+    """Engine(backend="HOST") is taken (backend names in any case), but
+    ActiveKVCache(backend="HOST") was refused as a backend that cannot serve a
+    model on cpu. The cache now takes the names as the Engine does; a name of
+    another backend is still refused."""
+    torch, model, kw = _model()
+    from activekv.transformers import ActiveKVCache
+
+    for name in ("host", "HOST", "Host"):
+        cache = ActiveKVCache(model, max_cache_len=16, batch_size=1, backend=name, log=quiet)
+        assert cache.engine.backend == "host"
+        with torch.no_grad():
+            model(input_ids=torch.tensor([[1, 2]]), use_cache=True, **{kw: cache})
+        cache.close()
+    for name in ("cuda", "CUDA", "gpu", 3):
+        with pytest.raises(ValueError):
+            ActiveKVCache(model, max_cache_len=16, batch_size=1, backend=name, log=quiet)
