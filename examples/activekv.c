@@ -671,7 +671,7 @@ static int parse_args(int argc, char **argv, int first, cli_opts *o) {
         return EXIT_USAGE;
       }
     } else if (strcmp(name, "--device") == 0) {
-      uint32_t d;
+      uint32_t d = 0; /* set by parse_u32 when rc is 0; read only then */
       rc = parse_u32(name, val, 0, 1023, &d);
       o->device = (int)d;
     } else if (strcmp(name, "--host-pool-gib") == 0) {
@@ -1714,6 +1714,40 @@ static void logits_header_fill(const cli_opts *o, uint32_t n_ctx, logits_header 
   h->steps = o->warmup + o->steps;
   h->kv_dtype = (uint32_t)o->kv_dtype;
   h->seed = o->seed;
+}
+
+/* Before anything runs: a --logits-ref that is a directory, or a regular
+ * file that does not start with a --logits-out header, is said now instead
+ * of after the prefill. Other kinds of file (a fifo) are not opened here:
+ * reading them would take bytes the run needs. 0, or -1 with the message
+ * printed. The geometry is checked when the run opens the file, once the
+ * run's contexts are known (logits_files_open). */
+static int logits_ref_precheck(const char *path) {
+  struct stat st;
+  char magic[8];
+  FILE *f;
+  int ok;
+  if (stat(path, &st) != 0) {
+    say_error("--logits-ref %s: cannot read (%s)", path, strerror(errno));
+    return -1;
+  }
+  if (S_ISDIR(st.st_mode)) {
+    say_error("--logits-ref %s: is a directory, not a --logits-out file", path);
+    return -1;
+  }
+  if (!S_ISREG(st.st_mode)) return 0;
+  f = fopen(path, "rb");
+  if (f == NULL) {
+    say_error("--logits-ref %s: cannot read (%s)", path, strerror(errno));
+    return -1;
+  }
+  ok = fread(magic, sizeof magic, 1, f) == 1 && memcmp(magic, "AKVLOGT1", 8) == 0;
+  fclose(f);
+  if (!ok) {
+    say_error("--logits-ref %s: not a --logits-out file", path);
+    return -1;
+  }
+  return 0;
 }
 
 /* Opens the --logits-out and --logits-ref files of a run (either may be
@@ -2935,6 +2969,8 @@ int main(int argc, char **argv) {
     say_error("--logits-ref %s: cannot read (%s)", o.logits_ref, strerror(errno));
     return EXIT_RUN_ERROR; /* a file the system refuses: a run error, as when opened */
   }
+  if (strcmp(cmd, "decode") == 0 && o.logits_ref != NULL && logits_ref_precheck(o.logits_ref) != 0)
+    return EXIT_RUN_ERROR;
   if (strcmp(cmd, "decode") == 0 && o.logits_out != NULL) {
     int werr = 0;
     if (access(o.logits_out, F_OK) == 0) {

@@ -150,4 +150,20 @@ sh "$expect" 2 "^activekv: --page-tokens 8 is longer than a context can get" \
 sh "$expect" 2 "^activekv: --page-tokens 8 is longer than a context can get" \
   "$cli" decode --backend host --preset tiny --contexts 2 --tokens 4 --page-tokens 8 --steps 1 --warmup 0 --json --tp 2 || exit 1
 
+# A --logits-ref that is a directory, or a file that is no --logits-out
+# file, was found only after the prefill ran (and a directory was called
+# "not a --logits-out file"). Both are said before anything runs now: the
+# run prints no step (no "prefill" line, no step report).
+mkdir -p "$tmp/refdir" || exit 1
+sh "$expect" 1 "^activekv: --logits-ref $tmp/refdir: is a directory, not a --logits-out file" \
+  "$cli" decode $tiny --route stage --logits-ref "$tmp/refdir" || exit 1
+printf 'not logits at all, longer than a header of 32 bytes....\n' > "$tmp/junk.logits"
+for f in "$tmp/refdir" "$tmp/junk.logits"; do
+  out=$("$cli" decode $tiny --route stage --json --logits-ref "$f" 2>&1)
+  [ $? = 1 ] || fail "--logits-ref $f: expected exit 1"
+  [ -z "$(printf '%s\n' "$out" | grep -v '^activekv: ')" ] || fail "--logits-ref $f: the run went on: $out"
+done
+sh "$expect" 1 "^activekv: --logits-ref $tmp/junk.logits: not a --logits-out file" \
+  "$cli" decode $tiny --route stage --logits-ref "$tmp/junk.logits" || exit 1
+
 exit 0
