@@ -1772,6 +1772,19 @@ static int logits_files_open(const cli_opts *o, uint32_t n_ctx, FILE **out, FILE
                   h.vocab, h.contexts, h.steps, (unsigned long long)h.seed);
       goto fail;
     }
+    /* A regular file holds exactly the header's steps: one cut short or
+     * with bytes past its last step is refused before the first step, not
+     * found at the step where it ends (or never). */
+    struct stat sz;
+    const uint64_t want = (uint64_t)sizeof g + (uint64_t)g.steps * g.contexts * g.vocab * sizeof(float);
+    if (fstat(fileno(*ref), &sz) == 0 && S_ISREG(sz.st_mode) && (uint64_t)sz.st_size != want) {
+      if (o->tp_rank == 0)
+        say_error("--logits-ref %s: holds %llu bytes, but its header's %u steps of %u contexts "
+                  "and vocab %u take %llu",
+                  o->logits_ref, (unsigned long long)sz.st_size, g.steps, g.contexts, g.vocab,
+                  (unsigned long long)want);
+      goto fail;
+    }
   }
   if (o->logits_out && *ref != NULL) {
     /* Opening the output truncates it: when it is the reference itself (the

@@ -166,4 +166,17 @@ done
 sh "$expect" 1 "^activekv: --logits-ref $tmp/junk.logits: not a --logits-out file" \
   "$cli" decode $tiny --route stage --logits-ref "$tmp/junk.logits" || exit 1
 
+# A --logits-ref cut short was found at the step where it ended, after the
+# steps before it had run, and one with bytes past its last step was taken
+# as a whole reference. Its size is checked against its header before the
+# first step now.
+cp "$tmp/ref.logits" "$tmp/long.logits" && printf 'xxxx' >> "$tmp/long.logits" || exit 1
+size=$(wc -c < "$tmp/ref.logits")
+head -c $((size - 4)) "$tmp/ref.logits" > "$tmp/short.logits" || exit 1
+for f in long short; do
+  sh "$expect" 1 "^activekv: --logits-ref $tmp/$f.logits: holds [0-9]+ bytes, but its header's 2 steps of 2 contexts and vocab [0-9]+ take $size\$" \
+    "$cli" decode $tiny --logits-ref "$tmp/$f.logits" || exit 1
+done
+sh "$expect" 0 "" "$cli" decode $tiny --logits-ref "$tmp/ref.logits" || exit 1
+
 exit 0
