@@ -187,10 +187,16 @@ sh "$expect" 0 "" "$cli" decode $tiny --logits-ref "$tmp/ref.logits" || exit 1
 # A reference that is no regular file (a fifo) has no size to check: it
 # is still found short at the step where it ends.
 if mkfifo "$tmp/ref.fifo" 2>/dev/null; then
-  (cat "$tmp/short.logits" > "$tmp/ref.fifo") &
+  # The writer never outlives the check (if the run did not open the fifo,
+  # it would wait in its open for good): bounded, and stopped after the run.
+  timeout 30 sh -c 'cat "$1" > "$2"' sh "$tmp/short.logits" "$tmp/ref.fifo" </dev/null >/dev/null 2>&1 &
+  writer=$!
   sh "$expect" 1 "^activekv: --logits-ref $tmp/ref.fifo: ends before step 2" \
-    "$cli" decode $tiny --logits-ref "$tmp/ref.fifo" || exit 1
-  wait
+    "$cli" decode $tiny --logits-ref "$tmp/ref.fifo"
+  got=$?
+  kill "$writer" 2>/dev/null
+  wait "$writer" 2>/dev/null
+  [ "$got" = 0 ] || exit 1
 else
   echo "cli_audit_s34: SKIP the fifo case: mkfifo failed"
 fi
