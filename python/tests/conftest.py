@@ -74,3 +74,23 @@ def destroys(monkeypatch):
 
     monkeypatch.setattr(akv._api.lib, "akv_engine_destroy", counted)
     return freed
+
+
+def tiny_llama(layers=3):
+    """A tiny Llama (float32, SDPA, seeded) for the adapter's tests, and the name of its
+    cache argument ("cache" in recent transformers, "past_key_values" before). Skips,
+    with the reason shown, without torch and transformers."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import inspect
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, max_position_embeddings=128)
+    cfg._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(cfg).to(torch.float32).eval()
+    params = inspect.signature(model.forward).parameters
+    return torch, model, "cache" if "cache" in params else "past_key_values"

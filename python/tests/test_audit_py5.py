@@ -16,25 +16,9 @@ import pytest
 
 import activekv as akv
 
-from conftest import quiet, small
+from conftest import tiny_llama as _llama, quiet, small
 
 # ------------------------------------------------------------ models
-
-
-def _llama(layers=3):
-    """A tiny Llama (float32, SDPA) and the name of its cache argument."""
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=8, max_position_embeddings=128)
-    cfg._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(cfg).to(torch.float32).eval()
-    params = inspect.signature(model.forward).parameters
-    return torch, model, "cache" if "cache" in params else "past_key_values"
 
 
 def _gemma3(types):

@@ -22,7 +22,7 @@ import pytest
 
 import activekv as akv
 
-from conftest import quiet, small
+from conftest import tiny_llama, quiet, small
 
 L, H, D = 3, 2, 8
 
@@ -411,18 +411,7 @@ def test_forked_child_refuses_a_cache_and_its_exit_leaves_the_parents_decode_alo
 
 
 def _llama(layers=2):
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=8, max_position_embeddings=128)
-    cfg._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(cfg).to(torch.float32).eval()
-    params = inspect.signature(model.forward).parameters
-    return torch, model, "cache" if "cache" in params else "past_key_values"
+    return tiny_llama(layers)
 
 
 def test_cache_layer_copy_deepcopy_and_pickle_name_the_layer():

@@ -9,7 +9,6 @@ without torch and transformers.
 """
 import contextlib
 import gc
-import inspect
 import os
 import signal
 import threading
@@ -20,7 +19,7 @@ import pytest
 
 import activekv as akv
 
-from conftest import quiet, small
+from conftest import tiny_llama as _llama, quiet, small
 
 L, H, D = 3, 2, 8
 
@@ -56,22 +55,6 @@ def _in_forked_child(body, timeout=20.0):
     with os.fdopen(r, "rb") as f:
         out = f.read().decode()
     return code, out
-
-
-def _llama(layers=3):
-    """A tiny Llama (float32, SDPA) and the name of its cache argument."""
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=8, max_position_embeddings=128)
-    cfg._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(cfg).to(torch.float32).eval()
-    params = inspect.signature(model.forward).parameters
-    return torch, model, "cache" if "cache" in params else "past_key_values"
 
 
 class _Cut(Exception):
@@ -299,6 +282,19 @@ class _GcCloser:
         gc.callbacks.remove(self)
 
 
+def _staged_layer_0():
+    """An engine of one context of 4 rows, in a step, with layer 0 leased and staged:
+    (engine, context, stream, lease, view)."""
+    eng = akv.Engine(**small(max_contexts=1))
+    ctx = eng.open_context()
+    k = np.ones((L, 4, H, D), np.float32)
+    ctx.append(k, k)
+    stream = eng.stream_create()
+    eng.step_begin([ctx])
+    lease = eng.lease_begin(0)
+    return eng, ctx, stream, lease, lease.wait_ready(stream)
+
+
 def test_engine_closed_by_a_gc_callback_inside_view_keys_never_leaves_an_array_over_freed_memory(
         destroys):
     """The one-call-at-a-time guard lets a call nested on the same thread
@@ -313,14 +309,7 @@ def test_engine_closed_by_a_gc_callback_inside_view_keys_never_leaves_an_array_o
     land, no array outlives the memory it views."""
     fired_inside = 0
     for skip in range(80):
-        eng = akv.Engine(**small(max_contexts=1))
-        ctx = eng.open_context()
-        k = np.ones((L, 4, H, D), np.float32)
-        ctx.append(k, k)
-        stream = eng.stream_create()
-        eng.step_begin([ctx])
-        lease = eng.lease_begin(0)
-        view = lease.wait_ready(stream)
+        eng, ctx, stream, lease, view = _staged_layer_0()
 
         def end_everything():
             attn = lease.mark_consumed()
@@ -425,14 +414,7 @@ def test_engine_with_block_left_by_an_exception_inside_its_own_call_quarantines_
     completes and the step goes on."""
     nested_seen = 0
     for skip in range(80):
-        eng = akv.Engine(**small(max_contexts=1))
-        ctx = eng.open_context()
-        k = np.ones((L, 4, H, D), np.float32)
-        ctx.append(k, k)
-        stream = eng.stream_create()
-        eng.step_begin([ctx])
-        lease = eng.lease_begin(0)
-        view = lease.wait_ready(stream)
+        eng, ctx, stream, lease, view = _staged_layer_0()
         where = []
 
         def leave_with_block():
