@@ -1716,9 +1716,9 @@ static void logits_header_fill(const cli_opts *o, uint32_t n_ctx, logits_header 
   h->seed = o->seed;
 }
 
-/* Before anything runs: a --logits-ref that is a directory, or a regular
- * file that does not start with a --logits-out header, is said now instead
- * of after the prefill. Other kinds of file (a fifo) are not opened here:
+/* Before anything runs: a --logits-ref that cannot be read, is a
+ * directory, or is a regular file that does not start with a --logits-out
+ * header, is said now instead of after the prefill. Other kinds of file (a fifo) are not opened here:
  * reading them would take bytes the run needs. 0, or -1 with the message
  * printed. The geometry is checked when the run opens the file, once the
  * run's contexts are known (logits_files_open). */
@@ -1727,7 +1727,7 @@ static int logits_ref_precheck(const char *path) {
   char magic[8];
   FILE *f;
   int ok;
-  if (stat(path, &st) != 0) {
+  if (access(path, R_OK) != 0 || stat(path, &st) != 0) {
     say_error("--logits-ref %s: cannot read (%s)", path, strerror(errno));
     return -1;
   }
@@ -2978,10 +2978,7 @@ int main(int argc, char **argv) {
   }
   /* The logits files are opened after the prefill: a path that cannot be
    * read or written is said before anything runs. */
-  if (strcmp(cmd, "decode") == 0 && o.logits_ref != NULL && access(o.logits_ref, R_OK) != 0) {
-    say_error("--logits-ref %s: cannot read (%s)", o.logits_ref, strerror(errno));
-    return EXIT_RUN_ERROR; /* a file the system refuses: a run error, as when opened */
-  }
+  /* A file the system refuses, or no logits file: a run error, as when opened. */
   if (strcmp(cmd, "decode") == 0 && o.logits_ref != NULL && logits_ref_precheck(o.logits_ref) != 0)
     return EXIT_RUN_ERROR;
   if (strcmp(cmd, "decode") == 0 && o.logits_out != NULL) {
