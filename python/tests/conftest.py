@@ -94,3 +94,28 @@ def tiny_llama(layers=3):
     model = LlamaForCausalLM(cfg).to(torch.float32).eval()
     params = inspect.signature(model.forward).parameters
     return torch, model, "cache" if "cache" in params else "past_key_values"
+
+
+def in_forked_child(body, timeout=20.0):
+    """Runs body() in a forked child and returns its exit code (the child
+    reports with os._exit: 0 for success); None when it hung past
+    `timeout` (the child is killed then)."""
+    import signal
+    import time
+
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            code = body()
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return None

@@ -11,16 +11,14 @@ line of the refusal), and is joined before the call goes on.
 Host backend, no GPU needed.
 """
 import os
-import signal
 import threading
-import time
 
 import numpy as np
 import pytest
 
 import activekv as akv
 
-from conftest import small
+from conftest import in_forked_child as _in_forked_child, small
 
 L, H, D = 3, 2, 8
 
@@ -130,28 +128,6 @@ def test_context_repr_from_another_thread_during_a_refused_close_is_not_closed()
 
 
 # ------------------------------------------------------------ fork
-
-
-def _in_forked_child(body, timeout=20.0):
-    """Runs body() in a forked child and returns its exit code (the child
-    reports with os._exit: 0 for success); None when it hung past
-    `timeout` (the child is killed then)."""
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        code = 1
-        try:
-            code = body()
-        finally:
-            os._exit(code)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.05)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    return None
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork here")

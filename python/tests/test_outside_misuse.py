@@ -13,7 +13,7 @@ import pytest
 
 import activekv as akv
 
-from conftest import quiet, small
+from conftest import in_forked_child as _in_forked_child, quiet, small
 
 L, H, D = 3, 2, 8
 
@@ -389,32 +389,6 @@ def test_torch_tensors_without_host_elements_raise_invalid_argument(engine, make
 
 
 # ------------------------------------------------------------ fork
-
-
-def _in_forked_child(body, timeout=20.0):
-    """Runs body() in a forked child and returns its exit code (the child
-    reports with os._exit: 0 for success); None when it hung past
-    `timeout` (the child is killed then)."""
-    import os
-    import signal
-    import time
-
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        code = 1
-        try:
-            code = body()
-        finally:
-            os._exit(code)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.05)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    return None
 
 
 @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="no os.fork here")
