@@ -22,7 +22,8 @@ every call's result, or its exception's class, against it:
   bit-identical (``torch.equal``), as docs/python.md promises on the host
   backend.
 
-SEEDS run by default; ``ACTIVEKV_RANDOM_SEEDS=N`` runs seeds 0 .. N-1 instead
+SEEDS (CACHE_SEEDS) run by default; ``ACTIVEKV_RANDOM_SEEDS=N``
+(``ACTIVEKV_RANDOM_CACHE_SEEDS=N``) runs seeds 0 .. N-1 instead
 (``ACTIVEKV_RANDOM_FIRST=M`` starts them at M).
 """
 from __future__ import annotations
@@ -46,8 +47,8 @@ SEEDS = list(range(24))
 CACHE_SEEDS = list(range(6))
 
 
-def _seeds(default):
-    n = os.environ.get("ACTIVEKV_RANDOM_SEEDS")
+def _seeds(default, var="ACTIVEKV_RANDOM_SEEDS"):
+    n = os.environ.get(var)
     if not n:
         return default
     first = int(os.environ.get("ACTIVEKV_RANDOM_FIRST", "0"))
@@ -67,7 +68,7 @@ LEASE_STATES = ("begun", "ready", "consumed", "written", "sealed")
 
 
 # counts over the run, printed at the end with ACTIVEKV_RANDOM_STATS=1
-STATS = {"calls": 0, "refused": 0, "steps": 0, "deepest": 0, "forks": 0, "sequences": 0}
+STATS = {"faults": 0, "calls": 0, "refused": 0, "steps": 0, "deepest": 0, "forks": 0, "sequences": 0}
 
 
 class Divergence(AssertionError):
@@ -122,6 +123,7 @@ class ShadowEngine:
         self.quarantined = False  # a quarantine ran: every change is refused from then on
         self.step = None  # None, or {"ctxs": [ShadowContext], "leases": [ShadowLease]}
         self.streams = []  # (Stream, alive)
+        self.failed = False  # the transport failed (an injected fault)
 
     def live_contexts(self):
         return [c for c in self.contexts if c.open]
@@ -135,8 +137,13 @@ class ShadowEngine:
         return [ls for ls in self.step["leases"] if ls.state in LEASE_STATES]
 
 
+class _Fault(Exception):
+    """A call on the engine with an injected fault failed its transport."""
+
+
 class Driver:
     def __init__(self, seed):
+        self.faulty = None  # the engine made with fault_fail_nth, the run's only one
         self.seed = seed
         self.rng = np.random.default_rng(seed)
         self.log = []  # the calls made, for the failure message
@@ -150,7 +157,7 @@ class Driver:
         self.log.append(what)
 
     def fail(self, msg):
-        tail = "\n  ".join(self.log[-25:])
+        tail = "\n  ".join(x for i, x in enumerate(self.log[-400:]) if x != "step_end")[-3000:]
         raise Divergence(f"seed {self.seed}: {msg}\nlast calls:\n  {tail}")
 
     def chance(self, p):
@@ -167,6 +174,11 @@ class Driver:
         try:
             r = fn(*a, **kw)
         except akv.ActiveKVError as e:
+            f = self.faulty
+            if (isinstance(e, akv.TransportError) and f is not None and f.open and not f.failed
+                    and not f.quarantined):
+                # the injected fault (fault_fail_nth) took the transport down
+                raise _Fault(what, e)
             if expect is None:
                 self.fail(f"{what}: raised {type(e).__name__}: {e}")
             if not isinstance(e, expect):
@@ -251,7 +263,9 @@ class Driver:
         return good[None], "another rank"
 
     # -- engines
-    def new_engine(self, log=None):
+    def new_engine(self, log=None, faults=False):
+        if self.faulty is not None:
+            return None
         route = self.pick(["stage", "stage", "arena"])
         dtype = self.pick(["f32", "f16", "bf16", "fp8_e4m3", "fp8_e5m2"])
         page = int(self.rng.integers(1, 5))
@@ -269,6 +283,18 @@ class Driver:
                 akv.fit(**cfg)
             except akv.Config:
                 cfg.update(route="stage", device_pool_gib=0)
+        if faults:
+            cfg.update(fault_fail_nth=int(self.rng.integers(1, 400)),
+                       fault_kind=self.pick(["copy", "record", "wait", "query", "sync"]))
+            self.note(f"Engine({cfg})")
+            try:
+                eng = akv.Engine(log=self.quiet_log, **cfg)
+            except (akv.TransportError, akv.OutOfMemory):
+                return None  # the fault hit the create: no engine
+            e = ShadowEngine(eng, cfg)
+            self.engines.append(e)
+            self.faulty = e
+            return e
         if log is None:
             log = self.quiet_log if not self.chance(0.3) else self.raising_log
         ok, eng = self.call(f"Engine({cfg})", None, akv.Engine, log=log, **cfg)
@@ -750,6 +776,10 @@ class Driver:
             return
         ls = self.current(e)
         legal = self.chance(0.7)
+        earlier = [x for x in e.step["leases"] if x.state == "sealed" and x is not ls]
+        if legal and earlier:
+            self.op_retire(e, earlier[0], use_try=self.chance(0.3))
+            return
         if ls is None or ls.state == "retired":
             if legal and (ls is None or len(e.step["leases"]) < e.layers):
                 self.op_lease_begin(e, self.next_layer(e))
@@ -832,8 +862,12 @@ class Driver:
         elif e.quarantined:
             expect = akv.Quarantined
         else:
-            # the package's default stream counts among the engine's 8
-            expect = None if len(live) + 1 < 8 else (akv.Capacity, akv.RefusedQueue)
+            # at most 8 live per engine (akv.h: AKV_ERR_OUT_OF_MEMORY), the package's
+            # default stream among them once made
+            box = e.obj._default_box
+            made = box is not None and box.value is not None and not any(
+                st._box is box for st, alive in e.streams if alive)
+            expect = None if len(live) + made < 8 else akv.OutOfMemory
         ok, s = self.call("stream_create", expect, e.obj.stream_create)
         if ok:
             e.streams.append((s, True))
@@ -976,9 +1010,14 @@ class Driver:
 
     def finish_step(self, en):
         """Walks the open step to its end with legal calls."""
-        while en.step is not None:
+        for _ in range(8 * en.layers + 4):
+            if en.step is None:
+                return
             ls = self.current(en)
-            if ls is None or ls.state == "retired":
+            earlier = [x for x in en.step["leases"] if x.state == "sealed" and x is not ls]
+            if earlier:  # sealed, and the next layer begun: retired any time
+                self.op_retire(en, earlier[0])
+            elif ls is None or ls.state == "retired":
                 if len(en.step["leases"]) < en.layers:
                     self.op_lease_begin(en, self.next_layer(en))
                 else:
@@ -995,11 +1034,53 @@ class Driver:
                 self.op_seal(en, ls)
             else:
                 self.op_retire(en, ls)
+        if en.step is not None:
+            self.fail(f"the open step made no progress with legal calls: leases "
+                      f"{[(ls.layer, ls.state) for ls in en.step['leases']]}, step_end "
+                      f"expects {self.step_end_expect(en)}, quarantined {en.quarantined}, "
+                      f"failed {en.failed}, open {en.open}")
+
+    def after_fault(self, e, what, exc):
+        """The transport failed under `what`: every change is refused from then on,
+        the committed rows stay readable, close waits for a quarantine."""
+        self.note(f"{what}: transport failed ({type(exc).__name__}: {exc})")
+        STATS["faults"] += 1
+        e.failed = True
+        for c in e.live_contexts():
+            self.check_context(e, c, full=True)
+        self.call("open_context after the fault", akv.TransportError, e.obj.open_context)
+        if e.live_contexts():
+            c = e.live_contexts()[0]
+            self.call("append after the fault", (akv.TransportError, akv.InUse), c.obj.append,
+                      *(self.rows(e, (e.layers, 1, e.heads, e.dim)),) * 2)
+        self.call("close before a quarantine", akv.Busy, e.obj.close)
+        self.note("quarantine")
+        try:
+            e.obj.quarantine()
+        except akv.UncertainFence:
+            self.call("close after an uncertain quarantine", akv.Busy, e.obj.close)
+            e.open = False
+            return
+        e.step = None
+        e.quarantined = True
+        for c in e.live_contexts():
+            self.check_context(e, c, full=True)
+        self.call("close after the quarantine", None, e.obj.close)
+        e.open = False
 
     def _run(self, n_ops):
-        e = self.new_engine()
-        if self.chance(0.5):
+        e = self.new_engine(faults=self.chance(0.15))
+        if e is None:
+            return
+        if self.faulty is None and self.chance(0.5):
             self.new_engine()
+        try:
+            self.prefill(e)
+        except _Fault as fault:
+            self.after_fault(e, *fault.args)
+        self.loop(n_ops)
+
+    def prefill(self, e):
         for _ in range(int(self.rng.integers(1, 3))):
             self.op_open(e)
             if e.contexts:
@@ -1013,6 +1094,8 @@ class Driver:
                     for layer in range(e.layers):
                         for t in range(n):
                             c.rows[layer].append((k[layer, t].tobytes(), v[layer, t].tobytes()))
+
+    def loop(self, n_ops):
         ops = [
             (self.op_full_step, 16), (self.op_lease_move, 14), (self.op_open, 3),
             (self.op_close_context, 2), (self.op_append, 4), (self.op_append_layer, 4),
@@ -1028,14 +1111,21 @@ class Driver:
             cands = [en for en in self.engines if en.open] or self.engines
             e = self.pick(cands) if self.chance(0.3) else cands[0]
             fn = ops[int(self.rng.choice(len(ops), p=weights))][0]
-            fn(e)
-            for en in self.engines:
-                self.check_engine(en)
+            try:
+                fn(e)
+                for en in self.engines:
+                    self.check_engine(en)
+            except _Fault as fault:
+                self.after_fault(self.faulty, *fault.args)
         # the end: finish or abandon every engine, then touch what was kept
         for en in list(self.engines):
             if en.open and self.chance(0.5):
                 if en.step is not None and not en.quarantined:
-                    self.finish_step(en)
+                    try:
+                        self.finish_step(en)
+                    except _Fault as fault:
+                        self.after_fault(en, *fault.args)
+                        continue
                     for c in en.live_contexts():
                         self.check_context(en, c, full=True)
                 if en.step is None:
@@ -1090,4 +1180,355 @@ def test_engine_sequence(seed):
     Driver(seed).run(n_ops=int(os.environ.get("ACTIVEKV_RANDOM_OPS", "120")))
     STATS["sequences"] += 1
     if os.environ.get("ACTIVEKV_RANDOM_STATS"):
-        print("STATS", STATS)
+        import resource
+        print("STATS", STATS, "maxrss MiB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10)
+
+
+# ----------------------------------------------------------------- the transformers adapter
+
+
+class _Closed(Exception):
+    """The cache was closed mid-sequence (the sequence ends there)."""
+
+
+class CacheDriver:
+    """ActiveKVCache against DynamicCache on the same inputs (docs/python.md: bit-identical
+    logits on the host backend under deterministic algorithms). The model of the cache is
+    the DynamicCache itself: its layers' K/V, its length, and the forward that cut it short."""
+
+    def __init__(self, seed, torch, model, kw):
+        self.seed = seed
+        self.rng = np.random.default_rng(10_000 + seed)
+        self.torch = torch
+        self.model = model
+        self.kw = kw
+        self.log = []
+        self.n_layers = model.config.num_hidden_layers
+        self.vocab = model.config.vocab_size
+
+    def note(self, what):
+        self.log.append(what)
+
+    def fail(self, msg):
+        tail = "\n  ".join(self.log[-20:])
+        raise Divergence(f"cache seed {self.seed}: {msg}\nlast calls:\n  {tail}")
+
+    def chance(self, p):
+        return self.rng.random() < p
+
+    def tokens(self, n):
+        return self.torch.from_numpy(self.rng.integers(0, self.vocab, (self.batch, n)))
+
+    def forward(self, cache, ids, mask=None):
+        return self.model(input_ids=ids, attention_mask=mask, use_cache=True,
+                          **{self.kw: cache}).logits[:, -1].clone()
+
+    def expect_raise(self, what, exc, fn, *a, **k):
+        self.note(what)
+        try:
+            fn(*a, **k)
+        except exc:
+            return
+        except Exception as e:  # noqa: BLE001 - anything else is a divergence
+            self.fail(f"{what}: raised {type(e).__name__}: {e}, expected {exc}")
+        self.fail(f"{what}: succeeded, expected {exc}")
+
+    def same_logits(self, what, a, b):
+        if not self.torch.equal(a, b):
+            self.fail(f"{what}: logits differ (max |diff| "
+                      f"{(a.float() - b.float()).abs().max().item():g})")
+
+    def check_lengths(self):
+        n = self.ref.get_seq_length()
+        for i in (0, self.n_layers - 1, -1, -self.n_layers):
+            got = self.cache.get_seq_length(i)
+            if got != self.whole:
+                self.fail(f"get_seq_length({i}) = {got}, model {self.whole}")
+        lens = self.cache.layer_lengths
+        want = [self.ref.layers[i].get_seq_length() for i in range(self.n_layers)]
+        if lens != [w if w else None for w in want] and lens != want:
+            self.fail(f"layer_lengths {lens}, DynamicCache's layers {want}")
+        if (self.cache.cut_short is None) != (len(set(want)) == 1):
+            self.fail(f"cut_short {self.cache.cut_short!r} with layers at {want}")
+        if self.whole == n and len(set(want)) == 1:
+            q = int(self.rng.integers(1, 3))
+            got, ref = self.cache.get_mask_sizes(q, 0), self.ref.get_mask_sizes(q, 0)
+            if tuple(got) != tuple(ref):
+                self.fail(f"get_mask_sizes({q}) = {got}, DynamicCache {ref}")
+
+    def check_history(self):
+        """finish(), then every context's rows equal DynamicCache's K/V."""
+        self.note("finish")
+        self.cache.finish()
+        for d in range(self.n_layers):
+            keys, values = self.ref.layers[d].keys, self.ref.layers[d].values
+            for b in range(self.batch):
+                k, v = self.cache.contexts[b].read(d, 0, self.whole)
+                want_k = keys[b, :, :self.whole].transpose(0, 1).contiguous()
+                want_v = values[b, :, :self.whole].transpose(0, 1).contiguous()
+                got_k, got_v = self.torch.from_numpy(k), self.torch.from_numpy(v)
+                if want_k.dtype == self.torch.bfloat16:
+                    got_k, got_v = got_k.view(self.torch.bfloat16), got_v.view(self.torch.bfloat16)
+                if not (self.torch.equal(got_k, want_k) and self.torch.equal(got_v, want_v)):
+                    self.fail(f"context {b} layer {d}: the host rows differ from DynamicCache's")
+
+    def interrupted(self, ids):
+        """A forward cut short by an exception from a forward hook on a random decoder
+        layer (before or after it). Returns the K/V each layer was given by the same
+        forward run to its end on a copy of DynamicCache, and the layers it reached."""
+        torch = self.torch
+        j = int(self.rng.integers(self.n_layers))
+        post = self.chance(0.5)
+        layer = self.model.model.layers[j]
+
+        def boom(*_a, **_k):
+            raise KeyError("interrupted")
+
+        handle = (layer.register_forward_hook if post else layer.register_forward_pre_hook)(boom)
+        reached = j + 1 if post else j
+        self.note(f"forward of {ids.shape[1]} tokens interrupted {'after' if post else 'before'}"
+                  f" layer {j}")
+        try:
+            for cache in (self.ref, self.cache):
+                try:
+                    self.forward(cache, ids)
+                except KeyError:
+                    pass
+                else:
+                    self.fail("the interrupted forward completed")
+        finally:
+            handle.remove()
+        # the K/V of every layer of that forward: the same forward, run to its end on a copy
+        full = copy.deepcopy(self.pre)
+        given = {}
+        orig = type(full).update
+
+        def record(cache, k, v, layer_idx, *a, **kw):
+            given[layer_idx] = (k.clone(), v.clone())
+            return orig(cache, k, v, layer_idx, *a, **kw)
+
+        full.update = record.__get__(full)
+        with torch.no_grad():
+            self.forward(full, ids)
+        return reached, given, full
+
+    def run(self, n_actions):
+        torch = self.torch
+        self.batch = int(self.rng.integers(1, 4))
+        prompt = int(self.rng.integers(1, 9))
+        steps_room = int(self.rng.integers(2, 14))
+        max_len = prompt + steps_room
+        route = self.pick_route()
+        hooks = self.chance(0.5)
+        self.note(f"ActiveKVCache(batch {self.batch}, prompt {prompt}, max {max_len}, {route}, "
+                  f"hooks={hooks})")
+        from activekv.transformers import ActiveKVCache
+        from transformers import DynamicCache
+        page = int(self.rng.integers(1, 5))
+        try:
+            self.cache = ActiveKVCache(self.model, max_cache_len=max_len, batch_size=self.batch,
+                                       hooks=hooks, page_tokens=page, **route)
+        except akv.Config:
+            # the arena's 1 GiB device pool: too many pages of these tiny rows to keep
+            # books on (akv_fit); the stage route then
+            self.note("arena refused (Config): stage")
+            self.cache = ActiveKVCache(self.model, max_cache_len=max_len, batch_size=self.batch,
+                                       hooks=hooks, page_tokens=page)
+        self.ref = DynamicCache(config=self.model.config)
+        self.whole = 0
+        self.last = torch.zeros((self.batch, self.vocab))
+        closed = False
+        try:
+            with torch.no_grad():
+                ids = self.tokens(prompt)
+                self.pre = copy.deepcopy(self.ref)
+                if self.chance(0.3):
+                    try:
+                        self.recover(ids)
+                    except _Closed:
+                        closed = True
+                else:
+                    a, b = self.forward(self.ref, ids), self.forward(self.cache, ids)
+                    self.same_logits("prefill", a, b)
+                    self.last = a
+                self.whole = prompt
+                if not closed:
+                    self.check_lengths()
+                for _ in range(0 if closed else n_actions):
+                    r = self.rng.random()
+                    room = self.whole < max_len
+                    if r < 0.55 and room:
+                        self.decode()
+                    elif r < 0.65 and room:
+                        self.pre = copy.deepcopy(self.ref)
+                        try:
+                            self.recover(self.next_ids())
+                        except _Closed:
+                            closed = True
+                            break
+                    elif r < 0.7:
+                        self.check_history()
+                    elif r < 0.85:
+                        self.refusal(max_len)
+                    elif r < 0.88:
+                        self.note("close")
+                        self.cache.close()
+                        closed = True
+                        break
+                    elif not room:
+                        self.expect_raise("decode past max_cache_len", ValueError, self.forward,
+                                          self.cache, self.next_ids())
+                        self.check_lengths()
+                    self.check_lengths()
+                if not closed and self.chance(0.5):
+                    self.check_history()
+        finally:
+            self.cache.close()
+        # after close every forward and finish is refused by the package
+        with torch.no_grad():
+            self.expect_raise("forward after close", akv.BadHandle, self.forward, self.cache,
+                              self.next_ids())
+        self.expect_raise("finish after close", akv.BadHandle, self.cache.finish)
+        self.cache.close()
+
+    def pick_route(self):
+        if self.chance(0.7):
+            return dict(route="stage")
+        return dict(route="arena", device_pool_gib=1)
+
+    def next_ids(self):
+        return self.last.argmax(-1, keepdim=True) if self.chance(0.8) else self.tokens(1)
+
+    def decode(self):
+        ids = self.next_ids()
+        self.note(f"decode {ids.flatten().tolist()}")
+        a, b = self.forward(self.ref, ids), self.forward(self.cache, ids)
+        self.same_logits(f"decode at {self.whole}", a, b)
+        self.last = a
+        self.whole += 1
+
+    def recover(self, ids):
+        """A forward cut short, the refusal of the next one, then the layers it did not
+        reach updated with its K/V (docs/python.md, A forward cut short)."""
+        torch = self.torch
+        before = self.whole
+        reached, given, full = self.interrupted(ids)
+        n = ids.shape[1]
+        want = before + n if reached == self.n_layers else before
+        if self.cache.get_seq_length() != want:
+            self.fail(f"get_seq_length {self.cache.get_seq_length()} after a forward cut "
+                      f"short after {reached} of {self.n_layers} layers, model {want}")
+        uneven = 0 < reached < self.n_layers
+        if uneven:
+            if self.cache.cut_short is None:
+                self.fail(f"cut_short is None with {reached} of {self.n_layers} layers reached")
+            exc = akv.UnevenLayers if before == 0 else akv.StepState
+            self.expect_raise("the next forward after a cut", exc, self.forward, self.cache,
+                              self.tokens(1))
+            if before == 0 or self.chance(0.5):
+                self.expect_raise("finish after a cut", (akv.StepState, akv.UnevenLayers),
+                                  self.cache.finish) if before else None
+            if self.chance(0.15):
+                # the other way on: close() ends the cut-short step and frees the engine
+                self.note("close after a cut")
+                self.cache.close()
+                if self.cache.engine is not None:
+                    self.fail("close after a cut left the engine")
+                raise _Closed()
+            # the layers it did not reach, with the same K/V, in order
+            for layer in range(reached, self.n_layers):
+                k, v = given[layer]
+                self.note(f"update({layer}) with the forward's K/V")
+                self.cache.update(k, v, layer)
+        elif reached == 0:
+            if self.cache.cut_short is not None:
+                self.fail(f"cut_short {self.cache.cut_short!r} with no layer reached")
+            a, b = self.forward(self.ref, ids), self.forward(self.cache, ids)
+            self.same_logits("the forward again", a, b)
+            self.last = a
+            self.whole = before + n
+            return
+        # the cache is whole again: the reference is the forward run to its end
+        self.ref = full
+        self.whole = before + n
+        if self.cache.cut_short is not None:
+            self.fail(f"cut_short {self.cache.cut_short!r} once every layer holds the tokens")
+        # the interrupted forward's logits are lost: the next token is a random one
+        self.last = torch.zeros((self.batch, self.vocab))
+        self.last[:, int(self.rng.integers(self.vocab))] = 1
+
+    def refusal(self, max_len):
+        """A refused call; nothing changes (the decode after it stays bit-identical)."""
+        torch = self.torch
+        cache = self.cache
+        k = int(self.rng.integers(11))
+        shape = (self.batch, self.model.config.num_key_value_heads, 1,
+                 self.model.config.head_dim)
+        good = torch.zeros(shape, dtype=self.model.dtype)
+        if k == 0:
+            self.expect_raise("crop(1)", NotImplementedError, cache.crop, 1)
+        elif k == 1:
+            self.expect_raise("reorder_cache", NotImplementedError, cache.reorder_cache,
+                              torch.arange(self.batch))
+        elif k == 2:
+            self.expect_raise("batch_select_indices", NotImplementedError,
+                              cache.batch_select_indices, torch.arange(self.batch))
+        elif k == 3:
+            self.expect_raise("batch_repeat_interleave(2)", NotImplementedError,
+                              cache.batch_repeat_interleave, 2)
+        elif k == 4:
+            self.expect_raise("reset", NotImplementedError, cache.reset)
+        elif k == 5:
+            bad = self.pick([True, 1.0, "0", None])
+            self.expect_raise(f"update(layer_idx={bad!r})", TypeError, cache.update, good, good,
+                              bad)
+        elif k == 6:
+            bad = self.pick([-1, self.n_layers, np.int64(-self.n_layers)])
+            self.expect_raise(f"update(layer_idx={bad!r})", IndexError, cache.update, good, good,
+                              bad)
+        elif k == 7:
+            other = torch.float16 if self.model.dtype != torch.float16 else torch.float32
+            self.expect_raise("update(another dtype)", ValueError, cache.update,
+                              good.to(other), good.to(other), 0)
+        elif k == 8:
+            self.expect_raise("forward of a larger batch", ValueError, self.model,
+                              input_ids=torch.zeros((self.batch + 1, 1), dtype=torch.long),
+                              use_cache=True, **{self.kw: cache})
+        elif k == 9:
+            self.expect_raise("multi-token update after the prompt", NotImplementedError,
+                              self.forward, cache, self.tokens(2))
+        else:
+            self.expect_raise("copy", TypeError, copy.copy, cache)
+            self.note("crop(0), batch_repeat_interleave(1)")
+            cache.crop(0)
+            cache.batch_repeat_interleave(1)
+            self.ref.crop(0)
+
+    def pick(self, seq):
+        return seq[int(self.rng.integers(len(seq)))]
+
+
+_MODELS = {}
+
+
+@pytest.mark.parametrize("seed", _seeds(CACHE_SEEDS, "ACTIVEKV_RANDOM_CACHE_SEEDS"))
+def test_cache_sequence(seed):
+    from conftest import tiny_llama
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    rng = np.random.default_rng(seed)
+    layers = int(rng.integers(1, 4))
+    dtype = torch.float32 if rng.random() < 0.6 else torch.bfloat16
+    key = (layers, dtype)
+    if key not in _MODELS:
+        torch_, model, kw = tiny_llama(layers)
+        _MODELS[key] = (model.to(dtype), kw)
+    model, kw = _MODELS[key]
+    prev = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        CacheDriver(seed, torch, model, kw).run(int(os.environ.get("ACTIVEKV_RANDOM_CACHE_OPS",
+                                                                   "14")))
+    finally:
+        torch.use_deterministic_algorithms(prev)
+    STATS["sequences"] += 1
