@@ -1797,13 +1797,16 @@ static int lone(akv_status st) {
   return st == AKV_ERR_BAD_HANDLE || st == AKV_ERR_TIMEOUT || st == AKV_ERR_COMM;
 }
 
+/* What a rank answers when an agreement point timed out. */
+static int timed_out(akv_status st) { return st == AKV_ERR_TIMEOUT || st == AKV_ERR_COMM; }
+
 static void op_group(input *in) {
   grank r[2];
   pthread_t th[2];
   akv_group_world *w = NULL, *dead_w;
   uint8_t b = byte(in);
   uint32_t size = 1 + b % 2, wmax = b >> 1 & 3;
-  akv_status st;
+  akv_status st, wst;
   akv_group *dead[2] = {0};
   st = akv_group_world_create(size, wmax, (b & 0x80) ? NULL : &w);
   expect("akv_group_world_create", st, OKS | IA | S(AKV_ERR_OUT_OF_MEMORY));
@@ -1826,11 +1829,12 @@ static void op_group(input *in) {
       r[k].gc = (akv_group_config)AKV_GROUP_CONFIG_INIT;
       r[k].gc.rank = k;
       r[k].gc.size = size;
-      /* Every rank of this process reaches an agreement within a few ms
-       * (about 4 at most under ASan on a loaded machine); a rank that waits
-       * alone (a lone refusal, the lone akv_group_check below) waits the
-       * whole timeout, so it is short. A timeout on a slow schedule only
-       * gives statuses lone() accepts. */
+      /* The ranks of this process meet within a few ms (about 4 at most
+       * under ASan, replaying a corpus on a loaded machine); a rank that
+       * waits alone (a lone refusal, the lone akv_group_check below) waits
+       * the whole timeout, so it is short. A slow schedule can still time
+       * an agreement out (a create included): that gives statuses lone()
+       * and timed_out() accept, and no world or group is left behind. */
       r[k].gc.timeout_ms = 20;
       r[k].gc.digest = (b >> 4) & 1 ? AKV_GROUP_DIGEST_ON : AKV_GROUP_DIGEST_DEFAULT;
       r[k].n_ops = nops;
@@ -1864,7 +1868,10 @@ static void op_group(input *in) {
   for (uint32_t k = 0; k < size; k++) pthread_join(th[k], NULL);
   /* Every rank answers an agreement point alike. */
   for (uint32_t k = 1; k < size; k++) {
-    if (r[k].create_st != r[0].create_st) {
+    /* A create that timed out: the late rank may answer AKV_ERR_COMM
+     * instead of AKV_ERR_TIMEOUT (akv_group.h). */
+    if (r[k].create_st != r[0].create_st &&
+        !(timed_out(r[k].create_st) && timed_out(r[0].create_st))) {
       fprintf(stderr, "fuzz_api: group create: rank 0 %s, rank %u %s\n",
               akv_status_string(r[0].create_st), k, akv_status_string(r[k].create_st));
       abort();
@@ -1879,8 +1886,9 @@ static void op_group(input *in) {
       }
   }
   if (byte(in) & 1) expect("akv_group_world_abort", akv_group_world_abort(w), OKS);
-  expect("akv_group_world_destroy", akv_group_world_destroy(w),
-         r[0].create_st == AKV_OK ? S(AKV_ERR_BUSY) : OKS);
+  /* With no group created the world goes now; otherwise after the groups. */
+  wst = akv_group_world_destroy(w);
+  expect("akv_group_world_destroy", wst, r[0].create_st == AKV_OK ? S(AKV_ERR_BUSY) : OKS);
   for (uint32_t k = 0; k < size; k++) {
     if (r[k].g == NULL) continue;
     if (r[0].create_st == AKV_OK && (byte(in) & 3) == 0) {
@@ -1899,7 +1907,7 @@ static void op_group(input *in) {
     expect("akv_group_destroy", st, OKS);
     dead[k] = r[k].g;
   }
-  expect("akv_group_world_destroy", akv_group_world_destroy(w), OKS);
+  if (wst == AKV_ERR_BUSY) expect("akv_group_world_destroy", akv_group_world_destroy(w), OKS);
   dead_w = w;
   /* Dead handles: refused, changing nothing. */
   expect("akv_group_world_destroy", akv_group_world_destroy(dead_w), IA);
