@@ -44,8 +44,9 @@
  *    page table, an unsupported dtype) must be refused with out untouched;
  *  - tensor parallel groups on the in-process world (1 or 2 rank threads,
  *    disagreeing arguments on rank 1): every rank must answer an agreement
- *    point alike and open contexts with the same ids; dead worlds and groups
- *    are refused;
+ *    point alike (but for a rank refused alone and a timeout, whose late
+ *    rank may answer AKV_ERR_COMM) and open contexts with the same ids; dead
+ *    worlds and groups are refused;
  *  - stream enqueue: a host function enqueued with AKV_OK has run when
  *    synchronize or destroy returns; headroom take/release refused change
  *    nothing akv_headroom_get shows; explain stays within its cap.
