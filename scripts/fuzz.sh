@@ -10,6 +10,8 @@
 # the grown corpus (corpus/), the log (fuzz.log), crash-* reproducers. The
 # seeds in fuzz/corpus are read, never written. A crash exits nonzero;
 # rerun one input with FUZZ_TRACE=1 build-fuzz/fuzz_api build-fuzz/crash-...
+# (each traced call with the milliseconds since the first: where a slow
+# input spends its time).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
