@@ -560,13 +560,21 @@ class Driver:
     def next_layer(self, e):
         return len(e.step["leases"])
 
-    def lease_begin_expect(self, e, layer):
+    def in_step_refusal(self, e):
+        """The refusal of a call that needs an open step (lease_begin, step_end)
+        before anything of the step is looked at; None when there is a step."""
         if not e.open:
             return akv.BadHandle
         if e.quarantined:
             return akv.Quarantined
         if e.step is None:
             return akv.StepState
+        return None
+
+    def lease_begin_expect(self, e, layer):
+        refusal = self.in_step_refusal(e)
+        if refusal is not None:
+            return refusal
         leases = e.step["leases"]
         if leases and leases[-1].state not in ("sealed", "retired"):
             # the previous lease neither sealed nor retired
@@ -747,12 +755,9 @@ class Driver:
             self.call("retired view.keys", akv.BadHandle, ls.view.keys, 0)
 
     def step_end_expect(self, e):
-        if not e.open:
-            return akv.BadHandle
-        if e.quarantined:
-            return akv.Quarantined
-        if e.step is None:
-            return akv.StepState
+        refusal = self.in_step_refusal(e)
+        if refusal is not None:
+            return refusal
         leases = e.step["leases"]
         if len(leases) != e.layers or any(ls.state != "retired" for ls in leases):
             return akv.StepState
