@@ -295,6 +295,19 @@ def _staged_layer_0():
     return eng, ctx, stream, lease, lease.wait_ready(stream)
 
 
+def _finish_step(eng, stream, lease):
+    """Ends the step _staged_layer_0 began: layer 0's lease and then every later
+    layer's sealed and retired in order, and the step ended."""
+    for layer in range(L):
+        if layer:
+            lease = eng.lease_begin(layer)
+            lease.wait_ready(stream)
+        attn = lease.mark_consumed()
+        lease.seal(lease.write_back(), attn)
+        lease.retire()
+    eng.step_end()
+
+
 def test_engine_closed_by_a_gc_callback_inside_view_keys_never_leaves_an_array_over_freed_memory(
         destroys):
     """The one-call-at-a-time guard lets a call nested on the same thread
@@ -312,16 +325,7 @@ def test_engine_closed_by_a_gc_callback_inside_view_keys_never_leaves_an_array_o
         eng, ctx, stream, lease, view = _staged_layer_0()
 
         def end_everything():
-            attn = lease.mark_consumed()
-            lease.seal(lease.write_back(), attn)
-            lease.retire()
-            for layer in range(1, L):
-                other = eng.lease_begin(layer)
-                other.wait_ready(stream)
-                attn = other.mark_consumed()
-                other.seal(other.write_back(), attn)
-                other.retire()
-            eng.step_end()
+            _finish_step(eng, stream, lease)
             eng.close()
 
         destroys.clear()
@@ -435,16 +439,7 @@ def test_engine_with_block_left_by_an_exception_inside_its_own_call_quarantines_
             assert array is not None and array.shape == (5, H, D), skip
             assert not eng.info().quarantined
             array = None
-            attn = lease.mark_consumed()
-            lease.seal(lease.write_back(), attn)
-            lease.retire()
-            for layer in range(1, L):
-                other = eng.lease_begin(layer)
-                other.wait_ready(stream)
-                attn = other.mark_consumed()
-                other.seal(other.write_back(), attn)
-                other.retire()
-            eng.step_end()
+            _finish_step(eng, stream, lease)
             assert len(ctx) == 5
         else:  # before keys took the engine: abandoned and freed, keys refused
             assert where == [False] and array is None, skip
